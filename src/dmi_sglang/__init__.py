@@ -1,0 +1,30 @@
+"""dmi-sglang: capture the internals of models served by SGLang 0.5.19.
+
+Importing this package is free: it imports neither SGLang, torch nor ClickHouse.
+``DMIEngine`` is re-exported lazily (module ``__getattr__``) so that SGLang's plugin
+loader can import the package without pulling in SGLang's Engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["DMIEngine", "__version__"]
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dmi_sglang.app.engine import DMIEngine
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DMIEngine":
+        from dmi_sglang.app.engine import DMIEngine
+
+        return DMIEngine
+    msg = f"module 'dmi_sglang' has no attribute {name!r}"
+    raise AttributeError(msg)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,294 @@
+"""Ring capacity accounting and the preflight decision.
+
+The transport owns a GPU payload ring (``DMX_RING_PAYLOAD_MB``), pinned host staging
+(``DMX_RING_PINNED_MB``) and a bounded number of in-flight captured tensors
+(``DMX_RING_TASK_ENTRIES``). A step may hold at most ``min(payload, pinned)`` bytes in
+flight: everything in the ring must also fit in staging on its way to the host.
+
+Preflight, before a forward (never a silent drop):
+
+* **fits**: the step's plan fits the free space now;
+* **run eager**: a decode graph step whose padded plan does not fit, either because the
+  unpadded (eager) plan fits the free space now, or because the padded plan could not
+  fit even an empty ring; the eager step is then preflighted on its own;
+* **wait for the drain**: a decode graph step that fits an empty ring but not the free
+  space now: block until the drain frees enough, then commit it whole;
+* **piecewise**: an eager step larger than the free space (a long prefill chunk): commit
+  capture point by capture point, waiting for the drain between pieces.
+
+Refused at startup: a ring smaller than the largest single capture tensor the
+configuration can produce (:func:`check_ring_fits`). An ordinary long prompt is never
+refused: prefill chunks are bounded by SGLang's ``chunked_prefill_size``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+import attrs
+
+from dmi_sglang.domain.hooks import RowBasis, Selection
+from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.errors import CapacityError
+
+__all__ = [
+    "Decision",
+    "Preflight",
+    "RingAllocator",
+    "RingCapacity",
+    "RingUsage",
+    "arena_bytes",
+    "check_ring_fits",
+    "largest_capture_bytes",
+    "preflight",
+]
+
+MIB = 1 << 20
+
+
+@attrs.frozen
+class RingCapacity:
+    """The transport's fixed sizes."""
+
+    payload_bytes: int
+    pinned_bytes: int
+    task_entries: int
+
+    @classmethod
+    def from_mb(cls, payload_mb: int, pinned_mb: int, task_entries: int) -> RingCapacity:
+        """From the ``DMX_RING_*`` settings."""
+        return cls(payload_mb * MIB, pinned_mb * MIB, task_entries)
+
+    @property
+    def effective_bytes(self) -> int:
+        """Bytes that may be in flight at once."""
+        return min(self.payload_bytes, self.pinned_bytes)
+
+    def empty(self) -> RingUsage:
+        """Usage of an empty ring."""
+        return RingUsage(self.effective_bytes, self.task_entries)
+
+
+@attrs.frozen
+class RingUsage:
+    """Free space right now: contiguous bytes a new reservation can take, and entries."""
+
+    free_bytes: int
+    free_entries: int
+
+    def admits(self, plan: CommitPlan) -> bool:
+        """True when the whole plan fits."""
+        return plan.total_bytes <= self.free_bytes and plan.entries <= self.free_entries
+
+
+class Decision(enum.Enum):
+    """What to do with a step before its forward runs."""
+
+    FITS = "fits"
+    RUN_EAGER = "run eager"
+    WAIT_FOR_DRAIN = "wait for the drain"
+    PIECEWISE = "commit piecewise"
+
+
+@attrs.frozen
+class Preflight:
+    """A preflight decision and why."""
+
+    decision: Decision
+    reason: str
+
+
+def preflight(
+    plan: CommitPlan,
+    usage: RingUsage,
+    capacity: RingCapacity,
+    *,
+    eager_plan: CommitPlan | None = None,
+) -> Preflight:
+    """Decide how a step is committed (see the module docstring).
+
+    Args:
+        plan: the plan the forward would run with (padded for a graph replay).
+        usage: free space now.
+        capacity: the ring's sizes.
+        eager_plan: for a graph step, the unpadded plan it would have if run eagerly.
+    """
+    need = f"{plan.total_bytes} bytes in {plan.entries} tensors"
+    free = f"{usage.free_bytes} bytes and {usage.free_entries} entries free"
+    if usage.admits(plan):
+        return Preflight(Decision.FITS, f"{need} fit ({free})")
+    if plan.padded:
+        if eager_plan is not None and usage.admits(eager_plan):
+            return Preflight(
+                Decision.RUN_EAGER,
+                f"padded step needs {need}, {free}; the unpadded step "
+                f"({eager_plan.total_bytes} bytes) fits",
+            )
+        if capacity.empty().admits(plan):
+            return Preflight(Decision.WAIT_FOR_DRAIN, f"{need} exceed {free}; waiting for the drain")
+        return Preflight(
+            Decision.RUN_EAGER,
+            f"padded step needs {need}, more than the whole ring "
+            f"({capacity.effective_bytes} bytes, {capacity.task_entries} entries)",
+        )
+    return Preflight(
+        Decision.PIECEWISE,
+        f"eager step needs {need}, {free}; committing tensor by tensor",
+    )
+
+
+def largest_capture_bytes(
+    selection: Selection,
+    shape: ModelShape,
+    *,
+    max_token_rows: int,
+    max_request_rows: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> tuple[int, str]:
+    """The largest single capture tensor the configuration can produce, and its hook.
+
+    Args:
+        max_token_rows: most token rows one forward can hold: max(chunked prefill
+            tokens, largest decode batch incl. padding when strip is off).
+        max_request_rows: most requests one forward can hold.
+    """
+    best = (0, "")
+    for hook, _ in selection.hooks:
+        rows = max_request_rows if hook.row_basis is RowBasis.REQUEST else max_token_rows
+        size = align_up(rows * shape.row(hook).nbytes, alignment)
+        best = max(best, (size, hook.name))
+    return best
+
+
+def check_ring_fits(
+    capacity: RingCapacity,
+    selection: Selection,
+    shape: ModelShape,
+    *,
+    max_token_rows: int,
+    max_request_rows: int,
+) -> None:
+    """Refuse a ring too small for one capture tensor.
+
+    Raises:
+        CapacityError: names the tensor's size and the ring's, and what to change.
+    """
+    size, hook = largest_capture_bytes(
+        selection, shape, max_token_rows=max_token_rows, max_request_rows=max_request_rows
+    )
+    if size > capacity.effective_bytes:
+        msg = (
+            f"the capture ring holds {capacity.effective_bytes} bytes "
+            f"(min of DMX_RING_PAYLOAD_MB={capacity.payload_bytes // MIB} and "
+            f"DMX_RING_PINNED_MB={capacity.pinned_bytes // MIB}), but one {hook!r} tensor "
+            f"can be {size} bytes ({max_token_rows} token rows / {max_request_rows} request "
+            f"rows); raise both to at least {-(-size // MIB)} MiB or lower the chunked "
+            f"prefill size / batch size"
+        )
+        raise CapacityError(msg)
+
+
+def arena_bytes(
+    selection: Selection,
+    shape: ModelShape,
+    *,
+    max_graph_batch: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> int:
+    """GPU bytes of the graph-replay arena: every capture at the largest decode batch."""
+    total = 0
+    for hook, layer_no in selection.captures():
+        del layer_no
+        total += align_up(max_graph_batch * shape.row(hook).nbytes, alignment)
+    return total
+
+
+class RingAllocator:
+    """FIFO allocation of contiguous regions in a circular buffer.
+
+    Regions are released in the order they were reserved (the drain frees steps in
+    order). A region never wraps: when the end of the buffer is too short for it, those
+    bytes are skipped and counted as part of the region until it is released.
+    """
+
+    def __init__(self, capacity_bytes: int, entries: int) -> None:
+        if capacity_bytes <= 0 or entries <= 0:
+            msg = f"ring needs positive size and entries, got {capacity_bytes} / {entries}"
+            raise CapacityError(msg)
+        self.capacity = capacity_bytes
+        self.entries = entries
+        self._head = 0
+        self._used = 0
+        self._used_entries = 0
+        self._live: deque[tuple[int, int, int]] = deque()  # (begin, bytes incl. skip, entries)
+        self.high_water = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes reserved (skipped ends included) and not yet released."""
+        return self._used
+
+    @property
+    def used_entries(self) -> int:
+        """Entries reserved and not yet released."""
+        return self._used_entries
+
+    @property
+    def live_regions(self) -> int:
+        """Reservations not yet released."""
+        return len(self._live)
+
+    def usage(self) -> RingUsage:
+        """The largest contiguous reservation possible now, and the free entries."""
+        return RingUsage(self._contiguous_free(), self.entries - self._used_entries)
+
+    def _contiguous_free(self) -> int:
+        if not self._live:
+            return self.capacity
+        if self._used >= self.capacity:
+            return 0
+        tail = self._live[0][0]
+        if self._head >= tail:
+            return max(self.capacity - self._head, tail)
+        return tail - self._head
+
+    def reserve(self, nbytes: int, entries: int = 1) -> int | None:
+        """Reserve ``nbytes`` contiguous bytes and ``entries`` entries.
+
+        Returns:
+            The region's byte offset, or None when it does not fit now.
+        """
+        if nbytes < 0 or entries < 0:
+            msg = f"cannot reserve {nbytes} bytes / {entries} entries"
+            raise CapacityError(msg)
+        if entries > self.entries - self._used_entries or nbytes > self._contiguous_free():
+            return None
+        if not self._live:
+            self._head = 0
+        begin = self._head
+        tail = self._live[0][0] if self._live else 0
+        fits_at_head = (
+            self.capacity - self._head >= nbytes if self._head >= tail or not self._live
+            else tail - self._head >= nbytes
+        )
+        offset = self._head if fits_at_head else 0
+        used = nbytes if fits_at_head else (self.capacity - begin) + nbytes
+        self._head = offset + nbytes
+        self._used += used
+        self._used_entries += entries
+        self._live.append((begin, used, entries))
+        self.high_water = max(self.high_water, self._used)
+        return offset
+
+    def release(self) -> None:
+        """Release the oldest live reservation."""
+        if not self._live:
+            msg = "release without a live reservation"
+            raise CapacityError(msg)
+        _, nbytes, entries = self._live.popleft()
+        self._used -= nbytes
+        self._used_entries -= entries
+        if not self._live:
+            self._head = 0

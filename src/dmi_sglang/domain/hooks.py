@@ -1,0 +1,366 @@
+"""The hook catalog, presets and the selection syntax.
+
+Short names, ids and stored ``act_name`` values are DMI-compatible (DMI's ``HOOK_DEFS``;
+id 10 is deliberately absent there too). Per-layer hooks store ``"blocks." + name`` style
+act names with the layer in ``layer_no``; global hooks store their bare name with
+``layer_no = -1``.
+
+Selection syntax (``DMX_HOOK_SELECTION``)::
+
+    selection := item ("," item)*
+    item      := name ["@" layers]
+    layers    := N | N "-" M            (inclusive, 0-based)
+    name      := a hook short name | a preset | an alias
+
+A preset expands to its members; members a model lacks are omitted (reported in
+:attr:`Selection.omitted` so the caller can log them). A hook named explicitly that the
+model lacks is an error. A layer range applies to the per-layer members of its item; a
+range on a global hook is an error.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+from dmi_sglang.errors import SelectionError
+
+__all__ = [
+    "ALIASES",
+    "CATALOG",
+    "PRESETS",
+    "Hook",
+    "HookSelection",
+    "LayerRange",
+    "ModelHooks",
+    "RowBasis",
+    "Selection",
+    "SelectionItem",
+    "hook_by_name",
+    "parse_selection",
+]
+
+
+class RowBasis(enum.Enum):
+    """What one row of a captured tensor stands for."""
+
+    TOKEN = "token"
+    """One row per forwarded token position."""
+    REQUEST = "request"
+    """One row per request and forward (final_logits: one per generated token)."""
+
+
+@attrs.frozen
+class Hook:
+    """One entry of the catalog.
+
+    Attributes:
+        id: DMI's numeric hook id.
+        name: the short name used in selections (``resid_pre``).
+        act_name: the name stored in the ``act_name`` column.
+        per_layer: True for hooks that fire once per decoder layer.
+        row_basis: token rows, or request rows (final_logits).
+        tp_sharded: True when each tensor-parallel rank holds a shard.
+        attention_matrix: True for attention scores/patterns, which SGLang's kernels
+            never materialise.
+    """
+
+    id: int
+    name: str
+    act_name: str
+    per_layer: bool
+    row_basis: RowBasis = RowBasis.TOKEN
+    tp_sharded: bool = False
+    attention_matrix: bool = False
+
+    @property
+    def stored_layer(self) -> int:
+        """``layer_no`` a global hook is stored with."""
+        return -1
+
+
+def _layer(hid: int, name: str, act: str, *, sharded: bool = False, attn: bool = False) -> Hook:
+    return Hook(hid, name, act, per_layer=True, tp_sharded=sharded, attention_matrix=attn)
+
+
+def _global(hid: int, name: str, basis: RowBasis = RowBasis.TOKEN) -> Hook:
+    act = name if name in {"token_ids", "final_logits"} else f"hook_{name}"
+    return Hook(hid, name, act, per_layer=False, row_basis=basis)
+
+
+CATALOG: tuple[Hook, ...] = (
+    _layer(0, "resid_pre", "blocks.hook_resid_pre"),
+    _layer(1, "ln1", "blocks.hook_ln1"),
+    _layer(2, "attn_out", "blocks.hook_attn_out"),
+    _layer(3, "resid_mid", "blocks.hook_resid_mid"),
+    _layer(4, "attn_scores", "blocks.attn.hook_attn_scores", sharded=True, attn=True),
+    _layer(5, "pattern", "blocks.attn.hook_pattern", sharded=True, attn=True),
+    _layer(6, "q", "blocks.attn.hook_q", sharded=True),
+    _layer(7, "k", "blocks.attn.hook_k", sharded=True),
+    _layer(8, "v", "blocks.attn.hook_v", sharded=True),
+    _layer(9, "z", "blocks.attn.hook_z", sharded=True),
+    _layer(11, "ln2", "blocks.hook_ln2"),
+    _layer(12, "mlp_in", "blocks.hook_mlp_in"),
+    _layer(13, "mlp_out", "blocks.hook_mlp_out"),
+    _global(14, "resid_final"),
+    _global(15, "embed"),
+    _global(16, "pos_embed"),
+    _global(17, "final_ln"),
+    _global(18, "token_ids"),
+    _global(19, "final_logits", RowBasis.REQUEST),
+    _layer(20, "mlp_post", "blocks.hook_mlp_post", sharded=True),
+    _layer(21, "router_logits", "blocks.mlp.hook_router_logits"),
+    _layer(22, "topk_ids", "blocks.mlp.hook_topk_ids"),
+    _layer(23, "topk_weights", "blocks.mlp.hook_topk_weights"),
+)
+"""Every hook, in DMI id order."""
+
+_BY_NAME: dict[str, Hook] = {h.name: h for h in CATALOG}
+
+# Firing order within one forward (DMI's placement order): the FIFO contract for plans.
+FIRING_ORDER: tuple[str, ...] = (
+    "token_ids",
+    "embed",
+    "pos_embed",
+    "resid_pre",
+    "ln1",
+    "q",
+    "k",
+    "v",
+    "attn_scores",
+    "pattern",
+    "z",
+    "attn_out",
+    "resid_mid",
+    "ln2",
+    "mlp_in",
+    "router_logits",
+    "topk_ids",
+    "topk_weights",
+    "mlp_post",
+    "mlp_out",
+    "resid_final",
+    "final_ln",
+    "final_logits",
+)
+
+PRESETS: Mapping[str, tuple[str, ...]] = {
+    "full": tuple(h.name for h in CATALOG),
+    "sglang-full": tuple(h.name for h in CATALOG if not h.attention_matrix),
+    "hidden-states": ("resid_pre",),
+    "logits": ("final_logits",),
+    # For SGLang: attention patterns are never materialised by its attention kernels.
+    "hf-only": ("resid_pre", "final_ln", "final_logits"),
+}
+"""Named groups of hooks. Members a model lacks are omitted, not errors."""
+
+ALIASES: Mapping[str, str] = {
+    "hidden_states": "hidden-states",
+    "token-ids": "token_ids",
+    "sglang_full": "sglang-full",
+    "hf_only": "hf-only",
+}
+"""Alternative spellings accepted in selections."""
+
+
+def hook_by_name(name: str) -> Hook:
+    """The catalog entry for a short name.
+
+    Raises:
+        SelectionError: the name is not a hook; the message lists the accepted names.
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        msg = f"unknown hook {name!r}; accepted hooks: {', '.join(_BY_NAME)}"
+        raise SelectionError(msg) from None
+
+
+@attrs.frozen
+class LayerRange:
+    """An inclusive range of layer indices, ``first <= layer <= last``."""
+
+    first: int
+    last: int
+
+    @property
+    def indices(self) -> range:
+        """The layers of the range."""
+        return range(self.first, self.last + 1)
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+@attrs.frozen
+class SelectionItem:
+    """One comma-separated item of a selection, as written."""
+
+    name: str
+    """A hook short name or a preset name (aliases already resolved)."""
+    layers: LayerRange | None
+    is_preset: bool
+
+    def __str__(self) -> str:
+        return self.name if self.layers is None else f"{self.name}@{self.layers}"
+
+
+@attrs.frozen
+class HookSelection:
+    """A parsed selection, independent of any model. Resolve it with :meth:`resolve`."""
+
+    items: tuple[SelectionItem, ...]
+
+    def __str__(self) -> str:
+        return ",".join(str(i) for i in self.items)
+
+    def resolve(self, model: ModelHooks) -> Selection:
+        """Bind the selection to a model: which hooks, which layers.
+
+        Raises:
+            SelectionError: an explicitly named hook the model lacks, or a layer outside
+                the model's ``0..num_layers-1``.
+        """
+        layers_by_hook: dict[str, set[int]] = {}
+        omitted: list[str] = []
+        for item in self.items:
+            if item.layers is not None and item.layers.last >= model.num_layers:
+                msg = (
+                    f"layer range {item.layers} in {str(item)!r} is outside the model's "
+                    f"layers 0-{model.num_layers - 1}"
+                )
+                raise SelectionError(msg)
+            names = PRESETS[item.name] if item.is_preset else (item.name,)
+            for name in names:
+                hook = _BY_NAME[name]
+                if name not in model.hooks:
+                    if item.is_preset:
+                        omitted.append(name)
+                        continue
+                    msg = (
+                        f"hook {name!r} is not available for {model.architecture}; "
+                        f"it has: {', '.join(sorted(model.hooks, key=_firing_index))}"
+                    )
+                    raise SelectionError(msg)
+                if not hook.per_layer:
+                    layers_by_hook.setdefault(name, set())
+                    continue
+                wanted = range(model.num_layers) if item.layers is None else item.layers.indices
+                layers_by_hook.setdefault(name, set()).update(wanted)
+        ordered = sorted(layers_by_hook, key=_firing_index)
+        return Selection(
+            hooks=tuple(
+                (_BY_NAME[n], tuple(sorted(layers_by_hook[n]))) for n in ordered
+            ),
+            omitted=tuple(sorted(set(omitted) - set(layers_by_hook), key=_firing_index)),
+        )
+
+
+def _firing_index(name: str) -> int:
+    return FIRING_ORDER.index(name)
+
+
+@attrs.frozen
+class ModelHooks:
+    """What a hooked model offers: its hooks and its number of layers."""
+
+    architecture: str
+    hooks: frozenset[str]
+    num_layers: int
+
+
+@attrs.frozen
+class Selection:
+    """A selection bound to a model.
+
+    Attributes:
+        hooks: ``(hook, layers)`` in firing order; ``layers`` is empty for global hooks.
+        omitted: preset members the model lacks (log them).
+    """
+
+    hooks: tuple[tuple[Hook, tuple[int, ...]], ...]
+    omitted: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Short names of the selected hooks, in firing order."""
+        return tuple(h.name for h, _ in self.hooks)
+
+    def layers_of(self, name: str) -> tuple[int, ...]:
+        """Selected layers of a per-layer hook (empty for a global or unselected one)."""
+        for hook, layers in self.hooks:
+            if hook.name == name:
+                return layers
+        return ()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def captures(self) -> tuple[tuple[Hook, int], ...]:
+        """Every captured tensor of one forward, ``(hook, layer_no)``, in firing order.
+
+        Per-layer hooks interleave by layer (layer 0's hooks, then layer 1's ...), the way
+        a forward fires them; global hooks carry ``layer_no = -1``.
+        """
+        before = [(h, -1) for h, _ in self.hooks if not h.per_layer and not _after_layers(h)]
+        after = [(h, -1) for h, _ in self.hooks if not h.per_layer and _after_layers(h)]
+        per_layer = [(h, ls) for h, ls in self.hooks if h.per_layer]
+        all_layers = sorted({layer for _, ls in per_layer for layer in ls})
+        middle = [(h, layer) for layer in all_layers for h, ls in per_layer if layer in ls]
+        return (*before, *middle, *after)
+
+
+def _after_layers(hook: Hook) -> bool:
+    return hook.name in {"resid_final", "final_ln", "final_logits"}
+
+
+def parse_selection(text: str) -> HookSelection:
+    """Parse the selection syntax (see the module docstring).
+
+    Raises:
+        SelectionError: names the bad token and lists the accepted names.
+    """
+    items: list[SelectionItem] = []
+    tokens = [t.strip() for t in text.split(",")]
+    if not text.strip():
+        msg = f"empty hook selection {text!r}; {_accepted()}"
+        raise SelectionError(msg)
+    for token in tokens:
+        if not token:
+            msg = f"empty item in hook selection {text!r}; {_accepted()}"
+            raise SelectionError(msg)
+        name, _, layer_text = token.partition("@")
+        name = ALIASES.get(name.strip(), name.strip())
+        is_preset = name in PRESETS
+        if not is_preset and name not in _BY_NAME:
+            msg = f"unknown hook or preset {name!r} in {token!r}; {_accepted()}"
+            raise SelectionError(msg)
+        layers = _parse_layers(layer_text, token) if "@" in token else None
+        if layers is not None and not is_preset and not _BY_NAME[name].per_layer:
+            msg = f"{name!r} in {token!r} is a global hook and takes no layer range"
+            raise SelectionError(msg)
+        items.append(SelectionItem(name=name, layers=layers, is_preset=is_preset))
+    return HookSelection(tuple(items))
+
+
+def _parse_layers(text: str, token: str) -> LayerRange:
+    first, dash, last = text.strip().partition("-")
+    try:
+        lo = int(first)
+        hi = int(last) if dash else lo
+    except ValueError:
+        msg = f"bad layer range {text!r} in {token!r}; accepted: N or N-M (0-based, inclusive)"
+        raise SelectionError(msg) from None
+    if lo < 0 or hi < lo:
+        msg = f"bad layer range {text!r} in {token!r}; need 0 <= N <= M"
+        raise SelectionError(msg)
+    return LayerRange(lo, hi)
+
+
+def _accepted() -> str:
+    return (
+        f"accepted hooks: {', '.join(_BY_NAME)}; presets: {', '.join(PRESETS)}; "
+        f"aliases: {', '.join(ALIASES)}"
+    )

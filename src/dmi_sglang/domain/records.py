@@ -1,0 +1,177 @@
+"""Stored records, the per-request manifest and the row-coverage rules.
+
+A :class:`CaptureRecord` is one row of the ``offload`` table: one hook, one layer, one
+request, one forward's half-open token range ``[start, end)``, raw tensor bytes.
+
+Row coverage (what a complete capture of a request holds):
+
+* token-row hooks cover every forwarded position ``[computed_from, prompt + completion - 1)``;
+  with SGLang's overlap scheduler the last generated token is forwarded once more, so
+  position ``prompt + completion - 1`` is stored too;
+* ``final_logits`` has one row per generated token: the logits of the forward at position
+  ``p`` decide token ``p + 1``, so the rows cover ``[prompt - 1, prompt + completion - 1)``
+  (the overlap scheduler's extra forward decides nothing and is not stored).
+
+``computed_from`` is 0 unless the prefix cache served the first tokens (then they were
+never recomputed and cannot be captured).
+
+Retractions: a request that SGLang retracts and recomputes forwards some positions again.
+Every record carries ``seq``, the capture step that produced it (monotonic per run); a
+reader keeps, per position, the row of the latest step. See docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from dmi_sglang.domain.hooks import Hook, RowBasis
+
+__all__ = [
+    "CaptureRecord",
+    "Coverage",
+    "RequestManifest",
+    "RunInfo",
+    "RunStatus",
+    "expected_coverage",
+]
+
+
+@attrs.frozen
+class CaptureRecord:
+    """One stored row: a slice of one captured tensor for one request.
+
+    Attributes:
+        model_id: the capture run id (DMI's first key column).
+        request_id: SGLang's request id (``meta_info["id"]``).
+        act_name: the hook's stored name (``blocks.hook_resid_pre``).
+        layer_no: the layer, ``-1`` for global hooks.
+        shard_rank: tensor-parallel shard (0 at TP=1).
+        start_token_idx / end_token_idx: the half-open token range of the rows.
+        dtype: stored dtype name (``torch.bfloat16``).
+        shape: the slice's shape, rows first.
+        payload: raw, contiguous, native-endian bytes.
+        seq: capture step number; later steps supersede earlier ones (retractions).
+    """
+
+    model_id: str
+    request_id: str
+    act_name: str
+    layer_no: int
+    shard_rank: int
+    start_token_idx: int
+    end_token_idx: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload: bytes = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
+    seq: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows in the slice (the first dim)."""
+        return self.end_token_idx - self.start_token_idx
+
+
+@attrs.frozen
+class Coverage:
+    """The half-open position range ``[start, end)`` a complete capture holds."""
+
+    start: int
+    end: int
+
+    @property
+    def rows(self) -> int:
+        """Positions covered (0 if the range is empty)."""
+        return max(0, self.end - self.start)
+
+
+def expected_coverage(
+    hook: Hook,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    overlap_extra_forward: bool,
+    computed_from: int = 0,
+) -> Coverage:
+    """The positions a complete capture of one request holds for ``hook``.
+
+    Args:
+        hook: the catalog entry.
+        prompt_tokens / completion_tokens: as SGLang reports them in ``meta_info``.
+        overlap_extra_forward: True when SGLang's overlap scheduler forwarded the last
+            generated token once more (stored for token-row hooks).
+        computed_from: first position computed by a forward (prefix-cache hits skip
+            the positions before it).
+    """
+    if hook.row_basis is RowBasis.REQUEST:
+        return Coverage(prompt_tokens - 1, prompt_tokens + completion_tokens - 1)
+    end = prompt_tokens + completion_tokens - 1 + (1 if overlap_extra_forward else 0)
+    return Coverage(computed_from, end)
+
+
+@attrs.frozen
+class RequestManifest:
+    """What a complete capture of one request holds, written when the run stops.
+
+    Attributes:
+        model_id / request_id: the request's key.
+        prompt_tokens / completion_tokens: from the scheduler's view of the request.
+        computed_from: first position a forward computed (prefix cache, see above).
+        overlap_extra_forward: whether the overlap scheduler's extra forward was stored.
+        committed: True only when the run stopped cleanly and everything was flushed.
+    """
+
+    model_id: str
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    computed_from: int = 0
+    overlap_extra_forward: bool = False
+    committed: bool = False
+
+    def coverage(self, hook: Hook) -> Coverage:
+        """Expected positions for ``hook`` (see :func:`expected_coverage`)."""
+        return expected_coverage(
+            hook,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            overlap_extra_forward=self.overlap_extra_forward,
+            computed_from=self.computed_from,
+        )
+
+
+class RunStatus(enum.Enum):
+    """Lifecycle of a capture run, as stored in the runs table."""
+
+    RUNNING = "running"
+    """Capturing; nothing is guaranteed durable yet."""
+    COMMITTED = "committed"
+    """Stopped cleanly: every captured row was flushed and the manifest written."""
+    FAILED = "failed"
+    """Stopped with an error; captures are incomplete."""
+
+
+@attrs.frozen
+class RunInfo:
+    """One capture run (one monitored engine).
+
+    Attributes:
+        run_id: the ``model_id`` key of every record of the run.
+        model_path: the served model.
+        settings: the resolved settings as ``DMX_*`` variables (secrets removed).
+        captures: every ``(act_name, layer_no)`` a complete request capture holds.
+        started_at / stopped_at: UTC ISO-8601 timestamps (``stopped_at`` empty while
+            running).
+        status: see :class:`RunStatus`.
+        error: the failure, for failed runs.
+    """
+
+    run_id: str
+    model_path: str
+    settings: tuple[tuple[str, str], ...]
+    captures: tuple[tuple[str, int], ...]
+    started_at: str
+    stopped_at: str = ""
+    status: RunStatus = RunStatus.RUNNING
+    error: str = ""
