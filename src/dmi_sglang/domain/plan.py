@@ -72,7 +72,9 @@ class Segment:
             padding strip is off).
         source_index: for request-row hooks, which source rows are kept (requests that
             emit a token), or None when the kept rows are the first ``kept_rows``.
-        offset: aligned byte offset inside the step's ring region.
+        offset: aligned byte offset inside the step's ring region. Segments are placed
+            grouped by row size (then in firing order), so equal-width segments are
+            adjacent and equally spaced.
     """
 
     hook: Hook
@@ -179,7 +181,6 @@ def make_plan(
     )
     logit_index = tuple(i for i, _ in emitting)
     segments: list[Segment] = []
-    offset = 0
     for hook, layer_no in selection.captures():
         row = shape.row(hook)
         if hook.row_basis is RowBasis.REQUEST:
@@ -195,10 +196,15 @@ def make_plan(
         if kept == 0:
             continue
         ring_rows = kept if strip or not padded else source
-        seg = Segment(hook, layer_no, row, source, kept, ring_rows, index, offset, slices)
-        segments.append(seg)
-        offset += seg.aligned_bytes(alignment)
-    return CommitPlan(layout, padded, strip, alignment, tuple(segments))
+        segments.append(Segment(hook, layer_no, row, source, kept, ring_rows, index, 0, slices))
+    # Offsets group segments of equal row size (stable in firing order): a transport can
+    # then move each group between arena, ring and host with one strided copy.
+    placed: dict[int, Segment] = {}
+    offset = 0
+    for i in sorted(range(len(segments)), key=lambda i: segments[i].row.nbytes):
+        placed[i] = attrs.evolve(segments[i], offset=offset)
+        offset += segments[i].aligned_bytes(alignment)
+    return CommitPlan(layout, padded, strip, alignment, tuple(placed[i] for i in range(len(segments))))
 
 
 def request_rows(plan: CommitPlan) -> dict[str, int]:

@@ -1,0 +1,62 @@
+"""Where captures are stored: the resolved ``DMX_DB_*`` / ``DMX_CH_*`` settings."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["StoreConfig", "StoreKind"]
+
+
+class StoreKind(enum.Enum):
+    """The store's kind."""
+
+    EMBEDDED = "embedded"
+    """ClickHouse in this process (chdb), at an absolute directory."""
+    SERVER = "server"
+    """A ClickHouse server over HTTP(S)."""
+    NONE = "none"
+    """No persistence (transport-only runs, for benchmarks)."""
+
+
+@attrs.frozen
+class StoreConfig:
+    """A resolved store target and the sink's client and batching settings.
+
+    Attributes:
+        kind: embedded, server or none.
+        path: absolute directory of the embedded store ("" otherwise).
+        host / port / secure: the server (HTTP 8123, HTTPS when ``secure``).
+        database / table: where records go (``default`` / ``offload``); the runs and
+            manifest tables sit beside ``table`` in the same database.
+        user / password: server credentials.
+        compression: client wire compression (``lz4``, ``zstd``, ``none``).
+        insert_rows: most records per insert.
+        queue_mb: bound of the sink's queue; ``put`` blocks beyond it (never drops).
+        flush_timeout_us: longest a partial insert batch waits before it is sent.
+    """
+
+    kind: StoreKind
+    path: str = ""
+    host: str = ""
+    port: int = 8123
+    secure: bool = False
+    database: str = "default"
+    table: str = "offload"
+    user: str = "default"
+    password: str = attrs.field(default="", repr=False)
+    compression: str = "lz4"
+    insert_rows: int = 4096
+    queue_mb: int = 1024
+    flush_timeout_us: int = 100_000
+
+    @property
+    def url(self) -> str:
+        """The target as a URL (no credentials): ``chdb:///path``, ``http://h:p/db``, ``none``."""
+        if self.kind is StoreKind.EMBEDDED:
+            return f"chdb://{self.path}"
+        if self.kind is StoreKind.NONE:
+            return "none"
+        scheme = "https" if self.secure else "http"
+        return f"{scheme}://{self.host}:{self.port}/{self.database}"
