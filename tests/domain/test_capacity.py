@@ -1,0 +1,174 @@
+"""Ring accounting, preflight and the startup refusal."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from dmi_sglang.domain.capacity import (
+    Decision,
+    RingAllocator,
+    RingCapacity,
+    RingUsage,
+    arena_bytes,
+    check_ring_fits,
+    largest_capture_bytes,
+    preflight,
+)
+from dmi_sglang.domain.hooks import Selection, parse_selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import make_plan
+from dmi_sglang.errors import CapacityError
+
+from .strategies import MODEL, SHAPE, decode_layouts, extend_layouts, selections
+
+capacities = st.builds(
+    RingCapacity,
+    payload_bytes=st.integers(1, 200_000),
+    pinned_bytes=st.integers(1, 200_000),
+    task_entries=st.integers(1, 400),
+)
+
+
+def _usage(capacity: RingCapacity, fraction: float, entries: float) -> RingUsage:
+    return RingUsage(
+        int(capacity.effective_bytes * fraction), int(capacity.task_entries * entries)
+    )
+
+
+@given(decode_layouts(), selections(), capacities, st.floats(0, 1), st.floats(0, 1),
+       st.booleans())
+def test_preflight_of_graph_steps(layout: BatchLayout, sel: Selection, cap: RingCapacity,
+                                  frac: float, ent: float, strip: bool) -> None:
+    padded = make_plan(layout, sel, SHAPE, padded=True, strip=strip)
+    eager = make_plan(layout, sel, SHAPE, padded=False)
+    usage = _usage(cap, frac, ent)
+    result = preflight(padded, usage, cap, eager_plan=eager)
+    if result.decision is Decision.FITS:
+        # never admits a step beyond free capacity
+        assert padded.total_bytes <= usage.free_bytes
+        assert padded.entries <= usage.free_entries
+    else:
+        assert not usage.admits(padded)
+    if result.decision is Decision.RUN_EAGER:
+        # only when the padded step does not fit: the unpadded one fits now, or the
+        # padded one could not fit even an empty ring
+        assert usage.admits(eager) or not cap.empty().admits(padded)
+    if result.decision is Decision.WAIT_FOR_DRAIN:
+        assert cap.empty().admits(padded)
+    assert result.decision is not Decision.PIECEWISE
+
+
+@given(extend_layouts(), selections(), capacities, st.floats(0, 1), st.floats(0, 1))
+def test_preflight_of_eager_steps(layout: BatchLayout, sel: Selection, cap: RingCapacity,
+                                  frac: float, ent: float) -> None:
+    plan = make_plan(layout, sel, SHAPE, padded=False)
+    usage = _usage(cap, frac, ent)
+    result = preflight(plan, usage, cap)
+    assert result.decision in (Decision.FITS, Decision.PIECEWISE)
+    assert (result.decision is Decision.FITS) == usage.admits(plan)
+    assert result.reason
+
+
+def test_run_eager_when_only_the_unpadded_step_fits() -> None:
+    sel = parse_selection("resid_pre").resolve(MODEL)
+    layout = BatchLayout.decode(["a"], [3], padded_batch_size=64)
+    padded = make_plan(layout, sel, SHAPE, padded=True, strip=False)
+    eager = make_plan(layout, sel, SHAPE, padded=False)
+    cap = RingCapacity(1 << 20, 1 << 20, 100)
+    usage = RingUsage(eager.total_bytes, 100)
+    result = preflight(padded, usage, cap, eager_plan=eager)
+    assert result.decision is Decision.RUN_EAGER
+    assert "unpadded step" in result.reason
+    waiting = preflight(padded, RingUsage(eager.total_bytes - 1, 100), cap, eager_plan=eager)
+    assert waiting.decision is Decision.WAIT_FOR_DRAIN
+
+
+@given(selections(), st.integers(1, 9000), st.integers(1, 300), st.integers(1, 10_000_000))
+def test_startup_refusal_only_when_one_tensor_exceeds_the_ring(
+    sel: Selection, token_rows: int, request_rows: int, ring: int
+) -> None:
+    cap = RingCapacity(ring, ring, 10)
+    size, hook = largest_capture_bytes(
+        sel, SHAPE, max_token_rows=token_rows, max_request_rows=request_rows
+    )
+    assert hook in sel.names
+    if size > ring:
+        with pytest.raises(CapacityError, match=f"{size} bytes"):
+            check_ring_fits(cap, sel, SHAPE, max_token_rows=token_rows,
+                            max_request_rows=request_rows)
+    else:
+        check_ring_fits(cap, sel, SHAPE, max_token_rows=token_rows,
+                        max_request_rows=request_rows)
+
+
+def test_long_prompt_with_default_ring_is_not_refused() -> None:
+    """A 1 GiB ring takes Qwen3-8B sglang-full with 8192-token prefill chunks."""
+    from dmi_sglang.domain.hooks import ModelHooks
+    from dmi_sglang.domain.shapes import ModelShape
+
+    shape = ModelShape(36, 4096, 32, 8, 128, 12288, 151936)
+    model = ModelHooks("Qwen3ForCausalLM", MODEL.hooks, 36)
+    sel = parse_selection("sglang-full").resolve(model)
+    cap = RingCapacity.from_mb(1024, 1024, 65536)
+    check_ring_fits(cap, sel, shape, max_token_rows=8192, max_request_rows=256)
+    with pytest.raises(CapacityError, match=r"DMX_RING_PAYLOAD_MB=16 .*'mlp_post'"):
+        check_ring_fits(RingCapacity.from_mb(16, 1024, 65536), sel, shape,
+                        max_token_rows=8192, max_request_rows=256)
+
+
+def test_arena_counts_every_capture_at_the_largest_batch() -> None:
+    sel = parse_selection("resid_pre").resolve(MODEL)
+    assert arena_bytes(sel, SHAPE, max_graph_batch=8) == 3 * 8 * 24 * 2
+
+
+@given(st.integers(16, 4096), st.lists(st.tuples(st.booleans(), st.integers(0, 1500)),
+                                       max_size=80))
+def test_ring_allocator_never_overlaps(capacity: int, ops: list[tuple[bool, int]]) -> None:
+    ring = RingAllocator(capacity, 16)
+    live: list[tuple[int, int]] = []
+    for is_reserve, size in ops:
+        if is_reserve or not live:
+            before = ring.usage()
+            offset = ring.reserve(size)
+            if offset is None:
+                assert size > before.free_bytes or before.free_entries == 0
+                continue
+            assert size <= before.free_bytes
+            assert 0 <= offset and offset + size <= capacity
+            for o, n in live:
+                assert offset + size <= o or o + n <= offset or size == 0 or n == 0
+            live.append((offset, size))
+        else:
+            ring.release()
+            live.pop(0)
+        assert ring.used_bytes <= capacity
+        assert ring.used_bytes >= sum(n for _, n in live)
+        assert ring.used_entries == len(live)
+    while live:
+        ring.release()
+        live.pop(0)
+    assert ring.usage() == RingUsage(capacity, 16)
+
+
+@given(st.integers(64, 4096), st.lists(st.integers(1, 64), min_size=1, max_size=200))
+def test_ring_allocator_fifo_always_progresses(capacity: int, sizes: list[int]) -> None:
+    """Releasing the oldest region eventually admits any region no larger than the ring."""
+    assume(max(sizes) <= capacity)
+    ring = RingAllocator(capacity, 8)
+    for size in sizes:
+        while ring.reserve(size) is None:
+            ring.release()
+    assert ring.high_water <= capacity
+
+
+def test_ring_allocator_errors() -> None:
+    with pytest.raises(CapacityError):
+        RingAllocator(0, 1)
+    ring = RingAllocator(10, 1)
+    with pytest.raises(CapacityError, match="release without"):
+        ring.release()
+    assert ring.reserve(11) is None
+    assert ring.reserve(4) == 0
+    assert ring.reserve(1) is None  # out of entries

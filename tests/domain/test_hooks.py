@@ -1,0 +1,135 @@
+"""Hook catalog, presets and the selection syntax."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmi_sglang.domain.hooks import (
+    CATALOG,
+    FIRING_ORDER,
+    PRESETS,
+    ModelHooks,
+    RowBasis,
+    hook_by_name,
+    parse_selection,
+)
+from dmi_sglang.errors import SelectionError
+
+QWEN3_HOOKS = frozenset(PRESETS["sglang-full"]) - {
+    "pos_embed",
+    "router_logits",
+    "topk_ids",
+    "topk_weights",
+}
+QWEN3 = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, 4)
+
+
+def test_catalog_matches_dmi_ids_and_act_names() -> None:
+    ids = {h.name: h.id for h in CATALOG}
+    assert 10 not in ids.values()
+    assert sorted(ids.values()) == [i for i in range(24) if i != 10]
+    assert hook_by_name("resid_pre").act_name == "blocks.hook_resid_pre"
+    assert hook_by_name("q").act_name == "blocks.attn.hook_q"
+    assert hook_by_name("mlp_post").act_name == "blocks.hook_mlp_post"
+    assert hook_by_name("final_ln").act_name == "hook_final_ln"
+    assert hook_by_name("token_ids").act_name == "token_ids"
+    assert hook_by_name("final_logits").act_name == "final_logits"
+    assert hook_by_name("final_logits").row_basis is RowBasis.REQUEST
+    assert all(h.row_basis is RowBasis.TOKEN for h in CATALOG if h.name != "final_logits")
+    assert set(FIRING_ORDER) == {h.name for h in CATALOG}
+
+
+def test_presets() -> None:
+    assert set(PRESETS["full"]) == {h.name for h in CATALOG}
+    assert set(PRESETS["full"]) - set(PRESETS["sglang-full"]) == {"attn_scores", "pattern"}
+    assert PRESETS["hidden-states"] == ("resid_pre",)
+    assert PRESETS["logits"] == ("final_logits",)
+    assert set(PRESETS["hf-only"]) == {"resid_pre", "final_ln", "final_logits"}
+
+
+def test_sglang_full_on_qwen3_omits_missing_members() -> None:
+    sel = parse_selection("sglang-full").resolve(QWEN3)
+    assert set(sel.names) == QWEN3_HOOKS
+    assert set(sel.omitted) == {"pos_embed", "router_logits", "topk_ids", "topk_weights"}
+    assert sel.layers_of("resid_pre") == (0, 1, 2, 3)
+    assert sel.layers_of("final_ln") == ()
+
+
+def test_explicit_missing_hook_is_an_error() -> None:
+    with pytest.raises(SelectionError, match="'pattern' is not available for Qwen3ForCausalLM"):
+        parse_selection("resid_pre,pattern").resolve(QWEN3)
+
+
+def test_layer_ranges() -> None:
+    sel = parse_selection("resid_pre@1-2,ln1@3,final_ln").resolve(QWEN3)
+    assert sel.layers_of("resid_pre") == (1, 2)
+    assert sel.layers_of("ln1") == (3,)
+    assert [(h.name, layer) for h, layer in sel.captures()] == [
+        ("resid_pre", 1),
+        ("resid_pre", 2),
+        ("ln1", 3),
+        ("final_ln", -1),
+    ]
+    union = parse_selection("resid_pre@0,resid_pre@2-3").resolve(QWEN3)
+    assert union.layers_of("resid_pre") == (0, 2, 3)
+    preset = parse_selection("hidden-states@2-3").resolve(QWEN3)
+    assert preset.layers_of("resid_pre") == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("resid_pree", "unknown hook or preset 'resid_pree'"),
+        ("", "empty hook selection"),
+        ("resid_pre,,ln1", "empty item"),
+        ("resid_pre@a-b", "bad layer range 'a-b'"),
+        ("resid_pre@3-1", "bad layer range '3-1'"),
+        ("final_ln@0", "global hook and takes no layer range"),
+    ],
+)
+def test_selection_errors_name_the_bad_token(text: str, message: str) -> None:
+    with pytest.raises(SelectionError, match=message) as info:
+        parse_selection(text)
+    if "unknown" in message:
+        assert "accepted hooks: resid_pre" in str(info.value)
+        assert "presets: full, sglang-full" in str(info.value)
+
+
+def test_layer_outside_the_model() -> None:
+    with pytest.raises(SelectionError, match="outside the model's layers 0-3"):
+        parse_selection("resid_pre@2-4").resolve(QWEN3)
+
+
+def test_aliases() -> None:
+    assert parse_selection("hidden_states").resolve(QWEN3).names == ("resid_pre",)
+    assert parse_selection("token-ids").resolve(QWEN3).names == ("token_ids",)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(sorted(QWEN3_HOOKS)),
+            st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 3))),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_round_trip_and_captures_in_firing_order(items: list[tuple[str, object]]) -> None:
+    parts = []
+    for name, rng in items:
+        per_layer = hook_by_name(name).per_layer
+        if rng is None or not per_layer:
+            parts.append(name)
+        else:
+            lo, hi = sorted(rng)  # type: ignore[call-overload]
+            parts.append(f"{name}@{lo}-{hi}")
+    parsed = parse_selection(",".join(parts))
+    assert parse_selection(str(parsed)) == parsed
+    sel = parsed.resolve(QWEN3)
+    caps = sel.captures()
+    assert len(caps) == len(set(caps))
+    per_layer_caps = [(layer, FIRING_ORDER.index(h.name)) for h, layer in caps if layer >= 0]
+    assert per_layer_caps == sorted(per_layer_caps)

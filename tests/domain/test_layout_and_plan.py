@@ -1,0 +1,131 @@
+"""BatchLayout, CommitPlan and the one-commit-per-forward protocol."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmi_sglang.domain.hooks import RowBasis, Selection, parse_selection
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+from dmi_sglang.domain.plan import CommitPlan, StepProtocol, StepState, make_plan
+from dmi_sglang.errors import CommitError
+
+from .strategies import MODEL, SHAPE, decode_layouts, extend_layouts, selections
+
+layouts = st.one_of(decode_layouts(), extend_layouts())
+
+
+def test_decode_layout_positions() -> None:
+    layout = BatchLayout.decode(["a", "b"], [5, 9], padded_batch_size=4)
+    assert layout.positions() == [("a", 4), ("b", 8)]
+    assert layout.token_rows == 2
+    assert layout.padded_token_rows == 4
+    assert layout.kind is ForwardKind.DECODE
+
+
+def test_extend_layout_positions_and_emitting() -> None:
+    layout = BatchLayout.extend(["a", "b"], [0, 10], [3, 2], seq_lens=[3, 20])
+    assert layout.positions() == [("a", 0), ("a", 1), ("a", 2), ("b", 10), ("b", 11)]
+    assert [r.emits_token for r in layout.requests] == [True, False]
+    assert [r.row_offset for r in layout.requests] == [0, 3]
+
+
+def test_bad_layouts_are_refused() -> None:
+    with pytest.raises(CommitError, match="differ in length"):
+        BatchLayout.decode(["a"], [1, 2])
+    with pytest.raises(CommitError, match="smaller than the 2 real requests"):
+        BatchLayout.decode(["a", "b"], [1, 2], padded_batch_size=1)
+    with pytest.raises(CommitError, match="must be >= 1"):
+        BatchLayout.decode(["a"], [0])
+
+
+def _check_plan(plan: CommitPlan, layout: BatchLayout, sel: Selection) -> None:
+    # segments never overlap and respect alignment
+    spans = sorted((s.offset, s.offset + s.aligned_bytes(plan.alignment)) for s in plan.segments)
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start
+    assert all(s.offset % plan.alignment == 0 for s in plan.segments)
+    assert plan.total_bytes == sum(s.aligned_bytes(plan.alignment) for s in plan.segments)
+    for seg in plan.segments:
+        covered = sum(sl.rows for sl in seg.slices)
+        assert covered == seg.kept_rows
+        if seg.hook.row_basis is RowBasis.TOKEN:
+            # the stripped plan keeps exactly the real rows; rows of all requests sum up
+            assert seg.kept_rows == layout.token_rows
+            assert [(sl.request_id, p) for sl in seg.slices for p in range(sl.start, sl.end)] \
+                == layout.positions()
+        else:
+            assert seg.kept_rows == layout.logit_rows
+            assert all(sl.rows == 1 for sl in seg.slices)
+        if plan.strip or not plan.padded:
+            assert seg.ring_rows == seg.kept_rows
+        else:
+            assert seg.ring_rows == seg.source_rows >= seg.kept_rows
+    captured = {(h.name, layer) for h, layer in sel.captures()}
+    assert {(s.hook.name, s.layer_no) for s in plan.segments} <= captured
+
+
+@given(layouts, selections(), st.booleans())
+def test_plan_properties(layout: BatchLayout, sel: Selection, strip: bool) -> None:
+    padded = make_plan(layout, sel, SHAPE, padded=True, strip=strip)
+    unpadded = make_plan(layout, sel, SHAPE, padded=False)
+    _check_plan(padded, layout, sel)
+    _check_plan(unpadded, layout, sel)
+    assert padded.total_bytes >= unpadded.total_bytes
+    assert padded.kept_bytes == unpadded.kept_bytes
+
+
+@given(decode_layouts(), selections())
+def test_decode_gives_one_row_per_request(layout: BatchLayout, sel: Selection) -> None:
+    plan = make_plan(layout, sel, SHAPE, padded=True)
+    for seg in plan.segments:
+        assert seg.kept_rows == layout.raw_batch_size
+        assert [sl.request_id for sl in seg.slices] == [r.request_id for r in layout.requests]
+        assert seg.source_rows == layout.padded_batch_size
+
+
+def test_final_logits_rows_only_for_emitting_requests() -> None:
+    sel = parse_selection("final_logits,token_ids").resolve(MODEL)
+    layout = BatchLayout.extend(["a", "b", "c"], [0, 0, 4], [4, 2, 3], seq_lens=[4, 9, 7])
+    plan = make_plan(layout, sel, SHAPE, padded=False)
+    logits = plan.segment_for("final_logits", -1)
+    assert logits is not None
+    assert [(s.request_id, s.start, s.end) for s in logits.slices] == [("a", 3, 4), ("c", 6, 7)]
+    assert logits.source_index == (0, 2)
+    assert logits.source_rows == 3
+    tokens = plan.segment_for("token_ids", -1)
+    assert tokens is not None and tokens.kept_rows == 9
+
+
+def test_pieces_cover_every_segment_once() -> None:
+    sel = parse_selection("sglang-full").resolve(MODEL)
+    layout = BatchLayout.extend(["a"], [0], [100])
+    plan = make_plan(layout, sel, SHAPE, padded=False)
+    pieces = list(plan.pieces())
+    assert [p.segments[0].hook.name for p in pieces] == [s.hook.name for s in plan.segments]
+    assert all(p.segments[0].offset == 0 for p in pieces)
+    assert sum(p.kept_bytes for p in pieces) == plan.kept_bytes
+
+
+def test_step_protocol() -> None:
+    proto = StepProtocol()
+    plan = make_plan(BatchLayout.idle(), parse_selection("resid_pre").resolve(MODEL), SHAPE,
+                     padded=False)
+    assert proto.begin() == 1
+    with pytest.raises(CommitError, match="began while forward 1"):
+        proto.begin()
+    proto.commit(plan)
+    with pytest.raises(CommitError, match="committed twice"):
+        proto.commit(plan)
+    assert proto.end() is plan
+    assert proto.state is StepState.IDLE
+    with pytest.raises(CommitError, match="commit outside a forward"):
+        proto.commit(plan)
+    proto.begin()
+    with pytest.raises(CommitError, match="forward 2 ended without a commit"):
+        proto.end()
+    assert proto.state is StepState.IDLE
+    proto.begin()
+    proto.abort()
+    assert proto.begin() == 4

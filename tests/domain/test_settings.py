@@ -1,0 +1,143 @@
+"""Typed settings: defaults, resolution, validation, env round trip."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmi_sglang.domain.settings import Enable, Settings, monitoring_requested
+from dmi_sglang.domain.store_config import StoreKind
+from dmi_sglang.errors import ConfigurationError
+
+NOW = datetime(2026, 11, 29, 15, 4, 5, tzinfo=UTC)
+
+
+def test_defaults_match_the_settings_table() -> None:
+    s = Settings.from_env({})
+    assert s.enable is Enable.AUTO
+    assert s.hook_selection == "sglang-full"
+    assert (s.ring_payload_mb, s.ring_pinned_mb, s.ring_task_entries) == (1024, 1024, 65536)
+    assert s.drain_flush_timeout_us == 100_000
+    assert s.gpu_padding_strip is True
+    assert s.allow_prefix_cache is False
+    assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")
+    assert (s.ch_user, s.ch_password, s.ch_secure, s.ch_compression) == ("default", "", False,
+                                                                         "lz4")
+    assert (s.ch_insert_rows, s.ch_queue_mb) == (4096, 1024)
+    assert s.preload_libstdcxx == "auto"
+
+
+def test_resolution_fills_run_id_and_embedded_store() -> None:
+    s = Settings.from_env({}).resolve(model_path="/models/Qwen3-0.6B/", cwd="/work/x",
+                                      now=NOW, token="abc123")
+    assert s.model_id == "Qwen3-0.6B-20261129T150405-abc123"
+    assert s.db_url == "chdb:///work/x/dmi-captures"
+    store = s.store()
+    assert store.kind is StoreKind.EMBEDDED
+    assert store.path == "/work/x/dmi-captures"
+    assert s.resolve(model_path="other") == s  # resolving twice changes nothing
+
+
+def test_run_ids_are_unique_per_engine() -> None:
+    a = Settings.from_env({}).resolve(model_path="m", now=NOW)
+    b = Settings.from_env({}).resolve(model_path="m", now=NOW)
+    assert a.model_id != b.model_id
+
+
+def test_server_shorthand_and_none() -> None:
+    s = Settings.from_env({"DMX_DB_HOST": "ch.local", "DMX_DB_PORT": "9123",
+                           "DMX_DB_DATABASE": "caps", "DMX_DB_TABLE": "t"})
+    store = s.resolve(model_path="m").store()
+    assert store.kind is StoreKind.SERVER
+    assert (store.host, store.port, store.database, store.table) == ("ch.local", 9123, "caps",
+                                                                     "t")
+    assert store.url == "http://ch.local:9123/caps"
+    off = Settings.from_env({"DMX_DB_HOST": "none"}).resolve(model_path="m").store()
+    assert off.kind is StoreKind.NONE
+    url = Settings.from_env({"DMX_DB_URL": "https://h/db2", "DMX_DB_HOST": "ignored"})
+    store = url.resolve(model_path="m").store()
+    assert (store.kind, store.host, store.port, store.secure, store.database) == (
+        StoreKind.SERVER, "h", 8443, True, "db2")
+    assert Settings.from_env({"DMX_DB_URL": "none"}).resolve(model_path="m").store().kind \
+        is StoreKind.NONE
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DMX_RING_PAYLOAD_MB": "0"}, "DMX_RING_PAYLOAD_MB='0' is invalid; accepted: a pos"),
+        ({"DMX_RING_PINNED_MB": "lots"}, "DMX_RING_PINNED_MB='lots'"),
+        ({"DMX_SGLANG_ENABLE": "maybe"}, "DMX_SGLANG_ENABLE='maybe' is invalid; accepted: auto"),
+        ({"DMX_GPU_PADDING_STRIP": "2"}, "DMX_GPU_PADDING_STRIP='2'"),
+        ({"DMX_HOOK_SELECTION": "resid_pre@x"}, "bad layer range 'x'"),
+        ({"DMX_DB_URL": "chdb://relative/dir"}, "needs an absolute path"),
+        ({"DMX_DB_URL": "ftp://h"}, "DMX_DB_URL='ftp://h'"),
+        ({"DMX_DB_PORT": "70000"}, "DMX_DB_PORT='70000' is invalid; accepted: a TCP port"),
+        ({"DMX_DB_TABLE": "drop table;"}, "DMX_DB_TABLE='drop table;'"),
+        ({"DMX_MODEL_ID": "has space"}, "DMX_MODEL_ID='has space'"),
+        ({"DMX_CH_COMPRESSION": "gzip"}, "accepted: lz4, zstd, none"),
+        ({"DMX_RING_SIZE": "1"}, "unknown setting DMX_RING_SIZE; accepted: DMX_SGLANG_ENABLE"),
+    ],
+)
+def test_invalid_values_name_variable_value_and_accepted(env: dict[str, str],
+                                                         message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(")):
+        Settings.from_env(env)
+
+
+def test_keywords_override_variables() -> None:
+    s = Settings.from_kwargs({"dmx_ring_payload_mb": 256, "dmx_gpu_padding_strip": False},
+                             env={"DMX_RING_PAYLOAD_MB": "512", "DMX_MODEL_ID": "run-1"})
+    assert s.ring_payload_mb == 256
+    assert s.gpu_padding_strip is False
+    assert s.model_id == "run-1"
+    with pytest.raises(ConfigurationError, match="unknown keyword dmx_ring; accepted: "):
+        Settings.from_kwargs({"dmx_ring": 1}, env={})
+
+
+def test_monitoring_requested() -> None:
+    assert not monitoring_requested({})
+    assert not monitoring_requested({"DMX_SGLANG_ENABLE": "auto"})
+    assert monitoring_requested({"DMX_HOOK_SELECTION": "resid_pre"})
+    assert not monitoring_requested({"DMX_SGLANG_ENABLE": "0", "DMX_MODEL_ID": "x"})
+    assert monitoring_requested({"DMX_SGLANG_ENABLE": "1"})
+    with pytest.raises(ConfigurationError):
+        monitoring_requested({"DMX_SGLANG_ENABLE": "sometimes"})
+
+
+def test_secrets_can_be_left_out() -> None:
+    s = Settings.from_env({"DMX_CH_PASSWORD": "hunter2"})
+    assert s.to_env()["DMX_CH_PASSWORD"] == "hunter2"
+    assert "DMX_CH_PASSWORD" not in s.to_env(include_secrets=False)
+    assert "hunter2" not in repr(s)
+
+
+settings_values = st.fixed_dictionaries(
+    {},
+    optional={
+        "DMX_SGLANG_ENABLE": st.sampled_from(["auto", "0", "1"]),
+        "DMX_MODEL_ID": st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+        "DMX_HOOK_SELECTION": st.sampled_from(["sglang-full", "resid_pre@0-3,final_ln",
+                                               "hf-only", "logits,token_ids"]),
+        "DMX_DB_URL": st.sampled_from(["none", "chdb:///tmp/a", "http://h:1/d"]),
+        "DMX_DB_HOST": st.sampled_from(["localhost", "none"]),
+        "DMX_RING_PAYLOAD_MB": st.integers(1, 10**5).map(str),
+        "DMX_RING_PINNED_MB": st.integers(1, 10**5).map(str),
+        "DMX_RING_TASK_ENTRIES": st.integers(1, 10**6).map(str),
+        "DMX_GPU_PADDING_STRIP": st.sampled_from(["0", "1", "true", "no"]),
+        "DMX_ALLOW_PREFIX_CACHE": st.sampled_from(["0", "1"]),
+        "DMX_CH_COMPRESSION": st.sampled_from(["lz4", "zstd", "none"]),
+        "DMX_CH_PASSWORD": st.text(max_size=8),
+    },
+)
+
+
+@given(settings_values, st.booleans())
+def test_settings_round_trip_through_env(env: dict[str, str], resolve: bool) -> None:
+    s = Settings.from_env(env)
+    if resolve:
+        s = s.resolve(model_path="/m/model", cwd="/tmp", now=NOW, token="000000")
+    assert Settings.from_env(s.to_env()) == s
