@@ -7,8 +7,8 @@ libraries' exceptions into these types at the boundary (``raise ... from exc``).
 from __future__ import annotations
 
 __all__ = [
-    "CaptureError",
     "CapacityError",
+    "CaptureError",
     "CommitError",
     "ConfigurationError",
     "DMIError",

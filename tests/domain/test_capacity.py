@@ -136,7 +136,8 @@ def test_ring_allocator_never_overlaps(capacity: int, ops: list[tuple[bool, int]
                 assert size > before.free_bytes or before.free_entries == 0
                 continue
             assert size <= before.free_bytes
-            assert 0 <= offset and offset + size <= capacity
+            assert offset >= 0
+            assert offset + size <= capacity
             for o, n in live:
                 assert offset + size <= o or o + n <= offset or size == 0 or n == 0
             live.append((offset, size))

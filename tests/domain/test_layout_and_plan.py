@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -43,7 +45,7 @@ def test_bad_layouts_are_refused() -> None:
 def _check_plan(plan: CommitPlan, layout: BatchLayout, sel: Selection) -> None:
     # segments never overlap and respect alignment
     spans = sorted((s.offset, s.offset + s.aligned_bytes(plan.alignment)) for s in plan.segments)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end <= start
     assert all(s.offset % plan.alignment == 0 for s in plan.segments)
     assert plan.total_bytes == sum(s.aligned_bytes(plan.alignment) for s in plan.segments)
@@ -95,7 +97,8 @@ def test_final_logits_rows_only_for_emitting_requests() -> None:
     assert logits.source_index == (0, 2)
     assert logits.source_rows == 3
     tokens = plan.segment_for("token_ids", -1)
-    assert tokens is not None and tokens.kept_rows == 9
+    assert tokens is not None
+    assert tokens.kept_rows == 9
 
 
 def test_pieces_cover_every_segment_once() -> None:

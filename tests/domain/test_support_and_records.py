@@ -59,7 +59,8 @@ def test_every_reason_is_reported_at_once() -> None:
     with pytest.raises(UnsupportedConfigurationError) as info:
         check_support(facts).raise_if_rejected()
     assert len(info.value.reasons) == 3
-    assert "tp_size=2" in str(info.value) and "LoRA" in str(info.value)
+    assert "tp_size=2" in str(info.value)
+    assert "LoRA" in str(info.value)
 
 
 def test_forced_settings_and_notes() -> None:

@@ -127,7 +127,8 @@ def preflight(
                 f"({eager_plan.total_bytes} bytes) fits",
             )
         if capacity.empty().admits(plan):
-            return Preflight(Decision.WAIT_FOR_DRAIN, f"{need} exceed {free}; waiting for the drain")
+            reason = f"{need} exceed {free}; waiting for the drain"
+            return Preflight(Decision.WAIT_FOR_DRAIN, reason)
         return Preflight(
             Decision.RUN_EAGER,
             f"padded step needs {need}, more than the whole ring "

@@ -204,7 +204,8 @@ def make_plan(
     for i in sorted(range(len(segments)), key=lambda i: segments[i].row.nbytes):
         placed[i] = attrs.evolve(segments[i], offset=offset)
         offset += segments[i].aligned_bytes(alignment)
-    return CommitPlan(layout, padded, strip, alignment, tuple(placed[i] for i in range(len(segments))))
+    ordered = tuple(placed[i] for i in range(len(segments)))
+    return CommitPlan(layout, padded, strip, alignment, ordered)
 
 
 def request_rows(plan: CommitPlan) -> dict[str, int]:
@@ -254,7 +255,10 @@ class StepProtocol:
     def begin(self) -> int:
         """A forward starts; returns its step number."""
         if self._state is not StepState.IDLE:
-            msg = f"forward {self._step + 1} began while forward {self._step} is {self._state.value}"
+            msg = (
+                f"forward {self._step + 1} began while forward {self._step} is "
+                f"{self._state.value}"
+            )
             raise CommitError(msg)
         self._step += 1
         self._state = StepState.FORWARDING

@@ -116,7 +116,8 @@ def store_from_url(url: str) -> tuple[StoreKind, str, str, int, bool, str | None
     """Split a ``DMX_DB_URL`` into (kind, path, host, port, secure, database or None).
 
     Raises:
-        ConfigurationError: not ``none``, ``chdb:///abs/path`` or ``http(s)://host[:port][/db]``.
+        ConfigurationError: not ``none``, ``chdb:///abs/path`` or
+            ``http(s)://host[:port][/db]``.
     """
     if url.lower() == "none":
         return StoreKind.NONE, "", "", 0, False, None
@@ -159,11 +160,15 @@ _VARS: dict[str, _Var] = {
     "MODEL_ID": _Var(
         "model_id",
         None,
-        _conv(_run_id, "1-200 characters of letters, digits and ._:@+=- (not starting with one"
-              " of the symbols)"),
+        _conv(_run_id, "1-200 letters, digits and ._:@+=- starting with a letter or digit"),
     ),
     "HOOK_SELECTION": _Var(
-        "hook_selection", "sglang-full", _conv(lambda t: str(parse_selection(t)), "hook names, presets and name@N-M layer ranges, comma-separated")
+        "hook_selection",
+        "sglang-full",
+        _conv(
+            lambda t: str(parse_selection(t)),
+            "hook names, presets and name@N-M layer ranges, comma-separated",
+        ),
     ),
     "DB_URL": _Var(
         "db_url",
