@@ -1,0 +1,217 @@
+"""Monitoring inside one SGLang scheduler process: steps, requests, stop.
+
+One :class:`SchedulerMonitor` exists per monitored scheduler process. The runtime hooks
+(``runtime_hooks.py``) drive it:
+
+* ``ModelRunner.forward`` (around): :meth:`begin_forward` / :meth:`end_forward`;
+* ``DecodeCudaGraphRunner.can_run_graph`` (around): :meth:`graph_allowed` (preflight of
+  the padded step; a step that cannot fit runs eagerly);
+* ``DecodeCudaGraphRunner.load_batch`` / ``EagerRunner.load_batch`` (after):
+  :meth:`commit_graph` / :meth:`commit_eager`;
+* ``TpModelWorker.forward_batch_generation`` (around): :meth:`track_requests`, so the
+  stop call knows each request's prompt and completion lengths for the manifest;
+* the Scheduler RPC ``dmi_stop_monitoring``: :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import attrs
+import structlog
+
+from dmi_sglang.domain.capacity import Decision
+from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
+from dmi_sglang.domain.ports import RecordSink, TransportStats
+from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.errors import CaptureError
+
+__all__ = ["RequestTracker", "SchedulerMonitor"]
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.define
+class _Seen:
+    req: Any
+    first_start: int
+    last_end: int
+
+
+class RequestTracker:
+    """Requests seen by forwards, for the manifest written at stop.
+
+    Holds SGLang's ``Req`` objects (prompt and output ids) and the positions our
+    forwards computed: the first position (prefix-cache hits start later) and one past
+    the last (the overlap scheduler forwards the last generated token once more).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, _Seen] = {}
+
+    def add_reqs(self, reqs: Iterable[Any]) -> None:
+        """Remember the scheduler's Req objects of a batch about to run."""
+        for req in reqs:
+            seen = self._seen.get(req.rid)
+            if seen is None:
+                self._seen[req.rid] = _Seen(req, 1 << 62, 0)
+            else:
+                seen.req = req
+
+    def add_layout(self, layout: BatchLayout) -> None:
+        """Record the positions a forward computes."""
+        for rows in layout.requests:
+            seen = self._seen.get(rows.request_id)
+            if seen is None:
+                seen = self._seen[rows.request_id] = _Seen(None, 1 << 62, 0)
+            seen.first_start = min(seen.first_start, rows.start)
+            seen.last_end = max(seen.last_end, rows.end)
+
+    def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
+        """One manifest per request seen; finished requests only count as complete."""
+        out = []
+        for rid, seen in self._seen.items():
+            req = seen.req
+            if req is None:
+                continue
+            prompt = len(req.origin_input_ids)
+            completion = len(req.output_ids)
+            finished = bool(req.finished())
+            out.append(
+                RequestManifest(
+                    model_id=run_id,
+                    request_id=rid,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    computed_from=min(seen.first_start, prompt),
+                    overlap_extra_forward=seen.last_end >= prompt + completion,
+                    committed=committed and finished,
+                )
+            )
+        return out
+
+
+class SchedulerMonitor:
+    """The per-process monitoring state the runtime hooks drive."""
+
+    def __init__(
+        self,
+        *,
+        run: RunInfo,
+        selection: Selection,
+        shape: ModelShape,
+        transport: Any,
+        sink: RecordSink,
+        strip: bool,
+        graph_buckets: tuple[int, ...],
+    ) -> None:
+        self.run = run
+        self.selection = selection
+        self.shape = shape
+        self.transport = transport
+        self.sink = sink
+        self.strip = strip
+        self.graph_buckets = graph_buckets
+        self.protocol = StepProtocol()
+        self.requests = RequestTracker()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._failure: BaseException | None = None
+        self.forced_eager = 0
+
+    @property
+    def active(self) -> bool:
+        """True until the monitor stopped."""
+        return not self._stopped
+
+    # -- one forward -------------------------------------------------------------------
+    def begin_forward(self) -> int:
+        """A ``ModelRunner.forward`` starts."""
+        if self._stopped:
+            msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
+            raise CaptureError(msg)
+        return self.protocol.begin()
+
+    def in_forward(self) -> bool:
+        """True between :meth:`begin_forward` and :meth:`end_forward`."""
+        return self.protocol.state.value != "idle"
+
+    def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
+        """Preflight a decode graph step; False makes SGLang run it eagerly."""
+        layout = attrs.evolve(layout, padded_batch_size=padded_bs)
+        padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
+        eager = make_plan(layout, self.selection, self.shape, padded=False)
+        decision = self.transport.preflight(padded, eager)
+        if decision.decision is Decision.RUN_EAGER:
+            self.forced_eager += 1
+            log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
+            return False
+        return True
+
+    def commit_graph(self, layout: BatchLayout) -> None:
+        """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit it."""
+        self._commit(make_plan(layout, self.selection, self.shape, padded=True,
+                               strip=self.strip))
+
+    def commit_eager(self, layout: BatchLayout) -> None:
+        """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""
+        self._commit(make_plan(layout, self.selection, self.shape, padded=False))
+
+    def _commit(self, plan: CommitPlan) -> None:
+        self.requests.add_layout(plan.layout)
+        self.protocol.commit(plan)
+        self.transport.commit(plan, step=self.protocol.step)
+
+    def end_forward(self) -> None:
+        """The forward returned: seal the step for the drain."""
+        self.protocol.end()
+        self.transport.seal()
+
+    def abort_forward(self) -> None:
+        """The forward raised: forget the step (the exception propagates)."""
+        self.protocol.abort()
+
+    # -- stop --------------------------------------------------------------------------
+    def stop(self) -> TransportStats:
+        """Drain, flush, write manifests and the run status; terminal and idempotent.
+
+        Raises:
+            CaptureError: the first failure, again on every later call.
+        """
+        with self._lock:
+            if self._failure is not None:
+                raise CaptureError(str(self._failure)) from self._failure
+            if self._stopped:
+                return self.transport.stats()  # type: ignore[no-any-return]
+            self._stopped = True
+            stopped_at = datetime.now(UTC).isoformat()
+            try:
+                stats = self.transport.stop()
+                manifests = self.requests.manifests(self.run.run_id, committed=True)
+                run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.COMMITTED)
+                self.sink.finish_run(run, manifests)
+            except BaseException as exc:
+                self._failure = exc
+                log.error("dmi.stop_failed", run_id=self.run.run_id, error=repr(exc))
+                self._record_failure(exc, stopped_at)
+                raise CaptureError(f"dmi_stop_monitoring failed: {exc!r}") from exc
+            finally:
+                self.sink.close()
+            log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
+            return stats  # type: ignore[no-any-return]
+
+    def _record_failure(self, exc: BaseException, stopped_at: str) -> None:
+        run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.FAILED,
+                           error=repr(exc))
+        try:
+            manifests = self.requests.manifests(self.run.run_id, committed=False)
+            self.sink.finish_run(run, manifests)
+        except BaseException as again:  # the store itself may be what failed
+            log.error("dmi.failure_not_recorded", run_id=self.run.run_id, error=repr(again))
+

@@ -1,0 +1,206 @@
+"""The HookRegistry hooks that connect SGLang 0.5.19 to the monitor.
+
+Registered by ``register()`` (the ``sglang.srt.plugins`` entry point) only when
+monitoring is requested (``DMX_SGLANG_ENABLE``). Every hook is a no-op for processes and
+model runners that do not monitor. Exceptions raised here crash the scheduler loudly,
+which is what a broken capture must do (SGLang's wrappers have no try/except).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
+from dmi_sglang.domain.settings import Settings, monitoring_requested
+from dmi_sglang.errors import CaptureError
+
+__all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
+
+log = structlog.get_logger(__name__)
+
+_MONITOR: SchedulerMonitor | None = None
+
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+_EAGER = "sglang.srt.model_executor.runner.eager_runner.EagerRunner"
+_PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+_WORKER = "sglang.srt.managers.tp_worker.TpModelWorker"
+
+
+def current_monitor() -> SchedulerMonitor | None:
+    """This process's monitor, once ``load_model`` attached one."""
+    return _MONITOR
+
+
+def _forwarding() -> SchedulerMonitor | None:
+    mon = _MONITOR
+    return mon if mon is not None and mon.in_forward() else None
+
+
+# -- main process ----------------------------------------------------------------------
+def before_resolve_once(server_args: Any) -> None:
+    """Before SGLang resolves its arguments: force settings, resolve ours once.
+
+    Runs in the process that builds the engine. Forces prefill CUDA graphs off and the
+    radix cache off (unless ``DMX_ALLOW_PREFIX_CACHE=1``), each with a log line, then
+    resolves the ``DMX_*`` settings (run id, absolute store path) into ``os.environ`` so
+    the spawned scheduler inherits exactly these values.
+    """
+    if getattr(server_args, "_resolution_finished", False) or not monitoring_requested():
+        return
+    settings = Settings.from_env().resolve(model_path=str(server_args.model_path))
+    if not server_args.disable_prefill_cuda_graph:
+        server_args.disable_prefill_cuda_graph = True
+        log.warning("dmi.forced", setting="disable_prefill_cuda_graph=True",
+                    why="per-layer capture points do not run at prefill graph replay")
+    if not settings.allow_prefix_cache and not server_args.disable_radix_cache:
+        server_args.disable_radix_cache = True
+        log.warning("dmi.forced", setting="disable_radix_cache=True",
+                    why="cached prefix tokens are never recomputed, so never captured; "
+                    "DMX_ALLOW_PREFIX_CACHE=1 keeps the cache")
+    os.environ.update(settings.to_env())
+    log.info("dmi.settings", run_id=settings.model_id, store=settings.db_url,
+             hooks=settings.hook_selection)
+
+
+# -- scheduler process -----------------------------------------------------------------
+def around_load_model(original: Callable[..., Any], runner: Any, *args: Any, **kw: Any) -> Any:
+    """Support check, transport and store before weights load; capture points after."""
+    global _MONITOR  # noqa: PLW0603 - one monitor per scheduler process, by design
+    if not monitoring_requested() or getattr(runner, "is_draft_worker", False):
+        return original(runner, *args, **kw)
+    from dmi_sglang.adapters.sglang_v0519.attach import prepare, attach
+
+    prepared = prepare(runner)  # raises before any capture allocation or weight load
+    result = original(runner, *args, **kw)
+    _MONITOR = attach(runner, prepared)
+    runner._dmi_monitor = _MONITOR
+    return result
+
+
+def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: Any,
+                   **kw: Any) -> Any:
+    """One forward = one step: begin, (commit in load_batch), end and seal."""
+    mon = _MONITOR
+    if mon is None or getattr(runner, "_dmi_monitor", None) is not mon \
+            or fb.forward_mode.is_idle():
+        return original(runner, fb, *args, **kw)
+    mon.begin_forward()
+    try:
+        out = original(runner, fb, *args, **kw)
+    except BaseException:
+        mon.abort_forward()
+        raise
+    mon.end_forward()
+    return out
+
+
+def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
+                                *args: Any, **kw: Any) -> bool:
+    """Preflight the padded step; a step whose padded plan cannot fit runs eagerly."""
+    ok = bool(original(graph_runner, fb, *args, **kw))
+    mon = _forwarding()
+    if not ok or mon is None:
+        return ok
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+
+    layout = layout_from_forward_batch(fb)
+    padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
+    return mon.graph_allowed(layout, padded)
+
+
+def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
+                            **kw: Any) -> None:
+    """The graph runner fixed the padded batch: commit the padded plan."""
+    mon = _forwarding()
+    if mon is None:
+        return
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+
+    layout = layout_from_forward_batch(fb, padded_batch_size=int(graph_runner.bs))
+    if layout.raw_batch_size != int(graph_runner.raw_bs):
+        msg = f"decode batch of {graph_runner.raw_bs} requests, layout has {layout.raw_batch_size}"
+        raise CaptureError(msg)
+    mon.commit_graph(layout)
+    del result
+
+
+def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
+                           **kw: Any) -> None:
+    """The eager runner fixed the batch: commit the unpadded plan."""
+    mon = _forwarding()
+    if mon is None:
+        return
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+
+    mon.commit_eager(layout_from_forward_batch(result if result is not None else fb))
+
+
+def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
+                                 *args: Any, **kw: Any) -> bool:
+    """Monitored prefill runs eagerly (layer capture points do not run at its replay)."""
+    if _MONITOR is not None:
+        return False
+    return bool(original(graph_runner, fb, *args, **kw))
+
+
+def around_forward_batch_generation(original: Callable[..., Any], worker: Any, batch: Any,
+                                    *args: Any, **kw: Any) -> Any:
+    """Remember the batch's Req objects (prompt/output lengths for the manifest)."""
+    mon = _MONITOR
+    if mon is not None and batch is not None:
+        mon.requests.add_reqs(batch.reqs)
+    return original(worker, batch, *args, **kw)
+
+
+# -- RPC methods added to Scheduler ----------------------------------------------------
+def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
+    """RPC: raise unless this scheduler monitors (for ``run_id`` when given)."""
+    mon = _MONITOR
+    if mon is None:
+        msg = ("DMI monitoring is not active in this scheduler: the dmi-sglang plugin did "
+               "not attach (is the package installed as a distribution, and "
+               "SGLANG_PLUGINS / DMX_SGLANG_ENABLE not excluding it?)")
+        raise CaptureError(msg)
+    if run_id and mon.run.run_id != run_id:
+        msg = f"this scheduler monitors run {mon.run.run_id!r}, not {run_id!r}"
+        raise CaptureError(msg)
+    if not mon.active:
+        msg = f"monitoring of run {mon.run.run_id!r} was already stopped"
+        raise CaptureError(msg)
+
+
+def dmi_stop_monitoring(scheduler: Any) -> None:
+    """RPC: the authoritative flush. Terminal; a failure stays failed."""
+    mon = _MONITOR
+    if mon is None:
+        dmi_assert_active(scheduler)
+        return
+    runner = scheduler.tp_worker.model_runner
+    stream = getattr(runner, "forward_stream", None)
+    if stream is not None:
+        stream.synchronize()  # under overlap the last forward may still be running
+    mon.stop()
+
+
+SCHEDULER_RPCS: dict[str, Callable[..., None]] = {
+    "dmi_assert_active": dmi_assert_active,
+    "dmi_stop_monitoring": dmi_stop_monitoring,
+}
+"""Methods set on ``Scheduler`` so ``Engine.collective_rpc`` reaches them."""
+
+HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("sglang.srt.server_args.ServerArgs.resolve_once", "BEFORE", before_resolve_once),
+    (f"{_MR}.load_model", "AROUND", around_load_model),
+    (f"{_MR}.forward", "AROUND", around_forward),
+    (f"{_DECODE}.can_run_graph", "AROUND", around_decode_can_run_graph),
+    (f"{_DECODE}.load_batch", "AFTER", after_decode_load_batch),
+    (f"{_EAGER}.load_batch", "AFTER", after_eager_load_batch),
+    (f"{_PREFILL}.can_run_graph", "AROUND", around_prefill_can_run_graph),
+    (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
+)
+"""``(target, hook type, function)`` registered with SGLang's HookRegistry."""

@@ -1,0 +1,158 @@
+"""``DMIEngine``: a drop-in for ``sglang.Engine`` that captures what the model computes.
+
+::
+
+    from dmi_sglang import DMIEngine
+
+    engine = DMIEngine(model_path=..., dmx_hook_selection="resid_pre,final_ln")
+    try:
+        out = engine.generate(prompt=["..."], sampling_params={"max_new_tokens": 8})
+        engine.dmi_stop_monitoring()              # the authoritative flush
+        print(out[0]["dmi_internal"].hidden_states)
+    finally:
+        engine.shutdown()
+
+Every ``ServerArgs`` keyword passes through unchanged; ``dmx_*`` keywords are the
+settings of ``docs/settings.md``. They are validated and resolved before anything starts,
+carried to the spawned scheduler as ``DMX_*`` variables, and the parent environment is
+restored afterwards (also on failure).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import sglang
+import structlog
+
+from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
+
+__all__ = ["DMIEngine"]
+
+log = structlog.get_logger(__name__)
+
+_STARTING = threading.Lock()
+
+
+@contextmanager
+def _scheduler_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` (and drop other ``DMX_*``), restore afterwards."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    for key in saved:
+        del os.environ[key]
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith(PREFIX)]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+class DMIEngine(sglang.Engine):  # type: ignore[misc]
+    """``sglang.Engine`` with dmi-sglang monitoring attached in its scheduler.
+
+    Args:
+        **kwargs: every ``sglang.Engine`` / ``ServerArgs`` keyword, plus the ``dmx_*``
+            settings (``dmx_model_id``, ``dmx_hook_selection``, ``dmx_db_url``, ...).
+
+    Raises:
+        ConfigurationError: an invalid ``dmx_*`` value (before anything starts).
+        CaptureError: monitoring did not attach in the scheduler.
+        RuntimeError: another DMIEngine is starting in this process.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        dmx = {k: kwargs.pop(k) for k in list(kwargs) if k.lower().startswith("dmx_")}
+        if "model_path" not in kwargs:
+            msg = "DMIEngine needs model_path"
+            raise ConfigurationError(msg)
+        settings = Settings.from_kwargs(dmx).resolve(model_path=str(kwargs["model_path"]))
+        self.dmi_settings = settings
+        self.dmi_run_id: str = settings.model_id or ""
+        self._dmi_stopped = False
+        self._dmi_stop_error: CaptureError | None = None
+        if not _STARTING.acquire(blocking=False):
+            msg = ("another DMIEngine is starting in this process; construct engines one "
+                   "after another (settings travel to the scheduler through the process "
+                   "environment)")
+            raise RuntimeError(msg)
+        try:
+            env = {**settings.to_env(), PREFIX + "SGLANG_ENABLE": "1"}
+            with _scheduler_environment(env):
+                super().__init__(**kwargs)
+        finally:
+            _STARTING.release()
+        try:
+            self.collective_rpc("dmi_assert_active", run_id=self.dmi_run_id)
+        except AssertionError as exc:
+            super().shutdown()
+            msg = f"dmi-sglang monitoring did not attach in the scheduler: {exc}"
+            raise CaptureError(msg) from exc
+        log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.db_url)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``sglang.Engine.generate``; each output dict gains a lazy ``dmi_internal``.
+
+        Raises:
+            CaptureError: after :meth:`dmi_stop_monitoring` (monitoring is terminal).
+            ValueError: ``stream=True`` (a streamed capture has no single handle).
+        """
+        if self._dmi_stopped or self._dmi_stop_error is not None:
+            msg = ("monitoring was stopped (dmi_stop_monitoring): this engine captures no "
+                   "more; build a new DMIEngine to capture again")
+            raise CaptureError(msg)
+        if kwargs.get("stream"):
+            msg = "DMIEngine.generate(stream=True) is not supported; use stream=False"
+            raise ValueError(msg)
+        out = super().generate(*args, **kwargs)
+        for item in out if isinstance(out, list) else [out]:
+            item["dmi_internal"] = self.dmi_handle(item["meta_info"]["id"])
+        return out
+
+    def dmi_handle(self, request_id: str) -> Any:
+        """The lazy capture handle of one request of this engine's run."""
+        from dmi_sglang.app.handles import handle_for
+
+        return handle_for(self.dmi_settings, self.dmi_run_id, request_id)
+
+    def dmi_stop_monitoring(self) -> None:
+        """Flush every capture to the store and write the manifest. Terminal.
+
+        SGLang SIGKILLs its workers on ``shutdown()``, so this is the only durable
+        point. A failure stays failed: later calls raise it again.
+
+        Raises:
+            CaptureError: the flush failed; the captures are incomplete.
+        """
+        if self._dmi_stop_error is not None:
+            raise self._dmi_stop_error
+        if self._dmi_stopped:
+            return
+        try:
+            self.collective_rpc("dmi_stop_monitoring")
+        except AssertionError as exc:
+            self._dmi_stop_error = CaptureError(f"dmi_stop_monitoring failed: {exc}")
+            raise self._dmi_stop_error from exc
+        self._dmi_stopped = True
+        log.info("dmi.monitoring_stopped", run_id=self.dmi_run_id)
+
+    def shutdown(self) -> None:
+        """``sglang.Engine.shutdown``; warns when captures were never flushed."""
+        if not self._dmi_stopped and self._dmi_stop_error is None and not getattr(
+            self, "_dmi_warned", False
+        ):
+            self._dmi_warned = True
+            warnings.warn(
+                f"DMIEngine.shutdown() without dmi_stop_monitoring(): the captures of run "
+                f"{self.dmi_run_id!r} are incomplete and will read back as not available",
+                DMIWarning,
+                stacklevel=2,
+            )
+        super().shutdown()
