@@ -78,6 +78,10 @@ class RecordReader(Protocol):
         """Requests of a run with their sizes."""
         ...
 
+    def run(self, run_id: str) -> RunInfo | None:
+        """One run's latest state, or None when the store has no such run."""
+        ...
+
     def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The request's manifest, or None when the run never wrote one."""
         ...
@@ -89,8 +93,16 @@ class RecordReader(Protocol):
         *,
         act_name: str | None = None,
         layer_no: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
     ) -> Sequence[CaptureRecord]:
-        """Stored records of a request, optionally of one hook / layer."""
+        """Stored records of a request, optionally of one hook / layer, optionally only
+        those overlapping positions ``[start, end)``; superseded copies included."""
+        ...
+
+    def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:
+        """Distinct ``(act_name, layer_no, start, end)`` of a request's stored records,
+        without payloads (cheap completeness checks)."""
         ...
 
     def delete_run(self, run_id: str) -> int:

@@ -1,0 +1,217 @@
+"""A lazy per-request view of a capture: :class:`CaptureHandle`.
+
+Free until used: the constructor does no I/O. Each access opens the store through the
+reader factory, reads and closes it; results are cached (a "not complete" verdict is
+not, so a handle made before the run stopped sees the committed data later).
+
+Incomplete captures: ``available`` is False and every data access raises
+:class:`~dmi_sglang.errors.IncompleteCaptureError` listing what is missing (``missing``
+has the same reasons). Partial data is never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from dmi_sglang.adapters.clickhouse._assemble import hook_for, missing, select_rows
+from dmi_sglang.domain.ports import RecordReader
+from dmi_sglang.domain.records import CaptureRecord, Coverage, RequestManifest, RunInfo
+from dmi_sglang.domain.shapes import DType
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CaptureHandle"]
+
+_Key = tuple[str, int, int, int]
+
+
+class CaptureHandle:
+    """The captured internals of one request of one run, read on first use.
+
+    Args:
+        run_id: the run (``model_id`` of its records).
+        request_id: the request (SGLang's ``meta_info["id"]``).
+        reader_factory: makes a :class:`~dmi_sglang.domain.ports.RecordReader` (e.g.
+            ``lambda: ClickHouseReader(config)``); called on each access.
+
+    Positions are absolute token positions of the request. ``get(..., start=, end=)``
+    selects the half-open range ``[start, end)`` within the hook's coverage.
+    """
+
+    __slots__ = ("_factory", "_lock", "_state", "_tensors", "request_id", "run_id")
+
+    def __init__(
+        self, run_id: str, request_id: str, reader_factory: Callable[[], RecordReader]
+    ) -> None:
+        self.run_id = run_id
+        self.request_id = request_id
+        self._factory = reader_factory
+        self._lock = threading.RLock()
+        self._state: tuple[RunInfo, RequestManifest] | None = None
+        self._tensors: dict[_Key, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"CaptureHandle(run_id={self.run_id!r}, request_id={self.request_id!r})"
+
+    # -- completeness ----------------------------------------------------------------
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Why the capture is not complete (empty when it is)."""
+        with self._lock:
+            if self._state is not None:
+                return ()
+            with self._reader() as reader:
+                run = reader.run(self.run_id)
+                manifest = reader.manifest(self.run_id, self.request_id)
+                ranges = reader.ranges(self.run_id, self.request_id) if manifest else []
+            reasons = missing(self.run_id, self.request_id, run, manifest, ranges)
+            if not reasons and run is not None and manifest is not None:
+                self._state = (run, manifest)
+            return reasons
+
+    @property
+    def available(self) -> bool:
+        """True only when the run and the request's manifest are committed and every
+        expected row of every captured (hook, layer) is stored."""
+        return not self.missing
+
+    def _complete(self) -> tuple[RunInfo, RequestManifest]:
+        reasons = self.missing
+        if reasons or self._state is None:
+            msg = f"capture of request {self.request_id!r} is incomplete: " + "; ".join(reasons)
+            raise IncompleteCaptureError(msg)
+        return self._state
+
+    @property
+    def manifest(self) -> RequestManifest:
+        """The request's manifest (raises IncompleteCaptureError when incomplete)."""
+        return self._complete()[1]
+
+    @property
+    def captures(self) -> tuple[tuple[str, int], ...]:
+        """Every captured ``(act_name, layer_no)`` of the run."""
+        return self._complete()[0].captures
+
+    # -- data ------------------------------------------------------------------------
+
+    def get(
+        self, hook: str, layer: int | None = None, *, start: int | None = None,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """One hook's rows, concatenated in position order (deduped by ``seq``).
+
+        Args:
+            hook: short name (``resid_pre``) or stored act_name.
+            layer: the layer of a per-layer hook (None for global hooks).
+            start / end: absolute positions ``[start, end)``; default the whole coverage.
+
+        Raises:
+            IncompleteCaptureError: the capture is incomplete, or the hook / layer was
+                not captured in this run.
+            ValueError: a layer missing for a per-layer hook, or a range outside the
+                captured positions.
+        """
+        key = self._key(hook, layer, start, end)
+        with self._lock:
+            if key not in self._tensors:
+                act, layer_no, lo, hi = key
+                with self._reader() as reader:
+                    recs = reader.records(self.run_id, self.request_id, act_name=act,
+                                          layer_no=layer_no, start=lo, end=hi)
+                self._tensors[key] = _decode(recs, lo, hi)
+            return self._tensors[key]
+
+    @property
+    def hidden_states(self) -> tuple[torch.Tensor, ...]:
+        """``resid_pre`` of every layer: entry i = layer i's input = Hugging Face
+        ``hidden_states[i]``; each ``[positions, hidden]``. Needs layers 0..L-1."""
+        layers = sorted(n for a, n in self.captures if a == "blocks.hook_resid_pre")
+        if layers != list(range(len(layers))) or not layers:
+            msg = f"hidden_states needs resid_pre of layers 0..L-1; captured layers: {layers}"
+            raise IncompleteCaptureError(msg)
+        keys = [self._key("resid_pre", n, None, None) for n in layers]
+        with self._lock:
+            if any(k not in self._tensors for k in keys):
+                _, _, lo, hi = keys[0]
+                with self._reader() as reader:
+                    recs = reader.records(self.run_id, self.request_id,
+                                          act_name="blocks.hook_resid_pre", start=lo, end=hi)
+                for key in keys:
+                    mine = [r for r in recs if r.layer_no == key[1]]
+                    self._tensors[key] = _decode(mine, lo, hi)
+            return tuple(self._tensors[k] for k in keys)
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The forwarded token ids, one per position."""
+        return self.get("token_ids")
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``final_logits``: one row per generated token."""
+        return self.get("final_logits")
+
+    # -- internals -------------------------------------------------------------------
+
+    def _key(self, hook: str, layer: int | None, start: int | None, end: int | None) -> _Key:
+        run, manifest = self._complete()
+        h = hook_for(hook)
+        if h.per_layer and layer is None:
+            msg = f"hook {h.name!r} is per layer: pass layer="
+            raise ValueError(msg)
+        layer_no = layer if h.per_layer and layer is not None else -1
+        if (h.act_name, layer_no) not in run.captures:
+            msg = (f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}; "
+                   f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}")
+            raise IncompleteCaptureError(msg)
+        cov: Coverage = manifest.coverage(h)
+        lo = cov.start if start is None else start
+        hi = cov.end if end is None else end
+        if lo < cov.start or hi > cov.end or hi < lo:
+            msg = (f"positions [{lo}, {hi}) are outside {h.name}'s captured "
+                   f"[{cov.start}, {cov.end})")
+            raise ValueError(msg)
+        return (h.act_name, layer_no, lo, hi)
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[Any]:
+        reader = self._factory()
+        session = getattr(reader, "session", None)  # optional: open the store once
+        with session() if callable(session) else contextlib.nullcontext(reader):
+            yield reader
+
+
+def _decode(records: Sequence[CaptureRecord], lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``records`` as one tensor that owns its memory."""
+    import torch
+
+    if hi <= lo:
+        return torch.empty((0,))
+    slices = select_rows(records, lo, hi)
+    first = records[slices[0].index]
+    trailing, dtype_name = first.shape[1:], first.dtype
+    itemsize = DType.parse(dtype_name).itemsize
+    row_size = itemsize * math.prod(trailing)
+    buf = bytearray()
+    for s in slices:
+        r = records[s.index]
+        if r.shape[1:] != trailing or DType.parse(r.dtype) is not DType.parse(dtype_name):
+            msg = (f"{r.act_name} layer {r.layer_no}: rows stored as {r.dtype} "
+                   f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined")
+            raise StoreError(msg)
+        row_bytes = len(r.payload) // r.rows
+        if row_bytes * r.rows != len(r.payload) or row_bytes != row_size:
+            msg = (f"{r.act_name} layer {r.layer_no} [{r.start_token_idx}, {r.end_token_idx}): "
+                   f"{len(r.payload)} payload bytes do not fit {r.dtype} {list(r.shape)}")
+            raise StoreError(msg)
+        buf += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
+    dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
+    flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
+    return flat.reshape(hi - lo, *trailing).clone()

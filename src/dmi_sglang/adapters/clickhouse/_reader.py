@@ -1,0 +1,210 @@
+"""Reading captures back: :class:`ClickHouseReader`.
+
+Every call opens the store, queries and closes it (the embedded engine admits one
+process at a time, so a reader must not hold it). Group calls in :meth:`session` to
+open it once. A store whose tables do not exist yet reads as empty; tables with another
+layout raise :class:`~dmi_sglang.errors.StoreError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from dmi_sglang.adapters.clickhouse._client import (
+    ClientFactory,
+    close_quietly,
+    connect,
+    store_error,
+)
+from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
+from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
+from dmi_sglang.domain.ports import RequestSummary
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.errors import StoreError
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.client import Client
+
+__all__ = ["ClickHouseReader"]
+
+_RECORD_COLUMNS = (
+    "model_id, request_id, act_name, layer_no, shard_rank, start_token_idx, "
+    "end_token_idx, dtype, shape, bytes, seq"
+)
+
+
+class ClickHouseReader:
+    """A :class:`~dmi_sglang.domain.ports.RecordReader` on ClickHouse.
+
+    Args:
+        config: the store (embedded or server). Opening nothing until a call.
+        client_factory: opens a client (default: :func:`connect`, which refuses to
+            create a missing embedded store).
+    """
+
+    def __init__(self, config: StoreConfig, *, client_factory: ClientFactory | None = None):
+        if config.kind is StoreKind.NONE:
+            msg = "the store is 'none' (no persistence): there is nothing to read"
+            raise StoreError(msg)
+        self._config = config
+        self._tables = StoreTables.named(config.database, config.table)
+        self._factory = client_factory or (lambda c: connect(c, create=False))
+        self._client: Client | None = None
+        self._present: dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[ClickHouseReader]:
+        """Keep the store open for the calls inside the block (re-entrant)."""
+        if self._client is not None:
+            yield self
+            return
+        self._client = self._factory(self._config)
+        self._present = {}
+        try:
+            yield self
+        finally:
+            client, self._client = self._client, None
+            close_quietly(client)
+
+    def _query(self, layout: Layout, sql: str, params: dict[str, Any], **kw: Any) -> list[Any]:
+        """Rows of ``sql`` ({t} = the table), or [] when the table does not exist."""
+        with self.session():
+            client = self._client
+            assert client is not None
+            try:
+                if layout.name not in self._present:
+                    self._present[layout.name] = self._tables.check(client, layout)
+                if not self._present[layout.name]:
+                    return []
+                final = sql.replace("{t}", self._tables.qualified(layout))
+                result = client.query(final, parameters=params, **kw)
+                return list(result.result_rows)
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise store_error(f"reading {self._config.url}", exc) from exc
+
+    # -- RecordReader ----------------------------------------------------------------
+
+    def runs(self) -> list[RunInfo]:
+        """Every run in the store (latest state of each), newest first."""
+        rows = self._query(
+            self._tables.runs,
+            "SELECT * FROM {t} ORDER BY version DESC LIMIT 1 BY run_id",
+            {},
+        )
+        runs = [run_from_row(r) for r in rows]
+        return sorted(runs, key=lambda r: r.started_at, reverse=True)
+
+    def run(self, run_id: str) -> RunInfo | None:
+        """One run's latest state, or None when the store has no such run."""
+        rows = self._query(
+            self._tables.runs,
+            "SELECT * FROM {t} WHERE run_id = {run:String} ORDER BY version DESC LIMIT 1",
+            {"run": run_id},
+        )
+        return run_from_row(rows[0]) if rows else None
+
+    def requests(self, run_id: str) -> list[RequestSummary]:
+        """Requests of a run with their stored rows and payload bytes (superseded rows
+        included: this is the footprint)."""
+        rows = self._query(
+            self._tables.offload,
+            "SELECT request_id, count(), sum(length(bytes)) FROM {t} "
+            "WHERE model_id = {run:String} GROUP BY request_id ORDER BY request_id",
+            {"run": run_id},
+        )
+        return [RequestSummary(run_id, str(r), int(n), int(b)) for r, n, b in rows]
+
+    def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
+        """The request's latest manifest, or None when none was written."""
+        rows = self._query(
+            self._tables.manifest,
+            "SELECT * FROM {t} WHERE model_id = {run:String} AND request_id = {req:String} "
+            "ORDER BY version DESC LIMIT 1",
+            {"run": run_id, "req": request_id},
+        )
+        return manifest_from_row(rows[0]) if rows else None
+
+    def records(
+        self,
+        run_id: str,
+        request_id: str,
+        *,
+        act_name: str | None = None,
+        layer_no: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> list[CaptureRecord]:
+        """Stored records of a request, every copy (superseded ones included), ordered by
+        act_name, layer, start position and seq. ``start`` / ``end`` keep the records
+        overlapping positions ``[start, end)``."""
+        where = ["model_id = {run:String}", "request_id = {req:String}"]
+        params: dict[str, Any] = {"run": run_id, "req": request_id}
+        for cond, name, value in (
+            ("act_name = {act:String}", "act", act_name),
+            ("layer_no = {layer:Int32}", "layer", layer_no),
+            ("end_token_idx > {start:Int64}", "start", start),
+            ("start_token_idx < {end:Int64}", "end", end),
+        ):
+            if value is not None:
+                where.append(cond)
+                params[name] = value
+        sql = (
+            f"SELECT {_RECORD_COLUMNS} FROM {{t}} WHERE {' AND '.join(where)} "
+            "ORDER BY act_name, layer_no, start_token_idx, seq"
+        )
+        rows = self._query(
+            self._tables.offload, sql, params, column_formats={"bytes": "bytes"}
+        )
+        return [
+            CaptureRecord(
+                model_id=m, request_id=r, act_name=a, layer_no=int(ln), shard_rank=int(sr),
+                start_token_idx=int(s), end_token_idx=int(e), dtype=d,
+                shape=tuple(int(x) for x in shp), payload=bytes(p), seq=int(q),
+            )
+            for m, r, a, ln, sr, s, e, d, shp, p, q in rows
+        ]
+
+    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
+        """Distinct ``(act_name, layer_no, start, end)`` of a request's stored records,
+        without payloads (for completeness checks)."""
+        rows = self._query(
+            self._tables.offload,
+            "SELECT DISTINCT act_name, layer_no, start_token_idx, end_token_idx FROM {t} "
+            "WHERE model_id = {run:String} AND request_id = {req:String}",
+            {"run": run_id, "req": request_id},
+        )
+        return [(str(a), int(ln), int(s), int(e)) for a, ln, s, e in rows]
+
+    def delete_run(self, run_id: str) -> int:
+        """Delete a run's records, manifests and run rows; returns records deleted."""
+        with self.session():
+            n = self._query(
+                self._tables.offload,
+                "SELECT count() FROM {t} WHERE model_id = {run:String}",
+                {"run": run_id},
+            )
+            for layout, key in (
+                (self._tables.offload, "model_id"),
+                (self._tables.manifest, "model_id"),
+                (self._tables.runs, "run_id"),
+            ):
+                self._delete(layout, key, run_id)
+            return int(n[0][0]) if n else 0
+
+    def _delete(self, layout: Layout, key: str, run_id: str) -> None:
+        client = self._client
+        assert client is not None
+        if not self._present.get(layout.name, False) and not self._tables.check(client, layout):
+            return
+        try:
+            client.command(
+                f"DELETE FROM {self._tables.qualified(layout)} WHERE {key} = {{run:String}}",
+                parameters={"run": run_id},
+            )
+        except Exception as exc:
+            raise store_error(f"deleting run {run_id} from {layout.name}", exc) from exc

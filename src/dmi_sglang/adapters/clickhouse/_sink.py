@@ -1,0 +1,300 @@
+"""The record sinks: :class:`ClickHouseSink` (batched, background) and :class:`NullSink`.
+
+``ClickHouseSink.put`` only queues; writer threads (one by default, each with its own
+client) take batches of at most ``insert_rows`` records, a partial batch after at most
+``flush_timeout_us``, encode them as one Native block and ``raw_insert`` it. Transient
+errors are retried with exponential backoff; when the retries run out, or on any other
+error, the failure becomes sticky: queued records are dropped, and ``put``, ``flush``,
+``finish_run`` and ``close`` raise it (a :class:`StoreError` whose ``__cause__`` is the
+library's exception).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from dmi_sglang.adapters.clickhouse._client import (
+    ClientFactory,
+    close_quietly,
+    connect,
+    is_transient,
+    store_error,
+)
+from dmi_sglang.adapters.clickhouse._native import COLUMN_NAMES, encode_block
+from dmi_sglang.adapters.clickhouse._queue import Batch, RecordQueue
+from dmi_sglang.adapters.clickhouse._rows import manifest_row, run_row
+from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
+from dmi_sglang.adapters.clickhouse._stats import NullSink, SinkStats, StatsCounter
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.errors import StoreError
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.client import Client
+
+__all__ = ["ClickHouseSink", "NullSink", "SinkStats", "open_sink"]
+
+log = structlog.get_logger(__name__)
+
+
+class ClickHouseSink:
+    """A :class:`~dmi_sglang.domain.ports.RecordSink` on ClickHouse (embedded or server).
+
+    The constructor opens the store and creates or checks the tables, so a bad
+    directory, a locked store, an unreachable server or refused credentials fail here,
+    before any capture begins.
+
+    Args:
+        config: the store (``kind`` embedded or server).
+        writers: inserting threads, each with its own client (the embedded engine
+            admits several clients of one process on its directory).
+        retries: retries of a transient insert failure before it becomes sticky.
+        backoff_s: first retry delay; doubles per retry, at most 5 s.
+        client_factory: opens a client (default: :func:`connect`); a seam for tests.
+
+    Raises:
+        StoreError: the store cannot be opened, or a table has an incompatible layout.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        writers: int = 1,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        client_factory: ClientFactory | None = None,
+    ) -> None:
+        self._config = config
+        self._tables = StoreTables.named(config.database, config.table)
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._factory: ClientFactory = client_factory or connect
+        self._compression = _wire_compression(config)
+        self._queue = RecordQueue(
+            max_bytes=config.queue_mb << 20,
+            batch_rows=config.insert_rows,
+            linger_s=config.flush_timeout_us / 1e6,
+        )
+        self._stats = StatsCounter()
+        self._control_lock = threading.Lock()
+        self._closed = False
+        self._clients: list[Client] = []
+        try:
+            self._control = self._factory(config)
+            self._clients.append(self._control)
+            self._run_control("creating the capture tables", self._tables.ensure)
+            self._clients.extend(self._factory(config) for _ in range(max(1, writers)))
+        except BaseException:
+            for client in self._clients:
+                close_quietly(client)
+            raise
+        self._threads = [
+            threading.Thread(target=self._write_loop, args=(c,), name=f"dmi-sink-{i}", daemon=True)
+            for i, c in enumerate(self._clients[1:])
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("store.opened", url=config.url, table=config.table, writers=len(self._threads))
+
+    # -- RecordSink ------------------------------------------------------------------
+
+    def start_run(self, run: RunInfo) -> None:
+        """Write the run's row (status as given, normally running)."""
+        self._raise_if_failed()
+        self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
+
+    def put(self, records: Sequence[CaptureRecord]) -> None:
+        """Queue records; blocks while ``queue_mb`` is used up; never drops.
+
+        Raises:
+            StoreError: the sink failed (sticky) or was closed.
+        """
+        self._queue.put(records)
+        self._stats.put(records)
+
+    def flush(self) -> None:
+        """Block until everything put so far is stored.
+
+        Raises:
+            StoreError: the sticky failure.
+        """
+        self._queue.wait_done()
+
+    def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
+        """Flush, then write the manifests and, last, the run's final status.
+
+        A manifest is stored as committed only when it says so, the run's status is
+        committed and the flush succeeded. When the sink has failed, the run is recorded
+        as failed (best effort, no manifest) and the failure is raised.
+
+        Raises:
+            StoreError: the sticky failure, or writing the manifests / run failed.
+        """
+        try:
+            self.flush()
+        except StoreError as failure:
+            self._record_failed_run(run, failure)
+            raise
+        committed = run.status is RunStatus.COMMITTED
+        rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
+        if rows:
+            self._write_control(self._tables.manifest, rows, f"writing manifests of {run.run_id}")
+        self._write_control(self._tables.runs, [run_row(run)], f"finishing run {run.run_id}")
+        log.info("store.run_finished", run_id=run.run_id, status=run.status.value,
+                 manifests=len(rows))
+
+    def close(self) -> None:
+        """Drain the queue, stop the writers and release the store. Idempotent.
+
+        Raises:
+            StoreError: the sticky failure (the store is released anyway).
+        """
+        if not self._closed:
+            self._closed = True
+            self._queue.close()
+            for t in self._threads:
+                t.join()
+            for client in self._clients:
+                close_quietly(client)
+            log.info("store.closed", url=self._config.url, **self.stats().as_dict())
+        self._raise_if_failed()
+
+    # -- extras ----------------------------------------------------------------------
+
+    def stats(self) -> SinkStats:
+        """Counters so far (records, bytes, inserts, retries, writer CPU time)."""
+        return self._stats.snapshot(queued_bytes=self._queue.queued_bytes)
+
+    @property
+    def failure(self) -> StoreError | None:
+        """The sticky failure, if the sink failed."""
+        return self._queue.failure
+
+    # -- internals -------------------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._queue.failure is not None:
+            raise self._queue.failure
+
+    def _write_loop(self, client: Client) -> None:
+        while (batch := self._queue.take()) is not None:
+            started, cpu = time.monotonic(), time.thread_time()
+            try:
+                self._insert(client, batch)
+            except StoreError as failure:
+                log.error("store.failed", error=str(failure), records=len(batch.records))
+                self._queue.fail(failure)
+                return
+            finally:
+                self._stats.insert_time(time.monotonic() - started, time.thread_time() - cpu)
+            self._queue.done(batch)
+            self._stats.inserted(batch)
+
+    def _insert(self, client: Client, batch: Batch) -> None:
+        chunks = encode_block(batch.records)
+        table = self._tables.qualified(self._tables.offload)
+        for attempt in range(self._retries + 1):
+            block: bytes | Generator[bytes, None, None]
+            if self._config.kind is StoreKind.SERVER:
+                block = _compress(b"".join(chunks), self._compression)
+            else:  # the embedded client writes the chunks to a file: no join, no copy
+                block = (c for c in chunks)
+            try:
+                client.raw_insert(
+                    table, COLUMN_NAMES, block, fmt="Native", compression=self._compression
+                )
+                return
+            except Exception as exc:
+                if attempt >= self._retries or not is_transient(exc):
+                    what = (
+                        f"inserting {len(batch.records)} records into {table} failed "
+                        f"after {attempt + 1} attempt(s)"
+                    )
+                    raise store_error(what, exc) from exc
+                delay = min(5.0, self._backoff_s * 2**attempt)
+                log.warning("store.retry", attempt=attempt + 1, delay_s=delay, error=str(exc))
+                self._stats.retried()
+                time.sleep(delay)
+
+    def _run_control(self, what: str, action: Callable[[Client], object]) -> None:
+        with self._control_lock:
+            try:
+                action(self._control)
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise store_error(what, exc) from exc
+
+    def _write_control(self, layout: Layout, rows: list[list[object]], what: str) -> None:
+        table = self._tables.qualified(layout)
+        names = [n for n, _ in layout.columns]
+        for attempt in range(self._retries + 1):
+            try:
+                self._run_control(what, lambda c: c.insert(table, rows, column_names=names))
+                return
+            except StoreError as failure:
+                cause = failure.__cause__
+                if attempt >= self._retries or cause is None or not is_transient(cause):
+                    raise
+                time.sleep(min(5.0, self._backoff_s * 2**attempt))
+
+    def _record_failed_run(self, run: RunInfo, failure: StoreError) -> None:
+        failed = RunInfo(
+            run_id=run.run_id, model_path=run.model_path, settings=run.settings,
+            captures=run.captures, started_at=run.started_at,
+            stopped_at=run.stopped_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            status=RunStatus.FAILED, error=run.error or str(failure),
+        )
+        try:
+            self._write_control(self._tables.runs, [run_row(failed)], "recording a failed run")
+        except StoreError as exc:  # the store is down; readers see the run as not committed
+            log.warning("store.failed_run_not_recorded", run_id=run.run_id, error=str(exc))
+
+
+_COMPRESSIONS = {"lz4": "lz4", "true": "lz4", "zstd": "zstd", "gzip": "gzip"}
+
+
+def _wire_compression(config: StoreConfig) -> str | None:
+    if config.kind is not StoreKind.SERVER or config.compression in {"", "none", "false"}:
+        return None  # the embedded engine reads the block from a local file: never compress
+    try:
+        return _COMPRESSIONS[config.compression]
+    except KeyError:
+        msg = (
+            f"unsupported wire compression {config.compression!r}; "
+            f"accepted: lz4, zstd, gzip, none"
+        )
+        raise StoreError(msg) from None
+
+
+def _compress(data: bytes, method: str | None) -> bytes:
+    if method is None:
+        return data
+    if method == "lz4":
+        import lz4.frame  # type: ignore[import-untyped]
+
+        return bytes(lz4.frame.compress(data))
+    if method == "zstd":
+        from clickhouse_connect.driver.compression import _zstd_compress
+
+        return bytes(_zstd_compress(data))
+    import gzip
+
+    return gzip.compress(data, compresslevel=1)
+
+
+def open_sink(config: StoreConfig, **kwargs: object) -> ClickHouseSink | NullSink:
+    """The sink for ``config``: :class:`NullSink` for kind none, else ClickHouse.
+
+    Raises:
+        StoreError: see :class:`ClickHouseSink`.
+    """
+    if config.kind is StoreKind.NONE:
+        return NullSink()
+    return ClickHouseSink(config, **kwargs)  # type: ignore[arg-type]
