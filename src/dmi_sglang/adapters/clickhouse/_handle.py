@@ -64,17 +64,8 @@ class CaptureHandle:
     @property
     def missing(self) -> tuple[str, ...]:
         """Why the capture is not complete (empty when it is)."""
-        with self._lock:
-            if self._state is not None:
-                return ()
-            with self._reader() as reader:
-                run = reader.run(self.run_id)
-                manifest = reader.manifest(self.run_id, self.request_id)
-                ranges = reader.ranges(self.run_id, self.request_id) if manifest else []
-            reasons = missing(self.run_id, self.request_id, run, manifest, ranges)
-            if not reasons and run is not None and manifest is not None:
-                self._state = (run, manifest)
-            return reasons
+        with self._reader() as reader:
+            return self._missing(reader)
 
     @property
     def available(self) -> bool:
@@ -82,11 +73,26 @@ class CaptureHandle:
         expected row of every captured (hook, layer) is stored."""
         return not self.missing
 
-    def _complete(self) -> tuple[RunInfo, RequestManifest]:
-        reasons = self.missing
-        if reasons or self._state is None:
-            msg = f"capture of request {self.request_id!r} is incomplete: " + "; ".join(reasons)
-            raise IncompleteCaptureError(msg)
+    def _missing(self, reader: RecordReader) -> tuple[str, ...]:
+        with self._lock:
+            if self._state is not None:
+                return ()
+            run = reader.run(self.run_id)
+            manifest = reader.manifest(self.run_id, self.request_id)
+            ranges = reader.ranges(self.run_id, self.request_id) if manifest else []
+            reasons = missing(self.run_id, self.request_id, run, manifest, ranges)
+            if not reasons and run is not None and manifest is not None:
+                self._state = (run, manifest)
+            return reasons
+
+    def _complete(self, reader: RecordReader | None = None) -> tuple[RunInfo, RequestManifest]:
+        if self._state is None:
+            with contextlib.nullcontext(reader) if reader else self._reader() as r:
+                reasons = self._missing(r)
+            if reasons or self._state is None:
+                msg = (f"capture of request {self.request_id!r} is incomplete: "
+                       + "; ".join(reasons))
+                raise IncompleteCaptureError(msg)
         return self._state
 
     @property
@@ -118,35 +124,47 @@ class CaptureHandle:
             ValueError: a layer missing for a per-layer hook, or a range outside the
                 captured positions.
         """
-        key = self._key(hook, layer, start, end)
         with self._lock:
-            if key not in self._tensors:
-                act, layer_no, lo, hi = key
-                with self._reader() as reader:
+            if self._state is not None:  # cached: no I/O at all
+                key = self._key(hook, layer, start, end)
+                if key in self._tensors:
+                    return self._tensors[key]
+            with self._reader() as reader:
+                key = self._key(hook, layer, start, end, reader)
+                if key not in self._tensors:
+                    act, layer_no, lo, hi = key
                     recs = reader.records(self.run_id, self.request_id, act_name=act,
                                           layer_no=layer_no, start=lo, end=hi)
-                self._tensors[key] = _decode(recs, lo, hi)
-            return self._tensors[key]
+                    self._tensors[key] = _decode(recs, lo, hi)
+                return self._tensors[key]
 
     @property
     def hidden_states(self) -> tuple[torch.Tensor, ...]:
         """``resid_pre`` of every layer: entry i = layer i's input = Hugging Face
         ``hidden_states[i]``; each ``[positions, hidden]``. Needs layers 0..L-1."""
-        layers = sorted(n for a, n in self.captures if a == "blocks.hook_resid_pre")
-        if layers != list(range(len(layers))) or not layers:
-            msg = f"hidden_states needs resid_pre of layers 0..L-1; captured layers: {layers}"
-            raise IncompleteCaptureError(msg)
-        keys = [self._key("resid_pre", n, None, None) for n in layers]
         with self._lock:
-            if any(k not in self._tensors for k in keys):
+            if self._state is not None:
+                keys = self._resid_keys()
+                if all(k in self._tensors for k in keys):
+                    return tuple(self._tensors[k] for k in keys)
+            with self._reader() as reader:
+                self._complete(reader)
+                keys = self._resid_keys()
                 _, _, lo, hi = keys[0]
-                with self._reader() as reader:
-                    recs = reader.records(self.run_id, self.request_id,
-                                          act_name="blocks.hook_resid_pre", start=lo, end=hi)
-                for key in keys:
-                    mine = [r for r in recs if r.layer_no == key[1]]
-                    self._tensors[key] = _decode(mine, lo, hi)
+                recs = reader.records(self.run_id, self.request_id,
+                                      act_name="blocks.hook_resid_pre", start=lo, end=hi)
+            for key in keys:
+                mine = [r for r in recs if r.layer_no == key[1]]
+                self._tensors[key] = _decode(mine, lo, hi)
             return tuple(self._tensors[k] for k in keys)
+
+    def _resid_keys(self) -> list[_Key]:
+        run, _ = self._complete()
+        layers = sorted(n for a, n in run.captures if a == "blocks.hook_resid_pre")
+        if layers != list(range(len(layers))) or not layers:
+            msg = f"hidden_states needs resid_pre of layers 0..L-1; captured: {layers}"
+            raise IncompleteCaptureError(msg)
+        return [self._key("resid_pre", n, None, None) for n in layers]
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -160,8 +178,11 @@ class CaptureHandle:
 
     # -- internals -------------------------------------------------------------------
 
-    def _key(self, hook: str, layer: int | None, start: int | None, end: int | None) -> _Key:
-        run, manifest = self._complete()
+    def _key(
+        self, hook: str, layer: int | None, start: int | None, end: int | None,
+        reader: RecordReader | None = None,
+    ) -> _Key:
+        run, manifest = self._complete(reader)
         h = hook_for(hook)
         if h.per_layer and layer is None:
             msg = f"hook {h.name!r} is per layer: pass layer="
@@ -181,7 +202,7 @@ class CaptureHandle:
         return (h.act_name, layer_no, lo, hi)
 
     @contextlib.contextmanager
-    def _reader(self) -> Iterator[Any]:
+    def _reader(self) -> Iterator[RecordReader]:
         reader = self._factory()
         session = getattr(reader, "session", None)  # optional: open the store once
         with session() if callable(session) else contextlib.nullcontext(reader):
