@@ -1,0 +1,17 @@
+"""The built-in capture transport (PyTorch): capture points -> GPU ring -> records.
+
+Importing this package imports torch (it is an adapter) but never SGLang.
+
+* :class:`TorchCaptureTransport`: the :class:`~dmi_sglang.domain.ports.CaptureTransport`
+  the SGLang adapter drives per forward (preflight, commit, seal, stop, stats).
+* :class:`Capturer`: what the hooked model calls (``wants``, ``capture``).
+* :class:`TransportOptions`: tuning from plain settings.
+"""
+
+from __future__ import annotations
+
+from dmi_sglang.adapters.transport._capturer import Capturer
+from dmi_sglang.adapters.transport._options import TransportOptions
+from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
+
+__all__ = ["Capturer", "TorchCaptureTransport", "TransportOptions"]

@@ -1,0 +1,108 @@
+"""What the transport asks of the device: buffers, the capture probe, ordering, host copies.
+
+One class covers CUDA and CPU. On CPU (the unit tests) every copy is synchronous, the
+ordering markers are ``None`` and "pinned" staging is a plain host tensor, so the same
+transport code runs and its bookkeeping is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dmi_sglang.domain.shapes import DType
+
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Marker"]
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT16: torch.float16,
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT64: torch.float64,
+    DType.INT8: torch.int8,
+    DType.UINT8: torch.uint8,
+    DType.INT16: torch.int16,
+    DType.INT32: torch.int32,
+    DType.INT64: torch.int64,
+    DType.BOOL: torch.bool,
+}
+"""Domain dtypes to torch dtypes."""
+
+WIDE_DTYPES: dict[int, torch.dtype] = {
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+"""Element types used to move raw bytes (wider elements, fewer threads per byte)."""
+
+Marker = torch.cuda.Event | None
+"""Orders the drain after the device work of a step (None on CPU)."""
+
+
+def _never() -> bool:
+    return False
+
+
+class DeviceOps:
+    """Device primitives for one transport.
+
+    Args:
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        capture_probe: returns True while a CUDA graph is being captured on the current
+            stream; defaults to ``torch.cuda.is_current_stream_capturing`` on CUDA and to
+            "never" on CPU (tests pass their own to simulate a graph capture).
+    """
+
+    def __init__(
+        self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None
+    ) -> None:
+        dev = torch.device(device)
+        self.is_cuda = dev.type == "cuda"
+        if self.is_cuda and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        if capture_probe is None:
+            capture_probe = torch.cuda.is_current_stream_capturing if self.is_cuda else _never
+        self.capturing: Callable[[], bool] = capture_probe
+        self._drain_stream = torch.cuda.Stream(dev) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        self._done = torch.cuda.Event(blocking=True) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        self._free_events: list[torch.cuda.Event] = []
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer, page-locked on CUDA so device-to-host copies are async."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+
+    def mark(self) -> Marker:
+        """Record a marker on the current stream after the work queued so far."""
+        if not self.is_cuda:
+            return None
+        event = self._free_events.pop() if self._free_events else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def to_host(self, marker: Marker, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst`` (host) once ``marker`` completed; blocks.
+
+        Runs on the drain's own stream, so the copy overlaps the next forward. The GIL is
+        released while waiting.
+        """
+        if marker is None or self._drain_stream is None or self._done is None:
+            dst.copy_(src)
+            return
+        stream = self._drain_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(marker)
+            dst.copy_(src, non_blocking=True)
+            self._done.record(stream)
+        self._done.synchronize()
+        self._free_events.append(marker)
+
+    def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""
+        return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}

@@ -1,0 +1,166 @@
+"""The open step: where capture points write, and how a step is sealed.
+
+Modes of a committed step:
+
+* ``ARENA``: a padded plan (decode graph replay); captures live in the arena and
+  ``seal`` copies the real rows to the step's ring region, one strided copy per group;
+* ``ARENA_PIECES``: a padded plan too large for even an empty ring (the adapter should
+  have run it eager): ``seal`` moves it segment by segment, waiting for the drain;
+* ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
+* ``PIECES``: an eager plan larger than the free space: each capture point reserves,
+  writes and seals its own piece, waiting for the drain in between;
+* ``EMPTY``: nothing is captured this forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from dmi_sglang.adapters.transport._arena import Arena, CaptureKey, as_rows
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.adapters.transport._drain import DrainItem
+from dmi_sglang.adapters.transport._program import Program, build_program
+from dmi_sglang.domain.plan import CommitPlan, Segment
+from dmi_sglang.errors import CaptureError
+
+__all__ = ["Mode", "OpenStep", "StepWriter"]
+
+
+class Mode(enum.Enum):
+    """How the open step is written (see the module docstring)."""
+
+    EMPTY = "empty"
+    ARENA = "arena"
+    ARENA_PIECES = "arena, piecewise"
+    RING = "ring"
+    PIECES = "ring, piecewise"
+
+
+class OpenStep:
+    """A committed, not yet sealed step."""
+
+    __slots__ = ("base", "captured", "mode", "plan", "program", "seq")
+
+    def __init__(
+        self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int
+    ) -> None:
+        self.seq = seq
+        self.plan = plan
+        self.program = program
+        self.mode = mode
+        self.base = base
+        self.captured: set[CaptureKey] = set()
+
+
+Reserve = Callable[[int, int, int], int]
+"""``reserve(nbytes, entries, seq) -> ring offset``, waiting for the drain if needed."""
+
+
+class StepWriter:
+    """Writes captures of the open step and seals it (scheduler thread only)."""
+
+    def __init__(
+        self,
+        ops: DeviceOps,
+        arena: Arena,
+        ring: torch.Tensor,
+        reserve: Reserve,
+        enqueue: Callable[[DrainItem], None],
+    ) -> None:
+        self._ops = ops
+        self._arena = arena
+        self._ring = ring
+        self._ring_wide = ops.wide(ring)
+        self._arena_wide = ops.wide(arena.buffer)
+        self._reserve = reserve
+        self._enqueue = enqueue
+        self.open: OpenStep | None = None
+
+    def capture(self, key: CaptureKey, tensor: torch.Tensor) -> None:
+        """Route one capture point's tensor (see :class:`~._capturer.Capturer`)."""
+        if key not in self._arena:
+            return
+        if self._ops.capturing():
+            self._arena.write(key, tensor)
+            return
+        step = self.open
+        if step is None or step.mode is Mode.EMPTY:
+            return
+        seg = step.plan.segment_for(*key)
+        if seg is None:
+            return
+        if step.mode is Mode.ARENA or step.mode is Mode.ARENA_PIECES:
+            if tensor.shape[0] != seg.source_rows:
+                msg = f"capture {key}: {tensor.shape[0]} rows, the plan has {seg.source_rows}"
+                raise CaptureError(msg)
+            self._arena.write(key, tensor)
+        elif step.mode is Mode.RING:
+            assert step.program is not None
+            self._write_ring(step.base + seg.offset, seg, key, tensor, step.program)
+        else:
+            if key in step.captured:
+                msg = f"capture {key} fired twice in piecewise step {step.seq}"
+                raise CaptureError(msg)
+            piece = attrs.evolve(step.plan, segments=(attrs.evolve(seg, offset=0),))
+            program = build_program(piece, self._arena)
+            base = self._reserve(program.reserve_bytes, program.entries, step.seq)
+            self._write_ring(base, piece.segments[0], key, tensor, program)
+            self._enqueue(DrainItem(step.seq, piece, program, base, self._ops.mark()))
+        step.captured.add(key)
+
+    def _write_ring(
+        self, offset: int, seg: Segment, key: CaptureKey, tensor: torch.Tensor, program: Program
+    ) -> None:
+        src = as_rows(tensor, key, seg.row)
+        if src.shape[0] != seg.source_rows:
+            msg = f"capture {key}: {src.shape[0]} rows, the plan has {seg.source_rows}"
+            raise CaptureError(msg)
+        dst = self._ring[offset : offset + seg.nbytes].view(TORCH_DTYPES[seg.row.dtype])
+        dst = dst.view(seg.ring_rows, -1)
+        if seg.source_index is None:
+            dst.copy_(src[: seg.ring_rows])
+        else:
+            torch.index_select(src, 0, program.index(seg.source_index, src.device), out=dst)
+
+    def seal(self, step: OpenStep) -> None:
+        """Queue the step's device work and hand it to the drain.
+
+        Raises:
+            CaptureError: a planned capture point never ran.
+        """
+        program = step.program
+        if program is None:
+            return
+        if step.mode is Mode.RING or step.mode is Mode.PIECES:
+            if len(step.captured) != program.entries:
+                missing = [
+                    (s.hook.name, s.layer_no) for s in step.plan.segments
+                    if (s.hook.name, s.layer_no) not in step.captured
+                ]
+                msg = f"step {step.seq}: planned capture points never ran: {missing[:8]}"
+                raise CaptureError(msg)
+            if step.mode is Mode.RING:
+                self._enqueue(DrainItem(step.seq, step.plan, program, step.base, self._ops.mark()))
+            return
+        if not program.arena_checked:
+            program.check_arena(step.plan, self._arena)
+            program.arena_checked = True
+        if step.mode is Mode.ARENA:
+            self._from_arena(step.seq, step.plan, program, step.base)
+            return
+        for piece in step.plan.pieces():
+            piece_program = build_program(piece, self._arena)
+            base = self._reserve(piece_program.reserve_bytes, piece_program.entries, step.seq)
+            self._from_arena(step.seq, piece, piece_program, base)
+
+    def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int) -> None:
+        program.copy_from_arena(
+            plan, base, arena=self._arena, arena_wide=self._arena_wide, ring=self._ring,
+            ring_wide=self._ring_wide,
+        )
+        self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
+

@@ -1,0 +1,346 @@
+"""TorchCaptureTransport: the built-in capture transport behind the CaptureTransport port.
+
+Owns a device payload ring, pinned host staging of the same size, the decode-graph
+arena, the in-flight accounting (:class:`~dmi_sglang.domain.capacity.RingAllocator`) and
+the drain thread. The scheduler thread drives it per forward:
+``preflight`` (decode graph steps) -> ``commit`` -> capture points -> ``seal``.
+See docs/transport.md for the design and the measured costs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+import structlog
+import torch
+
+from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
+from dmi_sglang.adapters.transport._capturer import Capturer
+from dmi_sglang.adapters.transport._device import DeviceOps
+from dmi_sglang.adapters.transport._drain import Drain, DrainItem
+from dmi_sglang.adapters.transport._options import TransportOptions
+from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
+from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
+from dmi_sglang.adapters.transport._window import DecodeWindow
+from dmi_sglang.domain.capacity import (
+    Decision,
+    Preflight,
+    RingAllocator,
+    RingCapacity,
+    check_ring_fits,
+    preflight,
+)
+from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.plan import CommitPlan
+from dmi_sglang.domain.ports import RecordSink, TransportStats
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.errors import CapacityError, CaptureError, CommitError
+
+__all__ = ["TorchCaptureTransport"]
+
+log = structlog.get_logger("dmi_sglang.transport")
+
+_FITS = Preflight(Decision.FITS, "fits the free ring space")
+_NOTHING = Preflight(Decision.FITS, "captures nothing")
+_PROGRAM_CACHE = 512
+
+
+class TorchCaptureTransport:
+    """The capture transport, in PyTorch (CUDA; CPU for tests).
+
+    Create it before the model's weights load (its buffers are plain allocations that
+    SGLang then sees as used memory). Install the capture points :attr:`capturer` wants,
+    then per forward: :meth:`preflight` (decode graph steps: may say run eager),
+    :meth:`commit` (before the forward), the forward, :meth:`seal` (after it returned).
+    :meth:`stop` ends the run. Everything is called from the scheduler thread.
+
+    Args:
+        capacity: ring sizes (``DMX_RING_PAYLOAD_MB`` / ``_PINNED_MB`` / ``_TASK_ENTRIES``).
+        selection: the resolved selection.
+        shape: the model's row shapes.
+        max_graph_batch: the largest decode CUDA-graph batch (arena rows).
+        sink: where records go (``start_run`` is the caller's business).
+        run_id: stored as every record's ``model_id``.
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        options: tuning (padding strip, flush timeout, coalescing, startup bounds).
+        capture_probe: overrides "is a CUDA graph being captured now" (tests).
+
+    Raises:
+        CapacityError: the ring cannot hold one capture tensor of this configuration.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: RingCapacity,
+        selection: Selection,
+        shape: ModelShape,
+        max_graph_batch: int,
+        sink: RecordSink,
+        run_id: str,
+        device: str | torch.device = "cuda",
+        options: TransportOptions | None = None,
+        capture_probe: Callable[[], bool] | None = None,
+    ) -> None:
+        opts = options if options is not None else TransportOptions()
+        if max_graph_batch <= 0 or capacity.effective_bytes % 16:
+            msg = (
+                f"need a positive decode batch and a ring size that is a multiple of 16 bytes, "
+                f"got {max_graph_batch} / {capacity.effective_bytes}"
+            )
+            raise CapacityError(msg)
+        check_ring_fits(
+            capacity, selection, shape,
+            max_token_rows=max(opts.max_prefill_tokens, max_graph_batch),
+            max_request_rows=max(opts.max_requests, max_graph_batch),
+        )
+        self.options = opts
+        self.capacity = capacity
+        self.run_id = run_id
+        ops = DeviceOps(device, capture_probe)
+        arena = Arena(selection, shape, max_graph_batch, ops)
+        nbytes = capacity.effective_bytes
+        ring = ops.device_buffer(nbytes)
+        self._ops = ops
+        self._arena = arena
+        self._ring = ring
+        self._cond = threading.Condition()  # reentrant: guards the allocator and failure
+        self._failure: tuple[BaseException, str] | None = None
+        self._unusable = False
+        self._stalls = 0
+        self._stall_seconds = 0.0
+        self._sink = sink
+        self._alloc = RingAllocator(nbytes, capacity.task_entries)
+        self._programs: dict[object, Program] = {}
+        self._last: tuple[CommitPlan | None, Program | None] = (None, None)
+        self._stopped = False
+        self._forced_eager = 0
+        self._piecewise = 0
+        self._steps = 0
+        self._tensors = 0
+        window = (
+            DecodeWindow(run_id, opts.coalesce_max_bytes, opts.flush_timeout_s)
+            if opts.coalesce_decode else None
+        )
+        self._drain = Drain(
+            ops=ops, ring=ring, staging=ops.host_buffer(nbytes), release=self._release,
+            sink=sink, run_id=run_id, window=window, on_failure=self._fail,
+        )
+        self._drain.start()
+        self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
+        self.capturer = Capturer(arena.offsets, self._capture)
+        """The object the hooked model calls (``wants`` / ``capture``)."""
+        log.info(
+            "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
+            arena_bytes=arena.nbytes, captures=len(arena.offsets),
+            max_graph_batch=max_graph_batch, strip=opts.strip,
+        )
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the transport holds (ring + arena): count it in capacity."""
+        return int(self._ring.numel()) + int(self._arena.buffer.numel())
+
+    def preflight(self, plan: CommitPlan, eager_plan: CommitPlan | None = None) -> Preflight:
+        """How ``plan`` would be committed now (see :func:`~.capacity.preflight`).
+
+        A decode graph step answered ``RUN_EAGER`` is counted as forced eager: the
+        adapter is expected to run it eagerly with ``eager_plan``.
+        """
+        self._check_usable()
+        if not plan.segments:
+            return _NOTHING
+        program = self._program(plan)
+        with self._cond:
+            usage = self._alloc.usage()
+        if program.reserve_bytes <= usage.free_bytes and program.entries <= usage.free_entries:
+            return _FITS
+        result = preflight(plan, usage, self.capacity, eager_plan=eager_plan)
+        if result.decision is Decision.RUN_EAGER:
+            self._forced_eager += 1
+            log.info("decode step forced eager", reason=result.reason)
+        return result
+
+    def commit(self, plan: CommitPlan, *, step: int) -> None:
+        """Reserve the step's ring space before its forward (waiting for the drain if needed).
+
+        Raises:
+            CommitError: the previous step was not sealed.
+            CaptureError: the transport stopped or failed (sticky).
+        """
+        self._check_usable()
+        if self._writer.open is not None:
+            msg = f"step {step} committed while step {self._writer.open.seq} is not sealed"
+            raise CommitError(msg)
+        if not plan.segments:
+            self._writer.open = OpenStep(step, plan, None, Mode.EMPTY, -1)
+            return
+        try:
+            program = self._program(plan)
+            mode = Mode.ARENA if plan.padded else Mode.RING
+            with self._cond:
+                base = self._alloc.reserve(program.reserve_bytes, program.entries)
+                usage = self._alloc.usage()
+            if base is None:
+                decision = preflight(plan, usage, self.capacity).decision
+                if decision is Decision.PIECEWISE or decision is Decision.RUN_EAGER:
+                    mode = Mode.PIECES if decision is Decision.PIECEWISE else Mode.ARENA_PIECES
+                    self._piecewise += 1
+                    log.info("step committed piecewise", step=step, bytes=program.reserve_bytes,
+                             free=usage.free_bytes, padded=plan.padded)
+                else:
+                    base = self._wait_reserve(program.reserve_bytes, program.entries, step)
+        except CaptureError as exc:
+            self._fail(exc, "commit")
+            raise
+        self._writer.open = OpenStep(step, plan, program, mode, -1 if base is None else base)
+        self._steps += 1
+        self._tensors += program.entries
+
+    def seal(self) -> None:
+        """The forward returned: queue the step's device copies and hand it to the drain.
+
+        Raises:
+            CommitError: no step is committed.
+            CaptureError: a planned capture point never ran (sticky).
+        """
+        self._check_usable()
+        step = self._writer.open
+        if step is None:
+            msg = "seal() without a committed step"
+            raise CommitError(msg)
+        self._writer.open = None
+        try:
+            self._writer.seal(step)
+        except CaptureError as exc:
+            self._fail(exc, "seal")
+            raise
+
+    def abort(self) -> None:
+        """The forward raised: free the open step's space without storing it (logged)."""
+        step, self._writer.open = self._writer.open, None
+        if step is None or step.mode is Mode.EMPTY:
+            return
+        log.warning("capture step aborted; its rows are not stored", step=step.seq)
+        if step.program is not None and step.base >= 0:
+            self._drain.put(
+                DrainItem(step.seq, step.plan, step.program, step.base, self._ops.mark(),
+                          discard=True)
+            )
+
+    def stop(self) -> TransportStats:
+        """Drain everything, flush the sink; terminal and idempotent.
+
+        Raises:
+            CaptureError: anything failed during the run (drain, sink, a capture); the
+                same error on every later call.
+        """
+        if not self._stopped:
+            self._stopped = True
+            self._unusable = True
+            step = self._writer.open
+            if step is not None and step.mode is not Mode.EMPTY:
+                self._fail(CaptureError(f"step {step.seq} was committed, never sealed"), "stop")
+            self._drain.close()
+            try:
+                self._sink.flush()
+            except Exception as exc:  # any sink failure is the run's failure
+                self._fail(exc, "sink flush")
+            log.info("capture transport stopped", **attrs.asdict(self.stats()))
+        self._check_failed()
+        return self.stats()
+
+    def stats(self) -> TransportStats:
+        """Statistics so far."""
+        return TransportStats(
+            steps=self._steps, tensors=self._tensors, rows=self._drain.rows,
+            bytes=self._drain.bytes, ring_high_water=self._alloc.high_water,
+            stalls=self._stalls, stall_seconds=self._stall_seconds,
+            forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
+        )
+
+    def drain_counters(self) -> dict[str, float]:
+        """Drain internals for benchmarks: records, device-to-host bytes and seconds."""
+        d = self._drain
+        return {"records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds}
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _program(self, plan: CommitPlan) -> Program:
+        last_plan, last_program = self._last
+        if plan is last_plan and last_program is not None:
+            return last_program
+        key = plan_key(plan)
+        program = self._programs.get(key)
+        if program is None:
+            program = build_program(plan, self._arena)
+            self._programs[key] = program
+            if len(self._programs) > _PROGRAM_CACHE:
+                del self._programs[next(iter(self._programs))]
+        self._last = (plan, program)
+        return program
+
+    def _capture(self, key: CaptureKey, tensor: torch.Tensor) -> None:
+        if self._unusable:
+            self._check_usable()
+        try:
+            self._writer.capture(key, tensor)
+        except CaptureError as exc:
+            self._fail(exc, "capture")
+            raise
+
+    def _release(self) -> None:
+        with self._cond:
+            self._alloc.release()
+            self._cond.notify_all()
+
+    def _reserve(self, nbytes: int, entries: int, seq: int) -> int:
+        with self._cond:
+            base = self._alloc.reserve(nbytes, entries)
+        return base if base is not None else self._wait_reserve(nbytes, entries, seq)
+
+    def _wait_reserve(self, nbytes: int, entries: int, seq: int) -> int:
+        t0 = time.monotonic()
+        deadline = t0 + self.options.stall_timeout_s
+        with self._cond:
+            while (base := self._alloc.reserve(nbytes, entries)) is None:
+                self._check_usable()
+                if self._alloc.live_regions == 0:
+                    msg = f"{nbytes} bytes / {entries} tensors can never fit the ring"
+                    raise CaptureError(msg)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    msg = (f"step {seq} waited {self.options.stall_timeout_s:.0f} s for the drain "
+                           f"without getting {nbytes} bytes of ring space")
+                    raise CaptureError(msg)
+                self._cond.wait(left)
+        waited = time.monotonic() - t0
+        self._stalls += 1
+        self._stall_seconds += waited
+        level = log.warning if self._stalls == 1 or waited > 1.0 else log.debug
+        level("step waited for the drain", step=seq, seconds=round(waited, 6),
+              bytes=nbytes, stalls=self._stalls)
+        return base
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        with self._cond:
+            if self._failure is None:
+                self._failure = (exc, where)
+                log.error("capture failed", where=where, error=repr(exc))
+            self._unusable = True
+            self._cond.notify_all()
+
+    def _check_failed(self) -> None:
+        if self._failure is not None:
+            exc, where = self._failure
+            msg = f"capture failed in {where}: {exc!r}"
+            raise CaptureError(msg) from exc
+
+    def _check_usable(self) -> None:
+        if self._unusable:
+            self._check_failed()
+            msg = "the capture transport is stopped"
+            raise CaptureError(msg)

@@ -1,0 +1,183 @@
+"""Fixtures for the transport tests: a toy model shape, a forward driver, a checker.
+
+Every captured row holds values derived from (hook, layer, request, position), so a
+record can be checked byte for byte without keeping the inputs; padding rows hold
+``PAD`` so a stray padding row is recognisable.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES
+from dmi_sglang.domain.capacity import Decision, RingCapacity
+from dmi_sglang.domain.hooks import CATALOG, Hook, ModelHooks, RowBasis, Selection, parse_selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.testing import MemorySink
+
+SHAPE = ModelShape(
+    num_layers=3, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=12, vocab=10
+)
+_EXCLUDED = {"pos_embed", "router_logits", "topk_ids", "topk_weights"}
+MODEL = ModelHooks(
+    "ToyForCausalLM",
+    frozenset(h.name for h in CATALOG if not h.attention_matrix and h.name not in _EXCLUDED),
+    SHAPE.num_layers,
+)
+PAD = -5
+Key = tuple[str, str, int]
+
+
+def select(text: str) -> Selection:
+    """A selection of the toy model."""
+    return parse_selection(text).resolve(MODEL)
+
+
+def _code(hook: Hook, layer: int, rid: str, pos: int) -> int:
+    return hook.id * 37 + (layer + 1) * 53 + zlib.crc32(rid.encode()) % 97 + pos * 17
+
+
+def rows_tensor(hook: Hook, layer: int, rows: Sequence[tuple[str, int]], padding: int = 0) -> torch.Tensor:
+    """The tensor a capture point sees for ``rows`` (then ``padding`` PAD rows)."""
+    spec = SHAPE.row(hook)
+    width = math.prod(spec.dims)
+    codes = torch.tensor([_code(hook, layer, r, p) for r, p in rows] + [0] * padding)
+    values = (codes[:, None] + torch.arange(width)[None, :]) % 199
+    values[len(rows) :] = PAD
+    return values.to(TORCH_DTYPES[spec.dtype]).reshape(len(codes), *spec.dims)
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a tensor, as a record stores them."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Driver:
+    """Runs simulated forwards through a transport and remembers what must arrive."""
+
+    def __init__(self, transport: TorchCaptureTransport, selection: Selection) -> None:
+        self.t = transport
+        self.selection = selection
+        self.step = 0
+        self.expected: dict[Key, list[tuple[int, int]]] = defaultdict(list)
+        self.capturing = False
+
+    def plan(self, layout: BatchLayout, *, padded: bool = False, strip: bool = True) -> CommitPlan:
+        return make_plan(layout, self.selection, SHAPE, padded=padded, strip=strip)
+
+    def fire(self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None) -> None:
+        """Call every capture point as a forward over ``layout`` would."""
+        for hook, layer in self.selection.captures():
+            if skip and (hook.name, layer) in skip:
+                continue
+            if hook.row_basis is RowBasis.REQUEST:
+                rows = [(r.request_id, r.end - 1) for r in layout.requests]
+            else:
+                rows = layout.positions()
+            self.t.capturer.capture(hook.name, layer, rows_tensor(hook, layer, rows, padding))
+
+    def forward(
+        self, layout: BatchLayout, *, padded: bool = False, strip: bool = True
+    ) -> Decision:
+        """preflight (graph steps), commit, fire, seal; records what must arrive."""
+        self.step += 1
+        plan = self.plan(layout, padded=padded, strip=strip)
+        decision = Decision.FITS
+        if padded:
+            eager_layout = BatchLayout(layout.kind, layout.requests, layout.raw_batch_size)
+            eager = self.plan(eager_layout)
+            decision = self.t.preflight(plan, eager).decision
+            if decision is Decision.RUN_EAGER:
+                layout, plan, padded = eager_layout, eager, False
+        self.t.commit(plan, step=self.step)
+        self.fire(layout, layout.padded_batch_size - layout.raw_batch_size)
+        self.t.seal()
+        for seg in plan.segments:
+            for sl in seg.slices:
+                key = (sl.request_id, seg.hook.act_name, seg.layer_no)
+                self.expected[key].append((sl.start, sl.end))
+        return decision
+
+    def graph_capture(self, bucket: int) -> None:
+        """Simulate recording the decode graph of one bucket (dummy rows, no commit)."""
+        self.capturing = True
+        try:
+            dummy = BatchLayout.decode([f"dummy{i}" for i in range(bucket)], [1] * bucket)
+            self.fire(dummy)
+        finally:
+            self.capturing = False
+
+    def verify(self, records: Sequence[CaptureRecord]) -> None:
+        """Every planned row arrived exactly once, in position order, with its bytes."""
+        got: dict[Key, list[tuple[int, int]]] = defaultdict(list)
+        by_name = {h.act_name: h for h in CATALOG}
+        for rec in records:
+            key = (rec.request_id, rec.act_name, rec.layer_no)
+            got[key].append((rec.start_token_idx, rec.end_token_idx))
+            hook = by_name[rec.act_name]
+            spec = SHAPE.row(hook)
+            assert rec.model_id == self.t.run_id
+            assert rec.shard_rank == 0
+            assert rec.dtype == spec.dtype.value
+            assert rec.shape == (rec.rows, *spec.dims)
+            want = rows_tensor(
+                hook, rec.layer_no,
+                [(rec.request_id, p) for p in range(rec.start_token_idx, rec.end_token_idx)],
+            )
+            assert rec.payload == raw_bytes(want), key
+        assert set(got) == set(self.expected)
+        for key, want_ranges in self.expected.items():
+            want_positions = [p for a, b in want_ranges for p in range(a, b)]
+            got_positions = [p for a, b in got[key] for p in range(a, b)]
+            assert got_positions == want_positions, key
+
+
+@pytest.fixture
+def make_driver() -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
+    """Factory: ``make_driver(selection_text, payload_bytes=..., ...) -> (driver, sink)``."""
+    made: list[TorchCaptureTransport] = []
+
+    def factory(
+        text: str = "resid_pre,final_logits",
+        *,
+        payload_bytes: int = 1 << 16,
+        entries: int = 1024,
+        max_graph_batch: int = 8,
+        sink: MemorySink | None = None,
+        **options: object,
+    ) -> tuple[Driver, MemorySink]:
+        sink = sink if sink is not None else MemorySink()
+        selection = select(text)
+        holder: list[Driver] = []
+        transport = TorchCaptureTransport(
+            capacity=RingCapacity(payload_bytes, payload_bytes, entries),
+            selection=selection,
+            shape=SHAPE,
+            max_graph_batch=max_graph_batch,
+            sink=sink,
+            run_id="run-1",
+            device="cpu",
+            options=TransportOptions(**options),  # type: ignore[arg-type]
+            capture_probe=lambda: holder[0].capturing,
+        )
+        made.append(transport)
+        driver = Driver(transport, selection)
+        holder.append(driver)
+        return driver, sink
+
+    yield factory
+    for t in made:
+        try:
+            t.stop()
+        except Exception:  # a test about failures already checked them
+            pass

@@ -1,0 +1,90 @@
+"""Captured bytes equal the inputs, for eager, padded and mixed steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+
+ALL = "sglang-full"
+
+
+def test_eager_extend_then_decode_exact_bytes(make_driver):
+    d, sink = make_driver(ALL, payload_bytes=1 << 20)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n]))
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.steps == 5
+    assert stats.tensors == 5 * len(d.selection.captures())
+    assert stats.rows == sum(r.rows for r in sink.records)
+    assert stats.bytes == sum(len(r.payload) for r in sink.records)
+    assert sink.flushes == 1
+
+
+def test_decode_rows_are_coalesced_per_request_and_capture(make_driver):
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20)
+    for n in range(10):
+        d.forward(BatchLayout.decode(["a", "b", "c"], [4 + n, 8 + n, 2 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    # one record per (request, hook, layer): 3 requests x (3 layers + logits)
+    assert len(sink.records) == 3 * 4
+    assert {r.rows for r in sink.records} == {10}
+    assert {r.seq for r in sink.records} == {1}
+
+
+def test_no_coalescing_gives_one_record_per_step(make_driver):
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, coalesce_decode=False)
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a"], [3 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    assert [r.seq for r in sink.records if r.layer_no == 0] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_padded_steps_never_store_padding(make_driver, strip):
+    d, sink = make_driver(ALL, payload_bytes=1 << 20, max_graph_batch=8, strip=strip)
+    for bucket in (8, 4):
+        d.graph_capture(bucket)
+    rids = [f"r{i}" for i in range(8)]
+    for raw in range(3, 9):
+        layout = BatchLayout.decode(rids[:raw], [10 + raw] * raw, padded_batch_size=8)
+        d.forward(layout, padded=True, strip=strip)
+    d.forward(BatchLayout.decode(rids[:2], [30, 31], padded_batch_size=4), padded=True,
+              strip=strip)
+    d.t.stop()
+    d.verify(sink.records)
+    assert not any(r.request_id.startswith("dummy") for r in sink.records)
+
+
+def test_mixed_step_with_intermediate_chunk_keeps_only_emitting_logits(make_driver):
+    d, sink = make_driver("resid_pre,final_logits,token_ids", payload_bytes=1 << 20)
+    layout = BatchLayout.extend(
+        ["long", "short", "dec"], [0, 0, 9], [6, 2, 1], seq_lens=[20, 2, 10],
+        kind=ForwardKind.MIXED,
+    )
+    d.forward(layout)
+    d.t.stop()
+    d.verify(sink.records)
+    logits = [r for r in sink.records if r.act_name == "final_logits"]
+    assert sorted((r.request_id, r.start_token_idx) for r in logits) == [("dec", 9), ("short", 1)]
+
+
+def test_warmup_forwards_without_commit_reach_nothing(make_driver):
+    d, sink = make_driver(ALL, payload_bytes=1 << 20)
+    d.fire(BatchLayout.decode(["w"], [3]))
+    d.graph_capture(8)
+    d.t.stop()
+    assert sink.records == []
+    assert d.t.stats().steps == 0
+
+
+def test_empty_plan_is_committed_and_sealed(make_driver):
+    d, sink = make_driver("final_logits", payload_bytes=1 << 20)
+    d.forward(BatchLayout.extend(["a"], [0], [4], seq_lens=[9]))  # chunk emits nothing
+    d.t.stop()
+    assert sink.records == []
+    assert d.t.stats().steps == 0
