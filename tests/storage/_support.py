@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -45,13 +46,21 @@ def records_of(
     record k gets ``seq + k``.
     """
     out = []
-    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         part = tensor[lo - base : hi - base]
         out.append(
             CaptureRecord(
-                model_id=run_id, request_id=request_id, act_name=act_name, layer_no=layer,
-                shard_rank=0, start_token_idx=lo, end_token_idx=hi, dtype=str(tensor.dtype),
-                shape=tuple(part.shape), payload=raw(part), seq=seq + k,
+                model_id=run_id,
+                request_id=request_id,
+                act_name=act_name,
+                layer_no=layer,
+                shard_rank=0,
+                start_token_idx=lo,
+                end_token_idx=hi,
+                dtype=str(tensor.dtype),
+                shape=tuple(part.shape),
+                payload=raw(part),
+                seq=seq + k,
             )
         )
     return out
@@ -63,16 +72,16 @@ def run_info(run_id: str, captures: Sequence[tuple[str, int]], **kw: Any) -> Run
     return RunInfo(run_id, "/models/tiny", (("DMX_HOOK_SELECTION", "x"),), tuple(captures), **kw)
 
 
-def commit(
-    sink: ClickHouseSink, run: RunInfo, manifests: Sequence[RequestManifest]
-) -> RunInfo:
+def commit(sink: ClickHouseSink, run: RunInfo, manifests: Sequence[RequestManifest]) -> RunInfo:
     """Finish ``run`` as committed."""
     done = attrs.evolve(run, status=RunStatus.COMMITTED, stopped_at="2026-11-29T10:05:00Z")
     sink.finish_run(done, manifests)
     return done
 
 
-def manifest(run_id: str, request_id: str, prompt: int, completion: int, **kw: Any) -> RequestManifest:
+def manifest(
+    run_id: str, request_id: str, prompt: int, completion: int, **kw: Any
+) -> RequestManifest:
     """A committed manifest."""
     kw.setdefault("committed", True)
     return RequestManifest(run_id, request_id, prompt, completion, **kw)

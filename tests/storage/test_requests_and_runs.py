@@ -26,8 +26,10 @@ def _capture_request(
     decode step; logits one row per generated token."""
     positions = prompt + completion - 1
     bounds = [0, prompt, *range(prompt + 1, positions + 1)]
-    data = {f"layer{n}": torch.randn(positions, HIDDEN, generator=gen).to(torch.bfloat16)
-            for n in range(LAYERS)}
+    data = {
+        f"layer{n}": torch.randn(positions, HIDDEN, generator=gen).to(torch.bfloat16)
+        for n in range(LAYERS)
+    }
     data["token_ids"] = torch.randint(0, 1000, (positions,), generator=gen)
     data["logits"] = torch.randn(completion, VOCAB, generator=gen)
     recs = []
@@ -35,8 +37,9 @@ def _capture_request(
         recs += records_of(run_id, request_id, RESID, n, data[f"layer{n}"], bounds)
     recs += records_of(run_id, request_id, "token_ids", -1, data["token_ids"], bounds)
     logit_bounds = [prompt - 1, *range(prompt, positions + 1)]
-    recs += records_of(run_id, request_id, "final_logits", -1, data["logits"], logit_bounds,
-                       base=prompt - 1)
+    recs += records_of(
+        run_id, request_id, "final_logits", -1, data["logits"], logit_bounds, base=prompt - 1
+    )
     return recs, data
 
 
@@ -46,7 +49,8 @@ def test_many_requests_layers_and_two_runs_of_one_model_do_not_collide(
     sink = open_sink()
     gen = torch.Generator().manual_seed(0)
     expected: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for run_id, started in (("tiny-a", "2026-11-29T10:00:00Z"), ("tiny-b", "2026-11-29T11:00:00Z")):
+    starts = (("tiny-a", "2026-11-29T10:00:00Z"), ("tiny-b", "2026-11-29T11:00:00Z"))
+    for run_id, started in starts:
         run = run_info(run_id, CAPTURES, started_at=started)
         sink.start_run(run)
         manifests = []
@@ -79,7 +83,9 @@ def _check_request(h: CaptureHandle, data: dict[str, torch.Tensor]) -> None:
     assert h.hidden_states[0] is hs[0]  # cached
 
 
-def test_token_range_readback(open_sink: Callable[..., ClickHouseSink], store: StoreConfig) -> None:
+def test_token_range_readback(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
     sink = open_sink()
     run = run_info("run", CAPTURES)
     sink.start_run(run)
@@ -109,8 +115,11 @@ def test_token_range_readback(open_sink: Callable[..., ClickHouseSink], store: S
     ],
 )
 def test_retraction_keeps_the_latest_row_per_position(
-    first: list[int], second: list[int], second_base: int,
-    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    first: list[int],
+    second: list[int],
+    second_base: int,
+    open_sink: Callable[..., ClickHouseSink],
+    store: StoreConfig,
 ) -> None:
     sink = open_sink()
     run = run_info("run", [(RESID, 0)])

@@ -37,8 +37,13 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
 
 
 def _roundtrip(
-    sink: ClickHouseSink, store: StoreConfig, run_id: str, dtype: torch.dtype,
-    trailing: tuple[int, ...], bounds: list[int], seed: int,
+    sink: ClickHouseSink,
+    store: StoreConfig,
+    run_id: str,
+    dtype: torch.dtype,
+    trailing: tuple[int, ...],
+    bounds: list[int],
+    seed: int,
 ) -> None:
     act, layer = HOOK_FOR[dtype]
     total = bounds[-1]
@@ -80,7 +85,8 @@ def sink(open_sink: Callable[..., ClickHouseSink]) -> ClickHouseSink:
 
 
 @settings(
-    max_examples=25, deadline=None,
+    max_examples=25,
+    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
@@ -90,8 +96,12 @@ def sink(open_sink: Callable[..., ClickHouseSink]) -> ClickHouseSink:
     seed=st.integers(0, 2**16),
 )
 def test_random_shapes_dtypes_and_chunkings_round_trip(
-    sink: ClickHouseSink, store: StoreConfig,
-    dtype: torch.dtype, trailing: tuple[int, ...], cuts: list[int], seed: int,
+    sink: ClickHouseSink,
+    store: StoreConfig,
+    dtype: torch.dtype,
+    trailing: tuple[int, ...],
+    cuts: list[int],
+    seed: int,
 ) -> None:
     bounds = [0, *itertools.accumulate(cuts)]
     run_id = f"run-{uuid.uuid4().hex}"  # examples share the store: never reuse a run

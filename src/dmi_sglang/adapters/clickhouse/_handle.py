@@ -15,7 +15,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dmi_sglang.adapters.clickhouse._assemble import hook_for, missing, select_rows
 from dmi_sglang.domain.ports import RecordReader
@@ -90,8 +90,9 @@ class CaptureHandle:
             with contextlib.nullcontext(reader) if reader else self._reader() as r:
                 reasons = self._missing(r)
             if reasons or self._state is None:
-                msg = (f"capture of request {self.request_id!r} is incomplete: "
-                       + "; ".join(reasons))
+                msg = f"capture of request {self.request_id!r} is incomplete: " + "; ".join(
+                    reasons
+                )
                 raise IncompleteCaptureError(msg)
         return self._state
 
@@ -108,7 +109,11 @@ class CaptureHandle:
     # -- data ------------------------------------------------------------------------
 
     def get(
-        self, hook: str, layer: int | None = None, *, start: int | None = None,
+        self,
+        hook: str,
+        layer: int | None = None,
+        *,
+        start: int | None = None,
         end: int | None = None,
     ) -> torch.Tensor:
         """One hook's rows, concatenated in position order (deduped by ``seq``).
@@ -133,8 +138,14 @@ class CaptureHandle:
                 key = self._key(hook, layer, start, end, reader)
                 if key not in self._tensors:
                     act, layer_no, lo, hi = key
-                    recs = reader.records(self.run_id, self.request_id, act_name=act,
-                                          layer_no=layer_no, start=lo, end=hi)
+                    recs = reader.records(
+                        self.run_id,
+                        self.request_id,
+                        act_name=act,
+                        layer_no=layer_no,
+                        start=lo,
+                        end=hi,
+                    )
                     self._tensors[key] = _decode(recs, lo, hi)
                 return self._tensors[key]
 
@@ -151,8 +162,13 @@ class CaptureHandle:
                 self._complete(reader)
                 keys = self._resid_keys()
                 _, _, lo, hi = keys[0]
-                recs = reader.records(self.run_id, self.request_id,
-                                      act_name="blocks.hook_resid_pre", start=lo, end=hi)
+                recs = reader.records(
+                    self.run_id,
+                    self.request_id,
+                    act_name="blocks.hook_resid_pre",
+                    start=lo,
+                    end=hi,
+                )
             for key in keys:
                 mine = [r for r in recs if r.layer_no == key[1]]
                 self._tensors[key] = _decode(mine, lo, hi)
@@ -179,7 +195,11 @@ class CaptureHandle:
     # -- internals -------------------------------------------------------------------
 
     def _key(
-        self, hook: str, layer: int | None, start: int | None, end: int | None,
+        self,
+        hook: str,
+        layer: int | None,
+        start: int | None,
+        end: int | None,
         reader: RecordReader | None = None,
     ) -> _Key:
         run, manifest = self._complete(reader)
@@ -189,15 +209,18 @@ class CaptureHandle:
             raise ValueError(msg)
         layer_no = layer if h.per_layer and layer is not None else -1
         if (h.act_name, layer_no) not in run.captures:
-            msg = (f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}; "
-                   f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}")
+            msg = (
+                f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}; "
+                f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}"
+            )
             raise IncompleteCaptureError(msg)
         cov: Coverage = manifest.coverage(h)
         lo = cov.start if start is None else start
         hi = cov.end if end is None else end
         if lo < cov.start or hi > cov.end or hi < lo:
-            msg = (f"positions [{lo}, {hi}) are outside {h.name}'s captured "
-                   f"[{cov.start}, {cov.end})")
+            msg = (
+                f"positions [{lo}, {hi}) are outside {h.name}'s captured [{cov.start}, {cov.end})"
+            )
             raise ValueError(msg)
         return (h.act_name, layer_no, lo, hi)
 
@@ -224,13 +247,17 @@ def _decode(records: Sequence[CaptureRecord], lo: int, hi: int) -> torch.Tensor:
     for s in slices:
         r = records[s.index]
         if r.shape[1:] != trailing or DType.parse(r.dtype) is not DType.parse(dtype_name):
-            msg = (f"{r.act_name} layer {r.layer_no}: rows stored as {r.dtype} "
-                   f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined")
+            msg = (
+                f"{r.act_name} layer {r.layer_no}: rows stored as {r.dtype} "
+                f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined"
+            )
             raise StoreError(msg)
         row_bytes = len(r.payload) // r.rows
         if row_bytes * r.rows != len(r.payload) or row_bytes != row_size:
-            msg = (f"{r.act_name} layer {r.layer_no} [{r.start_token_idx}, {r.end_token_idx}): "
-                   f"{len(r.payload)} payload bytes do not fit {r.dtype} {list(r.shape)}")
+            msg = (
+                f"{r.act_name} layer {r.layer_no} [{r.start_token_idx}, {r.end_token_idx}): "
+                f"{len(r.payload)} payload bytes do not fit {r.dtype} {list(r.shape)}"
+            )
             raise StoreError(msg)
         buf += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
     dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))

@@ -158,6 +158,8 @@ class RecordQueue:
     def done(self, batch: Batch) -> None:
         """A writer stored ``batch``."""
         with self._cond:
+            if self._failure is not None:
+                return  # everything was dropped when the sink failed
             self._bytes -= batch.nbytes
             self._done[batch.first] = batch.first + len(batch.records)
             while self._done_below in self._done:
@@ -171,6 +173,7 @@ class RecordQueue:
                 self._failure = failure
             self._records.clear()
             self._arrivals.clear()
+            self._bytes = 0  # queued and in-flight records are dropped
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -157,14 +157,20 @@ class ClickHouseReader:
             f"SELECT {_RECORD_COLUMNS} FROM {{t}} WHERE {' AND '.join(where)} "
             "ORDER BY act_name, layer_no, start_token_idx, seq"
         )
-        rows = self._query(
-            self._tables.offload, sql, params, column_formats={"bytes": "bytes"}
-        )
+        rows = self._query(self._tables.offload, sql, params, column_formats={"bytes": "bytes"})
         return [
             CaptureRecord(
-                model_id=m, request_id=r, act_name=a, layer_no=int(ln), shard_rank=int(sr),
-                start_token_idx=int(s), end_token_idx=int(e), dtype=d,
-                shape=tuple(int(x) for x in shp), payload=bytes(p), seq=int(q),
+                model_id=m,
+                request_id=r,
+                act_name=a,
+                layer_no=int(ln),
+                shard_rank=int(sr),
+                start_token_idx=int(s),
+                end_token_idx=int(e),
+                dtype=d,
+                shape=tuple(int(x) for x in shp),
+                payload=bytes(p),
+                seq=int(q),
             )
             for m, r, a, ln, sr, s, e, d, shp, p, q in rows
         ]

@@ -146,8 +146,9 @@ class ClickHouseSink:
         if rows:
             self._write_control(self._tables.manifest, rows, f"writing manifests of {run.run_id}")
         self._write_control(self._tables.runs, [run_row(run)], f"finishing run {run.run_id}")
-        log.info("store.run_finished", run_id=run.run_id, status=run.status.value,
-                 manifests=len(rows))
+        log.info(
+            "store.run_finished", run_id=run.run_id, status=run.status.value, manifests=len(rows)
+        )
 
     def close(self) -> None:
         """Drain the queue, stop the writers and release the store. Idempotent.
@@ -246,10 +247,14 @@ class ClickHouseSink:
 
     def _record_failed_run(self, run: RunInfo, failure: StoreError) -> None:
         failed = RunInfo(
-            run_id=run.run_id, model_path=run.model_path, settings=run.settings,
-            captures=run.captures, started_at=run.started_at,
+            run_id=run.run_id,
+            model_path=run.model_path,
+            settings=run.settings,
+            captures=run.captures,
+            started_at=run.started_at,
             stopped_at=run.stopped_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            status=RunStatus.FAILED, error=run.error or str(failure),
+            status=RunStatus.FAILED,
+            error=run.error or str(failure),
         )
         try:
             self._write_control(self._tables.runs, [run_row(failed)], "recording a failed run")
@@ -267,8 +272,7 @@ def _wire_compression(config: StoreConfig) -> str | None:
         return _COMPRESSIONS[config.compression]
     except KeyError:
         msg = (
-            f"unsupported wire compression {config.compression!r}; "
-            f"accepted: lz4, zstd, gzip, none"
+            f"unsupported wire compression {config.compression!r}; accepted: lz4, zstd, gzip, none"
         )
         raise StoreError(msg) from None
 

@@ -1,0 +1,146 @@
+"""``available`` is honest: incomplete captures are reported, and never read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import pytest
+import torch
+
+from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.domain.records import RunStatus
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import IncompleteCaptureError
+
+from ._support import RESID, commit, handle, manifest, records_of, run_info
+
+CAPTURES = [(RESID, 0), (RESID, 1), ("final_logits", -1)]
+PROMPT, COMPLETION = 4, 3  # token rows [0, 6), logits rows [3, 6)
+
+
+def _put_request(sink: ClickHouseSink, *, skip: tuple[str, int, int] | None = None) -> None:
+    """Rows of request "r": prefill [0, 4) then decode rows 4 and 5; ``skip`` =
+    (act_name, layer, position) of one decode row left out."""
+    for act, layer in CAPTURES:
+        first = PROMPT - 1 if act == "final_logits" else 0
+        bounds = [first, PROMPT, PROMPT + 1, PROMPT + 2]
+        t = torch.randn(bounds[-1] - first, 5)
+        recs = records_of("run", "r", act, layer, t, bounds, base=first)
+        sink.put([r for r in recs if (act, layer, r.start_token_idx) != skip])
+
+
+def test_complete_capture_is_available(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    _put_request(sink)
+    commit(sink, run, [manifest("run", "r", PROMPT, COMPLETION)])
+    h = handle(store, "run", "r")
+    assert h.available
+    assert h.missing == ()
+    assert h.get("resid_pre", 1).shape == (6, 5)
+    assert h.logits.shape == (3, 5)
+
+
+def test_a_missing_row_is_reported_and_never_read(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    _put_request(sink, skip=(RESID, 1, 5))
+    commit(sink, run, [manifest("run", "r", PROMPT, COMPLETION)])
+    h = handle(store, "run", "r")
+    assert not h.available
+    assert h.missing == ("blocks.hook_resid_pre layer 1: positions [5, 6) missing",)
+    with pytest.raises(IncompleteCaptureError, match=r"layer 1: positions \[5, 6\) missing"):
+        h.get("resid_pre", 0)  # no partial data, even of complete layers
+    with pytest.raises(IncompleteCaptureError):
+        _ = h.hidden_states
+
+
+def test_a_run_that_is_not_committed_is_not_available(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    _put_request(sink)
+    sink.flush()
+    h = handle(store, "run", "r")  # every row is there, but the run is still running
+    assert not h.available
+    assert h.missing == ("run 'run' is running, not committed",)
+    with pytest.raises(IncompleteCaptureError, match="running, not committed"):
+        _ = h.logits
+    sink.close()  # the process went away without finish_run
+    assert not h.available
+
+
+def test_a_failed_run_is_not_available_and_its_manifests_are_not_committed(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    _put_request(sink)
+    failed = attrs.evolve(run, status=RunStatus.FAILED, error="scheduler died")
+    sink.finish_run(failed, [manifest("run", "r", PROMPT, COMPLETION)])
+    h = handle(store, "run", "r")
+    assert h.missing == ("run 'run' is failed, not committed: scheduler died",)
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+
+    stored = ClickHouseReader(store).manifest("run", "r")
+    assert stored is not None
+    assert not stored.committed
+
+
+@pytest.mark.parametrize("manifests", ["none", "uncommitted", "other-request"])
+def test_without_a_committed_manifest_nothing_is_available(
+    manifests: str, open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    _put_request(sink)
+    given = {
+        "none": [],
+        "uncommitted": [manifest("run", "r", PROMPT, COMPLETION, committed=False)],
+        "other-request": [manifest("run", "r2", PROMPT, COMPLETION)],
+    }[manifests]
+    commit(sink, run, given)
+    h = handle(store, "run", "r")
+    assert not h.available
+    expected = "is not committed" if manifests == "uncommitted" else "has no manifest"
+    assert expected in h.missing[0]
+
+
+def test_unknown_run_and_a_handle_made_before_the_commit(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    assert handle(store, "nope", "r").missing == ("run 'nope' is not in the store",)
+    run = run_info("run", CAPTURES)
+    sink.start_run(run)
+    early = handle(store, "run", "r")
+    _put_request(sink)
+    assert not early.available  # not cached: the verdict may change
+    commit(sink, run, [manifest("run", "r", PROMPT, COMPLETION)])
+    assert early.available
+    with pytest.raises(IncompleteCaptureError, match="was not captured"):
+        early.get("ln1", 0)
+
+
+def test_the_handle_does_no_io_until_used(store: StoreConfig) -> None:
+    calls: list[str] = []
+
+    def factory() -> object:
+        calls.append("reader")
+        raise AssertionError("no reader expected")
+
+    h = handle(store, "run", "r")
+    h2 = type(h)("run", "r", factory)  # type: ignore[arg-type]
+    assert repr(h2) == "CaptureHandle(run_id='run', request_id='r')"
+    assert calls == []

@@ -1,0 +1,178 @@
+"""Batching, retries, sticky failures and backpressure of the sink."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, connect
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
+
+from ._support import (
+    RESID,
+    FaultyClient,
+    commit,
+    embedded,
+    handle,
+    manifest,
+    records_of,
+    run_info,
+    same_bits,
+)
+
+
+def _faulty(plan: Callable[[int], Any]) -> tuple[Callable[[StoreConfig], Any], list[FaultyClient]]:
+    """A client factory whose clients share one fault plan over their insert calls."""
+    made: list[FaultyClient] = []
+    calls = [0]
+    lock = threading.Lock()
+
+    def shared(_: int) -> Any:
+        with lock:
+            calls[0] += 1
+            return plan(calls[0])
+
+    def factory(config: StoreConfig) -> Any:
+        client = FaultyClient(connect(config), shared)
+        made.append(client)
+        return client
+
+    return factory, made
+
+
+def _decode_rows(n: int, width: int = 64) -> tuple[torch.Tensor, list[int]]:
+    return torch.randn(n, width), list(range(n + 1))
+
+
+def test_batches_hold_at_most_insert_rows_and_partial_batches_linger_out(
+    open_sink: Callable[..., ClickHouseSink], tmp_path: Any
+) -> None:
+    sink = open_sink(embedded(str(tmp_path / "s"), insert_rows=10, flush_timeout_us=50_000))
+    t, bounds = _decode_rows(35)
+    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    sink.flush()
+    assert sink.stats().inserts == 4  # 10 + 10 + 10 + 5
+    sink.put(records_of("run", "r2", RESID, 0, t[:3], [0, 1, 2, 3]))
+    deadline = time.monotonic() + 5
+    while sink.stats().records_stored < 38 and time.monotonic() < deadline:
+        time.sleep(0.01)  # no flush: the partial batch goes after flush_timeout_us
+    assert sink.stats().records_stored == 38
+    assert sink.stats().inserts == 5
+
+
+def test_transient_errors_are_retried(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    factory, _ = _faulty(lambda n: OperationalError("connection reset") if n <= 2 else None)
+    sink = open_sink(client_factory=factory, retries=3, backoff_s=0.001)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    t, bounds = _decode_rows(5)
+    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    commit(sink, run, [manifest("run", "r", 5, 1)])
+    assert sink.stats().retries == 2
+    assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
+
+
+def test_a_store_failing_mid_run_fails_sticky_and_nothing_is_reported_complete(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    factory, _ = _faulty(lambda n: None if n == 1 else OperationalError("disk gone"))
+    config = attrs.evolve(store, insert_rows=4)
+    sink = open_sink(config, client_factory=factory, retries=2, backoff_s=0.001)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    t, bounds = _decode_rows(12)
+    sink.put(records_of("run", "r", RESID, 0, t[:4], bounds[:5]))
+    sink.flush()  # the first batch made it
+    sink.put(records_of("run", "r", RESID, 0, t[4:], bounds[4:], base=4))
+    expected = r"after 3 attempt\(s\): OperationalError: disk gone"
+    with pytest.raises(StoreError, match=expected) as info:
+        sink.flush()
+    assert isinstance(info.value.__cause__, OperationalError)
+    assert sink.stats().retries == 2
+    for action in (
+        lambda: sink.put(records_of("run", "r", RESID, 0, t[:1], [0, 1])),
+        sink.flush,
+        lambda: commit(sink, run, [manifest("run", "r", 12, 1)]),
+        sink.close,
+    ):
+        with pytest.raises(StoreError) as again:
+            action()
+        assert again.value is info.value  # the same sticky failure, with its cause
+    h = handle(store, "run", "r")  # the store was released by close()
+    assert not h.available
+    assert h.missing[0].startswith("run 'run' is failed, not committed: inserting 4 records")
+    assert len(ClickHouseReader(store).records("run", "r")) == 4
+
+
+def test_a_non_transient_error_is_not_retried(open_sink: Callable[..., ClickHouseSink]) -> None:
+    error = DatabaseError("Code: 60. Unknown table", code=60)
+    factory, _ = _faulty(lambda n: error)
+    sink = open_sink(client_factory=factory, retries=5, backoff_s=0.001)
+    t, bounds = _decode_rows(2)
+    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    with pytest.raises(StoreError, match="after 1 attempt") as info:
+        sink.flush()
+    assert info.value.__cause__ is error
+    assert sink.stats().retries == 0
+
+
+def test_backpressure_blocks_put_and_drops_nothing(
+    open_sink: Callable[..., ClickHouseSink], tmp_path: Any
+) -> None:
+    config = embedded(str(tmp_path / "s"), queue_mb=1, insert_rows=2)
+    factory, _ = _faulty(lambda n: 0.05)  # a slow store: every insert takes 50 ms more
+    sink = open_sink(config, client_factory=factory)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    rows = 24
+    t = torch.randn(rows, 64 * 1024)  # 256 KiB rows: the queue holds about four
+    most_queued, blocked = 0, 0.0
+    for k, rec in enumerate(records_of("run", "r", RESID, 0, t, list(range(rows + 1)))):
+        started = time.monotonic()
+        sink.put([rec])
+        blocked += time.monotonic() - started
+        most_queued = max(most_queued, sink.stats().queued_bytes)
+        assert sink.stats().records_put == k + 1
+    assert most_queued <= 1 << 20
+    assert blocked > 0.2  # 12 inserts of 50 ms could not keep up: put waited
+    commit(sink, run, [manifest("run", "r", rows, 1)])
+    stats = sink.stats()
+    assert (stats.records_stored, stats.bytes_stored) == (rows, t.numel() * 4)
+    assert same_bits(handle(config, "run", "r").get("resid_pre", 0), t)
+
+
+def test_several_writer_threads_share_the_embedded_store(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink(attrs.evolve(store, insert_rows=3), writers=3)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    t, bounds = _decode_rows(40)
+    for rec in records_of("run", "r", RESID, 0, t, bounds):
+        sink.put([rec])
+    commit(sink, run, [manifest("run", "r", 40, 1)])
+    assert sink.stats().records_stored == 40
+    assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
+
+
+def test_close_is_idempotent_and_put_after_close_is_refused(
+    open_sink: Callable[..., ClickHouseSink],
+) -> None:
+    sink = open_sink()
+    t, bounds = _decode_rows(3)
+    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    sink.close()
+    assert sink.stats().records_stored == 3  # close drained the queue
+    sink.close()
+    with pytest.raises(StoreError, match="closed"):
+        sink.put(records_of("run", "r", RESID, 0, t, bounds))
