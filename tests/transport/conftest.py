@@ -7,6 +7,7 @@ record can be checked byte for byte without keeping the inputs; padding rows hol
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections import defaultdict
@@ -47,7 +48,9 @@ def _code(hook: Hook, layer: int, rid: str, pos: int) -> int:
     return hook.id * 37 + (layer + 1) * 53 + zlib.crc32(rid.encode()) % 97 + pos * 17
 
 
-def rows_tensor(hook: Hook, layer: int, rows: Sequence[tuple[str, int]], padding: int = 0) -> torch.Tensor:
+def rows_tensor(
+    hook: Hook, layer: int, rows: Sequence[tuple[str, int]], padding: int = 0
+) -> torch.Tensor:
     """The tensor a capture point sees for ``rows`` (then ``padding`` PAD rows)."""
     spec = SHAPE.row(hook)
     width = math.prod(spec.dims)
@@ -75,7 +78,9 @@ class Driver:
     def plan(self, layout: BatchLayout, *, padded: bool = False, strip: bool = True) -> CommitPlan:
         return make_plan(layout, self.selection, SHAPE, padded=padded, strip=strip)
 
-    def fire(self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None) -> None:
+    def fire(
+        self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None
+    ) -> None:
         """Call every capture point as a forward over ``layout`` would."""
         for hook, layer in self.selection.captures():
             if skip and (hook.name, layer) in skip:
@@ -177,7 +182,5 @@ def make_driver() -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
 
     yield factory
     for t in made:
-        try:
+        with contextlib.suppress(Exception):  # a test about failures already checked them
             t.stop()
-        except Exception:  # a test about failures already checked them
-            pass

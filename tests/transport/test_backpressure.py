@@ -1,0 +1,131 @@
+"""Backpressure: waits for the drain, piecewise commits, forced eager, wrap-around."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+from dmi_sglang.domain.capacity import Decision
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.testing import MemorySink
+
+# resid_pre: 3 layers x 8 bf16 = 16 bytes per row and layer.
+
+
+def _prefill(rid: str, n: int) -> BatchLayout:
+    return BatchLayout.extend([rid], [0], [n])
+
+
+def test_slow_sink_makes_steps_wait_and_loses_nothing(make_driver):
+    sink = MemorySink(delay_s=0.02)
+    d, _ = make_driver("resid_pre", payload_bytes=4096, sink=sink, max_prefill_tokens=40,
+                       coalesce_decode=False)
+    for i in range(8):
+        d.forward(_prefill(f"r{i}", 40))  # 3 x 640 bytes: two steps fill the ring
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.stalls > 0
+    assert stats.stall_seconds > 0
+    assert stats.ring_high_water <= 4096
+
+
+def test_prefill_larger_than_the_ring_is_committed_piecewise(make_driver):
+    sink = MemorySink(delay_s=0.01)
+    d, _ = make_driver("resid_pre,token_ids", payload_bytes=2048, sink=sink,
+                       max_prefill_tokens=100)
+    d.forward(_prefill("long", 100))  # 3 x 1600 + 800 bytes > 2048: one piece at a time
+    d.forward(BatchLayout.decode(["long"], [101]))
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.piecewise_steps == 1
+    assert stats.stalls >= 1
+    assert {r.seq for r in sink.records if r.start_token_idx == 0} == {1}
+
+
+def test_padded_step_that_does_not_fit_runs_eager(make_driver):
+    # With padding strip off the padded plan holds 64 rows per layer (3 x 1024 bytes).
+    d, sink = make_driver("resid_pre", payload_bytes=2048, max_graph_batch=64, strip=False)
+    d.graph_capture(64)
+    layout = BatchLayout.decode(["a", "b", "c"], [5, 6, 7], padded_batch_size=64)
+    assert d.forward(layout, padded=True, strip=False) is Decision.RUN_EAGER
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.forced_eager == 1
+
+
+class GateSink(MemorySink):
+    """Blocks every put until the gate opens (a stuck store)."""
+
+    def __init__(self, open_after_s: float) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        threading.Timer(open_after_s, self.gate.set).start()
+
+    def put(self, records):
+        self.gate.wait()
+        super().put(records)
+
+
+def test_padded_step_waits_for_the_drain_when_it_fits_an_empty_ring(make_driver):
+    sink = GateSink(open_after_s=0.2)
+    d, _ = make_driver("resid_pre", payload_bytes=1024, max_graph_batch=8,
+                       max_prefill_tokens=16, coalesce_decode=False, sink=sink)
+    d.graph_capture(8)
+    rids = [f"r{i}" for i in range(8)]
+    decisions = []
+    for n in range(5):  # 3 x 128 bytes each: at most two steps in the ring
+        layout = BatchLayout.decode(rids, [5 + n] * 8, padded_batch_size=8)
+        decisions.append(d.forward(layout, padded=True))
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert Decision.WAIT_FOR_DRAIN in decisions
+    assert stats.stalls >= 1
+    assert stats.stall_seconds > 0.05
+    assert stats.forced_eager == 0
+
+
+def test_padded_commit_too_large_for_the_ring_is_moved_piecewise_at_seal(make_driver):
+    d, sink = make_driver("resid_pre", payload_bytes=2048, max_graph_batch=64)
+    d.graph_capture(64)
+    layout = BatchLayout.decode(["a", "b"], [5, 6], padded_batch_size=64)
+    plan = d.plan(layout, padded=True, strip=False)  # 3 x 1024 bytes > 2048
+    d.t.commit(plan, step=1)
+    d.fire(layout, padding=62)
+    d.t.seal()
+    stats = d.t.stop()
+    assert stats.piecewise_steps == 1
+    assert sorted((r.request_id, r.layer_no) for r in sink.records) == sorted(
+        (rid, layer) for rid in "ab" for layer in range(3)
+    )
+
+
+def test_ring_wraps_around(make_driver):
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1024, max_prefill_tokens=16,
+                          coalesce_decode=False)
+    bases: list[int] = []
+    put = d.t._drain.put
+
+    def spy(item):
+        bases.append(item.base)
+        assert item.base + item.nbytes <= 1024
+        put(item)
+
+    d.t._drain.put = spy  # type: ignore[method-assign]
+    d.t._writer._enqueue = spy
+    for i in range(30):
+        d.forward(_prefill(f"p{i}", 1 + i % 7))
+    d.t.stop()
+    d.verify(sink.records)
+    wraps = sum(1 for a, b in itertools.pairwise(bases) if b < a)
+    assert wraps >= 3
+
+
+def test_task_entries_bound_tensors_in_flight(make_driver):
+    sink = MemorySink(delay_s=0.01)
+    d, _ = make_driver("resid_pre", payload_bytes=1 << 16, entries=4, sink=sink,
+                       coalesce_decode=False)
+    for i in range(5):
+        d.forward(_prefill(f"r{i}", 3))  # 3 tensors per step, 4 entries: one step at a time
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.stalls >= 1
