@@ -1,0 +1,102 @@
+"""SGLang 0.5.19 ``ForwardBatch`` -> :class:`~dmi_sglang.domain.layout.BatchLayout`.
+
+Fields read (``model_executor/forward_batch_info.py``): ``forward_mode``, ``rids`` (a
+Python list in batch order), ``seq_lens_cpu`` (CPU tensor; in decode it includes the token
+being forwarded, in extend it is prefix + extend), ``extend_prefix_lens_cpu`` and
+``extend_seq_lens_cpu`` (Python lists, main path). The GPU twins are read only when a CPU
+field is missing (a device sync).
+
+Which requests emit a token in an extend forward: every request whose chunk ends its
+prompt. ``ForwardBatch`` cannot tell: ``seq_lens_cpu`` is prefix + extend for a
+half-prefilled request too. The scheduler knows: a prompt longer than the chunk budget is
+the scheduler's ``chunked_req``, and ``ScheduleBatch.init_new(..., chunked_req=...)``
+stores it on the batch whose chunk is *not* its last (``schedule_policy.add_chunked_req``
+returns it only when truncated; after its last chunk it is None). So the caller reads
+:func:`unfinished_rids` from the ScheduleBatch (``TpModelWorker.forward_batch_generation``
+receives it before building the ForwardBatch) and passes it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+from dmi_sglang.errors import CommitError
+
+__all__ = ["CAPTURED_MODES", "layout_from_forward_batch", "unfinished_rids"]
+
+CAPTURED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
+"""``ForwardMode`` names a monitored engine runs (the others need rejected features)."""
+
+
+def layout_from_forward_batch(
+    fb: Any,
+    *,
+    padded_batch_size: int | None = None,
+    unfinished_rids: Collection[str] = (),
+) -> BatchLayout:
+    """The packed row layout of one forward.
+
+    Args:
+        fb: a ``ForwardBatch`` (the one passed to ``ModelRunner.forward``, or the copy
+            ``EagerRunner.load_batch`` returns: both carry ``rids``).
+        padded_batch_size: decode-graph replay's bucket size (``DecodeCudaGraphRunner.bs``);
+            None for eager forwards.
+        unfinished_rids: requests whose prompt continues in a later chunk (they compute
+            rows but emit no token); see :func:`unfinished_rids`.
+
+    Raises:
+        CommitError: a forward mode dmi-sglang does not capture, a batch without
+            ``rids`` (the prefill graph's static batch), inconsistent lengths, or padding
+            on a non-decode forward.
+    """
+    mode = getattr(fb.forward_mode, "name", str(fb.forward_mode))
+    if mode not in CAPTURED_MODES:
+        msg = f"forward mode {mode} cannot be captured; captured: {', '.join(CAPTURED_MODES)}"
+        raise CommitError(msg)
+    if mode == "IDLE":
+        return BatchLayout.idle()
+    rids = fb.rids
+    if rids is None:
+        msg = f"{mode} ForwardBatch without rids: rows cannot be mapped to requests"
+        raise CommitError(msg)
+    seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
+    if mode == "DECODE":
+        return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded_batch_size)
+    if padded_batch_size not in (None, len(rids)):
+        msg = f"{mode} forward of {len(rids)} requests padded to {padded_batch_size}"
+        raise CommitError(msg)
+    prefix = _ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
+    extend = _ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)
+    if len(seq_lens) == len(prefix) == len(extend) and any(
+        n != p + e for n, p, e in zip(seq_lens, prefix, extend, strict=True)
+    ):
+        msg = f"seq_lens {seq_lens} are not prefix {prefix} + extend {extend}"
+        raise CommitError(msg)
+    unfinished = frozenset(unfinished_rids)
+    # A request "ends" beyond this chunk when its prompt continues: one past is enough.
+    ends = [p + e + (rid in unfinished) for rid, p, e in zip(rids, prefix, extend, strict=False)]
+    kind = ForwardKind.MIXED if mode == "MIXED" else ForwardKind.EXTEND
+    return BatchLayout.extend(rids, prefix, extend, seq_lens=ends, kind=kind)
+
+
+def unfinished_rids(schedule_batch: Any) -> frozenset[str]:
+    """Rids in a ``ScheduleBatch`` whose prompt continues in a later chunk.
+
+    That is the batch's ``chunked_req`` (at most one in SGLang 0.5.19), when it is one of
+    the batch's requests.
+    """
+    req = getattr(schedule_batch, "chunked_req", None)
+    if req is None or not any(r is req for r in schedule_batch.reqs):
+        return frozenset()
+    return frozenset((req.rid,))
+
+
+def _ints(cpu: Any, device: Any) -> list[int]:
+    values = cpu if cpu is not None else device
+    if values is None:
+        return []
+    if isinstance(values, Sequence):
+        return [int(v) for v in values]
+    return [int(v) for v in values.tolist()]

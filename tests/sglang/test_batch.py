@@ -1,0 +1,120 @@
+"""BatchLayout from real SGLang ForwardBatch (and ScheduleBatch/Req) objects on CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+
+def _fb(mode: str, rids: list[str] | None, seq_lens: list[int],
+        prefix: list[int] | None = None, extend: list[int] | None = None) -> Any:
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    tokens = sum(extend) if extend is not None else len(seq_lens)
+    return ForwardBatch(
+        forward_mode=ForwardMode[mode],
+        batch_size=len(seq_lens),
+        input_ids=torch.zeros(tokens, dtype=torch.int64),
+        req_pool_indices=torch.arange(len(seq_lens)),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=torch.tensor(seq_lens),
+        out_cache_loc=torch.arange(tokens),
+        seq_lens_sum=sum(seq_lens),
+        rids=rids,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=extend,
+        extend_seq_lens=None if extend is None else torch.tensor(extend, dtype=torch.int32),
+        extend_prefix_lens=None if prefix is None else torch.tensor(prefix, dtype=torch.int32),
+    )
+
+
+def test_decode_one_row_per_request_at_seq_len_minus_one() -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.domain.layout import ForwardKind
+
+    layout = layout_from_forward_batch(_fb("DECODE", ["a", "b", "c"], [7, 3, 12]))
+    assert layout.kind is ForwardKind.DECODE
+    assert layout.positions() == [("a", 6), ("b", 2), ("c", 11)]
+    assert layout.padded_batch_size == 3
+    padded = layout_from_forward_batch(_fb("DECODE", ["a", "b", "c"], [7, 3, 12]),
+                                       padded_batch_size=4)
+    assert (padded.raw_batch_size, padded.padded_batch_size, padded.padded_token_rows) == (
+        3, 4, 4)
+
+
+def test_extend_rows_follow_prefix_and_extend_lists() -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.domain.layout import ForwardKind
+
+    fb = _fb("EXTEND", ["a", "b"], [5, 10], prefix=[0, 6], extend=[5, 4])
+    layout = layout_from_forward_batch(fb)
+    assert layout.kind is ForwardKind.EXTEND
+    assert [(r.request_id, r.row_offset, r.start, r.count, r.emits_token)
+            for r in layout.requests] == [("a", 0, 0, 5, True), ("b", 5, 6, 4, True)]
+    assert layout.token_rows == 9
+    assert layout.logit_rows == 2
+
+
+def test_an_unfinished_chunk_emits_no_token() -> None:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from dmi_sglang.adapters.sglang_v0519.batch import (
+        layout_from_forward_batch,
+        unfinished_rids,
+    )
+
+    short = Req("short", "w1 w2", [4, 5], SamplingParams(max_new_tokens=4))
+    long = Req("long", "w1 w2 w3", [4, 5, 6] * 400, SamplingParams(max_new_tokens=4))
+    batch = ScheduleBatch(reqs=[short, long], chunked_req=long)
+    assert unfinished_rids(batch) == frozenset({"long"})
+    assert unfinished_rids(ScheduleBatch(reqs=[short])) == frozenset()
+    assert unfinished_rids(ScheduleBatch(reqs=[short], chunked_req=long)) == frozenset()
+    fb = _fb("EXTEND", ["short", "long"], [2, 512], prefix=[0, 0], extend=[2, 512])
+    layout = layout_from_forward_batch(fb, unfinished_rids=unfinished_rids(batch))
+    assert [r.emits_token for r in layout.requests] == [True, False]
+    assert layout.logit_rows == 1
+
+
+def test_mixed_batch_holds_prefill_chunks_and_decode_rows() -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.domain.layout import ForwardKind
+
+    # A new prompt of 6 tokens mixed with two running requests decoding one token each.
+    fb = _fb("MIXED", ["new", "run1", "run2"], [6, 9, 4], prefix=[0, 8, 3], extend=[6, 1, 1])
+    layout = layout_from_forward_batch(fb)
+    assert layout.kind is ForwardKind.MIXED
+    assert layout.positions()[-2:] == [("run1", 8), ("run2", 3)]
+    assert layout.token_rows == 8
+
+
+def test_idle_and_refused_batches() -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.domain.layout import ForwardKind
+    from dmi_sglang.errors import CommitError
+
+    assert layout_from_forward_batch(_fb("IDLE", [], [])).kind is ForwardKind.IDLE
+    with pytest.raises(CommitError, match="TARGET_VERIFY cannot be captured"):
+        layout_from_forward_batch(_fb("TARGET_VERIFY", ["a"], [3]))
+    with pytest.raises(CommitError, match="without rids"):
+        layout_from_forward_batch(_fb("EXTEND", None, [3], prefix=[0], extend=[3]))
+    with pytest.raises(CommitError, match="padded"):
+        layout_from_forward_batch(_fb("EXTEND", ["a"], [3], prefix=[0], extend=[3]),
+                                  padded_batch_size=2)
+    with pytest.raises(CommitError, match="not prefix"):
+        layout_from_forward_batch(_fb("EXTEND", ["a"], [4], prefix=[0], extend=[3]))
+
+
+def test_gpu_fields_are_the_fallback() -> None:
+    import dataclasses
+
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+
+    fb = _fb("EXTEND", ["a", "b"], [5, 10], prefix=[0, 6], extend=[5, 4])
+    bare = dataclasses.replace(fb, extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None,
+                               seq_lens_cpu=None)
+    assert layout_from_forward_batch(bare) == layout_from_forward_batch(fb)
