@@ -7,7 +7,7 @@ transport code runs and its bookkeeping is tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,8 +37,8 @@ WIDE_DTYPES: dict[int, torch.dtype] = {
 }
 """Element types used to move raw bytes (wider elements, fewer threads per byte)."""
 
-Marker = torch.cuda.Event | None
-"""Orders the drain after the device work of a step (None on CPU)."""
+Marker = tuple[torch.cuda.Event, int] | None
+"""Orders the drain after the device work of a step: (event, stream id); None on CPU."""
 
 
 def _never() -> bool:
@@ -82,26 +82,31 @@ class DeviceOps:
         """Record a marker on the current stream after the work queued so far."""
         if not self.is_cuda:
             return None
+        stream = torch.cuda.current_stream(self.device)
         event = self._free_events.pop() if self._free_events else torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-        return event
+        event.record(stream)
+        return event, stream.cuda_stream
 
-    def to_host(self, marker: Marker, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` (device) into ``dst`` (host) once ``marker`` completed; blocks.
+    def to_host(self, markers: Sequence[Marker], dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst`` (host) once every marker completed; blocks.
 
-        Runs on the drain's own stream, so the copy overlaps the next forward. The GIL is
-        released while waiting.
+        Runs on the drain's own stream, so the copy overlaps the next forward; the GIL is
+        released while waiting. Markers of one stream complete in order, so only the last
+        marker of each stream is waited for.
         """
-        if marker is None or self._drain_stream is None or self._done is None:
+        events = [m for m in markers if m is not None]
+        if not events or self._drain_stream is None or self._done is None:
             dst.copy_(src)
             return
+        last = {stream_id: event for event, stream_id in events}
         stream = self._drain_stream
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_event(marker)
+        with torch.cuda.stream(stream):
+            for event in last.values():
+                stream.wait_event(event)
             dst.copy_(src, non_blocking=True)
             self._done.record(stream)
         self._done.synchronize()
-        self._free_events.append(marker)
+        self._free_events.extend(event for event, _ in events)
 
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""

@@ -23,7 +23,7 @@ import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._program import Bytes2D, Program, host_rows
-from dmi_sglang.adapters.transport._window import DecodeWindow
+from dmi_sglang.adapters.transport._window import YIELD_EVERY, DecodeWindow
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.ports import RecordSink
@@ -79,6 +79,7 @@ def build_records(
     """Records of one drained item, one per segment and request slice."""
     records: list[CaptureRecord] = []
     segments = item.plan.segments
+    next_yield = YIELD_EVERY
     for group in item.program.groups:
         rows = host_rows(staging, item.base, group)
         slices = segments[group.positions[0]].slices
@@ -92,10 +93,15 @@ def build_records(
                         sl.end, meta.dtype, (sl.rows, *meta.dims), payload, seq=item.seq,
                     )
                 )
+            if len(records) >= next_yield:  # see DecodeWindow.flush
+                time.sleep(0)
+                next_yield += YIELD_EVERY
     return records
 
 
 _STOP = object()
+_BATCH = 1024
+"""Most items drained per wake-up (each wake-up costs GIL hand-overs; see docs)."""
 
 
 class Drain:
@@ -145,15 +151,31 @@ class Drain:
 
     def _run(self) -> None:
         try:
-            while True:
+            stop = False
+            while not stop:
+                batch: list[DrainItem] = []
                 item = self._next()
-                if item is _STOP:
-                    self._emit(self._window.flush() if self._window else [])
-                    return
-                assert isinstance(item, DrainItem)
-                self._process(item)
+                while item is not None:
+                    if item is _STOP:
+                        stop = True
+                        break
+                    assert isinstance(item, DrainItem)
+                    batch.append(item)
+                    item = self._more(len(batch))
+                out: list[CaptureRecord] = []
+                if batch:
+                    self._process(batch, out)
+                if stop and self._window is not None:
+                    out.extend(self._window.flush())
+                self._emit(out)
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
+
+    def _more(self, have: int) -> object:
+        """The next queued item without waiting, or None."""
+        if have >= _BATCH or self._queue.empty():
+            return None
+        return self._queue.get_nowait()
 
     def _next(self) -> object:
         while True:
@@ -164,30 +186,36 @@ class Drain:
                 assert self._window is not None
                 self._emit(self._window.flush())
 
-    def _process(self, item: DrainItem) -> None:
-        lo, hi = item.base, item.base + item.nbytes
-        t0 = time.perf_counter()
-        self._ops.to_host(item.marker, self._staging[lo:hi], self._ring[lo:hi])
-        self.d2h_seconds += time.perf_counter() - t0
-        self.d2h_bytes += item.nbytes
-        if item.discard:
-            self._release()
-            return
+    def _process(self, batch: list[DrainItem], out: list[CaptureRecord]) -> None:
+        """Copy the batch to staging (one copy per contiguous span), then build records."""
+        start = 0
+        for i in range(1, len(batch) + 1):
+            if i == len(batch) or batch[i].base != batch[i - 1].base + batch[i - 1].nbytes:
+                lo, hi = batch[start].base, batch[i - 1].base + batch[i - 1].nbytes
+                t0 = time.perf_counter()
+                markers = [it.marker for it in batch[start:i]]
+                self._ops.to_host(markers, self._staging[lo:hi], self._ring[lo:hi])
+                self.d2h_seconds += time.perf_counter() - t0
+                self.d2h_bytes += hi - lo
+                start = i
         window = self._window
-        requests = decode_requests(item.plan, item.program) if window is not None else None
-        if window is not None and requests is not None:
-            if not window.can_take(item.program, len(requests)):
-                self._emit(window.flush())
-            window.append(item.seq, item.program, self._staging_np, item.base, requests)
+        for item in batch:
+            if item.discard:
+                self._release()
+                continue
+            requests = decode_requests(item.plan, item.program) if window is not None else None
+            if window is not None and requests is not None:
+                if not window.can_take(item.program, len(requests)):
+                    out.extend(window.flush())
+                window.append(item.seq, item.program, self._staging_np, item.base, requests)
+                self._release()
+                if window.due():
+                    out.extend(window.flush())
+                continue
+            if window is not None:
+                out.extend(window.flush())
+            out.extend(build_records(self._run_id, item, self._staging_np))
             self._release()
-            if window.due():
-                self._emit(window.flush())
-            return
-        if window is not None:
-            self._emit(window.flush())
-        records = build_records(self._run_id, item, self._staging_np)
-        self._release()
-        self._emit(records)
 
     def _emit(self, records: Sequence[CaptureRecord]) -> None:
         if not records:

@@ -22,7 +22,10 @@ import numpy as np
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
 from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["DecodeWindow"]
+__all__ = ["YIELD_EVERY", "DecodeWindow"]
+
+YIELD_EVERY = 256
+"""Records built between two voluntary GIL releases of the drain (about 1 ms of work)."""
 
 
 class _Run:
@@ -120,6 +123,7 @@ class DecodeWindow:
             return []
         records: list[CaptureRecord] = []
         run_id = self._run_id
+        next_yield = YIELD_EVERY
         for array, group in zip(self._arrays, self._groups, strict=True):
             for rid, runs in self._runs.items():
                 for run in runs:
@@ -137,6 +141,12 @@ class DecodeWindow:
                                 block[s].tobytes(), seq=run.seq,
                             )
                         )
+                    if len(records) >= next_yield:
+                        # Hand the GIL to the scheduler thread now and then: a long burst
+                        # here would make each of its GIL hand-overs wait up to the switch
+                        # interval (5 ms).
+                        time.sleep(0)
+                        next_yield += YIELD_EVERY
         self.rows = 0
         self._runs = {}
         return records
