@@ -28,7 +28,15 @@ from dmi_sglang.errors import StoreError
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["ClientFactory", "close_quietly", "connect", "is_transient", "store_error"]
+__all__ = [
+    "ClientFactory",
+    "close_quietly",
+    "compress",
+    "connect",
+    "is_transient",
+    "store_error",
+    "wire_compression",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -199,3 +207,40 @@ def close_quietly(client: Client | None) -> None:
         client.close()
     except Exception as exc:  # closing is best effort: the data is already durable
         log.warning("store.close_failed", error=str(exc))
+
+
+_COMPRESSIONS = {"lz4": "lz4", "true": "lz4", "zstd": "zstd", "gzip": "gzip"}
+
+
+def wire_compression(config: StoreConfig) -> str | None:
+    """The HTTP ``Content-Encoding`` the sink compresses raw blocks with (None: plain).
+
+    Raises:
+        StoreError: an unsupported ``compression`` setting.
+    """
+    if config.kind is not StoreKind.SERVER or config.compression in {"", "none", "false"}:
+        return None  # the embedded engine reads the block from a local file: never compress
+    try:
+        return _COMPRESSIONS[config.compression]
+    except KeyError:
+        msg = (
+            f"unsupported wire compression {config.compression!r}; accepted: lz4, zstd, gzip, none"
+        )
+        raise StoreError(msg) from None
+
+
+def compress(data: bytes, method: str | None) -> bytes:
+    """``data`` compressed with ``method`` (from :func:`wire_compression`)."""
+    if method is None:
+        return data
+    if method == "lz4":
+        import lz4.frame  # type: ignore[import-untyped]
+
+        return bytes(lz4.frame.compress(data))
+    if method == "zstd":
+        from clickhouse_connect.driver.compression import _zstd_compress
+
+        return bytes(_zstd_compress(data))
+    import gzip
+
+    return gzip.compress(data, compresslevel=1)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from itertools import accumulate, chain
 
 from dmi_sglang.adapters.clickhouse._schema import OFFLOAD_COLUMNS
 from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["COLUMN_NAMES", "encode_block", "encoded_size"]
+__all__ = ["COLUMN_NAMES", "coalesce", "encode_block", "encoded_size"]
 
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in OFFLOAD_COLUMNS)
 """The records table's columns, in insert order."""
@@ -94,6 +94,20 @@ def encode_block(records: Sequence[CaptureRecord]) -> list[bytes]:
     chunks.append(_HEADERS["seq"])
     chunks.append(_numbers("Q", (r.seq for r in records)))
     return chunks
+
+
+def coalesce(chunks: Sequence[bytes], piece_bytes: int) -> Iterator[bytes]:
+    """The chunks joined into pieces of about ``piece_bytes`` (fewer, larger writes)."""
+    group: list[bytes] = []
+    size = 0
+    for c in chunks:
+        group.append(c)
+        size += len(c)
+        if size >= piece_bytes:
+            yield b"".join(group)
+            group, size = [], 0
+    if group:
+        yield b"".join(group)
 
 
 def encoded_size(chunks: Sequence[bytes]) -> int:

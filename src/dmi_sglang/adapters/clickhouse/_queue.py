@@ -46,16 +46,23 @@ class RecordQueue:
             larger than the bound is admitted alone into an empty queue).
         batch_rows: most records per batch.
         linger_s: longest the oldest queued record waits for a batch to fill.
+        batch_bytes: most bytes per batch (a batch holds at least one record);
+            default a quarter of ``max_bytes``, at most 256 MiB, so that several
+            batches can be in flight and no insert builds a huge block.
     """
 
-    def __init__(self, *, max_bytes: int, batch_rows: int, linger_s: float) -> None:
+    def __init__(
+        self, *, max_bytes: int, batch_rows: int, linger_s: float, batch_bytes: int = 0
+    ) -> None:
         self._max_bytes = max(1, max_bytes)
         self._batch_rows = max(1, batch_rows)
+        self._batch_bytes = batch_bytes or min(max(1, self._max_bytes // 4), 256 << 20)
         self._linger_s = max(0.0, linger_s)
         self._cond = threading.Condition()
         self._records: deque[CaptureRecord] = deque()
         self._arrivals: deque[list[float]] = deque()  # [records left, put time] per put
         self._bytes = 0  # queued + in flight
+        self._waiting_bytes = 0  # queued, not taken yet
         self._next_index = 0  # index the next put record gets
         self._taken = 0  # index of the next record a writer takes
         self._done_below = 0
@@ -93,6 +100,7 @@ class RecordQueue:
             self._records.extend(records)
             self._arrivals.append([len(records), time.monotonic()])
             self._bytes += nbytes
+            self._waiting_bytes += nbytes
             self._next_index += len(records)
             self._cond.notify_all()
 
@@ -133,17 +141,26 @@ class RecordQueue:
                 n = len(self._records)
                 if n:
                     wait = self._arrivals[0][1] + self._linger_s - time.monotonic()
-                    if n >= self._batch_rows or self._urgent or self._closing or wait <= 0:
-                        return self._pop(min(n, self._batch_rows))
+                    full = n >= self._batch_rows or self._waiting_bytes >= self._batch_bytes
+                    if full or self._urgent or self._closing or wait <= 0:
+                        return self._pop()
                     self._cond.wait(wait)
                 elif self._closing:
                     return None
                 else:
                     self._cond.wait()
 
-    def _pop(self, k: int) -> Batch:
-        records = [self._records.popleft() for _ in range(k)]
-        left = k
+    def _pop(self) -> Batch:
+        records: list[CaptureRecord] = []
+        nbytes = 0
+        while self._records and len(records) < self._batch_rows:
+            size = record_bytes(self._records[0])
+            if records and nbytes + size > self._batch_bytes:
+                break
+            records.append(self._records.popleft())
+            nbytes += size
+        self._waiting_bytes -= nbytes
+        k = left = len(records)
         while left:
             head = self._arrivals[0]
             used = min(left, int(head[0]))
@@ -153,7 +170,7 @@ class RecordQueue:
                 self._arrivals.popleft()
         first = self._taken
         self._taken += k
-        return Batch(first, records, sum(record_bytes(r) for r in records))
+        return Batch(first, records, nbytes)
 
     def done(self, batch: Batch) -> None:
         """A writer stored ``batch``."""
@@ -173,7 +190,7 @@ class RecordQueue:
                 self._failure = failure
             self._records.clear()
             self._arrivals.clear()
-            self._bytes = 0  # queued and in-flight records are dropped
+            self._bytes = self._waiting_bytes = 0  # queued and in-flight records are dropped
             self._cond.notify_all()
 
     def close(self) -> None:
