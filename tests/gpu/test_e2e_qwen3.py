@@ -1,0 +1,234 @@
+"""End to end on the GPU: stock vs monitored SGLang 0.5.19 on a generated Qwen3 checkpoint.
+
+Run on the H200 machine with the GPU kit::
+
+    python -m pytest tests/gpu/test_e2e_qwen3.py -m gpu -q -s
+
+Stock and monitored engines run in separate processes (tests/gpu/run_engine.py). Checks:
+tokens identical to stock with the same forced settings; captured resid_pre (every
+layer), final_ln and final_logits against a transformers forward (relative error <= 3 %
+per request and layer); exact row coverage for every selected hook, a prompt longer than
+2,000 tokens included (committed piecewise through a 16 MiB ring); unsupported
+configurations refused at startup with every reason. A JSON summary goes to
+``$DMI_EVIDENCE_DIR`` (default: the test's tmp dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HERE = Path(__file__).resolve().parent
+REL_TOL = 0.03
+LONG_PROMPT_WORDS = 2100
+
+
+def _engine_kwargs(model: Path) -> dict[str, Any]:
+    return {
+        "model_path": str(model),
+        "attention_backend": "triton",
+        "sampling_backend": "pytorch",
+        "mem_fraction_static": 0.3,
+        "cuda_graph_max_bs_decode": 16,
+        "disable_prefill_cuda_graph": True,
+        "disable_radix_cache": True,
+        "log_level": "error",
+    }
+
+
+def _prompts() -> list[str]:
+    lengths = [3, 7, 12, 20, 33, 50, 81, 130, LONG_PROMPT_WORDS]
+    return [" ".join(f"w{(i * 37 + j * 11) % 1000}" for j in range(n))
+            for i, n in enumerate(lengths)]
+
+
+def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR",
+                                                            "/root/triton-cache")}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "run_engine.py"), str(spec_path), str(out_path)],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if not out_path.exists():
+        pytest.fail(f"{name} engine produced no result:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["log_tail"] = (proc.stdout + proc.stderr)[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workdir: Path) -> Path:
+    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
+
+    return Path(write_demo_checkpoint(workdir / "qwen3-demo", layers=4))
+
+
+@pytest.fixture(scope="module")
+def runs(workdir: Path, checkpoint: Path) -> dict[str, Any]:
+    common = {
+        "engine": _engine_kwargs(checkpoint),
+        "prompts": _prompts(),
+        "rids": [f"req-{i}" for i in range(len(_prompts()))],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+    }
+    store = workdir / "store"
+    stock = _run(workdir, "stock", {**common, "env": {"DMX_SGLANG_ENABLE": "0"}})
+    monitored = _run(workdir, "monitored", {
+        **common,
+        "monitored": True,
+        "env": {
+            "DMX_HOOK_SELECTION": "sglang-full",
+            "DMX_DB_URL": f"chdb://{store}",
+            "DMX_RING_PAYLOAD_MB": "16",
+            "DMX_RING_PINNED_MB": "16",
+        },
+    })
+    assert stock["ok"], stock
+    assert monitored["ok"], monitored
+    return {"stock": stock, "monitored": monitored, "store": store}
+
+
+def _evidence(name: str, data: dict[str, Any], workdir: Path) -> None:
+    out = Path(os.environ.get("DMI_EVIDENCE_DIR", str(workdir)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def test_tokens_identical_to_stock(runs: dict[str, Any], workdir: Path) -> None:
+    stock = {o["id"]: o["output_ids"] for o in runs["stock"]["outputs"]}
+    mon = {o["id"]: o["output_ids"] for o in runs["monitored"]["outputs"]}
+    diverged = {rid: (stock[rid], mon[rid]) for rid in stock if stock[rid] != mon[rid]}
+    _evidence("e2e-tokens", {"requests": len(stock), "diverged": diverged}, workdir)
+    assert not diverged
+
+
+def _reader(store: Path) -> Any:
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+
+    return ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))
+
+
+def test_rows_complete_for_every_hook(runs: dict[str, Any], workdir: Path) -> None:
+    from dmi_sglang.adapters.clickhouse import CaptureHandle
+
+    run_id = runs["monitored"]["run_id"]
+    reader = _reader(runs["store"])
+    problems: dict[str, Any] = {}
+    summary = {}
+    with reader.session():
+        run = next(r for r in reader.runs() if r.run_id == run_id)
+        for out in runs["monitored"]["outputs"]:
+            handle = CaptureHandle(run_id, out["id"], lambda: reader)
+            missing = handle.missing
+            manifest = reader.manifest(run_id, out["id"])
+            summary[out["id"]] = {
+                "prompt": out["prompt_tokens"], "completion": out["completion_tokens"],
+                "manifest": str(manifest), "missing": list(missing),
+            }
+            if missing:
+                problems[out["id"]] = list(missing)
+            assert manifest is not None
+            assert manifest.prompt_tokens == out["prompt_tokens"]
+            assert manifest.completion_tokens == out["completion_tokens"]
+    _evidence("e2e-rows", {"run": str(run), "requests": summary, "problems": problems},
+              workdir)
+    assert len(run.captures) == 4 * 12 + 5  # 12 per-layer hooks x 4 layers + 5 global
+    assert not problems
+
+
+def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
+                                     workdir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dmi_sglang.adapters.clickhouse import CaptureHandle
+
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.bfloat16)
+    hf = hf.cuda().eval()
+    run_id = runs["monitored"]["run_id"]
+    reader = _reader(runs["store"])
+    worst: dict[str, float] = {}
+    with reader.session():
+        for out, prompt_ids in _prompt_ids(runs, checkpoint):
+            handle = CaptureHandle(run_id, out["id"], lambda: reader)
+            ids = prompt_ids + out["output_ids"]
+            hs = handle.hidden_states
+            n = hs[0].shape[0]
+            with torch.no_grad():
+                ref = hf(torch.tensor([ids[:n]], device="cuda"), output_hidden_states=True)
+            for layer, got in enumerate(hs):
+                _cmp(worst, f"resid_pre.{layer}", got, ref.hidden_states[layer][0])
+            final_ln = handle.get("final_ln")
+            _cmp(worst, "final_ln", final_ln, ref.hidden_states[-1][0][: final_ln.shape[0]])
+            logits = handle.logits
+            start = out["prompt_tokens"] - 1
+            _cmp(worst, "final_logits", logits,
+                 ref.logits[0][start: start + logits.shape[0]].float())
+    _evidence("e2e-parity", {"max_rel_err": worst, "tolerance": REL_TOL}, workdir)
+    assert max(worst.values()) <= REL_TOL, worst
+
+
+def _prompt_ids(runs: dict[str, Any], checkpoint: Path) -> list[tuple[dict[str, Any],
+                                                                       list[int]]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    pairs = []
+    for out, prompt in zip(runs["monitored"]["outputs"], _prompts(), strict=True):
+        ids = tok(prompt)["input_ids"]
+        assert len(ids) == out["prompt_tokens"]
+        pairs.append((out, ids))
+    return pairs
+
+
+def _cmp(worst: dict[str, float], name: str, got: Any, ref: Any) -> None:
+    got = got.to("cuda").float()
+    ref = ref.float()
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    worst[name] = max(worst.get(name, 0.0), err)
+
+
+def test_unsupported_configurations_fail_at_startup(workdir: Path, checkpoint: Path) -> None:
+    moe = workdir / "qwen3-moe"
+    moe.mkdir(exist_ok=True)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    (moe / "config.json").write_text(json.dumps(config))
+    env = {"DMX_HOOK_SELECTION": "hidden-states", "DMX_DB_URL": "none"}
+    base = {"prompts": ["w1"], "sampling_params": {"max_new_tokens": 2}, "env": env}
+    moe_run = _run(workdir, "moe", {**base, "engine": {**_engine_kwargs(moe),
+                                                        "load_format": "dummy"}})
+    compile_run = _run(workdir, "compile", {**base, "engine": {
+        **_engine_kwargs(checkpoint), "enable_torch_compile": True,
+        "num_continuous_decode_steps": 2}})
+    _evidence("e2e-rejections", {"moe": moe_run, "compile": compile_run}, workdir)
+    assert not moe_run["ok"]
+    assert "Qwen3MoeForCausalLM is not supported" in moe_run["error"]
+    assert not compile_run["ok"]
+    assert "enable_torch_compile=True" in compile_run["error"]
+    assert "num_continuous_decode_steps=2" in compile_run["error"]
+    for run in (moe_run, compile_run):
+        assert "capture transport ready" not in run["log_tail"]
