@@ -1,0 +1,112 @@
+"""``dmi-sglang``: capture a generation into the store, and read captures back.
+
+::
+
+    dmi-sglang demo-model ./qwen3-demo
+    dmi-sglang capture --model ./qwen3-demo --prompt "w1 w2 w3" --max-new-tokens 8
+    dmi-sglang ls [RUN]
+    dmi-sglang show RUN REQUEST
+    dmi-sglang export RUN REQUEST --out capture.safetensors
+    dmi-sglang rm RUN
+
+Every command takes ``--db URL`` (default: the embedded store ``./dmi-captures``). Any
+other ``--option`` of ``capture`` is passed to SGLang's ServerArgs unchanged. Errors are
+one line on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import DMIError
+
+__all__ = ["main"]
+
+EXIT_ERROR = 2
+
+
+class CliError(Exception):
+    """A failure reported as one line."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dmi-sglang", description=__doc__.split("\n\n")[0])
+    sub = top.add_subparsers(dest="command", required=True)
+
+    def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--db", help="store URL: chdb:///abs/path or http(s)://host:port/db "
+                       "(default: embedded ./dmi-captures)")
+        return p
+
+    cap = with_db(sub.add_parser("capture", help="run a monitored generation into the store"))
+    cap.add_argument("--model", required=True, help="model directory (a Qwen3 checkpoint)")
+    src = cap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", type=Path, help="a file with one prompt per line")
+    cap.add_argument("--hooks", default=None, help="hook selection (default: sglang-full)")
+    cap.add_argument("--run-id", default=None, help="capture run id (default: generated)")
+    cap.add_argument("--max-new-tokens", type=int, default=32)
+    cap.add_argument("--batch", type=int, default=64, help="prompts per generate call")
+
+    ls = with_db(sub.add_parser("ls", help="list runs, or the requests of one run"))
+    ls.add_argument("run", nargs="?")
+    show = with_db(sub.add_parser("show", help="hooks, layers, shapes and norms of a request"))
+    show.add_argument("run")
+    show.add_argument("request")
+    exp = with_db(sub.add_parser("export", help="write a request's captures as safetensors"))
+    exp.add_argument("run")
+    exp.add_argument("request")
+    exp.add_argument("--out", required=True, type=Path)
+    rm = with_db(sub.add_parser("rm", help="delete a run"))
+    rm.add_argument("run")
+    demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
+    demo.add_argument("dir", type=Path)
+    demo.add_argument("--layers", type=int, default=4)
+    return top
+
+
+def _store(db: str | None) -> StoreConfig:
+    env = {"DMX_DB_URL": db} if db else {}
+    return Settings.from_env(env).resolve(model_path="cli").store()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dmi-sglang`` command."""
+    args, extra = _parser().parse_known_args(argv)
+    if extra and args.command != "capture":
+        print(f"dmi-sglang {args.command}: unknown arguments {' '.join(extra)}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    from dmi_sglang.app import cli_commands as cmd
+
+    try:
+        if args.command == "capture":
+            return cmd.capture(args, extra)
+        if args.command == "demo-model":
+            return cmd.demo_model(args.dir, layers=args.layers)
+        store = _store(args.db)
+        handler: dict[str, Any] = {
+            "ls": lambda: cmd.ls(store, args.run),
+            "show": lambda: cmd.show(store, args.run, args.request),
+            "export": lambda: cmd.export(store, args.run, args.request, args.out),
+            "rm": lambda: cmd.rm(store, args.run),
+        }
+        return int(handler[args.command]())
+    except (DMIError, CliError, OSError, ValueError) as exc:
+        print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) < 600 else text[:597] + "..."
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The ``dmi-sglang`` subcommands (parsing lives in ``cli.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+__all__ = ["capture", "demo_model", "export", "ls", "rm", "show"]
+
+
+def _out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _reader(store: StoreConfig) -> Any:
+    from dmi_sglang.app.handles import reader_for
+
+    return reader_for(store)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.2f} MiB"
+
+
+def ls(store: StoreConfig, run_id: str | None) -> int:
+    """List runs, or one run's requests, with sizes."""
+    reader = _reader(store)
+    with reader.session():
+        if run_id is None:
+            runs = reader.runs()
+            if not runs:
+                _out(f"no runs in {store.url}")
+                return 0
+            _out(f"{'run':<44} {'status':<10} {'requests':>8} {'rows':>10} {'size':>14}  "
+                 "started")
+            for run in runs:
+                reqs = reader.requests(run.run_id)
+                rows = sum(r.rows for r in reqs)
+                size = sum(r.bytes for r in reqs)
+                _out(f"{run.run_id:<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
+                     f"{_mib(size):>14}  {run.started_at}")
+            return 0
+        if reader.run(run_id) is None:
+            raise StoreError(f"no run {run_id!r} in {store.url}")
+        _out(f"{'request':<40} {'rows':>10} {'size':>14}")
+        for req in reader.requests(run_id):
+            _out(f"{req.request_id:<40} {req.rows:>10} {_mib(req.bytes):>14}")
+    return 0
+
+
+def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of every capture of a request, in the run's capture order."""
+    from dmi_sglang.adapters.clickhouse import CaptureHandle
+
+    reader = _reader(store)
+    with reader.session():
+        if reader.run(run_id) is None:
+            raise StoreError(f"no run {run_id!r} in {store.url}")
+        handle = CaptureHandle(run_id, request_id, lambda: reader)
+        missing = handle.missing
+        if missing:
+            raise IncompleteCaptureError(
+                f"request {request_id!r} of run {run_id!r} is not complete: {missing[0]}"
+            )
+        for act, layer in handle.captures():
+            name = act if layer < 0 else f"{act}.{layer}"
+            yield name, handle.get(act, None if layer < 0 else layer)
+
+
+def show(store: StoreConfig, run_id: str, request_id: str) -> int:
+    """Hooks, layers, shapes, dtypes and norms of one request."""
+    _out(f"run {run_id}  request {request_id}")
+    _out(f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}")
+    for name, tensor in _tensors(store, run_id, request_id):
+        norm = float(tensor.float().norm()) if tensor.is_floating_point() else float("nan")
+        shape = "x".join(str(d) for d in tensor.shape)
+        _out(f"{name:<36} {shape:<22} {str(tensor.dtype):<16} {norm:>12.4f}")
+    return 0
+
+
+def export(store: StoreConfig, run_id: str, request_id: str, out: Path) -> int:
+    """Write one request's captures as a safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.contiguous() for name, t in _tensors(store, run_id, request_id)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"run_id": run_id, "request_id": request_id})
+    _out(f"wrote {len(tensors)} tensors ({_mib(out.stat().st_size)}) to {out}")
+    return 0
+
+
+def rm(store: StoreConfig, run_id: str) -> int:
+    """Delete a run."""
+    reader = _reader(store)
+    with reader.session():
+        if reader.run(run_id) is None:
+            raise StoreError(f"no run {run_id!r} in {store.url}")
+        n = reader.delete_run(run_id)
+    _out(f"deleted run {run_id} ({n} records)")
+    return 0
+
+
+def demo_model(path: Path, *, layers: int) -> int:
+    """Write the small random-weight Qwen3 checkpoint."""
+    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
+
+    where = write_demo_checkpoint(path, layers=layers)
+    _out(f"wrote a {layers}-layer random-weight Qwen3 checkpoint to {where}")
+    _out("try: dmi-sglang capture --model " + str(where) + ' --prompt "w1 w2 w3"')
+    return 0
+
+
+def _gpu_problem() -> str | None:
+    try:
+        import sglang  # noqa: F401
+        import torch
+    except ImportError as exc:
+        return (f"capture needs SGLang 0.5.19 and an NVIDIA GPU; {exc.name} is not installed "
+                "(pip install 'dmi-sglang[sglang]')")
+    if not torch.cuda.is_available():
+        return "capture needs an NVIDIA GPU with CUDA; none is visible on this machine"
+    return None
+
+
+def _sglang_kwargs(model: str, extra: Sequence[str]) -> dict[str, Any]:
+    """ServerArgs keywords from ``--option value`` pairs, typed by SGLang's own parser."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", model, *extra])
+    return {k: v for k, v in vars(ns).items()
+            if k == "model_path" or v != parser.get_default(k)}
+
+
+def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """Run a monitored generation into the store and print a summary."""
+    problem = _gpu_problem()
+    if problem is not None:
+        print(f"dmi-sglang capture: {problem}", file=sys.stderr)
+        return 3
+    prompts = _read_prompts(args)
+    kwargs = _sglang_kwargs(str(args.model), extra)
+    dmx = {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
+                             ("dmx_model_id", args.run_id)) if v is not None}
+    from dmi_sglang.app.engine import DMIEngine
+
+    engine = DMIEngine(**kwargs, **dmx)
+    try:
+        t0 = time.perf_counter()
+        outputs: list[dict[str, Any]] = []
+        for i in range(0, len(prompts), args.batch):
+            chunk = prompts[i: i + args.batch]
+            outputs += engine.generate(
+                prompt=chunk,
+                sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens},
+            )
+            if len(prompts) > 1:
+                print(f"[{len(outputs)}/{len(prompts)}] requests done", file=sys.stderr,
+                      flush=True)
+        engine.dmi_stop_monitoring()
+        elapsed = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    _summary(engine, outputs, elapsed)
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts is not None:
+        prompts = [ln.strip() for ln in args.prompts.read_text().splitlines() if ln.strip()]
+        if not prompts:
+            raise ValueError(f"{args.prompts} holds no prompt")
+        return prompts
+    return [args.prompt or "The capital of France is"]
+
+
+def _summary(engine: Any, outputs: list[dict[str, Any]], elapsed: float) -> None:
+    store = engine.dmi_settings.store()
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+    _out(f"run id       {engine.dmi_run_id}")
+    _out(f"requests     {len(outputs)}  (prompt tokens {prompt}, generated {completion})")
+    _out(f"throughput   {completion / elapsed:,.1f} generated tokens/s until durable "
+         f"({elapsed:.2f} s)")
+    _out(f"stored in    {store.url}")
+    if store.kind.value == "none":
+        return
+    reader = _reader(store)
+    with reader.session():
+        totals = reader.hook_totals(engine.dmi_run_id)
+    _out(f"{'hook':<32} {'layers':>6} {'records':>9} {'rows':>10} {'size':>14}")
+    for act, layers, records, rows, size in totals:
+        _out(f"{act:<32} {layers:>6} {records:>9} {rows:>10} {_mib(size):>14}")
