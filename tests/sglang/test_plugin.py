@@ -1,0 +1,125 @@
+"""The plugin entry point, discovered and run by SGLang's own plugin loader.
+
+Subprocesses, because ``load_plugins`` runs once per process and patches SGLang classes
+for good; each one prints what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+_SCRIPT = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import ServerArgs
+from dmi_sglang.adapters.sglang_v0519.plugin import STATE
+out = {"patched": hasattr(ServerArgs.check_server_args, "__wrapped__"),
+       "registered": STATE.registered, "monitoring": STATE.monitoring,
+       "hooks": STATE.hooks, "problems": STATE.problems}
+if len(sys.argv) > 1:
+    server_args = ServerArgs(model_path=sys.argv[1], device="cuda", tp_size=2)
+    server_args.resolve_once()
+    try:
+        server_args.check_server_args()
+        out["check"] = "accepted"
+    except Exception as exc:
+        out["check"] = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def run_loader() -> Callable[..., dict[str, Any]]:
+    def run(env: dict[str, str], *args: str) -> dict[str, Any]:
+        clean = {k: v for k, v in os.environ.items()
+                 if not k.startswith("DMX_") and k != "SGLANG_PLUGINS"}
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, *args], env={**clean, **env},
+                              capture_output=True, text=True, timeout=180, check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert lines, proc.stdout + proc.stderr
+        return json.loads(lines[-1].removeprefix("RESULT "))  # type: ignore[no-any-return]
+
+    return run
+
+
+def test_the_entry_point_is_declared() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("dmi") == "dmi_sglang.app.plugin:register"
+
+
+def test_sglang_loads_it_and_the_main_process_check_refuses_tp2(
+    run_loader: Callable[..., dict[str, Any]], qwen3_dir: Path
+) -> None:
+    out = run_loader({"DMX_SGLANG_ENABLE": "1"}, str(qwen3_dir))
+    assert out["registered"]
+    assert out["monitoring"]
+    assert out["patched"]
+    assert out["hooks"] == ["sglang.srt.server_args.ServerArgs.check_server_args"]
+    assert out["problems"] == []
+    assert out["check"].startswith("UnsupportedConfigurationError")
+    assert "tp_size=2; only tp_size=1" in out["check"]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"DMX_SGLANG_ENABLE": "0", "DMX_HOOK_SELECTION": "logits"},
+     {"DMX_SGLANG_ENABLE": "1", "SGLANG_PLUGINS": "none"},
+     {}],
+    ids=["dmx-disabled", "sglang-plugins-none", "auto-without-dmx"],
+)
+def test_baseline_installs_nothing(
+    run_loader: Callable[..., dict[str, Any]], qwen3_dir: Path, env: dict[str, str]
+) -> None:
+    out = run_loader(env, str(qwen3_dir))
+    assert not out["patched"]
+    assert out["hooks"] == []
+    assert out["check"] == "accepted"  # SGLang itself accepts tp_size=2
+    assert out["registered"] is ("SGLANG_PLUGINS" not in env)
+
+
+def test_register_never_raises_and_records_problems(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dmi_sglang.adapters.sglang_v0519 import plugin
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    calls: list[str] = []
+    monkeypatch.setattr(HookRegistry, "register",
+                        classmethod(lambda cls, target, *a, **k: calls.append(target)))
+    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setenv("DMX_SGLANG_ENABLE", "maybe")
+    monkeypatch.setattr(plugin, "_version", lambda dist: "0.6.0" if dist == "sglang" else
+                        "2.11.0")
+    plugin.register()
+    plugin.register()  # idempotent
+    assert calls == ["sglang.srt.server_args.ServerArgs.check_server_args"]
+    problems = plugin.pending_problems(check_torch=False)
+    assert len(problems) == 2
+    assert "DMX_SGLANG_ENABLE='maybe'" in problems[0]
+    assert "sglang 0.6.0 is installed" in problems[1]
+    assert "torch 2.11.0" in plugin.pending_problems(check_torch=True)[2]
+    with pytest.raises(UnsupportedConfigurationError, match=r"sglang 0\.6\.0"):
+        plugin.raise_pending_problems(check_torch=False)
+
+    def boom() -> bool:
+        msg = "unexpected"
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setattr(plugin, "monitoring_requested", boom)
+    plugin.register()
+    assert plugin.STATE.problems == ["dmi-sglang register() failed: RuntimeError('unexpected')"]
