@@ -69,7 +69,7 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple
             raise IncompleteCaptureError(
                 f"request {request_id!r} of run {run_id!r} is not complete: {missing[0]}"
             )
-        for act, layer in handle.captures():
+        for act, layer in handle.captures:
             name = act if layer < 0 else f"{act}.{layer}"
             yield name, handle.get(act, None if layer < 0 else layer)
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import sglang
 import structlog
+from sglang.srt.entrypoints.engine import Engine
 
 from dmi_sglang.domain.settings import PREFIX, Settings
 from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
@@ -55,7 +55,7 @@ def _scheduler_environment(values: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-class DMIEngine(sglang.Engine):  # type: ignore[misc]
+class DMIEngine(Engine):  # type: ignore[misc]
     """``sglang.Engine`` with dmi-sglang monitoring attached in its scheduler.
 
     Args:

@@ -1,0 +1,142 @@
+"""The dmi-sglang command: parsing, read-only commands on a real embedded store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dmi_sglang.app.cli import main
+from dmi_sglang.domain.hooks import hook_by_name
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+
+torch = pytest.importorskip("torch")
+
+RUN = "demo-20261129T000000-abcdef"
+HIDDEN = 8
+
+
+def _populate(path: Path) -> dict[str, torch.Tensor]:
+    from dmi_sglang.adapters.clickhouse import open_sink
+
+    store = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path))
+    captures = (("blocks.hook_resid_pre", 0), ("blocks.hook_resid_pre", 1),
+                ("token_ids", -1), ("final_logits", -1))
+    run = RunInfo(RUN, "/m/demo", (("DMX_HOOK_SELECTION", "resid_pre,token_ids"),),
+                  captures, "2026-11-29T00:00:00+00:00")
+    gen = torch.Generator().manual_seed(0)
+    truth = {
+        "blocks.hook_resid_pre.0": torch.randn(6, HIDDEN, generator=gen).bfloat16(),
+        "blocks.hook_resid_pre.1": torch.randn(6, HIDDEN, generator=gen).bfloat16(),
+        "token_ids": torch.arange(6, dtype=torch.int64),
+        "final_logits": torch.randn(3, 5, generator=gen),
+    }
+    records = []
+    for act, layer in captures:
+        key = act if layer < 0 else f"{act}.{layer}"
+        t = truth[key]
+        start = 3 if act == "final_logits" else 0
+        records.append(CaptureRecord(RUN, "req-0", act, layer, 0, start, start + t.shape[0],
+                                     str(t.dtype), tuple(t.shape),
+                                     t.contiguous().view(torch.uint8).numpy().tobytes(), 1))
+    sink = open_sink(store)
+    try:
+        sink.start_run(run)
+        sink.put(records)
+        manifest = RequestManifest(RUN, "req-0", prompt_tokens=4, completion_tokens=3,
+                                   committed=True)
+        done = RunInfo(RUN, run.model_path, run.settings, captures, run.started_at,
+                       "2026-11-29T00:01:00+00:00", RunStatus.COMMITTED)
+        sink.finish_run(done, [manifest])
+    finally:
+        sink.close()
+    assert hook_by_name("final_logits").act_name == "final_logits"
+    return truth
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    path = tmp_path_factory.mktemp("cli") / "captures"
+    return f"chdb://{path}", _populate(path)
+
+
+def test_ls_lists_runs_and_requests(store: tuple[str, dict[str, torch.Tensor]],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = store
+    assert main(["ls", "--db", url]) == 0
+    out = capsys.readouterr().out
+    assert RUN in out
+    assert "committed" in out
+    assert main(["ls", RUN, "--db", url]) == 0
+    assert "req-0" in capsys.readouterr().out
+
+
+def test_show_prints_shapes_and_norms(store: tuple[str, dict[str, torch.Tensor]],
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    url, truth = store
+    assert main(["show", RUN, "req-0", "--db", url]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.hook_resid_pre.1" in out
+    assert "6x8" in out
+    norm = float(truth["blocks.hook_resid_pre.0"].float().norm())
+    assert f"{norm:.4f}" in out
+
+
+def test_export_writes_safetensors(store: tuple[str, dict[str, torch.Tensor]],
+                                   tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    url, truth = store
+    out = tmp_path / "x.safetensors"
+    assert main(["export", RUN, "req-0", "--out", str(out), "--db", url]) == 0
+    loaded = load_file(str(out))
+    assert set(loaded) == set(truth)
+    for name, tensor in truth.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_errors_are_one_line_and_non_zero(store: tuple[str, dict[str, torch.Tensor]],
+                                          tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = store
+    assert main(["show", "no-such-run", "req-0", "--db", url]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "no run 'no-such-run'" in err
+    assert main(["ls", "--db", "chdb://relative"]) != 0
+    assert "absolute path" in capsys.readouterr().err
+    assert main(["ls", "--db", f"chdb://{tmp_path}/missing"]) != 0
+    assert capsys.readouterr().err.strip()
+
+
+def test_rm_deletes_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "captures"
+    _populate(path)
+    url = f"chdb://{path}"
+    assert main(["rm", RUN, "--db", url]) == 0
+    capsys.readouterr()
+    assert main(["ls", "--db", url]) == 0
+    assert RUN not in capsys.readouterr().out
+
+
+def test_capture_without_gpu_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = main(["capture", "--model", "/nonexistent", "--prompt", "hi"])
+    assert code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "GPU" in err
+
+
+def test_demo_model_writes_a_checkpoint(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo-model", str(tmp_path / "m"), "--layers", "2"]) == 0
+    assert (tmp_path / "m" / "config.json").exists()
+    assert "dmi-sglang capture --model" in capsys.readouterr().out
+
+
+def test_unknown_options_only_for_capture(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", "--bogus"]) != 0
+    assert "unknown arguments --bogus" in capsys.readouterr().err

@@ -1,0 +1,202 @@
+"""DMIEngine on CPU: settings transport, lazy imports, handles, lifecycle errors.
+
+The real ``sglang.Engine`` cannot start without a GPU, so its ``__init__``/``generate``/
+``collective_rpc``/``shutdown`` are replaced by recording fakes; everything DMIEngine
+does around them is the code under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
+
+
+def _engine_class() -> Any:
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+    except ImportError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"sglang must be importable under CI=true: {exc}")
+        pytest.skip("sglang is not installed")
+    return Engine
+
+
+class FakeEngineCalls:
+    def __init__(self) -> None:
+        self.env_at_start: dict[str, str] = {}
+        self.kwargs: dict[str, Any] = {}
+        self.rpcs: list[tuple[str, dict[str, Any]]] = []
+        self.fail_start: BaseException | None = None
+        self.fail_rpc: dict[str, str] = {}
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.block = False
+        self.shutdowns = 0
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
+    engine_class = _engine_class()
+    calls = FakeEngineCalls()
+
+    def init(self: Any, **kwargs: Any) -> None:
+        calls.env_at_start = {k: v for k, v in os.environ.items() if k.startswith("DMX_")}
+        calls.kwargs = kwargs
+        calls.started.set()
+        if calls.block:
+            calls.release.wait(10)
+        if calls.fail_start is not None:
+            raise calls.fail_start
+
+    def generate(self: Any, prompt: Any = None, **kwargs: Any) -> Any:
+        items = [{"text": "x", "output_ids": [1], "meta_info": {"id": f"rid-{i}"}}
+                 for i, _ in enumerate(prompt if isinstance(prompt, list) else [prompt])]
+        return items if isinstance(prompt, list) else items[0]
+
+    def rpc(self: Any, method: str, **kwargs: Any) -> None:
+        calls.rpcs.append((method, kwargs))
+        if method in calls.fail_rpc:
+            raise AssertionError(calls.fail_rpc[method])
+
+    def shutdown(self: Any) -> None:
+        calls.shutdowns += 1
+
+    monkeypatch.setattr(engine_class, "__init__", init)
+    monkeypatch.setattr(engine_class, "generate", generate)
+    monkeypatch.setattr(engine_class, "collective_rpc", rpc)
+    monkeypatch.setattr(engine_class, "shutdown", shutdown)
+    return calls
+
+
+def _engine(**kwargs: Any) -> Any:
+    from dmi_sglang.app.engine import DMIEngine
+
+    return DMIEngine(model_path="/models/Qwen3-0.6B", **kwargs)
+
+
+def test_settings_travel_as_env_and_are_restored(fake: FakeEngineCalls,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Any) -> None:
+    monkeypatch.setenv("DMX_RING_PINNED_MB", "2048")
+    monkeypatch.chdir(tmp_path)
+    engine = _engine(dmx_model_id="my-run", dmx_hook_selection="resid_pre,final_ln",
+                     dmx_ring_payload_mb=512, mem_fraction_static=0.5)
+    env = fake.env_at_start
+    assert env["DMX_SGLANG_ENABLE"] == "1"
+    assert env["DMX_MODEL_ID"] == "my-run"
+    assert env["DMX_HOOK_SELECTION"] == "resid_pre,final_ln"
+    assert env["DMX_RING_PAYLOAD_MB"] == "512"
+    assert env["DMX_RING_PINNED_MB"] == "2048"  # the parent's variables still count
+    assert env["DMX_DB_URL"] == f"chdb://{tmp_path}/dmi-captures"
+    assert fake.kwargs == {"model_path": "/models/Qwen3-0.6B", "mem_fraction_static": 0.5}
+    after = {k: v for k, v in os.environ.items() if k.startswith("DMX_")}
+    assert after == {"DMX_RING_PINNED_MB": "2048"}
+    assert fake.rpcs == [("dmi_assert_active", {"run_id": "my-run"})]
+    assert engine.dmi_run_id == "my-run"
+
+
+def test_env_restored_when_start_fails(fake: FakeEngineCalls) -> None:
+    fake.fail_start = RuntimeError("scheduler died")
+    with pytest.raises(RuntimeError, match="scheduler died"):
+        _engine(dmx_model_id="r")
+    assert not [k for k in os.environ if k.startswith("DMX_")]
+
+
+def test_bad_settings_refused_before_anything_starts(fake: FakeEngineCalls) -> None:
+    with pytest.raises(ConfigurationError, match="DMX_RING_PAYLOAD_MB='-5'"):
+        _engine(dmx_ring_payload_mb=-5)
+    with pytest.raises(ConfigurationError, match="unknown keyword dmx_hooks"):
+        _engine(dmx_hooks="resid_pre")
+    assert not fake.started.is_set()
+
+
+def test_attach_failure_is_loud(fake: FakeEngineCalls) -> None:
+    fake.fail_rpc["dmi_assert_active"] = "DMI monitoring is not active in this scheduler"
+    with pytest.raises(CaptureError, match="did not attach.*not active"):
+        _engine()
+    assert fake.shutdowns == 1
+
+
+def test_second_engine_while_one_starts_is_refused(fake: FakeEngineCalls) -> None:
+    fake.block = True
+    errors: list[BaseException] = []
+    first = threading.Thread(target=lambda: _engine(dmx_model_id="a"))
+    first.start()
+    assert fake.started.wait(10)
+    try:
+        _engine(dmx_model_id="b")
+    except RuntimeError as exc:
+        errors.append(exc)
+    finally:
+        fake.release.set()
+        first.join(10)
+    assert errors
+    assert "another DMIEngine is starting" in str(errors[0])
+
+
+def test_generate_tags_outputs_with_lazy_handles(fake: FakeEngineCalls, tmp_path: Any) -> None:
+    engine = _engine(dmx_model_id="run-x", dmx_db_url=f"chdb://{tmp_path}/nowhere")
+    outs = engine.generate(prompt=["a", "b"], sampling_params={"max_new_tokens": 1})
+    handles = [o["dmi_internal"] for o in outs]
+    assert [(h.run_id, h.request_id) for h in handles] == [("run-x", "rid-0"),
+                                                           ("run-x", "rid-1")]
+    assert not (tmp_path / "nowhere").exists()  # free until used
+    single = engine.generate(prompt="a")
+    assert single["dmi_internal"].request_id == "rid-0"
+    with pytest.raises(ValueError, match="stream=True"):
+        engine.generate(prompt="a", stream=True)
+
+
+def test_stop_is_terminal_and_failures_stick(fake: FakeEngineCalls) -> None:
+    engine = _engine()
+    engine.dmi_stop_monitoring()
+    engine.dmi_stop_monitoring()
+    assert [m for m, _ in fake.rpcs].count("dmi_stop_monitoring") == 1
+    with pytest.raises(CaptureError, match="stopped"):
+        engine.generate(prompt="a")
+    engine.shutdown()
+    failing = _engine()
+    fake.fail_rpc["dmi_stop_monitoring"] = "sink failed: disk full"
+    for _ in range(2):
+        with pytest.raises(CaptureError, match="disk full"):
+            failing.dmi_stop_monitoring()
+    assert [m for m, _ in fake.rpcs].count("dmi_stop_monitoring") == 2
+
+
+def test_shutdown_without_stop_warns(fake: FakeEngineCalls) -> None:
+    engine = _engine(dmx_model_id="r1")
+    with pytest.warns(DMIWarning, match="'r1' are incomplete"):
+        engine.shutdown()
+    assert fake.shutdowns == 1
+
+
+def test_no_persistence_handle_says_so(fake: FakeEngineCalls) -> None:
+    engine = _engine(dmx_db_url="none")
+    handle = engine.generate(prompt="a")["dmi_internal"]
+    assert handle.available is False
+    from dmi_sglang.errors import IncompleteCaptureError
+
+    with pytest.raises(IncompleteCaptureError, match="stored nothing"):
+        _ = handle.hidden_states
+
+
+def test_imports_are_lazy_and_aliased() -> None:
+    _engine_class()
+    code = (
+        "import sys, dmi_sglang, dmi_sglang_integration\n"
+        "assert 'sglang' not in sys.modules and 'torch' not in sys.modules\n"
+        "from dmi_sglang_integration import DMIEngine as A\n"
+        "from dmi_sglang import DMIEngine as B\n"
+        "from dmi_sglang.app.engine import DMIEngine as C\n"
+        "assert A is B is C\n"
+        "from sglang.srt.entrypoints.engine import Engine\n"
+        "assert issubclass(C, Engine)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
