@@ -61,7 +61,11 @@ def write_demo_checkpoint(
             kv_heads, a vocabulary too small for the special tokens).
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
+
+    # transformers is only partly typed: treat its classes as untyped.
+    config_cls: Any = transformers.Qwen3Config
+    model_cls: Any = transformers.Qwen3ForCausalLM
 
     if heads % kv_heads:
         msg = f"heads={heads} must be a multiple of kv_heads={kv_heads}"
@@ -77,7 +81,7 @@ def write_demo_checkpoint(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = Qwen3Config(
+    config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -94,7 +98,7 @@ def write_demo_checkpoint(
         pad_token_id=0,
         architectures=["Qwen3ForCausalLM"],
     )
-    model = Qwen3ForCausalLM(config)
+    model = model_cls(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -112,15 +116,17 @@ def write_demo_checkpoint(
 
 
 def _tokenizer(vocab: int) -> Any:
+    import transformers
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
+
+    fast_cls: Any = transformers.PreTrainedTokenizerFast
 
     words = [*SPECIAL_TOKENS, *(f"w{i}" for i in range(vocab - len(SPECIAL_TOKENS)))]
     core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(
+    return fast_cls(
         tokenizer_object=core,
         unk_token="<unk>",
         bos_token="<s>",

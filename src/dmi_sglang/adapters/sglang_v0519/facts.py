@@ -165,6 +165,7 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
         archs = ()
         undecided.add("architecture")
 
+    dtype: str | None
     if model_config is not None:
         dtype = str(model_config.dtype).removeprefix("torch.")
         is_generation = bool(model_config.is_generation)
@@ -180,7 +181,7 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
     facts = EngineFacts(
         architectures=archs,
         is_generation=is_generation,
-        activation_dtype=dtype,
+        activation_dtype=dtype or "bfloat16",
         tp_size=int(get("tp_size", 1)),
         pp_size=int(get("pp_size", 1)),
         dp_size=int(get("dp_size", 1)),

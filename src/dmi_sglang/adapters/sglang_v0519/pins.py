@@ -159,8 +159,9 @@ def _resolve(target: str) -> Any:
 
 
 def _params(obj: Any) -> tuple[str, ...]:
-    marks = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**",
-             inspect.Parameter.KEYWORD_ONLY: "kw:"}
+    marks: dict[Any, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                             inspect.Parameter.VAR_KEYWORD: "**",
+                             inspect.Parameter.KEYWORD_ONLY: "kw:"}
     return tuple(marks.get(p.kind, "") + p.name
                  for p in inspect.signature(obj).parameters.values())
 

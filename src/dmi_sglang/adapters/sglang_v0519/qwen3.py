@@ -19,6 +19,7 @@ Capture points do not fire for tensors without rows (SGLang's IDLE batches).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
@@ -77,8 +78,9 @@ def install_capture_points(model: nn.Module, capturer: CaptureTarget) -> list[st
     if getattr(model, _INSTALLED, None) is not None:
         msg = "capture points are already installed on this model"
         raise CaptureError(msg)
-    inner = model.model
-    num_layers = int(model.config.num_hidden_layers)
+    top: Any = model  # SGLang is untyped: its submodules are reached dynamically
+    inner = top.model
+    num_layers = int(top.config.num_hidden_layers)
     if (inner.start_layer, inner.end_layer) != (0, num_layers):
         msg = f"layers {inner.start_layer}-{inner.end_layer} of {num_layers}: PP is unsupported"
         raise CaptureError(msg)
@@ -103,14 +105,14 @@ def install_capture_points(model: nn.Module, capturer: CaptureTarget) -> list[st
                                            resid="resid_final" if final else None,
                                            normed="final_ln" if final_ln else None))
     if want("final_logits"):
-        p.wrap(patches, model.logits_processor, p.logits(capturer))
+        p.wrap(patches, top.logits_processor, p.logits(capturer))
     object.__setattr__(model, _INSTALLED, tuple(patches))
     log.info("dmi.capture_points.installed", count=len(done), wrapped=len(patches))
     return done
 
 
 def _install_layer(
-    layer: nn.Module,
+    layer: Any,
     i: int,
     c: CaptureTarget,
     want: Callable[[str, int], bool],
