@@ -7,13 +7,16 @@ transport code runs and its bookkeeping is tested without a GPU.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
 from dmi_sglang.domain.shapes import DType
 
-__all__ = ["TORCH_DTYPES", "DeviceOps", "Marker"]
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Marker", "tune_host_malloc"]
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BFLOAT16: torch.bfloat16,
@@ -111,3 +114,34 @@ class DeviceOps:
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""
         return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def tune_host_malloc() -> bool:
+    """Let glibc keep and reuse freed heap memory instead of returning it to the OS.
+
+    Record payloads are ``bytes`` of tens of kilobytes, made by the drain under the GIL
+    and freed by the sink after insertion. With glibc's defaults the freed heap top is
+    trimmed and the next payloads fault fresh pages in again: measured 70 ms per 121 MB
+    of payloads, 25 ms with these settings (the memcpy alone is 13 ms). Process-wide;
+    the scheduler process is the only user. Returns False where it does not apply.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return all(
+            libc.mallopt(option, value) == 1
+            for option, value in (
+                (_M_TRIM_THRESHOLD, 1 << 30),
+                (_M_TOP_PAD, 64 << 20),
+                (_M_MMAP_THRESHOLD, 32 << 20),
+            )
+        )
+    except (OSError, AttributeError):  # not glibc
+        return False

@@ -23,7 +23,7 @@ import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._program import Bytes2D, Program, host_rows
-from dmi_sglang.adapters.transport._window import YIELD_EVERY, DecodeWindow
+from dmi_sglang.adapters.transport._window import DecodeWindow, Yielder
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.ports import RecordSink
@@ -79,7 +79,7 @@ def build_records(
     """Records of one drained item, one per segment and request slice."""
     records: list[CaptureRecord] = []
     segments = item.plan.segments
-    next_yield = YIELD_EVERY
+    yielder = Yielder()
     for group in item.program.groups:
         rows = host_rows(staging, item.base, group)
         slices = segments[group.positions[0]].slices
@@ -93,9 +93,7 @@ def build_records(
                         sl.end, meta.dtype, (sl.rows, *meta.dims), payload, seq=item.seq,
                     )
                 )
-            if len(records) >= next_yield:  # see DecodeWindow.flush
-                time.sleep(0)
-                next_yield += YIELD_EVERY
+                yielder.tick(len(payload))
     return records
 
 

@@ -26,15 +26,18 @@ class TransportOptions:
         max_prefill_tokens: most token rows one eager forward can hold (SGLang's
             ``chunked_prefill_size``); 0 means the largest decode batch. Startup check.
         max_requests: most requests one forward can hold (0: the largest decode batch).
+        tune_host_malloc: raise glibc's trim/mmap thresholds so freed payload memory is
+            reused instead of faulted in again (process-wide; see ``tune_host_malloc``).
     """
 
     strip: bool = True
     flush_timeout_s: float = attrs.field(default=0.1, validator=attrs.validators.gt(0.0))
     stall_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0.0))
     coalesce_decode: bool = True
-    coalesce_max_bytes: int = attrs.field(default=64 * MIB, validator=attrs.validators.gt(0))
+    coalesce_max_bytes: int = attrs.field(default=256 * MIB, validator=attrs.validators.gt(0))
     max_prefill_tokens: int = 0
     max_requests: int = 0
+    tune_host_malloc: bool = True
 
     @classmethod
     def from_settings(

@@ -155,18 +155,23 @@ class Program:
 
 
 def plan_key(plan: CommitPlan) -> Hashable:
-    """What determines a plan's structure (everything but the record slices)."""
-    lay = plan.layout
-    reqs = lay.requests
+    """What determines the structure of a plan made by ``make_plan`` (not its slices).
+
+    ``make_plan`` gives every token-row segment the same row counts and every
+    request-row segment (final_logits, which fires last) the same counts and row
+    selection, so the first and the last segment describe them all: the key costs O(1)
+    per step instead of O(segments). Plans from anything else must not share a
+    transport's cache (pieces are never cached).
+    """
+    segs = plan.segments
+    if not segs:
+        return (plan.padded, plan.strip, plan.alignment, 0)
+    first, last = segs[0], segs[-1]
     return (
-        plan.padded,
-        plan.strip,
-        plan.alignment,
-        lay.kind,
-        lay.padded_batch_size,
-        len(plan.segments),
-        tuple(r.count for r in reqs),
-        tuple(r.emits_token for r in reqs),
+        plan.padded, plan.strip, plan.alignment, len(segs), plan.layout.padded_batch_size,
+        first.hook.name, first.layer_no, first.source_rows, first.kept_rows, first.ring_rows,
+        first.source_index, last.hook.name, last.layer_no, last.source_rows, last.kept_rows,
+        last.ring_rows, last.source_index,
     )
 
 

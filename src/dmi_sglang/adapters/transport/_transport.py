@@ -19,7 +19,7 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer
-from dmi_sglang.adapters.transport._device import DeviceOps
+from dmi_sglang.adapters.transport._device import DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
@@ -133,10 +133,11 @@ class TorchCaptureTransport:
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
         self.capturer = Capturer(arena.offsets, self._capture)
         """The object the hooked model calls (``wants`` / ``capture``)."""
+        tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
-            max_graph_batch=max_graph_batch, strip=opts.strip,
+            max_graph_batch=max_graph_batch, strip=opts.strip, malloc_tuned=tuned,
         )
 
     @property

@@ -22,10 +22,35 @@ import numpy as np
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
 from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["YIELD_EVERY", "DecodeWindow"]
+__all__ = ["DecodeWindow", "Yielder"]
 
-YIELD_EVERY = 256
-"""Records built between two voluntary GIL releases of the drain (about 1 ms of work)."""
+
+class Yielder:
+    """Hands the GIL to other threads every few records or megabytes of payload.
+
+    Building records holds the GIL (``tobytes`` copies under it). In a long burst the
+    scheduler thread, at each of its own GIL releases (every torch call), would wait up
+    to the interpreter's switch interval (5 ms) to get it back; a voluntary release every
+    ~0.5 ms of work bounds that wait.
+    """
+
+    __slots__ = ("_bytes", "_records")
+
+    RECORDS = 256
+    BYTES = 2 << 20
+
+    def __init__(self) -> None:
+        self._records = 0
+        self._bytes = 0
+
+    def tick(self, nbytes: int) -> None:
+        """One record of ``nbytes`` payload bytes was built."""
+        self._records += 1
+        self._bytes += nbytes
+        if self._records >= self.RECORDS or self._bytes >= self.BYTES:
+            self._records = 0
+            self._bytes = 0
+            time.sleep(0)
 
 
 class _Run:
@@ -123,7 +148,7 @@ class DecodeWindow:
             return []
         records: list[CaptureRecord] = []
         run_id = self._run_id
-        next_yield = YIELD_EVERY
+        yielder = Yielder()
         for array, group in zip(self._arrays, self._groups, strict=True):
             for rid, runs in self._runs.items():
                 for run in runs:
@@ -141,12 +166,7 @@ class DecodeWindow:
                                 block[s].tobytes(), seq=run.seq,
                             )
                         )
-                    if len(records) >= next_yield:
-                        # Hand the GIL to the scheduler thread now and then: a long burst
-                        # here would make each of its GIL hand-overs wait up to the switch
-                        # interval (5 ms).
-                        time.sleep(0)
-                        next_yield += YIELD_EVERY
+                        yielder.tick(block.shape[1] * block.shape[2])
         self.rows = 0
         self._runs = {}
         return records
