@@ -176,3 +176,18 @@ def test_wants_names_exactly_the_selection(make_driver):
     assert not wants("resid_pre", 0)
     assert wants("final_logits", -1)
     assert not wants("ln1", 1)
+
+
+def test_create_transport_from_plain_settings():
+    from dmi_sglang.adapters.transport import create_transport
+
+    sink = MemorySink()
+    t = create_transport(
+        payload_mb=1, pinned_mb=2, task_entries=128, padding_strip=False,
+        flush_timeout_us=5000, selection=select("hidden-states"), shape=SHAPE,
+        max_graph_batch=8, sink=sink, run_id="r", device="cpu", max_prefill_tokens=512,
+    )
+    assert t.capacity == RingCapacity(1 << 20, 2 << 20, 128)
+    assert (t.options.strip, t.options.flush_timeout_s) == (False, 0.005)
+    assert t.device_bytes == (1 << 20) + 3 * 8 * 16
+    assert t.stop().steps == 0

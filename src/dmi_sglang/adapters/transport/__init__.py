@@ -6,12 +6,14 @@ Importing this package imports torch (it is an adapter) but never SGLang.
   the SGLang adapter drives per forward (preflight, commit, seal, stop, stats).
 * :class:`Capturer`: what the hooked model calls (``wants``, ``capture``).
 * :class:`TransportOptions`: tuning from plain settings.
+* :func:`create_transport`: the transport from the ``DMX_*`` values.
 """
 
 from __future__ import annotations
 
 from dmi_sglang.adapters.transport._capturer import Capturer
+from dmi_sglang.adapters.transport._factory import create_transport
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
 
-__all__ = ["Capturer", "TorchCaptureTransport", "TransportOptions"]
+__all__ = ["Capturer", "TorchCaptureTransport", "TransportOptions", "create_transport"]

@@ -184,7 +184,7 @@ class TorchCaptureTransport:
             mode = Mode.ARENA if plan.padded else Mode.RING
             with self._cond:
                 base = self._alloc.reserve(program.reserve_bytes, program.entries)
-                usage = self._alloc.usage()
+                usage = self._alloc.usage()  # only read when the step does not fit
             if base is None:
                 decision = preflight(plan, usage, self.capacity).decision
                 if decision is Decision.PIECEWISE or decision is Decision.RUN_EAGER:

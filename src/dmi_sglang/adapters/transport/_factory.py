@@ -1,0 +1,64 @@
+"""Creating the transport from the plain ``DMX_*`` setting values."""
+
+from __future__ import annotations
+
+import torch
+
+from dmi_sglang.adapters.transport._options import TransportOptions
+from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
+from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.ports import RecordSink
+from dmi_sglang.domain.shapes import ModelShape
+
+__all__ = ["create_transport"]
+
+
+def create_transport(
+    *,
+    payload_mb: int,
+    pinned_mb: int,
+    task_entries: int,
+    padding_strip: bool,
+    flush_timeout_us: int,
+    selection: Selection,
+    shape: ModelShape,
+    max_graph_batch: int,
+    sink: RecordSink,
+    run_id: str,
+    device: str | torch.device = "cuda",
+    max_prefill_tokens: int = 0,
+    max_requests: int = 0,
+) -> TorchCaptureTransport:
+    """The transport for one scheduler, before the model's weights load.
+
+    Args:
+        payload_mb / pinned_mb / task_entries: ``DMX_RING_PAYLOAD_MB``,
+            ``DMX_RING_PINNED_MB``, ``DMX_RING_TASK_ENTRIES``.
+        padding_strip: ``DMX_GPU_PADDING_STRIP``.
+        flush_timeout_us: ``DMX_DRAIN_FLUSH_TIMEOUT_US``.
+        selection / shape: the resolved selection and the model's row shapes.
+        max_graph_batch: the largest decode CUDA-graph batch (SGLang's ``max_bs``).
+        sink / run_id: where records go, and their ``model_id``.
+        device: the scheduler's device (``"cuda:N"``).
+        max_prefill_tokens: SGLang's ``chunked_prefill_size`` (startup check).
+        max_requests: most requests in one forward (startup check).
+
+    Raises:
+        CapacityError: the ring is smaller than one capture tensor can be.
+    """
+    return TorchCaptureTransport(
+        capacity=RingCapacity.from_mb(payload_mb, pinned_mb, task_entries),
+        selection=selection,
+        shape=shape,
+        max_graph_batch=max_graph_batch,
+        sink=sink,
+        run_id=run_id,
+        device=device,
+        options=TransportOptions.from_settings(
+            strip=padding_strip,
+            flush_timeout_us=flush_timeout_us,
+            max_prefill_tokens=max_prefill_tokens,
+            max_requests=max_requests,
+        ),
+    )
