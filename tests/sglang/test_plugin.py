@@ -112,6 +112,7 @@ def test_register_never_raises_and_records_problems(monkeypatch: pytest.MonkeyPa
     assert "DMX_SGLANG_ENABLE='maybe'" in problems[0]
     assert "sglang 0.6.0 is installed" in problems[1]
     assert "torch 2.11.0" in plugin.pending_problems(check_torch=True)[2]
+    assert plugin.registration_problems() == problems  # no CUDA here: torch not checked
     with pytest.raises(UnsupportedConfigurationError, match=r"sglang 0\.6\.0"):
         plugin.raise_pending_problems(check_torch=False)
 

@@ -35,6 +35,7 @@ __all__ = [
     "pending_problems",
     "raise_pending_problems",
     "register",
+    "registration_problems",
 ]
 
 log = structlog.get_logger(__name__)
@@ -106,6 +107,16 @@ def pending_problems(*, check_torch: bool) -> list[str]:
         problems.append(f"torch {torch_version} is installed; sglang {SUPPORTED_SGLANG} "
                         f"needs torch {SUPPORTED_TORCH_PREFIX}x")
     return problems
+
+
+def registration_problems() -> list[str]:
+    """:func:`pending_problems`, checking torch where it matters (CUDA is available).
+
+    For the scheduler's ``load_model`` hook, which imports torch anyway.
+    """
+    import torch
+
+    return pending_problems(check_torch=torch.cuda.is_available())
 
 
 def raise_pending_problems(*, check_torch: bool) -> None:
