@@ -221,7 +221,10 @@ class TorchCaptureTransport:
             raise
 
     def abort(self) -> None:
-        """The forward raised: free the open step's space without storing it (logged)."""
+        """The forward raised: free the open step's space without storing it (logged).
+
+        Pieces of a piecewise step that were already handed to the drain are stored.
+        """
         step, self._writer.open = self._writer.open, None
         if step is None or step.mode is Mode.EMPTY:
             return
