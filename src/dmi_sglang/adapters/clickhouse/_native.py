@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from functools import lru_cache
 from itertools import accumulate, chain
 
@@ -96,7 +96,7 @@ def encode_block(records: Sequence[CaptureRecord]) -> list[bytes]:
     return chunks
 
 
-def coalesce(chunks: Sequence[bytes], piece_bytes: int) -> Iterator[bytes]:
+def coalesce(chunks: Sequence[bytes], piece_bytes: int) -> Generator[bytes, None, None]:
     """The chunks joined into pieces of about ``piece_bytes`` (fewer, larger writes)."""
     group: list[bytes] = []
     size = 0

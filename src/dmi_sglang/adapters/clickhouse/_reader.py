@@ -81,7 +81,8 @@ class ClickHouseReader:
                     return []
                 final = sql.replace("{t}", self._tables.qualified(layout))
                 result = client.query(final, parameters=params, **kw)
-                return list(result.result_rows)
+                # Columns, then zip: clickhouse-connect's row view is far slower.
+                return list(zip(*result.result_columns, strict=True))
             except StoreError:
                 raise
             except Exception as exc:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import structlog
 
 from dmi_sglang.adapters.clickhouse._client import (
@@ -117,8 +118,12 @@ class ClickHouseSink:
     # -- RecordSink ------------------------------------------------------------------
 
     def start_run(self, run: RunInfo) -> None:
-        """Write the run's row (status as given, normally running)."""
-        self._raise_if_failed()
+        """Write the run's row (status as given, normally running).
+
+        Raises:
+            StoreError: the sticky failure, a closed sink, or the write failed.
+        """
+        self._raise_if_unusable()
         self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
 
     def put(self, records: Sequence[CaptureRecord]) -> None:
@@ -153,6 +158,7 @@ class ClickHouseSink:
         except StoreError as failure:
             self._record_failed_run(run, failure)
             raise
+        self._raise_if_unusable()
         committed = run.status is RunStatus.COMMITTED
         rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
         if rows:
@@ -194,6 +200,12 @@ class ClickHouseSink:
     def _raise_if_failed(self) -> None:
         if self._queue.failure is not None:
             raise self._queue.failure
+
+    def _raise_if_unusable(self) -> None:
+        self._raise_if_failed()
+        if self._closed:
+            msg = "the capture sink is closed"
+            raise StoreError(msg)
 
     def _write_loop(self, client: Client) -> None:
         while (batch := self._queue.take()) is not None:
@@ -258,12 +270,8 @@ class ClickHouseSink:
                 time.sleep(min(5.0, self._backoff_s * 2**attempt))
 
     def _record_failed_run(self, run: RunInfo, failure: StoreError) -> None:
-        failed = RunInfo(
-            run_id=run.run_id,
-            model_path=run.model_path,
-            settings=run.settings,
-            captures=run.captures,
-            started_at=run.started_at,
+        failed = attrs.evolve(
+            run,
             stopped_at=run.stopped_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             status=RunStatus.FAILED,
             error=run.error or str(failure),
