@@ -24,9 +24,15 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import ServerArgs
 from dmi_sglang.adapters.sglang_v0519.plugin import STATE
+import pkgutil
+from sglang.srt.managers.scheduler import Scheduler
 out = {"patched": hasattr(ServerArgs.check_server_args, "__wrapped__"),
        "registered": STATE.registered, "monitoring": STATE.monitoring,
-       "hooks": STATE.hooks, "problems": STATE.problems}
+       "hooks": STATE.hooks, "problems": STATE.problems,
+       "unpatched": [t for t in STATE.hooks
+                     if not hasattr(pkgutil.resolve_name(t), "__wrapped__")],
+       "rpcs": [m for m in ("dmi_stop_monitoring", "dmi_assert_active")
+                if hasattr(Scheduler, m)]}
 if len(sys.argv) > 1:
     server_args = ServerArgs(model_path=sys.argv[1], device="cuda", tp_size=2)
     server_args.resolve_once()
@@ -68,7 +74,12 @@ def test_sglang_loads_it_and_the_main_process_check_refuses_tp2(
     assert out["registered"]
     assert out["monitoring"]
     assert out["patched"]
-    assert out["hooks"] == ["sglang.srt.server_args.ServerArgs.check_server_args"]
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import HOOKS
+
+    assert out["hooks"] == ["sglang.srt.server_args.ServerArgs.check_server_args",
+                            *(target for target, _, _ in HOOKS)]
+    assert out["unpatched"] == []
+    assert out["rpcs"] == ["dmi_stop_monitoring", "dmi_assert_active"]
     assert out["problems"] == []
     assert out["check"].startswith("UnsupportedConfigurationError")
     assert "tp_size=2; only tp_size=1" in out["check"]
@@ -106,7 +117,10 @@ def test_register_never_raises_and_records_problems(monkeypatch: pytest.MonkeyPa
                         "2.11.0")
     plugin.register()
     plugin.register()  # idempotent
-    assert calls == ["sglang.srt.server_args.ServerArgs.check_server_args"]
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import HOOKS
+
+    assert calls == ["sglang.srt.server_args.ServerArgs.check_server_args",
+                     *(target for target, _, _ in HOOKS)]
     problems = plugin.pending_problems(check_torch=False)
     assert len(problems) == 2
     assert "DMX_SGLANG_ENABLE='maybe'" in problems[0]

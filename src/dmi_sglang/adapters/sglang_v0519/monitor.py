@@ -124,6 +124,8 @@ class SchedulerMonitor:
         self._stopped = False
         self._failure: BaseException | None = None
         self.forced_eager = 0
+        self.unfinished: frozenset[str] = frozenset()
+        """Requests of the batch about to run whose prompt chunk does not finish it."""
 
     @property
     def active(self) -> bool:

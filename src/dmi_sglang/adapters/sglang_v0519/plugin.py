@@ -28,7 +28,6 @@ from dmi_sglang.errors import ConfigurationError, UnsupportedConfigurationError
 
 __all__ = [
     "MAIN_PROCESS_HOOKS",
-    "PENDING_HOOK_TARGETS",
     "STATE",
     "PluginState",
     "after_check_server_args",
@@ -75,20 +74,6 @@ MAIN_PROCESS_HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("sglang.srt.server_args.ServerArgs.check_server_args", "AFTER", after_check_server_args),
 )
 """``(target, HookType name, hook)`` that :func:`register` installs."""
-
-_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
-_RUNNER = "sglang.srt.model_executor.runner"
-PENDING_HOOK_TARGETS: tuple[tuple[str, str], ...] = (
-    (f"{_MR}.load_model", "AROUND"),
-    (f"{_MR}.forward", "AROUND"),
-    (f"{_RUNNER}.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "AROUND"),
-    (f"{_RUNNER}.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch", "AFTER"),
-    (f"{_RUNNER}.eager_runner.EagerRunner.load_batch", "AFTER"),
-    (f"{_RUNNER}.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph", "AROUND"),
-    ("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", "AROUND"),
-)
-"""Scheduler-side hook targets (ARCHITECTURE.md); wired by the runtime hooks, not yet here."""
-
 
 def register() -> None:
     """Register dmi-sglang's hooks with SGLang. Cheap, idempotent, never raises."""
@@ -150,9 +135,15 @@ def _register(state: PluginState) -> None:
     state.torch_version = _version("torch")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, kind, hook in MAIN_PROCESS_HOOKS:
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import HOOKS, SCHEDULER_RPCS
+
+    for target, kind, hook in (*MAIN_PROCESS_HOOKS, *HOOKS):
         HookRegistry.register(target, hook, HookType[kind])
         state.hooks.append(target)
+    from sglang.srt.managers.scheduler import Scheduler
+
+    for name, method in SCHEDULER_RPCS.items():  # HookRegistry cannot add methods
+        setattr(Scheduler, name, method)
     log.debug("dmi.plugin.registered", hooks=state.hooks, problems=state.problems)
 
 

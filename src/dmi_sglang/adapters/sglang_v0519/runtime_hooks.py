@@ -137,7 +137,9 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
-    mon.commit_eager(layout_from_forward_batch(result if result is not None else fb))
+    layout = layout_from_forward_batch(result if result is not None else fb,
+                                       unfinished_rids=mon.unfinished)
+    mon.commit_eager(layout)
 
 
 def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
@@ -153,7 +155,10 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     """Remember the batch's Req objects (prompt/output lengths for the manifest)."""
     mon = _MONITOR
     if mon is not None and batch is not None:
+        from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
+
         mon.requests.add_reqs(batch.reqs)
+        mon.unfinished = unfinished_rids(batch)
     return original(worker, batch, *args, **kw)
 
 
