@@ -299,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         for bs in args.batches.split(","):
             rows.append(bench_overhead(args, preset, int(bs)))
+            r = rows[-1]
+            print(f"[{preset} bs {bs}] overhead {r['overhead_us_sync']:.1f} us/step (sync), "
+                  f"{r['overhead_us_pipelined']:.1f} (pipelined), rows ok: {r['rows_ok']}",
+                  file=sys.stderr, flush=True)
             gc.collect()  # frees the previous transport's ring and pinned staging
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
