@@ -36,7 +36,11 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="dmi-sglang", description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(
+        prog="dmi-sglang",
+        description="Capture what a model computes while SGLang 0.5.19 serves it, and read "
+        "the captures back.",
+    )
     sub = top.add_subparsers(dest="command", required=True)
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
