@@ -87,7 +87,7 @@ def test_a_store_failing_mid_run_fails_sticky_and_nothing_is_reported_complete(
 ) -> None:
     factory, _ = _faulty(lambda n: None if n == 1 else OperationalError("disk gone"))
     config = attrs.evolve(store, insert_rows=4)
-    sink = open_sink(config, client_factory=factory, retries=2, backoff_s=0.001)
+    sink = open_sink(config, client_factory=factory, retries=2, backoff_s=0.001, writers=1)
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
     t, bounds = _decode_rows(12)

@@ -87,7 +87,7 @@ class CaptureHandle:
 
     def _complete(self, reader: RecordReader | None = None) -> tuple[RunInfo, RequestManifest]:
         if self._state is None:
-            with contextlib.nullcontext(reader) if reader else self._reader() as r:
+            with contextlib.nullcontext(reader) if reader is not None else self._reader() as r:
                 reasons = self._missing(r)
             if reasons or self._state is None:
                 msg = f"capture of request {self.request_id!r} is incomplete: " + "; ".join(

@@ -61,7 +61,8 @@ class ClickHouseSink:
     Args:
         config: the store (``kind`` embedded or server).
         writers: inserting threads, each with its own client (the embedded engine
-            admits several clients of one process on its directory).
+            admits several clients of one process on its directory); the median of two
+            beat one at every payload size in bench/bench_store.py.
         retries: retries of a transient insert failure before it becomes sticky.
         backoff_s: first retry delay; doubles per retry, at most 5 s.
         batch_mb: most payload MiB per insert (0: a quarter of ``queue_mb``, at most
@@ -76,7 +77,7 @@ class ClickHouseSink:
         self,
         config: StoreConfig,
         *,
-        writers: int = 1,
+        writers: int = 2,
         retries: int = 5,
         backoff_s: float = 0.1,
         batch_mb: int = 0,
