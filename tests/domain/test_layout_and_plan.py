@@ -50,16 +50,16 @@ def _check_plan(plan: CommitPlan, layout: BatchLayout, sel: Selection) -> None:
     assert all(s.offset % plan.alignment == 0 for s in plan.segments)
     assert plan.total_bytes == sum(s.aligned_bytes(plan.alignment) for s in plan.segments)
     for seg in plan.segments:
-        covered = sum(sl.rows for sl in seg.slices)
+        covered = sum(sl.rows for sl in plan.slices(seg))
         assert covered == seg.kept_rows
         if seg.hook.row_basis is RowBasis.TOKEN:
             # the stripped plan keeps exactly the real rows; rows of all requests sum up
             assert seg.kept_rows == layout.token_rows
-            assert [(sl.request_id, p) for sl in seg.slices for p in range(sl.start, sl.end)] \
+            assert [(sl.request_id, p) for sl in plan.slices(seg) for p in range(sl.start, sl.end)] \
                 == layout.positions()
         else:
             assert seg.kept_rows == layout.logit_rows
-            assert all(sl.rows == 1 for sl in seg.slices)
+            assert all(sl.rows == 1 for sl in plan.slices(seg))
         if plan.strip or not plan.padded:
             assert seg.ring_rows == seg.kept_rows
         else:
@@ -83,7 +83,7 @@ def test_decode_gives_one_row_per_request(layout: BatchLayout, sel: Selection) -
     plan = make_plan(layout, sel, SHAPE, padded=True)
     for seg in plan.segments:
         assert seg.kept_rows == layout.raw_batch_size
-        assert [sl.request_id for sl in seg.slices] == [r.request_id for r in layout.requests]
+        assert [sl.request_id for sl in plan.slices(seg)] == [r.request_id for r in layout.requests]
         assert seg.source_rows == layout.padded_batch_size
 
 
@@ -93,7 +93,7 @@ def test_final_logits_rows_only_for_emitting_requests() -> None:
     plan = make_plan(layout, sel, SHAPE, padded=False)
     logits = plan.segment_for("final_logits", -1)
     assert logits is not None
-    assert [(s.request_id, s.start, s.end) for s in logits.slices] == [("a", 3, 4), ("c", 6, 7)]
+    assert [(s.request_id, s.start, s.end) for s in plan.slices(logits)] == [("a", 3, 4), ("c", 6, 7)]
     assert logits.source_index == (0, 2)
     assert logits.source_rows == 3
     tokens = plan.segment_for("token_ids", -1)

@@ -99,7 +99,7 @@ class Driver:
         plan = self.plan(layout, padded=padded, strip=strip)
         decision = Decision.FITS
         if padded:
-            eager_layout = BatchLayout(layout.kind, layout.requests, layout.raw_batch_size)
+            eager_layout = layout.with_padding(layout.raw_batch_size)
             eager = self.plan(eager_layout)
             decision = self.t.preflight(plan, eager).decision
             if decision is Decision.RUN_EAGER:
@@ -108,7 +108,7 @@ class Driver:
         self.fire(layout, layout.padded_batch_size - layout.raw_batch_size)
         self.t.seal()
         for seg in plan.segments:
-            for sl in seg.slices:
+            for sl in plan.slices(seg):
                 key = (sl.request_id, seg.hook.act_name, seg.layer_no)
                 self.expected[key].append((sl.start, sl.end))
         return decision

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dmi_sglang.domain.layout import BatchLayout, ForwardKind, RequestRows
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 
 ALL = "sglang-full"
 
@@ -94,11 +94,9 @@ def test_empty_plan_is_committed_and_sealed(make_driver):
 def test_padded_step_with_a_non_emitting_request_gathers_logit_rows(make_driver, strip):
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20, strip=strip)
     d.graph_capture(8)
-    rows = (
-        RequestRows("a", 0, 4, 1), RequestRows("b", 1, 7, 1, emits_token=False),
-        RequestRows("c", 2, 2, 1),
-    )
-    d.forward(BatchLayout(ForwardKind.DECODE, rows, 8), padded=True, strip=strip)
+    layout = BatchLayout(ForwardKind.DECODE, ("a", "b", "c"), (4, 7, 2), (1, 1, 1),
+                         (True, False, True), 8, 3)
+    d.forward(layout, padded=True, strip=strip)
     d.t.stop()
     d.verify(sink.records)
     logits = sorted(r.request_id for r in sink.records if r.act_name == "final_logits")

@@ -108,7 +108,7 @@ class Expected:
         for seg in plan.segments:
             t = ref[(seg.hook.name, seg.layer_no)].reshape(seg.source_rows, -1)
             kept = t[list(seg.source_index)] if seg.source_index else t[: seg.kept_rows]
-            for sl in seg.slices:
+            for sl in plan.slices(seg):
                 data = _bytes(kept[sl.row_offset : sl.row_offset + sl.rows])
                 self.rows[(sl.request_id, seg.hook.act_name, seg.layer_no)].append(
                     (sl.start, sl.end, data)

@@ -56,26 +56,40 @@ class RequestRows:
 
 @attrs.frozen
 class BatchLayout:
-    """The packed layout of one forward, from plain values.
+    """The packed layout of one forward, from plain values, held as columns.
 
     Build it with :meth:`decode` or :meth:`extend` (MIXED batches use ``extend`` with
-    ``kind=ForwardKind.MIXED``).
+    ``kind=ForwardKind.MIXED``). Request ``i`` holds rows
+    ``[row_offsets[i], row_offsets[i] + counts[i])`` for positions
+    ``[starts[i], starts[i] + counts[i])``. Columns keep per-step planning cheap: the
+    scheduler thread builds one of these every forward.
     """
 
     kind: ForwardKind
-    requests: tuple[RequestRows, ...]
+    request_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    emits: tuple[bool, ...]
     padded_batch_size: int
     """Requests the forward runs with, padding included (== raw unless graph replay)."""
+    token_rows: int
+    """Real token rows (padding excluded)."""
+
+    @property
+    def requests(self) -> tuple[RequestRows, ...]:
+        """The rows of every request, in batch order."""
+        offsets = itertools.accumulate(self.counts, initial=0)
+        return tuple(
+            RequestRows(rid, off, start, n, emits)
+            for rid, off, start, n, emits in zip(
+                self.request_ids, offsets, self.starts, self.counts, self.emits, strict=False
+            )
+        )
 
     @property
     def raw_batch_size(self) -> int:
         """Real requests."""
-        return len(self.requests)
-
-    @property
-    def token_rows(self) -> int:
-        """Real token rows (padding excluded)."""
-        return sum(r.count for r in self.requests)
+        return len(self.request_ids)
 
     @property
     def padded_token_rows(self) -> int:
@@ -85,11 +99,20 @@ class BatchLayout:
     @property
     def logit_rows(self) -> int:
         """Requests whose logits decide a token this forward."""
-        return sum(1 for r in self.requests if r.emits_token)
+        return sum(1 for e, n in zip(self.emits, self.counts, strict=True) if e and n > 0)
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """One row per request and every request emits (plain decode)."""
+        return self.token_rows == self.raw_batch_size and all(self.emits)
 
     def positions(self) -> list[tuple[str, int]]:
         """``(request_id, position)`` of every real row, in row order."""
-        return [(r.request_id, p) for r in self.requests for p in range(r.start, r.end)]
+        return [
+            (rid, p)
+            for rid, start, n in zip(self.request_ids, self.starts, self.counts, strict=True)
+            for p in range(start, start + n)
+        ]
 
     @classmethod
     def decode(
@@ -104,15 +127,14 @@ class BatchLayout:
         ``seq_lens`` include the token being forwarded (SGLang's convention).
         """
         _same_length(request_ids=request_ids, seq_lens=seq_lens)
-        rows = tuple(
-            RequestRows(rid, i, n - 1, 1)
-            for i, (rid, n) in enumerate(zip(request_ids, seq_lens, strict=True))
-        )
-        for rid, n in zip(request_ids, seq_lens, strict=True):
-            if n < 1:
-                msg = f"decode seq_len {n} of request {rid!r} must be >= 1"
-                raise CommitError(msg)
-        return cls._build(ForwardKind.DECODE, rows, padded_batch_size)
+        n = len(request_ids)
+        if n and min(seq_lens) < 1:
+            bad = next(i for i, v in enumerate(seq_lens) if v < 1)
+            msg = f"decode seq_len {seq_lens[bad]} of request {request_ids[bad]!r} must be >= 1"
+            raise CommitError(msg)
+        return cls._build(ForwardKind.DECODE, tuple(request_ids),
+                          tuple(v - 1 for v in seq_lens), (1,) * n, (True,) * n, n,
+                          padded_batch_size)
 
     @classmethod
     def extend(
@@ -136,35 +158,46 @@ class BatchLayout:
             kind: EXTEND or MIXED.
         """
         _same_length(request_ids=request_ids, prefix_lens=prefix_lens, extend_lens=extend_lens)
-        ends = seq_lens if seq_lens is not None else [None] * len(request_ids)
         if seq_lens is not None:
             _same_length(request_ids=request_ids, seq_lens=seq_lens)
-        offsets = itertools.accumulate(extend_lens, initial=0)
-        rows = []
-        for rid, start, count, offset, end in zip(
-            request_ids, prefix_lens, extend_lens, offsets, ends, strict=False
-        ):
+        for rid, start, count in zip(request_ids, prefix_lens, extend_lens, strict=True):
             if start < 0 or count < 0:
                 msg = f"request {rid!r}: prefix_len {start} and extend_len {count} must be >= 0"
                 raise CommitError(msg)
-            emits = end is None or start + count >= end
-            rows.append(RequestRows(rid, offset, start, count, emits_token=emits))
-        return cls._build(kind, tuple(rows), None)
+        if seq_lens is None:
+            emits = (True,) * len(request_ids)
+        else:
+            emits = tuple(p + e >= n for p, e, n in zip(prefix_lens, extend_lens, seq_lens,
+                                                         strict=True))
+        return cls._build(kind, tuple(request_ids), tuple(prefix_lens), tuple(extend_lens),
+                          emits, sum(extend_lens), None)
 
     @classmethod
     def idle(cls) -> BatchLayout:
         """A forward without tokens (SGLang's IDLE mode)."""
-        return cls(ForwardKind.IDLE, (), 0)
+        return cls(ForwardKind.IDLE, (), (), (), (), 0, 0)
 
     @classmethod
-    def _build(
-        cls, kind: ForwardKind, rows: tuple[RequestRows, ...], padded: int | None
+    def _build(  # noqa: PLR0917 - private constructor of the columns
+        cls,
+        kind: ForwardKind,
+        rids: tuple[str, ...],
+        starts: tuple[int, ...],
+        counts: tuple[int, ...],
+        emits: tuple[bool, ...],
+        token_rows: int,
+        padded: int | None,
     ) -> BatchLayout:
-        padded_bs = len(rows) if padded is None else padded
-        if padded_bs < len(rows):
-            msg = f"padded batch size {padded_bs} is smaller than the {len(rows)} real requests"
+        padded_bs = len(rids) if padded is None else padded
+        if padded_bs < len(rids):
+            msg = f"padded batch size {padded_bs} is smaller than the {len(rids)} real requests"
             raise CommitError(msg)
-        return cls(kind, rows, padded_bs)
+        return cls(kind, rids, starts, counts, emits, padded_bs, token_rows)
+
+    def with_padding(self, padded_batch_size: int) -> BatchLayout:
+        """The same layout padded to another batch size."""
+        return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,
+                           self.token_rows, padded_batch_size)
 
 
 def _same_length(**columns: Sequence[object]) -> None:

@@ -66,12 +66,16 @@ class RequestTracker:
 
     def add_layout(self, layout: BatchLayout) -> None:
         """Record the positions a forward computes."""
-        for rows in layout.requests:
-            seen = self._seen.get(rows.request_id)
+        seen_by_rid = self._seen
+        for rid, start, count in zip(layout.request_ids, layout.starts, layout.counts,
+                                     strict=True):
+            seen = seen_by_rid.get(rid)
             if seen is None:
-                seen = self._seen[rows.request_id] = _Seen(None, 1 << 62, 0)
-            seen.first_start = min(seen.first_start, rows.start)
-            seen.last_end = max(seen.last_end, rows.end)
+                seen = seen_by_rid[rid] = _Seen(None, 1 << 62, 0)
+            if start < seen.first_start:
+                seen.first_start = start
+            if start + count > seen.last_end:
+                seen.last_end = start + count
 
     def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
         """One manifest per request seen; finished requests only count as complete."""
@@ -146,7 +150,7 @@ class SchedulerMonitor:
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
-        layout = attrs.evolve(layout, padded_batch_size=padded_bs)
+        layout = layout.with_padding(padded_bs)
         padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
         eager = make_plan(layout, self.selection, self.shape, padded=False)
         decision = self.transport.preflight(padded, eager)

@@ -61,13 +61,9 @@ class DrainItem:
 def decode_requests(plan: CommitPlan, program: Program) -> list[tuple[str, int]] | None:
     """``(request, position)`` of row ``i`` of every segment, for a plain decode step."""
     lay = plan.layout
-    if lay.kind is not ForwardKind.DECODE:
+    if lay.kind is not ForwardKind.DECODE or not lay.is_uniform_decode:
         return None
-    out = []
-    for i, r in enumerate(lay.requests):
-        if r.count != 1 or not r.emits_token or r.row_offset != i:
-            return None
-        out.append((r.request_id, r.start))
+    out = list(zip(lay.request_ids, lay.starts, strict=True))
     if any(g.kept_rows != len(out) for g in program.groups):
         return None
     return out
@@ -82,7 +78,7 @@ def build_records(
     yielder = Yielder()
     for group in item.program.groups:
         rows = host_rows(staging, item.base, group)
-        slices = segments[group.positions[0]].slices
+        slices = item.plan.slices(segments[group.positions[0]])
         for s, meta in enumerate(group.metas):
             seg_rows = rows[s]
             for sl in slices:

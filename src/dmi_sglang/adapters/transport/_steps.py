@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-import attrs
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey, as_rows
@@ -105,7 +104,7 @@ class StepWriter:
             if key in step.captured:
                 msg = f"capture {key} fired twice in piecewise step {step.seq}"
                 raise CaptureError(msg)
-            piece = attrs.evolve(step.plan, segments=(attrs.evolve(seg, offset=0),))
+            piece = step.plan.piece(seg)
             program = build_program(piece, self._arena)
             base = self._reserve(program.reserve_bytes, program.entries, step.seq)
             self._write_ring(base, piece.segments[0], key, tensor, program)
