@@ -140,3 +140,14 @@ def test_demo_model_writes_a_checkpoint(tmp_path: Path,
 def test_unknown_options_only_for_capture(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", "--bogus"]) != 0
     assert "unknown arguments --bogus" in capsys.readouterr().err
+
+
+def test_hook_totals(store: tuple[str, dict[str, torch.Tensor]]) -> None:
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+
+    url, truth = store
+    reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=url[len("chdb://"):]))
+    with reader.session():
+        totals = {t[0]: t[1:] for t in reader.hook_totals(RUN)}
+    assert totals["blocks.hook_resid_pre"] == (2, 2, 12, 2 * 6 * HIDDEN * 2)
+    assert totals["final_logits"] == (1, 1, 3, truth["final_logits"].numel() * 4)

@@ -120,6 +120,17 @@ class ClickHouseReader:
         )
         return [RequestSummary(run_id, str(r), int(n), int(b)) for r, n, b in rows]
 
+    def hook_totals(self, run_id: str) -> list[tuple[str, int, int, int, int]]:
+        """Per act_name of a run: ``(act_name, layers, records, rows, payload bytes)``."""
+        rows = self._query(
+            self._tables.offload,
+            "SELECT act_name, uniqExact(layer_no), count(), "
+            "sum(end_token_idx - start_token_idx), sum(length(bytes)) FROM {t} "
+            "WHERE model_id = {run:String} GROUP BY act_name ORDER BY act_name",
+            {"run": run_id},
+        )
+        return [(str(a), int(ln), int(n), int(r), int(b)) for a, ln, n, r, b in rows]
+
     def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The request's latest manifest, or None when none was written."""
         rows = self._query(
