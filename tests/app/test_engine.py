@@ -119,7 +119,7 @@ def test_bad_settings_refused_before_anything_starts(fake: FakeEngineCalls) -> N
 
 def test_attach_failure_is_loud(fake: FakeEngineCalls) -> None:
     fake.fail_rpc["dmi_assert_active"] = "DMI monitoring is not active in this scheduler"
-    with pytest.raises(CaptureError, match="did not attach.*not active"):
+    with pytest.raises(CaptureError, match=r"did not attach.*not active"):
         _engine()
     assert fake.shutdowns == 1
 

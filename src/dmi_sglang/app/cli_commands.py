@@ -81,7 +81,7 @@ def show(store: StoreConfig, run_id: str, request_id: str) -> int:
     for name, tensor in _tensors(store, run_id, request_id):
         norm = float(tensor.float().norm()) if tensor.is_floating_point() else float("nan")
         shape = "x".join(str(d) for d in tensor.shape)
-        _out(f"{name:<36} {shape:<22} {str(tensor.dtype):<16} {norm:>12.4f}")
+        _out(f"{name:<36} {shape:<22} {tensor.dtype!s:<16} {norm:>12.4f}")
     return 0
 
 
@@ -119,8 +119,9 @@ def demo_model(path: Path, *, layers: int) -> int:
 
 def _gpu_problem() -> str | None:
     try:
-        import sglang  # noqa: F401
         import torch
+
+        import sglang  # noqa: F401
     except ImportError as exc:
         return (f"capture needs SGLang 0.5.19 and an NVIDIA GPU; {exc.name} is not installed "
                 "(pip install 'dmi-sglang[sglang]')")

@@ -73,7 +73,7 @@ def around_load_model(original: Callable[..., Any], runner: Any, *args: Any, **k
     global _MONITOR  # noqa: PLW0603 - one monitor per scheduler process, by design
     if not monitoring_requested() or getattr(runner, "is_draft_worker", False):
         return original(runner, *args, **kw)
-    from dmi_sglang.adapters.sglang_v0519.attach import prepare, attach
+    from dmi_sglang.adapters.sglang_v0519.attach import attach, prepare
 
     prepared = prepare(runner)  # raises before any capture allocation or weight load
     result = original(runner, *args, **kw)
@@ -86,8 +86,10 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
                    **kw: Any) -> Any:
     """One forward = one step: begin, (commit in load_batch), end and seal."""
     mon = _MONITOR
-    if mon is None or getattr(runner, "_dmi_monitor", None) is not mon \
-            or fb.forward_mode.is_idle():
+    if mon is None:
+        return original(runner, fb, *args, **kw)
+    owner: object = getattr(runner, "_dmi_monitor", None)
+    if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
         return original(runner, fb, *args, **kw)
     mon.begin_forward()
     try:
