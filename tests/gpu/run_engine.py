@@ -1,13 +1,25 @@
 """Run one SGLang engine in its own process and write what it generated as JSON.
 
-Used by the GPU tests and the qualification runner so that stock and monitored SGLang
-never share a process::
+Used by the GPU tests, the qualification runner (tests/gpu/qualify.py) and the serving
+benchmark (bench/bench_serving.py) so that stock and monitored SGLang never share a
+process::
 
     python tests/gpu/run_engine.py spec.json result.json
 
-``spec.json``: ``{"engine": {...ServerArgs keywords...}, "env": {...}, "prompts": [...],
-"rids": [...], "sampling_params": {...}, "monitored": bool, "dmi_engine": bool}``.
-The result holds output ids, meta info, timings and, for monitored runs, the run id.
+``spec.json``: ``{"engine": {...ServerArgs keywords...}, "env": {...}, "monitored": bool,
+"dmi_engine": bool}`` plus either one generate call (``"prompts"`` or ``"input_ids"``,
+``"rids"``, ``"sampling_params"``) or ``"workloads"``: a list of generate calls run in
+order, each ``{"name", "input_ids" | "prompts", "rids", "sampling_params" (one dict or one
+per request), "return_hidden_states": bool, "timed": bool (default true), "min_seconds":
+float, "max_waves": int, "keep_outputs": bool}``. A workload with ``min_seconds`` > 0 or
+``max_waves`` > 1 is repeated in waves (request ids suffixed ``.wN``) until it generated for
+``min_seconds`` or ran ``max_waves`` waves. Untimed workloads (a warm-up) come first.
+
+The result holds output ids, meta info, per-workload timings and counts, and for monitored
+runs the run id; ``durable_s`` runs from the first timed generate until
+``dmi_stop_monitoring`` returned (for stock runs: until the last generate returned).
+Returned hidden states (``return_hidden_states``) are counted, never stored. A failure is
+reported as ``{"ok": false, "error": ...}`` with whatever was measured before it.
 """
 
 from __future__ import annotations
@@ -16,10 +28,147 @@ import json
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 
-def _run(spec: dict[str, Any]) -> dict[str, Any]:
+def _count_numbers(value: Any) -> int:
+    """Numbers in a nested list (SGLang's ``meta_info["hidden_states"]``)."""
+    if value is None:
+        return 0
+    if isinstance(value, int | float):
+        return 1
+    if hasattr(value, "numel"):  # a tensor, should SGLang ever return one
+        return int(value.numel())
+    if isinstance(value, list | tuple):
+        if value and isinstance(value[0], int | float):
+            return len(value)
+        return sum(_count_numbers(v) for v in value)
+    return 0
+
+
+def workloads_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spec's workloads; a legacy single-generate spec is one workload."""
+    if "workloads" in spec:
+        return list(spec["workloads"])
+    wl: dict[str, Any] = {"name": "generate", "sampling_params": spec["sampling_params"]}
+    for key in ("input_ids", "prompts", "rids"):
+        if spec.get(key) is not None:
+            wl[key] = spec[key]
+    return [wl]
+
+
+def _gen_args(wl: dict[str, Any], wave: int | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"sampling_params": wl["sampling_params"]}
+    if wl.get("input_ids") is not None:
+        args["input_ids"] = wl["input_ids"]
+    else:
+        args["prompt"] = wl["prompts"]
+    rids = wl.get("rids")
+    if rids:
+        args["rid"] = list(rids) if wave is None else [f"{r}.w{wave}" for r in rids]
+    if wl.get("return_hidden_states"):
+        args["return_hidden_states"] = True
+    return args
+
+
+def run_workload(engine: Any, wl: dict[str, Any],
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Run one workload (in waves when asked); timings, counts and outputs."""
+    min_s = float(wl.get("min_seconds") or 0.0)
+    max_waves = max(int(wl.get("max_waves") or 1), 1)
+    repeat = min_s > 0 or max_waves > 1
+    keep = bool(wl.get("keep_outputs", True))
+    res: dict[str, Any] = {
+        "name": wl.get("name", "generate"), "timed": bool(wl.get("timed", True)),
+        "waves": 0, "seconds": 0.0, "wave_seconds": [], "requests": 0,
+        "prompt_tokens": 0, "output_tokens": 0, "hidden_state_numbers": 0, "outputs": [],
+    }
+    while True:
+        args = _gen_args(wl, res["waves"] if repeat else None)
+        t0 = clock()
+        outs = engine.generate(**args)
+        dt = clock() - t0
+        if isinstance(outs, dict):
+            outs = [outs]
+        res["waves"] += 1
+        res["seconds"] += dt
+        res["wave_seconds"].append(dt)
+        for o in outs:
+            meta = o["meta_info"]
+            res["hidden_state_numbers"] += _count_numbers(meta.pop("hidden_states", None))
+            res["requests"] += 1
+            res["prompt_tokens"] += int(meta["prompt_tokens"])
+            res["output_tokens"] += int(meta["completion_tokens"])
+            if keep:
+                res["outputs"].append({
+                    "id": meta["id"],
+                    "output_ids": list(o["output_ids"]),
+                    "prompt_tokens": meta["prompt_tokens"],
+                    "completion_tokens": meta["completion_tokens"],
+                    "text": o.get("text"),
+                    "num_retractions": meta.get("num_retractions"),
+                    "workload": res["name"],
+                })
+        if res["waves"] >= max_waves or (min_s > 0 and res["seconds"] >= min_s):
+            return res
+
+
+def execute(engine: Any, spec: dict[str, Any], result: dict[str, Any],
+            clock: Callable[[], float] = time.perf_counter) -> None:
+    """Run the spec's workloads on a started engine, then stop monitoring; fills ``result``.
+
+    ``result`` is filled as it goes, so a failure leaves what was measured before it.
+    """
+    result["workloads"] = []
+    first_timed: float | None = None
+    for wl in workloads_of(spec):
+        if wl.get("timed", True) and first_timed is None:
+            first_timed = clock()
+        result["workloads"].append(run_workload(engine, wl, clock))
+    t1 = clock()
+    if first_timed is None:
+        first_timed = t1
+    if spec.get("monitored"):
+        if spec.get("dmi_engine"):
+            engine.dmi_stop_monitoring()
+            result["run_id"] = engine.dmi_run_id
+        else:
+            engine.collective_rpc("dmi_stop_monitoring")
+            result["run_id"] = os.environ.get("DMX_MODEL_ID", "")
+    t2 = clock()
+    timed = [w for w in result["workloads"] if w["timed"]]
+    outputs = [o for w in result["workloads"] for o in w.pop("outputs")]
+    result.update(
+        generate_s=sum(w["seconds"] for w in timed),
+        durable_s=t2 - first_timed,
+        stop_s=t2 - t1,
+        output_tokens=sum(w["output_tokens"] for w in timed),
+        outputs=outputs,
+    )
+
+
+def _env_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0]}
+    try:
+        import importlib.metadata as md
+
+        import torch
+
+        info.update(torch=torch.__version__, sglang=md.version("sglang"))
+        try:
+            info["dmi_sglang"] = md.version("dmi-sglang")
+        except md.PackageNotFoundError:
+            info["dmi_sglang"] = None
+        if torch.cuda.is_available():
+            info["device"] = torch.cuda.get_device_name(0)
+    except Exception as exc:  # information only
+        info["error"] = repr(exc)
+    return info
+
+
+def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     os.environ.update(spec.get("env", {}))
     import sglang
 
@@ -31,57 +180,30 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         engine = DMIEngine(**kwargs)
     else:
         engine = sglang.Engine(**kwargs)
-    ready = time.perf_counter()
-    result: dict[str, Any] = {"startup_s": ready - started}
+    result["startup_s"] = time.perf_counter() - started
+    result["env_info"] = _env_info()
     try:
-        gen_args: dict[str, Any] = {"sampling_params": spec["sampling_params"]}
-        if "input_ids" in spec:
-            gen_args["input_ids"] = spec["input_ids"]
-        else:
-            gen_args["prompt"] = spec["prompts"]
-        if spec.get("rids"):
-            gen_args["rid"] = spec["rids"]
-        t0 = time.perf_counter()
-        outs = engine.generate(**gen_args)
-        t1 = time.perf_counter()
-        if spec.get("monitored"):
-            if spec.get("dmi_engine"):
-                engine.dmi_stop_monitoring()
-                result["run_id"] = engine.dmi_run_id
-            else:
-                engine.collective_rpc("dmi_stop_monitoring")
-                result["run_id"] = os.environ.get("DMX_MODEL_ID", "")
-        t2 = time.perf_counter()
-        result.update(
-            generate_s=t1 - t0,
-            durable_s=t2 - t0,
-            outputs=[
-                {
-                    "id": o["meta_info"]["id"],
-                    "output_ids": list(o["output_ids"]),
-                    "prompt_tokens": o["meta_info"]["prompt_tokens"],
-                    "completion_tokens": o["meta_info"]["completion_tokens"],
-                    "text": o.get("text"),
-                }
-                for o in outs
-            ],
-        )
+        execute(engine, spec, result)
     finally:
         engine.shutdown()
-    return result
 
 
 def main() -> int:
+    """``run_engine.py SPEC OUT``: exit 0 when the engine ran every workload."""
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
+    result: dict[str, Any] = {}
     try:
-        result = _run(spec)
+        _run(spec, result)
         result["ok"] = True
     except BaseException as exc:  # report every failure to the parent as data
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-4000:]
     with open(out_path, "w") as f:
         json.dump(result, f)
+    sys.stdout.flush()
     return 0 if result["ok"] else 1
 
 
