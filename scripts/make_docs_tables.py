@@ -140,6 +140,9 @@ def cells_table(items: list[tuple[Path, dict[str, Any]]], docs: Path,
         preset = settings.get("preset", getattr(cell, "preset", "?"))
         overlap = settings.get("overlap", getattr(cell, "overlap", None))
         store = settings.get("persistence", getattr(cell, "persistence", "?"))
+        ring = settings.get("ring_mb", getattr(cell, "ring_mb", None))
+        if ring:
+            store = f"{store}, ring {ring} MiB"
         checks = data.get("checks") or {}
         tokens = checks.get("token_identity") or {}
         rows = checks.get("rows_complete") or {}
