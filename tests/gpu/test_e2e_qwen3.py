@@ -150,12 +150,41 @@ def test_rows_complete_for_every_hook(runs: dict[str, Any], workdir: Path) -> No
             if missing:
                 problems[out["id"]] = list(missing)
             assert manifest is not None
+            extra = _rows_outside_coverage(reader, run, manifest)
+            if extra:
+                problems.setdefault(out["id"], []).append(f"rows outside coverage: {extra}")
+            summary[out["id"]]["stored_positions"] = _stored_extent(reader, run_id, out["id"])
             assert manifest.prompt_tokens == out["prompt_tokens"]
             assert manifest.completion_tokens == out["completion_tokens"]
     _evidence("e2e-rows", {"run": str(run), "requests": summary, "problems": problems},
               workdir)
     assert len(run.captures) == 4 * 12 + 5  # 12 per-layer hooks x 4 layers + 5 global
     assert not problems
+
+
+def _stored_extent(reader: Any, run_id: str, request_id: str) -> dict[str, list[int]]:
+    extent: dict[str, list[int]] = {}
+    for act, layer, start, end in reader.ranges(run_id, request_id):
+        key = act if layer < 0 else f"{act}.{layer}"
+        lo, hi = extent.get(key, [start, end])
+        extent[key] = [min(lo, start), max(hi, end)]
+    return extent
+
+
+def _rows_outside_coverage(reader: Any, run: Any, manifest: Any) -> list[str]:
+    """Stored rows beyond the manifest's coverage (e.g. an unused final_logits decision)."""
+    from dmi_sglang.domain.hooks import CATALOG
+
+    by_act = {h.act_name: h for h in CATALOG}
+    extent = _stored_extent(reader, run.run_id, manifest.request_id)
+    bad = []
+    for act, layer in run.captures:
+        key = act if layer < 0 else f"{act}.{layer}"
+        cov = manifest.coverage(by_act[act])
+        lo, hi = extent.get(key, [cov.start, cov.end])
+        if lo < cov.start or hi > cov.end:
+            bad.append(f"{key} stored [{lo}, {hi}) expected [{cov.start}, {cov.end})")
+    return bad
 
 
 def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
