@@ -12,12 +12,20 @@ Measures, for a 28-layer model of hidden 1024 (bf16) replayed as a CUDA graph:
 * device-to-host throughput: a plain pinned copy (the ceiling) versus what the drain
   reaches (its own copies, and end to end until ``stop()`` returns, records included).
 
+* ``--drain``: the drain's own cost at Qwen3-0.6B sizes (28 layers, hidden 1024, vocab
+  151,936) for ``hidden-states`` (28 captures of 2 KiB rows) and ``sglang-full`` (341
+  captures, final_logits included) at batch 64: CPU seconds of the drain thread per
+  step (its device-to-host copies apart: on CPU those are memcpys of its own), records
+  and payload bytes per CPU second. The arena is filled once; every step is a padded
+  decode step (commit + seal), as under graph replay. Works on CPU.
+
 Every run checks that every captured row reached the sink. Output: a table on stdout and
 JSON (``--out``, default ``$OUT/bench_transport.json`` when ``$OUT`` is set).
 
     python bench/bench_transport.py                    # H200: about 2-4 minutes
     python bench/bench_transport.py --device cpu --layers 2 --hidden 64 --steps 20 --reps 1
                                                        # logic dry run without a GPU
+    python bench/bench_transport.py --drain --device cpu   # drain CPU cost (~1 minute)
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +46,10 @@ from typing import Any
 import structlog
 import torch
 
-from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions
+from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions, _drain
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES
 from dmi_sglang.domain.capacity import RingCapacity
-from dmi_sglang.domain.hooks import ModelHooks, Selection, parse_selection
+from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
 from dmi_sglang.domain.shapes import ModelShape
@@ -253,6 +263,233 @@ def bench_d2h(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+QWEN3_06B = ModelShape(28, 1024, 16, 8, 128, 3072, 151936)
+_DENSE = frozenset(h.name for h in CATALOG if not h.attention_matrix) - {
+    "pos_embed", "router_logits", "topk_ids", "topk_weights"}
+
+
+class _CountSink:
+    """Counts what it gets; keeps nothing (so payload buffers are reused at once)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def put(self, records: Any) -> None:
+        self.records += len(records)
+
+    def flush(self) -> None:
+        pass
+
+
+_DRAIN_CPU: list[float] = []
+_GATE = threading.Event()
+
+
+def _timed_run(original: Callable[..., None]) -> Callable[..., None]:
+    def run(self: Any) -> None:
+        try:
+            original(self)
+        finally:
+            _DRAIN_CPU.append(time.thread_time())  # the thread's CPU clock at its end
+    return run
+
+
+def _gated(original: Callable[..., Any]) -> Callable[..., Any]:
+    def process(self: Any, *args: Any, **kw: Any) -> Any:
+        _GATE.wait()
+        return original(self, *args, **kw)
+    return process
+
+
+class _Probe:
+    """A scheduler-like thread: it gives the GIL away for 200 us (as a blocking torch call
+    does) and measures how late it gets it back; the mean lateness over its idle
+    baseline is the GIL wait the drain causes per scheduler GIL release."""
+
+    NAP = 200e-6
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        nap, late = self.NAP, self.late
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(nap)
+            late.append(time.perf_counter() - t0 - nap)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _probe_idle(seconds: float = 0.3) -> float:
+    """Mean lateness of the probe with nothing else running (timer slack)."""
+    probe = _Probe()
+    probe.start()
+    time.sleep(seconds)
+    probe.stop()
+    return statistics.mean(probe.late)
+
+
+class _Busy:
+    """A thread that is always busy in Python (a worst-case scheduler thread: it never
+    releases the GIL on its own, so the drain gets it only by forced switches)."""
+
+    def __init__(self) -> None:
+        self.loops = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            for _ in range(100):
+                pass
+            self.loops += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join()
+
+
+def _busy_rate(seconds: float = 0.5) -> float:
+    busy = _Busy()
+    busy.start()
+    time.sleep(seconds)
+    busy.stop()
+    return busy.loops / seconds
+
+
+def bench_drain(
+    args: argparse.Namespace, preset: str, bs: int, steps: int, *, busy: bool = False
+) -> dict[str, Any]:
+    """Drain thread CPU per decode step at Qwen3-0.6B sizes (see the module docstring).
+
+    Warm-up steps first (first touches of the window and payload memory are not timed);
+    then the drain is held at a gate while the timed steps are committed (the ring holds
+    them all), released, and its CPU time is measured until ``stop()`` returns: the
+    drain runs alone, as it would next to a GPU doing the copies. With ``busy`` a thread
+    spinning in Python runs meanwhile instead of the probe: the drain's wall time then
+    shows what the GIL costs it, the spinner's rate what the drain takes from Python.
+    """
+    dev = torch.device(args.device)
+    hooks = ModelHooks("Qwen3ForCausalLM", _DENSE, QWEN3_06B.num_layers)
+    sel = parse_selection(preset).resolve(hooks)
+    capturing = [False]
+    sink = _CountSink()
+    _GATE.set()
+    transport = TorchCaptureTransport(
+        capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20), selection=sel,
+        shape=QWEN3_06B, max_graph_batch=bs, sink=sink, run_id=f"drain-{preset}", device=dev,
+        options=TransportOptions(max_prefill_tokens=bs), capture_probe=lambda: capturing[0],
+    )
+    capturing[0] = True  # record the arena once, as graph capture would
+    for hook, layer in sel.captures():
+        row = QWEN3_06B.row(hook)
+        width = 1
+        for d in row.dims:
+            width *= d
+        x = torch.randint(0, 100, (bs, width), device=dev).to(TORCH_DTYPES[row.dtype])
+        transport.capturer.capture(hook.name, layer, x)
+    capturing[0] = False
+    rids = [f"req-{i:04d}" for i in range(bs)]
+    warm = steps
+    plans = [make_plan(BatchLayout.decode(rids, [100 + s] * bs, padded_batch_size=bs), sel,
+                       QWEN3_06B, padded=True) for s in range(warm + steps)]
+    step_bytes = plans[0].total_bytes
+    if steps * step_bytes > args.ring_mb << 20:
+        msg = f"--ring-mb {args.ring_mb} cannot hold {steps} steps of {step_bytes} bytes"
+        raise SystemExit(msg)
+    for s, plan in enumerate(plans[:warm]):
+        transport.commit(plan, step=s + 1)
+        transport.seal()
+    time.sleep(5 * transport.options.flush_timeout_s + 1.0)  # the drain catches up
+    _GATE.clear()
+    for s, plan in enumerate(plans[warm:], start=warm):
+        transport.commit(plan, step=s + 1)
+        transport.seal()
+    time.sleep(0.2)
+    clock = time.pthread_getcpuclockid(transport._drain._thread.ident)  # type: ignore[arg-type]
+    cpu0 = time.clock_gettime(clock)
+    c0 = transport.drain_counters()
+    bytes0 = transport.stats().bytes
+    idle = _probe_idle()
+    idle_busy = _busy_rate() if busy else 0.0
+    probe, spinner = _Probe(), _Busy()
+    (spinner if busy else probe).start()
+    t0 = time.perf_counter()
+    _GATE.set()
+    stats = transport.stop()
+    wall = time.perf_counter() - t0
+    (spinner if busy else probe).stop()
+    late = sorted(probe.late) or [idle]
+    cpu = _DRAIN_CPU.pop() - cpu0
+    c = {k: v - c0.get(k, 0) for k, v in transport.drain_counters().items()}
+    d2h = c["d2h_seconds"] if dev.type == "cpu" else 0.0  # a memcpy of the drain on CPU
+    work = max(cpu - d2h, 1e-9)
+    return {
+        "preset": preset, "batch": bs, "steps": steps, "captures": len(sel.captures()),
+        "drain_cpu_us_per_step": cpu / steps * 1e6,
+        "drain_build_us_per_step": work / steps * 1e6,
+        "d2h_us_per_step": c["d2h_seconds"] / steps * 1e6,
+        "records": c["records"], "records_per_cpu_s": c["records"] / work,
+        "mb_per_cpu_s": (stats.bytes - bytes0) / work / 1e6, "bytes": stats.bytes - bytes0,
+        "wall_us_per_step": wall / steps * 1e6,
+        "probe_late_us_mean": (statistics.mean(late) - idle) * 1e6,
+        "probe_late_us_p99": (late[int(0.99 * (len(late) - 1))] - idle) * 1e6,
+        "probe_late_us_max": (late[-1] - idle) * 1e6,
+        "probe_naps": len(late),
+        "busy": busy,
+        "busy_thread_rate": spinner.loops / wall / idle_busy if busy else None,
+        "rows_ok": stats.rows == (warm + steps) * bs * len(sel.captures()),
+        "counters": c,
+    }
+
+
+def _drain_table(rows: list[dict[str, Any]]) -> str:
+    alone = [r for r in rows if not r["busy"]]
+    busy = [r for r in rows if r["busy"]]
+    lines = _alone_table(alone)
+    lines += ["", "the same with a thread always busy in Python (worst-case scheduler): the "
+              "drain's wall time per step, records per wall second, the busy thread's rate "
+              "(1.0 = as if alone)",
+              f"{'preset':<14}{'bs':>4}{'wall us':>10}{'records/s':>11}{'MB/s':>8}{'busy':>7}"]
+    for r in busy:
+        lines.append(
+            f"{r['preset']:<14}{r['batch']:>4}{r['wall_us_per_step']:>10.0f}"
+            f"{r['records'] / r['wall_us_per_step'] / r['steps'] * 1e6:>11.0f}"
+            f"{r['bytes'] / r['wall_us_per_step'] / r['steps']:>8.0f}"
+            f"{r['busy_thread_rate']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _alone_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["drain thread CPU per decode step, the drain running alone (Qwen3-0.6B sizes; "
+             "d2h = its staging copies, CPU only; build = the rest: window, records, "
+             "sink.put of a counting sink)",
+             "probe = how late a scheduler-like thread gets the GIL back after giving it "
+             "away for 200 us, while the drain works (mean / p99, us, over idle)",
+             f"{'preset':<14}{'bs':>4}{'caps':>6}{'cpu us':>10}{'d2h us':>9}{'build us':>10}"
+             f"{'records/s':>11}{'MB/s':>8}{'wall us':>9}{'probe':>7}{'p99':>7}  rows"]
+    for r in rows:
+        lines.append(
+            f"{r['preset']:<14}{r['batch']:>4}{r['captures']:>6}"
+            f"{r['drain_cpu_us_per_step']:>10.0f}{r['d2h_us_per_step']:>9.0f}"
+            f"{r['drain_build_us_per_step']:>10.0f}{r['records_per_cpu_s']:>11.0f}"
+            f"{r['mb_per_cpu_s']:>8.0f}{r['wall_us_per_step']:>9.0f}"
+            f"{r['probe_late_us_mean']:>7.0f}{r['probe_late_us_p99']:>7.0f}  "
+            f"{'ok' if r['rows_ok'] else 'LOST'}")
+    return lines
+
+
 def _table(rows: list[dict[str, Any]], d2h: dict[str, Any]) -> str:
     head = (f"{'preset':<14}{'bs':>4}{'caps':>6}{'base':>9}{'+cap':>9}{'ovh':>8}"
             f"{'base~':>9}{'+cap~':>9}{'ovh~':>8}{'host':>8}{'plan':>8}{'stalls':>7}  rows")
@@ -276,6 +513,27 @@ def _table(rows: list[dict[str, Any]], d2h: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def drain_main(args: argparse.Namespace) -> int:
+    """``--drain``: the drain CPU benchmark (the best of ``--drain-reps`` runs)."""
+    _drain.Drain._run = _timed_run(_drain.Drain._run)  # type: ignore[method-assign]
+    _drain.Drain._process = _gated(_drain.Drain._process)  # type: ignore[method-assign]
+    hs, full = (int(x) for x in args.drain_steps.split(","))
+    drains = []
+    for busy in (False, True):
+        for preset, n in (("hidden-states", hs), ("sglang-full", full)):
+            runs = [bench_drain(args, preset, 64, n, busy=busy) for _ in range(args.drain_reps)]
+            runs.sort(key=lambda r: r["drain_cpu_us_per_step" if not busy else "wall_us_per_step"])
+            drains.append(runs[0])  # the least disturbed run (noise only adds time)
+            gc.collect()
+    print(_drain_table(drains))
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_drain.json")
+                       if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"args": vars(args), "drain": drains}, indent=2))
+    return 0 if all(r["rows_ok"] for r in drains) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit 1 when rows were lost or the hidden-states target is missed."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -290,11 +548,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-mb", type=int, default=1024)
     p.add_argument("--d2h-steps", type=int, default=300)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_transport.json)")
+    p.add_argument("--drain", action="store_true",
+                   help="only the drain CPU benchmark (hidden-states, sglang-full)")
+    p.add_argument("--drain-steps", default="200,8",
+                   help="timed steps for hidden-states,sglang-full in --drain (the ring "
+                        "must hold them: 3.7 / 98 MB per step)")
+    p.add_argument("--drain-reps", type=int, default=3, help="--drain runs (the best is reported)")
     args = p.parse_args(argv)
     _quiet()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2
+    if args.drain:
+        return drain_main(args)
     rows = []
     for preset in args.presets.split(","):
         for bs in args.batches.split(","):

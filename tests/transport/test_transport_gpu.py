@@ -7,6 +7,8 @@ Every record is compared byte for byte with a reference clone taken in the same 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -229,14 +231,48 @@ def test_ring_wraps_around_on_gpu():
     assert stats.ring_high_water <= 1 << 20
 
 
+class GateSink(MemorySink):
+    """A stuck store: every ``put`` blocks until the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def put(self, records):
+        self.blocked.set()
+        self.gate.wait()
+        super().put(records)
+
+
+def _open_once_full(t: TorchCaptureTransport, sink: GateSink, hold_s: float) -> None:
+    """Open the gate ``hold_s`` after the drain is stuck and the ring is nearly full."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if sink.blocked.is_set() and t._alloc.usage().free_bytes < 32 << 10:
+            break
+        time.sleep(0.002)
+    time.sleep(hold_s)
+    sink.gate.set()
+
+
 def test_slow_sink_forces_backpressure_without_loss():
-    sink = MemorySink(delay_s=0.05)
+    # The drain frees a step's ring space before it calls put; stuck in a put it frees
+    # nothing more, so once the 128 KiB ring is full the producer has to wait (or go
+    # piecewise, waiting between pieces) until the store moves again: 41 steps of ~15 KB
+    # cannot all fit. Deterministic however fast the drain is (with a merely slow sink
+    # the H200's drain kept up: no stall).
+    sink = GateSink()
     t = _transport(sink, payload=128 << 10, coalesce_decode=False)  # ~15 KB per decode step
+    opener = threading.Thread(target=_open_once_full, args=(t, sink, 0.5), daemon=True)
+    opener.start()
     expected = _run_eager(t, steps=40)
     stats = t.stop()
+    opener.join()
     expected.verify(sink.records)
-    # Eager steps that do not fit wait whole or go piecewise (waiting between pieces).
     assert stats.stalls + stats.piecewise_steps > 0, stats
+    assert stats.stall_seconds > 0.3, stats  # the producer waited out most of the hold
+    assert stats.ring_high_water <= 128 << 10
     print(stats)
 
 

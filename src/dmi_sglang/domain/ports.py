@@ -122,6 +122,8 @@ class TransportStats:
         stalls / stall_seconds: times a step waited for the drain, and for how long.
         forced_eager: decode steps run eagerly because their padded plan did not fit.
         piecewise_steps: eager steps committed tensor by tensor.
+        discarded_logit_rows: ``final_logits`` rows not stored because they decided no
+            generated token (the overlap scheduler's extra forward of a finished request).
     """
 
     steps: int = 0
@@ -133,6 +135,7 @@ class TransportStats:
     stall_seconds: float = 0.0
     forced_eager: int = 0
     piecewise_steps: int = 0
+    discarded_logit_rows: int = 0
 
 
 class CaptureTransport(Protocol):

@@ -51,7 +51,8 @@ class CaptureRecord:
         start_token_idx / end_token_idx: the half-open token range of the rows.
         dtype: stored dtype name (``torch.bfloat16``).
         shape: the slice's shape, rows first.
-        payload: raw, contiguous, native-endian bytes.
+        payload: raw, contiguous, native-endian bytes: ``bytes``, or a read-only
+            one-dimensional byte ``memoryview`` (the transport's zero-copy slices).
         seq: capture step number; later steps supersede earlier ones (retractions).
     """
 
@@ -64,7 +65,7 @@ class CaptureRecord:
     end_token_idx: int
     dtype: str
     shape: tuple[int, ...]
-    payload: bytes = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
+    payload: bytes | memoryview = attrs.field(repr=lambda p: f"<{len(p)} bytes>")
     seq: int = 0
 
     @property

@@ -69,13 +69,14 @@ def _short_strings(values: Iterable[str]) -> bytes:
     return b"".join(parts)
 
 
-def encode_block(records: Sequence[CaptureRecord]) -> list[bytes]:
+def encode_block(records: Sequence[CaptureRecord]) -> list[bytes | memoryview]:
     """One Native block holding ``records``, as chunks to write in order.
 
-    The payloads are passed through as the records' own objects (no copy).
+    The payloads are passed through as the records' own objects (no copy): ``bytes`` or
+    the transport's read-only ``memoryview`` slices.
     """
     n = len(records)
-    chunks: list[bytes] = [_varint(len(COLUMN_NAMES)) + _varint(n)]
+    chunks: list[bytes | memoryview] = [_varint(len(COLUMN_NAMES)) + _varint(n)]
     for name in ("model_id", "request_id", "act_name"):
         chunks.append(_HEADERS[name])
         chunks.append(_short_strings(getattr(r, name) for r in records))
@@ -96,9 +97,11 @@ def encode_block(records: Sequence[CaptureRecord]) -> list[bytes]:
     return chunks
 
 
-def coalesce(chunks: Sequence[bytes], piece_bytes: int) -> Generator[bytes, None, None]:
+def coalesce(
+    chunks: Sequence[bytes | memoryview], piece_bytes: int
+) -> Generator[bytes, None, None]:
     """The chunks joined into pieces of about ``piece_bytes`` (fewer, larger writes)."""
-    group: list[bytes] = []
+    group: list[bytes | memoryview] = []
     size = 0
     for c in chunks:
         group.append(c)
@@ -110,6 +113,6 @@ def coalesce(chunks: Sequence[bytes], piece_bytes: int) -> Generator[bytes, None
         yield b"".join(group)
 
 
-def encoded_size(chunks: Sequence[bytes]) -> int:
+def encoded_size(chunks: Sequence[bytes | memoryview]) -> int:
     """Bytes of an encoded block."""
     return sum(len(c) for c in chunks)

@@ -8,9 +8,18 @@ One :class:`SchedulerMonitor` exists per monitored scheduler process. The runtim
   the padded step; a step that cannot fit runs eagerly);
 * ``DecodeCudaGraphRunner.load_batch`` / ``EagerRunner.load_batch`` (after):
   :meth:`commit_graph` / :meth:`commit_eager`;
-* ``TpModelWorker.forward_batch_generation`` (around): :meth:`track_requests`, so the
+* ``TpModelWorker.forward_batch_generation`` (around): ``requests.add_reqs``, so the
   stop call knows each request's prompt and completion lengths for the manifest;
 * the Scheduler RPC ``dmi_stop_monitoring``: :meth:`stop`.
+
+Finished requests are reported to the transport (``finish_request``) at the start of
+the next forward: with the overlap scheduler a request gets one extra decode forward
+after its last generated token, and the ``final_logits`` row of that forward decides a
+token that is never generated. The scheduler only learns that a request finished after
+that forward was launched, so the transport holds each request's newest logits row back
+until the next one arrives or the notice says where the request's decisions end
+(``prompt + completion - 1``). ``stop`` notifies every request before the transport
+stops (unfinished ones keep everything).
 """
 
 from __future__ import annotations
@@ -42,6 +51,13 @@ class _Seen:
     req: Any
     first_start: int
     last_end: int
+    notified: bool = False
+
+
+def logits_end(req: Any) -> int:
+    """One past the last position whose ``final_logits`` row decided a generated token:
+    ``prompt + completion - 1`` (the row at position p decides token p + 1)."""
+    return len(req.origin_input_ids) + len(req.output_ids) - 1
 
 
 class RequestTracker:
@@ -54,15 +70,43 @@ class RequestTracker:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
+        self._live: dict[str, _Seen] = {}
+        """Requests with a Req object and no finish notice yet (scanned every forward)."""
 
     def add_reqs(self, reqs: Iterable[Any]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
         for req in reqs:
             seen = self._seen.get(req.rid)
             if seen is None:
-                self._seen[req.rid] = _Seen(req, 1 << 62, 0)
+                seen = self._seen[req.rid] = _Seen(req, 1 << 62, 0)
             else:
                 seen.req = req
+            if not seen.notified:
+                self._live[req.rid] = seen
+
+    def take_finished(self) -> list[tuple[str, int]]:
+        """Requests that finished since the last call, with :func:`logits_end`; each is
+        reported once. O(live requests): one ``finished()`` call each."""
+        done = [(rid, seen) for rid, seen in self._live.items() if seen.req.finished()]
+        out = []
+        for rid, seen in done:
+            del self._live[rid]
+            seen.notified = True
+            out.append((rid, logits_end(seen.req)))
+        return out
+
+    def take_all(self) -> list[tuple[str, int | None]]:
+        """Every request not reported yet (the run stops): finished ones with
+        :func:`logits_end`, the others with None (keep everything)."""
+        out: list[tuple[str, int | None]] = []
+        for rid, seen in self._seen.items():
+            if seen.notified:
+                continue
+            seen.notified = True
+            req = seen.req
+            out.append((rid, logits_end(req) if req is not None and req.finished() else None))
+        self._live.clear()
+        return out
 
     def add_layout(self, layout: BatchLayout) -> None:
         """Record the positions a forward computes."""
@@ -72,9 +116,9 @@ class RequestTracker:
             seen = seen_by_rid.get(rid)
             if seen is None:
                 seen = seen_by_rid[rid] = _Seen(None, 1 << 62, 0)
-            if start < seen.first_start:
+            if start < seen.first_start:  # noqa: PLR1730 - per request and forward: no call
                 seen.first_start = start
-            if start + count > seen.last_end:
+            if start + count > seen.last_end:  # noqa: PLR1730
                 seen.last_end = start + count
 
     def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
@@ -124,6 +168,7 @@ class SchedulerMonitor:
         self.graph_buckets = graph_buckets
         self.protocol = StepProtocol()
         self.requests = RequestTracker()
+        self._finish_request = getattr(transport, "finish_request", None)
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
@@ -142,6 +187,10 @@ class SchedulerMonitor:
         if self._stopped:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
+        finish = self._finish_request
+        if finish is not None and not self.in_forward():
+            for rid, end in self.requests.take_finished():
+                finish(rid, end)
         return self.protocol.begin()
 
     def in_forward(self) -> bool:
@@ -198,6 +247,9 @@ class SchedulerMonitor:
             self._stopped = True
             stopped_at = datetime.now(UTC).isoformat()
             try:
+                if self._finish_request is not None:
+                    for rid, end in self.requests.take_all():
+                        self._finish_request(rid, end)
                 stats = self.transport.stop()
                 manifests = self.requests.manifests(self.run.run_id, committed=True)
                 run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.COMMITTED)

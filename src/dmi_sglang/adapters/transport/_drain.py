@@ -5,9 +5,12 @@ Per sealed item (a step, or one piece of a piecewise step), in commit order:
 1. wait for the item's marker and copy its ring region to the same offsets of pinned
    staging with ONE device-to-host copy, on the drain's own stream;
 2. decode steps join the :class:`~._window.DecodeWindow`; anything else first flushes the
-   window (rows of a request stay in position order), then becomes records directly;
+   window (rows of a request stay in position order), then becomes records directly
+   (``_records``); payloads are read-only slices of pooled slabs (``_pool``);
 3. release the region (the ring frees in order), then hand the records to the sink.
 
+Finish notices (:class:`Finish`) travel through the same queue, so they are ordered after
+every step sealed before them; they settle the request rows held back (``_records``).
 A failure anywhere is reported once (sticky, see the transport) and ends the thread.
 """
 
@@ -16,20 +19,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
-from dmi_sglang.adapters.transport._program import Bytes2D, Program, host_rows
-from dmi_sglang.adapters.transport._window import DecodeWindow, Yielder
+from dmi_sglang.adapters.transport._pool import PayloadPool
+from dmi_sglang.adapters.transport._program import Bytes2D, Program
+from dmi_sglang.adapters.transport._records import Emitted, HeldRows, build_records
+from dmi_sglang.adapters.transport._window import DecodeWindow
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.ports import RecordSink
-from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["Drain", "DrainItem", "build_records", "decode_requests"]
+__all__ = ["Drain", "DrainItem", "Finish", "coalescable"]
 
 log = structlog.get_logger("dmi_sglang.transport.drain")
 
@@ -58,48 +62,39 @@ class DrainItem:
         self.discard = discard
 
 
-def decode_requests(plan: CommitPlan, program: Program) -> list[tuple[str, int]] | None:
-    """``(request, position)`` of row ``i`` of every segment, for a plain decode step."""
+def coalescable(plan: CommitPlan, program: Program) -> bool:
+    """True for a plain decode step: one row per request in every segment."""
     lay = plan.layout
     if lay.kind is not ForwardKind.DECODE or not lay.is_uniform_decode:
-        return None
-    out = list(zip(lay.request_ids, lay.starts, strict=True))
-    if any(g.kept_rows != len(out) for g in program.groups):
-        return None
-    return out
+        return False
+    n = len(lay.request_ids)
+    return all(g.kept_rows == n for g in program.groups)
 
 
-def build_records(
-    run_id: str, item: DrainItem, staging: Bytes2D
-) -> list[CaptureRecord]:
-    """Records of one drained item, one per segment and request slice."""
-    records: list[CaptureRecord] = []
-    segments = item.plan.segments
-    yielder = Yielder()
-    for group in item.program.groups:
-        rows = host_rows(staging, item.base, group)
-        slices = item.plan.slices(segments[group.positions[0]])
-        for s, meta in enumerate(group.metas):
-            seg_rows = rows[s]
-            for sl in slices:
-                payload = seg_rows[sl.row_offset : sl.row_offset + sl.rows].tobytes()
-                records.append(
-                    CaptureRecord(
-                        run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
-                        sl.end, meta.dtype, (sl.rows, *meta.dims), payload, seq=item.seq,
-                    )
-                )
-                yielder.tick(len(payload))
-    return records
+class Finish:
+    """A finish notice: where a request's stored request rows end (None: keep all)."""
+
+    __slots__ = ("logits_end", "request_id")
+
+    def __init__(self, request_id: str, logits_end: int | None) -> None:
+        self.request_id = request_id
+        self.logits_end = logits_end
 
 
 _STOP = object()
 _BATCH = 1024
 """Most items drained per wake-up (each wake-up costs GIL hand-overs; see docs)."""
+_EMIT_BYTES = 64 << 20
+"""Payload bytes after which a batch hands its records to the sink before going on."""
 
 
 class Drain:
-    """The drain thread of one transport (see the module docstring)."""
+    """The drain thread of one transport (see the module docstring).
+
+    Args:
+        window_bytes: bound of the decode coalescing window; None: no coalescing.
+        flush_timeout_s: longest time a decode row waits in the window.
+    """
 
     def __init__(
         self,
@@ -110,7 +105,8 @@ class Drain:
         release: Callable[[], None],
         sink: RecordSink,
         run_id: str,
-        window: DecodeWindow | None,
+        window_bytes: int | None,
+        flush_timeout_s: float,
         on_failure: Callable[[BaseException, str], None],
     ) -> None:
         self._ops = ops
@@ -120,15 +116,23 @@ class Drain:
         self._release = release
         self._sink = sink
         self._run_id = run_id
-        self._window = window
+        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)))
+        self.held = HeldRows()
+        self._window = (
+            DecodeWindow(run_id, window_bytes, flush_timeout_s, self.pool, self.held)
+            if window_bytes is not None else None
+        )
         self._on_failure = on_failure
-        self._queue: queue.SimpleQueue[DrainItem | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
         self.rows = 0
         self.bytes = 0
         self.records = 0
+        self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
+        self.build_cpu_seconds = 0.0
+        self.sink_seconds = 0.0
 
     def start(self) -> None:
         """Start the thread."""
@@ -138,8 +142,12 @@ class Drain:
         """Hand a sealed item to the drain (never blocks)."""
         self._queue.put(item)
 
+    def finish(self, request_id: str, logits_end: int | None) -> None:
+        """Queue a finish notice, ordered after every item handed over so far."""
+        self._queue.put(Finish(request_id, logits_end))
+
     def close(self) -> None:
-        """Drain everything queued, flush the window, and end the thread."""
+        """Drain everything queued, flush the window and the held rows, end the thread."""
         self._queue.put(_STOP)
         self._thread.join()
 
@@ -147,20 +155,24 @@ class Drain:
         try:
             stop = False
             while not stop:
-                batch: list[DrainItem] = []
+                batch: list[DrainItem | Finish] = []
                 item = self._next()
                 while item is not None:
                     if item is _STOP:
                         stop = True
                         break
-                    assert isinstance(item, DrainItem)
+                    assert isinstance(item, (DrainItem, Finish))
                     batch.append(item)
                     item = self._more(len(batch))
-                out: list[CaptureRecord] = []
+                out = Emitted()
                 if batch:
-                    self._process(batch, out)
-                if stop and self._window is not None:
-                    out.extend(self._window.flush())
+                    out = self._process(batch, out)
+                if stop:
+                    t0 = time.thread_time()
+                    if self._window is not None:
+                        self._window.flush(out, final=True)
+                    self.held.release_all(out)
+                    self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
@@ -178,43 +190,82 @@ class Drain:
                 return self._queue.get(timeout=timeout)
             except queue.Empty:
                 assert self._window is not None
-                self._emit(self._window.flush())
+                out = Emitted()
+                t0 = time.thread_time()
+                self._window.flush(out)
+                self.build_cpu_seconds += time.thread_time() - t0
+                self._emit(out)
 
-    def _process(self, batch: list[DrainItem], out: list[CaptureRecord]) -> None:
-        """Copy the batch to staging (one copy per contiguous span), then build records."""
+    def _process(self, batch: list[DrainItem | Finish], out: Emitted) -> Emitted:
+        """Copy the batch to staging (one copy per contiguous span), then build records.
+
+        Returns what is left to emit (a long batch hands records over as it goes)."""
+        items = [it for it in batch if isinstance(it, DrainItem)]
         start = 0
-        for i in range(1, len(batch) + 1):
-            if i == len(batch) or batch[i].base != batch[i - 1].base + batch[i - 1].nbytes:
-                lo, hi = batch[start].base, batch[i - 1].base + batch[i - 1].nbytes
+        for i in range(1, len(items) + 1):
+            if i == len(items) or items[i].base != items[i - 1].base + items[i - 1].nbytes:
+                lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
                 t0 = time.perf_counter()
-                markers = [it.marker for it in batch[start:i]]
+                markers = [it.marker for it in items[start:i]]
                 self._ops.to_host(markers, self._staging[lo:hi], self._ring[lo:hi])
                 self.d2h_seconds += time.perf_counter() - t0
                 self.d2h_bytes += hi - lo
                 start = i
+        t0 = time.thread_time()
         window = self._window
+        staging = self._staging_np
         for item in batch:
+            if isinstance(item, Finish):
+                if window is not None and window.has(item.request_id):
+                    window.finish(item.request_id, item.logits_end)
+                else:
+                    self.held.finish(item.request_id, item.logits_end, out)
+                continue
             if item.discard:
                 self._release()
                 continue
-            requests = decode_requests(item.plan, item.program) if window is not None else None
-            if window is not None and requests is not None:
-                if not window.can_take(item.program, len(requests)):
-                    out.extend(window.flush())
-                window.append(item.seq, item.program, self._staging_np, item.base, requests)
+            if window is not None and coalescable(item.plan, item.program):
+                rows = len(item.plan.layout.request_ids)
+                if not window.can_take(item.program, rows):
+                    out = self._flush_window(out)
+                window.append(item.seq, item.program, staging, item.base, item.plan.layout)
                 self._release()
                 if window.due():
-                    out.extend(window.flush())
+                    out = self._flush_window(out)
                 continue
-            if window is not None:
-                out.extend(window.flush())
-            out.extend(build_records(self._run_id, item, self._staging_np))
+            if window is not None and window.rows:
+                out = self._flush_window(out)
+            build_records(self._run_id, item.plan, item.program, staging, item.base,
+                          seq=item.seq, pool=self.pool, held=self.held, out=out)
             self._release()
+            if out.bytes >= _EMIT_BYTES:
+                out = self._hand_over(out)
+        self.build_cpu_seconds += time.thread_time() - t0
+        return out
 
-    def _emit(self, records: Sequence[CaptureRecord]) -> None:
-        if not records:
+    def _flush_window(self, out: Emitted) -> Emitted:
+        """Flush the window into ``out`` and hand it to the sink: a window's payload slabs
+        return to the pool only once the sink let go of them, so they must not pile up
+        over a long batch."""
+        assert self._window is not None
+        self._window.flush(out)
+        return self._hand_over(out)
+
+    def _hand_over(self, out: Emitted) -> Emitted:
+        cpu = time.thread_time()
+        self._emit(out)
+        self.build_cpu_seconds -= time.thread_time() - cpu  # sink time is not build time
+        return Emitted()
+
+    def _emit(self, out: Emitted) -> None:
+        self.discarded += out.discarded
+        if out.discarded:
+            log.debug("request rows discarded", rows=out.discarded, total=self.discarded)
+        if not out.records:
             return
-        self._sink.put(records)
-        self.records += len(records)
-        self.rows += sum(r.end_token_idx - r.start_token_idx for r in records)
-        self.bytes += sum(len(r.payload) for r in records)
+        t0 = time.perf_counter()
+        self._sink.put(out.records)
+        self.sink_seconds += time.perf_counter() - t0
+        self.records += len(out.records)
+        self.rows += out.rows
+        self.bytes += out.bytes

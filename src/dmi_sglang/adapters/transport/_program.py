@@ -18,6 +18,7 @@ import numpy.typing as npt
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
+from dmi_sglang.domain.hooks import RowBasis
 from dmi_sglang.domain.plan import CommitPlan, Segment, align_up
 from dmi_sglang.errors import CaptureError
 
@@ -53,6 +54,8 @@ class Group:
         ring_offset / ring_stride: first segment's offset in the step region, spacing.
         arena_offset / arena_stride: the same in the arena (padded plans only, else -1).
         elem: bytes per element of the device copy (8, 4, 2 or 1).
+        request_rows: the segments hold request rows (``final_logits``): one row per
+            request that emits a token, held back by the drain until confirmed.
     """
 
     positions: tuple[int, ...]
@@ -67,6 +70,7 @@ class Group:
     arena_offset: int
     arena_stride: int
     elem: int
+    request_rows: bool = False
 
     @property
     def count(self) -> int:
@@ -251,6 +255,7 @@ def _group(plan: CommitPlan, run: list[int], arena: Arena) -> Group:
         arena_offset=arena_offset,
         arena_stride=arena_stride,
         elem=max(e for e in (8, 4, 2, 1) if align % e == 0),
+        request_rows=first.hook.row_basis is RowBasis.REQUEST,
     )
 
 

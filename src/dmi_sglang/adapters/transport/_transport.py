@@ -24,7 +24,6 @@ from dmi_sglang.adapters.transport._drain import Drain, DrainItem
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
-from dmi_sglang.adapters.transport._window import DecodeWindow
 from dmi_sglang.domain.capacity import (
     Decision,
     Preflight,
@@ -121,13 +120,11 @@ class TorchCaptureTransport:
         self._piecewise = 0
         self._steps = 0
         self._tensors = 0
-        window = (
-            DecodeWindow(run_id, opts.coalesce_max_bytes, opts.flush_timeout_s)
-            if opts.coalesce_decode else None
-        )
         self._drain = Drain(
             ops=ops, ring=ring, staging=ops.host_buffer(nbytes), release=self._release,
-            sink=sink, run_id=run_id, window=window, on_failure=self._fail,
+            sink=sink, run_id=run_id,
+            window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
+            flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
@@ -235,8 +232,27 @@ class TorchCaptureTransport:
                           discard=True)
             )
 
+    def finish_request(self, request_id: str, logits_end: int | None) -> None:
+        """The scheduler saw ``request_id`` finish (or the run is stopping): between steps.
+
+        The drain holds back each request's newest ``final_logits`` row, because SGLang's
+        overlap scheduler forwards the last generated token once more and that forward's
+        logits decide nothing. This notice settles it: rows at positions ``>= logits_end``
+        (``prompt + completion - 1``) are discarded (counted in
+        ``discarded_logit_rows``), earlier ones stored; ``None`` stores everything (an
+        unfinished request at stop). Ordered after every step sealed so far; call it
+        before the request's id could be reused, never while a step is open.
+
+        Raises:
+            CaptureError: the transport stopped or failed (sticky).
+        """
+        self._check_usable()
+        self._drain.finish(request_id, logits_end)
+
     def stop(self) -> TransportStats:
         """Drain everything, flush the sink; terminal and idempotent.
+
+        Held ``final_logits`` rows without a finish notice are stored.
 
         Raises:
             CaptureError: anything failed during the run (drain, sink, a capture); the
@@ -264,12 +280,21 @@ class TorchCaptureTransport:
             bytes=self._drain.bytes, ring_high_water=self._alloc.high_water,
             stalls=self._stalls, stall_seconds=self._stall_seconds,
             forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
+            discarded_logit_rows=self._drain.discarded,
         )
 
     def drain_counters(self) -> dict[str, float]:
-        """Drain internals for benchmarks: records, device-to-host bytes and seconds."""
+        """Drain internals for benchmarks: records, device-to-host bytes and seconds,
+        CPU seconds the drain thread spent building records (GIL held for most of it,
+        the bulk copies excepted), seconds in ``sink.put``, payload buffers allocated and
+        reused, request rows held back now."""
         d = self._drain
-        return {"records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds}
+        return {
+            "records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
+            "build_cpu_seconds": d.build_cpu_seconds, "sink_seconds": d.sink_seconds,
+            "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
+            "held_rows": len(d.held),
+        }
 
     # -- internals -------------------------------------------------------------------------
 

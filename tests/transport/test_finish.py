@@ -1,0 +1,264 @@
+"""The overlap scheduler's extra forward: its final_logits row is discarded, nothing else.
+
+SGLang's overlap scheduler forwards each request's last generated token once more (the
+scheduler learns the request finished one step later). Token rows of that forward are
+stored; its final_logits row decides a token that is never generated and must not be.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.ports import TransportStats
+from dmi_sglang.domain.records import RunInfo
+from dmi_sglang.testing import MemorySink
+
+from .conftest import SHAPE, Driver  # type: ignore[import-not-found]
+
+LOGITS = "final_logits"
+
+
+def _drop(d: Driver, rid: str, pos: int) -> None:
+    """The extra forward's logits row at ``pos`` is not expected."""
+    d.expected[(rid, LOGITS, -1)].remove((pos, pos + 1))
+
+
+def _coverage(records, rid: str, act: str, layer: int) -> list[int]:
+    return sorted(p for r in records if (r.request_id, r.act_name, r.layer_no) == (rid, act, layer)
+                  for p in range(r.start_token_idx, r.end_token_idx))
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+@pytest.mark.parametrize("notice_after_flush", [True, False])
+def test_extra_forward_logits_row_is_discarded(make_driver, coalesce, notice_after_flush):
+    d, sink = make_driver("resid_pre,token_ids,final_logits", coalesce_decode=coalesce,
+                          flush_timeout_s=0.01 if notice_after_flush else 30.0)
+    # a: prompt 5, completion 3 (tokens at 5, 6, 7); b keeps going and finishes at stop.
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 4]))  # logits at 4 / 3
+    d.forward(BatchLayout.decode(["a", "b"], [6, 5]))          # a: logits at 5 -> token 6
+    d.forward(BatchLayout.decode(["a", "b"], [7, 6]))          # a: at 6 -> token 7 (last)
+    d.forward(BatchLayout.decode(["a", "b"], [8, 7]))          # a: the extra forward at 7
+    if notice_after_flush:
+        time.sleep(0.2)  # the window went out; a's newest logits row is held on its own
+    d.t.finish_request("a", 5 + 3 - 1)                         # learned one step later
+    d.forward(BatchLayout.decode(["b"], [8]))
+    stats = d.t.stop()
+    _drop(d, "a", 7)
+    d.verify(sink.records)
+    assert _coverage(sink.records, "a", LOGITS, -1) == [4, 5, 6]  # [prompt-1, p+c-1)
+    assert _coverage(sink.records, "a", "blocks.hook_resid_pre", 1) == list(range(8))
+    assert _coverage(sink.records, "a", "token_ids", -1) == list(range(8))
+    assert _coverage(sink.records, "b", LOGITS, -1) == [3, 4, 5, 6, 7]  # nothing dropped
+    assert stats.discarded_logit_rows == 1
+    assert stats.rows == sum(r.rows for r in sink.records)
+
+
+def test_request_without_extra_forward_keeps_every_row(make_driver):
+    d, sink = make_driver()
+    d.forward(BatchLayout.extend(["a"], [0], [3]))  # logits at 2 -> token 3
+    d.forward(BatchLayout.decode(["a"], [4]))       # at 3 -> token 4 (last: completion 2)
+    d.t.finish_request("a", 3 + 2 - 1)              # no overlap: nothing past position 3
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert _coverage(sink.records, "a", LOGITS, -1) == [2, 3]
+    assert stats.discarded_logit_rows == 0
+
+
+def test_unfinished_requests_keep_everything_at_stop(make_driver):
+    d, sink = make_driver(flush_timeout_s=0.01)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [2, 6]))
+    for n in range(3):
+        d.forward(BatchLayout.decode(["a", "b"], [3 + n, 7 + n]))
+    d.t.finish_request("a", None)  # what the monitor sends for an unfinished request
+    stats = d.t.stop()              # b gets no notice at all: kept as well
+    d.verify(sink.records)
+    assert stats.discarded_logit_rows == 0
+    assert d.t.drain_counters()["held_rows"] == 0
+
+
+def test_retracted_request_keeps_recomputed_rows_and_drops_only_the_extra_one(make_driver):
+    d, sink = make_driver("resid_pre,final_logits", flush_timeout_s=0.01)
+    d.forward(BatchLayout.extend(["a"], [0], [4]))             # logits at 3 -> token 4
+    for seq_len in (5, 6, 7):                                   # at 4, 5, 6 -> tokens 5..7
+        d.forward(BatchLayout.decode(["a"], [seq_len]))
+    time.sleep(0.05)
+    d.forward(BatchLayout.extend(["a"], [0], [7], seq_lens=[7]))  # retracted: recomputed
+    d.forward(BatchLayout.decode(["a"], [8]))                   # at 7 -> token 8 (last)
+    d.forward(BatchLayout.decode(["a"], [9]))                   # the extra forward at 8
+    d.t.finish_request("a", 4 + 5 - 1)
+    stats = d.t.stop()
+    _drop(d, "a", 8)
+    d.verify(sink.records)
+    logits = [(r.start_token_idx, r.end_token_idx, r.seq) for r in sink.records
+              if r.act_name == LOGITS]
+    assert sorted(p for a, b, _ in logits for p in range(a, b)) == [3, 4, 5, 6, 6, 7]
+    assert max(s for a, _, s in logits if a == 6) == 5  # the recomputation supersedes
+    assert stats.discarded_logit_rows == 1
+
+
+def test_held_rows_are_bounded_by_live_requests(make_driver):
+    d, sink = make_driver(flush_timeout_s=0.005)
+    rids = [f"r{i}" for i in range(5)]
+    d.forward(BatchLayout.extend(rids, [0] * 5, [2] * 5))
+    for n in range(20):
+        d.forward(BatchLayout.decode(rids, [3 + n] * 5))
+        assert d.t.drain_counters()["held_rows"] <= len(rids)
+    time.sleep(0.05)
+    assert d.t.drain_counters()["held_rows"] == len(rids)  # one newest row each
+    d.t.stop()
+    d.verify(sink.records)
+
+
+# -- a random overlap scheduler -----------------------------------------------------------
+
+requests = st.lists(
+    st.tuples(st.integers(1, 9), st.integers(1, 5), st.booleans(), st.integers(0, 4)),
+    min_size=1, max_size=6,
+)
+
+
+def _prefill(d: Driver, rid: str, prompt: int, chunk: int) -> None:
+    for start in range(0, prompt, chunk):
+        n = min(chunk, prompt - start)
+        d.forward(BatchLayout.extend([rid], [start], [n], seq_lens=[prompt]))
+
+
+def _decode(d: Driver, rids: list[str], seq_lens: list[int], *, padded: bool) -> None:
+    if padded:
+        d.forward(BatchLayout.decode(rids, seq_lens, padded_batch_size=8), padded=True)
+    else:
+        d.forward(BatchLayout.decode(rids, seq_lens))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests, padded=st.booleans(), coalesce=st.booleans(),
+       window_bytes=st.sampled_from([150, 1 << 20]), notify_late=st.booleans(),
+       chunk=st.integers(2, 9))
+def test_any_overlap_schedule_stores_exact_logits_coverage(
+    make_driver, reqs, padded, coalesce, window_bytes, notify_late, chunk
+):
+    """Requests (prompt, completion, extra forward?, arrival step) decode together; a
+    finish notice follows one step (or, late, two steps) after each last forward."""
+    d, sink = make_driver("resid_pre,token_ids,final_logits", max_graph_batch=8,
+                          coalesce_decode=coalesce, coalesce_max_bytes=window_bytes,
+                          max_prefill_tokens=16)
+    if padded:
+        d.graph_capture(8)
+    state = {}  # rid -> [prompt, completion, extra, next position, forwards left]
+    notices: list[tuple[int, str, int]] = []
+    step = 0
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][3])
+    while pending or state:
+        while pending and pending[0][1][3] <= step:
+            i, (prompt, completion, extra, _) = pending.pop(0)
+            _prefill(d, f"q{i}", prompt, chunk)
+            state[f"q{i}"] = [prompt, completion, extra, prompt, completion - 1 + int(extra)]
+        for when, rid, end in [n for n in notices if n[0] <= step]:
+            d.t.finish_request(rid, end)
+            notices.remove((when, rid, end))
+        live = [r for r, s in state.items() if s[4] > 0]
+        if live:
+            _decode(d, live, [state[r][3] + 1 for r in live], padded=padded)
+            for r in live:
+                state[r][3] += 1
+                state[r][4] -= 1
+        for rid in [r for r, s in state.items() if s[4] == 0]:
+            prompt, completion, extra, _, _ = state.pop(rid)
+            notices.append((step + 1 + int(notify_late), rid, prompt + completion - 1))
+            if extra:
+                _drop(d, rid, prompt + completion - 1)
+        step += 1
+    for _, rid, end in notices:  # the monitor's notices at stop
+        d.t.finish_request(rid, end)
+    stats = d.t.stop()
+    d.verify(sink.records)
+    for i, (prompt, completion, extra, _) in enumerate(reqs):
+        rid = f"q{i}"
+        assert _coverage(sink.records, rid, LOGITS, -1) == list(
+            range(prompt - 1, prompt + completion - 1))
+        assert _coverage(sink.records, rid, "token_ids", -1) == list(
+            range(prompt + completion - 1 + int(extra)))
+    assert stats.discarded_logit_rows == sum(1 for *_, extra, _ in reqs if extra)
+    assert d.t.drain_counters()["held_rows"] == 0
+
+
+# -- the monitor's side -------------------------------------------------------------------
+
+class _Req:
+    """What the monitor reads of SGLang's Req."""
+
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(range(prompt))
+        self.output_ids: list[int] = []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def test_monitor_reports_finished_requests_one_step_later_and_all_at_stop(make_driver):
+    d, sink = make_driver("resid_pre,final_logits")
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True, graph_buckets=(8,))
+    a, b = _Req("a", 3), _Req("b", 2)
+
+    def forward(layout: BatchLayout, reqs) -> None:
+        mon.requests.add_reqs(reqs)
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+        d.step += 1
+        plan = d.plan(layout)
+        for seg in plan.segments:
+            for sl in plan.slices(seg):
+                d.expected[(sl.request_id, seg.hook.act_name, seg.layer_no)].append(
+                    (sl.start, sl.end))
+
+    forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
+    a.output_ids.append(1)  # the result of the prefill: a's token at 3, b's at 2
+    b.output_ids.append(1)
+    forward(BatchLayout.decode(["a", "b"], [4, 3]), [a, b])  # a at 3 -> its last token
+    # overlap: the next batch is launched before the previous result is processed
+    forward(BatchLayout.decode(["a", "b"], [5, 4]), [a, b])  # a's extra forward at 4
+    a.output_ids.append(2)
+    a.done = True  # result of the step before: a finished (completion 2)
+    b.output_ids.append(2)
+    forward(BatchLayout.decode(["b"], [5]), [b])  # begin_forward reports a: end 3 + 2 - 1
+    mon.stop()  # b is unfinished: everything kept
+    _drop(d, "a", 4)
+    d.verify(sink.records)
+    assert _coverage(sink.records, "a", LOGITS, -1) == [2, 3]
+    assert _coverage(sink.records, "b", LOGITS, -1) == [1, 2, 3, 4]
+    assert d.t.stats().discarded_logit_rows == 1
+    (_, manifests), = sink.finished
+    by_rid = {m.request_id: m for m in manifests}
+    assert by_rid["a"].committed
+    assert by_rid["a"].overlap_extra_forward
+    assert not by_rid["b"].committed
+
+
+def test_monitor_without_a_finish_capable_transport_is_unchanged():
+    calls: list[str] = []
+    transport = SimpleNamespace(
+        stop=lambda: calls.append("stop") or TransportStats(), stats=TransportStats,
+        commit=lambda plan, step: calls.append("commit"), seal=lambda: calls.append("seal"),
+    )
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=None, shape=SHAPE, transport=transport,  # type: ignore[arg-type]
+                           sink=MemorySink(), strip=True, graph_buckets=())
+    mon.requests.add_reqs([_Req("a", 2)])
+    mon.begin_forward()
+    mon.protocol.abort()
+    mon.stop()
+    assert calls == ["stop"]
