@@ -16,7 +16,6 @@ import attrs
 import structlog
 
 from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
-from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.ports import RecordSink
 from dmi_sglang.domain.records import RunInfo
@@ -102,17 +101,8 @@ def prepare(runner: Any) -> Prepared:
         chunk = int(runner.model_config.context_len)
 
     from dmi_sglang.adapters.clickhouse import open_sink
-    from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+    from dmi_sglang.adapters.transport import create_transport
 
-    capacity = RingCapacity.from_mb(
-        settings.ring_payload_mb, settings.ring_pinned_mb, settings.ring_task_entries
-    )
-    options = TransportOptions.from_settings(
-        strip=settings.gpu_padding_strip,
-        flush_timeout_us=settings.drain_flush_timeout_us,
-        max_prefill_tokens=chunk,
-        max_requests=max_requests or max(max_bs, 1),
-    )
     run_id = settings.model_id or ""
     run = RunInfo(
         run_id=run_id,
@@ -124,8 +114,12 @@ def prepare(runner: Any) -> Prepared:
     sink = open_sink(settings.store())  # a store that cannot open fails here
     try:
         sink.start_run(run)
-        transport = TorchCaptureTransport(
-            capacity=capacity,
+        transport = create_transport(
+            payload_mb=settings.ring_payload_mb,
+            pinned_mb=settings.ring_pinned_mb,
+            task_entries=settings.ring_task_entries,
+            padding_strip=settings.gpu_padding_strip,
+            flush_timeout_us=settings.drain_flush_timeout_us,
             selection=selection,
             shape=shape,
             max_graph_batch=max(max_bs, 1) if graphs else 1,
@@ -133,7 +127,8 @@ def prepare(runner: Any) -> Prepared:
             run_id=run_id,
             device=f"cuda:{runner.gpu_id}" if str(runner.device).startswith("cuda")
             else str(runner.device),
-            options=options,
+            max_prefill_tokens=chunk,
+            max_requests=max_requests or max(max_bs, 1),
         )
     except BaseException:
         sink.close()
