@@ -152,6 +152,8 @@ def test_generate_tags_outputs_with_lazy_handles(fake: FakeEngineCalls, tmp_path
     assert single["dmi_internal"].request_id == "rid-0"
     with pytest.raises(ValueError, match="stream=True"):
         engine.generate(prompt="a", stream=True)
+    with pytest.raises(ValueError, match=r"image_data=\.\.\.\) is refused: .*no token ids"):
+        engine.generate(prompt="a", image_data="x.png")
 
 
 def test_stop_is_terminal_and_failures_stick(fake: FakeEngineCalls) -> None:

@@ -31,6 +31,7 @@ import structlog
 from sglang.srt.entrypoints.engine import Engine
 
 from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.domain.support import request_input_problem
 from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
 
 __all__ = ["DMIEngine"]
@@ -38,6 +39,7 @@ __all__ = ["DMIEngine"]
 log = structlog.get_logger(__name__)
 
 _STARTING = threading.Lock()
+_MULTIMODAL = ("image_data", "audio_data", "video_data")
 
 
 @contextmanager
@@ -102,7 +104,8 @@ class DMIEngine(Engine):  # type: ignore[misc]
 
         Raises:
             CaptureError: after :meth:`dmi_stop_monitoring` (monitoring is terminal).
-            ValueError: ``stream=True`` (a streamed capture has no single handle).
+            ValueError: ``stream=True`` (a streamed capture has no single handle), or
+                multimodal inputs (no token ids to capture; refused before sending).
         """
         if self._dmi_stopped or self._dmi_stop_error is not None:
             msg = ("monitoring was stopped (dmi_stop_monitoring): this engine captures no "
@@ -110,6 +113,11 @@ class DMIEngine(Engine):  # type: ignore[misc]
             raise CaptureError(msg)
         if kwargs.get("stream"):
             msg = "DMIEngine.generate(stream=True) is not supported; use stream=False"
+            raise ValueError(msg)
+        multimodal = [k for k in _MULTIMODAL if kwargs.get(k) is not None]
+        problem = request_input_problem(has_token_ids=not multimodal, has_input_embeds=False)
+        if problem is not None:
+            msg = f"DMIEngine.generate({', '.join(multimodal)}=...) is refused: {problem}"
             raise ValueError(msg)
         out = super().generate(*args, **kwargs)
         for item in out if isinstance(out, list) else [out]:
