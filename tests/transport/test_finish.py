@@ -209,7 +209,7 @@ def test_monitor_reports_finished_requests_one_step_later_and_all_at_stop(make_d
     d, sink = make_driver("resid_pre,final_logits")
     run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
     mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                           sink=sink, strip=True, graph_buckets=(8,))
+                           sink=sink, strip=True)
     a, b = _Req("a", 3), _Req("b", 2)
 
     def forward(layout: BatchLayout, reqs) -> None:
@@ -256,9 +256,35 @@ def test_monitor_without_a_finish_capable_transport_is_unchanged():
     )
     run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
     mon = SchedulerMonitor(run=run, selection=None, shape=SHAPE, transport=transport,  # type: ignore[arg-type]
-                           sink=MemorySink(), strip=True, graph_buckets=())
+                           sink=MemorySink(), strip=True)
     mon.requests.add_reqs([_Req("a", 2)])
     mon.begin_forward()
     mon.protocol.abort()
     mon.stop()
     assert calls == ["stop"]
+
+
+def test_a_graph_step_commits_the_plan_its_preflight_built(make_driver):
+    d, sink = make_driver("resid_pre")
+    run = RunInfo("run-2", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    layout = BatchLayout.decode(["a", "b"], [3, 4])
+
+    def unexpected() -> BatchLayout:
+        raise AssertionError("the preflighted plan was not reused")
+
+    mon.begin_forward()
+    assert mon.graph_allowed(layout, 4)
+    plan = mon.graph_plan(4, unexpected)
+    assert plan.padded
+    assert plan.layout == layout.with_padding(4)
+    mon.abort_forward()
+    mon.begin_forward()  # a new forward never reuses the previous step's plan
+    fresh = mon.graph_plan(4, lambda: layout)
+    assert fresh.layout == layout.with_padding(4)
+    assert mon.graph_allowed(layout, 4)
+    other = mon.graph_plan(8, lambda: layout)  # another bucket: planned anew
+    assert other.layout.padded_batch_size == 8
+    mon.abort_forward()
+    d.t.stop()

@@ -155,11 +155,6 @@ class CommitPlan:
         """Task entries the step needs (one per captured tensor)."""
         return len(self._structure.segments)
 
-    @property
-    def largest_segment_bytes(self) -> int:
-        """Ring bytes of the largest single segment."""
-        return max((s.aligned_bytes(self.alignment) for s in self.segments), default=0)
-
     def slices(self, segment: Segment) -> tuple[RecordSlice, ...]:
         """Where each request's rows sit in ``segment`` (kept rows, in row order)."""
         basis = segment.hook.row_basis

@@ -39,7 +39,6 @@ class Prepared:
     sink: RecordSink
     transport: Any
     run: RunInfo
-    graph_buckets: tuple[int, ...]
 
 
 def _resolved(name: str, server_args: Any) -> Any:
@@ -48,8 +47,8 @@ def _resolved(name: str, server_args: Any) -> Any:
     return resolution_result(server_args, name)
 
 
-def _decode_graph(runner: Any) -> tuple[bool, int, tuple[int, ...]]:
-    """(decode graphs on, largest decode graph batch, buckets) from the resolved config."""
+def _decode_graph() -> tuple[bool, int]:
+    """(decode graphs on, largest decode graph batch) from the resolved config."""
     from sglang.srt.runtime_context import get_exec
 
     decode = get_exec().graph.cuda_graph_config.decode
@@ -57,8 +56,7 @@ def _decode_graph(runner: Any) -> tuple[bool, int, tuple[int, ...]]:
     buckets = tuple(sorted(int(b) for b in decode.bs or ()))
     # The runner captures a subset of these (clamped to the request pool), never more.
     max_bs = buckets[-1] if buckets else int(decode.max_bs or 0)
-    del runner
-    return enabled, max_bs, buckets
+    return enabled, max_bs
 
 
 def prepare(runner: Any) -> Prepared:
@@ -94,7 +92,7 @@ def prepare(runner: Any) -> Prepared:
     if selection.omitted:
         log.info("dmi.hooks_omitted", hooks=list(selection.omitted),
                  why="the model has no such hook")
-    graphs, max_bs, buckets = _decode_graph(runner)
+    graphs, max_bs = _decode_graph()
     chunk = int(_resolved("chunked_prefill_size", server_args) or 0)
     max_requests = int(_resolved("max_running_requests", server_args) or 0)
     if chunk <= 0:
@@ -137,7 +135,7 @@ def prepare(runner: Any) -> Prepared:
              captures=len(selection.captures()), decode_graphs=graphs, max_graph_batch=max_bs,
              chunked_prefill=chunk, device_bytes=transport.device_bytes,
              store=settings.store().url)
-    return Prepared(settings, selection, shape, sink, transport, run, buckets)
+    return Prepared(settings, selection, shape, sink, transport, run)
 
 
 def attach(runner: Any, prepared: Prepared) -> SchedulerMonitor:
@@ -156,5 +154,4 @@ def attach(runner: Any, prepared: Prepared) -> SchedulerMonitor:
         transport=prepared.transport,
         sink=prepared.sink,
         strip=prepared.settings.gpu_padding_strip,
-        graph_buckets=prepared.graph_buckets,
     )

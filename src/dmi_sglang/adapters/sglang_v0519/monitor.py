@@ -25,7 +25,7 @@ stops (unfinished ones keep everything).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -157,7 +157,6 @@ class SchedulerMonitor:
         transport: Any,
         sink: RecordSink,
         strip: bool,
-        graph_buckets: tuple[int, ...],
     ) -> None:
         self.run = run
         self.selection = selection
@@ -165,14 +164,14 @@ class SchedulerMonitor:
         self.transport = transport
         self.sink = sink
         self.strip = strip
-        self.graph_buckets = graph_buckets
         self.protocol = StepProtocol()
         self.requests = RequestTracker()
         self._finish_request = getattr(transport, "finish_request", None)
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
-        self.forced_eager = 0
+        self._preflighted: CommitPlan | None = None
+        """The padded plan the preflight of this step built, reused by its commit."""
         self.unfinished: frozenset[str] = frozenset()
         """Requests of the batch about to run whose prompt chunk does not finish it."""
 
@@ -191,6 +190,7 @@ class SchedulerMonitor:
         if finish is not None and not self.in_forward():
             for rid, end in self.requests.take_finished():
                 finish(rid, end)
+        self._preflighted = None
         return self.protocol.begin()
 
     def in_forward(self) -> bool:
@@ -204,15 +204,23 @@ class SchedulerMonitor:
         eager = make_plan(layout, self.selection, self.shape, padded=False)
         decision = self.transport.preflight(padded, eager)
         if decision.decision is Decision.RUN_EAGER:
-            self.forced_eager += 1
             log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
             return False
+        self._preflighted = padded
         return True
 
-    def commit_graph(self, layout: BatchLayout) -> None:
-        """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit it."""
-        self._commit(make_plan(layout, self.selection, self.shape, padded=True,
-                               strip=self.strip))
+    def graph_plan(self, padded_bs: int, layout_of: Callable[[], BatchLayout]) -> CommitPlan:
+        """The padded plan of this decode step: the one its preflight built, else one
+        from ``layout_of()`` (the step was not preflighted at this batch size)."""
+        plan, self._preflighted = self._preflighted, None
+        if plan is None or plan.layout.padded_batch_size != padded_bs:
+            layout = layout_of().with_padding(padded_bs)
+            plan = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
+        return plan
+
+    def commit_graph(self, plan: CommitPlan) -> None:
+        """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit its plan."""
+        self._commit(plan)
 
     def commit_eager(self, layout: BatchLayout) -> None:
         """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""

@@ -123,11 +123,12 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
-    layout = layout_from_forward_batch(fb, padded_batch_size=int(graph_runner.bs))
-    if layout.raw_batch_size != int(graph_runner.raw_bs):
-        msg = f"decode batch of {graph_runner.raw_bs} requests, layout has {layout.raw_batch_size}"
+    plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
+    if plan.layout.raw_batch_size != int(graph_runner.raw_bs):
+        msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
+               f"{plan.layout.raw_batch_size}")
         raise CaptureError(msg)
-    mon.commit_graph(layout)
+    mon.commit_graph(plan)
     del result
 
 
