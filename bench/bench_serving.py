@@ -53,6 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 
 import engine_proc as ep
 
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.errors import ConfigurationError
+
 BENCH = "serving"
 SCHEMA = 1
 BASE_MODES = ("stock", "store", "transport", "return-hidden-states", "stock-eager")
@@ -67,6 +70,8 @@ STORE_INGEST_BPS = 300e6
 TRANSPORT_RECORD_BPS = 1.0e9
 """End-to-end record building measured by bench_transport on the H200 (estimates only)."""
 RHS_TOK_S = 3800.0
+PROFILE_DELAY_S = 5.0
+"""Seconds into the timed workload before py-spy starts (steady decoding by then)."""
 ENGINE_OVERHEAD_S = 20.0
 READBACK_SAMPLE = 16
 READBACK_S = 30.0
@@ -132,6 +137,9 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         "mem_fraction_static": args.mem_fraction_static, "max_bs": args.max_bs or args.batch,
         "chunked_prefill_size": args.chunked_prefill_size,
         "config_json": ep.qwen3_config(ep.MODELS[args.model]),
+        # only where used, so that the configuration of a plain run keeps its hash
+        **({"monitored_env": dict(sorted(args.env.items()))} if args.env else {}),
+        **({"profile_seconds": args.profile_seconds} if args.profile_seconds else {}),
     }
 
 
@@ -185,11 +193,16 @@ def engine_spec(args: argparse.Namespace, mode: Mode, model_dir: Path, *, store:
             "DMX_HOOK_SELECTION": str(mode.preset),
             "DMX_DB_URL": f"chdb://{store}" if mode.kind == "store" else "none",
             "DMX_MODEL_ID": run_id,
+            **args.env,
         }
-    return {
+    spec: dict[str, Any] = {
         "engine": kwargs, "env": env, "monitored": mode.monitored,
         "workloads": [w.spec(args.seed) for w in workloads(args, mode, max_waves)],
     }
+    if args.profile_seconds:
+        spec["profile"] = {"seconds": args.profile_seconds, "delay_s": PROFILE_DELAY_S,
+                           "passes": ["cpu", "gil"], "dir": f"{store}-py-spy"}
+    return spec
 
 
 def estimate_s(args: argparse.Namespace, mode: Mode, startup: dict[str, float]) -> float:
@@ -234,6 +247,8 @@ def mode_figures(args: argparse.Namespace, mode: Mode, res: dict[str, Any]) -> d
         out["returned_bytes_per_s"] = numbers * 4 / durable if durable else None
     stopped = res.get("events", {}).get("dmi.stopped")
     closed = res.get("events", {}).get("store.closed")
+    if res.get("events", {}).get("dmi.timing"):
+        out["timing"] = res["events"]["dmi.timing"]
     if mode.monitored and mode.preset and timed:
         model = ep.MODELS[args.model]
         nbytes = wave_bytes(args, mode.preset) * timed["waves"]
@@ -318,6 +333,87 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "targets": targets}
 
 
+def breakdown(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where the time of each monitored mode went, from its counters: the capture rate
+    stock speed would need (and, for transport-only, the ratio the 55 GB/s pinned
+    device-to-host ceiling allows at most), seconds the scheduler waited for ring space,
+    the scheduler thread's own time in the hooks per forward, the drain thread's CPU time
+    building records and its time blocked handing them to the sink, and how busy the
+    store's writers were. Counters a run did not report are None."""
+    modes = data.get("modes", {})
+    stock = ((modes.get("stock") or {}).get("figures") or {}).get("tok_s")
+    out = []
+    for key, entry in modes.items():
+        fig = entry.get("figures") or {}
+        if "capture_bytes_timed" not in fig:
+            continue
+        durable = fig.get("durable_s") or 0.0
+        tokens = fig.get("output_tokens") or 0
+        per_token = fig["capture_bytes_timed"] / tokens if tokens else None
+        need = per_token * stock if per_token and stock else None
+        transport = fig.get("transport") or {}
+        timing = fig.get("timing") or {}
+        store = fig.get("store") or {}
+        forwards = timing.get("forwards") or transport.get("steps")
+        host = timing.get("host_seconds_without_stalls")
+        writers = store.get("writers", 2 if store else None)  # 2: default, not logged before
+        out.append({
+            "mode": key, "durable_s": durable,
+            "needed_bps_at_stock": need,
+            "d2h_bound_ratio": (min(1.0, ep.D2H_CEILING_BPS / need)
+                                if need and key.startswith("transport") else None),
+            "stall_s": transport.get("stall_seconds"),
+            "stall_share": (transport["stall_seconds"] / durable
+                            if durable and transport.get("stall_seconds") is not None else None),
+            "hook_us_per_forward": (host / forwards * 1e6
+                                    if host is not None and forwards else None),
+            "drain_build_cpu_s": timing.get("drain_build_cpu_seconds"),
+            "drain_sink_blocked_s": timing.get("drain_sink_seconds"),
+            "store_writers": writers,
+            "store_writer_busy": (store["insert_seconds"] / (writers * durable)
+                                  if store.get("insert_seconds") and writers and durable
+                                  else None),
+        })
+    return out
+
+
+def profile_lines(data: dict[str, Any], threads: int = 4, frames: int = 3) -> list[str]:
+    """Per profiled mode and pass: the busiest threads and their top self frames."""
+    lines = []
+    for key, entry in (data.get("modes") or {}).items():
+        prof = entry.get("profile") or {}
+        for name in ("cpu", "gil"):
+            digest = prof.get(name)
+            if not digest:
+                continue
+            if digest.get("error"):
+                lines.append(f"{key} [{name}]: {digest['error']}")
+                continue
+            for t in digest.get("threads", [])[:threads]:
+                top = "; ".join(f"{f} {share:.0%}" for f, share in t["self"][:frames])
+                lines.append(f"{key} [{name}] {t['share']:.0%} {t['thread']}: {top}")
+    return lines
+
+
+def render_breakdown(data: dict[str, Any]) -> str:
+    """:func:`breakdown` and :func:`profile_lines` as text."""
+    rows = breakdown(data)
+    if not rows:
+        return ""
+    head = (f"{'where the time goes':<26} {'need GB/s':>9} {'d2h max':>7} {'stall s':>8} "
+            f"{'stall %':>7} {'hook us':>8} {'build s':>8} {'sink s':>7} {'writers':>7} "
+            f"{'busy %':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['mode']:<26} {_f(r['needed_bps_at_stock'], '.2f', 1e-9):>9} "
+            f"{_f(r['d2h_bound_ratio'], '.2f'):>7} {_f(r['stall_s'], '.1f'):>8} "
+            f"{_f(r['stall_share'], '.0f', 100):>7} {_f(r['hook_us_per_forward'], '.0f'):>8} "
+            f"{_f(r['drain_build_cpu_s'], '.1f'):>8} {_f(r['drain_sink_blocked_s'], '.1f'):>7} "
+            f"{_f(r['store_writers'], 'd'):>7} {_f(r['store_writer_busy'], '.0f', 100):>6}")
+    return "\n".join(lines + profile_lines(data))
+
+
 def _f(value: Any, fmt: str, scale: float = 1.0) -> str:
     if value is None:
         return "-"
@@ -399,6 +495,8 @@ def run_mode(args: argparse.Namespace, mode: Mode, model_dir: Path, work: Path, 
         workloads=res.get("workloads"), events=res.get("events"),
         figures=mode_figures(args, mode, res) if res.get("ok") else None,
     )
+    if res.get("profile"):
+        entry["profile"] = res["profile"]
     if not res.get("ok"):
         entry["log_tail"] = res.get("log_tail")
     if res.get("ok") and mode.kind == "store":
@@ -455,6 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default=None, help="engine logs and stores (default: temp dir)")
     p.add_argument("--keep-store", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
+    p.add_argument("--env", action="append", default=[], metavar="DMX_NAME=VALUE",
+                   help="a setting for the monitored modes, e.g. DMX_CH_WRITERS=8 (repeatable; "
+                        "part of the configuration)")
+    p.add_argument("--profile-seconds", type=float, default=0.0,
+                   help="py-spy every mode's engine (cpu pass, then gil pass) for this long "
+                        "each, from 5 s into the timed workload; digests go into the JSON. "
+                        "Sampling perturbs throughput: a separate configuration")
     return p
 
 
@@ -476,10 +581,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 ep.captures_of(mode.preset, ep.MODELS[args.model])
     except Exception as exc:  # ValueError or the domain's ConfigurationError
         parser.error(str(exc))
+    args.env = dict(_setting(parser, text) for text in args.env)
+    try:
+        Settings.from_env(args.env)
+    except ConfigurationError as exc:
+        parser.error(f"--env: {exc}")
+    if args.profile_seconds < 0:
+        parser.error("--profile-seconds must be >= 0")
     if args.out is None:
         base = os.environ.get("OUT")
         args.out = str(Path(base) / "bench_serving.json") if base else "bench_serving.json"
     return args
+
+
+def _setting(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("DMX_"):
+        parser.error(f"--env {text!r}: expected DMX_NAME=VALUE, e.g. DMX_CH_WRITERS=8")
+    return name, value
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -555,6 +674,7 @@ def main(argv: Sequence[str] | None = None, launcher: Launcher = ep.launch,
               flush=True)
     _write(data, pending, out_path, state_path)
     print(render_table(data))
+    print(render_breakdown(data))
     if failed:
         return 1
     return 3 if pending else 0

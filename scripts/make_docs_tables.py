@@ -94,22 +94,51 @@ def _fmt(value: Any, spec: str, scale: float = 1.0, none: str = NA) -> str:
         return str(value)
 
 
+def _module(path: Path, name: str) -> Any:
+    """Import the script at ``path`` under ``name`` (not left in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
 def _catalogue() -> list[Any]:
     """The cells tests/gpu/qualify.py defines (empty if it cannot be imported here)."""
-    path = ROOT / "tests" / "gpu" / "qualify.py"
     try:
-        spec = importlib.util.spec_from_file_location("_dmi_qualify_catalogue", path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.modules.pop(spec.name, None)
-        return list(module.CELLS)
+        return list(_module(ROOT / "tests" / "gpu" / "qualify.py", "_dmi_qualify").CELLS)
     except Exception:  # the table still lists the results
         return []
+
+
+def _breakdown_table(data: dict[str, Any]) -> list[str]:
+    """bench/bench_serving.py's "where the time goes" rows of one result, as Markdown."""
+    rows = _module(ROOT / "bench" / "bench_serving.py", "_dmi_bench_serving").breakdown(data)
+    if not rows:
+        return []
+    out = ["Where the time goes (counters of the same runs; `-`: not reported by that run):",
+           "",
+           "| mode | capture rate stock speed needs, GB/s | most x stock the 55 GB/s D2H "
+           "ceiling allows | waiting for ring space, s (share) | hook time per forward, us "
+           "| drain CPU building records, s | drain blocked in sink.put, s "
+           "| store writers (busy) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        stall = NA if r["stall_s"] is None else (
+            f"{r['stall_s']:.1f} ({_fmt(r['stall_share'], '.0f', 100)} %)")
+        writers = NA if r["store_writers"] is None else (
+            f"{r['store_writers']} ({_fmt(r['store_writer_busy'], '.0f', 100)} %)")
+        out.append(
+            f"| {r['mode']} | {_fmt(r['needed_bps_at_stock'], '.2f', 1e-9)} | "
+            f"{_fmt(r['d2h_bound_ratio'], '.2f')} | {stall} | "
+            f"{_fmt(r['hook_us_per_forward'], '.0f')} | {_fmt(r['drain_build_cpu_s'], '.1f')} | "
+            f"{_fmt(r['drain_sink_blocked_s'], '.1f')} | {writers} |")
+    return [*out, ""]
 
 
 # -- tables --------------------------------------------------------------------------------
@@ -218,6 +247,7 @@ def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
         if data.get("pending_modes"):
             out.append(f"- not measured yet: {', '.join(data['pending_modes'])}")
         out.append("")
+        out += _breakdown_table(data)
     return "\n".join(out).rstrip()
 
 

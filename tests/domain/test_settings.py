@@ -141,3 +141,11 @@ def test_settings_round_trip_through_env(env: dict[str, str], resolve: bool) -> 
     if resolve:
         s = s.resolve(model_path="/m/model", cwd="/tmp", now=NOW, token="000000")
     assert Settings.from_env(s.to_env()) == s
+
+
+def test_writers_setting_reaches_the_store_config() -> None:
+    s = Settings.from_env({"DMX_CH_WRITERS": "6"}).resolve(model_path="m", now=NOW)
+    assert s.store().writers == 6
+    assert Settings.from_env({}).resolve(model_path="m", now=NOW).store().writers == 2
+    with pytest.raises(ConfigurationError, match="DMX_CH_WRITERS"):
+        Settings.from_env({"DMX_CH_WRITERS": "0"})

@@ -484,7 +484,8 @@ def gpu_memory_used_mib() -> int | None:
         return None
 
 
-STAT_EVENTS = ("dmi.stopped", "store.closed", "dmi.prepared", "capture transport ready")
+STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed", "dmi.prepared",
+               "capture transport ready")
 
 _TRACK: list[Path] = []
 """The file listing the process groups of engines this invocation started (if set)."""

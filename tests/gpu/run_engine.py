@@ -14,6 +14,9 @@ per request), "return_hidden_states": bool, "timed": bool (default true), "min_s
 float, "max_waves": int, "keep_outputs": bool}``. A workload with ``min_seconds`` > 0 or
 ``max_waves`` > 1 is repeated in waves (request ids suffixed ``.wN``) until it generated for
 ``min_seconds`` or ran ``max_waves`` waves. Untimed workloads (a warm-up) come first.
+A spec's ``"profile"`` entry (``{"seconds", "delay_s", "passes", "dir"}``) runs py-spy over
+this process and its children during the timed workloads (tests/gpu/profiling.py); the
+digest is the result's ``"profile"``.
 
 The result holds output ids, meta info, per-workload timings and counts, and for monitored
 runs the run id; ``durable_s`` runs from the first timed generate until
@@ -27,10 +30,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _count_numbers(value: Any) -> int:
@@ -123,10 +131,15 @@ def execute(engine: Any, spec: dict[str, Any], result: dict[str, Any],
     """
     result["workloads"] = []
     first_timed: float | None = None
+    profiler: threading.Thread | None = None
     for wl in workloads_of(spec):
         if wl.get("timed", True) and first_timed is None:
             first_timed = clock()
+            if spec.get("profile"):
+                profiler = _start_profile(spec["profile"], result)
         result["workloads"].append(run_workload(engine, wl, clock))
+    if profiler is not None:
+        profiler.join()
     t1 = clock()
     if first_timed is None:
         first_timed = t1
@@ -147,6 +160,25 @@ def execute(engine: Any, spec: dict[str, Any], result: dict[str, Any],
         output_tokens=sum(w["output_tokens"] for w in timed),
         outputs=outputs,
     )
+
+
+def _start_profile(profile: dict[str, Any], result: dict[str, Any]) -> threading.Thread:
+    """Profile this process and its children with py-spy in the background
+    (tests/gpu/profiling.py); the digest lands in ``result["profile"]``."""
+    import profiling
+
+    workdir = Path(profile.get("dir") or tempfile.mkdtemp(prefix="dmi-py-spy-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def run() -> None:
+        try:
+            result["profile"] = profiling.profile_engine(os.getpid(), profile, workdir)
+        except Exception as exc:  # a profile is information only
+            result["profile"] = {"error": repr(exc)}
+
+    thread = threading.Thread(target=run, name="dmi-bench-profiler", daemon=True)
+    thread.start()
+    return thread
 
 
 def _env_info() -> dict[str, Any]:

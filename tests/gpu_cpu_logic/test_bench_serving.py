@@ -180,3 +180,45 @@ def test_dry_run_starts_nothing(bench: Any, engines: Any, tmp_path: Path,
     assert "next call" in out
     assert not (tmp_path / "root").exists()
     assert not (tmp_path / "o.json").exists()
+
+
+def test_env_and_profile_options(bench: Any, tmp_path: Path) -> None:
+    plain = bench.parse_args(["--out", str(tmp_path / "o.json")])
+    args = bench.parse_args(["--out", str(tmp_path / "o.json"), "--env", "DMX_CH_WRITERS=8",
+                             "--profile-seconds", "6"])
+    assert bench.bench_config(plain) == {k: v for k, v in bench.bench_config(args).items()
+                                         if k not in ("monitored_env", "profile_seconds")}
+    assert bench.bench_config(args)["monitored_env"] == {"DMX_CH_WRITERS": "8"}
+    modes = {m.key: m for m in bench.parse_modes("stock,store", "hidden-states")}
+    store = bench.engine_spec(args, modes["store[hidden-states]"], tmp_path,
+                              store=tmp_path / "s", run_id="r", max_waves=2)
+    stock = bench.engine_spec(args, modes["stock"], tmp_path, store=tmp_path / "s",
+                              run_id="r", max_waves=2)
+    assert store["env"]["DMX_CH_WRITERS"] == "8"
+    assert "DMX_CH_WRITERS" not in stock["env"]
+    assert store["profile"]["seconds"] == 6
+    assert store["profile"]["passes"] == ["cpu", "gil"]
+    for bad in (["--env", "CH_WRITERS=8"], ["--env", "DMX_CH_WRITERS=0"],
+                ["--profile-seconds", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", str(tmp_path / "o.json"), *bad])
+
+
+def test_breakdown_of_the_h200_evidence(bench: Any) -> None:
+    data = json.loads((Path(__file__).resolve().parents[2] / "docs" / "evidence"
+                       / "2026-11-29-h200-lease3" / "bench_serving.json").read_text())
+    rows = {r["mode"]: r for r in bench.breakdown(data)}
+    assert set(rows) == {"store[hidden-states]", "transport[hidden-states]",
+                         "transport[sglang-full]"}
+    full = rows["transport[sglang-full]"]
+    # 55.36 GB for 16,384 output tokens at stock's 20,838 tok/s: ~70 GB/s, above 55 GB/s
+    assert full["needed_bps_at_stock"] == pytest.approx(70.4e9, rel=0.01)
+    assert full["d2h_bound_ratio"] == pytest.approx(0.78, abs=0.01)
+    store = rows["store[hidden-states]"]
+    assert store["d2h_bound_ratio"] is None
+    assert store["store_writers"] == 2
+    assert store["store_writer_busy"] == pytest.approx(0.98, abs=0.01)
+    assert rows["transport[hidden-states]"]["stall_share"] == pytest.approx(0.108, abs=0.005)
+    text = bench.render_breakdown(data)
+    assert "transport[sglang-full]" in text
+    assert "0.78" in text

@@ -9,6 +9,8 @@ from typing import Any
 
 import attrs
 import pytest
+import structlog
+import structlog.testing
 import torch
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
@@ -154,13 +156,16 @@ def test_backpressure_blocks_put_and_drops_nothing(
 def test_several_writer_threads_share_the_embedded_store(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:
-    sink = open_sink(attrs.evolve(store, insert_rows=3), writers=3)
-    run = run_info("run", [(RESID, 0)])
-    sink.start_run(run)
-    t, bounds = _decode_rows(40)
-    for rec in records_of("run", "r", RESID, 0, t, bounds):
-        sink.put([rec])
-    commit(sink, run, [manifest("run", "r", 40, 1)])
+    with structlog.testing.capture_logs() as logs:
+        sink = open_sink(attrs.evolve(store, insert_rows=3, writers=3))  # DMX_CH_WRITERS
+        run = run_info("run", [(RESID, 0)])
+        sink.start_run(run)
+        t, bounds = _decode_rows(40)
+        for rec in records_of("run", "r", RESID, 0, t, bounds):
+            sink.put([rec])
+        commit(sink, run, [manifest("run", "r", 40, 1)])
+        sink.close()
+    assert [e["writers"] for e in logs if e["event"] in ("store.opened", "store.closed")] == [3, 3]
     assert sink.stats().records_stored == 40
     assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
 

@@ -288,3 +288,33 @@ def test_a_graph_step_commits_the_plan_its_preflight_built(make_driver):
     assert other.layout.padded_batch_size == 8
     mon.abort_forward()
     d.t.stop()
+
+
+def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatch):
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    d, sink = make_driver("resid_pre")
+    run = RunInfo("run-3", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    runner = SimpleNamespace(_dmi_monitor=mon)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
+
+    def model_forward(runner, fb) -> str:
+        layout = BatchLayout.decode(["a", "b"], [3 + d.step, 4 + d.step])
+        mon.commit_eager(layout)
+        d.fire(layout)
+        time.sleep(0.01)  # the model's own time is not the hooks' time
+        return "logits"
+
+    for _ in range(3):
+        assert runtime_hooks.around_forward(model_forward, runner, fb) == "logits"
+        d.step += 1
+    stats = mon.stop()
+    timing = mon.timing(stats)
+    assert timing["forwards"] == 3
+    assert 0 < timing["host_seconds"] < 0.03
+    assert timing["host_seconds_without_stalls"] == timing["host_seconds"] - stats.stall_seconds
+    assert timing["drain_records"] == len(sink.records)
+    assert timing["drain_d2h_bytes"] >= stats.bytes > 0

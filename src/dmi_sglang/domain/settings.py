@@ -187,6 +187,7 @@ _VARS: dict[str, _Var] = {
     ),
     "CH_INSERT_ROWS": _Var("ch_insert_rows", 4096, _conv(_positive_int, _ACC_INT)),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(_positive_int, _ACC_INT)),
+    "CH_WRITERS": _Var("ch_writers", 2, _conv(_positive_int, _ACC_INT)),
     "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(_positive_int, _ACC_INT)),
     "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(_positive_int, _ACC_INT)),
     "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(_positive_int, _ACC_INT)),
@@ -227,6 +228,7 @@ class Settings:
     ch_compression: str = "lz4"
     ch_insert_rows: int = 4096
     ch_queue_mb: int = 1024
+    ch_writers: int = 2
     ring_payload_mb: int = 1024
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
@@ -334,6 +336,7 @@ class Settings:
             compression=self.ch_compression,
             insert_rows=self.ch_insert_rows,
             queue_mb=self.ch_queue_mb,
+            writers=self.ch_writers,
             flush_timeout_us=self.drain_flush_timeout_us,
         )
 

@@ -34,6 +34,8 @@ class StoreConfig:
         compression: client wire compression (``lz4``, ``zstd``, ``none``).
         insert_rows: most records per insert.
         queue_mb: bound of the sink's queue; ``put`` blocks beyond it (never drops).
+        writers: inserting threads, each with its own client (inserts run in parallel;
+            the embedded engine releases the GIL while it works).
         flush_timeout_us: longest a partial insert batch waits before it is sent.
     """
 
@@ -49,6 +51,7 @@ class StoreConfig:
     compression: str = "lz4"
     insert_rows: int = 4096
     queue_mb: int = 1024
+    writers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     flush_timeout_us: int = 100_000
 
     @property

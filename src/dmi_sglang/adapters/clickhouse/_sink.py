@@ -61,8 +61,8 @@ class ClickHouseSink:
     Args:
         config: the store (``kind`` embedded or server).
         writers: inserting threads, each with its own client (the embedded engine
-            admits several clients of one process on its directory); the median of two
-            beat one at every payload size in bench/bench_store.py.
+            admits several clients of one process on its directory); default
+            ``config.writers`` (``DMX_CH_WRITERS``).
         retries: retries of a transient insert failure before it becomes sticky.
         backoff_s: first retry delay; doubles per retry, at most 5 s.
         batch_mb: most payload MiB per insert (0: a quarter of ``queue_mb``, at most
@@ -77,7 +77,7 @@ class ClickHouseSink:
         self,
         config: StoreConfig,
         *,
-        writers: int = 2,
+        writers: int | None = None,
         retries: int = 5,
         backoff_s: float = 0.1,
         batch_mb: int = 0,
@@ -103,7 +103,8 @@ class ClickHouseSink:
             self._control = self._factory(config)
             self._clients.append(self._control)
             self._run_control("creating the capture tables", self._tables.ensure)
-            self._clients.extend(self._factory(config) for _ in range(max(1, writers)))
+            count = config.writers if writers is None else max(1, writers)
+            self._clients.extend(self._factory(config) for _ in range(count))
         except BaseException:
             for client in self._clients:
                 close_quietly(client)
@@ -182,7 +183,8 @@ class ClickHouseSink:
                 t.join()
             for client in self._clients:
                 close_quietly(client)
-            log.info("store.closed", url=self._config.url, **self.stats().as_dict())
+            log.info("store.closed", url=self._config.url, writers=len(self._threads),
+                     **self.stats().as_dict())
         self._raise_if_failed()
 
     # -- extras ----------------------------------------------------------------------

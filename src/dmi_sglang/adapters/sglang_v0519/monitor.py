@@ -174,6 +174,10 @@ class SchedulerMonitor:
         """The padded plan the preflight of this step built, reused by its commit."""
         self.unfinished: frozenset[str] = frozenset()
         """Requests of the batch about to run whose prompt chunk does not finish it."""
+        self.host_seconds = 0.0
+        """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
+        preflights, commits and seals; waits for the drain included: see
+        ``TransportStats.stall_seconds``)."""
 
     @property
     def active(self) -> bool:
@@ -270,7 +274,22 @@ class SchedulerMonitor:
             finally:
                 self.sink.close()
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
+            log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats  # type: ignore[no-any-return]
+
+    def timing(self, stats: TransportStats) -> dict[str, float]:
+        """Where the run's time went: the scheduler thread's seconds in the hooks (and
+        their waits for the drain), and the drain's own counters where the transport has
+        them (device-to-host waits, CPU building records, time blocked in ``sink.put``)."""
+        out: dict[str, float] = {
+            "forwards": float(self.protocol.step),
+            "host_seconds": self.host_seconds,
+            "host_seconds_without_stalls": self.host_seconds - stats.stall_seconds,
+        }
+        counters = getattr(self.transport, "drain_counters", None)
+        if counters is not None:
+            out.update({f"drain_{k}": float(v) for k, v in counters().items()})
+        return out
 
     def _record_failure(self, exc: BaseException, stopped_at: str) -> None:
         run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.FAILED,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import structlog
@@ -91,13 +92,17 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
     owner: object = getattr(runner, "_dmi_monitor", None)
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
         return original(runner, fb, *args, **kw)
+    t0 = perf_counter()
     mon.begin_forward()
+    t1 = perf_counter()
     try:
         out = original(runner, fb, *args, **kw)
     except BaseException:
         mon.abort_forward()
         raise
+    t2 = perf_counter()
     mon.end_forward()
+    mon.host_seconds += perf_counter() - t2 + t1 - t0
     return out
 
 
@@ -110,9 +115,12 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
         return ok
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
+    t0 = perf_counter()
     layout = layout_from_forward_batch(fb)
     padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
-    return mon.graph_allowed(layout, padded)
+    allowed = mon.graph_allowed(layout, padded)
+    mon.host_seconds += perf_counter() - t0
+    return allowed
 
 
 def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
@@ -123,12 +131,14 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
+    t0 = perf_counter()
     plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
     if plan.layout.raw_batch_size != int(graph_runner.raw_bs):
         msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
                f"{plan.layout.raw_batch_size}")
         raise CaptureError(msg)
     mon.commit_graph(plan)
+    mon.host_seconds += perf_counter() - t0
     del result
 
 
@@ -140,9 +150,11 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
+    t0 = perf_counter()
     layout = layout_from_forward_batch(result if result is not None else fb,
                                        unfinished_rids=mon.unfinished)
     mon.commit_eager(layout)
+    mon.host_seconds += perf_counter() - t0
 
 
 def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
@@ -160,8 +172,10 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     if mon is not None and batch is not None:
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
+        t0 = perf_counter()
         mon.requests.add_reqs(batch.reqs)
         mon.unfinished = unfinished_rids(batch)
+        mon.host_seconds += perf_counter() - t0
     return original(worker, batch, *args, **kw)
 
 
