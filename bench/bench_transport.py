@@ -12,6 +12,8 @@ Measures, for a 28-layer model of hidden 1024 (bf16) replayed as a CUDA graph:
 * device-to-host throughput: a plain pinned copy (the ceiling) versus what the drain
   reaches (its own copies, and end to end until ``stop()`` returns, records included).
 
+* ``--drain`` (also): prefill steps of ``hidden-states`` drained through host staging
+  versus copied from the ring straight into payload memory (``direct_copies``).
 * ``--drain``: the drain's own cost at Qwen3-0.6B sizes (28 layers, hidden 1024, vocab
   151,936) for ``hidden-states`` (28 captures of 2 KiB rows) and ``sglang-full`` (341
   captures, final_logits included) at batch 64: CPU seconds of the drain thread per
@@ -513,6 +515,58 @@ def _table(rows: list[dict[str, Any]], d2h: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bench_prefill(args: argparse.Namespace, *, direct: bool) -> dict[str, Any]:
+    """Drain cost of prefill steps (``hidden-states``, 8 requests sharing
+    ``--prefill-tokens``), with direct copies (ring -> payload memory) or through staging.
+    The steps are queued while the drain is held, then it drains them all: its thread's
+    CPU time and wall time from release until ``stop`` returns."""
+    dev = torch.device(args.device)
+    hooks = ModelHooks("Qwen3ForCausalLM", _DENSE, QWEN3_06B.num_layers)
+    sel = parse_selection("hidden-states").resolve(hooks)
+    tokens, steps, nreq = args.prefill_tokens, args.prefill_steps, 8
+    step_bytes = tokens * len(sel.captures()) * QWEN3_06B.hidden * 2
+    ring_mb = max(args.ring_mb, -(-steps * step_bytes // (1 << 20)) + 16)
+    sink = _CountSink()
+    _GATE.set()
+    transport = TorchCaptureTransport(
+        capacity=RingCapacity.from_mb(ring_mb, ring_mb, 1 << 20), selection=sel,
+        shape=QWEN3_06B, max_graph_batch=8, sink=sink, run_id=f"prefill-{direct}", device=dev,
+        options=TransportOptions(max_prefill_tokens=tokens, direct_copies=direct),
+    )
+    x = torch.randint(0, 100, (tokens, QWEN3_06B.hidden), device=dev).to(torch.bfloat16)
+
+    def step(s: int) -> None:
+        rids = [f"s{s}-r{i}" for i in range(nreq)]
+        lay = BatchLayout.extend(rids, [0] * nreq, [tokens // nreq] * nreq)
+        transport.commit(make_plan(lay, sel, QWEN3_06B, padded=False), step=s + 1)
+        for hook, layer in sel.captures():
+            transport.capturer.capture(hook.name, layer, x)
+        transport.seal()
+
+    step(0)  # warm: slabs allocated (page-locked on CUDA), programs cached
+    time.sleep(1.0)
+    _GATE.clear()
+    for s in range(1, steps + 1):
+        step(s)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    clock = time.pthread_getcpuclockid(transport._drain._thread.ident)  # type: ignore[arg-type]
+    cpu0 = time.clock_gettime(clock)
+    t0 = time.perf_counter()
+    _GATE.set()
+    stats = transport.stop()
+    wall = time.perf_counter() - t0
+    cpu = _DRAIN_CPU.pop() - cpu0
+    mb = steps * step_bytes / 1e6
+    return {
+        "direct": direct, "tokens": tokens, "steps": steps, "step_mb": step_bytes / 1e6,
+        "drain_cpu_ms_per_step": cpu / steps * 1e3, "wall_ms_per_step": wall / steps * 1e3,
+        "mb_per_cpu_s": mb / max(cpu, 1e-9), "mb_per_wall_s": mb / wall,
+        "direct_items": transport.drain_counters()["direct_items"],
+        "rows_ok": stats.rows == (steps + 1) * tokens * len(sel.captures()),
+    }
+
+
 def drain_main(args: argparse.Namespace) -> int:
     """``--drain``: the drain CPU benchmark (the best of ``--drain-reps`` runs)."""
     _drain.Drain._run = _timed_run(_drain.Drain._run)  # type: ignore[method-assign]
@@ -526,12 +580,28 @@ def drain_main(args: argparse.Namespace) -> int:
             drains.append(runs[0])  # the least disturbed run (noise only adds time)
             gc.collect()
     print(_drain_table(drains))
+    prefill = []
+    for _ in range(args.drain_reps):
+        for direct in (False, True):
+            prefill.append(bench_prefill(args, direct=direct))
+            gc.collect()
+    best = {d: min((r for r in prefill if r["direct"] is d),
+                   key=lambda r: r["drain_cpu_ms_per_step"]) for d in (False, True)}
+    print(f"\nprefill steps (hidden-states, {args.prefill_tokens} tokens = "
+          f"{best[True]['step_mb']:.0f} MB each): drain thread CPU and wall per step "
+          "(best run), staging copy vs direct copies into payload memory")
+    for d, r in best.items():
+        print(f"  {'direct ' if d else 'staging'}  cpu {r['drain_cpu_ms_per_step']:7.1f} ms  "
+              f"wall {r['wall_ms_per_step']:7.1f} ms  {r['mb_per_cpu_s']:8.0f} MB/cpu-s  "
+              f"{r['mb_per_wall_s']:7.0f} MB/s  rows {'ok' if r['rows_ok'] else 'LOST'}")
     out = args.out or (os.path.join(os.environ["OUT"], "bench_drain.json")
                        if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"args": vars(args), "drain": drains}, indent=2))
-    return 0 if all(r["rows_ok"] for r in drains) else 1
+        Path(out).write_text(json.dumps({"args": vars(args), "drain": drains,
+                                         "prefill": prefill}, indent=2))
+    ok = all(r["rows_ok"] for r in drains + prefill)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="timed steps for hidden-states,sglang-full in --drain (the ring "
                         "must hold them: 3.7 / 98 MB per step)")
     p.add_argument("--drain-reps", type=int, default=3, help="--drain runs (the best is reported)")
+    p.add_argument("--prefill-tokens", type=int, default=4096,
+                   help="tokens per prefill step in --drain's prefill comparison")
+    p.add_argument("--prefill-steps", type=int, default=6)
     args = p.parse_args(argv)
     _quiet()
     if args.device.startswith("cuda") and not torch.cuda.is_available():

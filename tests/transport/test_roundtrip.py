@@ -101,3 +101,32 @@ def test_padded_step_with_a_non_emitting_request_gathers_logit_rows(make_driver,
     d.verify(sink.records)
     logits = sorted(r.request_id for r in sink.records if r.act_name == "final_logits")
     assert logits == ["a", "c"]
+
+
+def test_dense_steps_go_from_the_ring_straight_into_payload_memory(make_driver):
+    # resid_pre + mlp_post: two groups (row sizes differ), both dense, no request rows
+    d, sink = make_driver("resid_pre,mlp_post", coalesce_decode=False)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    d.forward(BatchLayout.decode(["a", "b"], [6, 4]))
+    d.forward(BatchLayout.decode(["a", "b"], [7, 5]), padded=True)  # padding stripped: dense
+    stats = d.t.stop()
+    counters = d.t.drain_counters()
+    assert counters["direct_items"] == 3
+    assert counters["d2h_bytes"] == stats.bytes  # nothing but the kept rows crossed
+    d.verify(sink.records)
+
+
+def test_steps_with_request_rows_or_coalesced_still_use_staging(make_driver):
+    d, sink = make_driver("resid_pre,final_logits")  # request rows: held back from staging
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    d.forward(BatchLayout.decode(["a"], [5]))
+    d.t.stop()
+    assert d.t.drain_counters()["direct_items"] == 0
+    d.verify(sink.records)
+    d2, sink2 = make_driver("resid_pre")  # decode steps join the window (from staging)
+    d2.forward(BatchLayout.extend(["a"], [0], [4]))
+    d2.forward(BatchLayout.decode(["a"], [5]))
+    d2.forward(BatchLayout.decode(["a"], [6]))
+    d2.t.stop()
+    assert d2.t.drain_counters()["direct_items"] == 1  # the prefill only
+    d2.verify(sink2.records)

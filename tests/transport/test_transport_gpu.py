@@ -39,6 +39,10 @@ HOOKS = (
 SELECTION: Selection = parse_selection(",".join(HOOKS)).resolve(
     ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers)
 )
+DENSE: Selection = parse_selection(",".join(h for h in HOOKS if h != "final_logits")).resolve(
+    ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers)
+)
+"""Without request rows: every uncoalesced step is copied ring -> payload memory directly."""
 Key = tuple[str, int]
 Ref = dict[Key, torch.Tensor]
 
@@ -129,9 +133,10 @@ class Expected:
         return sum(r.rows for r in records)
 
 
-def _transport(sink: MemorySink, payload: int = 64 << 20, **opts: object) -> TorchCaptureTransport:
+def _transport(sink: MemorySink, payload: int = 64 << 20, selection: Selection = SELECTION,
+               **opts: object) -> TorchCaptureTransport:
     return TorchCaptureTransport(
-        capacity=RingCapacity(payload, payload, 65536), selection=SELECTION, shape=SHAPE,
+        capacity=RingCapacity(payload, payload, 65536), selection=selection, shape=SHAPE,
         max_graph_batch=8, sink=sink, run_id="gpu-run", device="cuda",
         options=TransportOptions(max_prefill_tokens=256, **opts),  # type: ignore[arg-type]
     )
@@ -142,8 +147,8 @@ def _model(t: TorchCaptureTransport) -> ToyModel:
     return ToyModel(t.capturer).cuda().to(torch.bfloat16)
 
 
-def _eager_step(t, model, expected, layout, step, ids, last=None) -> None:
-    plan = make_plan(layout, SELECTION, SHAPE, padded=False)
+def _eager_step(t, model, expected, layout, step, ids, last=None, selection=SELECTION) -> None:
+    plan = make_plan(layout, selection, SHAPE, padded=False)
     t.commit(plan, step=step)
     model.ref = {}
     with torch.no_grad():
@@ -153,7 +158,8 @@ def _eager_step(t, model, expected, layout, step, ids, last=None) -> None:
     model.ref = None
 
 
-def _run_eager(t: TorchCaptureTransport, steps: int = 6, prompt: tuple[int, ...] = (5, 17, 3)):
+def _run_eager(t: TorchCaptureTransport, steps: int = 6, prompt: tuple[int, ...] = (5, 17, 3),
+               selection: Selection = SELECTION):
     model = _model(t)
     expected = Expected()
     rids = [f"req{i}" for i in range(len(prompt))]
@@ -161,11 +167,11 @@ def _run_eager(t: TorchCaptureTransport, steps: int = 6, prompt: tuple[int, ...]
     ids = torch.randint(0, SHAPE.vocab, (total,), device="cuda")
     last = torch.tensor([sum(prompt[: i + 1]) - 1 for i in range(len(prompt))], device="cuda")
     _eager_step(t, model, expected, BatchLayout.extend(rids, [0] * len(prompt), list(prompt)),
-                1, ids, last)
+                1, ids, last, selection)
     for s in range(steps):
         ids = torch.randint(0, SHAPE.vocab, (len(rids),), device="cuda")
         layout = BatchLayout.decode(rids, [p + s + 1 for p in prompt])
-        _eager_step(t, model, expected, layout, s + 2, ids)
+        _eager_step(t, model, expected, layout, s + 2, ids, selection=selection)
     return expected
 
 
@@ -177,6 +183,19 @@ def test_eager_capture_equals_reference():
     rows = expected.verify(sink.records)
     assert stats.rows == rows
     assert stats.stalls == 0
+
+
+def test_direct_copies_into_page_locked_payloads_equal_reference():
+    sink = MemorySink()
+    t = _transport(sink, selection=DENSE, coalesce_decode=False)
+    expected = _run_eager(t, selection=DENSE)
+    stats = t.stop()
+    assert expected.verify(sink.records) == stats.rows
+    counters = t.drain_counters()
+    assert counters["direct_items"] == 7  # the prefill and 6 decode steps
+    assert counters["d2h_bytes"] == stats.bytes
+    assert t._drain.pool.allocated >= 1
+    assert t._drain.pool._buffer(64).is_pinned()  # slabs are page-locked: async DMA into them
 
 
 def test_graph_replay_with_padding_stores_only_real_rows():

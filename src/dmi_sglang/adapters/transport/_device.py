@@ -95,18 +95,25 @@ class DeviceOps:
 
         Runs on the drain's own stream, so the copy overlaps the next forward; the GIL is
         released while waiting. Markers of one stream complete in order, so only the last
-        marker of each stream is waited for.
+        marker of each stream is waited for. Each marker is used once: it is recycled here.
         """
+        self.copies_to_host(markers, [(dst, src)])
+
+    def copies_to_host(self, markers: Sequence[Marker],
+                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`to_host` for several ``(dst, src)`` pairs: one wait, one completion."""
         events = [m for m in markers if m is not None]
         if not events or self._drain_stream is None or self._done is None:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             return
         last = {stream_id: event for event, stream_id in events}
         stream = self._drain_stream
         with torch.cuda.stream(stream):
             for event in last.values():
                 stream.wait_event(event)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             self._done.record(stream)
         self._done.synchronize()
         self._free_events.extend(event for event, _ in events)

@@ -6,8 +6,14 @@ Per sealed item (a step, or one piece of a piecewise step), in commit order:
    staging with ONE device-to-host copy, on the drain's own stream;
 2. decode steps join the :class:`~._window.DecodeWindow`; anything else first flushes the
    window (rows of a request stay in position order), then becomes records directly
-   (``_records``); payloads are read-only slices of pooled slabs (``_pool``);
+   (``_records``); payloads are read-only slices of pooled slabs (``_pool``, page-locked
+   on CUDA);
 3. release the region (the ring frees in order), then hand the records to the sink.
+
+*Direct* items skip staging: a step that is not coalesced, whose groups' rows lie
+contiguous in the ring and hold no request rows (a prefill of ``hidden-states``, for
+instance) is copied from the ring straight into its payload slabs (one device-to-host
+copy per chunk of segments, one wait per item), so its bytes cost the host no copy.
 
 Finish notices (:class:`Finish`) travel through the same queue, so they are ordered after
 every step sealed before them; they settle the request rows held back (``_records``).
@@ -25,8 +31,8 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
-from dmi_sglang.adapters.transport._pool import PayloadPool
-from dmi_sglang.adapters.transport._program import Bytes2D, Program
+from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
+from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
 from dmi_sglang.adapters.transport._records import Emitted, HeldRows, build_records
 from dmi_sglang.adapters.transport._window import DecodeWindow
 from dmi_sglang.domain.layout import ForwardKind
@@ -94,6 +100,8 @@ class Drain:
     Args:
         window_bytes: bound of the decode coalescing window; None: no coalescing.
         flush_timeout_s: longest time a decode row waits in the window.
+        direct_copies: copy direct items from the ring into payload memory (see the
+            module docstring); False: every item through staging.
     """
 
     def __init__(
@@ -108,15 +116,18 @@ class Drain:
         window_bytes: int | None,
         flush_timeout_s: float,
         on_failure: Callable[[BaseException, str], None],
+        direct_copies: bool = True,
     ) -> None:
         self._ops = ops
+        self._direct_copies = direct_copies
         self._ring = ring
         self._staging = staging
         self._staging_np: Bytes2D = staging.numpy()
         self._release = release
         self._sink = sink
         self._run_id = run_id
-        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)))
+        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)),
+                                buffer=ops.host_buffer)
         self.held = HeldRows()
         self._window = (
             DecodeWindow(run_id, window_bytes, flush_timeout_s, self.pool, self.held)
@@ -131,6 +142,7 @@ class Drain:
         self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
+        self.direct_items = 0
         self.build_cpu_seconds = 0.0
         self.sink_seconds = 0.0
 
@@ -197,20 +209,12 @@ class Drain:
                 self._emit(out)
 
     def _process(self, batch: list[DrainItem | Finish], out: Emitted) -> Emitted:
-        """Copy the batch to staging (one copy per contiguous span), then build records.
+        """Copy the batch's staged items to staging, then build records (direct items
+        copy their own rows).
 
         Returns what is left to emit (a long batch hands records over as it goes)."""
-        items = [it for it in batch if isinstance(it, DrainItem)]
-        start = 0
-        for i in range(1, len(items) + 1):
-            if i == len(items) or items[i].base != items[i - 1].base + items[i - 1].nbytes:
-                lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
-                t0 = time.perf_counter()
-                markers = [it.marker for it in items[start:i]]
-                self._ops.to_host(markers, self._staging[lo:hi], self._ring[lo:hi])
-                self.d2h_seconds += time.perf_counter() - t0
-                self.d2h_bytes += hi - lo
-                start = i
+        self._to_staging([it for it in batch
+                          if isinstance(it, DrainItem) and not self._direct(it)])
         t0 = time.thread_time()
         window = self._window
         staging = self._staging_np
@@ -235,13 +239,54 @@ class Drain:
                 continue
             if window is not None and window.rows:
                 out = self._flush_window(out)
-            build_records(self._run_id, item.plan, item.program, staging, item.base,
-                          seq=item.seq, pool=self.pool, held=self.held, out=out)
+            if self._direct(item):
+                self._build_direct(item, out)
+            else:
+                build_records(self._run_id, item.plan, item.program, staging, item.base,
+                              seq=item.seq, pool=self.pool, held=self.held, out=out)
             self._release()
             if out.bytes >= _EMIT_BYTES:
                 out = self._hand_over(out)
         self.build_cpu_seconds += time.thread_time() - t0
         return out
+
+    def _to_staging(self, items: list[DrainItem]) -> None:
+        """Copy the items' ring regions to staging: one copy per contiguous span."""
+        start = 0
+        for i in range(1, len(items) + 1):
+            if i == len(items) or items[i].base != items[i - 1].base + items[i - 1].nbytes:
+                lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
+                t0 = time.perf_counter()
+                markers = [it.marker for it in items[start:i]]
+                self._ops.to_host(markers, self._staging[lo:hi], self._ring[lo:hi])
+                self.d2h_seconds += time.perf_counter() - t0
+                self.d2h_bytes += hi - lo
+                start = i
+
+    def _direct(self, item: DrainItem) -> bool:
+        """True for an item copied from the ring straight into payload memory."""
+        return (self._direct_copies and item.program.direct and not item.discard
+                and not (self._window is not None and coalescable(item.plan, item.program)))
+
+    def _build_direct(self, item: DrainItem, out: Emitted) -> None:
+        """Records of a direct item: chunks are allocated and sliced into records first,
+        then filled by one batch of device-to-host copies (before anyone sees them)."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
+            span = group.kept_rows * group.row_nbytes
+            a = item.base + group.ring_offset + s0 * span
+            pairs.append((chunk.tensor, self._ring[a : a + (s1 - s0) * span]))
+
+        build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
+                      seq=item.seq, pool=self.pool, held=self.held, out=out, fill=fill)
+        cpu = time.thread_time()
+        t0 = time.perf_counter()
+        self._ops.copies_to_host([item.marker], pairs)
+        self.d2h_seconds += time.perf_counter() - t0
+        self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
+        self.direct_items += 1
+        self.build_cpu_seconds -= time.thread_time() - cpu  # copy time is not build time
 
     def _flush_window(self, out: Emitted) -> Emitted:
         """Flush the window into ``out`` and hand it to the sink: a window's payload slabs

@@ -28,6 +28,9 @@ class TransportOptions:
         max_requests: most requests one forward can hold (0: the largest decode batch).
         tune_host_malloc: raise glibc's trim/mmap thresholds so freed payload memory is
             reused instead of faulted in again (process-wide; see ``tune_host_malloc``).
+        direct_copies: copy steps whose rows lie contiguous in the ring straight into
+            payload memory (no staging copy on the host; see ``_drain``). Off only to
+            compare.
     """
 
     strip: bool = True
@@ -38,6 +41,7 @@ class TransportOptions:
     max_prefill_tokens: int = 0
     max_requests: int = 0
     tune_host_malloc: bool = True
+    direct_copies: bool = True
 
     @classmethod
     def from_settings(

@@ -12,16 +12,22 @@ per-use array, which every payload memoryview keeps alive).
 
 A request larger than a slab gets memory of its own (callers split their copies so that
 this only happens for one oversized tensor slice, e.g. a long prefill of a wide hook).
+
+Slabs come from ``buffer`` (the transport passes its device's host buffers: page-locked
+on CUDA), so the drain can copy device rows straight into payload memory: no staging
+copy, no CPU time. Each chunk carries a torch view of its bytes for that copy.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 __all__ = ["Chunk", "PayloadPool", "readonly"]
 
@@ -52,15 +58,22 @@ def readonly(buffer: Bytes1D) -> memoryview:
     return _view(buffer.view(_Exporter))
 
 
+def _host_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class Chunk:
-    """Memory for one bulk copy: ``array`` to write, ``view[offset:]`` to slice payloads."""
+    """Memory for one bulk copy: ``array`` (or ``tensor``, the same bytes) to write,
+    ``view[offset:]`` to slice payloads."""
 
-    __slots__ = ("array", "offset", "view")
+    __slots__ = ("array", "offset", "tensor", "view")
 
-    def __init__(self, array: Bytes1D, view: memoryview, offset: int) -> None:
+    def __init__(self, array: Bytes1D, view: memoryview, offset: int,
+                 tensor: torch.Tensor) -> None:
         self.array = array
         self.view = view
         self.offset = offset
+        self.tensor = tensor
 
 
 class PayloadPool:
@@ -72,14 +85,18 @@ class PayloadPool:
     Args:
         slab_bytes: size of every slab (and the largest pooled request).
         max_free_slabs: free slabs kept for reuse, at most (more are released).
+        buffer: allocates host memory (a 1-D uint8 tensor); default pageable memory.
     """
 
-    def __init__(self, slab_bytes: int = 32 * MIB, max_free_slabs: int = 16) -> None:
+    def __init__(self, slab_bytes: int = 32 * MIB, max_free_slabs: int = 16,
+                 buffer: Callable[[int], torch.Tensor] | None = None) -> None:
         self.slab_bytes = slab_bytes
         self._max_free = max_free_slabs
-        self._free: list[Bytes1D] = []
-        self._returned: collections.deque[Bytes1D] = collections.deque()
+        self._buffer = buffer or _host_bytes
+        self._free: list[torch.Tensor] = []
+        self._returned: collections.deque[torch.Tensor] = collections.deque()
         self._slab: Bytes1D | None = None
+        self._slab_tensor: torch.Tensor | None = None
         self._view: memoryview | None = None
         self._used = 0
         self.allocated = 0
@@ -93,19 +110,23 @@ class PayloadPool:
         """``nbytes`` of payload memory (64-byte aligned)."""
         if nbytes > self.slab_bytes:
             self.oversized += 1
-            own = np.empty(nbytes, dtype=np.uint8).view(_Exporter)
-            return Chunk(own, _view(own), 0)
+            tensor = self._buffer(nbytes)
+            own = tensor.numpy().view(_Exporter)  # keeps ``tensor`` (its memory) alive
+            return Chunk(own, _view(own), 0, tensor)
         if self._slab is None or self._used + nbytes > self.slab_bytes:
             self._next_slab()
         assert self._slab is not None
         assert self._view is not None
+        assert self._slab_tensor is not None
         at = self._used
         self._used = -(-(at + nbytes) // _ALIGN) * _ALIGN
-        return Chunk(self._slab[at : at + nbytes], self._view, at)
+        return Chunk(self._slab[at : at + nbytes], self._view, at,
+                     self._slab_tensor[at : at + nbytes])
 
     def release(self) -> None:
         """Let go of the slab being filled (it returns once its payloads are gone)."""
         self._slab = None
+        self._slab_tensor = None
         self._view = None
 
     @property
@@ -120,11 +141,15 @@ class PayloadPool:
             raw = self._free.pop()
             self.reused += 1
         else:
-            raw = np.empty(self.slab_bytes, dtype=np.uint8)
+            raw = self._buffer(self.slab_bytes)
             self.allocated += 1
-        use = raw.view(_Exporter)  # a new array object per use: its death returns ``raw``
+        # A new array object per use: its death (the last payload of this use gone)
+        # returns ``raw``. The tensor view used for device copies is dropped with the
+        # slab (``release`` / the next slab), so only payloads keep ``use`` alive.
+        use = raw.numpy().view(_Exporter)
         weakref.finalize(use, self._returned.append, raw).atexit = False
         self._slab = use
+        self._slab_tensor = torch.from_numpy(use)
         self._view = _view(use)
         self._used = 0
 

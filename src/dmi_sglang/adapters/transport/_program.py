@@ -77,6 +77,13 @@ class Group:
         """Segments in the group."""
         return len(self.positions)
 
+    @property
+    def dense(self) -> bool:
+        """The kept rows of all segments are one contiguous span of the ring (from
+        ``ring_offset``, ``count * kept_rows * row_nbytes`` bytes)."""
+        return (self.host_index is None and self.ring_rows == self.kept_rows
+                and self.ring_stride == self.kept_rows * self.row_nbytes)
+
 
 class Program:
     """The cached copy program of a plan structure (see the module docstring)."""
@@ -84,6 +91,7 @@ class Program:
     __slots__ = (
         "_indices",
         "arena_checked",
+        "direct",
         "entries",
         "groups",
         "host_key",
@@ -97,6 +105,9 @@ class Program:
         self.reserve_bytes = align_up(total_bytes, RING_ALIGNMENT)
         self.host_key: Hashable = tuple((g.row_nbytes, *(m.key for m in g.metas)) for g in groups)
         self.host_row_bytes = sum(g.count * g.row_nbytes for g in groups)
+        self.direct = bool(groups) and all(g.dense and not g.request_rows for g in groups)
+        """Every group's kept rows lie contiguous in the ring and none holds request rows:
+        the drain may copy them from the device straight into payload memory."""
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.arena_checked = False
 

@@ -2,7 +2,10 @@
 
 Payloads are read-only ``memoryview`` slices of pooled host slabs (``_pool``): the rows
 are copied there with one bulk copy per group or chunk of segments (the GIL is released
-during it), then each record only costs its Python object.
+during it), then each record only costs its Python object. The copy is the caller's
+``fill``: from host staging (:func:`staging_fill`), or straight from the device ring into
+the page-locked slab where a group's rows are contiguous there (the drain's direct path:
+no host copy at all).
 
 Request rows (``final_logits``) are special: SGLang's overlap scheduler runs one extra
 decode forward per request after its last generated token, and the logits row of that
@@ -17,16 +20,29 @@ request's decisions end (rows at or past that position are discarded and counted
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from dmi_sglang.adapters.transport._pool import Bytes1D, PayloadPool, readonly
+from dmi_sglang.adapters.transport._pool import Bytes1D, Chunk, PayloadPool, readonly
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["Emitted", "HeldRows", "Yielder", "build_records", "copy_row"]
+__all__ = ["Emitted", "Fill", "HeldRows", "Yielder", "build_records", "copy_row",
+           "staging_fill"]
+
+Fill = Callable[[Group, int, int, Chunk], None]
+"""Copies segments ``[s0, s1)`` of a group's kept rows into a chunk, as
+``[segments, kept rows, row bytes]``."""
+
+
+def staging_fill(staging: Bytes2D, base: int) -> Fill:
+    """A :data:`Fill` from host staging (the step's region starts at ``base``)."""
+    def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
+        rows = host_rows(staging, base, group)
+        chunk.array.reshape(s1 - s0, group.kept_rows, group.row_nbytes)[...] = rows[s0:s1]
+    return fill
 
 
 class Yielder:
@@ -133,13 +149,15 @@ def build_records(
     pool: PayloadPool,
     held: HeldRows,
     out: Emitted,
+    fill: Fill | None = None,
 ) -> None:
     """Records of one drained step or piece: one per segment and request slice.
 
-    Token rows go out now (slices of pooled chunks, one bulk copy per chunk of segments);
-    request rows are held back (see the module docstring), releasing the rows they
-    confirm.
+    Token rows go out now (slices of pooled chunks, one bulk copy per chunk of segments,
+    made by ``fill``: default from ``staging``); request rows are held back (see the
+    module docstring; they are read from ``staging``), releasing the rows they confirm.
     """
+    fill = fill or staging_fill(staging, base)
     segments = plan.segments
     request_groups: list[Group] = []
     yielder = Yielder()
@@ -149,13 +167,12 @@ def build_records(
             request_groups.append(group)
             continue
         kept, rb = group.kept_rows, group.row_nbytes
-        rows = host_rows(staging, base, group)
         slices = plan.slices(segments[group.positions[0]])
         per = max(1, pool.slab_bytes // max(kept * rb, 1))  # segments per chunk
         for s0 in range(0, group.count, per):
             s1 = min(group.count, s0 + per)
             chunk = pool.alloc((s1 - s0) * kept * rb)
-            chunk.array.reshape(s1 - s0, kept, rb)[...] = rows[s0:s1]
+            fill(group, s0, s1, chunk)
             view = chunk.view
             for s, meta in enumerate(group.metas[s0:s1]):
                 seg_off = chunk.offset + s * kept * rb

@@ -125,6 +125,7 @@ class TorchCaptureTransport:
             sink=sink, run_id=run_id,
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
+            direct_copies=opts.direct_copies,
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
@@ -291,6 +292,7 @@ class TorchCaptureTransport:
         d = self._drain
         return {
             "records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
+            "direct_items": d.direct_items,
             "build_cpu_seconds": d.build_cpu_seconds, "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
             "held_rows": len(d.held),
