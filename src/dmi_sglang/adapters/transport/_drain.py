@@ -10,10 +10,11 @@ Per sealed item (a step, or one piece of a piecewise step), in commit order:
    on CUDA);
 3. release the region (the ring frees in order), then hand the records to the sink.
 
-*Direct* items skip staging: a step that is not coalesced, whose groups' rows lie
-contiguous in the ring and hold no request rows (a prefill of ``hidden-states``, for
-instance) is copied from the ring straight into its payload slabs (one device-to-host
-copy per chunk of segments, one wait per item), so its bytes cost the host no copy.
+*Direct* items skip staging: a step that is not coalesced and whose token groups' rows
+lie contiguous in the ring (a prefill, for instance) is copied from the ring straight
+into its payload slabs (one device-to-host copy per chunk of segments, one wait per
+item), so its token bytes cost the host no copy; only its request rows (one per
+request, held back a step) still pass through staging.
 
 Finish notices (:class:`Finish`) travel through the same queue, so they are ordered after
 every step sealed before them; they settle the request rows held back (``_records``).
@@ -33,7 +34,12 @@ import torch
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
-from dmi_sglang.adapters.transport._records import Emitted, HeldRows, build_records
+from dmi_sglang.adapters.transport._records import (
+    Emitted,
+    HeldRows,
+    build_records,
+    hold_request_rows,
+)
 from dmi_sglang.adapters.transport._window import DecodeWindow
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
@@ -269,8 +275,9 @@ class Drain:
                 and not (self._window is not None and coalescable(item.plan, item.program)))
 
     def _build_direct(self, item: DrainItem, out: Emitted) -> None:
-        """Records of a direct item: chunks are allocated and sliced into records first,
-        then filled by one batch of device-to-host copies (before anyone sees them)."""
+        """Records of a direct item: token chunks are allocated and sliced into records
+        first, then filled by one batch of device-to-host copies (before anyone sees
+        them) that also brings the request rows' groups to staging; those are held last."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
@@ -279,7 +286,13 @@ class Drain:
             pairs.append((chunk.tensor, self._ring[a : a + (s1 - s0) * span]))
 
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
-                      seq=item.seq, pool=self.pool, held=self.held, out=out, fill=fill)
+                      seq=item.seq, pool=self.pool, held=self.held, out=out, fill=fill,
+                      request_rows=False)
+        requests = [g for g in item.program.groups if g.request_rows]
+        for g in requests:
+            a = item.base + g.ring_offset
+            b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
+            pairs.append((self._staging[a:b], self._ring[a:b]))
         cpu = time.thread_time()
         t0 = time.perf_counter()
         self._ops.copies_to_host([item.marker], pairs)
@@ -287,6 +300,9 @@ class Drain:
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
         self.direct_items += 1
         self.build_cpu_seconds -= time.thread_time() - cpu  # copy time is not build time
+        if requests:
+            hold_request_rows(self._run_id, item.seq, item.plan, requests, self._staging_np,
+                              item.base, self.held, out)
 
     def _flush_window(self, out: Emitted) -> Emitted:
         """Flush the window into ``out`` and hand it to the sink: a window's payload slabs

@@ -105,9 +105,11 @@ class Program:
         self.reserve_bytes = align_up(total_bytes, RING_ALIGNMENT)
         self.host_key: Hashable = tuple((g.row_nbytes, *(m.key for m in g.metas)) for g in groups)
         self.host_row_bytes = sum(g.count * g.row_nbytes for g in groups)
-        self.direct = bool(groups) and all(g.dense and not g.request_rows for g in groups)
-        """Every group's kept rows lie contiguous in the ring and none holds request rows:
-        the drain may copy them from the device straight into payload memory."""
+        self.direct = any(not g.request_rows for g in groups) and all(
+            g.dense for g in groups if not g.request_rows)
+        """Every token group's kept rows lie contiguous in the ring: the drain may copy
+        them from the device straight into payload memory (request rows, held back one
+        step, still go through staging)."""
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.arena_checked = False
 

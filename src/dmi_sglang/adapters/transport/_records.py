@@ -30,7 +30,7 @@ from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import CaptureRecord
 
 __all__ = ["Emitted", "Fill", "HeldRows", "Yielder", "build_records", "copy_row",
-           "staging_fill"]
+           "hold_request_rows", "staging_fill"]
 
 Fill = Callable[[Group, int, int, Chunk], None]
 """Copies segments ``[s0, s1)`` of a group's kept rows into a chunk, as
@@ -150,12 +150,14 @@ def build_records(
     held: HeldRows,
     out: Emitted,
     fill: Fill | None = None,
+    request_rows: bool = True,
 ) -> None:
     """Records of one drained step or piece: one per segment and request slice.
 
     Token rows go out now (slices of pooled chunks, one bulk copy per chunk of segments,
     made by ``fill``: default from ``staging``); request rows are held back (see the
     module docstring; they are read from ``staging``), releasing the rows they confirm.
+    ``request_rows=False`` leaves them to a later :func:`hold_request_rows`.
     """
     fill = fill or staging_fill(staging, base)
     segments = plan.segments
@@ -188,11 +190,11 @@ def build_records(
                 yielder.tick(len(slices))
         out.rows += group.count * kept
         out.bytes += group.count * kept * rb
-    if request_groups:
-        _hold_request_rows(run_id, seq, plan, request_groups, staging, base, held, out)
+    if request_groups and request_rows:
+        hold_request_rows(run_id, seq, plan, request_groups, staging, base, held, out)
 
 
-def _hold_request_rows(  # noqa: PLR0917 - private helper of build_records
+def hold_request_rows(  # noqa: PLR0917 - the step's whole context
     run_id: str,
     seq: int,
     plan: CommitPlan,
@@ -202,6 +204,8 @@ def _hold_request_rows(  # noqa: PLR0917 - private helper of build_records
     held: HeldRows,
     out: Emitted,
 ) -> None:
+    """Hold the request rows of ``groups`` (read from ``staging``), releasing the rows
+    they confirm."""
     per_group = [(g, host_rows(staging, base, g), plan.slices(plan.segments[g.positions[0]]))
                  for g in groups]
     for _, _, slices in per_group:
