@@ -337,7 +337,8 @@ def breakdown(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Where the time of each monitored mode went, from its counters: the capture rate
     stock speed would need (and, for transport-only, the ratio the 55 GB/s pinned
     device-to-host ceiling allows at most), seconds the scheduler waited for ring space,
-    the scheduler thread's own time in the hooks per forward, the drain thread's CPU time
+    the scheduler thread's time in the hooks per forward (its waits for ring space at
+    commit included), the drain thread's CPU time
     building records and its time blocked handing them to the sink, and how busy the
     store's writers were. Counters a run did not report are None."""
     modes = data.get("modes", {})
@@ -355,7 +356,7 @@ def breakdown(data: dict[str, Any]) -> list[dict[str, Any]]:
         timing = fig.get("timing") or {}
         store = fig.get("store") or {}
         forwards = timing.get("forwards") or transport.get("steps")
-        host = timing.get("host_seconds_without_stalls")
+        host = timing.get("host_seconds")
         writers = store.get("writers", 2 if store else None)  # 2: default, not logged before
         out.append({
             "mode": key, "durable_s": durable,
@@ -594,10 +595,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+MODE_VARIABLES = ("DMX_SGLANG_ENABLE", "DMX_HOOK_SELECTION", "DMX_DB_URL", "DMX_MODEL_ID")
+"""Set by each mode itself; ``--env`` may not change them (use ``--modes``/``--preset``)."""
+
+
 def _setting(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.startswith("DMX_"):
         parser.error(f"--env {text!r}: expected DMX_NAME=VALUE, e.g. DMX_CH_WRITERS=8")
+    if name in MODE_VARIABLES:
+        parser.error(f"--env {name}: set by each mode; accepted: any other DMX_ setting "
+                     "(the modes and --preset choose these)")
     return name, value
 
 

@@ -124,7 +124,8 @@ def _breakdown_table(data: dict[str, Any]) -> list[str]:
     out = ["Where the time goes (counters of the same runs; `-`: not reported by that run):",
            "",
            "| mode | capture rate stock speed needs, GB/s | most x stock the 55 GB/s D2H "
-           "ceiling allows | waiting for ring space, s (share) | hook time per forward, us "
+           "ceiling allows | waiting for ring space, s (share) | hook time per forward (waits "
+           "included), us "
            "| drain CPU building records, s | drain blocked in sink.put, s "
            "| store writers (busy) |",
            "|---|---|---|---|---|---|---|---|"]

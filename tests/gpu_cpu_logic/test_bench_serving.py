@@ -199,7 +199,7 @@ def test_env_and_profile_options(bench: Any, tmp_path: Path) -> None:
     assert store["profile"]["seconds"] == 6
     assert store["profile"]["passes"] == ["cpu", "gil"]
     for bad in (["--env", "CH_WRITERS=8"], ["--env", "DMX_CH_WRITERS=0"],
-                ["--profile-seconds", "-1"]):
+                ["--env", "DMX_DB_URL=none"], ["--profile-seconds", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path / "o.json"), *bad])
 

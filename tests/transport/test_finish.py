@@ -315,6 +315,6 @@ def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatc
     timing = mon.timing(stats)
     assert timing["forwards"] == 3
     assert 0 < timing["host_seconds"] < 0.03
-    assert timing["host_seconds_without_stalls"] == timing["host_seconds"] - stats.stall_seconds
+    assert timing["stall_seconds"] == stats.stall_seconds
     assert timing["drain_records"] == len(sink.records)
     assert timing["drain_d2h_bytes"] >= stats.bytes > 0

@@ -134,3 +134,20 @@ def test_coalesced_decode_steps_still_use_staging(make_driver):
     d2.t.stop()
     assert d2.t.drain_counters()["direct_items"] == 1  # the prefill only
     d2.verify(sink2.records)
+
+
+def test_single_segment_groups_and_piecewise_pieces_are_direct(make_driver):
+    # token_ids and final_ln are groups of one segment each: still one contiguous span
+    d, sink = make_driver("token_ids,resid_pre,final_ln,final_logits", coalesce_decode=False)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [4, 6]))
+    d.forward(BatchLayout.decode(["a", "b"], [5, 7]))
+    d.t.stop()
+    assert d.t.drain_counters()["direct_items"] == 2
+    d.verify(sink.records)
+    # a prefill larger than the ring goes piece by piece: every piece is direct
+    d2, sink2 = make_driver("resid_pre", payload_bytes=1024, coalesce_decode=False)
+    d2.forward(BatchLayout.extend(["a"], [0], [40]))  # 3 layers x 40 rows x 16 B > 1 KiB
+    stats = d2.t.stop()
+    assert stats.piecewise_steps == 1
+    assert d2.t.drain_counters()["direct_items"] == 3
+    d2.verify(sink2.records)

@@ -176,8 +176,8 @@ class SchedulerMonitor:
         """Requests of the batch about to run whose prompt chunk does not finish it."""
         self.host_seconds = 0.0
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
-        preflights, commits and seals; waits for the drain included: see
-        ``TransportStats.stall_seconds``)."""
+        preflights, commits and seals), waits for ring space at commit included. Capture
+        calls inside the forward (and a piecewise step's waits there) are not counted."""
 
     @property
     def active(self) -> bool:
@@ -284,7 +284,7 @@ class SchedulerMonitor:
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
-            "host_seconds_without_stalls": self.host_seconds - stats.stall_seconds,
+            "stall_seconds": stats.stall_seconds,
         }
         counters = getattr(self.transport, "drain_counters", None)
         if counters is not None:

@@ -98,6 +98,9 @@ _BATCH = 1024
 """Most items drained per wake-up (each wake-up costs GIL hand-overs; see docs)."""
 _EMIT_BYTES = 64 << 20
 """Payload bytes after which a batch hands its records to the sink before going on."""
+DIRECT_FREE_SLABS = 8
+"""Page-locked 32 MiB slabs reserved at startup and kept for reuse. More are allocated
+while the sink holds more payloads (torch caches them once allocated)."""
 
 
 class Drain:
@@ -132,8 +135,11 @@ class Drain:
         self._release = release
         self._sink = sink
         self._run_id = run_id
-        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)),
-                                buffer=ops.host_buffer)
+        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)))
+        self.direct_pool = PayloadPool(max_free_slabs=DIRECT_FREE_SLABS, buffer=ops.host_buffer)
+        """Page-locked slabs that direct items are copied into (reserved at startup)."""
+        if direct_copies:
+            self.direct_pool.reserve(DIRECT_FREE_SLABS)
         self.held = HeldRows()
         self._window = (
             DecodeWindow(run_id, window_bytes, flush_timeout_s, self.pool, self.held)
@@ -286,7 +292,7 @@ class Drain:
             pairs.append((chunk.tensor, self._ring[a : a + (s1 - s0) * span]))
 
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
-                      seq=item.seq, pool=self.pool, held=self.held, out=out, fill=fill,
+                      seq=item.seq, pool=self.direct_pool, held=self.held, out=out, fill=fill,
                       request_rows=False)
         requests = [g for g in item.program.groups if g.request_rows]
         for g in requests:

@@ -13,9 +13,11 @@ per-use array, which every payload memoryview keeps alive).
 A request larger than a slab gets memory of its own (callers split their copies so that
 this only happens for one oversized tensor slice, e.g. a long prefill of a wide hook).
 
-Slabs come from ``buffer`` (the transport passes its device's host buffers: page-locked
-on CUDA), so the drain can copy device rows straight into payload memory: no staging
-copy, no CPU time. Each chunk carries a torch view of its bytes for that copy.
+Slabs come from ``buffer``. The drain's pool for direct copies passes its device's host
+buffers (page-locked on CUDA), so device rows land straight in payload memory: no staging
+copy, no CPU time. Each chunk carries a torch view of its bytes for that copy. Oversized
+requests always get pageable memory (page-locked memory is cached by torch for the
+process's life, rounded up to a power of two: big one-off blocks would stay pinned).
 """
 
 from __future__ import annotations
@@ -110,9 +112,8 @@ class PayloadPool:
         """``nbytes`` of payload memory (64-byte aligned)."""
         if nbytes > self.slab_bytes:
             self.oversized += 1
-            tensor = self._buffer(nbytes)
-            own = tensor.numpy().view(_Exporter)  # keeps ``tensor`` (its memory) alive
-            return Chunk(own, _view(own), 0, tensor)
+            own = np.empty(nbytes, dtype=np.uint8).view(_Exporter)
+            return Chunk(own, _view(own), 0, torch.from_numpy(own))
         if self._slab is None or self._used + nbytes > self.slab_bytes:
             self._next_slab()
         assert self._slab is not None
@@ -128,6 +129,13 @@ class PayloadPool:
         self._slab = None
         self._slab_tensor = None
         self._view = None
+
+    def reserve(self, slabs: int) -> None:
+        """Allocate ``slabs`` slabs now, into the free list (at most ``max_free_slabs``):
+        page-locked allocation synchronises the device, so it belongs at startup."""
+        while len(self._free) < min(slabs, self._max_free):
+            self._free.append(self._buffer(self.slab_bytes))
+            self.allocated += 1
 
     @property
     def free_slabs(self) -> int:

@@ -82,7 +82,7 @@ class Group:
         """The kept rows of all segments are one contiguous span of the ring (from
         ``ring_offset``, ``count * kept_rows * row_nbytes`` bytes)."""
         return (self.host_index is None and self.ring_rows == self.kept_rows
-                and self.ring_stride == self.kept_rows * self.row_nbytes)
+                and (self.count == 1 or self.ring_stride == self.kept_rows * self.row_nbytes))
 
 
 class Program:

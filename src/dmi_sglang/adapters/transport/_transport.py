@@ -295,6 +295,8 @@ class TorchCaptureTransport:
             "direct_items": d.direct_items,
             "build_cpu_seconds": d.build_cpu_seconds, "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
+            "pinned_buffers_allocated": d.direct_pool.allocated,
+            "pinned_buffers_reused": d.direct_pool.reused,
             "held_rows": len(d.held),
         }
 
