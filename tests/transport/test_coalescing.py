@@ -60,4 +60,35 @@ def test_requests_joining_and_leaving_the_batch(make_driver):
     d.forward(BatchLayout.decode(["c", "a"], [10, 5]))
     d.t.stop()
     d.verify(sink.records)
-    assert len([r for r in sink.records if r.request_id == "a" and r.layer_no == 0]) == 1
+    # c joins without a prefill (never so in SGLang: a prefill flushes the window first),
+    # so the window is flushed and reopened: a's rows come in two records, c's leave in one
+    assert [(r.start_token_idx, r.end_token_idx) for r in sink.records
+            if r.request_id == "a" and r.layer_no == 0] == [(2, 3), (3, 5)]
+    assert len([r for r in sink.records if r.request_id == "c" and r.layer_no == 0]) == 1
+
+
+def test_a_request_leaving_keeps_the_window_and_records_stay_exact(make_driver):
+    d, sink = make_driver("resid_pre,final_logits")
+    d.forward(BatchLayout.decode(["a", "b", "c"], [3, 3, 3]))
+    d.forward(BatchLayout.decode(["a", "c"], [4, 4]))  # b finished
+    d.forward(BatchLayout.decode(["c", "a"], [5, 5]))  # order changes
+    d.t.stop()
+    d.verify(sink.records)
+    assert [(r.start_token_idx, r.end_token_idx) for r in sink.records
+            if r.request_id == "a" and r.layer_no == 0] == [(2, 5)]
+
+
+def test_full_windows_are_sliced_in_place_sparse_ones_compacted(make_driver):
+    # 3 layers x 16 B of resid_pre per row: 2 requests x 4 steps fill a 384 B window
+    d, sink = make_driver("resid_pre", coalesce_max_bytes=384)
+    for n in range(8):
+        d.forward(BatchLayout.decode(["a", "b"], [5 + n, 9 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    assert len(sink.records) == 2 * 2 * 3  # 2 windows x 2 requests x 3 layers
+    assert d.t._drain.pool.allocated == 0  # nothing gathered: records slice the windows
+    d2, sink2 = make_driver("resid_pre", coalesce_max_bytes=384)
+    d2.forward(BatchLayout.decode(["a", "b"], [5, 9]))  # 1 of 4 steps used: compacted at stop
+    d2.t.stop()
+    d2.verify(sink2.records)
+    assert d2.t._drain.pool.allocated == 1  # gathered into one pooled chunk

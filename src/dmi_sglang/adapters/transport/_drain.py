@@ -241,8 +241,7 @@ class Drain:
                 self._release()
                 continue
             if window is not None and coalescable(item.plan, item.program):
-                rows = len(item.plan.layout.request_ids)
-                if not window.can_take(item.program, rows):
+                if not window.can_take(item.program, item.plan.layout):
                     out = self._flush_window(out)
                 window.append(item.seq, item.program, staging, item.base, item.plan.layout)
                 self._release()

@@ -3,20 +3,28 @@
 A decode step gives every request one row per capture. Stored one record per token and
 layer, a generation of 128 tokens over 28 layers is 3,584 records per hook and request,
 and building them costs the drain (and the GIL) more than the bytes do. The window keeps
-consecutive decode steps in host arrays (one bulk copy per segment group and step, plus
-three small columns per row: request, position, step) and emits, when it is flushed, one
-record per request, capture and *run*: rows of consecutive positions. A position that
-does not follow the previous one (a retracted and recomputed request) starts a new run,
-so rows stay in position order and ranges stay exact.
+consecutive decode steps in host memory and emits, when it is flushed, one record per
+request, capture and *run*: rows of consecutive positions. A position that does not
+follow the previous one (a retracted and recomputed request) starts a new run, so rows
+stay in position order and ranges stay exact.
 
-A flush is vectorised: one stable argsort orders the rows by request (then step), run
-breaks are found with array comparisons, and each group is gathered into its section of
-ONE pooled buffer with one ``index_select`` (GIL released); records are read-only slices
-of that buffer. Request rows (``final_logits``) follow the hold-back rule of
-``_records``: each request's newest row is held until confirmed or finished.
+**Request-major.** The window's memory is laid out ``[segment, request, step, row
+bytes]`` per group: appending a step writes each request's row straight into its place
+(one strided copy per group and step, the GIL released), so the rows of a run are
+already contiguous and its records are slices of the window's own memory: no copy at
+flush. A request keeps its slot for the window's life. Within a window the decode batch
+can only lose requests (a joining request had a prefill first, which flushed the
+window), so the slots are the first step's requests; a step with a new request flushes
+and reopens. Slots of requests that left early, and steps never reached before a
+timeout, stay unused: when less than half of the window's cells hold rows, the flush
+gathers the rows into compact pooled chunks instead (one ``index_select`` per chunk), so
+that records never pin much more memory than they hold.
 
-Flushed when full (bytes), when its oldest step is older than the flush timeout, before
-any step that is not a plain decode step, and on stop.
+Request rows (``final_logits``) follow the hold-back rule of ``_records``: each
+request's newest row is held until confirmed or finished.
+
+Flushed when all its steps are used (``max_bytes``), when its oldest step is older than
+the flush timeout, before any step that is not a plain decode step, and on stop.
 """
 
 from __future__ import annotations
@@ -41,13 +49,30 @@ _LIVE = object()
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
           torch.uint8: np.uint8}
+_SPARE_WINDOWS = 4
+"""Window-sized buffers kept for reuse."""
 
 
-def _wide(array: Bytes2D, row_nbytes: int) -> torch.Tensor:
-    """``array`` ([segments, rows, row bytes]) as a tensor of the widest element that
+def _wide(rows: np.ndarray, row_nbytes: int) -> torch.Tensor:
+    """``rows`` ([segments, cells, row bytes]) as a tensor of the widest element that
     divides a row, sharing memory (for ``index_select``)."""
     elem = next(e for e in (8, 4, 2, 1) if row_nbytes % e == 0)
-    return torch.from_numpy(array).view(_ELEMENT[elem])
+    return torch.from_numpy(rows).view(_ELEMENT[elem])
+
+
+class _Runs:
+    """Runs of a flush, by slot then step: slot, first step, rows, first position, step
+    number (``seq``) of the first row."""
+
+    __slots__ = ("n", "seq", "slot", "start", "step")
+
+    def __init__(self, slot: list[int], step: list[int], n: list[int], start: list[int],
+                 seq: list[int]) -> None:
+        self.slot = slot
+        self.step = step
+        self.n = n
+        self.start = start
+        self.seq = seq
 
 
 class DecodeWindow:
@@ -55,10 +80,10 @@ class DecodeWindow:
 
     Args:
         run_id: stored as ``model_id``.
-        max_bytes: bound on the rows held (one step is always accepted).
+        max_bytes: bound on the window's memory (one step is always accepted).
         timeout_s: longest time a row waits (``DMX_DRAIN_FLUSH_TIMEOUT_US``); a held
             request row waits for its confirmation instead.
-        pool: where flushed payload buffers come from.
+        pool: where compacted payloads come from.
         held: the drain's held request rows.
     """
 
@@ -75,19 +100,27 @@ class DecodeWindow:
         self._timeout = timeout_s
         self._pool = pool if pool is not None else PayloadPool()
         self._held = held if held is not None else HeldRows()
+        self._space = PayloadPool(slab_bytes=max(max_bytes, 1 << 20),
+                                  max_free_slabs=_SPARE_WINDOWS)
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
-        self._arrays: list[Bytes2D] = []
-        self._tensors: list[torch.Tensor] = []
-        self._cap = 0
+        self._chunk: Chunk | None = None
+        self._cells: list[np.ndarray] = []
+        """Per group ``[segments, slots, steps, row bytes]`` views of the window memory."""
+        self._offsets: list[int] = []
+        """Per group, where its cells start in the chunk."""
+        self._slots = 0
+        self._steps = 0
+        self._slot: dict[str, int] = {}
+        self._valid = np.zeros((0, 0), dtype=bool)
+        self._pos = np.zeros((0, 0), dtype=np.int64)
+        self._seq = np.zeros(0, dtype=np.int64)
+        self._t = 0
         self.rows = 0
-        self._req = np.empty(0, dtype=np.int64)
-        self._pos = np.empty(0, dtype=np.int64)
-        self._seq = np.empty(0, dtype=np.int64)
-        self._index: dict[str, int] = {}
         self._finished: dict[str, int | None] = {}
         self._last_rids: tuple[str, ...] | None = None
-        self._last_req = self._req
+        self._last_idx = np.zeros(0, dtype=np.int64)
+        self._last_span: tuple[int, int] | None = None
         self._opened = 0.0
 
     def seconds_left(self) -> float | None:
@@ -99,16 +132,21 @@ class DecodeWindow:
     def due(self) -> bool:
         """True when the window must be flushed now (full or timed out)."""
         return bool(self.rows) and (
-            self.rows >= self._cap or time.monotonic() >= self._opened + self._timeout
+            self._t >= self._steps or time.monotonic() >= self._opened + self._timeout
         )
 
-    def can_take(self, program: Program, rows: int) -> bool:
-        """True when a step of ``rows`` rows with this program can join the window."""
-        return not self.rows or (program.host_key == self._key and self.rows + rows <= self._cap)
+    def can_take(self, program: Program, layout: BatchLayout) -> bool:
+        """True when this plain decode step can join the window."""
+        if not self.rows:
+            return True
+        if program.host_key != self._key or self._t >= self._steps:
+            return False
+        rids = layout.request_ids
+        return rids == self._last_rids or all(r in self._slot for r in rids)
 
     def has(self, request_id: str) -> bool:
         """True when rows of ``request_id`` wait in the window."""
-        return bool(self.rows) and request_id in self._index
+        return bool(self.rows) and request_id in self._slot
 
     def finish(self, request_id: str, logits_end: int | None) -> None:
         """A finish notice for a request with rows in the window (applied at flush)."""
@@ -117,40 +155,50 @@ class DecodeWindow:
     def append(
         self, seq: int, program: Program, staging: Bytes2D, base: int, layout: BatchLayout
     ) -> None:
-        """Copy one plain decode step's rows out of staging (request ``i`` owns row ``i``)."""
+        """Copy one plain decode step's rows out of staging into their requests' slots
+        (request ``i`` owns row ``i``); :meth:`can_take` said yes."""
         rids = layout.request_ids
-        n = len(rids)
         if not self.rows:
-            self._open(program, n)
-        k = self.rows
-        for array, group in zip(self._arrays, program.groups, strict=True):
-            array[:, k : k + n, :] = host_rows(staging, base, group)
+            self._open(program, rids)
         if rids != self._last_rids:
-            index = self._index
-            self._last_req = np.fromiter(
-                (index.setdefault(r, len(index)) for r in rids), dtype=np.int64, count=n
-            )
+            idx = np.fromiter((self._slot[r] for r in rids), dtype=np.int64, count=len(rids))
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            contiguous = hi - lo == len(rids) and bool(np.all(np.diff(idx) == 1))
+            self._last_span = (lo, hi) if contiguous else None
+            self._last_idx = idx
             self._last_rids = rids
-        self._req[k : k + n] = self._last_req
-        self._pos[k : k + n] = layout.starts
-        self._seq[k : k + n] = seq
-        self.rows = k + n
+        t, idx, span = self._t, self._last_idx, self._last_span
+        for cells, group in zip(self._cells, program.groups, strict=True):
+            src = host_rows(staging, base, group)
+            if span is not None:
+                cells[:, span[0] : span[1], t, :] = src
+            else:
+                cells[:, idx, t, :] = src
+        self._valid[idx, t] = True
+        self._pos[idx, t] = layout.starts
+        self._seq[t] = seq
+        self._t = t + 1
+        self.rows += len(rids)
 
-    def _open(self, program: Program, rows: int) -> None:
-        cap = max(rows, self._max_bytes // max(program.host_row_bytes, 1))
-        if program.host_key != self._key or cap > self._cap:
-            self._arrays = [
-                np.empty((g.count, cap, g.row_nbytes), dtype=np.uint8) for g in program.groups
-            ]
-            self._tensors = [
-                _wide(a, g.row_nbytes) for a, g in zip(self._arrays, program.groups, strict=True)
-            ]
-            self._req = np.empty(cap, dtype=np.int64)
-            self._pos = np.empty(cap, dtype=np.int64)
-            self._seq = np.empty(cap, dtype=np.int64)
-            self._cap = cap
-        self._key = program.host_key
-        self._groups = program.groups
+    def _open(self, program: Program, rids: tuple[str, ...]) -> None:
+        slots = len(rids)
+        steps = max(1, self._max_bytes // max(program.host_row_bytes * slots, 1))
+        chunk = self._space.alloc(slots * steps * program.host_row_bytes)
+        cells, offsets, at = [], [], 0
+        for g in program.groups:
+            n = g.count * slots * steps * g.row_nbytes
+            cells.append(chunk.array[at : at + n].reshape(g.count, slots, steps, g.row_nbytes))
+            offsets.append(at)
+            at += n
+        self._chunk, self._cells, self._offsets = chunk, cells, offsets
+        self._key, self._groups = program.host_key, program.groups
+        self._slots, self._steps = slots, steps
+        self._slot = {r: i for i, r in enumerate(rids)}
+        self._valid = np.zeros((slots, steps), dtype=bool)
+        self._pos = np.zeros((slots, steps), dtype=np.int64)
+        self._seq = np.zeros(steps, dtype=np.int64)
+        self._t = 0
+        self._last_rids = None
         self._opened = time.monotonic()
 
     def flush(self, out: Emitted, *, final: bool = False) -> None:
@@ -158,60 +206,58 @@ class DecodeWindow:
 
         ``final`` (the run stops): nothing is held back any more.
         """
-        total = self.rows
-        if not total:
+        if not self.rows:
             return
-        req = self._req[:total]
-        order = np.argsort(req, kind="stable")  # by request, then step
-        rq = req[order]
-        pos = self._pos[:total][order]
-        breaks = np.flatnonzero((rq[1:] != rq[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
-        firsts = np.concatenate(([0], breaks))
-        counts = np.diff(np.append(firsts, total))
-        run = _Runs(
-            rids=list(self._index),
-            req=rq[firsts].tolist(),
-            start=pos[firsts].tolist(),
-            n=counts.tolist(),
-            first=firsts.tolist(),
-            seq=self._seq[:total][order[firsts]].tolist(),
-        )
+        runs = self._runs()
         groups = self._groups
         token = [i for i, g in enumerate(groups) if not g.request_rows]
         request = [i for i, g in enumerate(groups) if g.request_rows]
-        keep: list[int] = run.n
-        kept_order = order
+        keep = runs.n
         if request:
-            keep, kept_order = self._resolve(run, order, request, out, final=final)
-        index = torch.from_numpy(order)
-        kept_index = index if kept_order is order else torch.from_numpy(kept_order)
+            keep = self._resolve(runs, request, out, final=final)
+        compact = 2 * int(self._valid[:, : self._t].sum()) < self._slots * self._steps
         yielder = Yielder()
         for i in token + request:
-            if groups[i].request_rows:
-                self._group_records(i, run, keep, kept_index, out, yielder)
+            counts = keep if groups[i].request_rows else runs.n
+            if compact:
+                self._gathered(i, runs, counts, out, yielder)
             else:
-                self._group_records(i, run, run.n, index, out, yielder)
+                self._in_place(i, runs, counts, out, yielder)
         self.rows = 0
-        self._index = {}
+        self._slot = {}
         self._finished = {}
         self._last_rids = None
+        self._chunk = None  # its memory returns once the records let go of it
+        self._cells = []
+        self._space.release()  # ... for the next window to reuse (no fresh pages)
 
-    def _resolve(
-        self, run: _Runs, order: np.ndarray, groups: list[int], out: Emitted, *, final: bool
-    ) -> tuple[list[int], np.ndarray]:
-        """Apply the hold-back rule to request rows: rows kept per run, and their window
-        rows in output order. Held and discarded rows leave the window here."""
+    def _runs(self) -> _Runs:
+        """Maximal runs of consecutive positions per slot, by slot then step."""
+        valid, pos = self._valid[:, : self._t], self._pos[:, : self._t]
+        cont = np.zeros_like(valid)
+        cont[:, 1:] = valid[:, 1:] & valid[:, :-1] & (pos[:, 1:] == pos[:, :-1] + 1)
+        ends = valid.copy()
+        ends[:, :-1] &= ~cont[:, 1:]
+        slot, step = np.nonzero(valid & ~cont)
+        _, last = np.nonzero(ends)  # same row-major order: one end per start
+        return _Runs(slot.tolist(), step.tolist(), (last - step + 1).tolist(),
+                     pos[slot, step].tolist(), self._seq[step].tolist())
+
+    def _resolve(self, runs: _Runs, groups: list[int], out: Emitted, *,
+                 final: bool) -> list[int]:
+        """Apply the hold-back rule to request rows: rows kept per run. Held and
+        discarded rows leave the window here."""
+        rids = list(self._slot)
         keep: list[int] = []
-        mask = np.zeros(len(order), dtype=bool)
-        nruns = len(run.n)
+        nruns = len(runs.n)
         for j in range(nruns):
-            rid = run.rids[run.req[j]]
-            n, start, first = run.n[j], run.start[j], run.first[j]
+            slot, n, start = runs.slot[j], runs.n[j], runs.start[j]
+            rid = rids[slot]
             status = self._finished.get(rid, _LIVE)
             if final and status is _LIVE:
                 status = None
-            newest = j + 1 == nruns or run.req[j + 1] != run.req[j]
-            if j == 0 or run.req[j - 1] != run.req[j]:  # the request's first run
+            newest = j + 1 == nruns or runs.slot[j + 1] != slot
+            if j == 0 or runs.slot[j - 1] != slot:  # the request's first run
                 if status is _LIVE:
                     self._held.confirm(rid, out)
                 else:
@@ -219,45 +265,62 @@ class DecodeWindow:
             if status is _LIVE:
                 k = n - 1 if newest else n
                 if newest:
-                    self._hold(run, j, int(order[first + n - 1]), groups)
+                    self._hold(rid, slot, runs.step[j] + n - 1, start + n - 1, groups)
             elif status is None:
                 k = n
             else:
                 k = max(0, min(n, status - start))  # type: ignore[operator]
                 out.discarded += (n - k) * sum(self._groups[i].count for i in groups)
             keep.append(k)
-            if k:
-                mask[first : first + k] = True
-        return keep, order[mask]
+        return keep
 
-    def _hold(self, run: _Runs, j: int, row: int, groups: list[int]) -> None:
-        rid = run.rids[run.req[j]]
-        pos = run.start[j] + run.n[j] - 1
-        seq = int(self._seq[row])
+    def _hold(self, rid: str, slot: int, step: int, pos: int, groups: list[int]) -> None:
+        seq = int(self._seq[step])
         for i in groups:
-            group, array = self._groups[i], self._arrays[i]
+            group, cells = self._groups[i], self._cells[i]
             for s, meta in enumerate(group.metas):
-                payload = copy_row(array[s, row])
                 self._held.hold(
                     CaptureRecord(
                         self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                        meta.dtype, (1, *meta.dims), payload, seq,
+                        meta.dtype, (1, *meta.dims), copy_row(cells[s, slot, step]), seq,
                     )
                 )
 
-    def _group_records(  # noqa: PLR0917 - private helper of flush
-        self,
-        i: int,
-        run: _Runs,
-        counts: list[int],
-        index: torch.Tensor,
-        out: Emitted,
-        yielder: Yielder,
-    ) -> None:
-        """Gather group ``i``'s rows (``index``: window rows in output order, ``counts[j]``
-        of run ``j``) into pooled chunks of at most a slab, and make their records."""
-        group, src = self._groups[i], self._tensors[i]
-        rb, count = group.row_nbytes, group.count
+    def _in_place(self, i: int, runs: _Runs, counts: list[int], out: Emitted,
+                  yielder: Yielder) -> None:
+        """Records of group ``i``: slices of the window's own memory."""
+        assert self._chunk is not None
+        group, rids = self._groups[i], list(self._slot)
+        rb, slots, steps = group.row_nbytes, self._slots, self._steps
+        base = self._chunk.offset + self._offsets[i]
+        view, run_id, append = self._chunk.view, self._run_id, out.records.append
+        metas = group.metas
+        rows = 0
+        for j, k in enumerate(counts):
+            if not k:
+                continue
+            slot, t0, a, sq = runs.slot[j], runs.step[j], runs.start[j], runs.seq[j]
+            rid, nbytes = rids[slot], k * rb
+            for s, m in enumerate(metas):
+                p = base + ((s * slots + slot) * steps + t0) * rb
+                append(CaptureRecord(run_id, rid, m.act_name, m.layer_no, 0, a, a + k,
+                                     m.dtype, (k, *m.dims), view[p : p + nbytes], sq))
+            rows += k
+            yielder.tick(len(metas))
+        out.rows += rows * len(metas)
+        out.bytes += rows * rb * len(metas)
+
+    def _gathered(self, i: int, runs: _Runs, counts: list[int], out: Emitted,
+                  yielder: Yielder) -> None:
+        """Records of group ``i`` from compact pooled chunks of at most a slab: the kept
+        rows gathered with one ``index_select`` per chunk."""
+        group = self._groups[i]
+        rb, count, steps = group.row_nbytes, group.count, self._steps
+        src = _wide(self._cells[i].reshape(count, self._slots * steps, rb), rb)
+        index = torch.from_numpy(np.concatenate(
+            [np.arange(runs.slot[j] * steps + runs.step[j],
+                       runs.slot[j] * steps + runs.step[j] + k, dtype=np.int64)
+             for j, k in enumerate(counts)] or [np.zeros(0, dtype=np.int64)]))
         slab = self._pool.slab_bytes
         nruns = len(counts)
         j = r = 0
@@ -276,37 +339,36 @@ class DecodeWindow:
                 dst = chunk.array.view(_NUMPY[src.dtype]).reshape(s1 - s0, rows, -1)
                 torch.index_select(src[s0:s1], 1, index[r0 : r0 + rows],
                                    out=torch.from_numpy(dst))
-                self._records(run, group, counts, j0, j, s0, s1, rows, chunk, out, yielder)
+                self._records(runs, group, counts, (j0, j), (s0, s1), rows, chunk, out,
+                              yielder)
 
-    def _records(  # noqa: PLR0917 - private helper of flush
+    def _records(  # noqa: PLR0917 - private helper of _gathered
         self,
-        run: _Runs,
+        runs: _Runs,
         group: Group,
         counts: list[int],
-        j0: int,
-        j1: int,
-        s0: int,
-        s1: int,
+        run_range: tuple[int, int],
+        seg_range: tuple[int, int],
         rows: int,
         chunk: Chunk,
         out: Emitted,
         yielder: Yielder,
     ) -> None:
-        """Records of runs ``[j0, j1)`` and segments ``[s0, s1)`` of one chunk."""
-        run_id = self._run_id
+        """Records of runs ``run_range`` and segments ``seg_range`` of one chunk."""
+        rids, run_id = list(self._slot), self._run_id
         rb = group.row_nbytes
+        s0, s1 = seg_range
         seg_bytes = rows * rb
         metas = [(chunk.offset + (s - s0) * seg_bytes, m.act_name, m.layer_no, m.dtype, m.dims)
                  for s, m in enumerate(group.metas[s0:s1], start=s0)]
         view = chunk.view
         append = out.records.append
-        rids, req, start, seq = run.rids, run.req, run.start, run.seq
         at = 0
-        for j in range(j0, j1):
+        for j in range(*run_range):
             n = counts[j]
             if not n:
                 continue
-            rid, a, sq = rids[req[j]], start[j], seq[j]
+            rid, a, sq = rids[runs.slot[j]], runs.start[j], runs.seq[j]
             nbytes = n * rb
             row_off = at * rb
             for seg_off, act, layer, dtype, dims in metas:
@@ -317,26 +379,3 @@ class DecodeWindow:
             yielder.tick(len(metas))
         out.rows += at * len(metas)
         out.bytes += at * rb * len(metas)
-
-
-class _Runs:
-    """Runs of a flush: request index, first position, rows, first output row, step."""
-
-    __slots__ = ("first", "n", "req", "rids", "seq", "start")
-
-    def __init__(
-        self,
-        *,
-        rids: list[str],
-        req: list[int],
-        start: list[int],
-        n: list[int],
-        first: list[int],
-        seq: list[int],
-    ) -> None:
-        self.rids = rids
-        self.req = req
-        self.start = start
-        self.n = n
-        self.first = first
-        self.seq = seq
