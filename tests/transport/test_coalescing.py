@@ -92,3 +92,24 @@ def test_full_windows_are_sliced_in_place_sparse_ones_compacted(make_driver):
     d2.t.stop()
     d2.verify(sink2.records)
     assert d2.t._drain.pool.allocated == 1  # gathered into one pooled chunk
+
+
+def test_windows_after_a_timeout_are_sized_to_fill_before_the_next_one(make_driver):
+    d, sink = make_driver("resid_pre", flush_timeout_s=0.05)  # 1 row: 48 B; window 256 MiB
+    d.forward(BatchLayout.decode(["a"], [5]))
+    d.forward(BatchLayout.decode(["a"], [6]))
+    deadline = time.monotonic() + 5
+    while not sink.records and time.monotonic() < deadline:  # flushed by the timeout
+        time.sleep(0.01)
+    window = d.t._drain._window
+    assert window._steps_hint == 3  # 2 steps arrived in time: x 1.25, rounded up
+    for n in range(3):
+        d.forward(BatchLayout.decode(["a"], [7 + n]))
+    deadline = time.monotonic() + 5
+    while len(sink.records) < 6 and time.monotonic() < deadline:  # full: flushed at once
+        time.sleep(0.01)
+    assert window._steps_hint == 6  # a full window lets the next one grow
+    d.t.stop()
+    d.verify(sink.records)
+    assert [(r.start_token_idx, r.end_token_idx) for r in sink.records if r.layer_no == 0] == [
+        (4, 6), (6, 9)]

@@ -135,7 +135,8 @@ class Drain:
         self._release = release
         self._sink = sink
         self._run_id = run_id
-        self.pool = PayloadPool(max_free_slabs=max(8, 2 * (window_bytes or 0) // (32 << 20)))
+        self.pool = PayloadPool(max_free_slabs=8)
+        """Slabs of staged steps and of compacted decode windows."""
         self.direct_pool = PayloadPool(max_free_slabs=DIRECT_FREE_SLABS, buffer=ops.host_buffer)
         """Page-locked slabs that direct items are copied into (reserved at startup)."""
         if direct_copies:

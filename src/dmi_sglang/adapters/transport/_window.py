@@ -23,8 +23,11 @@ that records never pin much more memory than they hold.
 Request rows (``final_logits``) follow the hold-back rule of ``_records``: each
 request's newest row is held until confirmed or finished.
 
-Flushed when all its steps are used (``max_bytes``), when its oldest step is older than
-the flush timeout, before any step that is not a plain decode step, and on stop.
+Flushed when all its steps are used, when its oldest step is older than the flush
+timeout, before any step that is not a plain decode step, and on stop. A window holds at
+most ``max_bytes``; after a window timed out, the next ones hold the steps that arrived
+before the timeout (x 1.25), so that they fill and are sliced in place, and they grow
+back (x 2 per full window) up to ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ _LIVE = object()
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
           torch.uint8: np.uint8}
-_SPARE_WINDOWS = 4
+_SPARE_WINDOWS = 2
 """Window-sized buffers kept for reuse."""
+_ALIGN = 64
+"""Each group's cells start on this boundary (typed views for ``index_select``)."""
 
 
 def _wide(rows: np.ndarray, row_nbytes: int) -> torch.Tensor:
@@ -100,7 +105,7 @@ class DecodeWindow:
         self._timeout = timeout_s
         self._pool = pool if pool is not None else PayloadPool()
         self._held = held if held is not None else HeldRows()
-        self._space = PayloadPool(slab_bytes=max(max_bytes, 1 << 20),
+        self._space = PayloadPool(slab_bytes=max(max_bytes, 1 << 20) + (1 << 16),  # + alignment
                                   max_free_slabs=_SPARE_WINDOWS)
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
@@ -122,6 +127,9 @@ class DecodeWindow:
         self._last_idx = np.zeros(0, dtype=np.int64)
         self._last_span: tuple[int, int] | None = None
         self._opened = 0.0
+        self._steps_hint: int | None = None
+        """Steps the last timed-out window reached (x 1.25): the next window is sized to
+        what arrives before the timeout, so that it fills and is sliced in place."""
 
     def seconds_left(self) -> float | None:
         """Time until the window is due, or None when it is empty."""
@@ -158,6 +166,8 @@ class DecodeWindow:
         """Copy one plain decode step's rows out of staging into their requests' slots
         (request ``i`` owns row ``i``); :meth:`can_take` said yes."""
         rids = layout.request_ids
+        if not rids:
+            return
         if not self.rows:
             self._open(program, rids)
         if rids != self._last_rids:
@@ -183,13 +193,15 @@ class DecodeWindow:
     def _open(self, program: Program, rids: tuple[str, ...]) -> None:
         slots = len(rids)
         steps = max(1, self._max_bytes // max(program.host_row_bytes * slots, 1))
-        chunk = self._space.alloc(slots * steps * program.host_row_bytes)
+        if self._steps_hint is not None:
+            steps = min(steps, self._steps_hint)
+        sizes = [g.count * slots * steps * g.row_nbytes for g in program.groups]
+        chunk = self._space.alloc(sum(-(-n // _ALIGN) * _ALIGN for n in sizes))
         cells, offsets, at = [], [], 0
-        for g in program.groups:
-            n = g.count * slots * steps * g.row_nbytes
+        for g, n in zip(program.groups, sizes, strict=True):
             cells.append(chunk.array[at : at + n].reshape(g.count, slots, steps, g.row_nbytes))
             offsets.append(at)
-            at += n
+            at += -(-n // _ALIGN) * _ALIGN
         self._chunk, self._cells, self._offsets = chunk, cells, offsets
         self._key, self._groups = program.host_key, program.groups
         self._slots, self._steps = slots, steps
@@ -208,6 +220,10 @@ class DecodeWindow:
         """
         if not self.rows:
             return
+        if self._t >= self._steps:  # full: let the next window grow back
+            self._steps_hint = None if self._steps_hint is None else 2 * self._steps_hint
+        elif time.monotonic() >= self._opened + self._timeout:
+            self._steps_hint = max(2, self._t + (self._t + 3) // 4)
         runs = self._runs()
         groups = self._groups
         token = [i for i, g in enumerate(groups) if not g.request_rows]
