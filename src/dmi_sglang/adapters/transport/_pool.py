@@ -7,8 +7,8 @@ window-sized slabs; records are read-only ``memoryview`` slices: no ``bytes`` ob
 record, no copy under the GIL. Fresh memory costs page faults on first touch, which
 dominate building records (fresh pages: ~0.6 GB/s on the 2-core dev box, a copy into
 mapped memory: ~11 GB/s; on the H200 host glibc's defaults cost 70 ms per 121 MB of
-payloads, see ``_device``), so slabs come from a pool: all of one size, handed out by a bump allocator, and returned to
-the pool when the last slice of a slab is released (a ``weakref.finalize`` on the slab's
+payloads, see ``_device``), so slabs come from a pool: all of one size, handed out by a
+bump allocator, and returned to the pool when the last slice of a slab is released (a ``weakref.finalize`` on the slab's
 per-use array, which every payload memoryview keeps alive).
 
 A request larger than a slab gets memory of its own (callers split their copies so that
