@@ -2,14 +2,15 @@
 
 The drain copies the rows of each staged step and compacted decode window into slabs of
 host memory with bulk copies (the GIL is released during them), direct items land in
-page-locked slabs by DMA, and decode windows hold their own memory in a pool of
-window-sized slabs; records are read-only ``memoryview`` slices: no ``bytes`` object per
+page-locked slabs by DMA, and decode windows hold their own memory in a pool of window-
+sized slabs; records are read-only ``memoryview`` slices: no ``bytes`` object per
 record, no copy under the GIL. Fresh memory costs page faults on first touch, which
 dominate building records (fresh pages: ~0.6 GB/s on the 2-core dev box, a copy into
 mapped memory: ~11 GB/s; on the H200 host glibc's defaults cost 70 ms per 121 MB of
 payloads, see ``_device``), so slabs come from a pool: all of one size, handed out by a
-bump allocator, and returned to the pool when the last slice of a slab is released (a ``weakref.finalize`` on the slab's
-per-use array, which every payload memoryview keeps alive).
+bump allocator, and returned to the pool when the last slice of a slab is released (a
+``weakref.finalize`` on the slab's per-use array, which every payload memoryview keeps
+alive).
 
 A request larger than a slab gets memory of its own (callers split their copies so that
 this only happens for one oversized tensor slice, e.g. a long prefill of a wide hook).
