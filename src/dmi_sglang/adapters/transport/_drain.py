@@ -6,8 +6,7 @@ Per sealed item (a step, or one piece of a piecewise step), in commit order:
    staging with ONE device-to-host copy, on the drain's own stream;
 2. decode steps join the :class:`~._window.DecodeWindow`; anything else first flushes the
    window (rows of a request stay in position order), then becomes records directly
-   (``_records``); payloads are read-only slices of pooled slabs (``_pool``, page-locked
-   on CUDA);
+   (``_records``); payloads are read-only slices of pooled memory (``_pool``);
 3. release the region (the ring frees in order), then hand the records to the sink.
 
 *Direct* items skip staging: a step that is not coalesced and whose token groups' rows
