@@ -38,9 +38,14 @@ Fill = Callable[[Group, int, int, Chunk], None]
 
 
 def staging_fill(staging: Bytes2D, base: int) -> Fill:
-    """A :data:`Fill` from host staging (the step's region starts at ``base``)."""
+    """A :data:`Fill` from host staging (the step's region starts at ``base``). A group's
+    rows are taken from staging once (with a row selection that is a copy), not per chunk."""
+    rows_of: dict[int, Bytes2D] = {}
+
     def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
-        rows = host_rows(staging, base, group)
+        rows = rows_of.get(id(group))
+        if rows is None:
+            rows = rows_of[id(group)] = host_rows(staging, base, group)
         chunk.array.reshape(s1 - s0, group.kept_rows, group.row_nbytes)[...] = rows[s0:s1]
     return fill
 

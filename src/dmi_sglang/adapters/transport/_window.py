@@ -117,6 +117,8 @@ class DecodeWindow:
         self._slots = 0
         self._steps = 0
         self._slot: dict[str, int] = {}
+        self._rids: list[str] = []
+        """The window's requests in slot order."""
         self._valid = np.zeros((0, 0), dtype=bool)
         self._pos = np.zeros((0, 0), dtype=np.int64)
         self._seq = np.zeros(0, dtype=np.int64)
@@ -206,6 +208,7 @@ class DecodeWindow:
         self._key, self._groups = program.host_key, program.groups
         self._slots, self._steps = slots, steps
         self._slot = {r: i for i, r in enumerate(rids)}
+        self._rids = list(rids)
         self._valid = np.zeros((slots, steps), dtype=bool)
         self._pos = np.zeros((slots, steps), dtype=np.int64)
         self._seq = np.zeros(steps, dtype=np.int64)
@@ -241,6 +244,7 @@ class DecodeWindow:
                 self._in_place(i, runs, counts, out, yielder)
         self.rows = 0
         self._slot = {}
+        self._rids = []
         self._finished = {}
         self._last_rids = None
         self._chunk = None  # its memory returns once the records let go of it
@@ -263,7 +267,7 @@ class DecodeWindow:
                  final: bool) -> list[int]:
         """Apply the hold-back rule to request rows: rows kept per run. Held and
         discarded rows leave the window here."""
-        rids = list(self._slot)
+        rids = self._rids
         keep: list[int] = []
         nruns = len(runs.n)
         for j in range(nruns):
@@ -306,7 +310,7 @@ class DecodeWindow:
                   yielder: Yielder) -> None:
         """Records of group ``i``: slices of the window's own memory."""
         assert self._chunk is not None
-        group, rids = self._groups[i], list(self._slot)
+        group, rids = self._groups[i], self._rids
         rb, slots, steps = group.row_nbytes, self._slots, self._steps
         base = self._chunk.offset + self._offsets[i]
         view, run_id, append = self._chunk.view, self._run_id, out.records.append
@@ -371,7 +375,7 @@ class DecodeWindow:
         yielder: Yielder,
     ) -> None:
         """Records of runs ``run_range`` and segments ``seg_range`` of one chunk."""
-        rids, run_id = list(self._slot), self._run_id
+        rids, run_id = self._rids, self._run_id
         rb = group.row_nbytes
         s0, s1 = seg_range
         seg_bytes = rows * rb
