@@ -42,7 +42,10 @@ Environment: ``DMI_V0519_CELLS`` (comma-separated names, or ``core``, ``optional
 ``all``; default ``core``), ``DMI_V0519_BUDGET_S`` (seconds for this invocation; default:
 until 45 s before the device call's 10-minute limit), ``DMI_V0519_STATE``,
 ``DMI_V0519_WORK`` (engine logs and stores; default a temp dir), ``DMI_V0519_FRESH=1``
-(ignore earlier results), ``DMI_V0519_KEEP_STORES=1``.
+(ignore earlier results), ``DMI_V0519_KEEP_STORES=1``, ``DMI_V0519_STOCK_FROM`` (a
+directory of stock baselines from an earlier lease, e.g. committed evidence: a stock
+engine runs no dmi-sglang code, so a baseline whose ``stock_hash`` matches the cell's is
+reused instead of starting the stock engine again; its JSON says where it came from).
 """
 
 from __future__ import annotations
@@ -584,6 +587,8 @@ class Runner:
     clock: Callable[[], float] = time.time
     fresh: bool = False
     keep_stores: bool = False
+    stock_from: Path | None = None
+    """Stock baselines of an earlier lease, reused where their ``stock_hash`` matches."""
     git: dict[str, Any] = field(default_factory=ep.git_info)
     ran: dict[str, str] = field(default_factory=dict)
     """cell -> status, for this invocation."""
@@ -647,9 +652,22 @@ class Runner:
     def plan(self, cells: Sequence[Cell]) -> list[Step]:
         """The engine starts still needed for ``cells`` (earlier results reused)."""
         todo = [c for c in cells if self.saved(c) is None]
-        cached = frozenset(c.stock_key for c in todo if self._stock_path(c).exists()
-                           and not self.fresh)
+        cached = frozenset(c.stock_key for c in todo if self._earlier_stock(c) is not None)
         return make_plan(todo, self.timings(), cached)
+
+    def _earlier_stock(self, cell: Cell) -> dict[str, Any] | None:
+        """A passed stock baseline of ``cell`` from an earlier call or ``stock_from``."""
+        if self.fresh:
+            return None
+        name = self._stock_path(cell).name
+        for path, origin in ((self._stock_path(cell), "in an earlier call"),
+                             (None if self.stock_from is None else self.stock_from / name,
+                              f"from {self.stock_from}")):
+            data = None if path is None else _load(path)
+            if data and data.get("ok") and data.get("stock_hash") == stock_hash(cell):
+                data["source"] = f"reused: ran {data.get('ran_at_utc')} {origin}"
+                return data
+        return None
 
     def _stock_path(self, cell: Cell) -> Path:
         return self.state / "stock" / f"{cell.stock_key}-{stock_hash(cell)}.json"
@@ -657,9 +675,8 @@ class Runner:
     def _stock(self, cell: Cell, step: Step) -> dict[str, Any]:
         key = stock_hash(cell)
         path = self._stock_path(cell)
-        cached = None if self.fresh else _load(path)
-        if cached and cached.get("ok"):
-            cached["source"] = f"reused: ran {cached.get('ran_at_utc')} in an earlier call"
+        cached = self._earlier_stock(cell)
+        if cached is not None:
             return cached
         if step.estimate_s > self._left():
             return {"ok": False, "skipped": True,
@@ -840,6 +857,16 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
+def _optional_path(text: str | None) -> Path | None:
+    if not text:
+        return None
+    path = Path(text)
+    if not path.is_dir():
+        raise SystemExit(f"qualify: stock baselines directory {text!r} does not exist "
+                         "(expected a directory of <stock_key>-<stock_hash>.json files)")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -857,6 +884,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="work directory ($DMI_V0519_WORK)")
     parser.add_argument("--fresh", action="store_true", help="ignore earlier results")
     parser.add_argument("--keep-stores", action="store_true")
+    parser.add_argument("--stock-from", default=None,
+                        help="stock baselines of an earlier lease ($DMI_V0519_STOCK_FROM)")
     args = parser.parse_args(argv)
 
     if args.list:
@@ -890,6 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  [DMI_V0519_CELLS={','.join(c.name for c in cells)}]",
         fresh=args.fresh or _flag("DMI_V0519_FRESH"),
         keep_stores=args.keep_stores or _flag("DMI_V0519_KEEP_STORES"),
+        stock_from=_optional_path(args.stock_from or os.environ.get("DMI_V0519_STOCK_FROM")),
     )
     print(render_plan(runner.plan(cells), deadline, time.time()), flush=True)
     return runner.run(cells)

@@ -241,6 +241,31 @@ def test_budget_skips_then_next_call_continues(qualify: Any, engines: Any, tmp_p
     assert len(engines.calls) == 3
 
 
+def test_stock_baselines_of_an_earlier_lease_are_reused_when_their_hash_matches(
+        qualify: Any, engines: Any, tmp_path: Path, clock: Any) -> None:
+    cells = qualify.select_cells("0.6b-graph-hidden,0.6b-eager-hidden")
+    assert _runner(qualify, engines, tmp_path / "lease1", clock).run(cells) == 0
+    earlier = tmp_path / "evidence"
+    earlier.mkdir()
+    for path in (tmp_path / "lease1" / "state" / "stock").glob("*.json"):
+        data = json.loads(path.read_text())
+        if "graph" in path.name:  # a baseline of other settings must not be taken
+            data["stock_hash"] = "0" * 12
+        (earlier / path.name).write_text(json.dumps(data))
+
+    engines.calls.clear()
+    runner = _runner(qualify, engines, tmp_path / "lease2", clock, stock_from=earlier)
+    assert runner.run(cells) == 0
+    assert sorted(name for name, _ in engines.calls) == [
+        "monitored-0.6b-eager-hidden", "monitored-0.6b-graph-hidden", "stock-0.6b-graph"]
+    results = tmp_path / "lease2" / "results"
+    eager = json.loads((results / "0.6b-eager-hidden.json").read_text())
+    graph = json.loads((results / "0.6b-graph-hidden.json").read_text())
+    assert eager["stock"]["source"].startswith("reused")
+    assert str(earlier) in eager["stock"]["source"]
+    assert graph["stock"]["source"] == "this call"
+
+
 def test_startup_measurements_feed_estimates(qualify: Any, engines: Any, tmp_path: Path,
                                              clock: Any) -> None:
     runner = _runner(qualify, engines, tmp_path, clock)
