@@ -311,7 +311,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "store_insert_MBps": fig.get("store_insert_MBps"),
             "store_e2e_MBps": fig.get("store_e2e_MBps"),
             "startup_s": fig.get("startup_s"),
-            "commit": entry.get("commit"), "ran_at_utc": entry.get("ran_at_utc"),
+            "commit": entry.get("commit"), "code": entry.get("code_fingerprint"),
+            "ran_at_utc": entry.get("ran_at_utc"),
             "error": entry.get("error"),
         })
     order = {m: i for i, m in enumerate(("stock", "store[hidden-states]",

@@ -9,8 +9,9 @@ comments, leaving the hand-written text around them alone::
 
 Blocks: ``qualified-cells`` (docs/v0519-port.md; cell results of tests/gpu/qualify.py),
 ``serving-bench`` and ``transport-bench`` (docs/benchmarks.md; bench/bench_serving.py and
-bench/bench_transport.py results). For a cell or a benchmark configuration measured more
-than once, the latest run wins (results marked ``skipped`` never replace a real one).
+bench/bench_transport.py results). For a cell measured more than once the latest run wins
+(results marked ``skipped`` never replace a real one); the files of one serving-benchmark
+configuration are merged, each mode's latest run winning.
 
     python scripts/make_docs_tables.py            # rewrite the docs
     python scripts/make_docs_tables.py --check    # exit 1 when a doc is out of date
@@ -94,6 +95,13 @@ def _fmt(value: Any, spec: str, scale: float = 1.0, none: str = NA) -> str:
         return str(value)
 
 
+def _commit(commit: Any, code: Any) -> str:
+    """A commit with the fingerprint of the code that ran (``engine_proc.code_fingerprint``:
+    the device's git HEAD may lag the working tree it was sent)."""
+    text = str(commit or NA)[:8]
+    return f"{text} (code {str(code)[:8]})" if code else text
+
+
 def _module(path: Path, name: str) -> Any:
     """Import the script at ``path`` under ``name`` (not left in ``sys.modules``)."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -118,7 +126,7 @@ def _catalogue() -> list[Any]:
 
 def _breakdown_table(data: dict[str, Any]) -> list[str]:
     """bench/bench_serving.py's "where the time goes" rows of one result, as Markdown."""
-    rows = _module(ROOT / "bench" / "bench_serving.py", "_dmi_bench_serving").breakdown(data)
+    rows = _bench().breakdown(data)
     if not rows:
         return []
     out = ["Where the time goes (counters of the same runs; `-`: not reported by that run):",
@@ -156,7 +164,7 @@ def cells_table(items: list[tuple[Path, dict[str, Any]]], docs: Path,
                   "run `python scripts/make_docs_tables.py`._", ""]
     lines += [
         "| cell | model | decode | preset | overlap | store | status | tokens = stock "
-        "| rows complete | tok/s monitored / stock (workload) | captured | ran (UTC) | commit "
+        "| rows complete | tok/s monitored / stock (workload) | captured | ran (UTC) | commit (code) "
         "| result |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -198,37 +206,63 @@ def cells_table(items: list[tuple[Path, dict[str, Any]]], docs: Path,
             f" | {status} | {token_txt} | {rows_txt} | {tput} | "
             f"{_fmt(captured, '.2f', 1e-9)}{' GB' if captured else ''} | "
             f"{data.get('ran_at_utc') or NA} | "
-            f"{str(data.get('commit') or NA)[:8]} | "
+            f"{_commit(data.get('commit'), data.get('code_fingerprint'))} | "
             f"{'[json](' + _rel(path, docs) + ')' if path else NA} |")
     return "\n".join(lines)
 
 
-def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
-    """One table per serving-benchmark configuration (latest file per configuration)."""
-    best: dict[str, tuple[Path, dict[str, Any]]] = {}
+def _bench() -> Any:
+    return _module(ROOT / "bench" / "bench_serving.py", "_dmi_bench_serving")
+
+
+def merged_serving(items: Iterable[tuple[Path, dict[str, Any]]]
+                   ) -> list[tuple[list[Path], dict[str, Any]]]:
+    """Serving results merged per configuration: every file of the configuration, oldest
+    first, each mode's latest run winning (modes keep their own commit and time, as
+    ``bench_serving.py --merge-from`` does); the summary is recomputed from the merge."""
+    groups: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for path, data in items:
-        if not is_serving(data):
-            continue
-        key = str(data.get("config_hash"))
-        if key not in best or str(data.get("written_at_utc")) > str(
-                best[key][1].get("written_at_utc")):
-            best[key] = (path, data)
+        if is_serving(data):
+            groups.setdefault(str(data.get("config_hash")), []).append((path, data))
+    bench = _bench()
+    out = []
+    for files in groups.values():
+        files.sort(key=lambda f: str(f[1].get("written_at_utc")))
+        merged = json.loads(json.dumps(files[0][1]))
+        for _, data in files[1:]:
+            merged = bench.merge(merged, data)
+        measured = set(merged["modes"])
+        merged["pending_modes"] = [m for m in files[-1][1].get("pending_modes") or []
+                                   if m not in measured]
+        merged["summary"] = bench.summarize(merged)
+        out.append(([f[0] for f in files], merged))
+    return out
+
+
+def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
+    """One table per serving-benchmark configuration (its files merged, latest mode wins)."""
+    best = merged_serving(items)
     if not best:
         return (f"_No serving-benchmark results under docs/evidence/ yet. Run `{BENCH}` on "
                 "the H200 machine (repeat the same command until it reports no pending "
                 "mode), copy the JSON to `docs/evidence/<date>-h200/` and run "
                 "`python scripts/make_docs_tables.py`._")
     out = []
-    for path, data in sorted(best.values(), key=lambda x: str(x[1].get("config", {}))):
+    for paths, data in sorted(best, key=lambda x: json.dumps(x[1].get("config", {}),
+                                                            sort_keys=True)):
         cfg = data.get("config") or {}
         summary = data.get("summary") or {}
         out += [
             f"**Qwen3-{str(cfg.get('model', '?')).upper()} shape, {cfg.get('batch')} x "
             f"{cfg.get('prompt_len')} prompt x {cfg.get('output_len')} output tokens, "
-            f">= {cfg.get('min_seconds')} s per mode** ([json]({_rel(path, docs)}))",
+            f">= {cfg.get('min_seconds')} s per mode"
+            + (f", py-spy sampling for {cfg['profile_seconds']:g} s per pass"
+               if cfg.get("profile_seconds") else "")
+            + (f", monitored with {cfg['monitored_env']}" if cfg.get("monitored_env") else "")
+            + "** (" + ", ".join(f"[json]({_rel(p, docs)})" for p in paths) + ")",
             "",
             "| mode | output tok/s | x stock | waves | capture GB | capture GB/s | % of 55 GB/s "
-            "| store insert MB/s | store end-to-end MB/s | commit | ran (UTC) |",
+            "| store insert MB/s | store end-to-end MB/s | commit (code) | ran (UTC) |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary.get("rows", []):
@@ -239,7 +273,8 @@ def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
                 f"{_fmt(r.get('capture_bps'), '.2f', 1e-9)} | "
                 f"{_fmt(r.get('d2h_fraction'), '.1f', 100)} | "
                 f"{_fmt(r.get('store_insert_MBps'), '.0f')} | "
-                f"{_fmt(r.get('store_e2e_MBps'), '.0f')} | {str(r.get('commit') or NA)[:8]} | "
+                f"{_fmt(r.get('store_e2e_MBps'), '.0f')} | "
+                f"{_commit(r.get('commit'), r.get('code'))} | "
                 f"{r.get('ran_at_utc') or NA} |")
         out.append("")
         for t in summary.get("targets", []):
@@ -249,6 +284,11 @@ def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
             out.append(f"- not measured yet: {', '.join(data['pending_modes'])}")
         out.append("")
         out += _breakdown_table(data)
+        profile = _bench().profile_lines(data)
+        if profile:
+            out += ["py-spy digest (per mode and pass: a thread's share of the samples, then "
+                    "its top frames by own samples; `gil`: samples holding the GIL):", "",
+                    *[f"- `{line}`" for line in profile], ""]
     return "\n".join(out).rstrip()
 
 

@@ -12,8 +12,9 @@
 # and the same command continues in the next call (results and stock baselines are kept
 # in /root/dmi-v0519-state while the machine stays lent). Exit 0: every cell passed;
 # 1: a cell failed; 2: usage; 3: incomplete, run again. See tests/gpu/qualify.py.
-# Where the device copy of the checkout has no .git, pass DMI_COMMIT=<sha> so the JSON
-# names the commit (saved results are keyed by commit and a hash of the code anyway).
+# Pass DMI_COMMIT=<sha> (the commit whose working tree the device call carries): the device
+# copy may have no .git, or one whose HEAD lags the tree; DMI_COMMIT wins and git's HEAD is
+# kept as git_head (saved results are keyed by commit and a hash of the code anyway).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/.."
@@ -39,7 +40,7 @@ mkdir -p "$results" || exit 2
 
 "$PY" -c "import sglang, torch; assert torch.cuda.is_available(), 'no CUDA device'" \
   || { echo "run_v0519_smoke: sglang with a CUDA device is required (GPU kit installed?)" >&2; exit 2; }
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${DMI_COMMIT:-unknown (no .git here: pass DMI_COMMIT=<sha>)}")
+commit=${DMI_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo "unknown (no .git here: pass DMI_COMMIT=<sha>)")}
 echo "run_v0519_smoke: commit $commit"
 echo "run_v0519_smoke: cells=${DMI_V0519_CELLS:-core} results=$results" \
      "call started $(( $(date +%s) - DMI_CALL_STARTED_EPOCH )) s ago"

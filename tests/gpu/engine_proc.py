@@ -597,9 +597,14 @@ def utc_now() -> str:
     return datetime.now(UTC).replace(microsecond=0).isoformat()
 
 
-def git_info(repo: Path = REPO) -> dict[str, Any]:
-    """``{"commit", "dirty", "code"}`` of the checkout (``DMI_COMMIT`` or "unknown" where
-    the copy has no git) and its :func:`code_fingerprint`."""
+def git_info(repo: Path = REPO, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``{"commit", "dirty", "code"}`` of the checkout and its :func:`code_fingerprint`.
+
+    ``DMI_COMMIT`` names the commit where it is set: the device's copy of the checkout
+    may have no ``.git``, or one whose HEAD lags the working tree that was sent (seen in
+    lease 4 of 2026-11-29); git's own HEAD is then kept as ``git_head`` and ``dirty`` is
+    unknown. The code fingerprint identifies the code either way.
+    """
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
@@ -608,10 +613,14 @@ def git_info(repo: Path = REPO) -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD") or os.environ.get("DMI_COMMIT") or "unknown"
+    named = (os.environ if env is None else env).get("DMI_COMMIT", "").strip()
+    head = git("rev-parse", "HEAD")
+    code = code_fingerprint(repo)
+    if named:
+        return {"commit": named, "dirty": None, "code": code, "git_head": head}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None,
-            "code": code_fingerprint(repo)}
+    return {"commit": head or "unknown", "dirty": bool(status) if status is not None else None,
+            "code": code}
 
 
 def code_fingerprint(repo: Path = REPO) -> str:

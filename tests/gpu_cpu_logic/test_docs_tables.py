@@ -44,23 +44,24 @@ def _cell(name: str, status: str, ran: str, ratio: float | None = 0.97) -> dict[
     }
 
 
+def _mode(written: str, **figures: Any) -> dict[str, Any]:
+    return {"ok": True, "ran_at_utc": written, "commit": "0123456789",
+            "code_fingerprint": "feedc0de1234", "figures": figures}
+
+
 def _bench(written: str) -> dict[str, Any]:
     return {
         "bench": "serving", "config_hash": "c1", "written_at_utc": written,
         "config": {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128,
                    "min_seconds": 30.0},
-        "modes": {"stock": {}},
-        "pending_modes": ["stock-eager"],
-        "summary": {
-            "rows": [{"mode": "stock", "ok": True, "tok_s": 19000.0, "ratio": 1.0, "waves": 40,
-                      "commit": "0123456789", "ran_at_utc": written},
-                     {"mode": "store[hidden-states]", "ok": True, "tok_s": 18200.0,
-                      "ratio": 0.958, "waves": 38, "capture_bytes": 5.4e10,
-                      "capture_bps": 1.8e9, "d2h_fraction": 0.033, "store_insert_MBps": 340.0,
-                      "store_e2e_MBps": 310.0, "commit": "0123456789", "ran_at_utc": written}],
-            "targets": [{"target": "hidden-states with persistence >= 0.95x stock",
-                         "ratio": 0.958, "verdict": "PASS"}],
+        "modes": {
+            "stock": _mode(written, tok_s=19000.0, waves=40),
+            "store[hidden-states]": _mode(
+                written, tok_s=18200.0, waves=38, capture_bytes_timed=5.4e10,
+                capture_bps=1.8e9, d2h_fraction=0.033, store_insert_MBps=340.0,
+                store_e2e_MBps=310.0),
         },
+        "pending_modes": ["stock-eager"],
     }
 
 
@@ -89,7 +90,10 @@ def test_tables_from_evidence(docs_tables: Any, docs: Path) -> None:
     _write(ev / "day1" / "cells" / "0.6b-graph-full.json",  # a later skip never wins
            _cell("0.6b-graph-full", "skipped", "2026-12-02T09:00:00+00:00", None))
     _write(ev / "day2" / "bench.json", _bench("2026-12-01T11:00:00+00:00"))
-    _write(ev / "day1" / "bench.json", _bench("2026-11-30T11:00:00+00:00") | {"modes": {}})
+    older = _bench("2026-11-30T11:00:00+00:00")  # its stock loses; its eager mode is kept
+    older["modes"]["stock"]["figures"]["tok_s"] = 1.0
+    older["modes"]["stock-eager"] = _mode("2026-11-30T11:00:00+00:00", tok_s=2375.0, waves=9)
+    _write(ev / "day1" / "bench.json", older)
     shutil.copy(ROOT / "docs" / "evidence" / "2026-11-29-h200" / "bench_transport.json",
                 ev / "day1" / "bench_transport.json")
     (ev / "day1" / "broken.json").write_text("{not json")
@@ -115,11 +119,13 @@ def test_tables_from_evidence(docs_tables: Any, docs: Path) -> None:
     assert "| 8b-graph-hidden | 8b | graphs | hidden-states | on | chdb | not run |" in port
 
     bench = (docs / "benchmarks.md").read_text()
-    assert "| store[hidden-states] | 18,200 | 0.958 | 38 | 54.00 | 1.80 | 3.3 | 340 | 310 |" \
-        in bench
-    assert "- target: hidden-states with persistence >= 0.95x stock: **PASS** (0.958x)" in bench
-    assert "- not measured yet: stock-eager" in bench
-    assert "[json](evidence/day2/bench.json)" in bench
+    assert "| store[hidden-states] | 18,200 | 0.958 | 38 | 54.00 | 1.80 | 3.3 | 340 | 310 " \
+        "| 01234567 (code feedc0de) | 2026-12-01T11:00:00+00:00 |" in bench
+    assert "| stock-eager | 2,375 | 0.125 | 9 |" in bench  # merged from the older file
+    assert "target: hidden-states with persistence >= 0.95x stock (batch 64, graphs): " \
+        "**PASS** (0.958x)" in bench
+    assert "not measured yet" not in bench  # the older file measured stock-eager
+    assert "[json](evidence/day1/bench.json), [json](evidence/day2/bench.json)" in bench
     assert "| hidden-states | 64 | 28 | 122 | 450 | 795 | yes | 286 |" in bench
 
 

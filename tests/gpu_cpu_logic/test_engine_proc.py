@@ -205,8 +205,14 @@ def test_child_env_drops_dmx(ep: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_git_info_and_hash(ep: Any) -> None:
-    info = ep.git_info()
+    info = ep.git_info(env={})
     assert len(info["commit"]) >= 7
+    assert "git_head" not in info
+    named = ep.git_info(env={"DMI_COMMIT": "124c490"})
+    assert named["commit"] == "124c490"
+    assert named["git_head"] == info["commit"]
+    assert named["dirty"] is None
+    assert named["code"] == info["code"]
     assert info["code"] == ep.code_fingerprint()
     assert len(info["code"]) == 12
     assert ep.stable_hash({"a": 1, "b": [2]}) == ep.stable_hash({"b": [2], "a": 1})
