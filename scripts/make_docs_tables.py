@@ -164,8 +164,8 @@ def cells_table(items: list[tuple[Path, dict[str, Any]]], docs: Path,
                   "run `python scripts/make_docs_tables.py`._", ""]
     lines += [
         "| cell | model | decode | preset | overlap | store | status | tokens = stock "
-        "| rows complete | tok/s monitored / stock (workload) | captured | ran (UTC) | commit (code) "
-        "| result |",
+        "| rows complete | tok/s monitored / stock (workload) | captured | ran (UTC) "
+        "| commit (code) | result |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_name = {c.name: c for c in catalogue}
