@@ -161,18 +161,19 @@ def select_cells(text: str | None) -> list[Cell]:
 
 
 # -- workloads -----------------------------------------------------------------------------
-def model_workloads(model: str) -> list[ep.Workload]:
-    """Every workload of a model, in run order (the stock engine runs all of them).
+def timed_workloads(model: str) -> list[ep.Workload]:
+    """A model's timed workloads, in run order.
 
     Sized so one sglang-full cell captures ~4 GB on 0.6B (~0.9 MB per token plus 0.6 MB of
     float32 logits per generated token) and one hidden-states cell ~2 GB on 0.6B and ~4 GB
-    on 8B (the store ingests ~300 MB/s). ``long-chunked`` spans two 4096-token prefill
-    chunks; ``bs13-pad`` replays the decode graph of bucket 16 with 3 padded rows.
+    on 8B (the store ingests ~300 MB/s); the warm-ups of :func:`with_warm_ups` add their
+    prefills (~1.3 GB on 0.6B hidden-states, ~2.2 GB on sglang-full). ``long-chunked``
+    spans two 4096-token prefill chunks; ``bs13-pad`` replays the decode graph of bucket 16
+    with 3 padded rows.
     """
     w = ep.Workload
     big = (64 * (256,), 64 * (128,)) if model == "0.6b" else (64 * (64,), 64 * (64,))
     return [
-        w("warmup", 4 * (32,), 4 * (8,), timed=False),
         w("bs1", (100,), (32,)),
         w("bs8-mixed", ep.spread(8, 10, 120), ep.spread(8, 16, 40)),
         w("bs13-pad", 13 * (32,), 13 * (16,)),
@@ -182,15 +183,35 @@ def model_workloads(model: str) -> list[ep.Workload]:
     ]
 
 
+def with_warm_ups(timed: Sequence[ep.Workload]) -> list[ep.Workload]:
+    """``timed`` after untimed warm-ups: a short one, then each timed workload's prompt
+    shapes with 2 output tokens (its prefill and one decode step at its batch size).
+
+    Kernels compile on first use (Triton's cache is empty on a fresh machine), so without
+    these the first engine of a lease pays the compiles inside its timings and later ones
+    do not: lease 4 of 2026-11-29 timed a monitored eager engine on a cold cache (85 s
+    warm-up, bs64 6.3 s) against a stock baseline of lease 3 that had compiled before its
+    bs64 (4.3 s; 3.4 s on its repeat).
+    """
+    shapes = [ep.Workload("warm-" + t.name, t.prompt_lens, t.requests * (2,), timed=False)
+              for t in timed]
+    return [ep.Workload("warmup", 4 * (32,), 4 * (8,), timed=False), *shapes, *timed]
+
+
+def model_workloads(model: str) -> list[ep.Workload]:
+    """Every workload of a model, in run order (the stock engine runs all of them)."""
+    return with_warm_ups(timed_workloads(model))
+
+
 FULL_SKIPS = frozenset({"long-chunked", "bs64"})
 """Workloads light (sglang-full) cells leave out: ~0.9 MB captured per token on 0.6B."""
 COMPARED_REPEATS = ("bs8-mixed", "bs13-pad", "bs64", "bs64-small")
 
 
 def cell_workloads(cell: Cell) -> list[ep.Workload]:
-    """The workloads a cell's monitored engine runs."""
-    return [w for w in model_workloads(cell.model)
-            if not (cell.light and w.name in FULL_SKIPS)]
+    """The workloads a cell's monitored engine runs (warm-ups of its own shapes first)."""
+    return with_warm_ups([w for w in timed_workloads(cell.model)
+                          if not (cell.light and w.name in FULL_SKIPS)])
 
 
 def stock_workloads(model: str) -> list[ep.Workload]:

@@ -98,6 +98,21 @@ def test_hashes_change_with_settings(qualify: Any) -> None:
     assert qualify.stock_hash(a) != qualify.stock_hash(qualify.BY_NAME["0.6b-eager-hidden"])
 
 
+def test_every_timed_shape_is_warmed_up_untimed_first(qualify: Any) -> None:
+    for cell in qualify.select_cells("all"):
+        work = qualify.cell_workloads(cell)
+        timed = [w for w in work if w.timed]
+        assert timed
+        first_timed = work.index(timed[0])
+        warm = {w.name: w for w in work[:first_timed]}
+        assert all(not w.timed for w in work[:first_timed])
+        for t in timed:
+            assert warm["warm-" + t.name].prompt_lens == t.prompt_lens
+            assert set(warm["warm-" + t.name].output_lens) == {2}
+    stock = [w.name for w in qualify.stock_workloads("0.6b")]
+    assert stock.index("warm-bs64") < stock.index("bs64") < stock.index("again-bs64")
+
+
 def test_compare_tokens(qualify: Any) -> None:
     stock = [{"id": "a", "output_ids": [1, 2, 3], "workload": "w"},
              {"id": "b", "output_ids": [4, 5], "workload": "w"},
@@ -214,7 +229,7 @@ def test_budget_skips_then_next_call_continues(qualify: Any, engines: Any, tmp_p
     cells = qualify.select_cells("0.6b-graph-hidden,0.6b-graph-full")
     engines.clock, engines.seconds_per_engine = clock, 150.0
     # Room for the stock engine and one monitored engine, not for the second.
-    first = _runner(qualify, engines, tmp_path, clock, deadline=clock.now + 330).run(cells)
+    first = _runner(qualify, engines, tmp_path, clock, deadline=clock.now + 360).run(cells)
     assert first == qualify.EXIT_INCOMPLETE
     results = tmp_path / "results"
     hidden = json.loads((results / "0.6b-graph-hidden.json").read_text())
