@@ -447,7 +447,9 @@ def render_table(data: dict[str, Any]) -> str:
 
 
 def merge(base: dict[str, Any], other: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
-    """Mode results of ``other`` into ``base`` (same configuration; newer runs win).
+    """Mode results of ``other`` into ``base`` (same configuration): per mode a run that
+    succeeded beats one that failed, then the newer run wins (a failed rerun does not hide
+    an earlier measurement; it stays in its own file and log).
 
     Raises:
         ValueError: the configurations differ (unless ``force``).
@@ -459,9 +461,13 @@ def merge(base: dict[str, Any], other: dict[str, Any], *, force: bool = False) -
         raise ValueError(msg)
     for key, entry in (other.get("modes") or {}).items():
         mine = base["modes"].get(key)
-        if mine is None or str(entry.get("ran_at_utc")) > str(mine.get("ran_at_utc")):
+        if mine is None or _rank(entry) > _rank(mine):
             base["modes"][key] = entry
     return base
+
+
+def _rank(entry: dict[str, Any]) -> tuple[bool, str]:
+    return bool(entry.get("ok")), str(entry.get("ran_at_utc") or "")
 
 
 def _load(path: Path) -> dict[str, Any] | None:

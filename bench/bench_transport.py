@@ -370,6 +370,11 @@ def _busy_rate(seconds: float = 0.5) -> float:
     return busy.loops / seconds
 
 
+def _window_option(args: argparse.Namespace) -> dict[str, int]:
+    """``--window-mb`` as a :class:`TransportOptions` keyword (none: the default)."""
+    return {"coalesce_max_bytes": args.window_mb << 20} if args.window_mb else {}
+
+
 def bench_drain(
     args: argparse.Namespace, preset: str, bs: int, steps: int, *, busy: bool = False
 ) -> dict[str, Any]:
@@ -391,7 +396,8 @@ def bench_drain(
     transport = TorchCaptureTransport(
         capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20), selection=sel,
         shape=QWEN3_06B, max_graph_batch=bs, sink=sink, run_id=f"drain-{preset}", device=dev,
-        options=TransportOptions(max_prefill_tokens=bs), capture_probe=lambda: capturing[0],
+        options=TransportOptions(max_prefill_tokens=bs, **_window_option(args)),
+        capture_probe=lambda: capturing[0],
     )
     capturing[0] = True  # record the arena once, as graph capture would
     for hook, layer in sel.captures():
@@ -452,6 +458,7 @@ def bench_drain(
         "busy": busy,
         "busy_thread_rate": spinner.loops / wall / idle_busy if busy else None,
         "rows_ok": stats.rows == (warm + steps) * bs * len(sel.captures()),
+        "window_bytes": transport.options.coalesce_max_bytes,
         "counters": c,
     }
 
@@ -627,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=4096,
                    help="tokens per prefill step in --drain's prefill comparison")
     p.add_argument("--prefill-steps", type=int, default=6)
+    p.add_argument("--window-mb", type=int, default=0,
+                   help="decode window bound in --drain (0: TransportOptions' default)")
     args = p.parse_args(argv)
     _quiet()
     if args.device.startswith("cuda") and not torch.cuda.is_available():

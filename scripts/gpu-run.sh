@@ -19,7 +19,9 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
     with open("/tmp/py-spy-bin/py-spy", "wb") as out:
         out.write(wheel.read(name))
 PY
-  then chmod +x /tmp/py-spy-bin/py-spy; fi
+  then chmod +x /tmp/py-spy-bin/py-spy
+  else echo "gpu-run: py-spy is not on PATH and could not be unpacked from the kit" \
+            "(--profile-seconds will report it missing)" >&2; fi
   export PATH="/tmp/py-spy-bin:$PATH"
 fi
 export TRITON_CACHE_DIR=/root/triton-cache DMI_EVIDENCE_DIR="$OUT/evidence" PYTHONUNBUFFERED=1

@@ -211,8 +211,14 @@ def cells_table(items: list[tuple[Path, dict[str, Any]]], docs: Path,
     return "\n".join(lines)
 
 
+_BENCH: list[Any] = []
+
+
 def _bench() -> Any:
-    return _module(ROOT / "bench" / "bench_serving.py", "_dmi_bench_serving")
+    """bench/bench_serving.py as a module (loaded once)."""
+    if not _BENCH:
+        _BENCH.append(_module(ROOT / "bench" / "bench_serving.py", "_dmi_bench_serving"))
+    return _BENCH[0]
 
 
 def merged_serving(items: Iterable[tuple[Path, dict[str, Any]]]
@@ -227,7 +233,7 @@ def merged_serving(items: Iterable[tuple[Path, dict[str, Any]]]
     bench = _bench()
     out = []
     for files in groups.values():
-        files.sort(key=lambda f: str(f[1].get("written_at_utc")))
+        files.sort(key=lambda f: str(f[1].get("written_at_utc") or ""))
         merged = json.loads(json.dumps(files[0][1]))
         for _, data in files[1:]:
             merged = bench.merge(merged, data)

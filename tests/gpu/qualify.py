@@ -533,6 +533,19 @@ def throughput(stock: dict[str, Any], mon: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SOFTWARE_KEYS = ("python", "torch", "sglang", "device")
+"""``env_info`` entries a stock baseline must share with the monitored engine."""
+
+
+def same_software(stock: dict[str, Any], mon: dict[str, Any]) -> dict[str, Any]:
+    """Whether stock and monitored engines ran the same Python, torch, SGLang and device
+    (a baseline reused from an earlier lease might not have)."""
+    a, b = stock.get("env_info") or {}, mon.get("env_info") or {}
+    differ = {k: {"stock": a.get(k), "monitored": b.get(k)}
+              for k in SOFTWARE_KEYS if a.get(k) != b.get(k)}
+    return {"ok": not differ, "differ": differ}
+
+
 def evaluate(cell: Cell, stock: dict[str, Any], mon: dict[str, Any],
              back: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(checks, figures) of a cell from its two engine results and the read-back."""
@@ -546,6 +559,7 @@ def evaluate(cell: Cell, stock: dict[str, Any], mon: dict[str, Any],
         tokens["note"] = (f"{eager} decode steps ran eagerly (ring full); SGLang's eager "
                           "decode is not bit-identical to graph replay")
     checks: dict[str, Any] = {
+        "same_software": same_software(stock, mon),
         "token_identity": tokens,
         "stock_deterministic": stock_determinism(stock.get("outputs", [])),
     }
@@ -867,23 +881,26 @@ def _workload_summary(w: ep.Workload) -> dict[str, Any]:
             "max_output": max(w.output_lens), "timed": w.timed}
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
-def _optional_path(text: str | None) -> Path | None:
+def _stock_dir(text: str | None) -> Path | None:
+    """The ``--stock-from`` directory, or None; a clear error for anything else."""
     if not text:
         return None
     path = Path(text)
     if not path.is_dir():
-        raise SystemExit(f"qualify: stock baselines directory {text!r} does not exist "
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise SystemExit(f"qualify: --stock-from / DMI_V0519_STOCK_FROM {text!r} {problem} "
                          "(expected a directory of <stock_key>-<stock_hash>.json files)")
     return path
 
@@ -940,7 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  [DMI_V0519_CELLS={','.join(c.name for c in cells)}]",
         fresh=args.fresh or _flag("DMI_V0519_FRESH"),
         keep_stores=args.keep_stores or _flag("DMI_V0519_KEEP_STORES"),
-        stock_from=_optional_path(args.stock_from or os.environ.get("DMI_V0519_STOCK_FROM")),
+        stock_from=_stock_dir(args.stock_from or os.environ.get("DMI_V0519_STOCK_FROM")),
     )
     print(render_plan(runner.plan(cells), deadline, time.time()), flush=True)
     return runner.run(cells)

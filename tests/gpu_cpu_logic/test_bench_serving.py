@@ -168,6 +168,22 @@ def test_failed_mode_and_merge_from(bench: Any, engines: Any, tmp_path: Path) ->
                     str(tmp_path / "out.json")], launcher=engines, read_back=lambda *a: {})
 
 
+def test_merge_prefers_a_success_then_the_newer_run(bench: Any) -> None:
+    def data(**modes: dict[str, Any]) -> dict[str, Any]:
+        return {"config_hash": "c", "modes": modes}
+
+    ok_old = {"ok": True, "ran_at_utc": "2026-11-29T10:00:00+00:00"}
+    ok_new = {"ok": True, "ran_at_utc": "2026-11-29T12:00:00+00:00"}
+    failed_newer = {"ok": False, "ran_at_utc": "2026-11-29T13:00:00+00:00"}
+    undated = {"ok": True}
+    merged = bench.merge(data(a=dict(ok_old), b=dict(failed_newer), c=dict(undated)),
+                         data(a=dict(failed_newer), b=dict(ok_old), c=dict(ok_old)))
+    assert merged["modes"]["a"] == ok_old  # a failed rerun does not hide a measurement
+    assert merged["modes"]["b"] == ok_old  # a success replaces a failure
+    assert merged["modes"]["c"] == ok_old  # an undated run never counts as the newest
+    assert bench.merge(data(a=dict(ok_old)), data(a=dict(ok_new)))["modes"]["a"] == ok_new
+
+
 def test_dry_run_starts_nothing(bench: Any, engines: Any, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str],
                                 monkeypatch: pytest.MonkeyPatch) -> None:

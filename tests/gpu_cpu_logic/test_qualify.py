@@ -281,6 +281,47 @@ def test_stock_baselines_of_an_earlier_lease_are_reused_when_their_hash_matches(
     assert graph["stock"]["source"] == "this call"
 
 
+def test_stock_from_refuses_failed_baselines_and_fresh_ignores_it(
+        qualify: Any, engines: Any, tmp_path: Path, clock: Any) -> None:
+    cells = qualify.select_cells("0.6b-eager-hidden")
+    assert _runner(qualify, engines, tmp_path / "lease1", clock).run(cells) == 0
+    earlier = tmp_path / "evidence"
+    earlier.mkdir()
+    (path,) = (tmp_path / "lease1" / "state" / "stock").glob("*.json")
+    failed = json.loads(path.read_text()) | {"ok": False}
+    (earlier / path.name).write_text(json.dumps(failed))
+    engines.calls.clear()
+    assert _runner(qualify, engines, tmp_path / "lease2", clock, stock_from=earlier).run(
+        cells) == 0
+    assert [n for n, _ in engines.calls] == ["stock-0.6b-eager", "monitored-0.6b-eager-hidden"]
+
+    (earlier / path.name).write_text(path.read_text())  # a good one, ignored under --fresh
+    engines.calls.clear()
+    assert _runner(qualify, engines, tmp_path / "lease3", clock, stock_from=earlier,
+                   fresh=True).run(cells) == 0
+    assert [n for n, _ in engines.calls] == ["stock-0.6b-eager", "monitored-0.6b-eager-hidden"]
+
+
+def test_stock_from_must_be_a_directory(qualify: Any, tmp_path: Path) -> None:
+    (tmp_path / "file.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        qualify.main([str(tmp_path / "r"), "--stock-from", str(tmp_path / "file.json")])
+    with pytest.raises(SystemExit, match="does not exist"):
+        qualify.main([str(tmp_path / "r"), "--stock-from", str(tmp_path / "nowhere")])
+
+
+def test_a_baseline_of_other_software_fails_the_cell(qualify: Any) -> None:
+    stock = {"env_info": {"python": "3.12.3", "torch": "2.13.0", "sglang": "0.5.19",
+                          "device": "NVIDIA H200"}}
+    same = qualify.same_software(stock, json.loads(json.dumps(stock)))
+    assert same == {"ok": True, "differ": {}}
+    other = {"env_info": stock["env_info"] | {"torch": "2.11.0"}}
+    differ = qualify.same_software(stock, other)
+    assert differ == {"ok": False,
+                      "differ": {"torch": {"stock": "2.13.0", "monitored": "2.11.0"}}}
+    assert qualify.status_of({"same_software": differ, "t": {"ok": True}}) == "failed"
+
+
 def test_startup_measurements_feed_estimates(qualify: Any, engines: Any, tmp_path: Path,
                                              clock: Any) -> None:
     runner = _runner(qualify, engines, tmp_path, clock)
