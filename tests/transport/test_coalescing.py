@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.testing import MemorySink
 
 
 def test_flush_timeout_bounds_how_long_rows_wait(make_driver):
@@ -113,3 +115,30 @@ def test_windows_after_a_timeout_are_sized_to_fill_before_the_next_one(make_driv
     d.verify(sink.records)
     assert [(r.start_token_idx, r.end_token_idx) for r in sink.records if r.layer_no == 0] == [
         (4, 6), (6, 9)]
+
+
+def test_behind_a_backlog_the_window_keeps_coalescing_past_its_timeout(make_driver):
+    """Timed-out windows are flushed only when the drain has nothing queued: flushing each
+    step while steps pile up would multiply the records when the drain is slowest."""
+    gate = threading.Event()
+
+    class GatedSink(MemorySink):
+        def put(self, records):
+            gate.wait(10)
+            super().put(records)
+
+    d, sink = make_driver("resid_pre", sink=GatedSink(), flush_timeout_s=1e-6)
+    d.forward(BatchLayout.decode(["a"], [5]))  # flushed at once, then blocks in put
+    deadline = time.monotonic() + 5
+    while d.t._drain._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for n in range(12):  # a backlog: the drain is stuck in the sink
+        d.forward(BatchLayout.decode(["a"], [6 + n]))
+    gate.set()
+    d.t.stop()
+    d.verify(sink.records)
+    spans = [(r.start_token_idx, r.end_token_idx) for r in sink.records if r.layer_no == 0]
+    assert spans[0] == (4, 5)
+    # the backlog drained in windows of 2, 4 and 6 steps (a timed-out window sizes the
+    # next to what arrived in time; full ones double), not 12 one-step records
+    assert spans[1:] == [(5, 7), (7, 11), (11, 17)]

@@ -24,7 +24,8 @@ Request rows (``final_logits``) follow the hold-back rule of ``_records``: each
 request's newest row is held until confirmed or finished.
 
 Flushed when all its steps are used, when its oldest step is older than the flush
-timeout, before any step that is not a plain decode step, and on stop. A window holds at
+timeout and the drain has nothing else queued (behind a backlog the rows wait for the
+drain anyway), before any step that is not a plain decode step, and on stop. A window holds at
 most ``max_bytes``; after a window timed out, the next ones hold the steps that arrived
 before the timeout (x 1.25), so that they fill and are sliced in place, and they grow
 back (x 2 per full window) up to ``max_bytes``.
@@ -138,6 +139,11 @@ class DecodeWindow:
         if not self.rows:
             return None
         return max(0.0, self._opened + self._timeout - time.monotonic())
+
+    @property
+    def full(self) -> bool:
+        """True when every step of the window is used."""
+        return bool(self.rows) and self._t >= self._steps
 
     def due(self) -> bool:
         """True when the window must be flushed now (full or timed out)."""
