@@ -97,7 +97,7 @@ def test_full_windows_are_sliced_in_place_sparse_ones_compacted(make_driver):
 
 
 def test_windows_after_a_timeout_are_sized_to_fill_before_the_next_one(make_driver):
-    d, sink = make_driver("resid_pre", flush_timeout_s=0.05)  # 1 row: 48 B; window 256 MiB
+    d, sink = make_driver("resid_pre", flush_timeout_s=0.05)  # 1 row: 48 B; window 1 GiB
     d.forward(BatchLayout.decode(["a"], [5]))
     d.forward(BatchLayout.decode(["a"], [6]))
     deadline = time.monotonic() + 5
