@@ -650,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-mb", type=int, default=0,
                    help="decode window bound in --drain (0: TransportOptions' default)")
     args = p.parse_args(argv)
+    if args.window_mb < 0:
+        p.error(f"--window-mb {args.window_mb}: expected 0 (the default) or a size in MiB")
     _quiet()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
