@@ -694,12 +694,14 @@ class Runner:
         """A passed stock baseline of ``cell`` from an earlier call or ``stock_from``."""
         if self.fresh:
             return None
-        name = self._stock_path(cell).name
-        for path, origin in ((self._stock_path(cell), "in an earlier call"),
-                             (None if self.stock_from is None else self.stock_from / name,
-                              f"from {self.stock_from}")):
-            data = None if path is None else _load(path)
-            if data and data.get("ok") and data.get("stock_hash") == stock_hash(cell):
+        own = self._stock_path(cell)
+        candidates = [(own, "in an earlier call")]
+        if self.stock_from is not None:
+            candidates.append((self.stock_from / own.name, f"from {self.stock_from}"))
+        key = stock_hash(cell)
+        for path, origin in candidates:
+            data = _load(path)
+            if data and data.get("ok") and data.get("stock_hash") == key:
                 data["source"] = f"reused: ran {data.get('ran_at_utc')} {origin}"
                 return data
         return None

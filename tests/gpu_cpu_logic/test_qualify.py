@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,19 +257,26 @@ def test_budget_skips_then_next_call_continues(qualify: Any, engines: Any, tmp_p
     assert len(engines.calls) == 3
 
 
-def test_stock_baselines_of_an_earlier_lease_are_reused_when_their_hash_matches(
-        qualify: Any, engines: Any, tmp_path: Path, clock: Any) -> None:
-    cells = qualify.select_cells("0.6b-graph-hidden,0.6b-eager-hidden")
+def _earlier_lease(qualify: Any, engines: Any, tmp_path: Path, clock: Any, cells: list[Any],
+                   edit: Callable[[str, dict[str, Any]], dict[str, Any]]) -> Path:
+    """Run ``cells`` as an earlier lease; its stock baselines, each passed through
+    ``edit(file name, data)``, in a directory of their own (like committed evidence)."""
     assert _runner(qualify, engines, tmp_path / "lease1", clock).run(cells) == 0
     earlier = tmp_path / "evidence"
     earlier.mkdir()
     for path in (tmp_path / "lease1" / "state" / "stock").glob("*.json"):
-        data = json.loads(path.read_text())
-        if "graph" in path.name:  # a baseline of other settings must not be taken
-            data["stock_hash"] = "0" * 12
-        (earlier / path.name).write_text(json.dumps(data))
-
+        (earlier / path.name).write_text(
+            json.dumps(edit(path.name, json.loads(path.read_text()))))
     engines.calls.clear()
+    return earlier
+
+
+def test_stock_baselines_of_an_earlier_lease_are_reused_when_their_hash_matches(
+        qualify: Any, engines: Any, tmp_path: Path, clock: Any) -> None:
+    cells = qualify.select_cells("0.6b-graph-hidden,0.6b-eager-hidden")
+    earlier = _earlier_lease(  # a baseline of other settings must not be taken
+        qualify, engines, tmp_path, clock, cells,
+        lambda name, data: data | {"stock_hash": "0" * 12} if "graph" in name else data)
     runner = _runner(qualify, engines, tmp_path / "lease2", clock, stock_from=earlier)
     assert runner.run(cells) == 0
     assert sorted(name for name, _ in engines.calls) == [
@@ -284,13 +292,9 @@ def test_stock_baselines_of_an_earlier_lease_are_reused_when_their_hash_matches(
 def test_stock_from_refuses_failed_baselines_and_fresh_ignores_it(
         qualify: Any, engines: Any, tmp_path: Path, clock: Any) -> None:
     cells = qualify.select_cells("0.6b-eager-hidden")
-    assert _runner(qualify, engines, tmp_path / "lease1", clock).run(cells) == 0
-    earlier = tmp_path / "evidence"
-    earlier.mkdir()
+    earlier = _earlier_lease(qualify, engines, tmp_path, clock, cells,
+                             lambda name, data: data | {"ok": False})
     (path,) = (tmp_path / "lease1" / "state" / "stock").glob("*.json")
-    failed = json.loads(path.read_text()) | {"ok": False}
-    (earlier / path.name).write_text(json.dumps(failed))
-    engines.calls.clear()
     assert _runner(qualify, engines, tmp_path / "lease2", clock, stock_from=earlier).run(
         cells) == 0
     assert [n for n, _ in engines.calls] == ["stock-0.6b-eager", "monitored-0.6b-eager-hidden"]
