@@ -230,8 +230,9 @@ class Drain:
         drain is slowest (sglang-full: ~11,000 per step at batch 64).
 
         Returns what is left to emit (a long batch hands records over as it goes)."""
+        direct = {id(it) for it in batch if isinstance(it, DrainItem) and self._direct(it)}
         self._to_staging([it for it in batch
-                          if isinstance(it, DrainItem) and not self._direct(it)])
+                          if isinstance(it, DrainItem) and id(it) not in direct])
         t0 = time.thread_time()
         window = self._window
         staging = self._staging_np
@@ -256,7 +257,7 @@ class Drain:
                 continue
             if window is not None and window.rows:
                 out = self._flush_window(out)
-            if self._direct(item):
+            if id(item) in direct:
                 self._build_direct(item, out)
             else:
                 build_records(self._run_id, item.plan, item.program, staging, item.base,
