@@ -564,7 +564,7 @@ def bench_prefill(args: argparse.Namespace, *, direct: bool) -> dict[str, Any]:
         transport.seal()
 
     step(0)  # warm: slabs allocated (page-locked on CUDA), programs cached
-    time.sleep(1.0)
+    _wait_drained(transport)
     _GATE.clear()
     for s in range(1, steps + 1):
         step(s)
