@@ -25,10 +25,10 @@ request's newest row is held until confirmed or finished.
 
 Flushed when all its steps are used, when its oldest step is older than the flush
 timeout and the drain has nothing else queued (behind a backlog the rows wait for the
-drain anyway), before any step that is not a plain decode step, and on stop. A window holds at
-most ``max_bytes``; after a window timed out, the next ones hold the steps that arrived
-before the timeout (x 1.25), so that they fill and are sliced in place, and they grow
-back (x 2 per full window) up to ``max_bytes``.
+drain anyway), before any step that is not a plain decode step, and on stop. A window
+holds at most ``max_bytes``; after a window timed out, the next ones hold the steps that
+arrived before the timeout (x 1.25), so that they fill and are sliced in place, and they
+grow back (x 2 per full window) up to ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -147,15 +147,16 @@ class DecodeWindow:
 
     def due(self) -> bool:
         """True when the window must be flushed now (full or timed out)."""
-        return bool(self.rows) and (
-            self._t >= self._steps or time.monotonic() >= self._opened + self._timeout
-        )
+        return self.full or (bool(self.rows) and self._timed_out())
+
+    def _timed_out(self) -> bool:
+        return time.monotonic() >= self._opened + self._timeout
 
     def can_take(self, program: Program, layout: BatchLayout) -> bool:
         """True when this plain decode step can join the window."""
         if not self.rows:
             return True
-        if program.host_key != self._key or self._t >= self._steps:
+        if program.host_key != self._key or self.full:
             return False
         rids = layout.request_ids
         return rids == self._last_rids or all(r in self._slot for r in rids)
@@ -229,9 +230,9 @@ class DecodeWindow:
         """
         if not self.rows:
             return
-        if self._t >= self._steps:  # full: let the next window grow back
+        if self.full:  # let the next window grow back
             self._steps_hint = None if self._steps_hint is None else 2 * self._steps_hint
-        elif time.monotonic() >= self._opened + self._timeout:
+        elif self._timed_out():
             self._steps_hint = max(2, self._t + (self._t + 3) // 4)
         runs = self._runs()
         groups = self._groups
