@@ -384,8 +384,12 @@ def _wait_drained(transport: TorchCaptureTransport, limit_s: float = 300.0) -> N
 
 
 def _window_option(args: argparse.Namespace) -> dict[str, int]:
-    """``--window-mb`` as a :class:`TransportOptions` keyword (none: the default)."""
-    return {"coalesce_max_bytes": args.window_mb << 20} if args.window_mb else {}
+    """``--window-mb`` and ``--copy-threads`` as :class:`TransportOptions` keywords
+    (none: the defaults)."""
+    options = {"coalesce_max_bytes": args.window_mb << 20} if args.window_mb else {}
+    if args.copy_threads:
+        options["copy_threads"] = args.copy_threads
+    return options
 
 
 def bench_drain(
@@ -446,10 +450,11 @@ def bench_drain(
     idle_busy = _busy_rate() if busy else 0.0
     probe, spinner = _Probe(), _Busy()
     (spinner if busy else probe).start()
-    t0 = time.perf_counter()
+    t0, process0 = time.perf_counter(), time.process_time()
     _GATE.set()
     stats = transport.stop()
     wall = time.perf_counter() - t0
+    process_cpu = time.process_time() - process0
     (spinner if busy else probe).stop()
     late = sorted(probe.late) or [idle]
     cpu = _DRAIN_CPU.pop() - cpu0
@@ -460,6 +465,7 @@ def bench_drain(
         "preset": preset, "batch": bs, "steps": steps, "captures": len(sel.captures()),
         "drain_cpu_us_per_step": cpu / steps * 1e6,
         "drain_build_us_per_step": work / steps * 1e6,
+        "process_cpu_us_per_step": process_cpu / steps * 1e6,
         "d2h_us_per_step": c["d2h_seconds"] / steps * 1e6,
         "records": c["records"], "records_per_cpu_s": c["records"] / work,
         "mb_per_cpu_s": (stats.bytes - bytes0) / work / 1e6, "bytes": stats.bytes - bytes0,
@@ -472,6 +478,7 @@ def bench_drain(
         "busy_thread_rate": spinner.loops / wall / idle_busy if busy else None,
         "rows_ok": stats.rows == (warm + steps) * bs * len(sel.captures()),
         "window_bytes": transport.options.coalesce_max_bytes,
+        "copy_threads": transport.options.copy_threads,
         "counters": c,
     }
 
@@ -499,14 +506,17 @@ def _alone_table(rows: list[dict[str, Any]]) -> list[str]:
              "sink.put of a counting sink)",
              "probe = how late a scheduler-like thread gets the GIL back after giving it "
              "away for 200 us, while the drain works (mean / p99, us, over idle)",
+             "all cpu = every thread of the process (window copy threads included)",
              f"{'preset':<14}{'bs':>4}{'caps':>6}{'cpu us':>10}{'d2h us':>9}{'build us':>10}"
-             f"{'records/s':>11}{'MB/s':>8}{'wall us':>9}{'probe':>7}{'p99':>7}  rows"]
+             f"{'records/s':>11}{'MB/s':>8}{'wall us':>9}{'all cpu':>9}{'probe':>7}{'p99':>7}"
+             "  rows"]
     for r in rows:
         lines.append(
             f"{r['preset']:<14}{r['batch']:>4}{r['captures']:>6}"
             f"{r['drain_cpu_us_per_step']:>10.0f}{r['d2h_us_per_step']:>9.0f}"
             f"{r['drain_build_us_per_step']:>10.0f}{r['records_per_cpu_s']:>11.0f}"
             f"{r['mb_per_cpu_s']:>8.0f}{r['wall_us_per_step']:>9.0f}"
+            f"{r.get('process_cpu_us_per_step', float('nan')):>9.0f}"
             f"{r['probe_late_us_mean']:>7.0f}{r['probe_late_us_p99']:>7.0f}  "
             f"{'ok' if r['rows_ok'] else 'LOST'}")
     return lines
@@ -649,9 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-steps", type=int, default=6)
     p.add_argument("--window-mb", type=int, default=0,
                    help="decode window bound in --drain (0: TransportOptions' default)")
+    p.add_argument("--copy-threads", type=int, default=0,
+                   help="threads copying decode steps into the window in --drain (0: the "
+                        "default, a quarter of the cores, 1 to 4)")
     args = p.parse_args(argv)
     if args.window_mb < 0:
         p.error(f"--window-mb {args.window_mb}: expected 0 (the default) or a size in MiB")
+    if args.copy_threads < 0:
+        p.error(f"--copy-threads {args.copy_threads}: expected 0 (the default) or a count")
     _quiet()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")

@@ -21,6 +21,7 @@ def test_defaults_match_the_settings_table() -> None:
     assert s.hook_selection == "sglang-full"
     assert (s.ring_payload_mb, s.ring_pinned_mb, s.ring_task_entries) == (1024, 1024, 65536)
     assert s.drain_flush_timeout_us == 100_000
+    assert s.drain_copy_threads == 0
     assert s.gpu_padding_strip is True
     assert s.allow_prefix_cache is False
     assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")
@@ -72,6 +73,8 @@ def test_server_shorthand_and_none() -> None:
         ({"DMX_RING_PINNED_MB": "lots"}, "DMX_RING_PINNED_MB='lots'"),
         ({"DMX_SGLANG_ENABLE": "maybe"}, "DMX_SGLANG_ENABLE='maybe' is invalid; accepted: auto"),
         ({"DMX_GPU_PADDING_STRIP": "2"}, "DMX_GPU_PADDING_STRIP='2'"),
+        ({"DMX_DRAIN_COPY_THREADS": "-1"},
+         "DMX_DRAIN_COPY_THREADS='-1' is invalid; accepted: 0 "),
         ({"DMX_HOOK_SELECTION": "resid_pre@x"}, "bad layer range 'x'"),
         ({"DMX_DB_URL": "chdb://relative/dir"}, "needs an absolute path"),
         ({"DMX_DB_URL": "ftp://h"}, "DMX_DB_URL='ftp://h'"),

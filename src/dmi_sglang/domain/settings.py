@@ -59,6 +59,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count_or_auto(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -194,6 +201,9 @@ _VARS: dict[str, _Var] = {
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
         "drain_flush_timeout_us", 100_000, _conv(_positive_int, _ACC_INT)
     ),
+    "DRAIN_COPY_THREADS": _Var(
+        "drain_copy_threads", 0, _conv(_count_or_auto, "0 (automatic) or a positive integer")
+    ),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
@@ -233,6 +243,7 @@ class Settings:
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
     drain_flush_timeout_us: int = 100_000
+    drain_copy_threads: int = 0
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False
     preload_libstdcxx: str = "auto"

@@ -118,6 +118,7 @@ def prepare(runner: Any) -> Prepared:
             task_entries=settings.ring_task_entries,
             padding_strip=settings.gpu_padding_strip,
             flush_timeout_us=settings.drain_flush_timeout_us,
+            copy_threads=settings.drain_copy_threads,
             selection=selection,
             shape=shape,
             max_graph_batch=max(max_bs, 1) if graphs else 1,

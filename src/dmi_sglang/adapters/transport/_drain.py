@@ -30,6 +30,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
+from dmi_sglang.adapters.transport._copier import ParallelCopier
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
@@ -110,6 +111,8 @@ class Drain:
         flush_timeout_s: longest time a decode row waits in the window.
         direct_copies: copy direct items from the ring into payload memory (see the
             module docstring); False: every item through staging.
+        copy_threads: threads (the drain's own included) that copy a decode step into
+            the window.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class Drain:
         flush_timeout_s: float,
         on_failure: Callable[[BaseException, str], None],
         direct_copies: bool = True,
+        copy_threads: int = 1,
     ) -> None:
         self._ops = ops
         self._direct_copies = direct_copies
@@ -141,8 +145,10 @@ class Drain:
         if direct_copies:
             self.direct_pool.reserve(DIRECT_FREE_SLABS)
         self.held = HeldRows()
+        self._copier = ParallelCopier(copy_threads)
         self._window = (
-            DecodeWindow(run_id, window_bytes, flush_timeout_s, self.pool, self.held)
+            DecodeWindow(run_id, window_bytes, flush_timeout_s, pool=self.pool,
+                         held=self.held, copier=self._copier)
             if window_bytes is not None else None
         )
         self._on_failure = on_failure
@@ -200,6 +206,8 @@ class Drain:
                 self._emit(out)
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
+        finally:
+            self._copier.close()
 
     def _more(self, have: int) -> object:
         """The next queued item without waiting, or None."""

@@ -22,6 +22,7 @@ def create_transport(
     padding_strip: bool,
     flush_timeout_us: int,
     selection: Selection,
+    copy_threads: int = 0,
     shape: ModelShape,
     max_graph_batch: int,
     sink: RecordSink,
@@ -37,6 +38,7 @@ def create_transport(
             ``DMX_RING_PINNED_MB``, ``DMX_RING_TASK_ENTRIES``.
         padding_strip: ``DMX_GPU_PADDING_STRIP``.
         flush_timeout_us: ``DMX_DRAIN_FLUSH_TIMEOUT_US``.
+        copy_threads: ``DMX_DRAIN_COPY_THREADS`` (0: automatic).
         selection / shape: the resolved selection and the model's row shapes.
         max_graph_batch: the largest decode CUDA-graph batch (SGLang's ``max_bs``).
         sink / run_id: where records go, and their ``model_id``.
@@ -58,6 +60,7 @@ def create_transport(
         options=TransportOptions.from_settings(
             strip=padding_strip,
             flush_timeout_us=flush_timeout_us,
+            copy_threads=copy_threads,
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
         ),

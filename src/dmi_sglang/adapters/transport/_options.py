@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from dmi_sglang.adapters.transport._copier import default_copy_threads
+
 __all__ = ["TransportOptions"]
 
 MIB = 1 << 20
@@ -34,6 +36,9 @@ class TransportOptions:
         direct_copies: copy steps whose rows lie contiguous in the ring straight into
             payload memory (no staging copy on the host; see ``_drain``). Off only to
             compare.
+        copy_threads: threads (the drain included) that copy a large decode step into
+            the coalescing window; the default is a quarter of the cores, 1 to 4
+            (``_copier``).
     """
 
     strip: bool = True
@@ -45,6 +50,8 @@ class TransportOptions:
     max_requests: int = 0
     tune_host_malloc: bool = True
     direct_copies: bool = True
+    copy_threads: int = attrs.field(factory=default_copy_threads,
+                                    validator=attrs.validators.ge(1))
 
     @classmethod
     def from_settings(
@@ -52,13 +59,16 @@ class TransportOptions:
         *,
         strip: bool = True,
         flush_timeout_us: int = 100_000,
+        copy_threads: int = 0,
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
     ) -> TransportOptions:
-        """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` values."""
+        """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
+        ``DMX_DRAIN_COPY_THREADS`` (0: automatic) values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
+            copy_threads=copy_threads or default_copy_threads(),
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
         )

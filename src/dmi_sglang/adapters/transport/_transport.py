@@ -126,6 +126,7 @@ class TorchCaptureTransport:
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
             direct_copies=opts.direct_copies,
+            copy_threads=opts.copy_threads,
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
@@ -136,6 +137,7 @@ class TorchCaptureTransport:
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
             max_graph_batch=max_graph_batch, strip=opts.strip, malloc_tuned=tuned,
+            copy_threads=opts.copy_threads,
         )
 
     @property

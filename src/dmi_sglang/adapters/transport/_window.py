@@ -10,7 +10,8 @@ stay in position order and ranges stay exact.
 
 **Request-major.** The window's memory is laid out ``[segment, request, step, row
 bytes]`` per group: appending a step writes each request's row straight into its place
-(one strided copy per group and step, the GIL released), so the rows of a run are
+(one strided copy per group and step, the GIL released, spread over a few threads
+when the step is large: ``_copier``), so the rows of a run are
 already contiguous and its records are slices of the window's own memory: no copy at
 flush. A request keeps its slot for the window's life. Within a window the decode batch
 can only lose requests (a joining request had a prefill first, which flushed the
@@ -39,6 +40,7 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
+from dmi_sglang.adapters.transport._copier import ParallelCopier
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
 from dmi_sglang.adapters.transport._records import Emitted, HeldRows, Yielder, copy_row
@@ -91,6 +93,7 @@ class DecodeWindow:
             request row waits for its confirmation instead.
         pool: where compacted payloads come from.
         held: the drain's held request rows.
+        copier: copies each appended step into place (several threads for large steps).
     """
 
     def __init__(
@@ -98,10 +101,13 @@ class DecodeWindow:
         run_id: str,
         max_bytes: int,
         timeout_s: float,
+        *,
         pool: PayloadPool | None = None,
         held: HeldRows | None = None,
+        copier: ParallelCopier | None = None,
     ) -> None:
         self._run_id = run_id
+        self._copier = copier if copier is not None else ParallelCopier(1)
         self._max_bytes = max_bytes
         self._timeout = timeout_s
         self._pool = pool if pool is not None else PayloadPool()
@@ -187,12 +193,12 @@ class DecodeWindow:
             self._last_idx = idx
             self._last_rids = rids
         t, idx, span = self._t, self._last_idx, self._last_span
-        for cells, group in zip(self._cells, program.groups, strict=True):
-            src = host_rows(staging, base, group)
-            if span is not None:
-                cells[:, span[0] : span[1], t, :] = src
-            else:
-                cells[:, idx, t, :] = src
+        if span is not None:
+            self._copier.copy([(cells[:, span[0] : span[1], t, :], host_rows(staging, base, g))
+                               for cells, g in zip(self._cells, program.groups, strict=True)])
+        else:  # the batch's order changed: a scatter (rare)
+            for cells, group in zip(self._cells, program.groups, strict=True):
+                cells[:, idx, t, :] = host_rows(staging, base, group)
         self._valid[idx, t] = True
         self._pos[idx, t] = layout.starts
         self._seq[t] = seq
