@@ -140,6 +140,8 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         # only where used, so that the configuration of a plain run keeps its hash
         **({"monitored_env": dict(sorted(args.env.items()))} if args.env else {}),
         **({"profile_seconds": args.profile_seconds} if args.profile_seconds else {}),
+        **({"torch_profile_steps": args.torch_profile_steps}
+           if args.torch_profile_steps else {}),
     }
 
 
@@ -202,6 +204,9 @@ def engine_spec(args: argparse.Namespace, mode: Mode, model_dir: Path, *, store:
     if args.profile_seconds:
         spec["profile"] = {"seconds": args.profile_seconds, "delay_s": PROFILE_DELAY_S,
                            "passes": ["cpu", "gil"], "dir": f"{store}-py-spy"}
+    if args.torch_profile_steps:
+        spec["torch_profile"] = {"decode_steps": args.torch_profile_steps,
+                                 "dir": f"{store}-torch"}
     return spec
 
 
@@ -397,6 +402,43 @@ def profile_lines(data: dict[str, Any], threads: int = 4, frames: int = 3) -> li
     return lines
 
 
+def torch_profile_lines(data: dict[str, Any], kernels: int = 3) -> list[str]:
+    """Per torch-profiled mode: how busy the GPU was over the profiled decode steps, the
+    capture copies and whether they ran under kernels, the top kernels and host threads."""
+    lines = []
+    for key, entry in (data.get("modes") or {}).items():
+        digest = entry.get("torch_profile")
+        if not digest:
+            continue
+        if digest.get("error"):
+            lines.append(f"{key} [torch]: {digest['error']}")
+            continue
+        gpu = digest.get("gpu")
+        if not gpu:
+            lines.append(f"{key} [torch]: no GPU events in {digest.get('file')}")
+            continue
+        steps = digest.get("graph_launches") or digest.get("decode_steps") or 0
+        per_step = f", {gpu['span_us'] / steps / 1e3:.2f} ms per step" if steps else ""
+        lines.append(
+            f"{key} [torch] {gpu['span_us'] / 1e3:.0f} ms over {steps} decode steps"
+            f"{per_step}: GPU busy {gpu['gpu_busy_share']:.0%} (kernels "
+            f"{gpu['kernel_busy_share']:.0%}), waiting for the host "
+            f"{gpu['gpu_idle_us'] / 1e3:.0f} ms")
+        for c in gpu.get("copies", [])[:2]:
+            rate = f", {c['gb_per_s']:.1f} GB/s" if c.get("gb_per_s") else ""
+            lines.append(f"{key} [torch] copies {c['name']}: {c['count']} x, "
+                         f"{c['us'] / 1e3:.1f} ms{rate}, {c['hidden_share']:.0%} under kernels")
+        top = "; ".join(f"{k['name'][:40]} {k['us'] / gpu['span_us']:.0%}"
+                        for k in gpu.get("kernels", [])[:kernels])
+        if top:
+            lines.append(f"{key} [torch] top kernels (share of the span): {top}")
+        for t in digest.get("threads", [])[:2]:
+            ops = "; ".join(f"{n} {us / 1e3:.1f} ms" for n, us in t["top"][:kernels])
+            lines.append(f"{key} [torch] host thread {t['thread']}: operators "
+                         f"{t['op_us'] / 1e3:.0f} ms ({ops})")
+    return lines
+
+
 def render_breakdown(data: dict[str, Any]) -> str:
     """:func:`breakdown` and :func:`profile_lines` as text."""
     rows = breakdown(data)
@@ -413,7 +455,7 @@ def render_breakdown(data: dict[str, Any]) -> str:
             f"{_f(r['stall_share'], '.0f', 100):>7} {_f(r['hook_us_per_forward'], '.0f'):>8} "
             f"{_f(r['drain_build_cpu_s'], '.1f'):>8} {_f(r['drain_sink_blocked_s'], '.1f'):>7} "
             f"{_f(r['store_writers'], 'd'):>7} {_f(r['store_writer_busy'], '.0f', 100):>6}")
-    return "\n".join(lines + profile_lines(data))
+    return "\n".join(lines + profile_lines(data) + torch_profile_lines(data))
 
 
 def _f(value: Any, fmt: str, scale: float = 1.0) -> str:
@@ -503,8 +545,9 @@ def run_mode(args: argparse.Namespace, mode: Mode, model_dir: Path, work: Path, 
         workloads=res.get("workloads"), events=res.get("events"),
         figures=mode_figures(args, mode, res) if res.get("ok") else None,
     )
-    if res.get("profile"):
-        entry["profile"] = res["profile"]
+    for digest in ("profile", "torch_profile"):
+        if res.get(digest):
+            entry[digest] = res[digest]
     if not res.get("ok"):
         entry["log_tail"] = res.get("log_tail")
     if res.get("ok") and mode.kind == "store":
@@ -568,6 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="py-spy every mode's engine (cpu pass, then gil pass) for this long "
                         "each, from 5 s into the timed workload; digests go into the JSON. "
                         "Sampling perturbs throughput: a separate configuration")
+    p.add_argument("--torch-profile-steps", type=int, default=0,
+                   help="torch-profile (SGLang's profiler: CPU and GPU) this many decode "
+                        "steps of every mode's timed workload; a digest goes into the JSON. "
+                        "A separate configuration, like --profile-seconds")
     return p
 
 
@@ -596,6 +643,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--env: {exc}")
     if args.profile_seconds < 0:
         parser.error("--profile-seconds must be >= 0")
+    if args.torch_profile_steps < 0:
+        parser.error("--torch-profile-steps must be >= 0")
     if args.out is None:
         base = os.environ.get("OUT")
         args.out = str(Path(base) / "bench_serving.json") if base else "bench_serving.json"

@@ -264,6 +264,8 @@ def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
             f">= {cfg.get('min_seconds')} s per mode"
             + (f", py-spy sampling for {cfg['profile_seconds']:g} s per pass"
                if cfg.get("profile_seconds") else "")
+            + (f", torch profiler over {cfg['torch_profile_steps']} decode steps"
+               if cfg.get("torch_profile_steps") else "")
             + (f", monitored with {cfg['monitored_env']}" if cfg.get("monitored_env") else "")
             + "** (" + ", ".join(f"[json]({_rel(p, docs)})" for p in paths) + ")",
             "",
@@ -295,6 +297,11 @@ def serving_tables(items: list[tuple[Path, dict[str, Any]]], docs: Path) -> str:
             out += ["py-spy digest (per mode and pass: a thread's share of the samples, then "
                     "its top frames by own samples; `gil`: samples holding the GIL):", "",
                     *[f"- `{line}`" for line in profile], ""]
+        torch_profile = _bench().torch_profile_lines(data)
+        if torch_profile:
+            out += ["torch profiler digest (SGLang's profiler over the first decode steps of "
+                    "the timed workload; profiled runs are not timing results):", "",
+                    *[f"- `{line}`" for line in torch_profile], ""]
     return "\n".join(out).rstrip()
 
 

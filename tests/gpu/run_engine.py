@@ -16,7 +16,10 @@ float, "max_waves": int, "keep_outputs": bool}``. A workload with ``min_seconds`
 ``min_seconds`` or ran ``max_waves`` waves. Untimed workloads (a warm-up) come first.
 A spec's ``"profile"`` entry (``{"seconds", "delay_s", "passes", "dir"}``) runs py-spy over
 this process and its children during the timed workloads (tests/gpu/profiling.py); the
-digest is the result's ``"profile"``.
+digest is the result's ``"profile"``. A ``"torch_profile"`` entry (``{"decode_steps",
+"dir"}``) asks SGLang's scheduler for a torch profile of the first ``decode_steps`` decode
+steps of the timed workloads; the digest of that trace (tests/gpu/torch_trace.py) is the
+result's ``"torch_profile"``.
 
 The result holds output ids, meta info, per-workload timings and counts, and for monitored
 runs the run id; ``durable_s`` runs from the first timed generate until
@@ -134,6 +137,8 @@ def execute(engine: Any, spec: dict[str, Any], result: dict[str, Any],
     profiler: threading.Thread | None = None
     for wl in workloads_of(spec):
         if wl.get("timed", True) and first_timed is None:
+            if spec.get("torch_profile"):
+                _start_torch_profile(engine, spec["torch_profile"])
             first_timed = clock()
             if spec.get("profile"):
                 profiler = _start_profile(spec["profile"], result)
@@ -151,6 +156,8 @@ def execute(engine: Any, spec: dict[str, Any], result: dict[str, Any],
     t2 = clock()
     if profiler is not None:  # after the timing: a profile outliving the workload costs none
         profiler.join()
+    if spec.get("torch_profile"):
+        result["torch_profile"] = _torch_profile_digest(engine, spec["torch_profile"])
     timed = [w for w in result["workloads"] if w["timed"]]
     outputs = [o for w in result["workloads"] for o in w.pop("outputs")]
     result.update(
@@ -179,6 +186,34 @@ def _start_profile(profile: dict[str, Any], result: dict[str, Any]) -> threading
     thread = threading.Thread(target=run, name="dmi-bench-profiler", daemon=True)
     thread.start()
     return thread
+
+
+def _start_torch_profile(engine: Any, profile: dict[str, Any]) -> None:
+    """Ask the scheduler to profile the next ``decode_steps`` decode steps (and the
+    prefill steps before them: SGLang profiles by stage). Stacks and shapes are off, to
+    keep the trace small and the slow-down low."""
+    Path(profile["dir"]).mkdir(parents=True, exist_ok=True)
+    engine.start_profile(output_dir=profile["dir"], num_steps=int(profile["decode_steps"]),
+                         profile_by_stage=True, activities=["CPU", "GPU"], with_stack=False,
+                         record_shapes=False, profile_id="dmi")
+
+
+def _torch_profile_digest(engine: Any, profile: dict[str, Any]) -> dict[str, Any]:
+    """The digest of the decode trace; a profile that never reached its step count (a
+    short workload) is stopped here first. Information only: errors are reported."""
+    import torch_trace
+
+    directory = Path(profile["dir"])
+    try:
+        trace = torch_trace.decode_trace(directory)
+        if trace is None or "DECODE" not in trace.name:
+            engine.stop_profile()
+            trace = torch_trace.decode_trace(directory)
+        if trace is None:
+            return {"error": f"no trace was written to {directory}"}
+        return {"decode_steps": profile["decode_steps"], **torch_trace.summarize_trace(trace)}
+    except Exception as exc:  # a profile is information only
+        return {"error": repr(exc)}
 
 
 def _env_info() -> dict[str, Any]:

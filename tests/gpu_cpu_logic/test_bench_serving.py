@@ -214,8 +214,16 @@ def test_env_and_profile_options(bench: Any, tmp_path: Path) -> None:
     assert "DMX_CH_WRITERS" not in stock["env"]
     assert store["profile"]["seconds"] == 6
     assert store["profile"]["passes"] == ["cpu", "gil"]
+    assert "torch_profile" not in store
+    torch_args = bench.parse_args(["--out", str(tmp_path / "o.json"),
+                                   "--torch-profile-steps", "32"])
+    assert bench.bench_config(torch_args)["torch_profile_steps"] == 32
+    profiled = bench.engine_spec(torch_args, modes["stock"], tmp_path, store=tmp_path / "s",
+                                 run_id="r", max_waves=2)
+    assert profiled["torch_profile"] == {"decode_steps": 32, "dir": f"{tmp_path / 's'}-torch"}
     for bad in (["--env", "CH_WRITERS=8"], ["--env", "DMX_CH_WRITERS=0"],
-                ["--env", "DMX_DB_URL=none"], ["--profile-seconds", "-1"]):
+                ["--env", "DMX_DB_URL=none"], ["--profile-seconds", "-1"],
+                ["--torch-profile-steps", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path / "o.json"), *bad])
 
@@ -238,3 +246,26 @@ def test_breakdown_of_the_h200_evidence(bench: Any) -> None:
     text = bench.render_breakdown(data)
     assert "transport[sglang-full]" in text
     assert "0.78" in text
+
+
+def test_torch_profile_lines(bench: Any) -> None:
+    gpu = {"span_us": 64_000.0, "gpu_busy_share": 0.62, "kernel_busy_share": 0.55,
+           "gpu_idle_us": 24_320.0,
+           "copies": [{"name": "Memcpy DtoH (Device -> Pinned)", "count": 64, "us": 3_200.0,
+                       "bytes": 128_000_000, "hidden_share": 0.8, "gb_per_s": 40.0}],
+           "kernels": [{"name": "gemm", "count": 1792, "us": 19_200.0}]}
+    data = {"modes": {
+        "transport[hidden-states]": {"torch_profile": {
+            "decode_steps": 64, "graph_launches": 64, "gpu": gpu, "file": "x",
+            "threads": [{"thread": "scheduler", "op_us": 30_000.0,
+                         "top": [["seal", 9_000.0]]}]}},
+        "stock": {"torch_profile": {"error": "RuntimeError('no trace')"}},
+        "store[hidden-states]": {}}}
+    lines = bench.torch_profile_lines(data)
+    assert lines[0] == ("transport[hidden-states] [torch] 64 ms over 64 decode steps, 1.00 ms "
+                        "per step: GPU busy 62% (kernels 55%), waiting for the host 24 ms")
+    assert "64 x, 3.2 ms, 40.0 GB/s, 80% under kernels" in lines[1]
+    assert lines[2].endswith("top kernels (share of the span): gemm 30%")
+    assert lines[3].endswith("host thread scheduler: operators 30 ms (seal 9.0 ms)")
+    assert lines[4] == "stock [torch]: RuntimeError('no trace')"
+    assert len(lines) == 5
