@@ -363,6 +363,7 @@ def breakdown(data: dict[str, Any]) -> list[dict[str, Any]]:
         store = fig.get("store") or {}
         forwards = timing.get("forwards") or transport.get("steps")
         host = timing.get("host_seconds")
+        build = timing.get("drain_build_cpu_seconds")
         writers = store.get("writers", 2 if store else None)  # 2: default, not logged before
         out.append({
             "mode": key, "durable_s": durable,
@@ -374,7 +375,8 @@ def breakdown(data: dict[str, Any]) -> list[dict[str, Any]]:
                             if durable and transport.get("stall_seconds") is not None else None),
             "hook_us_per_forward": (host / forwards * 1e6
                                     if host is not None and forwards else None),
-            "drain_build_cpu_s": timing.get("drain_build_cpu_seconds"),
+            "drain_build_cpu_s": (None if build is None else
+                                  build + timing.get("drain_copy_worker_cpu_seconds", 0.0)),
             "drain_sink_blocked_s": timing.get("drain_sink_seconds"),
             "store_writers": writers,
             "store_writer_busy": (store["insert_seconds"] / (writers * durable)
@@ -414,16 +416,21 @@ def torch_profile_lines(data: dict[str, Any], kernels: int = 3) -> list[str]:
             lines.append(f"{key} [torch]: {digest['error']}")
             continue
         gpu = digest.get("gpu")
-        if not gpu:
+        if not gpu or not gpu.get("span_us"):
             lines.append(f"{key} [torch]: no GPU events in {digest.get('file')}")
             continue
-        steps = digest.get("graph_launches") or digest.get("decode_steps") or 0
+        counts = digest.get("steps") or {}
+        steps = sum(counts.values())
+        what = ", ".join(f"{n} {mode.lower()}" for mode, n in sorted(counts.items())) or "?"
         per_step = f", {gpu['span_us'] / steps / 1e3:.2f} ms per step" if steps else ""
+        if gpu.get("kernels_missing"):
+            lines.append(f"{key} [torch] {gpu['span_us'] / 1e3:.0f} ms, steps: {what}: no "
+                         "kernels recorded (CUPTI missed the graph kernels): shares unknown")
+            continue
         lines.append(
-            f"{key} [torch] {gpu['span_us'] / 1e3:.0f} ms over {steps} decode steps"
-            f"{per_step}: GPU busy {gpu['gpu_busy_share']:.0%} (kernels "
-            f"{gpu['kernel_busy_share']:.0%}), waiting for the host "
-            f"{gpu['gpu_idle_us'] / 1e3:.0f} ms")
+            f"{key} [torch] {gpu['span_us'] / 1e3:.0f} ms, steps: {what}{per_step}: GPU busy "
+            f"{gpu['gpu_busy_share']:.0%} (kernels {gpu['kernel_busy_share']:.0%}), waiting "
+            f"for the host {gpu['gpu_idle_us'] / 1e3:.0f} ms")
         for c in gpu.get("copies", [])[:2]:
             rate = f", {c['gb_per_s']:.1f} GB/s" if c.get("gb_per_s") else ""
             lines.append(f"{key} [torch] copies {c['name']}: {c['count']} x, "
@@ -643,8 +650,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--env: {exc}")
     if args.profile_seconds < 0:
         parser.error("--profile-seconds must be >= 0")
-    if args.torch_profile_steps < 0:
-        parser.error("--torch-profile-steps must be >= 0")
+    if not 0 <= args.torch_profile_steps < args.output_len:
+        parser.error(f"--torch-profile-steps {args.torch_profile_steps}: expected 0 (off) up "
+                     f"to {args.output_len - 1}, below --output-len, so that the profile stays "
+                     "within the first wave's decode steps")
     if args.out is None:
         base = os.environ.get("OUT")
         args.out = str(Path(base) / "bench_serving.json") if base else "bench_serving.json"

@@ -134,7 +134,8 @@ def _breakdown_table(data: dict[str, Any]) -> list[str]:
            "| mode | capture rate stock speed needs, GB/s | most x stock the 55 GB/s D2H "
            "ceiling allows | waiting for ring space, s (share) | hook time per forward (waits "
            "included), us "
-           "| drain CPU building records, s | drain blocked in sink.put, s "
+           "| drain CPU building records (window copy threads included), s "
+           "| drain blocked in sink.put, s "
            "| store writers (busy) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:

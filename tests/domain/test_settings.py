@@ -75,6 +75,7 @@ def test_server_shorthand_and_none() -> None:
         ({"DMX_GPU_PADDING_STRIP": "2"}, "DMX_GPU_PADDING_STRIP='2'"),
         ({"DMX_DRAIN_COPY_THREADS": "-1"},
          "DMX_DRAIN_COPY_THREADS='-1' is invalid; accepted: 0 "),
+        ({"DMX_DRAIN_COPY_THREADS": "65"}, "DMX_DRAIN_COPY_THREADS='65' is invalid; accepted: "),
         ({"DMX_HOOK_SELECTION": "resid_pre@x"}, "bad layer range 'x'"),
         ({"DMX_DB_URL": "chdb://relative/dir"}, "needs an absolute path"),
         ({"DMX_DB_URL": "ftp://h"}, "DMX_DB_URL='ftp://h'"),

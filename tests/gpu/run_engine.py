@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -191,8 +192,10 @@ def _start_profile(profile: dict[str, Any], result: dict[str, Any]) -> threading
 def _start_torch_profile(engine: Any, profile: dict[str, Any]) -> None:
     """Ask the scheduler to profile the next ``decode_steps`` decode steps (and the
     prefill steps before them: SGLang profiles by stage). Stacks and shapes are off, to
-    keep the trace small and the slow-down low."""
-    Path(profile["dir"]).mkdir(parents=True, exist_ok=True)
+    keep the trace small and the slow-down low. The directory is emptied first: a trace
+    left by an earlier run must not pass for this one."""
+    shutil.rmtree(profile["dir"], ignore_errors=True)
+    Path(profile["dir"]).mkdir(parents=True)
     engine.start_profile(output_dir=profile["dir"], num_steps=int(profile["decode_steps"]),
                          profile_by_stage=True, activities=["CPU", "GPU"], with_stack=False,
                          record_shapes=False, profile_id="dmi")
@@ -204,14 +207,18 @@ def _torch_profile_digest(engine: Any, profile: dict[str, Any]) -> dict[str, Any
     import torch_trace
 
     directory = Path(profile["dir"])
+    stop_error = None
+    if not any("DECODE" in p.name for p in directory.glob("*.trace.json*")):
+        try:  # still profiling (fewer decode steps than asked for), or never started
+            engine.stop_profile()
+        except Exception as exc:  # SGLang raises when no profile is in progress
+            stop_error = repr(exc)
     try:
         trace = torch_trace.decode_trace(directory)
-        if trace is None or "DECODE" not in trace.name:
-            engine.stop_profile()
-            trace = torch_trace.decode_trace(directory)
         if trace is None:
-            return {"error": f"no trace was written to {directory}"}
-        return {"decode_steps": profile["decode_steps"], **torch_trace.summarize_trace(trace)}
+            return {"error": f"no trace was written to {directory} (stop: {stop_error})"}
+        return {"decode_steps": profile["decode_steps"], "stop_error": stop_error,
+                **torch_trace.summarize_trace(trace)}
     except Exception as exc:  # a profile is information only
         return {"error": repr(exc)}
 

@@ -11,8 +11,16 @@ is the GPU waiting for the host, and do the capture copies run under the model's
 * device-to-host and other copies: time, bytes, and the share of copy time that ran
   while a kernel ran (hidden), per copy kind;
 * per stream its busy time; the kernels with the most time;
-* CUDA runtime calls (launches, synchronisations, copies) by total time, and per host
-  thread the time in top-level operators (nested operators are not counted twice).
+* CUDA runtime and driver calls (launches, synchronisations, copies) by total time, and
+  per host thread the time in top-level operators (nested operators are not counted
+  twice);
+* the forward steps in the trace by mode, from SGLang's own step spans
+  (``step[DECODE bs=64]``, ``step[EXTEND ...]``): prefills that arrive while decode steps
+  are profiled land in the same trace.
+
+Kernels inside CUDA graphs are recorded by CUPTI as kernels of their own; a trace with
+graph launches and no kernels at all (a CUPTI that missed them) is flagged
+``kernels_missing``, since its busy shares would then count copies only.
 
 Profiled runs are not timing results: the profiler slows the host.
 """
@@ -27,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+STEP_PREFIX = "step["
 
 Interval = tuple[float, float]
 
@@ -128,6 +138,7 @@ def _gpu_digest(gpu: list[dict[str, Any]], top: int) -> dict[str, Any]:
                           "gb_per_s": c["bytes"] / c["us"] / 1e3 if c["us"] else None})
     return {
         "span_us": span,
+        "kernels_missing": not kernels,
         "gpu_busy_share": covered(busy) / span if span else 0.0,
         "kernel_busy_share": covered(kernel_busy) / span if span else 0.0,
         "gpu_idle_us": span - covered(busy),
@@ -148,11 +159,15 @@ def summarize_trace(path: Path, top: int = 12) -> dict[str, Any]:
     timed = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
     gpu = [e for e in timed if e.get("cat") in GPU_CATS]
     runtime: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    steps: collections.Counter[str] = collections.Counter()
     for e in timed:
-        if e.get("cat") == "cuda_runtime":
-            r = runtime[str(e.get("name"))]
+        name = str(e.get("name"))
+        if e.get("cat") in RUNTIME_CATS:
+            r = runtime[name]
             r[0] += 1
             r[1] += float(e["dur"])
+        elif e.get("cat") == "user_annotation" and name.startswith(STEP_PREFIX):
+            steps[name[len(STEP_PREFIX):].split(" ", 1)[0].rstrip("]")] += 1
     names = _thread_names(events)
     per_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = collections.defaultdict(list)
     for e in timed:
@@ -168,8 +183,9 @@ def summarize_trace(path: Path, top: int = 12) -> dict[str, Any]:
         "file": path.name,
         "events": len(timed),
         "gpu": _gpu_digest(gpu, top) if gpu else None,
-        "graph_launches": int(runtime["cudaGraphLaunch"][0]) if "cudaGraphLaunch" in runtime
-        else 0,
+        "steps": dict(steps),
+        "graph_launches": int(sum(c for n, (c, _) in runtime.items()
+                                  if n.startswith("cudaGraphLaunch"))),
         "runtime": [{"name": n, "count": int(c), "us": us}
                     for n, (c, us) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]],
         "threads": threads[:top],

@@ -223,7 +223,7 @@ def test_env_and_profile_options(bench: Any, tmp_path: Path) -> None:
     assert profiled["torch_profile"] == {"decode_steps": 32, "dir": f"{tmp_path / 's'}-torch"}
     for bad in (["--env", "CH_WRITERS=8"], ["--env", "DMX_CH_WRITERS=0"],
                 ["--env", "DMX_DB_URL=none"], ["--profile-seconds", "-1"],
-                ["--torch-profile-steps", "-1"]):
+                ["--torch-profile-steps", "-1"], ["--torch-profile-steps", "128"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path / "o.json"), *bad])
 
@@ -256,16 +256,23 @@ def test_torch_profile_lines(bench: Any) -> None:
            "kernels": [{"name": "gemm", "count": 1792, "us": 19_200.0}]}
     data = {"modes": {
         "transport[hidden-states]": {"torch_profile": {
-            "decode_steps": 64, "graph_launches": 64, "gpu": gpu, "file": "x",
+            "decode_steps": 64, "graph_launches": 63, "gpu": gpu, "file": "x",
+            "steps": {"DECODE": 63, "EXTEND": 1},
             "threads": [{"thread": "scheduler", "op_us": 30_000.0,
                          "top": [["seal", 9_000.0]]}]}},
         "stock": {"torch_profile": {"error": "RuntimeError('no trace')"}},
+        "transport[sglang-full]": {"torch_profile": {
+            "steps": {"DECODE": 64}, "file": "y",
+            "gpu": {**gpu, "kernels_missing": True, "kernels": [], "copies": []}}},
         "store[hidden-states]": {}}}
     lines = bench.torch_profile_lines(data)
-    assert lines[0] == ("transport[hidden-states] [torch] 64 ms over 64 decode steps, 1.00 ms "
-                        "per step: GPU busy 62% (kernels 55%), waiting for the host 24 ms")
+    assert lines[0] == ("transport[hidden-states] [torch] 64 ms, steps: 63 decode, 1 extend, "
+                        "1.00 ms per step: GPU busy 62% (kernels 55%), waiting for the host "
+                        "24 ms")
     assert "64 x, 3.2 ms, 40.0 GB/s, 80% under kernels" in lines[1]
     assert lines[2].endswith("top kernels (share of the span): gemm 30%")
     assert lines[3].endswith("host thread scheduler: operators 30 ms (seal 9.0 ms)")
     assert lines[4] == "stock [torch]: RuntimeError('no trace')"
-    assert len(lines) == 5
+    assert lines[5] == ("transport[sglang-full] [torch] 64 ms, steps: 64 decode: no kernels "
+                        "recorded (CUPTI missed the graph kernels): shares unknown")
+    assert len(lines) == 6

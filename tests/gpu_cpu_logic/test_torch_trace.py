@@ -32,7 +32,12 @@ TRACE = {"traceEvents": [
     _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1005, 10, 0, 20, bytes=1000),
     _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1040, 10, 0, 20, bytes=2000),
     _x("cuda_runtime", "cudaGraphLaunch", 990, 2, 1, 100),
-    _x("cuda_runtime", "cudaGraphLaunch", 1015, 2, 1, 100),
+    _x("cuda_runtime", "cudaGraphLaunch_v10000", 1015, 2, 1, 100),
+    _x("cuda_driver", "cuLaunchKernelEx", 1030, 1, 1, 100),
+    _x("user_annotation", "step[DECODE bs=64]", 985, 30, 1, 100),
+    _x("user_annotation", "step[DECODE bs=64]", 1015, 30, 1, 100),
+    _x("user_annotation", "step[EXTEND bs=1 toks=300]", 1046, 3, 1, 100),
+    _x("gpu_user_annotation", "step[DECODE bs=64]", 1000, 30, 0, 7),
     _x("cuda_runtime", "cudaStreamSynchronize", 1016, 20, 1, 100),
     _x("cpu_op", "seal", 1000, 10, 1, 100),
     _x("cpu_op", "aten::copy_", 1002, 3, 1, 100),  # nested in seal: not counted twice
@@ -47,6 +52,7 @@ def test_digest_of_a_known_trace(torch_trace: Any, tmp_path: Path) -> None:
     d = torch_trace.summarize_trace(path)
     gpu = d["gpu"]
     assert gpu["span_us"] == 50  # first GPU event at 1000, last ends at 1050
+    assert gpu["kernels_missing"] is False
     assert gpu["gpu_busy_share"] == pytest.approx(35 / 50)  # [0,15) [20,30) [40,50)
     assert gpu["kernel_busy_share"] == pytest.approx(20 / 50)
     assert gpu["gpu_idle_us"] == pytest.approx(15)
@@ -57,11 +63,22 @@ def test_digest_of_a_known_trace(torch_trace: Any, tmp_path: Path) -> None:
     assert [k["name"] for k in gpu["kernels"]] == ["gemm", "rmsnorm"]
     assert [s["stream"] for s in gpu["streams"]] == ["0/7", "0/20"]
     assert d["graph_launches"] == 2
+    assert d["steps"] == {"DECODE": 2, "EXTEND": 1}  # host step spans only
     assert d["runtime"][0] == {"name": "cudaStreamSynchronize", "count": 1, "us": 20}
+    assert {"name": "cuLaunchKernelEx", "count": 1, "us": 1} in d["runtime"]
     sched = next(t for t in d["threads"] if t["thread"] == "scheduler")
     assert sched["op_us"] == 12
     assert sched["top"] == [["seal", 10], ["forward", 2]]
     assert any(t["thread"] == "1/200" for t in d["threads"])
+
+
+def test_graph_launches_without_kernels_are_flagged(torch_trace: Any, tmp_path: Path) -> None:
+    events = [e for e in TRACE["traceEvents"] if e.get("cat") != "kernel"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    d = torch_trace.summarize_trace(path)
+    assert d["graph_launches"] == 2
+    assert d["gpu"]["kernels_missing"] is True
 
 
 def test_interval_helpers(torch_trace: Any) -> None:
@@ -85,24 +102,27 @@ def test_a_real_cpu_profile_is_read(torch_trace: Any, tmp_path: Path) -> None:
 
 
 class ProfilingEngine:
-    """Generates nothing useful; records profiler calls and writes traces like SGLang."""
+    """Records profiler calls and writes traces as SGLang 0.5.19 names them. ``stage``:
+    the name the decode trace gets (SGLang writes a decode profile that a prefill count
+    ends as ``EXTEND``), or None when the profile is still running at the end."""
 
-    def __init__(self, decode_trace: bool) -> None:
-        self.decode_trace = decode_trace
+    def __init__(self, stage: str | None) -> None:
+        self.stage = stage
         self.started: dict[str, Any] = {}
-        self.stopped = 0
+        self.stops = 0
 
     def start_profile(self, **kw: Any) -> None:
         self.started = kw
         out = Path(kw["output_dir"])
-        (out / "dmi-TP-0-EXTEND.trace.json.gz").write_bytes(
-            gzip.compress(json.dumps({"traceEvents": []}).encode()))
-        if self.decode_trace:
-            (out / "dmi-TP-0-DECODE.trace.json.gz").write_bytes(
+        assert not list(out.iterdir())  # an earlier run's traces were removed
+        if self.stage is not None:
+            (out / f"dmi-TP-0-{self.stage}.trace.json.gz").write_bytes(
                 gzip.compress(json.dumps(TRACE).encode()))
 
     def stop_profile(self) -> None:
-        self.stopped += 1
+        self.stops += 1
+        if self.stage is not None:  # SGLang: the stage profile already stopped itself
+            raise RuntimeError("Profiling is not in progress. Call /start_profile first.")
         (Path(self.started["output_dir"]) / "dmi-TP-0.trace.json.gz").write_bytes(
             gzip.compress(json.dumps(TRACE).encode()))
 
@@ -112,16 +132,24 @@ class ProfilingEngine:
                 for r in kw["rid"]]
 
 
-@pytest.mark.parametrize("decode_trace", [True, False])
+@pytest.mark.parametrize(("stage", "file", "stops"), [
+    ("DECODE", "dmi-TP-0-DECODE.trace.json.gz", 0),
+    ("EXTEND", "dmi-TP-0-EXTEND.trace.json.gz", 1),  # stop raises: the trace is read anyway
+    (None, "dmi-TP-0.trace.json.gz", 1),  # still running: stopped, then read
+])
 def test_run_engine_profiles_the_timed_decode_steps(run_engine: Any, tmp_path: Path,
-                                                    decode_trace: bool) -> None:
-    eng = ProfilingEngine(decode_trace)
+                                                    stage: str | None, file: str,
+                                                    stops: int) -> None:
+    directory = tmp_path / "torch"
+    directory.mkdir()
+    (directory / "old-TP-0-DECODE.trace.json.gz").write_bytes(b"an earlier run's trace")
+    eng = ProfilingEngine(stage)
     spec = {"workloads": [
         {"name": "warm", "timed": False, "input_ids": [[1]], "rids": ["w"],
          "sampling_params": {"max_new_tokens": 2}},
         {"name": "main", "input_ids": [[1]], "rids": ["m"],
          "sampling_params": {"max_new_tokens": 2}}],
-        "torch_profile": {"decode_steps": 16, "dir": str(tmp_path / "torch")}}
+        "torch_profile": {"decode_steps": 16, "dir": str(directory)}}
     result: dict[str, Any] = {}
     run_engine.execute(eng, spec, result)
     assert eng.started["num_steps"] == 16
@@ -130,7 +158,6 @@ def test_run_engine_profiles_the_timed_decode_steps(run_engine: Any, tmp_path: P
     digest = result["torch_profile"]
     assert digest["decode_steps"] == 16
     assert digest["gpu"]["span_us"] == 50
-    # a decode trace is read as it is; without one the profile is stopped and that read
-    assert eng.stopped == (0 if decode_trace else 1)
-    assert digest["file"] == ("dmi-TP-0-DECODE.trace.json.gz" if decode_trace
-                              else "dmi-TP-0.trace.json.gz")
+    assert eng.stops == stops
+    assert digest["file"] == file
+    assert (digest["stop_error"] is not None) == (stage == "EXTEND")

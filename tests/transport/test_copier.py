@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,9 @@ from hypothesis import strategies as st
 
 from dmi_sglang.adapters.transport import TransportOptions, _copier
 from dmi_sglang.adapters.transport._copier import ParallelCopier
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import CaptureError
+from dmi_sglang.testing import MemorySink
 
 
 def _window_pairs(rng: np.random.Generator, groups: list[tuple[int, int, int]], steps: int,
@@ -18,8 +22,9 @@ def _window_pairs(rng: np.random.Generator, groups: list[tuple[int, int, int]], 
     """Window cells ``[segments, slots, steps, row]`` per group and the step-``t`` pairs
     a decode step writes (the shapes ``DecodeWindow.append`` copies)."""
     cells = [np.zeros((count, slots, steps, row), np.uint8) for count, slots, row in groups]
-    pairs = [(c[:, :, t, :], rng.integers(0, 255, (c.shape[0], c.shape[1], c.shape[3]),
-                                          dtype=np.uint8)) for c in cells]
+    # sources strided like staging's rows of a padded step (every other row kept)
+    pairs = [(c[:, :, t, :], rng.integers(0, 255, (c.shape[0], 2 * c.shape[1], c.shape[3]),
+                                          dtype=np.uint8)[:, ::2, :]) for c in cells]
     return cells, pairs
 
 
@@ -56,7 +61,7 @@ def test_large_copies_use_the_workers_and_small_ones_stay_on_the_caller(monkeypa
 
     def spy(pairs):
         seen.add(threading.current_thread().name)
-        real(pairs)
+        return real(pairs)
 
     monkeypatch.setattr(_copier, "_copy", spy)
     monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 1 << 20)
@@ -71,6 +76,7 @@ def test_large_copies_use_the_workers_and_small_ones_stay_on_the_caller(monkeypa
         assert workers
         assert all(n.startswith("dmi-copy") for n in workers)
         np.testing.assert_array_equal(cells[0][:, :, 1, :], large[0][1])
+        assert copier.worker_cpu_seconds > 0
     finally:
         copier.close()
     copier.close()  # idempotent
@@ -99,6 +105,54 @@ def test_a_worker_error_is_raised_after_every_share_finished(monkeypatch):
         assert sorted(done) == ["caller", "worker", "worker"]
     finally:
         copier.close()
+
+
+def test_a_caller_error_still_waits_for_every_worker(monkeypatch):
+    rng = np.random.default_rng(3)
+    finished: list[str] = []
+    real = _copier._copy
+    caller = threading.current_thread().name
+
+    def slow_workers(pairs):
+        if threading.current_thread().name == caller:
+            raise RuntimeError("caller share failed")
+        time.sleep(0.2)
+        seconds = real(pairs)
+        finished.append("worker")
+        return seconds
+
+    monkeypatch.setattr(_copier, "_copy", slow_workers)
+    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 1 << 20)
+    copier = ParallelCopier(3)
+    try:
+        _, pairs = _window_pairs(rng, [(28, 64, 2048)], 2, 0)
+        with pytest.raises(RuntimeError, match="caller share failed"):
+            copier.copy(pairs)
+        assert finished == ["worker", "worker"]  # nobody writes once copy() is left
+    finally:
+        copier.close()
+
+
+def _copy_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dmi-copy")]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_copy_threads_end_with_the_drain(make_driver, monkeypatch, fail):
+    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 0)
+    sink = MemorySink(fail_on_put=1) if fail else MemorySink()
+    d, _ = make_driver("resid_pre,final_logits", sink=sink, copy_threads=3,
+                       flush_timeout_s=1e-6)
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a", "b", "c"], [5 + n] * 3))
+    if fail:
+        with pytest.raises(CaptureError, match="injected failure"):
+            d.t.stop()
+    else:
+        d.t.stop()
+        d.verify(sink.records)
+        assert d.t.drain_counters()["copy_worker_cpu_seconds"] > 0
+    assert _copy_threads() == []
 
 
 def test_thread_count_is_checked():

@@ -59,9 +59,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _count_or_auto(text: str) -> int:
+def _copy_threads(text: str) -> int:
     value = int(text)
-    if value < 0:
+    if not 0 <= value <= 64:
         raise ValueError(text)
     return value
 
@@ -202,7 +202,7 @@ _VARS: dict[str, _Var] = {
         "drain_flush_timeout_us", 100_000, _conv(_positive_int, _ACC_INT)
     ),
     "DRAIN_COPY_THREADS": _Var(
-        "drain_copy_threads", 0, _conv(_count_or_auto, "0 (automatic) or a positive integer")
+        "drain_copy_threads", 0, _conv(_copy_threads, "0 (automatic) or 1-64")
     ),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"

@@ -15,6 +15,7 @@ every byte is in place (the drain then frees the ring region the rows came from)
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -26,11 +27,12 @@ Pair = tuple[np.ndarray, np.ndarray]
 
 MIN_PARALLEL_BYTES = 16 << 20
 """Below this a copy is done by the caller alone. Every hand-over costs GIL switches
-(the workers take the GIL to start and to report), which a scheduler thread busy in
-Python pays for: on the 2-core development machine, splitting the 3.7 MB steps of
-``hidden-states`` at batch 64 made a scheduler-like thread wait for the GIL ~4x longer
-and gained nothing, because those steps copy in ~0.4 ms and the drain keeps up anyway.
-Steps this large are the presets whose copy bounds the drain (``sglang-full``: 98 MB)."""
+(the workers take the GIL to start and to report) and wakes more threads: on the 2-core
+development machine, splitting the 3.7 MB steps of ``hidden-states`` at batch 64 made a
+scheduler-like thread wait ~4x longer to run (GIL or CPU contention: 2 cores cannot
+tell them apart) and gained nothing, because those steps copy in ~0.4 ms and the drain
+keeps up anyway. Steps this large are the presets whose copy bounds the drain
+(``sglang-full``: 98 MB)."""
 
 
 def default_copy_threads() -> int:
@@ -40,9 +42,12 @@ def default_copy_threads() -> int:
     return max(1, min(4, (cores or 1) // 4))
 
 
-def _copy(pairs: list[Pair]) -> None:
+def _copy(pairs: list[Pair]) -> float:
+    """Copy the pairs; the calling thread's CPU seconds for it."""
+    t0 = time.thread_time()
     for dst, src in pairs:
         dst[...] = src
+    return time.thread_time() - t0
 
 
 def _pieces(pairs: list[Pair], piece_bytes: int) -> list[Pair]:
@@ -75,6 +80,8 @@ class ParallelCopier:
             msg = f"copy threads must be at least 1, got {threads}"
             raise ValueError(msg)
         self.threads = threads
+        self.worker_cpu_seconds = 0.0
+        """CPU seconds of the worker threads' copies (the caller's share is the caller's)."""
         self._pool: ThreadPoolExecutor | None = None
 
     def copy(self, pairs: list[Pair]) -> None:
@@ -93,13 +100,16 @@ class ParallelCopier:
             loads[least] += src.nbytes
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="dmi-copy")
-        futures: list[Future[None]] = [self._pool.submit(_copy, s) for s in shares[1:] if s]
+        futures: list[Future[float]] = []
         try:
+            for share in shares[1:]:
+                if share:
+                    futures.append(self._pool.submit(_copy, share))
             _copy(shares[0])
         finally:
             wait(futures)  # no worker may still write once the caller moves on
         for f in futures:
-            f.result()
+            self.worker_cpu_seconds += f.result()
 
     def close(self) -> None:
         """End the worker threads (idempotent; a later large copy starts them again)."""

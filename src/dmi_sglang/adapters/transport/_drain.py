@@ -164,6 +164,12 @@ class Drain:
         self.build_cpu_seconds = 0.0
         self.sink_seconds = 0.0
 
+    @property
+    def copy_worker_cpu_seconds(self) -> float:
+        """CPU seconds of the window copy threads (the drain's own share is in
+        ``build_cpu_seconds``)."""
+        return self._copier.worker_cpu_seconds
+
     def start(self) -> None:
         """Start the thread."""
         self._thread.start()

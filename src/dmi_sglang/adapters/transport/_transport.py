@@ -289,13 +289,15 @@ class TorchCaptureTransport:
     def drain_counters(self) -> dict[str, float]:
         """Drain internals for benchmarks: records, device-to-host bytes and seconds,
         CPU seconds the drain thread spent building records (GIL held for most of it,
-        the bulk copies excepted), seconds in ``sink.put``, payload buffers allocated and
-        reused, request rows held back now."""
+        the bulk copies excepted) and its window copy threads spent copying, seconds in
+        ``sink.put``, payload buffers allocated and reused, request rows held back now."""
         d = self._drain
         return {
             "records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
             "direct_items": d.direct_items,
-            "build_cpu_seconds": d.build_cpu_seconds, "sink_seconds": d.sink_seconds,
+            "build_cpu_seconds": d.build_cpu_seconds,
+            "copy_worker_cpu_seconds": d.copy_worker_cpu_seconds,
+            "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
             "pinned_buffers_allocated": d.direct_pool.allocated,
             "pinned_buffers_reused": d.direct_pool.reused,
