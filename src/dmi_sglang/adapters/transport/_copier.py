@@ -2,7 +2,7 @@
 
 Appending a decode step to the window copies every row of the step from staging into
 its request's place (``_window``); at ``sglang-full`` that is ~98 MB per step at batch 64
-on Qwen3-0.6B, and the copy was ~80 % of the drain's own CPU (py-spy, docs/transport.md).
+on Qwen3-0.6B, and the copy was ~70 % of the drain's own CPU (py-spy, docs/transport.md).
 One thread copies strided 2 KiB rows at 5-10 GB/s; numpy releases the GIL while it
 copies, so a few threads can share a large step. (Torch's own parallel copy would need
 no Python threads, but SGLang sets ``torch.set_num_threads(1)`` in the scheduler process,
