@@ -208,13 +208,14 @@ def _torch_profile_digest(engine: Any, profile: dict[str, Any]) -> dict[str, Any
 
     directory = Path(profile["dir"])
     stop_error = None
-    if not any("DECODE" in p.name for p in directory.glob("*.trace.json*")):
+    trace = torch_trace.decode_trace(directory)
+    if trace is None or "DECODE" not in trace.name:
         try:  # still profiling (fewer decode steps than asked for), or never started
             engine.stop_profile()
         except Exception as exc:  # SGLang raises when no profile is in progress
             stop_error = repr(exc)
-    try:
         trace = torch_trace.decode_trace(directory)
+    try:
         if trace is None:
             return {"error": f"no trace was written to {directory} (stop: {stop_error})"}
         return {"decode_steps": profile["decode_steps"], "stop_error": stop_error,

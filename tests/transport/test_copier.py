@@ -82,8 +82,20 @@ def test_large_copies_use_the_workers_and_small_ones_stay_on_the_caller(monkeypa
     copier.close()  # idempotent
 
 
+def _copy_raises(monkeypatch, copy_share, match: str) -> None:
+    """A 3.7 MB copy with 3 threads, each share copied by ``copy_share``, raises ``match``."""
+    monkeypatch.setattr(_copier, "_copy", copy_share)
+    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 1 << 20)
+    copier = ParallelCopier(3)
+    try:
+        _, pairs = _window_pairs(np.random.default_rng(2), [(28, 64, 2048)], 2, 0)
+        with pytest.raises(RuntimeError, match=match):
+            copier.copy(pairs)
+    finally:
+        copier.close()
+
+
 def test_a_worker_error_is_raised_after_every_share_finished(monkeypatch):
-    rng = np.random.default_rng(2)
     done: list[str] = []
     real = _copier._copy
     caller = threading.current_thread().name
@@ -95,20 +107,11 @@ def test_a_worker_error_is_raised_after_every_share_finished(monkeypatch):
             raise RuntimeError("disk on fire")
         done.append("caller")
 
-    monkeypatch.setattr(_copier, "_copy", failing)
-    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 1 << 20)
-    copier = ParallelCopier(3)
-    try:
-        _, pairs = _window_pairs(rng, [(28, 64, 2048)], 2, 0)
-        with pytest.raises(RuntimeError, match="disk on fire"):
-            copier.copy(pairs)
-        assert sorted(done) == ["caller", "worker", "worker"]
-    finally:
-        copier.close()
+    _copy_raises(monkeypatch, failing, "disk on fire")
+    assert sorted(done) == ["caller", "worker", "worker"]
 
 
 def test_a_caller_error_still_waits_for_every_worker(monkeypatch):
-    rng = np.random.default_rng(3)
     finished: list[str] = []
     real = _copier._copy
     caller = threading.current_thread().name
@@ -121,16 +124,8 @@ def test_a_caller_error_still_waits_for_every_worker(monkeypatch):
         finished.append("worker")
         return seconds
 
-    monkeypatch.setattr(_copier, "_copy", slow_workers)
-    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 1 << 20)
-    copier = ParallelCopier(3)
-    try:
-        _, pairs = _window_pairs(rng, [(28, 64, 2048)], 2, 0)
-        with pytest.raises(RuntimeError, match="caller share failed"):
-            copier.copy(pairs)
-        assert finished == ["worker", "worker"]  # nobody writes once copy() is left
-    finally:
-        copier.close()
+    _copy_raises(monkeypatch, slow_workers, "caller share failed")
+    assert finished == ["worker", "worker"]  # nobody writes once copy() is left
 
 
 def _copy_threads() -> list[str]:
