@@ -280,7 +280,8 @@ def mode_figures(args: argparse.Namespace, mode: Mode, res: dict[str, Any]) -> d
 def read_back_sample(store: Path, run_id: str, waves: int, batch: int,
                      seed: int) -> dict[str, Any]:
     """Stored bytes of the run and completeness of a sample of its timed requests."""
-    from dmi_sglang.adapters.clickhouse import CaptureHandle, ClickHouseReader
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
     from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
     reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))

@@ -18,7 +18,7 @@ HIDDEN = 8
 
 
 def _populate(path: Path) -> dict[str, torch.Tensor]:
-    from dmi_sglang.adapters.clickhouse import open_sink
+    from dmi_sglang.app.composition import open_sink
 
     store = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path))
     captures = (("blocks.hook_resid_pre", 0), ("blocks.hook_resid_pre", 1),
@@ -143,11 +143,10 @@ def test_unknown_options_only_for_capture(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_hook_totals(store: tuple[str, dict[str, torch.Tensor]]) -> None:
-    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang import open_store
 
     url, truth = store
-    reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=url[len("chdb://"):]))
-    with reader.session():
-        totals = {t[0]: t[1:] for t in reader.hook_totals(RUN)}
+    totals = {t.act_name: (t.layers, t.records, t.rows, t.bytes)
+              for t in open_store(url).hook_totals(RUN)}
     assert totals["blocks.hook_resid_pre"] == (2, 2, 12, 2 * 6 * HIDDEN * 2)
     assert totals["final_logits"] == (1, 1, 3, truth["final_logits"].numel() * 4)

@@ -10,7 +10,8 @@ from dmi_sglang.domain.records import CaptureRecord, RequestManifest, expected_c
 from dmi_sglang.domain.support import EngineFacts, check_support
 from dmi_sglang.errors import UnsupportedConfigurationError
 
-QWEN3 = EngineFacts(architectures=("Qwen3ForCausalLM",))
+QWEN3 = EngineFacts(architectures=("Qwen3ForCausalLM",), sglang_version="0.5.19",
+                    adapter_sglang="0.5.19", torch_prefix="2.13.")
 
 
 def test_dense_qwen3_is_supported() -> None:

@@ -428,7 +428,8 @@ def stock_determinism(stock: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def read_back(store: Path, run_id: str, outputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Everything the completeness check needs, read through the public reader."""
-    from dmi_sglang.adapters.clickhouse import CaptureHandle, ClickHouseReader
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
     from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
     reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))

@@ -131,7 +131,7 @@ def _reader(store: Path) -> Any:
 
 
 def test_rows_complete_for_every_hook(runs: dict[str, Any], workdir: Path) -> None:
-    from dmi_sglang.adapters.clickhouse import CaptureHandle
+    from dmi_sglang.app.handle import CaptureHandle
 
     run_id = runs["monitored"]["run_id"]
     reader = _reader(runs["store"])
@@ -191,7 +191,7 @@ def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
                                      workdir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dmi_sglang.adapters.clickhouse import CaptureHandle
+    from dmi_sglang.app.handle import CaptureHandle
 
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.bfloat16)
     hf = hf.cuda().eval()

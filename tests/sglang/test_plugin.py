@@ -23,12 +23,13 @@ import json, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import ServerArgs
-from dmi_sglang.adapters.sglang_v0519.plugin import STATE
+from dmi_sglang.adapters.sglang_v0519._state import STATE
 import pkgutil
 from sglang.srt.managers.scheduler import Scheduler
 out = {"patched": hasattr(ServerArgs.check_server_args, "__wrapped__"),
        "registered": STATE.registered, "monitoring": STATE.monitoring,
        "hooks": STATE.hooks, "problems": STATE.problems,
+       "factory": type(STATE.factory).__name__,
        "unpatched": [t for t in STATE.hooks
                      if not hasattr(pkgutil.resolve_name(t), "__wrapped__")],
        "rpcs": [m for m in ("dmi_stop_monitoring", "dmi_assert_active")
@@ -105,36 +106,64 @@ def test_baseline_installs_nothing(
 def test_register_never_raises_and_records_problems(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from dmi_sglang.adapters.sglang_v0519 import plugin
+    from dmi_sglang.adapters.sglang_v0519 import _state, plugin
+    from dmi_sglang.app.composition import PipelineFactory
     from dmi_sglang.errors import UnsupportedConfigurationError
 
     calls: list[str] = []
     monkeypatch.setattr(HookRegistry, "register",
                         classmethod(lambda cls, target, *a, **k: calls.append(target)))
-    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setattr(_state, "STATE", _state.PluginState())
     monkeypatch.setenv("DMX_SGLANG_ENABLE", "maybe")
     monkeypatch.setattr(plugin, "_version", lambda dist: "0.6.0" if dist == "sglang" else
                         "2.11.0")
-    plugin.register()
-    plugin.register()  # idempotent
+    factory = PipelineFactory()
+    plugin.register(factory)
+    plugin.register(factory)  # idempotent
     from dmi_sglang.adapters.sglang_v0519.runtime_hooks import HOOKS
 
     assert calls == ["sglang.srt.server_args.ServerArgs.check_server_args",
                      *(target for target, _, _ in HOOKS)]
-    problems = plugin.pending_problems(check_torch=False)
+    assert _state.STATE.factory is factory
+    problems = _state.pending_problems(check_torch=False)
     assert len(problems) == 2
     assert "DMX_SGLANG_ENABLE='maybe'" in problems[0]
     assert "sglang 0.6.0 is installed" in problems[1]
-    assert "torch 2.11.0" in plugin.pending_problems(check_torch=True)[2]
-    assert plugin.registration_problems() == problems  # no CUDA here: torch not checked
+    assert "torch 2.11.0" in _state.pending_problems(check_torch=True)[2]
+    assert _state.registration_problems() == problems  # no CUDA here: torch not checked
     with pytest.raises(UnsupportedConfigurationError, match=r"sglang 0\.6\.0"):
-        plugin.raise_pending_problems(check_torch=False)
+        _state.raise_pending_problems(check_torch=False)
 
     def boom() -> bool:
         msg = "unexpected"
         raise RuntimeError(msg)
 
-    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setattr(_state, "STATE", _state.PluginState())
     monkeypatch.setattr(plugin, "monitoring_requested", boom)
-    plugin.register()
-    assert plugin.STATE.problems == ["dmi-sglang register() failed: RuntimeError('unexpected')"]
+    plugin.register(factory)
+    assert _state.STATE.problems == ["dmi-sglang register() failed: RuntimeError('unexpected')"]
+
+
+def test_the_entry_point_registers_the_installed_sglangs_adapter_with_the_factory(
+    run_loader: Callable[..., dict[str, Any]], qwen3_dir: Path
+) -> None:
+    out = run_loader({"DMX_SGLANG_ENABLE": "1"})
+    assert out["factory"] == "PipelineFactory"
+
+
+def test_an_sglang_without_an_adapter_is_refused_with_the_supported_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dmi_sglang.app import composition
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    with pytest.raises(UnsupportedConfigurationError,
+                       match=r"sglang 0\.5\.23 is installed; dmi-sglang supports sglang==0\.5\.19"):
+        composition.sglang_adapter("0.5.23")
+    assert composition.sglang_adapter("0.5.19").sglang_version == "0.5.19"
+    monkeypatch.setattr(composition, "installed_sglang", lambda: "0.5.23")
+    monkeypatch.setenv("DMX_SGLANG_ENABLE", "0")
+    composition.register_plugin()  # monitoring not requested: nothing to refuse
+    monkeypatch.setenv("DMX_SGLANG_ENABLE", "1")
+    with pytest.raises(UnsupportedConfigurationError, match="0.5.23"):
+        composition.register_plugin()  # SGLang logs what a plugin raises

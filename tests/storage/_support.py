@@ -11,7 +11,8 @@ from typing import Any
 import attrs
 import torch
 
-from dmi_sglang.adapters.clickhouse import CaptureHandle, ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, open_sink
-from dmi_sglang.adapters.clickhouse import NullSink as NullSinkType
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.app.composition import open_sink
+from dmi_sglang.app.null_sink import NullSink as NullSinkType
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
@@ -69,7 +70,8 @@ def test_a_store_held_by_another_process_is_a_clear_error_then_handed_over(
     sink.put(records_of("run", "r", RESID, 0, torch.ones(3, 2), [0, 3]))
     commit(sink, run, [manifest("run", "r", 3, 1)])
     child = f"""
-        from dmi_sglang.adapters.clickhouse import ClickHouseReader, CaptureHandle
+        from dmi_sglang.adapters.clickhouse import ClickHouseReader
+        from dmi_sglang.app.handle import CaptureHandle
         from dmi_sglang.domain.store_config import StoreConfig, StoreKind
         from dmi_sglang.errors import StoreError
         cfg = StoreConfig(kind=StoreKind.EMBEDDED, path={store.path!r})
@@ -124,8 +126,8 @@ def test_store_none_gives_a_counting_sink_and_no_reader() -> None:
     sink.flush()
     sink.finish_run(run_info("run", []), [])
     sink.close()
-    stats = sink.stats()
-    assert (stats.records_put, stats.bytes_put, stats.records_stored) == (2, 32, 0)
+    assert (sink.records_put, sink.bytes_put) == (2, 32)
+    assert [r.run_id for r in sink.runs_finished] == ["run"]
     with pytest.raises(StoreError, match="nothing to read"):
         ClickHouseReader(config)
 

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dmi_sglang.adapters.clickhouse import CaptureHandle, ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.domain.store_config import StoreConfig
 

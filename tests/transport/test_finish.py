@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
+from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.records import RunInfo
@@ -248,22 +248,6 @@ def test_monitor_reports_finished_requests_one_step_later_and_all_at_stop(make_d
     assert by_rid["a"].committed
     assert by_rid["a"].overlap_extra_forward
     assert not by_rid["b"].committed
-
-
-def test_monitor_without_a_finish_capable_transport_is_unchanged():
-    calls: list[str] = []
-    transport = SimpleNamespace(
-        stop=lambda: calls.append("stop") or TransportStats(), stats=TransportStats,
-        commit=lambda plan, step: calls.append("commit"), seal=lambda: calls.append("seal"),
-    )
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    mon = SchedulerMonitor(run=run, selection=None, shape=SHAPE, transport=transport,  # type: ignore[arg-type]
-                           sink=MemorySink(), strip=True)
-    mon.requests.add_reqs([_Req("a", 2)])
-    mon.begin_forward()
-    mon.protocol.abort()
-    mon.stop()
-    assert calls == ["stop"]
 
 
 def test_a_graph_step_commits_the_plan_its_preflight_built(make_driver):

@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dmi_sglang.domain.settings import Settings
-from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import DMIError
 
 __all__ = ["main"]
@@ -75,11 +73,6 @@ def _parser() -> argparse.ArgumentParser:
     return top
 
 
-def _store(db: str | None) -> StoreConfig:
-    env = {"DMX_DB_URL": db} if db else {}
-    return Settings.from_env(env).resolve(model_path="cli").store()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmi-sglang`` command."""
     args, extra = _parser().parse_known_args(argv)
@@ -88,13 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     from dmi_sglang.app import cli_commands as cmd
+    from dmi_sglang.app.reading import store_config
 
     try:
         if args.command == "capture":
             return cmd.capture(args, extra)
         if args.command == "demo-model":
             return cmd.demo_model(args.dir, layers=args.layers)
-        store = _store(args.db)
+        store = store_config(args.db)
         handler: dict[str, Any] = {
             "ls": lambda: cmd.ls(store, args.run),
             "show": lambda: cmd.show(store, args.run, args.request),

@@ -9,8 +9,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dmi_sglang.app.reading import CaptureStore
 from dmi_sglang.domain.store_config import StoreConfig
-from dmi_sglang.errors import IncompleteCaptureError, StoreError
+from dmi_sglang.errors import IncompleteCaptureError
 
 __all__ = ["capture", "demo_model", "export", "ls", "rm", "show"]
 
@@ -19,51 +20,41 @@ def _out(line: str = "") -> None:
     print(line, flush=True)
 
 
-def _reader(store: StoreConfig) -> Any:
-    from dmi_sglang.app.handles import reader_for
-
-    return reader_for(store)
-
-
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.2f} MiB"
 
 
 def ls(store: StoreConfig, run_id: str | None) -> int:
     """List runs, or one run's requests, with sizes."""
-    reader = _reader(store)
-    with reader.session():
+    captures = CaptureStore(store)
+    with captures.session():
         if run_id is None:
-            runs = reader.runs()
+            runs = captures.runs()
             if not runs:
                 _out(f"no runs in {store.url}")
                 return 0
             _out(f"{'run':<44} {'status':<10} {'requests':>8} {'rows':>10} {'size':>14}  "
                  "started")
             for run in runs:
-                reqs = reader.requests(run.run_id)
+                reqs = captures.requests(run.run_id)
                 rows = sum(r.rows for r in reqs)
                 size = sum(r.bytes for r in reqs)
                 _out(f"{run.run_id:<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
                      f"{_mib(size):>14}  {run.started_at}")
             return 0
-        if reader.run(run_id) is None:
-            raise StoreError(f"no run {run_id!r} in {store.url}")
+        requests = captures.requests(run_id)
         _out(f"{'request':<40} {'rows':>10} {'size':>14}")
-        for req in reader.requests(run_id):
+        for req in requests:
             _out(f"{req.request_id:<40} {req.rows:>10} {_mib(req.bytes):>14}")
     return 0
 
 
 def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` of every capture of a request, in the run's capture order."""
-    from dmi_sglang.adapters.clickhouse import CaptureHandle
-
-    reader = _reader(store)
-    with reader.session():
-        if reader.run(run_id) is None:
-            raise StoreError(f"no run {run_id!r} in {store.url}")
-        handle = CaptureHandle(run_id, request_id, lambda: reader)
+    captures = CaptureStore(store)
+    with captures.session():
+        captures.requests(run_id)  # refuses an unknown run
+        handle = captures.handle(run_id, request_id)
         missing = handle.missing
         if missing:
             raise IncompleteCaptureError(
@@ -98,18 +89,14 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: Path) -> int:
 
 def rm(store: StoreConfig, run_id: str) -> int:
     """Delete a run."""
-    reader = _reader(store)
-    with reader.session():
-        if reader.run(run_id) is None:
-            raise StoreError(f"no run {run_id!r} in {store.url}")
-        n = reader.delete_run(run_id)
+    n = CaptureStore(store).delete_run(run_id)
     _out(f"deleted run {run_id} ({n} records)")
     return 0
 
 
 def demo_model(path: Path, *, layers: int) -> int:
     """Write the small random-weight Qwen3 checkpoint."""
-    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
+    from dmi_sglang.app.composition import write_demo_checkpoint
 
     where = write_demo_checkpoint(path, layers=layers)
     _out(f"wrote a {layers}-layer random-weight Qwen3 checkpoint to {where}")
@@ -194,9 +181,7 @@ def _summary(engine: Any, outputs: list[dict[str, Any]], elapsed: float) -> None
     _out(f"stored in    {store.url}")
     if store.kind.value == "none":
         return
-    reader = _reader(store)
-    with reader.session():
-        totals = reader.hook_totals(engine.dmi_run_id)
+    totals = CaptureStore(store).hook_totals(engine.dmi_run_id)
     _out(f"{'hook':<32} {'layers':>6} {'records':>9} {'rows':>10} {'size':>14}")
-    for act, layers, records, rows, size in totals:
-        _out(f"{act:<32} {layers:>6} {records:>9} {rows:>10} {_mib(size):>14}")
+    for t in totals:
+        _out(f"{t.act_name:<32} {t.layers:>6} {t.records:>9} {t.rows:>10} {_mib(t.bytes):>14}")

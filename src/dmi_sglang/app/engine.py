@@ -28,8 +28,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import structlog
-from sglang.srt.entrypoints.engine import Engine
 
+from dmi_sglang.app import composition
+from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
+from dmi_sglang.domain.ports import EngineTap
 from dmi_sglang.domain.settings import PREFIX, Settings
 from dmi_sglang.domain.support import request_input_problem
 from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
@@ -38,6 +40,8 @@ __all__ = ["DMIEngine"]
 
 log = structlog.get_logger(__name__)
 
+_ADAPTER = composition.sglang_adapter()  # an SGLang without an adapter is refused here
+_Engine: Any = _ADAPTER.engine_base()
 _STARTING = threading.Lock()
 _MULTIMODAL = ("image_data", "audio_data", "video_data")
 
@@ -57,7 +61,7 @@ def _scheduler_environment(values: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-class DMIEngine(Engine):  # type: ignore[misc]
+class DMIEngine(_Engine):  # type: ignore[misc]
     """``sglang.Engine`` with dmi-sglang monitoring attached in its scheduler.
 
     Args:
@@ -80,6 +84,7 @@ class DMIEngine(Engine):  # type: ignore[misc]
         self.dmi_run_id: str = settings.model_id or ""
         self._dmi_stopped = False
         self._dmi_stop_error: CaptureError | None = None
+        self._dmi_tap: EngineTap = _ADAPTER.engine_tap(self)
         if not _STARTING.acquire(blocking=False):
             msg = ("another DMIEngine is starting in this process; construct engines one "
                    "after another (settings travel to the scheduler through the process "
@@ -92,8 +97,8 @@ class DMIEngine(Engine):  # type: ignore[misc]
         finally:
             _STARTING.release()
         try:
-            self.collective_rpc("dmi_assert_active", run_id=self.dmi_run_id)
-        except AssertionError as exc:
+            self._dmi_tap.assert_active(self.dmi_run_id)
+        except CaptureError as exc:
             super().shutdown()
             msg = f"dmi-sglang monitoring did not attach in the scheduler: {exc}"
             raise CaptureError(msg) from exc
@@ -124,11 +129,9 @@ class DMIEngine(Engine):  # type: ignore[misc]
             item["dmi_internal"] = self.dmi_handle(item["meta_info"]["id"])
         return out
 
-    def dmi_handle(self, request_id: str) -> Any:
+    def dmi_handle(self, request_id: str) -> CaptureHandle | NoStoreHandle:
         """The lazy capture handle of one request of this engine's run."""
-        from dmi_sglang.app.handles import handle_for
-
-        return handle_for(self.dmi_settings, self.dmi_run_id, request_id)
+        return composition.handle_for(self.dmi_settings.store(), self.dmi_run_id, request_id)
 
     def dmi_stop_monitoring(self) -> None:
         """Flush every capture to the store and write the manifest. Terminal.
@@ -144,8 +147,8 @@ class DMIEngine(Engine):  # type: ignore[misc]
         if self._dmi_stopped:
             return
         try:
-            self.collective_rpc("dmi_stop_monitoring")
-        except AssertionError as exc:
+            self._dmi_tap.stop_monitoring()
+        except CaptureError as exc:
             self._dmi_stop_error = CaptureError(f"dmi_stop_monitoring failed: {exc}")
             raise self._dmi_stop_error from exc
         self._dmi_stopped = True

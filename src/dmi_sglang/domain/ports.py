@@ -1,28 +1,44 @@
-"""The ports adapters implement, in domain vocabulary only.
+"""The ports, in domain vocabulary only (plain values; no torch, SGLang or ClickHouse).
 
 * :class:`RecordSink`: where captured records go (ClickHouse, or nowhere).
 * :class:`RecordReader`: reads records and manifests back per (run, request).
 * :class:`CaptureTransport`: moves captured tensors from the GPU to the sink, step by step.
+* :class:`CaptureSession`: one run's capture inside one scheduler process, as the SGLang
+  adapter's runtime hooks drive it (steps, requests, stop).
+* :class:`TrackedRequest`: what the capture session reads of an engine's request.
+* :class:`CaptureSpec`: what an SGLang adapter knows when it asks for a capture pipeline.
 * :class:`EngineTap`: the monitored engine's side of the app (attach check, final stop).
+
+Interfaces that must speak torch tensors (what capture points call, and the factory
+that returns them) live in :mod:`dmi_sglang.tensor_ports`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import attrs
 
 from dmi_sglang.domain.capacity import Preflight
+from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.shapes import ModelShape
 
 __all__ = [
+    "CaptureSession",
+    "CaptureSpec",
     "CaptureTransport",
     "EngineTap",
+    "HookTotal",
     "RecordReader",
     "RecordSink",
     "RequestSummary",
+    "TrackedRequest",
     "TransportStats",
 ]
 
@@ -66,9 +82,25 @@ class RequestSummary:
     bytes: int
 
 
+@attrs.frozen
+class HookTotal:
+    """One captured hook's footprint in a run (every layer together)."""
+
+    act_name: str
+    layers: int
+    records: int
+    rows: int
+    bytes: int
+
+
 @runtime_checkable
 class RecordReader(Protocol):
-    """**Port**: reads captures back. Opens the store per call and closes it after."""
+    """**Port**: reads captures back. Opens the store per call and closes it after, unless
+    the calls run inside :meth:`session`."""
+
+    def session(self) -> AbstractContextManager[RecordReader]:
+        """Keep the store open for the calls inside the block (re-entrant)."""
+        ...
 
     def runs(self) -> Sequence[RunInfo]:
         """Every run in the store, newest first."""
@@ -105,6 +137,10 @@ class RecordReader(Protocol):
         without payloads (cheap completeness checks)."""
         ...
 
+    def hook_totals(self, run_id: str) -> Sequence[HookTotal]:
+        """Per stored act_name of a run, its footprint, by act_name."""
+        ...
+
     def delete_run(self, run_id: str) -> int:
         """Delete a run's records, manifests and run row; returns records deleted."""
         ...
@@ -138,12 +174,19 @@ class TransportStats:
     discarded_logit_rows: int = 0
 
 
+@runtime_checkable
 class CaptureTransport(Protocol):
     """**Port**: per-step commits in, records out to a :class:`RecordSink`.
 
-    The tensor-level side (capture points the model calls) belongs to the adapter; this
-    is the step protocol the SGLang adapter drives.
+    The tensor-level side (capture points the model calls) is
+    :class:`dmi_sglang.tensor_ports.Capturer`; this is the step protocol the capture
+    session drives.
     """
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the transport holds (ring and arena)."""
+        ...
 
     def preflight(self, plan: CommitPlan, eager_plan: CommitPlan | None = None) -> Preflight:
         """How the step would be committed now (see :func:`~.capacity.preflight`)."""
@@ -163,6 +206,137 @@ class CaptureTransport(Protocol):
 
     def stats(self) -> TransportStats:
         """Statistics so far."""
+        ...
+
+    def finish_request(self, request_id: str, logits_end: int | None) -> None:
+        """A request finished: its ``final_logits`` rows at positions ``>= logits_end``
+        decided no generated token (None: keep every row)."""
+        ...
+
+    def drain_counters(self) -> Mapping[str, float]:
+        """Where the drain's time went so far (seconds and counts, by name)."""
+        ...
+
+
+class TrackedRequest(Protocol):
+    """What the capture session reads of an engine's request (SGLang's ``Req``)."""
+
+    @property
+    def rid(self) -> str:
+        """The request id."""
+        ...
+
+    @property
+    def origin_input_ids(self) -> Sequence[int]:
+        """The prompt's token ids."""
+        ...
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        """The generated token ids so far."""
+        ...
+
+    def finished(self) -> bool:
+        """True once the request generated its last token."""
+        ...
+
+
+@attrs.frozen
+class CaptureSpec:
+    """What the SGLang adapter hands the capture factory in a scheduler, before weights load.
+
+    Attributes:
+        settings: the resolved settings (run id, store, ring sizes, ...).
+        run: the run's row, written when the capture opens.
+        selection / shape: the resolved hook selection and the model's row shapes.
+        max_graph_batch: the largest decode CUDA-graph batch (1 without graphs).
+        device: the scheduler's device (``"cuda:N"``; ``"cpu"`` in tests).
+        max_prefill_tokens: the longest prefill chunk (startup capacity check).
+        max_requests: the most requests in one forward (startup capacity check).
+    """
+
+    settings: Settings
+    run: RunInfo
+    selection: Selection
+    shape: ModelShape
+    max_graph_batch: int
+    device: str
+    max_prefill_tokens: int
+    max_requests: int
+
+
+@runtime_checkable
+class CaptureSession(Protocol):
+    """**Port**: one run's capture in one scheduler process.
+
+    The SGLang adapter's runtime hooks drive it, once per forward: ``begin_forward``;
+    for a decode graph step ``graph_allowed`` (preflight; False runs it eagerly) and
+    ``commit_graph(graph_plan(...))``; for an eager step ``commit_eager``; then
+    ``end_forward`` (or ``abort_forward`` when the forward raised). ``stop`` is the
+    authoritative flush.
+    """
+
+    @property
+    def run(self) -> RunInfo:
+        """The run this session captures."""
+        ...
+
+    @property
+    def active(self) -> bool:
+        """True until the session stopped."""
+        ...
+
+    @property
+    def unfinished(self) -> frozenset[str]:
+        """Requests of the batch about to run whose prompt chunk does not finish it."""
+        ...
+
+    def add_requests(self, reqs: Iterable[TrackedRequest], unfinished: frozenset[str]) -> None:
+        """The engine is about to run a batch of these requests."""
+        ...
+
+    def add_host_seconds(self, seconds: float) -> None:
+        """Count scheduler-thread time the adapter's hooks spent for the capture."""
+        ...
+
+    def begin_forward(self) -> int:
+        """A forward starts; returns its step number."""
+        ...
+
+    def in_forward(self) -> bool:
+        """True between :meth:`begin_forward` and :meth:`end_forward`."""
+        ...
+
+    def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
+        """Preflight a decode graph step; False: run it eagerly."""
+        ...
+
+    def graph_plan(self, padded_bs: int, layout_of: Callable[[], BatchLayout]) -> CommitPlan:
+        """The padded plan of this decode step."""
+        ...
+
+    def commit_graph(self, plan: CommitPlan) -> None:
+        """The graph runner fixed the padded batch: commit its plan."""
+        ...
+
+    def commit_eager(self, layout: BatchLayout) -> None:
+        """The eager runner fixed the batch: commit the unpadded plan."""
+        ...
+
+    def end_forward(self) -> None:
+        """The forward returned: seal the step."""
+        ...
+
+    def abort_forward(self) -> None:
+        """The forward raised: forget the step."""
+        ...
+
+    def stop(self) -> TransportStats:
+        """Drain, flush, write manifests and the run status; terminal and idempotent."""
+        ...
+
+    def timing(self, stats: TransportStats) -> Mapping[str, float]:
+        """Where the run's time went (for the stop log and benchmarks)."""
         ...
 
 

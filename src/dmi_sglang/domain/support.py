@@ -19,7 +19,6 @@ __all__ = [
     "FORCED",
     "REJECTIONS",
     "SUPPORTED_ARCHITECTURES",
-    "SUPPORTED_SGLANG",
     "EngineFacts",
     "Forced",
     "Rule",
@@ -27,10 +26,6 @@ __all__ = [
     "check_support",
 ]
 
-SUPPORTED_SGLANG = "0.5.19"
-"""The only SGLang version this adapter is qualified on."""
-SUPPORTED_TORCH_PREFIX = "2.13."
-"""torch releases SGLang 0.5.19 is built against (checked on GPU machines only)."""
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 """Architectures with a hooked model class."""
 SUPPORTED_DTYPES = ("bfloat16", "float16")
@@ -69,9 +64,14 @@ class EngineFacts:
     decode_graph_backend: str = "full"
     prefill_graph_enabled: bool = False
     radix_cache_enabled: bool = False
-    sglang_version: str = SUPPORTED_SGLANG
+    sglang_version: str = ""
+    """The installed SGLang release."""
+    adapter_sglang: str = ""
+    """The SGLang release the adapter that read these facts is written against."""
     torch_version: str | None = None
     """Checked only when set (GPU machines)."""
+    torch_prefix: str = ""
+    """The torch releases ``adapter_sglang`` is built against (a version prefix)."""
 
 
 @attrs.frozen
@@ -99,16 +99,15 @@ def _arch(f: EngineFacts) -> bool:
 REJECTIONS: tuple[Rule, ...] = (
     Rule(
         "sglang version",
-        lambda f: f.sglang_version != SUPPORTED_SGLANG,
-        lambda f: f"sglang {f.sglang_version} is installed; dmi-sglang supports exactly "
-        f"sglang=={SUPPORTED_SGLANG}",
+        lambda f: f.sglang_version != f.adapter_sglang,
+        lambda f: f"sglang {f.sglang_version} is installed; this adapter supports exactly "
+        f"sglang=={f.adapter_sglang}",
     ),
     Rule(
         "torch version",
-        lambda f: f.torch_version is not None
-        and not f.torch_version.startswith(SUPPORTED_TORCH_PREFIX),
-        lambda f: f"torch {f.torch_version} is installed; sglang {SUPPORTED_SGLANG} needs "
-        f"torch {SUPPORTED_TORCH_PREFIX}x",
+        lambda f: f.torch_version is not None and not f.torch_version.startswith(f.torch_prefix),
+        lambda f: f"torch {f.torch_version} is installed; sglang {f.adapter_sglang} needs "
+        f"torch {f.torch_prefix}x",
     ),
     Rule(
         "architecture",

@@ -20,7 +20,7 @@ from dmi_sglang.adapters.clickhouse._client import (
 )
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
-from dmi_sglang.domain.ports import RequestSummary
+from dmi_sglang.domain.ports import HookTotal, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
@@ -120,8 +120,8 @@ class ClickHouseReader:
         )
         return [RequestSummary(run_id, str(r), int(n), int(b)) for r, n, b in rows]
 
-    def hook_totals(self, run_id: str) -> list[tuple[str, int, int, int, int]]:
-        """Per act_name of a run: ``(act_name, layers, records, rows, payload bytes)``."""
+    def hook_totals(self, run_id: str) -> list[HookTotal]:
+        """Per act_name of a run: layers, records, rows and payload bytes stored."""
         rows = self._query(
             self._tables.offload,
             "SELECT act_name, uniqExact(layer_no), count(), "
@@ -129,7 +129,7 @@ class ClickHouseReader:
             "WHERE model_id = {run:String} GROUP BY act_name ORDER BY act_name",
             {"run": run_id},
         )
-        return [(str(a), int(ln), int(n), int(r), int(b)) for a, ln, n, r, b in rows]
+        return [HookTotal(str(a), int(ln), int(n), int(r), int(b)) for a, ln, n, r, b in rows]
 
     def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The request's latest manifest, or None when none was written."""

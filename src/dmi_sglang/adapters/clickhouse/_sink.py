@@ -1,4 +1,4 @@
-"""The record sinks: :class:`ClickHouseSink` (batched, background) and :class:`NullSink`.
+"""The ClickHouse record sink: :class:`ClickHouseSink` (batched, background writers).
 
 ``ClickHouseSink.put`` only queues; writer threads (one by default, each with its own
 client) take batches of at most ``insert_rows`` records, a partial batch after at most
@@ -32,7 +32,7 @@ from dmi_sglang.adapters.clickhouse._native import COLUMN_NAMES, coalesce, encod
 from dmi_sglang.adapters.clickhouse._queue import Batch, RecordQueue
 from dmi_sglang.adapters.clickhouse._rows import manifest_row, run_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
-from dmi_sglang.adapters.clickhouse._stats import NullSink, SinkStats, StatsCounter
+from dmi_sglang.adapters.clickhouse._stats import SinkStats, StatsCounter
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
@@ -40,7 +40,7 @@ from dmi_sglang.errors import StoreError
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["ClickHouseSink", "NullSink", "SinkStats", "open_sink"]
+__all__ = ["ClickHouseSink", "SinkStats"]
 
 log = structlog.get_logger(__name__)
 
@@ -283,14 +283,3 @@ class ClickHouseSink:
             self._write_control(self._tables.runs, [run_row(failed)], "recording a failed run")
         except StoreError as exc:  # the store is down; readers see the run as not committed
             log.warning("store.failed_run_not_recorded", run_id=run.run_id, error=str(exc))
-
-
-def open_sink(config: StoreConfig, **kwargs: object) -> ClickHouseSink | NullSink:
-    """The sink for ``config``: :class:`NullSink` for kind none, else ClickHouse.
-
-    Raises:
-        StoreError: see :class:`ClickHouseSink`.
-    """
-    if config.kind is StoreKind.NONE:
-        return NullSink()
-    return ClickHouseSink(config, **kwargs)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Sink statistics, and :class:`NullSink` (no persistence, counts only)."""
+"""Sink statistics."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.domain.records import CaptureRecord
 
 if TYPE_CHECKING:
     from dmi_sglang.adapters.clickhouse._queue import Batch
 
-__all__ = ["NullSink", "SinkStats", "StatsCounter"]
+__all__ = ["SinkStats", "StatsCounter"]
 
 
 @attrs.frozen
@@ -83,42 +83,3 @@ class StatsCounter:
         """The counters now."""
         with self._lock:
             return attrs.evolve(self._s, queued_bytes=queued_bytes)
-
-
-class NullSink:
-    """A :class:`~dmi_sglang.domain.ports.RecordSink` that stores nothing.
-
-    For transport-only runs (``DMX_DB_URL=none``): it counts what it is given, so a
-    benchmark can check that every record reached the sink, and never fails.
-    """
-
-    def __init__(self) -> None:
-        self._stats = StatsCounter()
-        self.runs_started: list[RunInfo] = []
-        self.runs_finished: list[RunInfo] = []
-
-    def start_run(self, run: RunInfo) -> None:
-        """Remember the run (nothing is stored)."""
-        self.runs_started.append(run)
-
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Count the records and drop them."""
-        self._stats.put(records)
-
-    def flush(self) -> None:
-        """Nothing to flush."""
-
-    def finish_run(
-        self,
-        run: RunInfo,
-        manifests: Sequence[RequestManifest],  # noqa: ARG002 -- the port's signature
-    ) -> None:
-        """Remember the run's final state (manifests are dropped)."""
-        self.runs_finished.append(run)
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def stats(self) -> SinkStats:
-        """Records and bytes put so far (nothing is ever stored)."""
-        return self._stats.snapshot()

@@ -9,13 +9,15 @@ object (SGLang's ``LayerCommunicator`` keeps references to the layer norms it ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
-__all__ = ["GLOBAL_LAYER", "CaptureTarget", "Patch", "wrap"]
+from dmi_sglang.tensor_ports import Capturer
+
+__all__ = ["GLOBAL_LAYER", "Patch", "wrap"]
 
 GLOBAL_LAYER = -1
 """``layer_no`` of global hooks (token_ids, embed, resid_final, final_ln, final_logits)."""
@@ -24,18 +26,6 @@ Forward = Callable[..., Any]
 Make = Callable[[Forward], Forward]
 
 _ROPE_TAPPED = "_dmi_rope_tapped"
-
-
-class CaptureTarget(Protocol):
-    """**Protocol**: what the capture points call (the transport's ``Capturer``)."""
-
-    def wants(self, hook_name: str, layer_no: int) -> bool:
-        """True when ``(hook_name, layer_no)`` is selected; others are never installed."""
-        ...
-
-    def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` (rows first) before returning."""
-        ...
 
 
 @attrs.frozen
@@ -60,7 +50,7 @@ def wrap(patches: list[Patch], module: nn.Module, make: Make) -> None:
     patches.append(Patch(module, previous))
 
 
-def emit(c: CaptureTarget, hook: str, layer: int, tensor: torch.Tensor) -> None:
+def emit(c: Capturer, hook: str, layer: int, tensor: torch.Tensor) -> None:
     """Hand ``tensor`` to the capturer unless it has no rows (IDLE batches)."""
     if tensor.shape[0]:
         c.capture(hook, layer, tensor)
@@ -71,7 +61,7 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) ->
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def entry(c: CaptureTarget) -> Make:
+def entry(c: Capturer) -> Make:
     """token_ids: the model's ``input_ids`` argument, at its forward's entry."""
 
     def make(original: Forward) -> Forward:
@@ -86,7 +76,7 @@ def entry(c: CaptureTarget) -> Make:
     return make
 
 
-def after(c: CaptureTarget, hook: str, layer: int) -> Make:
+def after(c: Capturer, hook: str, layer: int) -> Make:
     """The output (the first element of a linear layer's ``(output, bias)`` tuple)."""
 
     def make(original: Forward) -> Forward:
@@ -100,7 +90,7 @@ def after(c: CaptureTarget, hook: str, layer: int) -> Make:
     return make
 
 
-def norm(c: CaptureTarget, layer: int, *, resid: str | None, normed: str | None) -> Make:
+def norm(c: Capturer, layer: int, *, resid: str | None, normed: str | None) -> Make:
     """An RMSNorm called as ``norm(x)`` or fused as ``norm(x, residual, ...)``.
 
     Unfused, the residual stream is the input ``x`` (captured before the call). Fused, it
@@ -128,7 +118,7 @@ def norm(c: CaptureTarget, layer: int, *, resid: str | None, normed: str | None)
 class QKTap:
     """Armed by a layer's attention wrapper while its forward runs (see :func:`tap_rope`)."""
 
-    capturer: CaptureTarget
+    capturer: Capturer
     layer: int
     heads: int
     kv_heads: int
@@ -190,7 +180,7 @@ def heads(t: torch.Tensor, n: int, head_dim: int, *, clone: bool) -> torch.Tenso
     return rows.clone(memory_format=torch.contiguous_format) if clone else rows
 
 
-def radix(c: CaptureTarget, layer: int, *, kv: tuple[int, int] | None, z: bool) -> Make:
+def radix(c: Capturer, layer: int, *, kv: tuple[int, int] | None, z: bool) -> Make:
     """RadixAttention: v is its third input (``kv = (kv_heads, head_dim)``), z its output."""
 
     def make(original: Forward) -> Forward:
@@ -210,7 +200,7 @@ def radix(c: CaptureTarget, layer: int, *, kv: tuple[int, int] | None, z: bool) 
     return make
 
 
-def mlp(c: CaptureTarget, layer: int, *, want_in: bool, want_out: bool) -> Make:
+def mlp(c: Capturer, layer: int, *, want_in: bool, want_out: bool) -> Make:
     """The MLP block: mlp_in is its input, mlp_out its output."""
 
     def make(original: Forward) -> Forward:
@@ -227,7 +217,7 @@ def mlp(c: CaptureTarget, layer: int, *, want_in: bool, want_out: bool) -> Make:
     return make
 
 
-def logits(c: CaptureTarget) -> Make:
+def logits(c: Capturer) -> Make:
     """The logits processor: ``next_token_logits`` of its output, cloned."""
 
     def make(original: Forward) -> Forward:

@@ -1,10 +1,12 @@
 """Attaching monitoring to a ModelRunner: before and after its weights load.
 
 :func:`prepare` runs inside the ``ModelRunner.load_model`` hook BEFORE the original: it
-checks the support matrix and the upstream basis, opens the store (a clear error before
-any capture begins) and creates the transport (ring, arena and pinned staging are
+checks the support matrix and the upstream basis, then asks the capture factory the
+composition root injected at registration to open the pipeline: the store (a clear
+error before any capture begins) and the transport (ring, arena and pinned staging are
 allocated before SGLang sizes its KV cache). :func:`attach` runs AFTER the weights
-loaded and before CUDA graphs are captured: it installs the capture points.
+loaded and before CUDA graphs are captured: it installs the capture points and returns
+the capture session the runtime hooks drive.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ from typing import Any
 import attrs
 import structlog
 
-from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
-from dmi_sglang.domain.hooks import Selection
-from dmi_sglang.domain.ports import RecordSink
+from dmi_sglang.adapters.sglang_v0519 import _state
+from dmi_sglang.domain.ports import CaptureSession, CaptureSpec
 from dmi_sglang.domain.records import RunInfo
 from dmi_sglang.domain.settings import Settings
-from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.domain.support import check_support
 from dmi_sglang.errors import CaptureError, UnsupportedConfigurationError
+from dmi_sglang.tensor_ports import OpenedCapture
 
 __all__ = ["Prepared", "attach", "prepare"]
 
@@ -33,12 +34,8 @@ log = structlog.get_logger(__name__)
 class Prepared:
     """What :func:`prepare` built, handed to :func:`attach`."""
 
-    settings: Settings
-    selection: Selection
-    shape: ModelShape
-    sink: RecordSink
-    transport: Any
-    run: RunInfo
+    spec: CaptureSpec
+    opened: OpenedCapture
 
 
 def _resolved(name: str, server_args: Any) -> Any:
@@ -69,10 +66,9 @@ def prepare(runner: Any) -> Prepared:
     """
     from dmi_sglang.adapters.sglang_v0519.facts import engine_facts, model_hooks, model_shape
     from dmi_sglang.adapters.sglang_v0519.pins import verify_upstream_basis
-    from dmi_sglang.adapters.sglang_v0519.plugin import registration_problems
     from dmi_sglang.adapters.sglang_v0519.qwen3 import register_hooked_models
 
-    problems = list(registration_problems())
+    problems = list(_state.registration_problems())
     problems += verify_upstream_basis()
     server_args = runner.server_args
     hf_config = runner.model_config.hf_config
@@ -98,9 +94,11 @@ def prepare(runner: Any) -> Prepared:
     if chunk <= 0:
         chunk = int(runner.model_config.context_len)
 
-    from dmi_sglang.adapters.clickhouse import open_sink
-    from dmi_sglang.adapters.transport import create_transport
-
+    factory = _state.STATE.factory
+    if factory is None:
+        msg = ("no capture factory was registered in this process (the plugin entry point "
+               "dmi_sglang.app.plugin:register did not run)")
+        raise CaptureError(msg)
     run_id = settings.model_id or ""
     run = RunInfo(
         run_id=run_id,
@@ -109,50 +107,32 @@ def prepare(runner: Any) -> Prepared:
         captures=tuple((h.act_name, layer) for h, layer in selection.captures()),
         started_at=datetime.now(UTC).isoformat(),
     )
-    sink = open_sink(settings.store())  # a store that cannot open fails here
-    try:
-        sink.start_run(run)
-        transport = create_transport(
-            payload_mb=settings.ring_payload_mb,
-            pinned_mb=settings.ring_pinned_mb,
-            task_entries=settings.ring_task_entries,
-            padding_strip=settings.gpu_padding_strip,
-            flush_timeout_us=settings.drain_flush_timeout_us,
-            copy_threads=settings.drain_copy_threads,
-            selection=selection,
-            shape=shape,
-            max_graph_batch=max(max_bs, 1) if graphs else 1,
-            sink=sink,
-            run_id=run_id,
-            device=f"cuda:{runner.gpu_id}" if str(runner.device).startswith("cuda")
-            else str(runner.device),
-            max_prefill_tokens=chunk,
-            max_requests=max_requests or max(max_bs, 1),
-        )
-    except BaseException:
-        sink.close()
-        raise
+    spec = CaptureSpec(
+        settings=settings,
+        run=run,
+        selection=selection,
+        shape=shape,
+        max_graph_batch=max(max_bs, 1) if graphs else 1,
+        device=f"cuda:{runner.gpu_id}" if str(runner.device).startswith("cuda")
+        else str(runner.device),
+        max_prefill_tokens=chunk,
+        max_requests=max_requests or max(max_bs, 1),
+    )
+    opened = factory.open(spec)  # a store that cannot open, or a ring too small, fails here
     log.info("dmi.prepared", run_id=run_id, hooks=list(selection.names),
              captures=len(selection.captures()), decode_graphs=graphs, max_graph_batch=max_bs,
-             chunked_prefill=chunk, device_bytes=transport.device_bytes,
+             chunked_prefill=chunk, device_bytes=opened.device_bytes,
              store=settings.store().url)
-    return Prepared(settings, selection, shape, sink, transport, run)
+    return Prepared(spec, opened)
 
 
-def attach(runner: Any, prepared: Prepared) -> SchedulerMonitor:
-    """Install the capture points on the loaded model; the monitor that drives them."""
+def attach(runner: Any, prepared: Prepared) -> CaptureSession:
+    """Install the capture points on the loaded model; the session that drives them."""
     from dmi_sglang.adapters.sglang_v0519.qwen3 import install_capture_points
 
-    installed = install_capture_points(runner.model, prepared.transport.capturer)
+    installed = install_capture_points(runner.model, prepared.opened.capturer)
     if not installed:
         msg = "no capture point was installed (empty selection?)"
         raise CaptureError(msg)
-    log.info("dmi.attached", run_id=prepared.run.run_id, capture_points=len(installed))
-    return SchedulerMonitor(
-        run=prepared.run,
-        selection=prepared.selection,
-        shape=prepared.shape,
-        transport=prepared.transport,
-        sink=prepared.sink,
-        strip=prepared.settings.gpu_padding_strip,
-    )
+    log.info("dmi.attached", run_id=prepared.spec.run.run_id, capture_points=len(installed))
+    return prepared.opened.session

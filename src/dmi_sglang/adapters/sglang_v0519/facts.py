@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import structlog
 
+from dmi_sglang.adapters.sglang_v0519.version import SGLANG_VERSION, TORCH_PREFIX
 from dmi_sglang.domain.hooks import PRESETS, ModelHooks
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.shapes import DType, ModelShape
@@ -204,7 +205,9 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
         prefill_graph_enabled=prefill_enabled,
         radix_cache_enabled=not bool(get("disable_radix_cache", False)),
         sglang_version=importlib.metadata.version("sglang"),
+        adapter_sglang=SGLANG_VERSION,
         torch_version=_torch_version_on_gpu(),
+        torch_prefix=TORCH_PREFIX,
     )
     return _Collected(facts, frozenset(undecided))
 

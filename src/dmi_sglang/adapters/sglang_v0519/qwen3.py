@@ -26,13 +26,13 @@ from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 from torch import nn
 
 from dmi_sglang.adapters.sglang_v0519 import _points as p
-from dmi_sglang.adapters.sglang_v0519._points import GLOBAL_LAYER, CaptureTarget
+from dmi_sglang.adapters.sglang_v0519._points import GLOBAL_LAYER
 from dmi_sglang.errors import CaptureError
+from dmi_sglang.tensor_ports import Capturer
 
 __all__ = [
     "ARCHITECTURE",
     "GLOBAL_LAYER",
-    "CaptureTarget",
     "DMIQwen3ForCausalLM",
     "install_capture_points",
     "register_hooked_models",
@@ -58,7 +58,7 @@ class DMIQwen3ForCausalLM(Qwen3ForCausalLM):  # type: ignore[misc]  # sglang is 
     """
 
 
-def install_capture_points(model: nn.Module, capturer: CaptureTarget) -> list[str]:
+def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
     """Wrap the selected capture points of an upstream Qwen3ForCausalLM instance.
 
     Call it after the weights are loaded and before CUDA graphs are captured (the
@@ -114,7 +114,7 @@ def install_capture_points(model: nn.Module, capturer: CaptureTarget) -> list[st
 def _install_layer(
     layer: Any,
     i: int,
-    c: CaptureTarget,
+    c: Capturer,
     want: Callable[[str, int], bool],
     patches: list[p.Patch],
 ) -> None:

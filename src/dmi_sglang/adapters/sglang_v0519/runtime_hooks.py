@@ -1,4 +1,4 @@
-"""The HookRegistry hooks that connect SGLang 0.5.19 to the monitor.
+"""The HookRegistry hooks that connect SGLang 0.5.19 to the capture session.
 
 Registered by ``register()`` (the ``sglang.srt.plugins`` entry point) only when
 monitoring is requested (``DMX_SGLANG_ENABLE``). Every hook is a no-op for processes and
@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from dmi_sglang.adapters.sglang_v0519.monitor import SchedulerMonitor
+from dmi_sglang.domain.ports import CaptureSession
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.errors import CaptureError
 
@@ -23,7 +23,7 @@ __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
 
 log = structlog.get_logger(__name__)
 
-_MONITOR: SchedulerMonitor | None = None
+_MONITOR: CaptureSession | None = None
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -32,12 +32,12 @@ _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCu
 _WORKER = "sglang.srt.managers.tp_worker.TpModelWorker"
 
 
-def current_monitor() -> SchedulerMonitor | None:
-    """This process's monitor, once ``load_model`` attached one."""
+def current_monitor() -> CaptureSession | None:
+    """This process's capture session, once ``load_model`` attached one."""
     return _MONITOR
 
 
-def _forwarding() -> SchedulerMonitor | None:
+def _forwarding() -> CaptureSession | None:
     mon = _MONITOR
     return mon if mon is not None and mon.in_forward() else None
 
@@ -102,7 +102,7 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
         raise
     t2 = perf_counter()
     mon.end_forward()
-    mon.host_seconds += perf_counter() - t2 + t1 - t0
+    mon.add_host_seconds(perf_counter() - t2 + t1 - t0)
     return out
 
 
@@ -119,7 +119,7 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
     layout = layout_from_forward_batch(fb)
     padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
     allowed = mon.graph_allowed(layout, padded)
-    mon.host_seconds += perf_counter() - t0
+    mon.add_host_seconds(perf_counter() - t0)
     return allowed
 
 
@@ -138,7 +138,7 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
                f"{plan.layout.raw_batch_size}")
         raise CaptureError(msg)
     mon.commit_graph(plan)
-    mon.host_seconds += perf_counter() - t0
+    mon.add_host_seconds(perf_counter() - t0)
     del result
 
 
@@ -154,7 +154,7 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
     layout = layout_from_forward_batch(result if result is not None else fb,
                                        unfinished_rids=mon.unfinished)
     mon.commit_eager(layout)
-    mon.host_seconds += perf_counter() - t0
+    mon.add_host_seconds(perf_counter() - t0)
 
 
 def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
@@ -173,9 +173,8 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
         t0 = perf_counter()
-        mon.requests.add_reqs(batch.reqs)
-        mon.unfinished = unfinished_rids(batch)
-        mon.host_seconds += perf_counter() - t0
+        mon.add_requests(batch.reqs, unfinished_rids(batch))
+        mon.add_host_seconds(perf_counter() - t0)
     return original(worker, batch, *args, **kw)
 
 

@@ -1,4 +1,4 @@
-"""A lazy per-request view of a capture: :class:`CaptureHandle`.
+"""A lazy per-request view of a capture: :class:`CaptureHandle` (any store backend).
 
 Free until used: the constructor does no I/O. Each access opens the store through the
 reader factory, reads and closes it; results are cached (a "not complete" verdict is
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from dmi_sglang.adapters.clickhouse._assemble import hook_for, missing, select_rows
+from dmi_sglang.app.assemble import hook_for, missing, select_rows
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import CaptureRecord, Coverage, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
@@ -26,7 +26,7 @@ from dmi_sglang.errors import IncompleteCaptureError, StoreError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CaptureHandle"]
+__all__ = ["CaptureHandle", "NoStoreHandle"]
 
 _Key = tuple[str, int, int, int]
 
@@ -37,8 +37,8 @@ class CaptureHandle:
     Args:
         run_id: the run (``model_id`` of its records).
         request_id: the request (SGLang's ``meta_info["id"]``).
-        reader_factory: makes a :class:`~dmi_sglang.domain.ports.RecordReader` (e.g.
-            ``lambda: ClickHouseReader(config)``); called on each access.
+        reader_factory: makes a :class:`~dmi_sglang.domain.ports.RecordReader` (the
+            composition root's ``reader_for(store)``); called on each access.
 
     Positions are absolute token positions of the request. ``get(..., start=, end=)``
     selects the half-open range ``[start, end)`` within the hook's coverage.
@@ -227,9 +227,35 @@ class CaptureHandle:
     @contextlib.contextmanager
     def _reader(self) -> Iterator[RecordReader]:
         reader = self._factory()
-        session = getattr(reader, "session", None)  # optional: open the store once
-        with session() if callable(session) else contextlib.nullcontext(reader):
+        with reader.session():
             yield reader
+
+
+class NoStoreHandle:
+    """The handle of a run without persistence (``DMX_DB_URL=none``): nothing to read."""
+
+    __slots__ = ("request_id", "run_id")
+
+    def __init__(self, run_id: str, request_id: str) -> None:
+        self.run_id = run_id
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"NoStoreHandle(run_id={self.run_id!r}, request_id={self.request_id!r})"
+
+    @property
+    def available(self) -> bool:
+        """Always False: the run stored nothing."""
+        return False
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Why nothing can be read."""
+        return ("the run was captured without persistence (DMX_DB_URL=none)",)
+
+    def __getattr__(self, name: str) -> object:
+        msg = f"run {self.run_id!r} stored nothing (DMX_DB_URL=none); cannot read {name!r}"
+        raise IncompleteCaptureError(msg)
 
 
 def _decode(records: Sequence[CaptureRecord], lo: int, hi: int) -> torch.Tensor:

@@ -1,15 +1,18 @@
-"""Monitoring inside one SGLang scheduler process: steps, requests, stop.
+"""One run's capture inside one SGLang scheduler process: steps, requests, stop.
 
-One :class:`SchedulerMonitor` exists per monitored scheduler process. The runtime hooks
-(``runtime_hooks.py``) drive it:
+Version-neutral: it imports only the domain, and reaches the transport and the sink
+through their ports. One :class:`SchedulerMonitor` (the
+:class:`~dmi_sglang.domain.ports.CaptureSession` implementation) exists per monitored
+scheduler process; the composition root builds it and the SGLang adapter's runtime hooks
+drive it:
 
 * ``ModelRunner.forward`` (around): :meth:`begin_forward` / :meth:`end_forward`;
-* ``DecodeCudaGraphRunner.can_run_graph`` (around): :meth:`graph_allowed` (preflight of
-  the padded step; a step that cannot fit runs eagerly);
-* ``DecodeCudaGraphRunner.load_batch`` / ``EagerRunner.load_batch`` (after):
-  :meth:`commit_graph` / :meth:`commit_eager`;
-* ``TpModelWorker.forward_batch_generation`` (around): ``requests.add_reqs``, so the
-  stop call knows each request's prompt and completion lengths for the manifest;
+* the decode graph runner's ``can_run_graph`` (around): :meth:`graph_allowed` (preflight
+  of the padded step; a step that cannot fit runs eagerly);
+* the graph / eager runner's ``load_batch`` (after): :meth:`commit_graph` /
+  :meth:`commit_eager`;
+* the worker's ``forward_batch_generation`` (around): :meth:`add_requests`, so the stop
+  call knows each request's prompt and completion lengths for the manifest;
 * the Scheduler RPC ``dmi_stop_monitoring``: :meth:`stop`.
 
 Finished requests are reported to the transport (``finish_request``) at the start of
@@ -27,7 +30,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
 
 import attrs
 import structlog
@@ -36,7 +38,7 @@ from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
-from dmi_sglang.domain.ports import RecordSink, TransportStats
+from dmi_sglang.domain.ports import CaptureTransport, RecordSink, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CaptureError
@@ -48,13 +50,13 @@ log = structlog.get_logger(__name__)
 
 @attrs.define
 class _Seen:
-    req: Any
+    req: TrackedRequest | None
     first_start: int
     last_end: int
     notified: bool = False
 
 
-def logits_end(req: Any) -> int:
+def logits_end(req: TrackedRequest) -> int:
     """One past the last position whose ``final_logits`` row decided a generated token:
     ``prompt + completion - 1`` (the row at position p decides token p + 1)."""
     return len(req.origin_input_ids) + len(req.output_ids) - 1
@@ -73,7 +75,7 @@ class RequestTracker:
         self._live: dict[str, _Seen] = {}
         """Requests with a Req object and no finish notice yet (scanned every forward)."""
 
-    def add_reqs(self, reqs: Iterable[Any]) -> None:
+    def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
         for req in reqs:
             seen = self._seen.get(req.rid)
@@ -87,12 +89,13 @@ class RequestTracker:
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
         reported once. O(live requests): one ``finished()`` call each."""
-        done = [(rid, seen) for rid, seen in self._live.items() if seen.req.finished()]
+        done = [(rid, seen.req) for rid, seen in self._live.items()
+                if seen.req is not None and seen.req.finished()]
         out = []
-        for rid, seen in done:
+        for rid, req in done:
+            self._live[rid].notified = True
             del self._live[rid]
-            seen.notified = True
-            out.append((rid, logits_end(seen.req)))
+            out.append((rid, logits_end(req)))
         return out
 
     def take_all(self) -> list[tuple[str, int | None]]:
@@ -146,7 +149,7 @@ class RequestTracker:
 
 
 class SchedulerMonitor:
-    """The per-process monitoring state the runtime hooks drive."""
+    """The :class:`~dmi_sglang.domain.ports.CaptureSession` of one scheduler process."""
 
     def __init__(
         self,
@@ -154,11 +157,11 @@ class SchedulerMonitor:
         run: RunInfo,
         selection: Selection,
         shape: ModelShape,
-        transport: Any,
+        transport: CaptureTransport,
         sink: RecordSink,
         strip: bool,
     ) -> None:
-        self.run = run
+        self._run = run
         self.selection = selection
         self.shape = shape
         self.transport = transport
@@ -166,7 +169,6 @@ class SchedulerMonitor:
         self.strip = strip
         self.protocol = StepProtocol()
         self.requests = RequestTracker()
-        self._finish_request = getattr(transport, "finish_request", None)
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
@@ -180,9 +182,24 @@ class SchedulerMonitor:
         calls inside the forward (and a piecewise step's waits there) are not counted."""
 
     @property
+    def run(self) -> RunInfo:
+        """The run this session captures."""
+        return self._run
+
+    @property
     def active(self) -> bool:
         """True until the monitor stopped."""
         return not self._stopped
+
+    def add_requests(self, reqs: Iterable[TrackedRequest], unfinished: frozenset[str]) -> None:
+        """The worker is about to run a batch of these requests; ``unfinished`` are those
+        whose prompt chunk does not finish them (their logits decide nothing yet)."""
+        self.requests.add_reqs(reqs)
+        self.unfinished = unfinished
+
+    def add_host_seconds(self, seconds: float) -> None:
+        """Count scheduler-thread time the runtime hooks spent for the capture."""
+        self.host_seconds += seconds
 
     # -- one forward -------------------------------------------------------------------
     def begin_forward(self) -> int:
@@ -190,10 +207,9 @@ class SchedulerMonitor:
         if self._stopped:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
-        finish = self._finish_request
-        if finish is not None and not self.in_forward():
+        if not self.in_forward():
             for rid, end in self.requests.take_finished():
-                finish(rid, end)
+                self.transport.finish_request(rid, end)
         self._preflighted = None
         return self.protocol.begin()
 
@@ -255,13 +271,12 @@ class SchedulerMonitor:
             if self._failure is not None:
                 raise CaptureError(str(self._failure)) from self._failure
             if self._stopped:
-                return self.transport.stats()  # type: ignore[no-any-return]
+                return self.transport.stats()
             self._stopped = True
             stopped_at = datetime.now(UTC).isoformat()
             try:
-                if self._finish_request is not None:
-                    for rid, end in self.requests.take_all():
-                        self._finish_request(rid, end)
+                for rid, end in self.requests.take_all():
+                    self.transport.finish_request(rid, end)
                 stats = self.transport.stop()
                 manifests = self.requests.manifests(self.run.run_id, committed=True)
                 run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.COMMITTED)
@@ -275,7 +290,7 @@ class SchedulerMonitor:
                 self.sink.close()
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
-            return stats  # type: ignore[no-any-return]
+            return stats
 
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and
@@ -286,9 +301,7 @@ class SchedulerMonitor:
             "host_seconds": self.host_seconds,
             "stall_seconds": stats.stall_seconds,
         }
-        counters = getattr(self.transport, "drain_counters", None)
-        if counters is not None:
-            out.update({f"drain_{k}": float(v) for k, v in counters().items()})
+        out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})
         return out
 
     def _record_failure(self, exc: BaseException, stopped_at: str) -> None:

@@ -1,0 +1,193 @@
+"""The composition root: the only module that names concrete adapters.
+
+* store URL -> record sink and record reader (:func:`open_sink`, :func:`reader_for`);
+* installed SGLang release -> the SGLang adapter (:func:`sglang_adapter`; an unknown
+  release is refused with the supported list);
+* the capture pipeline (sink + transport + capture session) that the SGLang adapter opens
+  in each scheduler through the :class:`~dmi_sglang.tensor_ports.CaptureFactory` it is
+  handed at registration (:class:`PipelineFactory`), so no adapter imports another.
+
+A sibling SGLang adapter is a new ``adapters/sglang_vXXXX`` package plus one line in
+:data:`SGLANG_ADAPTERS`; another store backend is a new adapter plus a branch in
+:func:`open_sink` and :func:`reader_for`. ``docs/architecture.md`` has the checklist.
+
+Store owner: the scheduler process that captures holds the embedded store while its run
+is live (the sink is opened by :meth:`PipelineFactory.open`, in the scheduler). Moving
+the store into a dedicated sink process changes :func:`open_sink` alone: the adapter and
+the session see only the :class:`~dmi_sglang.domain.ports.RecordSink` port.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
+from dmi_sglang.app.null_sink import NullSink
+from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink
+from dmi_sglang.domain.settings import monitoring_requested
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.errors import ConfigurationError, StoreError, UnsupportedConfigurationError
+from dmi_sglang.tensor_ports import OpenedCapture, SGLangAdapter
+
+__all__ = [
+    "SGLANG_ADAPTERS",
+    "PipelineFactory",
+    "handle_for",
+    "installed_sglang",
+    "open_sink",
+    "reader_for",
+    "register_plugin",
+    "sglang_adapter",
+    "write_demo_checkpoint",
+]
+
+log = structlog.get_logger(__name__)
+
+SGLANG_ADAPTERS: Mapping[str, str] = {
+    "0.5.19": "dmi_sglang.adapters.sglang_v0519.adapter",
+}
+"""Installed SGLang release -> the module whose ``ADAPTER`` serves it."""
+
+
+# -- storage ---------------------------------------------------------------------------
+def open_sink(store: StoreConfig) -> RecordSink:
+    """The record sink of ``store``: nothing stored for ``none``, else ClickHouse.
+
+    Raises:
+        StoreError: the store cannot be opened or its tables have another layout.
+    """
+    if store.kind is StoreKind.NONE:
+        return NullSink()
+    from dmi_sglang.adapters.clickhouse import ClickHouseSink
+
+    return ClickHouseSink(store)
+
+
+def reader_for(store: StoreConfig) -> RecordReader:
+    """The record reader of ``store`` (opens nothing until used).
+
+    Raises:
+        StoreError: ``store`` is ``none`` (there is nothing to read).
+    """
+    if store.kind is StoreKind.NONE:
+        msg = "the store is 'none' (no persistence): there is nothing to read"
+        raise StoreError(msg)
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+
+    return ClickHouseReader(store)
+
+
+def handle_for(store: StoreConfig, run_id: str, request_id: str) -> CaptureHandle | NoStoreHandle:
+    """The lazy handle of one request: free until an attribute is read."""
+    if store.kind is StoreKind.NONE:
+        return NoStoreHandle(run_id, request_id)
+    return CaptureHandle(run_id, request_id, lambda: reader_for(store))
+
+
+# -- capture ---------------------------------------------------------------------------
+class PipelineFactory:
+    """The :class:`~dmi_sglang.tensor_ports.CaptureFactory` handed to SGLang adapters."""
+
+    def open(self, spec: CaptureSpec) -> OpenedCapture:
+        """Open the store, start the run, create the transport and the session.
+
+        Raises:
+            StoreError: the store cannot be opened.
+            CapacityError: the ring cannot hold one capture tensor.
+        """
+        from dmi_sglang.adapters.transport import create_transport
+
+        settings = spec.settings
+        sink = open_sink(settings.store())  # a store that cannot open fails here
+        try:
+            sink.start_run(spec.run)
+            transport = create_transport(
+                payload_mb=settings.ring_payload_mb,
+                pinned_mb=settings.ring_pinned_mb,
+                task_entries=settings.ring_task_entries,
+                padding_strip=settings.gpu_padding_strip,
+                flush_timeout_us=settings.drain_flush_timeout_us,
+                copy_threads=settings.drain_copy_threads,
+                selection=spec.selection,
+                shape=spec.shape,
+                max_graph_batch=spec.max_graph_batch,
+                sink=sink,
+                run_id=spec.run.run_id,
+                device=spec.device,
+                max_prefill_tokens=spec.max_prefill_tokens,
+                max_requests=spec.max_requests,
+            )
+        except BaseException:
+            sink.close()
+            raise
+        session = SchedulerMonitor(
+            run=spec.run,
+            selection=spec.selection,
+            shape=spec.shape,
+            transport=transport,
+            sink=sink,
+            strip=settings.gpu_padding_strip,
+        )
+        return OpenedCapture(session, transport.capturer, transport.device_bytes)
+
+
+# -- SGLang ----------------------------------------------------------------------------
+def installed_sglang() -> str | None:
+    """The installed SGLang release (local version label dropped), or None."""
+    try:
+        return importlib.metadata.version("sglang").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def sglang_adapter(version: str | None = None) -> SGLangAdapter:
+    """The adapter for ``version`` (default: the installed SGLang).
+
+    Raises:
+        UnsupportedConfigurationError: SGLang is missing, or no adapter serves its release.
+    """
+    version = installed_sglang() if version is None else version
+    module = SGLANG_ADAPTERS.get(version or "")
+    if module is None:
+        found = f"sglang {version} is installed" if version else "sglang is not installed"
+        msg = (f"{found}; dmi-sglang supports sglang=={' or =='.join(SGLANG_ADAPTERS)} "
+               "(pip install 'dmi-sglang[sglang]')")
+        raise UnsupportedConfigurationError((msg,))
+    adapter: SGLangAdapter = importlib.import_module(module).ADAPTER
+    return adapter
+
+
+def register_plugin() -> None:
+    """The ``sglang.srt.plugins`` entry point's work: hand the capture factory to the
+    adapter of the installed SGLang, which installs its hooks when monitoring is requested.
+
+    Cheap and idempotent. SGLang logs and swallows what a plugin raises, so an SGLang
+    release without an adapter is logged as an error here when monitoring is requested
+    (``DMIEngine`` refuses it before starting anything).
+    """
+    try:
+        adapter = sglang_adapter()
+    except UnsupportedConfigurationError as exc:
+        try:
+            requested = monitoring_requested()
+        except ConfigurationError:
+            requested = True
+        if requested:
+            log.error("dmi.plugin.unsupported_sglang", error=str(exc))
+            raise
+        return
+    adapter.register(PipelineFactory())
+
+
+# -- demo checkpoint -------------------------------------------------------------------
+def write_demo_checkpoint(path: Path, *, layers: int) -> Path:
+    """Write the small random-weight Qwen3 checkpoint (transformers and tokenizers)."""
+    from dmi_sglang.adapters.demo_model import write_demo_checkpoint as write
+
+    return write(path, layers=layers)

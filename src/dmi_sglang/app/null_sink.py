@@ -1,0 +1,54 @@
+""":class:`NullSink`: the record sink of runs without persistence (``DMX_DB_URL=none``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+
+__all__ = ["NullSink"]
+
+
+class NullSink:
+    """A :class:`~dmi_sglang.domain.ports.RecordSink` that stores nothing and never fails.
+
+    It counts what it is given, so a benchmark can check that every record reached the
+    sink; capture-only runs thus do all the work of a stored run up to the sink call.
+
+    Attributes:
+        records_put / bytes_put: records and payload bytes handed to ``put``.
+        runs_started / runs_finished: ``start_run`` and ``finish_run`` arguments.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.records_put = 0
+        self.bytes_put = 0
+        self.runs_started: list[RunInfo] = []
+        self.runs_finished: list[RunInfo] = []
+
+    def start_run(self, run: RunInfo) -> None:
+        """Remember the run (nothing is stored)."""
+        self.runs_started.append(run)
+
+    def put(self, records: Sequence[CaptureRecord]) -> None:
+        """Count the records and drop them."""
+        size = sum(len(r.payload) for r in records)
+        with self._lock:
+            self.records_put += len(records)
+            self.bytes_put += size
+
+    def flush(self) -> None:
+        """Nothing to flush."""
+
+    def finish_run(
+        self,
+        run: RunInfo,
+        manifests: Sequence[RequestManifest],  # noqa: ARG002 -- the port's signature
+    ) -> None:
+        """Remember the run's final state (manifests are dropped)."""
+        self.runs_finished.append(run)
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,128 @@
+"""Reading captures back, whatever the store: :func:`open_store`.
+
+::
+
+    from dmi_sglang import open_store
+
+    store = open_store("chdb:///abs/path/dmi-captures")   # default: ./dmi-captures
+    for run in store.runs():
+        print(run.run_id, run.status.value)
+    handle = store.handle(run.run_id, store.requests(run.run_id)[0].request_id)
+    print(handle.available, [h.shape for h in handle.hidden_states])
+
+Nothing is opened until a method reads; each read opens the store and closes it again
+(the embedded store admits one process at a time), unless it runs inside
+``with store.session():``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from dmi_sglang.app import composition
+from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
+from dmi_sglang.domain.records import RunInfo
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
+
+__all__ = ["CaptureStore", "open_store", "store_config"]
+
+
+def store_config(url: str | None = None) -> StoreConfig:
+    """The resolved store of a URL, as ``DMX_DB_URL`` reads it (``None``: the default
+    embedded store ``./dmi-captures``).
+
+    Raises:
+        ConfigurationError: the URL is not a store URL.
+    """
+    env = {"DMX_DB_URL": url} if url else {}
+    return Settings.from_env(env).resolve(model_path="reader").store()
+
+
+class CaptureStore:
+    """The runs and requests of one store, and each request's capture handle.
+
+    Args:
+        config: the store (see :func:`store_config`).
+
+    Raises:
+        StoreError: the store is ``none`` (nothing to read).
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._reader: RecordReader = composition.reader_for(config)
+
+    @property
+    def url(self) -> str:
+        """The store's URL (no credentials)."""
+        return self.config.url
+
+    @contextmanager
+    def session(self) -> Iterator[CaptureStore]:
+        """Keep the store open for the calls inside the block (re-entrant)."""
+        with self._reader.session():
+            yield self
+
+    def runs(self) -> Sequence[RunInfo]:
+        """Every run, newest first."""
+        return self._reader.runs()
+
+    def run(self, run_id: str) -> RunInfo | None:
+        """One run's latest state, or None."""
+        return self._reader.run(run_id)
+
+    def requests(self, run_id: str) -> Sequence[RequestSummary]:
+        """The requests of a run with their stored rows and bytes.
+
+        Raises:
+            StoreError: no such run.
+        """
+        with self.session():
+            self._require(run_id)
+            return self._reader.requests(run_id)
+
+    def hook_totals(self, run_id: str) -> Sequence[HookTotal]:
+        """Per captured hook of a run: layers, records, rows and bytes stored.
+
+        Raises:
+            StoreError: no such run.
+        """
+        with self.session():
+            self._require(run_id)
+            return self._reader.hook_totals(run_id)
+
+    def handle(self, run_id: str, request_id: str) -> CaptureHandle:
+        """The lazy capture handle of one request (nothing is read until used)."""
+        return CaptureHandle(run_id, request_id, lambda: self._reader)
+
+    def delete_run(self, run_id: str) -> int:
+        """Delete a run; returns the records deleted.
+
+        Raises:
+            StoreError: no such run.
+        """
+        with self.session():
+            self._require(run_id)
+            return self._reader.delete_run(run_id)
+
+    def _require(self, run_id: str) -> RunInfo:
+        run = self._reader.run(run_id)
+        if run is None:
+            msg = f"no run {run_id!r} in {self.url}"
+            raise StoreError(msg)
+        return run
+
+
+def open_store(url: str | None = None) -> CaptureStore:
+    """The store at ``url`` (``chdb:///abs/path`` or ``http(s)://host:port/db``; default
+    the embedded store ``./dmi-captures``). Opens nothing until a method reads.
+
+    Raises:
+        ConfigurationError: ``url`` is not a store URL.
+        StoreError: ``url`` is ``none`` (nothing to read).
+    """
+    return CaptureStore(store_config(url))

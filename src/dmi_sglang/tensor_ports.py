@@ -1,0 +1,88 @@
+"""The ports that speak torch tensors (outside the domain, which never imports torch).
+
+* :class:`Capturer`: what a hooked model's capture points call.
+* :class:`OpenedCapture` / :class:`CaptureFactory`: what the composition root hands an
+  SGLang adapter so that, in a scheduler, it can open the capture pipeline (store, transport
+  and capture session) without naming any other adapter.
+* :class:`SGLangAdapter`: what a version package (``adapters/sglang_vXXXX``) provides to
+  the composition root.
+
+torch is imported for type checking only: importing this module stays free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+
+from dmi_sglang.domain.ports import CaptureSession, CaptureSpec, EngineTap
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["CaptureFactory", "Capturer", "OpenedCapture", "SGLangAdapter"]
+
+
+@runtime_checkable
+class Capturer(Protocol):
+    """**Port**: the only object a hooked model sees at its capture points."""
+
+    def wants(self, hook_name: str, layer_no: int) -> bool:
+        """True when ``(hook_name, layer_no)`` is selected (``layer_no = -1``: global)."""
+        ...
+
+    def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
+        """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``."""
+        ...
+
+
+@attrs.frozen
+class OpenedCapture:
+    """An open capture pipeline: the session the runtime hooks drive, the capturer the
+    capture points call, and the device memory it holds."""
+
+    session: CaptureSession
+    capturer: Capturer
+    device_bytes: int
+
+
+@runtime_checkable
+class CaptureFactory(Protocol):
+    """**Port**: opens the capture pipeline of one run in one scheduler process."""
+
+    def open(self, spec: CaptureSpec) -> OpenedCapture:
+        """Open the store, start the run and create the transport.
+
+        Raises:
+            StoreError: the store cannot be opened.
+            CapacityError: the ring cannot hold one capture tensor.
+        """
+        ...
+
+
+@runtime_checkable
+class SGLangAdapter(Protocol):
+    """**Port**: what one SGLang version's adapter package provides.
+
+    ``sglang_version`` is the exact release it is qualified on; the composition root
+    picks the adapter whose version is installed.
+    """
+
+    @property
+    def sglang_version(self) -> str:
+        """The SGLang release the adapter is written against (``"0.5.19"``)."""
+        ...
+
+    def register(self, factory: CaptureFactory) -> None:
+        """The plugin entry point's work in every SGLang process: install the hooks
+        (when monitoring is requested). Cheap, idempotent, never raises."""
+        ...
+
+    def engine_base(self) -> type[Any]:
+        """SGLang's offline ``Engine`` class, which ``DMIEngine`` extends."""
+        ...
+
+    def engine_tap(self, engine: Any) -> EngineTap:
+        """The monitoring RPCs of a started engine."""
+        ...
