@@ -37,8 +37,8 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, connect
-from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.adapters.clickhouse._native import COLUMN_NAMES, encode_block
+from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 

@@ -6,14 +6,16 @@ Importing this module is free (no torch, SGLang or ClickHouse).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+from dmi_sglang.domain.ports import HookTotal, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
 
-__all__ = ["MemorySink"]
+__all__ = ["MemoryReader", "MemorySink"]
 
 
 class MemorySink:
@@ -106,3 +108,94 @@ class MemorySink:
             self._raise_if_failed()
             self.closed = True
 
+
+
+class MemoryReader:
+    """A :class:`~dmi_sglang.domain.ports.RecordReader` over a :class:`MemorySink`.
+
+    Together they are an in-memory store backend: what the sink was given reads back
+    as the ClickHouse reader would return it (latest run state and manifest win).
+    """
+
+    def __init__(self, sink: MemorySink) -> None:
+        self._sink = sink
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[MemoryReader]:
+        """Nothing to open."""
+        yield self
+
+    def _states(self) -> list[RunInfo]:
+        return [*self._sink.runs, *(run for run, _ in self._sink.finished)]
+
+    def runs(self) -> list[RunInfo]:
+        """Every run (latest state of each), newest first."""
+        latest: dict[str, RunInfo] = {}
+        for run in self._states():
+            latest[run.run_id] = run
+        return sorted(latest.values(), key=lambda r: r.started_at, reverse=True)
+
+    def run(self, run_id: str) -> RunInfo | None:
+        """One run's latest state, or None."""
+        states = [r for r in self._states() if r.run_id == run_id]
+        return states[-1] if states else None
+
+    def _records(self, run_id: str, request_id: str | None = None) -> list[CaptureRecord]:
+        return [r for r in self._sink.records if r.model_id == run_id
+                and (request_id is None or r.request_id == request_id)]
+
+    def requests(self, run_id: str) -> list[RequestSummary]:
+        """Requests of a run with their stored rows and payload bytes."""
+        by_request: dict[str, list[CaptureRecord]] = {}
+        for r in self._records(run_id):
+            by_request.setdefault(r.request_id, []).append(r)
+        return [RequestSummary(run_id, rid, len(recs), sum(len(r.payload) for r in recs))
+                for rid, recs in sorted(by_request.items())]
+
+    def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
+        """The request's latest manifest, or None."""
+        found = [m for run, manifests in self._sink.finished if run.run_id == run_id
+                 for m in manifests if m.request_id == request_id]
+        return found[-1] if found else None
+
+    def records(
+        self,
+        run_id: str,
+        request_id: str,
+        *,
+        act_name: str | None = None,
+        layer_no: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> list[CaptureRecord]:
+        """Stored records of a request, filtered as the port says."""
+        return [r for r in self._records(run_id, request_id)
+                if (act_name is None or r.act_name == act_name)
+                and (layer_no is None or r.layer_no == layer_no)
+                and (start is None or r.end_token_idx > start)
+                and (end is None or r.start_token_idx < end)]
+
+    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
+        """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""
+        return sorted({(r.act_name, r.layer_no, r.start_token_idx, r.end_token_idx)
+                       for r in self._records(run_id, request_id)})
+
+    def hook_totals(self, run_id: str) -> list[HookTotal]:
+        """Per act_name of a run: layers, records, rows and payload bytes."""
+        by_act: dict[str, list[CaptureRecord]] = {}
+        for r in self._records(run_id):
+            by_act.setdefault(r.act_name, []).append(r)
+        return [HookTotal(act, len({r.layer_no for r in recs}), len(recs),
+                          sum(r.end_token_idx - r.start_token_idx for r in recs),
+                          sum(len(r.payload) for r in recs))
+                for act, recs in sorted(by_act.items())]
+
+    def delete_run(self, run_id: str) -> int:
+        """Forget a run; returns the records deleted."""
+        sink = self._sink
+        with sink._lock:
+            doomed = [r for r in sink.records if r.model_id == run_id]
+            sink.records = [r for r in sink.records if r.model_id != run_id]
+            sink.runs = [r for r in sink.runs if r.run_id != run_id]
+            sink.finished = [(r, m) for r, m in sink.finished if r.run_id != run_id]
+        return len(doomed)

@@ -157,13 +157,13 @@ def test_an_sglang_without_an_adapter_is_refused_with_the_supported_list(
     from dmi_sglang.app import composition
     from dmi_sglang.errors import UnsupportedConfigurationError
 
-    with pytest.raises(UnsupportedConfigurationError,
-                       match=r"sglang 0\.5\.23 is installed; dmi-sglang supports sglang==0\.5\.19"):
+    supported = r"sglang 0\.5\.23 is installed; dmi-sglang supports sglang==0\.5\.19"
+    with pytest.raises(UnsupportedConfigurationError, match=supported):
         composition.sglang_adapter("0.5.23")
     assert composition.sglang_adapter("0.5.19").sglang_version == "0.5.19"
     monkeypatch.setattr(composition, "installed_sglang", lambda: "0.5.23")
     monkeypatch.setenv("DMX_SGLANG_ENABLE", "0")
     composition.register_plugin()  # monitoring not requested: nothing to refuse
     monkeypatch.setenv("DMX_SGLANG_ENABLE", "1")
-    with pytest.raises(UnsupportedConfigurationError, match="0.5.23"):
+    with pytest.raises(UnsupportedConfigurationError, match=r"0\.5\.23"):
         composition.register_plugin()  # SGLang logs what a plugin raises

@@ -16,9 +16,7 @@ from hypothesis import strategies as st
 
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.records import RunInfo
-from dmi_sglang.testing import MemorySink
 
 from .conftest import SHAPE, Driver  # type: ignore[import-not-found]
 

@@ -1,0 +1,75 @@
+"""The implementations each port's contract suite runs against.
+
+A new store backend adds one entry to :data:`STORE_BACKENDS` (a sink and the reader of
+what it stored); a sink that stores nothing goes to :data:`SINKS` only. The suites in
+this folder then run against it unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.app.null_sink import NullSink
+from dmi_sglang.domain.ports import RecordReader, RecordSink
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.testing import MemoryReader, MemorySink
+
+
+@attrs.frozen
+class Backend:
+    """A store backend under test: a sink, and a reader of what that sink stored."""
+
+    sink: RecordSink
+    reader: Callable[[], RecordReader]
+
+
+def _clickhouse(tmp_path: Path) -> Backend:
+    config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(tmp_path / "store"),
+                         flush_timeout_us=20_000)
+    return Backend(ClickHouseSink(config), lambda: ClickHouseReader(config))
+
+
+def _memory(tmp_path: Path) -> Backend:
+    del tmp_path
+    sink = MemorySink()
+    return Backend(sink, lambda: MemoryReader(sink))
+
+
+STORE_BACKENDS: dict[str, Callable[[Path], Backend]] = {
+    "clickhouse-embedded": _clickhouse,
+    "memory": _memory,
+}
+"""Backends that store what they are given and read it back."""
+
+SINKS: dict[str, Callable[[Path], RecordSink]] = {
+    **{name: (lambda p, make=make: make(p).sink) for name, make in STORE_BACKENDS.items()},
+    "null": lambda p: NullSink(),
+}
+"""Every record sink."""
+
+
+def _closing(sink: RecordSink) -> None:
+    with contextlib.suppress(Exception):  # a test about failures already checked them
+        sink.close()
+
+
+@pytest.fixture(params=sorted(STORE_BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """Each store backend, closed after the test."""
+    made = STORE_BACKENDS[request.param](tmp_path)
+    yield made
+    _closing(made.sink)
+
+
+@pytest.fixture(params=sorted(SINKS))
+def sink(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RecordSink]:
+    """Each record sink, closed after the test."""
+    made = SINKS[request.param](tmp_path)
+    yield made
+    _closing(made)

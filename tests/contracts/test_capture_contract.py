@@ -1,0 +1,195 @@
+"""The capture-side contracts: transport, capturer, session, factory, engine tap, adapter.
+
+The transport runs on the CPU (same code path as on the GPU, with host copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from dmi_sglang.adapters.sglang_v0519.adapter import ADAPTER
+from dmi_sglang.adapters.sglang_v0519.engine import EngineRpcTap
+from dmi_sglang.adapters.transport import create_transport
+from dmi_sglang.app import composition
+from dmi_sglang.app.composition import SGLANG_ADAPTERS, PipelineFactory
+from dmi_sglang.app.null_sink import NullSink
+from dmi_sglang.app.reading import open_store
+from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import make_plan
+from dmi_sglang.domain.ports import (
+    CaptureSession,
+    CaptureSpec,
+    CaptureTransport,
+    EngineTap,
+    TransportStats,
+)
+from dmi_sglang.domain.records import RunStatus
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.errors import CapacityError, CaptureError
+from dmi_sglang.tensor_ports import CaptureFactory, Capturer, OpenedCapture, SGLangAdapter
+from dmi_sglang.testing import MemorySink
+
+from . import _data as d
+
+SHAPE = ModelShape(num_layers=2, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=6,
+                   vocab=10)
+MODEL = ModelHooks("ToyForCausalLM", frozenset(h.name for h in CATALOG), SHAPE.num_layers)
+
+
+def _settings(**kw: str) -> Settings:
+    values = {"dmx_hook_selection": "resid_pre,final_logits", "dmx_ring_payload_mb": "4",
+              "dmx_ring_pinned_mb": "4", "dmx_model_id": "contract-run", **kw}
+    return Settings.from_kwargs(values, env={}).resolve(model_path="/models/toy")
+
+
+def _spec(settings: Settings) -> CaptureSpec:
+    selection = settings.selection.resolve(MODEL)
+    run = d.run_info(settings.model_id or "")
+    return CaptureSpec(settings=settings, run=run, selection=selection, shape=SHAPE,
+                       max_graph_batch=4, device="cpu", max_prefill_tokens=16, max_requests=4)
+
+
+def _fire(capturer: Capturer, selection: Selection, layout: BatchLayout) -> None:
+    for hook, layer in selection.captures():
+        rows = len(layout.requests) if hook.name == "final_logits" else layout.token_rows
+        width = SHAPE.row(hook).dims
+        dtype = torch.float32 if hook.name == "final_logits" else torch.bfloat16
+        capturer.capture(hook.name, layer, torch.ones(rows, *width, dtype=dtype))
+
+
+@pytest.fixture
+def transport() -> Iterator[tuple[CaptureTransport, Capturer, MemorySink, Selection]]:
+    settings = _settings()
+    spec = _spec(settings)
+    sink = MemorySink()
+    made = create_transport(
+        payload_mb=4, pinned_mb=4, task_entries=256, padding_strip=True,
+        flush_timeout_us=10_000, selection=spec.selection, shape=SHAPE, max_graph_batch=4,
+        sink=sink, run_id="contract-run", device="cpu", max_prefill_tokens=16, max_requests=4)
+    yield made, made.capturer, sink, spec.selection
+    made.stop()
+
+
+def test_the_transport_and_its_capturer_conform(
+    transport: tuple[CaptureTransport, Capturer, MemorySink, Selection],
+) -> None:
+    t, capturer, _, selection = transport
+    assert isinstance(t, CaptureTransport)
+    assert isinstance(capturer, Capturer)
+    assert t.device_bytes > 0
+    hook, layer = selection.captures()[0]
+    assert capturer.wants(hook.name, layer)
+    assert not capturer.wants("mlp_out", 0)
+
+
+def test_the_transport_step_protocol_delivers_records_and_counts(
+    transport: tuple[CaptureTransport, Capturer, MemorySink, Selection],
+) -> None:
+    t, capturer, sink, selection = transport
+    layout = BatchLayout.extend(["r1", "r2"], [0, 0], [3, 2])
+    plan = make_plan(layout, selection, SHAPE, padded=False)
+    assert t.preflight(plan).decision.name == "FITS"
+    t.commit(plan, step=1)
+    _fire(capturer, selection, layout)
+    t.seal()
+    t.finish_request("r1", None)
+    stats = t.stop()
+    assert t.stop() == stats  # idempotent
+    assert isinstance(stats, TransportStats)
+    assert stats.steps == 1
+    assert stats.bytes == sink.payload_bytes > 0
+    assert {r.request_id for r in sink.records} == {"r1", "r2"}
+    counters = t.drain_counters()
+    assert isinstance(counters, Mapping)
+    assert all(isinstance(k, str) and isinstance(v, int | float) for k, v in counters.items())
+
+
+@pytest.mark.parametrize("store", ["none", "embedded"])
+def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
+    store: str, tmp_path: Any
+) -> None:
+    url = "none" if store == "none" else f"chdb://{tmp_path / 'store'}"
+    spec = _spec(_settings(dmx_db_url=url))
+    factory = PipelineFactory()
+    assert isinstance(factory, CaptureFactory)
+    opened = factory.open(spec)
+    assert isinstance(opened, OpenedCapture)
+    session = opened.session
+    assert isinstance(session, CaptureSession)
+    assert session.run == spec.run
+    assert session.active
+    req = SimpleNamespace(rid="r1", origin_input_ids=[1, 2, 3], output_ids=[4],
+                          finished=lambda: True)
+    session.add_requests([req], frozenset())
+    session.begin_forward()
+    layout = BatchLayout.extend(["r1"], [0], [3])
+    session.commit_eager(layout)
+    _fire(opened.capturer, spec.selection, layout)
+    session.end_forward()
+    session.add_host_seconds(0.001)
+    stats = session.stop()
+    assert not session.active
+    assert stats.steps == 1
+    assert set(session.timing(stats)) >= {"forwards", "host_seconds", "stall_seconds"}
+    if store == "embedded":
+        run = open_store(url).run(spec.run.run_id)
+        assert run is not None
+        assert run.status is RunStatus.COMMITTED
+        assert open_store(url).handle(spec.run.run_id, "r1").available
+
+
+def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = attrs.evolve(_spec(_settings(dmx_ring_payload_mb="1")), max_prefill_tokens=10**6)
+    closed: list[bool] = []
+
+    class Sink(NullSink):
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(composition, "open_sink", lambda store: Sink())
+    with pytest.raises(CapacityError, match="ring"):
+        PipelineFactory().open(spec)
+    assert closed == [True]
+
+
+def test_the_engine_tap_turns_failed_rpcs_into_capture_errors() -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    class Engine:
+        fail = False
+
+        def collective_rpc(self, name: str, **kwargs: Any) -> None:
+            calls.append((name, kwargs))
+            if self.fail:
+                msg = "scheduler says no"
+                raise AssertionError(msg)
+
+    engine = Engine()
+    tap = EngineRpcTap(engine)
+    assert isinstance(ADAPTER.engine_tap(engine), EngineRpcTap)
+    tap.assert_active("run-1")
+    tap.stop_monitoring()
+    assert calls == [("dmi_assert_active", {"run_id": "run-1"}), ("dmi_stop_monitoring", {})]
+    engine.fail = True
+    with pytest.raises(CaptureError, match="scheduler says no"):
+        tap.stop_monitoring()
+    tap_port: EngineTap = tap
+    assert tap_port is tap
+
+
+def test_every_registered_sglang_adapter_conforms() -> None:
+    for version in SGLANG_ADAPTERS:
+        adapter = composition.sglang_adapter(version)
+        assert isinstance(adapter, SGLangAdapter)
+        assert adapter.sglang_version == version
+    assert composition.sglang_adapter("0.5.19") is ADAPTER

@@ -1,0 +1,131 @@
+"""The RecordSink and RecordReader contracts, run against every store backend.
+
+Add a backend in ``conftest.py`` and these run against it unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.domain.ports import HookTotal, RecordReader, RecordSink, RequestSummary
+from dmi_sglang.domain.records import RunStatus
+
+from . import _data as d
+from .conftest import Backend
+
+
+def _write_run(backend: Backend) -> None:
+    """Two complete requests; request ``a`` also has a superseded copy of one range."""
+    sink = backend.sink
+    run = d.run_info()
+    sink.start_run(run)
+    sink.put(d.request_records("a", 4, 3))
+    sink.put([d.record(d.RESID, 0, "a", 0, 2, seq=0)])  # older copy, superseded by seq 1
+    sink.put(d.request_records("b", 2, 2))
+    sink.flush()
+    sink.finish_run(d.committed(run), [d.manifest("a", 4, 3), d.manifest("b", 2, 2)])
+
+
+# -- every sink ---------------------------------------------------------------------------
+def test_a_sink_conforms_to_the_port(sink: RecordSink) -> None:
+    assert isinstance(sink, RecordSink)
+
+
+def test_a_sink_takes_a_whole_run_lifecycle(sink: RecordSink) -> None:
+    run = d.run_info()
+    sink.start_run(run)
+    sink.put([])
+    sink.put(d.request_records("a", 4, 3))
+    sink.flush()
+    sink.finish_run(d.committed(run), [d.manifest("a", 4, 3)])
+    sink.close()
+
+
+# -- store backends: what was put reads back ----------------------------------------------
+def test_a_reader_conforms_to_the_port(backend: Backend) -> None:
+    assert isinstance(backend.reader(), RecordReader)
+
+
+def test_runs_read_back_newest_first_in_their_latest_state(backend: Backend) -> None:
+    _write_run(backend)
+    older = d.run_info("older-run", started_at="2026-11-30T10:00:00+00:00")
+    backend.sink.start_run(older)
+    backend.sink.flush()
+    reader = backend.reader()
+    with reader.session(), reader.session():  # re-entrant
+        runs = reader.runs()
+        assert [r.run_id for r in runs] == [d.RUN, "older-run"]
+        assert [r.status for r in runs] == [RunStatus.COMMITTED, RunStatus.RUNNING]
+        run = reader.run(d.RUN)
+        assert run is not None
+        assert run.captures == d.CAPTURES
+        assert reader.run("no-such-run") is None
+
+
+def test_requests_manifests_and_totals(backend: Backend) -> None:
+    _write_run(backend)
+    reader = backend.reader()
+    a_records = [*d.request_records("a", 4, 3), d.record(d.RESID, 0, "a", 0, 2, seq=0)]
+    assert list(reader.requests(d.RUN)) == [
+        RequestSummary(d.RUN, "a", len(a_records), sum(len(r.payload) for r in a_records)),
+        RequestSummary(d.RUN, "b", 5, sum(len(r.payload) for r in d.request_records("b", 2, 2))),
+    ]
+    assert reader.manifest(d.RUN, "a") == d.manifest("a", 4, 3)
+    assert reader.manifest(d.RUN, "zz") is None
+    totals = {t.act_name: t for t in reader.hook_totals(d.RUN)}
+    assert totals[d.LOGITS] == HookTotal(d.LOGITS, 1, 2, 3 + 2, (3 + 2) * d.WIDTH * 4)
+    assert totals[d.RESID].layers == 2
+    assert totals[d.RESID].rows == 2 * 6 + 2 + 2 * 3
+
+
+def test_records_filter_by_hook_layer_and_overlap(backend: Backend) -> None:
+    _write_run(backend)
+    reader = backend.reader()
+    every = reader.records(d.RUN, "a")
+    assert len(every) == 6  # superseded copies included
+    layer0 = reader.records(d.RUN, "a", act_name=d.RESID, layer_no=0)
+    assert sorted((r.start_token_idx, r.end_token_idx, r.seq) for r in layer0) == [
+        (0, 2, 0), (0, 4, 1), (4, 6, 2)]
+    late = reader.records(d.RUN, "a", act_name=d.RESID, layer_no=0, start=4, end=5)
+    assert [(r.start_token_idx, r.end_token_idx) for r in late] == [(4, 6)]
+    want = {(r.act_name, r.layer_no, r.start_token_idx, r.end_token_idx): r.payload
+            for r in d.request_records("a", 4, 3)}
+    for r in every:
+        if r.seq:
+            assert r.payload == want[(r.act_name, r.layer_no, r.start_token_idx,
+                                      r.end_token_idx)]
+    assert sorted(reader.ranges(d.RUN, "b")) == [
+        (d.RESID, 0, 0, 2), (d.RESID, 0, 2, 3), (d.RESID, 1, 0, 2), (d.RESID, 1, 2, 3),
+        (d.LOGITS, -1, 1, 3)]
+
+
+def test_a_capture_handle_reads_any_backend(backend: Backend) -> None:
+    _write_run(backend)
+    handle = CaptureHandle(d.RUN, "a", backend.reader)
+    assert handle.missing == ()
+    resid0 = handle.get("resid_pre", 0)
+    assert resid0.shape == (6, d.WIDTH)
+    want = torch.frombuffer(bytearray(b"".join(
+        d.row_bytes(d.RESID, 0, "a", p, 1 if p < 4 else 2) for p in range(6))),
+        dtype=torch.float32).reshape(6, d.WIDTH)
+    assert torch.equal(resid0, want)
+    assert handle.logits.shape == (3, d.WIDTH)
+    assert not CaptureHandle(d.RUN, "zz", backend.reader).available
+
+
+def test_delete_run_removes_the_run_and_counts_its_records(backend: Backend) -> None:
+    _write_run(backend)
+    reader = backend.reader()
+    assert reader.delete_run(d.RUN) == 6 + 5
+    assert reader.run(d.RUN) is None
+    assert list(reader.requests(d.RUN)) == []
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_manifests_are_per_request(backend: Backend, name: str) -> None:
+    _write_run(backend)
+    got = backend.reader().manifest(d.RUN, name)
+    assert got is not None
+    assert (got.request_id, got.committed) == (name, True)
