@@ -293,7 +293,7 @@ def read_back_sample(store: Path, run_id: str, waves: int, batch: int,
         run = reader.run(run_id)
         incomplete = {rid: list(m) for rid in rids
                       if (m := CaptureHandle(run_id, rid, lambda: reader).missing)}
-        stored = sum(t[4] for t in reader.hook_totals(run_id))
+        stored = sum(t.bytes for t in reader.hook_totals(run_id))
     return {"run_status": run.status.value if run else None, "sampled": len(rids),
             "incomplete": incomplete, "stored_bytes": stored,
             "read_s": time.perf_counter() - t0}

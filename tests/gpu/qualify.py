@@ -448,8 +448,8 @@ def read_back(store: Path, run_id: str, outputs: Sequence[dict[str, Any]]) -> di
                 manifests[rid] = [manifest.prompt_tokens, manifest.completion_tokens,
                                   manifest.overlap_extra_forward, manifest.computed_from]
         store_requests = [r.request_id for r in reader.requests(run_id)]
-        totals = {act: [layers, records, rows, nbytes]
-                  for act, layers, records, rows, nbytes in reader.hook_totals(run_id)}
+        totals = {t.act_name: [t.layers, t.records, t.rows, t.bytes]
+                  for t in reader.hook_totals(run_id)}
     return {
         "run_status": run.status.value if run is not None else None,
         "incomplete": incomplete,
