@@ -280,20 +280,18 @@ def mode_figures(args: argparse.Namespace, mode: Mode, res: dict[str, Any]) -> d
 def read_back_sample(store: Path, run_id: str, waves: int, batch: int,
                      seed: int) -> dict[str, Any]:
     """Stored bytes of the run and completeness of a sample of its timed requests."""
-    from dmi_sglang.adapters.clickhouse import ClickHouseReader
-    from dmi_sglang.app.handle import CaptureHandle
-    from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+    from dmi_sglang import open_store
 
-    reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))
+    captures = open_store(f"chdb://{store}")
     rng = random.Random(seed)
     rids = [f"main-{rng.randrange(batch)}.w{rng.randrange(waves)}"
             for _ in range(READBACK_SAMPLE)]
     t0 = time.perf_counter()
-    with reader.session():
-        run = reader.run(run_id)
+    with captures.session():
+        run = captures.run(run_id)
         incomplete = {rid: list(m) for rid in rids
-                      if (m := CaptureHandle(run_id, rid, lambda: reader).missing)}
-        stored = sum(t.bytes for t in reader.hook_totals(run_id))
+                      if (m := captures.handle(run_id, rid).missing)}
+        stored = sum(t.bytes for t in captures.hook_totals(run_id)) if run else 0
     return {"run_status": run.status.value if run else None, "sampled": len(rids),
             "incomplete": incomplete, "stored_bytes": stored,
             "read_s": time.perf_counter() - t0}

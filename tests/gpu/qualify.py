@@ -427,29 +427,27 @@ def stock_determinism(stock: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def read_back(store: Path, run_id: str, outputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Everything the completeness check needs, read through the public reader."""
-    from dmi_sglang.adapters.clickhouse import ClickHouseReader
-    from dmi_sglang.app.handle import CaptureHandle
-    from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+    """Everything the completeness check needs, read through the public reading API."""
+    from dmi_sglang import open_store
 
-    reader = ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))
+    captures = open_store(f"chdb://{store}")
     started = time.perf_counter()
     incomplete: dict[str, list[str]] = {}
     manifests: dict[str, list[int | bool]] = {}
-    with reader.session():
-        run = reader.run(run_id)
+    with captures.session():
+        run = captures.run(run_id)
         for out in outputs:
             rid = str(out["id"])
-            missing = CaptureHandle(run_id, rid, lambda: reader).missing
+            missing = captures.handle(run_id, rid).missing
             if missing:
                 incomplete[rid] = list(missing)
-            manifest = reader.manifest(run_id, rid)
+            manifest = captures.manifest(run_id, rid)
             if manifest is not None:
                 manifests[rid] = [manifest.prompt_tokens, manifest.completion_tokens,
                                   manifest.overlap_extra_forward, manifest.computed_from]
-        store_requests = [r.request_id for r in reader.requests(run_id)]
+        store_requests = [r.request_id for r in captures.requests(run_id)] if run else []
         totals = {t.act_name: [t.layers, t.records, t.rows, t.bytes]
-                  for t in reader.hook_totals(run_id)}
+                  for t in captures.hook_totals(run_id)} if run else {}
     return {
         "run_status": run.status.value if run is not None else None,
         "incomplete": incomplete,

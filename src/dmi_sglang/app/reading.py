@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
-from dmi_sglang.domain.records import RunInfo
+from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
@@ -94,6 +94,11 @@ class CaptureStore:
         with self.session():
             self._require(run_id)
             return self._reader.hook_totals(run_id)
+
+    def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
+        """A request's manifest (its prompt and completion lengths, whether it is
+        committed), or None when the run wrote none for it."""
+        return self._reader.manifest(run_id, request_id)
 
     def handle(self, run_id: str, request_id: str) -> CaptureHandle:
         """The lazy capture handle of one request (nothing is read until used)."""
