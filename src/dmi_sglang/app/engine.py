@@ -102,7 +102,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             super().shutdown()
             msg = f"dmi-sglang monitoring did not attach in the scheduler: {exc}"
             raise CaptureError(msg) from exc
-        log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.db_url)
+        log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.store().url)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``sglang.Engine.generate``; each output dict gains a lazy ``dmi_internal``.

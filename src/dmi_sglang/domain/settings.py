@@ -24,7 +24,7 @@ from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
-__all__ = ["PREFIX", "Enable", "Settings", "monitoring_requested"]
+__all__ = ["PREFIX", "Enable", "Settings", "StoreUrl", "monitoring_requested", "redact_url"]
 
 PREFIX = "DMX_"
 
@@ -39,24 +39,29 @@ class Enable(enum.Enum):
 
 
 def _conv(
-    parse: Callable[[str], Any], accepted: str
+    parse: Callable[[str], Any], accepted: str, shown: Callable[[str], str] = repr
 ) -> Callable[[str, str], Any]:
     def convert(name: str, text: str) -> Any:
         try:
             return parse(text.strip())
         except (ValueError, ConfigurationError) as exc:
             detail = f" ({exc})" if isinstance(exc, ConfigurationError) else ""
-            msg = f"{name}={text!r} is invalid; accepted: {accepted}{detail}"
+            msg = f"{name}={shown(text)} is invalid; accepted: {accepted}{detail}"
             raise ConfigurationError(msg) from None
 
     return convert
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
+def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
+    """A parser of integers in ``[low, high]`` and the words that say so."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise ValueError(text)
+        return value
+
+    return parse, f"an integer from {low:,} to {high:,}"
 
 
 def _copy_threads(text: str) -> int:
@@ -114,40 +119,94 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _db_url(text: str) -> str:
-    store_from_url(text)  # validates
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def _host(text: str) -> str | None:
+    if not text:
+        return None
+    if text.lower() == "none":
+        return "none"
+    if ":" in text and not text.startswith("["):
+        msg = "the port goes in DMX_DB_PORT, not in the host"
+        raise ConfigurationError(msg)
+    if not _HOST.fullmatch(text):
+        raise ValueError(text)
     return text
 
 
-def store_from_url(url: str) -> tuple[StoreKind, str, str, int, bool, str | None]:
-    """Split a ``DMX_DB_URL`` into (kind, path, host, port, secure, database or None).
-
-    Raises:
-        ConfigurationError: not ``none``, ``chdb:///abs/path`` or
-            ``http(s)://host[:port][/db]``.
-    """
-    if url.lower() == "none":
-        return StoreKind.NONE, "", "", 0, False, None
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs, errors and the runs table)."""
     parts = urlsplit(url)
-    if parts.scheme == "chdb":
-        path = parts.path
-        if parts.netloc or not path.startswith("/"):
-            msg = f"embedded store URL {url!r} needs an absolute path: chdb:///abs/path"
-            raise ConfigurationError(msg)
-        return StoreKind.EMBEDDED, posixpath.normpath(path), "", 0, False, None
-    if parts.scheme in ("http", "https") and parts.hostname:
-        secure = parts.scheme == "https"
-        try:
-            port = parts.port or (8443 if secure else 8123)
-        except ValueError:
-            msg = f"bad port in {url!r}"
-            raise ConfigurationError(msg) from None
-        database = parts.path.strip("/") or None
-        if database is not None:
-            _name(database)
-        return StoreKind.SERVER, "", parts.hostname, port, secure, database
-    msg = f"unsupported store URL {url!r}"
-    raise ConfigurationError(msg)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+def _shown_url(text: str) -> str:
+    return repr(redact_url(text))
+
+
+@attrs.frozen
+class StoreUrl:
+    """A parsed ``DMX_DB_URL``. Credentials, when the URL carries them, are kept here
+    (``password`` never in a repr)."""
+
+    kind: StoreKind
+    path: str = ""
+    host: str = ""
+    port: int = 0
+    secure: bool = False
+    database: str | None = None
+    user: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, url: str) -> StoreUrl:
+        """Parse ``none``, ``chdb:///abs/path`` or ``http(s)://[user[:pw]@]host[:port][/db]``.
+
+        Raises:
+            ConfigurationError: anything else (the message never shows a password).
+        """
+        shown = redact_url(url)
+        if url.lower() == "none":
+            return cls(StoreKind.NONE)
+        parts = urlsplit(url)
+        if parts.scheme == "chdb":
+            path = posixpath.normpath(parts.path) if parts.path else ""
+            if parts.netloc or not path.startswith("/"):
+                msg = f"embedded store URL {shown!r} needs an absolute path: chdb:///abs/path"
+                raise ConfigurationError(msg)
+            if path == "/":
+                msg = f"embedded store URL {shown!r} names /: give the store a directory"
+                raise ConfigurationError(msg)
+            return cls(StoreKind.EMBEDDED, path=path)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            secure = parts.scheme == "https"
+            try:
+                port = parts.port or (8443 if secure else 8123)
+            except ValueError:
+                msg = f"bad port in {shown!r}"
+                raise ConfigurationError(msg) from None
+            try:
+                _host(parts.hostname)
+            except ValueError:
+                msg = f"bad host {parts.hostname!r} in {shown!r}"
+                raise ConfigurationError(msg) from None
+            database = parts.path.strip("/") or None
+            if database is not None:
+                _name(database)
+            return cls(StoreKind.SERVER, host=parts.hostname, port=port, secure=secure,
+                       database=database, user=parts.username, password=parts.password)
+        msg = f"unsupported store URL {shown!r}"
+        raise ConfigurationError(msg)
+
+
+def _db_url(text: str) -> str:
+    StoreUrl.parse(text)  # validates
+    return text
 
 
 @attrs.frozen
@@ -157,9 +216,10 @@ class _Var:
     convert: Callable[[str, str], Any]
     render: Callable[[Any], str] = str
     secret: bool = False
+    redact: Callable[[str], str] | None = None
+    """How the value is shown where secrets must not be (None: as it is)."""
 
 
-_ACC_INT = "a positive integer"
 _ACC_BOOL = "1/0 (or true/false, yes/no, on/off)"
 
 _VARS: dict[str, _Var] = {
@@ -180,9 +240,11 @@ _VARS: dict[str, _Var] = {
     "DB_URL": _Var(
         "db_url",
         None,
-        _conv(_db_url, "chdb:///absolute/path, http(s)://host[:port][/database], or none"),
+        _conv(_db_url, "chdb:///absolute/path, http(s)://[user[:password]@]host[:port]"
+              "[/database], or none", _shown_url),
+        redact=redact_url,
     ),
-    "DB_HOST": _Var("db_host", None, _conv(lambda t: t or None, "a host name, or none")),
+    "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none")),
     "DB_PORT": _Var("db_port", 8123, _conv(_port, "a TCP port 1-65535")),
     "DB_DATABASE": _Var("db_database", "default", _conv(_name, "a ClickHouse identifier")),
     "DB_TABLE": _Var("db_table", "offload", _conv(_name, "a ClickHouse identifier")),
@@ -192,14 +254,15 @@ _VARS: dict[str, _Var] = {
     "CH_COMPRESSION": _Var(
         "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "none"), "lz4, zstd, none")
     ),
-    "CH_INSERT_ROWS": _Var("ch_insert_rows", 4096, _conv(_positive_int, _ACC_INT)),
-    "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(_positive_int, _ACC_INT)),
-    "CH_WRITERS": _Var("ch_writers", 2, _conv(_positive_int, _ACC_INT)),
-    "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(_positive_int, _ACC_INT)),
-    "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(_positive_int, _ACC_INT)),
-    "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(_positive_int, _ACC_INT)),
+    "CH_INSERT_ROWS": _Var("ch_insert_rows", 4096, _conv(*_bounded(1, 1_000_000))),
+    "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
+    "CH_WRITERS": _Var("ch_writers", 2, _conv(*_bounded(1, 64))),
+    "CH_TIMEOUT_S": _Var("ch_timeout_s", 30, _conv(*_bounded(1, 3600))),
+    "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(*_bounded(1, 131_072))),
+    "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, 131_072))),
+    "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(*_bounded(1, 16_777_216))),
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
-        "drain_flush_timeout_us", 100_000, _conv(_positive_int, _ACC_INT)
+        "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
     ),
     "DRAIN_COPY_THREADS": _Var(
         "drain_copy_threads", 0, _conv(_copy_threads, "0 (automatic) or 1-64")
@@ -227,7 +290,8 @@ class Settings:
     enable: Enable = Enable.AUTO
     model_id: str | None = None
     hook_selection: str = "sglang-full"
-    db_url: str | None = None
+    db_url: str | None = attrs.field(
+        default=None, repr=lambda u: repr(None if u is None else redact_url(u)))
     db_host: str | None = None
     db_port: int = 8123
     db_database: str = "default"
@@ -239,6 +303,7 @@ class Settings:
     ch_insert_rows: int = 4096
     ch_queue_mb: int = 1024
     ch_writers: int = 2
+    ch_timeout_s: int = 30
     ring_payload_mb: int = 1024
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
@@ -333,32 +398,37 @@ class Settings:
         if self.db_url is None:
             msg = "settings are not resolved: call Settings.resolve() first"
             raise ConfigurationError(msg)
-        kind, path, host, port, secure, database = store_from_url(self.db_url)
+        url = StoreUrl.parse(self.db_url)
         return StoreConfig(
-            kind=kind,
-            path=path,
-            host=host,
-            port=port,
-            secure=secure,
-            database=database or self.db_database,
+            kind=url.kind,
+            path=url.path,
+            host=url.host,
+            port=url.port,
+            secure=url.secure,
+            database=url.database or self.db_database,
             table=self.db_table,
-            user=self.ch_user,
-            password=self.ch_password,
+            user=url.user if url.user is not None else self.ch_user,
+            password=url.password if url.password is not None else self.ch_password,
             compression=self.ch_compression,
             insert_rows=self.ch_insert_rows,
             queue_mb=self.ch_queue_mb,
             writers=self.ch_writers,
             flush_timeout_us=self.drain_flush_timeout_us,
+            timeout_s=self.ch_timeout_s,
         )
 
     def to_env(self, *, include_secrets: bool = True) -> dict[str, str]:
-        """Every setting as ``DMX_*`` variables (unset optional values are left out)."""
+        """Every setting as ``DMX_*`` variables (unset optional values are left out).
+
+        ``include_secrets=False`` leaves passwords out, also those inside a store URL
+        (for logs and the runs table)."""
         env: dict[str, str] = {}
         for key, var in _VARS.items():
             value = getattr(self, var.field)
             if value is None or (var.secret and not include_secrets):
                 continue
-            env[PREFIX + key] = var.render(value)
+            text = var.render(value)
+            env[PREFIX + key] = text if include_secrets or var.redact is None else var.redact(text)
         return env
 
 

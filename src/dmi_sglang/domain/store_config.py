@@ -37,6 +37,8 @@ class StoreConfig:
         writers: inserting threads, each with its own client (inserts run in parallel;
             the embedded engine releases the GIL while it works).
         flush_timeout_us: longest a partial insert batch waits before it is sent.
+        timeout_s: longest one request to a ClickHouse server (opening, DDL, one insert
+            attempt) may wait for an answer; connecting waits at most 5 s of it.
     """
 
     kind: StoreKind
@@ -53,6 +55,7 @@ class StoreConfig:
     queue_mb: int = 1024
     writers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     flush_timeout_us: int = 100_000
+    timeout_s: int = 30
 
     @property
     def url(self) -> str:

@@ -15,8 +15,10 @@ chdb-core 26.9.0, see docs/storage.md):
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -58,6 +60,7 @@ _TRANSIENT_CODES = frozenset(
         999,  # KEEPER_EXCEPTION
     }
 )
+_NOT_ENOUGH_SPACE = 243
 _AUTH_CODES = frozenset({192, 193, 194, 516})  # UNKNOWN_USER, WRONG_PASSWORD, ..., AUTH FAILED
 
 
@@ -90,8 +93,8 @@ def connect(config: StoreConfig, *, create: bool = True) -> Client:
                 password=config.password,
                 secure=config.secure,
                 compress=False,  # inserts are compressed by the sink itself (raw blocks)
-                connect_timeout=5,
-                send_receive_timeout=300,
+                connect_timeout=min(5, config.timeout_s),
+                send_receive_timeout=config.timeout_s,
             )
         except Exception as exc:
             raise _server_open_error(config, exc) from exc
@@ -185,18 +188,52 @@ def _first_line(text: str) -> str:
     return line[:500]
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store's disk is full (ENOSPC, or ClickHouse's
+    NOT_ENOUGH_SPACE), wherever in its chain of causes."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if getattr(seen, "code", None) == _NOT_ENOUGH_SPACE:
+            return True
+        text = str(seen)
+        if "No space left on device" in text or "NOT_ENOUGH_SPACE" in text:
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Whether an error may go away on retry (network, timeouts, overload)."""
+    """Whether an error may go away on retry (network, timeouts, overload); a full disk
+    does not."""
     from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
+    if disk_full(exc):
+        return False
     if isinstance(exc, OperationalError | OSError | TimeoutError):
         return True
     return isinstance(exc, DatabaseError) and getattr(exc, "code", None) in _TRANSIENT_CODES
 
 
-def store_error(what: str, exc: BaseException) -> StoreError:
-    """A :class:`StoreError` for a failed operation (raise it ``from exc``)."""
-    return StoreError(f"{what}: {type(exc).__name__}: {_first_line(str(exc))}")
+def store_error(what: str, exc: BaseException, config: StoreConfig | None = None) -> StoreError:
+    """A :class:`StoreError` for a failed operation (raise it ``from exc``). A full disk
+    is named as such, with the store and the space left on it."""
+    detail = f"{type(exc).__name__}: {_first_line(str(exc))}"
+    if config is not None and disk_full(exc):
+        return StoreError(f"{what}: the disk of the capture store {config.url} is full "
+                          f"({_free_space(config)}); {detail}")
+    return StoreError(f"{what}: {detail}")
+
+
+def _free_space(config: StoreConfig) -> str:
+    if config.kind is not StoreKind.EMBEDDED:
+        return "free space on the server unknown here"
+    try:
+        free = shutil.disk_usage(config.path).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / (1 << 20):,.0f} MiB free on {config.path}"
 
 
 def close_quietly(client: Client | None) -> None:

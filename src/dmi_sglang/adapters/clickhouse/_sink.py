@@ -211,18 +211,26 @@ class ClickHouseSink:
             raise StoreError(msg)
 
     def _write_loop(self, client: Client) -> None:
-        while (batch := self._queue.take()) is not None:
-            started, cpu = time.monotonic(), time.thread_time()
-            try:
-                self._insert(client, batch)
-            except StoreError as failure:
-                log.error("store.failed", error=str(failure), records=len(batch.records))
-                self._queue.fail(failure)
-                return
-            finally:
-                self._stats.insert_time(time.monotonic() - started, time.thread_time() - cpu)
-            self._queue.done(batch)
-            self._stats.inserted(batch)
+        """Insert batches until the queue closes. Any exception, not only a store error
+        (a record the encoder refuses, a bad timeout), becomes the sticky failure, so
+        ``flush``, ``finish_run`` and ``close`` raise it instead of waiting forever."""
+        try:
+            while (batch := self._queue.take()) is not None:
+                started, cpu = time.monotonic(), time.thread_time()
+                try:
+                    self._insert(client, batch)
+                finally:
+                    self._stats.insert_time(time.monotonic() - started,
+                                            time.thread_time() - cpu)
+                self._queue.done(batch)
+                self._stats.inserted(batch)
+        except BaseException as exc:
+            failure = exc if isinstance(exc, StoreError) else store_error(
+                f"a writer of {self._config.url} failed", exc, self._config)
+            if failure is not exc:
+                failure.__cause__ = exc
+            log.error("store.failed", error=str(failure))
+            self._queue.fail(failure)
 
     def _insert(self, client: Client, batch: Batch) -> None:
         chunks = encode_block(batch.records)
@@ -244,7 +252,7 @@ class ClickHouseSink:
                         f"inserting {len(batch.records)} records into {table} failed "
                         f"after {attempt + 1} attempt(s)"
                     )
-                    raise store_error(what, exc) from exc
+                    raise store_error(what, exc, self._config) from exc
                 delay = min(5.0, self._backoff_s * 2**attempt)
                 log.warning("store.retry", attempt=attempt + 1, delay_s=delay, error=str(exc))
                 self._stats.retried()
@@ -257,7 +265,7 @@ class ClickHouseSink:
             except StoreError:
                 raise
             except Exception as exc:
-                raise store_error(what, exc) from exc
+                raise store_error(what, exc, self._config) from exc
 
     def _write_control(self, layout: Layout, rows: list[list[object]], what: str) -> None:
         table = self._tables.qualified(layout)

@@ -64,7 +64,7 @@ def before_resolve_once(server_args: Any) -> None:
                     why="cached prefix tokens are never recomputed, so never captured; "
                     "DMX_ALLOW_PREFIX_CACHE=1 keeps the cache")
     os.environ.update(settings.to_env())
-    log.info("dmi.settings", run_id=settings.model_id, store=settings.db_url,
+    log.info("dmi.settings", run_id=settings.model_id, store=settings.store().url,
              hooks=settings.hook_selection)
 
 
