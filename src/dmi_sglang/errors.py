@@ -17,6 +17,7 @@ __all__ = [
     "SelectionError",
     "StoreError",
     "UnsupportedConfigurationError",
+    "UsageError",
 ]
 
 
@@ -62,6 +63,10 @@ class StoreError(DMIError):
 
 class IncompleteCaptureError(DMIError, LookupError):
     """A request's capture is not complete (not committed, or rows are missing)."""
+
+
+class UsageError(DMIError, ValueError):
+    """A command-line argument that cannot be used (reported as one line)."""
 
 
 class DMIWarning(UserWarning):

@@ -47,6 +47,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
     calls = FakeEngineCalls()
 
     def init(self: Any, **kwargs: Any) -> None:
+        self.send_to_rpc = "rpc-socket"
         calls.env_at_start = {k: v for k, v in os.environ.items() if k.startswith("DMX_")}
         calls.kwargs = kwargs
         calls.started.set()
@@ -60,17 +61,26 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
                  for i, _ in enumerate(prompt if isinstance(prompt, list) else [prompt])]
         return items if isinstance(prompt, list) else items[0]
 
-    def rpc(self: Any, method: str, **kwargs: Any) -> None:
-        calls.rpcs.append((method, kwargs))
-        if method in calls.fail_rpc:
-            raise AssertionError(calls.fail_rpc[method])
+    from sglang.srt.managers import io_struct
+
+    answers: list[Any] = []
+
+    def send(socket: Any, request: Any, flags: int = 0) -> None:
+        assert socket == "rpc-socket"
+        calls.rpcs.append((request.method, request.parameters))
+        failure = calls.fail_rpc.get(request.method)
+        answers.append(io_struct.RpcReqOutput(success=failure is None, message=failure or ""))
+
+    def recv(socket: Any, flags: int = 0) -> Any:
+        return answers.pop(0)
 
     def shutdown(self: Any) -> None:
         calls.shutdowns += 1
 
     monkeypatch.setattr(engine_class, "__init__", init)
     monkeypatch.setattr(engine_class, "generate", generate)
-    monkeypatch.setattr(engine_class, "collective_rpc", rpc)
+    monkeypatch.setattr(io_struct, "sock_send", send)
+    monkeypatch.setattr(io_struct, "sock_recv", recv)
     monkeypatch.setattr(engine_class, "shutdown", shutdown)
     return calls
 

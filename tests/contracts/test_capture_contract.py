@@ -5,6 +5,7 @@ The transport runs on the CPU (same code path as on the GPU, with host copies).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -162,29 +163,43 @@ def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
     assert closed == [True]
 
 
-def test_the_engine_tap_turns_failed_rpcs_into_capture_errors() -> None:
-    calls: list[tuple[str, dict[str, Any]]] = []
+@pytest.mark.sglang
+def test_the_engine_tap_checks_the_schedulers_answer_itself() -> None:
+    """Over a real socket pair, as SGLang's engine and scheduler talk: a refusal is a
+    CaptureError whatever ``python -O`` strips (see tests/reliability for -O itself)."""
+    zmq = pytest.importorskip("zmq")
+    from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
 
-    class Engine:
-        fail = False
+    context = zmq.Context.instance()
+    engine_side = context.socket(zmq.PAIR)
+    scheduler_side = context.socket(zmq.PAIR)
+    engine_side.bind("inproc://dmi-tap-contract")
+    scheduler_side.connect("inproc://dmi-tap-contract")
+    seen: list[tuple[str, dict[str, Any]]] = []
 
-        def collective_rpc(self, name: str, **kwargs: Any) -> None:
-            calls.append((name, kwargs))
-            if self.fail:
-                msg = "scheduler says no"
-                raise AssertionError(msg)
+    def scheduler(answers: list[tuple[bool, str]]) -> None:
+        for ok, message in answers:
+            request = sock_recv(scheduler_side)
+            seen.append((request.method, dict(request.parameters)))
+            sock_send(scheduler_side, RpcReqOutput(success=ok, message=message))
 
-    engine = Engine()
-    tap = EngineRpcTap(engine)
-    assert isinstance(ADAPTER.engine_tap(engine), EngineRpcTap)
-    tap.assert_active("run-1")
-    tap.stop_monitoring()
-    assert calls == [("dmi_assert_active", {"run_id": "run-1"}), ("dmi_stop_monitoring", {})]
-    engine.fail = True
-    with pytest.raises(CaptureError, match="scheduler says no"):
+    worker = threading.Thread(target=scheduler,
+                              args=([(True, ""), (True, ""), (False, "scheduler says no")],))
+    worker.start()
+    try:
+        tap: EngineTap = ADAPTER.engine_tap(SimpleNamespace(send_to_rpc=engine_side))
+        assert isinstance(tap, EngineRpcTap)
+        tap.assert_active("run-1")
         tap.stop_monitoring()
-    tap_port: EngineTap = tap
-    assert tap_port is tap
+        with pytest.raises(CaptureError, match="dmi_stop_monitoring failed in the scheduler: "
+                                                "scheduler says no"):
+            tap.stop_monitoring()
+    finally:
+        worker.join(5)
+        engine_side.close(0)
+        scheduler_side.close(0)
+    assert seen == [("dmi_assert_active", {"run_id": "run-1"}), ("dmi_stop_monitoring", {}),
+                    ("dmi_stop_monitoring", {})]
 
 
 def test_every_registered_sglang_adapter_conforms() -> None:

@@ -6,7 +6,7 @@
     dmi-sglang capture --model ./qwen3-demo --prompt "w1 w2 w3" --max-new-tokens 8
     dmi-sglang ls [RUN]
     dmi-sglang show RUN REQUEST
-    dmi-sglang export RUN REQUEST --out capture.safetensors
+    dmi-sglang export RUN REQUEST --out capture.safetensors   # or --out - (stdout)
     dmi-sglang rm RUN
 
 Every command takes ``--db URL`` (default: the embedded store ``./dmi-captures``). Any
@@ -17,6 +17,7 @@ one line on stderr and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +28,6 @@ from dmi_sglang.errors import DMIError
 __all__ = ["main"]
 
 EXIT_ERROR = 2
-
-
-class CliError(Exception):
-    """A failure reported as one line."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     exp = with_db(sub.add_parser("export", help="write a request's captures as safetensors"))
     exp.add_argument("run")
     exp.add_argument("request")
-    exp.add_argument("--out", required=True, type=Path)
+    exp.add_argument("--out", required=True,
+                     help="a new .safetensors file, or - for standard output")
+    exp.add_argument("--force", action="store_true", help="replace an existing --out file")
     rm = with_db(sub.add_parser("rm", help="delete a run"))
     rm.add_argument("run")
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
@@ -92,11 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler: dict[str, Any] = {
             "ls": lambda: cmd.ls(store, args.run),
             "show": lambda: cmd.show(store, args.run, args.request),
-            "export": lambda: cmd.export(store, args.run, args.request, args.out),
+            "export": lambda: cmd.export(store, args.run, args.request, args.out,
+                                         force=args.force),
             "rm": lambda: cmd.rm(store, args.run),
         }
         return int(handler[args.command]())
-    except (DMIError, CliError, OSError, ValueError) as exc:
+    except BrokenPipeError:  # `dmi-sglang ls | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (DMIError, OSError, ValueError) as exc:
         print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -11,13 +15,19 @@ from typing import Any
 
 from dmi_sglang.app.reading import CaptureStore
 from dmi_sglang.domain.store_config import StoreConfig
-from dmi_sglang.errors import IncompleteCaptureError
+from dmi_sglang.errors import IncompleteCaptureError, UsageError
 
 __all__ = ["capture", "demo_model", "export", "ls", "rm", "show"]
 
 
 def _out(line: str = "") -> None:
     print(line, flush=True)
+
+
+def _shown(text: str) -> str:
+    """``text`` safe for a terminal: control and other unprintable characters escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape",
+                                                       "backslashreplace").decode("ascii")
 
 
 def _mib(n: float) -> str:
@@ -39,13 +49,13 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
                 reqs = captures.requests(run.run_id)
                 rows = sum(r.rows for r in reqs)
                 size = sum(r.bytes for r in reqs)
-                _out(f"{run.run_id:<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
+                _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
                      f"{_mib(size):>14}  {run.started_at}")
             return 0
         requests = captures.requests(run_id)
         _out(f"{'request':<40} {'rows':>10} {'size':>14}")
         for req in requests:
-            _out(f"{req.request_id:<40} {req.rows:>10} {_mib(req.bytes):>14}")
+            _out(f"{_shown(req.request_id):<40} {req.rows:>10} {_mib(req.bytes):>14}")
     return 0
 
 
@@ -67,7 +77,7 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple
 
 def show(store: StoreConfig, run_id: str, request_id: str) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
-    _out(f"run {run_id}  request {request_id}")
+    _out(f"run {_shown(run_id)}  request {_shown(request_id)}")
     _out(f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}")
     for name, tensor in _tensors(store, run_id, request_id):
         norm = float(tensor.float().norm()) if tensor.is_floating_point() else float("nan")
@@ -76,15 +86,60 @@ def show(store: StoreConfig, run_id: str, request_id: str) -> int:
     return 0
 
 
-def export(store: StoreConfig, run_id: str, request_id: str, out: Path) -> int:
-    """Write one request's captures as a safetensors file."""
-    from safetensors.torch import save_file
+def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
+           force: bool = False) -> int:
+    """Write one request's captures as a safetensors file (``out == "-"``: to stdout).
+
+    The file is written next to the target and renamed into place, so a reader never
+    sees half a file. Only a new path or, with ``force``, an existing regular file is
+    accepted: symlinks, directories, devices and FIFOs are refused.
+    """
+    target = _export_target(out, force=force)
+    from safetensors.torch import save
 
     tensors = {name: t.contiguous() for name, t in _tensors(store, run_id, request_id)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"run_id": run_id, "request_id": request_id})
-    _out(f"wrote {len(tensors)} tensors ({_mib(out.stat().st_size)}) to {out}")
+    data = save(tensors, metadata={"run_id": run_id, "request_id": request_id})
+    if target is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _out(f"wrote {len(tensors)} tensors ({_mib(len(data))}) to {target}")
     return 0
+
+
+def _export_target(out: str, *, force: bool) -> Path | None:
+    """The regular file ``--out`` names (None: standard output), or a one-line refusal."""
+    if out == "-":
+        return None
+    if not out.strip():
+        msg = "--out is empty; give a file path, or - for standard output"
+        raise UsageError(msg)
+    path = Path(out)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return path
+    kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+            else None if stat.S_ISREG(st.st_mode) else "not a regular file (a device or FIFO)")
+    if kind is not None:
+        msg = f"--out {out} is {kind}; give a new file path, or - for standard output"
+        raise UsageError(msg)
+    if not force:
+        msg = f"--out {out} exists; pass --force to replace it"
+        raise UsageError(msg)
+    return path
 
 
 def rm(store: StoreConfig, run_id: str) -> int:

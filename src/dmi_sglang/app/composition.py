@@ -30,6 +30,7 @@ from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink
+from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.settings import monitoring_requested
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError, StoreError, UnsupportedConfigurationError
@@ -87,7 +88,7 @@ def handle_for(store: StoreConfig, run_id: str, request_id: str) -> CaptureHandl
     """The lazy handle of one request: free until an attribute is read."""
     if store.kind is StoreKind.NONE:
         return NoStoreHandle(run_id, request_id)
-    return CaptureHandle(run_id, request_id, lambda: reader_for(store))
+    return CaptureHandle(run_id, storable_request_id(request_id), lambda: reader_for(store))
 
 
 # -- capture ---------------------------------------------------------------------------

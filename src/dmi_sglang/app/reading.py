@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
-from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.records import RequestManifest, RunInfo, storable_request_id
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
@@ -98,11 +98,11 @@ class CaptureStore:
     def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
         """A request's manifest (its prompt and completion lengths, whether it is
         committed), or None when the run wrote none for it."""
-        return self._reader.manifest(run_id, request_id)
+        return self._reader.manifest(run_id, storable_request_id(request_id))
 
     def handle(self, run_id: str, request_id: str) -> CaptureHandle:
         """The lazy capture handle of one request (nothing is read until used)."""
-        return CaptureHandle(run_id, request_id, lambda: self._reader)
+        return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader)
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run; returns the records deleted.

@@ -39,7 +39,7 @@ from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
 from dmi_sglang.domain.ports import CaptureTransport, RecordSink, TrackedRequest, TransportStats
-from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CaptureError
 
@@ -78,13 +78,14 @@ class RequestTracker:
     def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
         for req in reqs:
-            seen = self._seen.get(req.rid)
+            rid = storable_request_id(req.rid)
+            seen = self._seen.get(rid)
             if seen is None:
-                seen = self._seen[req.rid] = _Seen(req, 1 << 62, 0)
+                seen = self._seen[rid] = _Seen(req, 1 << 62, 0)
             else:
                 seen.req = req
             if not seen.notified:
-                self._live[req.rid] = seen
+                self._live[rid] = seen
 
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is

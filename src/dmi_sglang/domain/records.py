@@ -35,7 +35,29 @@ __all__ = [
     "RunInfo",
     "RunStatus",
     "expected_coverage",
+    "storable_request_id",
 ]
+
+
+def storable_request_id(request_id: str) -> str:
+    """A request id as the store keeps it.
+
+    Itself, unless it cannot be stored as UTF-8 (a lone surrogate, which SGLang's HTTP
+    API can deliver) or starts with NUL: those become NUL followed by the hex of their
+    bytes (surrogates passed through). No other id maps to the same stored id, so two
+    requests never share rows. Applied where ids enter (the SGLang adapter) and where a
+    reader looks one up.
+    """
+    if request_id.isascii() and not request_id.startswith("\x00"):
+        return request_id
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        if not request_id.startswith("\x00"):
+            return request_id
+    return "\x00" + request_id.encode("utf-8", "surrogatepass").hex()
 
 
 @attrs.frozen

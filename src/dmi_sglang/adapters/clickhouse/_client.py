@@ -118,6 +118,12 @@ def _prepare_directory(path: str, *, create: bool) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         msg = f"the capture store directory {path} is not writable"
         raise StoreError(msg)
+    entries = os.listdir(path)
+    if "metadata" not in entries and (entries or not create):
+        why = "it holds other files" if entries else "it is empty"
+        msg = (f"{path} is not a capture store ({why}); a capture creates one in a new or "
+               "empty directory")
+        raise StoreError(msg)
     owner = _lock_owner(path)
     if owner is not None:
         msg = (

@@ -22,6 +22,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.errors import CommitError
 
 __all__ = ["CAPTURED_MODES", "layout_from_forward_batch", "unfinished_rids"]
@@ -57,10 +58,10 @@ def layout_from_forward_batch(
         raise CommitError(msg)
     if mode == "IDLE":
         return BatchLayout.idle()
-    rids = fb.rids
-    if rids is None:
+    if fb.rids is None:
         msg = f"{mode} ForwardBatch without rids: rows cannot be mapped to requests"
         raise CommitError(msg)
+    rids = [storable_request_id(r) for r in fb.rids]
     seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if mode == "DECODE":
         return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded_batch_size)
@@ -90,7 +91,7 @@ def unfinished_rids(schedule_batch: Any) -> frozenset[str]:
     req = getattr(schedule_batch, "chunked_req", None)
     if req is None or not any(r is req for r in schedule_batch.reqs):
         return frozenset()
-    return frozenset((req.rid,))
+    return frozenset((storable_request_id(req.rid),))
 
 
 def _ints(cpu: Any, device: Any) -> list[int]:

@@ -1,8 +1,9 @@
 """The monitoring RPCs of a started SGLang 0.5.19 ``Engine``: the EngineTap port.
 
-``Engine.collective_rpc`` returns None and reports a failed RPC only as an
-``AssertionError`` raised on rank 0; :class:`EngineRpcTap` turns that into a
-:class:`~dmi_sglang.errors.CaptureError`.
+SGLang's ``Engine.collective_rpc`` reports a failed RPC only through ``assert``, which
+``python -O`` strips: a failed attach or stop would pass silently. :class:`EngineRpcTap`
+sends the same request over the engine's RPC socket and checks the scheduler's answer
+itself, raising :class:`~dmi_sglang.errors.CaptureError` when it says no.
 """
 
 from __future__ import annotations
@@ -40,8 +41,20 @@ class EngineRpcTap:
         """
         self._call("dmi_stop_monitoring")
 
-    def _call(self, name: str, **kwargs: Any) -> None:
-        try:
-            self._engine.collective_rpc(name, **kwargs)
-        except AssertionError as exc:
-            raise CaptureError(str(exc)) from exc
+    def _call(self, method: str, **parameters: Any) -> None:
+        import zmq
+        from sglang.srt.managers.io_struct import (
+            RpcReqInput,
+            RpcReqOutput,
+            sock_recv,
+            sock_send,
+        )
+
+        socket = self._engine.send_to_rpc
+        sock_send(socket, RpcReqInput(method=method, parameters=parameters))
+        answer = sock_recv(socket, flags=zmq.BLOCKY)
+        if not isinstance(answer, RpcReqOutput):
+            msg = f"{method}: the scheduler answered {type(answer).__name__}, not RpcReqOutput"
+            raise CaptureError(msg)
+        if not answer.success:
+            raise CaptureError(f"{method} failed in the scheduler: {answer.message}")
