@@ -69,7 +69,8 @@ def test_server_shorthand_and_none() -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"DMX_RING_PAYLOAD_MB": "0"}, "DMX_RING_PAYLOAD_MB='0' is invalid; accepted: an integer from 1 to 131,072"),
+        ({"DMX_RING_PAYLOAD_MB": "0"},
+         "DMX_RING_PAYLOAD_MB='0' is invalid; accepted: an integer from 1 to 131,072"),
         ({"DMX_RING_PINNED_MB": "lots"}, "DMX_RING_PINNED_MB='lots'"),
         ({"DMX_SGLANG_ENABLE": "maybe"}, "DMX_SGLANG_ENABLE='maybe' is invalid; accepted: auto"),
         ({"DMX_GPU_PADDING_STRIP": "2"}, "DMX_GPU_PADDING_STRIP='2'"),
