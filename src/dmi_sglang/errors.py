@@ -14,6 +14,7 @@ __all__ = [
     "DMIError",
     "DMIWarning",
     "IncompleteCaptureError",
+    "RunExistsError",
     "SelectionError",
     "StoreError",
     "UnsupportedConfigurationError",
@@ -27,6 +28,10 @@ class DMIError(Exception):
 
 class ConfigurationError(DMIError, ValueError):
     """A setting (``DMX_*`` variable or ``dmx_*`` keyword) has an invalid value."""
+
+
+class RunExistsError(ConfigurationError):
+    """A new run was asked for under an id the store already holds."""
 
 
 class SelectionError(ConfigurationError):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 from dmi_sglang.domain.ports import CaptureSession, CaptureSpec, EngineTap
+from dmi_sglang.domain.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -49,7 +50,16 @@ class OpenedCapture:
 
 @runtime_checkable
 class CaptureFactory(Protocol):
-    """**Port**: opens the capture pipeline of one run in one scheduler process."""
+    """**Port**: claims a run id (main process) and opens the capture pipeline of the
+    run in one scheduler process."""
+
+    def claim_run(self, settings: Settings) -> None:
+        """Claim the resolved run id in its store before any scheduler starts.
+
+        Raises:
+            RunExistsError: the store holds that run, or another start claimed it.
+        """
+        ...
 
     def open(self, spec: CaptureSpec) -> OpenedCapture:
         """Open the store, start the run and create the transport.

@@ -29,21 +29,29 @@ import structlog
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.app.session import SchedulerMonitor
-from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink
+from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink, RunClaims
 from dmi_sglang.domain.records import storable_request_id
-from dmi_sglang.domain.settings import monitoring_requested
+from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
-from dmi_sglang.errors import ConfigurationError, StoreError, UnsupportedConfigurationError
+from dmi_sglang.errors import (
+    ConfigurationError,
+    RunExistsError,
+    StoreError,
+    UnsupportedConfigurationError,
+)
 from dmi_sglang.tensor_ports import OpenedCapture, SGLangAdapter
 
 __all__ = [
     "SGLANG_ADAPTERS",
     "PipelineFactory",
+    "claim_new_run",
     "handle_for",
     "installed_sglang",
     "open_sink",
     "reader_for",
     "register_plugin",
+    "release_unused_claim",
+    "run_claims",
     "sglang_adapter",
     "write_demo_checkpoint",
 ]
@@ -84,6 +92,57 @@ def reader_for(store: StoreConfig) -> RecordReader:
     return ClickHouseReader(store)
 
 
+def run_claims(store: StoreConfig) -> RunClaims | None:
+    """Where run ids are claimed (None for ``none``: nothing is stored, nothing mixes)."""
+    if store.kind is StoreKind.NONE:
+        return None
+    from dmi_sglang.adapters.clickhouse import ClickHouseRunClaims
+
+    return ClickHouseRunClaims(store)
+
+
+def claim_new_run(settings: Settings) -> None:
+    """Claim the run id of ``settings`` in its store before an engine starts.
+
+    Raises:
+        RunExistsError: the store holds a run of that id, or another start claimed it;
+            the message names the run, its status and the way out.
+        StoreError: the store cannot be opened.
+    """
+    store = settings.store()
+    claims = run_claims(store)
+    run_id = settings.model_id or ""
+    if claims is None:
+        return
+    outcome = claims.claim(run_id)
+    if outcome.won:
+        log.info("dmi.run_claimed", run_id=run_id, store=store.url)
+        return
+    way_out = (f"remove it with `dmi-sglang rm {run_id} --db {store.url}`, or give this "
+               "engine another id (dmx_model_id / DMX_MODEL_ID, or none to generate one)")
+    if outcome.existing is not None:
+        msg = (f"run {run_id!r} already exists in {store.url} (status "
+               f"{outcome.existing.status.value}, started {outcome.existing.started_at}); "
+               f"a run id names exactly one run and dmi-sglang never adds to an earlier "
+               f"run: {way_out}")
+    else:
+        msg = (f"run id {run_id!r} is claimed in {store.url} by another engine start "
+               f"(starting now, or it stopped before recording the run): {way_out}")
+    raise RunExistsError(msg)
+
+
+def release_unused_claim(store: StoreConfig, run_id: str) -> None:
+    """Drop the claim of a run id whose engine never recorded the run (its start failed)."""
+    claims = run_claims(store)
+    if claims is None:
+        return
+    try:
+        if reader_for(store).run(run_id) is None:
+            claims.release(run_id)
+    except StoreError as exc:  # best effort: `dmi-sglang rm` frees it too
+        log.warning("dmi.claim_not_released", run_id=run_id, error=str(exc))
+
+
 def handle_for(store: StoreConfig, run_id: str, request_id: str) -> CaptureHandle | NoStoreHandle:
     """The lazy handle of one request: free until an attribute is read."""
     if store.kind is StoreKind.NONE:
@@ -94,6 +153,11 @@ def handle_for(store: StoreConfig, run_id: str, request_id: str) -> CaptureHandl
 # -- capture ---------------------------------------------------------------------------
 class PipelineFactory:
     """The :class:`~dmi_sglang.tensor_ports.CaptureFactory` handed to SGLang adapters."""
+
+    def claim_run(self, settings: Settings) -> None:
+        """Claim the run id in the main process, before the scheduler starts (see
+        :func:`claim_new_run`)."""
+        claim_new_run(settings)
 
     def open(self, spec: CaptureSpec) -> OpenedCapture:
         """Open the store, start the run, create the transport and the session.

@@ -34,7 +34,7 @@ from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.domain.ports import EngineTap
 from dmi_sglang.domain.settings import PREFIX, Settings
 from dmi_sglang.domain.support import request_input_problem
-from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning
+from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning, RunExistsError
 
 __all__ = ["DMIEngine"]
 
@@ -70,6 +70,8 @@ class DMIEngine(_Engine):  # type: ignore[misc]
 
     Raises:
         ConfigurationError: an invalid ``dmx_*`` value (before anything starts).
+        RunExistsError: the store already holds a run of ``dmx_model_id`` (a run id
+            names exactly one run; remove it with ``dmi-sglang rm`` or pick another).
         CaptureError: monitoring did not attach in the scheduler.
         RuntimeError: another DMIEngine is starting in this process.
     """
@@ -94,12 +96,18 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             env = {**settings.to_env(), PREFIX + "SGLANG_ENABLE": "1"}
             with _scheduler_environment(env):
                 super().__init__(**kwargs)
+        except RunExistsError:
+            raise  # the id belongs to another run: leave its claim alone
+        except BaseException:
+            composition.release_unused_claim(settings.store(), self.dmi_run_id)
+            raise
         finally:
             _STARTING.release()
         try:
             self._dmi_tap.assert_active(self.dmi_run_id)
         except CaptureError as exc:
             super().shutdown()
+            composition.release_unused_claim(settings.store(), self.dmi_run_id)
             msg = f"dmi-sglang monitoring did not attach in the scheduler: {exc}"
             raise CaptureError(msg) from exc
         log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.store().url)

@@ -105,14 +105,21 @@ class CaptureStore:
         return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader)
 
     def delete_run(self, run_id: str) -> int:
-        """Delete a run; returns the records deleted.
+        """Delete a run and free its id (also an id only claimed by a start that never
+        recorded its run); returns the records deleted.
 
         Raises:
-            StoreError: no such run.
+            StoreError: no such run or claim.
         """
+        claims = composition.run_claims(self.config)
+        claimed = claims is not None and claims.claimed(run_id)
         with self.session():
-            self._require(run_id)
-            return self._reader.delete_run(run_id)
+            if not claimed:
+                self._require(run_id)
+            deleted = self._reader.delete_run(run_id)
+        if claims is not None:
+            claims.release(run_id)
+        return deleted
 
     def _require(self, run_id: str) -> RunInfo:
         run = self._reader.run(run_id)

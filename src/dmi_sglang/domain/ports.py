@@ -33,11 +33,13 @@ __all__ = [
     "CaptureSession",
     "CaptureSpec",
     "CaptureTransport",
+    "ClaimOutcome",
     "EngineTap",
     "HookTotal",
     "RecordReader",
     "RecordSink",
     "RequestSummary",
+    "RunClaims",
     "TrackedRequest",
     "TransportStats",
 ]
@@ -143,6 +145,33 @@ class RecordReader(Protocol):
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run's records, manifests and run row; returns records deleted."""
+        ...
+
+
+@attrs.frozen
+class ClaimOutcome:
+    """What claiming a run id found: ``won``, or the run (or claim) that holds the id."""
+
+    won: bool
+    existing: RunInfo | None = None
+    """The stored run of that id, when there is one (None: claimed, no run recorded)."""
+
+
+@runtime_checkable
+class RunClaims(Protocol):
+    """**Port**: run ids are claimed in the store before an engine starts, so that one id
+    names exactly one run. Of two starts racing for an id, exactly one wins."""
+
+    def claim(self, run_id: str) -> ClaimOutcome:
+        """Claim ``run_id`` for a new run, unless a run or a claim of it exists."""
+        ...
+
+    def claimed(self, run_id: str) -> bool:
+        """Whether ``run_id`` is claimed."""
+        ...
+
+    def release(self, run_id: str) -> None:
+        """Drop the claim of ``run_id`` (idempotent)."""
         ...
 
 

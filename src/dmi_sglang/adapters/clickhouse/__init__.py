@@ -5,6 +5,7 @@ need it.
 
 * :class:`ClickHouseSink`: the :class:`~dmi_sglang.domain.ports.RecordSink`.
 * :class:`ClickHouseReader`: the :class:`~dmi_sglang.domain.ports.RecordReader`.
+* :class:`ClickHouseRunClaims`: the :class:`~dmi_sglang.domain.ports.RunClaims`.
 * :class:`StoreTables`: the DDL of the three tables (records, runs, manifests).
 
 See docs/storage.md for the tables, the dedupe rule and measured ingest rates.
@@ -12,6 +13,7 @@ See docs/storage.md for the tables, the dedupe rule and measured ingest rates.
 
 from __future__ import annotations
 
+from dmi_sglang.adapters.clickhouse._claims import ClickHouseRunClaims
 from dmi_sglang.adapters.clickhouse._client import ClientFactory, connect
 from dmi_sglang.adapters.clickhouse._reader import ClickHouseReader
 from dmi_sglang.adapters.clickhouse._schema import StoreTables
@@ -20,6 +22,7 @@ from dmi_sglang.adapters.clickhouse._stats import SinkStats
 
 __all__ = [
     "ClickHouseReader",
+    "ClickHouseRunClaims",
     "ClickHouseSink",
     "ClientFactory",
     "SinkStats",

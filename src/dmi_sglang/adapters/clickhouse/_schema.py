@@ -28,7 +28,7 @@ from dmi_sglang.errors import StoreError
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["OFFLOAD_COLUMNS", "Layout", "StoreTables"]
+__all__ = ["OFFLOAD_COLUMNS", "Layout", "StoreTables", "quote"]
 
 OFFLOAD_KEY = (
     "model_id",
@@ -92,7 +92,8 @@ class Layout:
     create_sql: str
 
 
-def _quote(name: str) -> str:
+def quote(name: str) -> str:
+    """A ClickHouse identifier, back-quoted."""
     return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
 
 
@@ -100,7 +101,7 @@ def _offload(db: str, table: str) -> Layout:
     key = ", ".join(OFFLOAD_KEY)
     # DMI's DDL text (dmi-core.md §4.1) with `seq` appended; keep the two in step.
     sql = (
-        f"CREATE TABLE IF NOT EXISTS {_quote(db)}.{_quote(table)} (\n"
+        f"CREATE TABLE IF NOT EXISTS {quote(db)}.{quote(table)} (\n"
         "  `model_id` String, `request_id` String, `act_name` String,\n"
         "  `layer_no` Int32, `shard_rank` Int32, `start_token_idx` Int32, `end_token_idx` Int32,\n"
         "  `dtype` String, `shape` Array(Int64), `bytes` String, `seq` UInt64 DEFAULT 0\n"
@@ -115,9 +116,9 @@ def _offload(db: str, table: str) -> Layout:
 def _replacing(
     db: str, table: str, columns: tuple[tuple[str, str], ...], key: tuple[str, ...]
 ) -> Layout:
-    cols = ",\n".join(f"  {_quote(n)} {t}" for n, t in columns)
+    cols = ",\n".join(f"  {quote(n)} {t}" for n, t in columns)
     sql = (
-        f"CREATE TABLE IF NOT EXISTS {_quote(db)}.{_quote(table)} (\n{cols}\n"
+        f"CREATE TABLE IF NOT EXISTS {quote(db)}.{quote(table)} (\n{cols}\n"
         f") ENGINE = ReplacingMergeTree(version)\nORDER BY ({', '.join(key)})"
     )
     return Layout(table, columns, "ReplacingMergeTree", key, key, sql)
@@ -152,7 +153,7 @@ class StoreTables:
 
     def qualified(self, layout: Layout) -> str:
         """``db.table`` with identifiers quoted."""
-        return f"{_quote(self.database)}.{_quote(layout.name)}"
+        return f"{quote(self.database)}.{quote(layout.name)}"
 
     @property
     def all(self) -> tuple[Layout, Layout, Layout]:
@@ -166,7 +167,7 @@ class StoreTables:
             StoreError: a table exists with another layout; names the table and the
                 difference. Nothing is altered.
         """
-        client.command(f"CREATE DATABASE IF NOT EXISTS {_quote(self.database)}")
+        client.command(f"CREATE DATABASE IF NOT EXISTS {quote(self.database)}")
         for layout in self.all:
             self.check(client, layout, create=True)
 

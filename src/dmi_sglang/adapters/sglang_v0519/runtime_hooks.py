@@ -15,8 +15,9 @@ from typing import Any
 
 import structlog
 
+from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.domain.ports import CaptureSession
-from dmi_sglang.domain.settings import Settings, monitoring_requested
+from dmi_sglang.domain.settings import PREFIX, Settings, monitoring_requested
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
@@ -24,6 +25,8 @@ __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
 log = structlog.get_logger(__name__)
 
 _MONITOR: CaptureSession | None = None
+_GENERATED_RUN_IDS: set[str] = set()
+"""Run ids :func:`before_resolve_once` generated in this process (never reused)."""
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -44,16 +47,27 @@ def _forwarding() -> CaptureSession | None:
 
 # -- main process ----------------------------------------------------------------------
 def before_resolve_once(server_args: Any) -> None:
-    """Before SGLang resolves its arguments: force settings, resolve ours once.
+    """Before SGLang resolves its arguments: force settings, resolve ours once, claim the
+    run id.
 
     Runs in the process that builds the engine. Forces prefill CUDA graphs off and the
     radix cache off (unless ``DMX_ALLOW_PREFIX_CACHE=1``), each with a log line, then
     resolves the ``DMX_*`` settings (run id, absolute store path) into ``os.environ`` so
-    the spawned scheduler inherits exactly these values.
+    the spawned scheduler inherits exactly these values, and claims the run id in the
+    store: a run id the store already holds is refused here, before anything spawns. A
+    run id this hook generated for an earlier engine of the process is not reused.
+
+    Raises:
+        RunExistsError: the store already holds the run id (or another start claimed it).
     """
     if getattr(server_args, "_resolution_finished", False) or not monitoring_requested():
         return
-    settings = Settings.from_env().resolve(model_path=str(server_args.model_path))
+    if os.environ.get(PREFIX + "MODEL_ID") in _GENERATED_RUN_IDS:
+        del os.environ[PREFIX + "MODEL_ID"]  # an earlier engine's id: this one gets its own
+    requested = Settings.from_env()
+    settings = requested.resolve(model_path=str(server_args.model_path))
+    if requested.model_id is None and settings.model_id is not None:
+        _GENERATED_RUN_IDS.add(settings.model_id)
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         log.warning("dmi.forced", setting="disable_prefill_cuda_graph=True",
@@ -63,6 +77,9 @@ def before_resolve_once(server_args: Any) -> None:
         log.warning("dmi.forced", setting="disable_radix_cache=True",
                     why="cached prefix tokens are never recomputed, so never captured; "
                     "DMX_ALLOW_PREFIX_CACHE=1 keeps the cache")
+    factory = _state.STATE.factory
+    if factory is not None:
+        factory.claim_run(settings)
     os.environ.update(settings.to_env())
     log.info("dmi.settings", run_id=settings.model_id, store=settings.store().url,
              hooks=settings.hook_selection)
