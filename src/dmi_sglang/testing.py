@@ -102,6 +102,15 @@ class MemorySink:
         with self._lock:
             self.finished.append((run, tuple(manifests)))
 
+    def forget_run(self, run_id: str) -> int:
+        """Drop a run's records, run states and manifests; returns the records dropped."""
+        with self._lock:
+            doomed = sum(1 for r in self.records if r.model_id == run_id)
+            self.records = [r for r in self.records if r.model_id != run_id]
+            self.runs = [r for r in self.runs if r.run_id != run_id]
+            self.finished = [(r, m) for r, m in self.finished if r.run_id != run_id]
+        return doomed
+
     def close(self) -> None:
         """Mark the sink closed."""
         with self._lock:
@@ -192,10 +201,4 @@ class MemoryReader:
 
     def delete_run(self, run_id: str) -> int:
         """Forget a run; returns the records deleted."""
-        sink = self._sink
-        with sink._lock:
-            doomed = [r for r in sink.records if r.model_id == run_id]
-            sink.records = [r for r in sink.records if r.model_id != run_id]
-            sink.runs = [r for r in sink.runs if r.run_id != run_id]
-            sink.finished = [(r, m) for r, m in sink.finished if r.run_id != run_id]
-        return len(doomed)
+        return self._sink.forget_run(run_id)

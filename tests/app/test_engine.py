@@ -207,8 +207,34 @@ def test_imports_are_lazy_and_aliased() -> None:
         "from dmi_sglang_integration import DMIEngine as A\n"
         "from dmi_sglang import DMIEngine as B\n"
         "from dmi_sglang.app.engine import DMIEngine as C\n"
-        "assert A is B is C\n"
+        "from dmi_sglang.app import DMIEngine as D, open_store\n"
+        "import dmi_sglang\n"
+        "assert A is B is C is D and open_store is dmi_sglang.open_store\n"
         "from sglang.srt.entrypoints.engine import Engine\n"
         "assert issubclass(C, Engine)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_plugin_entry_point_imports_no_framework_when_monitoring_is_off() -> None:
+    code = (
+        "import os, sys\n"
+        "os.environ['DMX_SGLANG_ENABLE'] = '0'\n"
+        "from dmi_sglang.app.plugin import register\n"
+        "register()\n"
+        "bad = [m for m in ('torch', 'sglang', 'clickhouse_connect', 'chdb') "
+        "if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_an_sglang_without_an_adapter_is_refused_before_anything_starts(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.app import composition
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    monkeypatch.setattr(composition, "installed_sglang", lambda: "0.6.0")
+    with pytest.raises(UnsupportedConfigurationError, match=r"sglang 0\.6\.0 is installed"):
+        _engine(dmx_db_url="none")
+    assert not fake.started.is_set()

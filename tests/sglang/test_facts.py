@@ -48,6 +48,7 @@ def test_defaults_are_accepted_with_prefill_graph_and_radix_cache_forced(
     assert facts.prefill_graph_enabled
     assert facts.radix_cache_enabled
     assert facts.sglang_version == "0.5.19"
+    assert (facts.adapter_sglang, facts.torch_prefix) == ("0.5.19", "2.13.")
     assert facts.torch_version is None  # only checked where CUDA is available
 
 

@@ -19,7 +19,11 @@ import pytest
 pytestmark = pytest.mark.sglang
 
 _SCRIPT = """
-import json, sys
+import importlib.metadata, json, os, sys
+fake = os.environ.get("FAKE_SGLANG_VERSION")
+if fake:
+    real = importlib.metadata.version
+    importlib.metadata.version = lambda d: fake if d == "sglang" else real(d)
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import ServerArgs
@@ -154,6 +158,7 @@ def test_the_entry_point_registers_the_installed_sglangs_adapter_with_the_factor
 def test_an_sglang_without_an_adapter_is_refused_with_the_supported_list(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from dmi_sglang.adapters.sglang_v0519.adapter import ADAPTER
     from dmi_sglang.app import composition
     from dmi_sglang.errors import UnsupportedConfigurationError
 
@@ -162,8 +167,21 @@ def test_an_sglang_without_an_adapter_is_refused_with_the_supported_list(
         composition.sglang_adapter("0.5.23")
     assert composition.sglang_adapter("0.5.19").sglang_version == "0.5.19"
     monkeypatch.setattr(composition, "installed_sglang", lambda: "0.5.23")
-    monkeypatch.setenv("DMX_SGLANG_ENABLE", "0")
-    composition.register_plugin()  # monitoring not requested: nothing to refuse
+    assert composition.nearest_sglang_adapter() is ADAPTER
+    registered: list[object] = []
+    monkeypatch.setattr(ADAPTER, "register", registered.append)
     monkeypatch.setenv("DMX_SGLANG_ENABLE", "1")
-    with pytest.raises(UnsupportedConfigurationError, match=r"0\.5\.23"):
-        composition.register_plugin()  # SGLang logs what a plugin raises
+    composition.register_plugin()  # never raises: SGLang would swallow it
+    assert len(registered) == 1
+
+
+def test_a_monitored_engine_on_an_sglang_without_an_adapter_is_refused_at_startup(
+    run_loader: Callable[..., dict[str, Any]], qwen3_dir: Path
+) -> None:
+    out = run_loader({"DMX_SGLANG_ENABLE": "1", "FAKE_SGLANG_VERSION": "0.6.0"},
+                     str(qwen3_dir))
+    assert out["patched"]
+    assert any("sglang 0.6.0 is installed" in p for p in out["problems"])
+    assert out["check"].startswith("UnsupportedConfigurationError")
+    assert "sglang 0.6.0 is installed; this adapter supports exactly sglang==0.5.19" in (
+        out["check"])

@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--db", help="store URL: chdb:///abs/path or http(s)://host:port/db "
-                       "(default: embedded ./dmi-captures)")
+                       "(default: $DMX_DB_URL, else embedded ./dmi-captures)")
         return p
 
     cap = with_db(sub.add_parser("capture", help="run a monitored generation into the store"))

@@ -63,7 +63,7 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple
     """``(name, tensor)`` of every capture of a request, in the run's capture order."""
     captures = CaptureStore(store)
     with captures.session():
-        captures.requests(run_id)  # refuses an unknown run
+        captures.require_run(run_id)
         handle = captures.handle(run_id, request_id)
         missing = handle.missing
         if missing:

@@ -11,10 +11,12 @@ A sibling SGLang adapter is a new ``adapters/sglang_vXXXX`` package plus one lin
 :data:`SGLANG_ADAPTERS`; another store backend is a new adapter plus a branch in
 :func:`open_sink` and :func:`reader_for`. ``docs/architecture.md`` has the checklist.
 
-Store owner: the scheduler process that captures holds the embedded store while its run
-is live (the sink is opened by :meth:`PipelineFactory.open`, in the scheduler). Moving
-the store into a dedicated sink process changes :func:`open_sink` alone: the adapter and
-the session see only the :class:`~dmi_sglang.domain.ports.RecordSink` port.
+Store owner (docs/architecture.md): the decision is a dedicated sink process per run; it
+is not built yet, and today the scheduler holds the embedded store while its run is live
+(:meth:`PipelineFactory.open` opens the sink there). The move stays inside this module:
+start the owner in the main process before schedulers spawn, hand its address to them
+through the settings, and make :func:`open_sink` and :func:`reader_for` return proxies
+to it. Adapters and the session see only the ports.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "claim_new_run",
     "handle_for",
     "installed_sglang",
+    "nearest_sglang_adapter",
     "open_sink",
     "reader_for",
     "register_plugin",
@@ -188,17 +191,20 @@ class PipelineFactory:
                 max_prefill_tokens=spec.max_prefill_tokens,
                 max_requests=spec.max_requests,
             )
+            session = SchedulerMonitor(
+                run=spec.run,
+                selection=spec.selection,
+                shape=spec.shape,
+                transport=transport,
+                sink=sink,
+                strip=settings.gpu_padding_strip,
+            )
         except BaseException:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # the first failure is the one to report
+                log.warning("dmi.sink_close_failed", error=repr(exc))
             raise
-        session = SchedulerMonitor(
-            run=spec.run,
-            selection=spec.selection,
-            shape=spec.shape,
-            transport=transport,
-            sink=sink,
-            strip=settings.gpu_padding_strip,
-        )
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
 
 
@@ -228,16 +234,30 @@ def sglang_adapter(version: str | None = None) -> SGLangAdapter:
     return adapter
 
 
+def nearest_sglang_adapter() -> SGLangAdapter:
+    """The installed SGLang's adapter, or else the newest one.
+
+    For what must still work on an SGLang without an adapter: the newest adapter's hooks
+    record the version problem and its main-process check refuses the engine, so a
+    monitored engine on an unknown SGLang fails loudly instead of serving unmonitored;
+    ``DMIEngine`` extends that SGLang's Engine class and refuses at construction.
+    """
+    try:
+        return sglang_adapter()
+    except UnsupportedConfigurationError:
+        return sglang_adapter(list(SGLANG_ADAPTERS)[-1])
+
+
 def register_plugin() -> None:
     """The ``sglang.srt.plugins`` entry point's work: hand the capture factory to the
     adapter of the installed SGLang, which installs its hooks when monitoring is requested.
 
-    Cheap and idempotent. SGLang logs and swallows what a plugin raises, so an SGLang
-    release without an adapter is logged as an error here when monitoring is requested
-    (``DMIEngine`` refuses it before starting anything).
+    Cheap, idempotent, never raises (SGLang would swallow it). On an SGLang release
+    without an adapter, the newest adapter registers and refuses the engine at startup
+    when monitoring is requested (see :func:`nearest_sglang_adapter`).
     """
     try:
-        adapter = sglang_adapter()
+        sglang_adapter()
     except UnsupportedConfigurationError as exc:
         try:
             requested = monitoring_requested()
@@ -245,9 +265,7 @@ def register_plugin() -> None:
             requested = True
         if requested:
             log.error("dmi.plugin.unsupported_sglang", error=str(exc))
-            raise
-        return
-    adapter.register(PipelineFactory())
+    nearest_sglang_adapter().register(PipelineFactory())
 
 
 # -- demo checkpoint -------------------------------------------------------------------

@@ -40,7 +40,7 @@ __all__ = ["DMIEngine"]
 
 log = structlog.get_logger(__name__)
 
-_ADAPTER = composition.sglang_adapter()  # an SGLang without an adapter is refused here
+_ADAPTER = composition.nearest_sglang_adapter()  # refused at construction when unsupported
 _Engine: Any = _ADAPTER.engine_base()
 _STARTING = threading.Lock()
 _MULTIMODAL = ("image_data", "audio_data", "video_data")
@@ -70,6 +70,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
 
     Raises:
         ConfigurationError: an invalid ``dmx_*`` value (before anything starts).
+        UnsupportedConfigurationError: the installed SGLang has no adapter (likewise).
         RunExistsError: the store already holds a run of ``dmx_model_id`` (a run id
             names exactly one run; remove it with ``dmi-sglang rm`` or pick another).
         CaptureError: monitoring did not attach in the scheduler.
@@ -81,6 +82,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
         if "model_path" not in kwargs:
             msg = "DMIEngine needs model_path"
             raise ConfigurationError(msg)
+        composition.sglang_adapter()  # an SGLang without an adapter: refused before anything
         settings = Settings.from_kwargs(dmx).resolve(model_path=str(kwargs["model_path"]))
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""

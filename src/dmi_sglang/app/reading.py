@@ -17,6 +17,7 @@ Nothing is opened until a method reads; each read opens the store and closes it 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -32,13 +33,14 @@ __all__ = ["CaptureStore", "open_store", "store_config"]
 
 
 def store_config(url: str | None = None) -> StoreConfig:
-    """The resolved store of a URL, as ``DMX_DB_URL`` reads it (``None``: the default
-    embedded store ``./dmi-captures``).
+    """The resolved store of a URL, as ``DMX_DB_URL`` reads it. ``None``: the store
+    ``DMX_DB_URL`` names in the environment, else the embedded store ``./dmi-captures``.
 
     Raises:
         ConfigurationError: the URL is not a store URL.
     """
-    env = {"DMX_DB_URL": url} if url else {}
+    chosen = url or os.environ.get("DMX_DB_URL")
+    env = {"DMX_DB_URL": chosen} if chosen else {}
     return Settings.from_env(env).resolve(model_path="reader").store()
 
 
@@ -100,6 +102,14 @@ class CaptureStore:
         committed), or None when the run wrote none for it."""
         return self._reader.manifest(run_id, storable_request_id(request_id))
 
+    def require_run(self, run_id: str) -> RunInfo:
+        """The run's latest state.
+
+        Raises:
+            StoreError: no such run.
+        """
+        return self._require(run_id)
+
     def handle(self, run_id: str, request_id: str) -> CaptureHandle:
         """The lazy capture handle of one request (nothing is read until used)."""
         return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader)
@@ -131,7 +141,8 @@ class CaptureStore:
 
 def open_store(url: str | None = None) -> CaptureStore:
     """The store at ``url`` (``chdb:///abs/path`` or ``http(s)://host:port/db``; default
-    the embedded store ``./dmi-captures``). Opens nothing until a method reads.
+    ``DMX_DB_URL``, else the embedded store ``./dmi-captures``). Opens nothing until a
+    method reads.
 
     Raises:
         ConfigurationError: ``url`` is not a store URL.

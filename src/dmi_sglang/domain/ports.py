@@ -373,9 +373,17 @@ class EngineTap(Protocol):
     """**Port**: the app's handle on monitoring inside a running engine."""
 
     def assert_active(self, run_id: str) -> None:
-        """Raise unless monitoring attached in every scheduler for ``run_id``."""
+        """Raise unless monitoring attached in every scheduler for ``run_id``.
+
+        Raises:
+            CaptureError: with the scheduler's reason (never a bare AssertionError).
+        """
         ...
 
     def stop_monitoring(self) -> None:
-        """The authoritative flush; terminal; a failure stays failed."""
+        """The authoritative flush; terminal; a failure stays failed.
+
+        Raises:
+            CaptureError: with the scheduler's reason (never a bare AssertionError).
+        """
         ...

@@ -98,6 +98,12 @@ def _arch(f: EngineFacts) -> bool:
 
 REJECTIONS: tuple[Rule, ...] = (
     Rule(
+        "adapter facts",
+        lambda f: not f.adapter_sglang or not f.torch_prefix,
+        lambda f: "the SGLang adapter did not state the release it supports and the torch "
+        "it needs (EngineFacts.adapter_sglang / torch_prefix): its checks cannot run",
+    ),
+    Rule(
         "sglang version",
         lambda f: f.sglang_version != f.adapter_sglang,
         lambda f: f"sglang {f.sglang_version} is installed; this adapter supports exactly "

@@ -13,7 +13,6 @@ what still cannot be decided is left to the scheduler's check (which has the hf_
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import attrs
 import structlog
 
-from dmi_sglang.adapters.sglang_v0519.version import SGLANG_VERSION, TORCH_PREFIX
+from dmi_sglang.adapters.sglang_v0519.version import SGLANG_VERSION, TORCH_PREFIX, installed
 from dmi_sglang.domain.hooks import PRESETS, ModelHooks
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.shapes import DType, ModelShape
@@ -204,7 +203,7 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
         decode_graph_backend=decode_backend,
         prefill_graph_enabled=prefill_enabled,
         radix_cache_enabled=not bool(get("disable_radix_cache", False)),
-        sglang_version=importlib.metadata.version("sglang"),
+        sglang_version=installed("sglang") or "",
         adapter_sglang=SGLANG_VERSION,
         torch_version=_torch_version_on_gpu(),
         torch_prefix=TORCH_PREFIX,

@@ -15,14 +15,13 @@ then applies the registered hooks (``sglang/srt/plugins/__init__.py``). Hence:
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
-from dmi_sglang.adapters.sglang_v0519.version import SGLANG_VERSION
+from dmi_sglang.adapters.sglang_v0519.version import SGLANG_VERSION, installed
 from dmi_sglang.domain.settings import monitoring_requested
 from dmi_sglang.errors import ConfigurationError
 from dmi_sglang.tensor_ports import CaptureFactory
@@ -99,7 +98,4 @@ def _register(state: _state.PluginState) -> None:
 
 
 def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist).split("+")[0]
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed(dist)

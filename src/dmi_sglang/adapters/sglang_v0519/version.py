@@ -8,9 +8,20 @@ forward signatures and file hashes); the boundary it relies on is described in
 
 from __future__ import annotations
 
-__all__ = ["SGLANG_VERSION", "TORCH_PREFIX"]
+import importlib.metadata
+
+__all__ = ["SGLANG_VERSION", "TORCH_PREFIX", "installed"]
 
 SGLANG_VERSION = "0.5.19"
 """The only SGLang release this adapter is qualified on."""
 TORCH_PREFIX = "2.13."
 """torch releases SGLang 0.5.19 is built against (checked on GPU machines only)."""
+
+
+def installed(distribution: str) -> str | None:
+    """The installed release of ``distribution`` without its local label (``+cu130``),
+    or None when it is not installed. Every version check of this adapter reads it."""
+    try:
+        return importlib.metadata.version(distribution).split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
