@@ -54,7 +54,7 @@ def test_qualify_reads_back_totals_manifests_and_completeness(qualify: Any,
 def test_bench_reads_back_stored_bytes_and_a_sample(bench: Any, tmp_path: Path) -> None:
     store = _store(tmp_path, commit=False)
     back = bench.read_back_sample(store, RUN, waves=1, batch=2, seed=0)
-    assert back["run_status"] == "running"
+    assert back["run_status"] == "interrupted"  # its sink closed without finishing it
     assert back["stored_bytes"] == 64
     assert set(back["incomplete"]) == {"main-0.w0", "main-1.w0"}  # the sample drew both
-    assert all("is running, not committed" in m[0] for m in back["incomplete"].values())
+    assert all("is interrupted, not committed" in m[0] for m in back["incomplete"].values())

@@ -29,6 +29,8 @@ import attrs
 from dmi_sglang.domain.hooks import Hook, RowBasis
 
 __all__ = [
+    "HEARTBEAT_S",
+    "STALE_AFTER_S",
     "CaptureRecord",
     "Coverage",
     "RequestManifest",
@@ -173,6 +175,20 @@ class RunStatus(enum.Enum):
     """Stopped cleanly: every captured row was flushed and the manifest written."""
     FAILED = "failed"
     """Stopped with an error; captures are incomplete."""
+    INTERRUPTED = "interrupted"
+    """Read side only: stored as running, but its owner is gone (killed or crashed):
+    no live process holds the embedded store, or a server-store run's heartbeat is older
+    than :data:`STALE_AFTER_S`. What it stored is incomplete."""
+    UNREADABLE = "unreadable"
+    """Read side only: the run's stored row cannot be read (an unknown status, a
+    malformed value); ``error`` says why."""
+
+
+HEARTBEAT_S = 10.0
+"""How often a run on a ClickHouse server store rewrites its running row (its heartbeat)."""
+STALE_AFTER_S = 60.0
+"""A server-store run whose last heartbeat is older than this reads as interrupted (allow
+for clock skew between the capturing host and the reader)."""
 
 
 @attrs.frozen
@@ -198,3 +214,5 @@ class RunInfo:
     stopped_at: str = ""
     status: RunStatus = RunStatus.RUNNING
     error: str = ""
+    owner: str = ""
+    """The process that captures it (``host:pid``), recorded at start."""

@@ -9,8 +9,11 @@ layout raise :class:`~dmi_sglang.errors.StoreError`.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
@@ -18,10 +21,17 @@ from dmi_sglang.adapters.clickhouse._client import (
     connect,
     store_error,
 )
+from dmi_sglang.adapters.clickhouse._live import is_live
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.domain.ports import HookTotal, RequestSummary
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.domain.records import (
+    STALE_AFTER_S,
+    CaptureRecord,
+    RequestManifest,
+    RunInfo,
+    RunStatus,
+)
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
@@ -97,7 +107,7 @@ class ClickHouseReader:
             "SELECT * FROM {t} ORDER BY version DESC LIMIT 1 BY run_id",
             {},
         )
-        runs = [run_from_row(r) for r in rows]
+        runs = [self._observed(r) for r in rows]
         return sorted(runs, key=lambda r: r.started_at, reverse=True)
 
     def run(self, run_id: str) -> RunInfo | None:
@@ -107,7 +117,27 @@ class ClickHouseReader:
             "SELECT * FROM {t} WHERE run_id = {run:String} ORDER BY version DESC LIMIT 1",
             {"run": run_id},
         )
-        return run_from_row(rows[0]) if rows else None
+        return self._observed(rows[0]) if rows else None
+
+    def _observed(self, row: Any) -> RunInfo:
+        """The run of a runs-table row as a reader sees it now: a ``running`` run whose
+        owner is gone reads as interrupted (see ``RunStatus.INTERRUPTED``)."""
+        run = run_from_row(row)
+        if run.status is not RunStatus.RUNNING:
+            return run
+        if self._config.kind is StoreKind.EMBEDDED:
+            if is_live(self._config.path, run.run_id):
+                return run
+            why = ("no process holds the store, so the process that captured it stopped "
+                   "without finishing (killed or crashed)")
+        else:
+            age = time.time() - int(row[8]) / 1e9
+            if age < STALE_AFTER_S:
+                return run
+            why = (f"its last heartbeat is {age:,.0f} s old (stale after {STALE_AFTER_S:.0f} "
+                   f"s): its owner {run.owner or '(unknown)'} stopped without finishing")
+        return attrs.evolve(run, status=RunStatus.INTERRUPTED,
+                            error=f"interrupted: {why}; read what it stored with --partial")
 
     def requests(self, run_id: str) -> list[RequestSummary]:
         """Requests of a run with their stored rows and payload bytes (superseded rows

@@ -27,12 +27,19 @@ def _next_version() -> int:
         return _last_version
 
 
+_OWNER_KEY = "dmi.owner"
+"""The owner rides in the settings column (the runs table layout stays as it was)."""
+
+
 def run_row(run: RunInfo) -> list[Any]:
     """The runs-table row of ``run`` (columns as in ``_schema.RUNS_COLUMNS``)."""
+    settings = [tuple(kv) for kv in run.settings]
+    if run.owner:
+        settings.append((_OWNER_KEY, run.owner))
     return [
         run.run_id,
         run.model_path,
-        [tuple(kv) for kv in run.settings],
+        settings,
         [tuple(c) for c in run.captures],
         run.started_at,
         run.stopped_at,
@@ -43,18 +50,35 @@ def run_row(run: RunInfo) -> list[Any]:
 
 
 def run_from_row(row: Sequence[Any]) -> RunInfo:
-    """A :class:`RunInfo` from a runs-table row (without ``version``)."""
-    run_id, model_path, settings, captures, started, stopped, status, error = row[:8]
-    return RunInfo(
-        run_id=str(run_id),
-        model_path=str(model_path),
-        settings=tuple((str(k), str(v)) for k, v in settings),
-        captures=tuple((str(a), int(layer)) for a, layer in captures),
-        started_at=str(started),
-        stopped_at=str(stopped),
-        status=RunStatus(status),
-        error=str(error),
-    )
+    """A :class:`RunInfo` from a runs-table row. A row that cannot be read (an unknown
+    status, malformed values) gives an ``unreadable`` run whose ``error`` says why, so
+    one bad row never hides the others."""
+    run_id = str(row[0]) if row else "?"
+    try:
+        model_path, settings, captures, started, stopped, status, error = row[1:8]
+        pairs = [(str(k), str(v)) for k, v in settings]
+        return RunInfo(
+            run_id=run_id,
+            model_path=str(model_path),
+            settings=tuple(kv for kv in pairs if kv[0] != _OWNER_KEY),
+            captures=tuple((str(a), int(layer)) for a, layer in captures),
+            started_at=str(started),
+            stopped_at=str(stopped),
+            status=_status(status),
+            error=str(error),
+            owner=next((v for k, v in pairs if k == _OWNER_KEY), ""),
+        )
+    except (ValueError, TypeError) as exc:
+        return RunInfo(run_id=run_id, model_path="", settings=(), captures=(), started_at="",
+                       status=RunStatus.UNREADABLE,
+                       error=f"the run's stored row cannot be read: {exc}")
+
+
+def _status(value: object) -> RunStatus:
+    status = RunStatus(value)
+    if status in (RunStatus.INTERRUPTED, RunStatus.UNREADABLE):  # never stored as such
+        raise ValueError(f"status {value!r} is never stored")
+    return status
 
 
 def manifest_row(manifest: RequestManifest, *, committed: bool) -> list[Any]:

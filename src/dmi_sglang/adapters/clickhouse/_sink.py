@@ -11,6 +11,8 @@ library's exception).
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -28,12 +30,19 @@ from dmi_sglang.adapters.clickhouse._client import (
     store_error,
     wire_compression,
 )
+from dmi_sglang.adapters.clickhouse._live import mark_done, mark_live
 from dmi_sglang.adapters.clickhouse._native import COLUMN_NAMES, coalesce, encode_block
 from dmi_sglang.adapters.clickhouse._queue import Batch, RecordQueue
 from dmi_sglang.adapters.clickhouse._rows import manifest_row, run_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.adapters.clickhouse._stats import SinkStats, StatsCounter
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.records import (
+    HEARTBEAT_S,
+    CaptureRecord,
+    RequestManifest,
+    RunInfo,
+    RunStatus,
+)
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
@@ -82,8 +91,14 @@ class ClickHouseSink:
         backoff_s: float = 0.1,
         batch_mb: int = 0,
         client_factory: ClientFactory | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         self._config = config
+        self._heartbeat_s = heartbeat_s if heartbeat_s is not None else (
+            HEARTBEAT_S if config.kind is StoreKind.SERVER else 0.0)
+        self._running: RunInfo | None = None
+        self._beating = threading.Event()
+        self._heartbeat: threading.Thread | None = None
         self._tables = StoreTables.named(config.database, config.table)
         self._retries = retries
         self._backoff_s = backoff_s
@@ -120,13 +135,24 @@ class ClickHouseSink:
     # -- RecordSink ------------------------------------------------------------------
 
     def start_run(self, run: RunInfo) -> None:
-        """Write the run's row (status as given, normally running).
+        """Write the run's row (status as given, normally running) with its owner
+        (``host:pid``). While it runs, a server-store run rewrites that row every
+        ``HEARTBEAT_S`` (its heartbeat), so readers can tell a crashed run.
 
         Raises:
             StoreError: the sticky failure, a closed sink, or the write failed.
         """
         self._raise_if_unusable()
+        if not run.owner:
+            run = attrs.evolve(run, owner=f"{socket.gethostname()}:{os.getpid()}")
         self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
+        self._running = run
+        if self._config.kind is StoreKind.EMBEDDED:
+            mark_live(self._config.path, run.run_id)
+        if self._heartbeat_s > 0 and self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
+                                               daemon=True)
+            self._heartbeat.start()
 
     def put(self, records: Sequence[CaptureRecord]) -> None:
         """Queue records; blocks while ``queue_mb`` is used up; never drops.
@@ -155,6 +181,8 @@ class ClickHouseSink:
         Raises:
             StoreError: the sticky failure, or writing the manifests / run failed.
         """
+        self._stop_heartbeat()  # no running row may land after the final one
+        self._running = None
         try:
             self.flush()
         except StoreError as failure:
@@ -178,6 +206,7 @@ class ClickHouseSink:
         """
         if not self._closed:
             self._closed = True
+            self._stop_heartbeat()
             self._queue.close()
             for t in self._threads:
                 t.join()
@@ -209,6 +238,25 @@ class ClickHouseSink:
         if self._closed:
             msg = "the capture sink is closed"
             raise StoreError(msg)
+
+    def _beat(self) -> None:
+        while not self._beating.wait(self._heartbeat_s):
+            run = self._running
+            if run is None or self._queue.failure is not None:
+                continue
+            try:
+                self._write_control(self._tables.runs, [run_row(run)], "heartbeat")
+            except StoreError as exc:  # the inserts will fail loudly if the store is gone
+                log.warning("store.heartbeat_failed", run_id=run.run_id, error=str(exc))
+
+    def _stop_heartbeat(self) -> None:
+        beat, self._heartbeat = self._heartbeat, None
+        self._beating.set()
+        if beat is not None:
+            beat.join()
+        running = self._running
+        if running is not None and self._config.kind is StoreKind.EMBEDDED:
+            mark_done(self._config.path, running.run_id)
 
     def _write_loop(self, client: Client) -> None:
         """Insert batches until the queue closes. Any exception, not only a store error
