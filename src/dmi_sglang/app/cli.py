@@ -58,12 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     show = with_db(sub.add_parser("show", help="hooks, layers, shapes and norms of a request"))
     show.add_argument("run")
     show.add_argument("request")
+    show.add_argument("--partial", action="store_true",
+                      help="what an interrupted or failed run stored (never by default)")
     exp = with_db(sub.add_parser("export", help="write a request's captures as safetensors"))
     exp.add_argument("run")
     exp.add_argument("request")
     exp.add_argument("--out", required=True,
                      help="a new .safetensors file, or - for standard output")
     exp.add_argument("--force", action="store_true", help="replace an existing --out file")
+    exp.add_argument("--partial", action="store_true",
+                     help="what an interrupted or failed run stored, tensors named "
+                     "hook.layer@start-end (never by default)")
     rm = with_db(sub.add_parser("rm", help="delete a run"))
     rm.add_argument("run")
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
@@ -90,9 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = store_config(args.db)
         handler: dict[str, Any] = {
             "ls": lambda: cmd.ls(store, args.run),
-            "show": lambda: cmd.show(store, args.run, args.request),
+            "show": lambda: cmd.show(store, args.run, args.request, partial=args.partial),
             "export": lambda: cmd.export(store, args.run, args.request, args.out,
-                                         force=args.force),
+                                         force=args.force, partial=args.partial),
             "rm": lambda: cmd.rm(store, args.run),
         }
         return int(handler[args.command]())

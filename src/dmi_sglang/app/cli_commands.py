@@ -52,34 +52,60 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
                 _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
                      f"{_mib(size):>14}  {run.started_at}")
             return 0
+        run = captures.require_run(run_id)
         requests = captures.requests(run_id)
-        _out(f"{'request':<40} {'rows':>10} {'size':>14}")
+        _out(f"run {_shown(run_id)}: {run.status.value}"
+             + (f" ({_shown(run.error)})" if run.error else ""))
+        _out(f"{'request':<40} {'records':>10} {'size':>14}  complete")
         for req in requests:
-            _out(f"{_shown(req.request_id):<40} {req.rows:>10} {_mib(req.bytes):>14}")
+            missing = captures.handle(run_id, req.request_id).missing
+            verdict = "yes" if not missing else "NO: " + _shown(missing[0])
+            _out(f"{_shown(req.request_id):<40} {req.rows:>10} {_mib(req.bytes):>14}  "
+                 f"{verdict}")
     return 0
 
 
-def _tensors(store: StoreConfig, run_id: str, request_id: str) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of every capture of a request, in the run's capture order."""
+def _tensors(store: StoreConfig, run_id: str, request_id: str,
+             partial: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of every capture of a request, in the run's capture order.
+    ``partial``: what was stored, each hook up to its first missing position."""
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
+        if partial:
+            yield from _partial_tensors(captures, run_id, request_id)
+            return
         handle = captures.handle(run_id, request_id)
         missing = handle.missing
         if missing:
             raise IncompleteCaptureError(
-                f"request {request_id!r} of run {run_id!r} is not complete: {missing[0]}"
+                f"request {request_id!r} of run {run_id!r} is not complete: {missing[0]} "
+                "(--partial reads what was stored)"
             )
         for act, layer in handle.captures:
             name = act if layer < 0 else f"{act}.{layer}"
             yield name, handle.get(act, None if layer < 0 else layer)
 
 
-def show(store: StoreConfig, run_id: str, request_id: str) -> int:
+def _partial_tensors(captures: CaptureStore, run_id: str,
+                     request_id: str) -> Iterator[tuple[str, Any]]:
+    handle = captures.handle(run_id, request_id, partial=True)
+    for act, layer in handle.captures:
+        layer_arg = None if layer < 0 else layer
+        try:
+            lo, hi = handle.partial_positions(act, layer_arg)
+        except IncompleteCaptureError:
+            continue  # nothing of it was stored
+        name = act if layer < 0 else f"{act}.{layer}"
+        yield f"{name}@{lo}-{hi}", handle.get(act, layer_arg)
+
+
+def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
-    _out(f"run {_shown(run_id)}  request {_shown(request_id)}")
+    _out(f"run {_shown(run_id)}  request {_shown(request_id)}"
+         + ("  (partial: stored positions only)" if partial else ""))
     _out(f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}")
-    for name, tensor in _tensors(store, run_id, request_id):
+    for name, tensor in _tensors(store, run_id, request_id, partial):
         norm = float(tensor.float().norm()) if tensor.is_floating_point() else float("nan")
         shape = "x".join(str(d) for d in tensor.shape)
         _out(f"{name:<36} {shape:<22} {tensor.dtype!s:<16} {norm:>12.4f}")
@@ -87,7 +113,7 @@ def show(store: StoreConfig, run_id: str, request_id: str) -> int:
 
 
 def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
-           force: bool = False) -> int:
+           force: bool = False, partial: bool = False) -> int:
     """Write one request's captures as a safetensors file (``out == "-"``: to stdout).
 
     The file is written next to the target and renamed into place, so a reader never
@@ -97,7 +123,7 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     target = _export_target(out, force=force)
     from safetensors.torch import save
 
-    tensors = {name: t.contiguous() for name, t in _tensors(store, run_id, request_id)}
+    tensors = {name: t.contiguous() for name, t in _tensors(store, run_id, request_id, partial)}
     data = save(tensors, metadata={"run_id": run_id, "request_id": request_id})
     if target is None:
         sys.stdout.buffer.write(data)

@@ -44,14 +44,16 @@ class CaptureHandle:
     selects the half-open range ``[start, end)`` within the hook's coverage.
     """
 
-    __slots__ = ("_factory", "_lock", "_state", "_tensors", "request_id", "run_id")
+    __slots__ = ("_factory", "_lock", "_partial", "_state", "_tensors", "request_id", "run_id")
 
     def __init__(
-        self, run_id: str, request_id: str, reader_factory: Callable[[], RecordReader]
+        self, run_id: str, request_id: str, reader_factory: Callable[[], RecordReader], *,
+        partial: bool = False,
     ) -> None:
         self.run_id = run_id
         self.request_id = request_id
         self._factory = reader_factory
+        self._partial = partial
         self._lock = threading.RLock()
         self._state: tuple[RunInfo, RequestManifest] | None = None
         self._tensors: dict[_Key, torch.Tensor] = {}
@@ -104,6 +106,13 @@ class CaptureHandle:
     @property
     def captures(self) -> tuple[tuple[str, int], ...]:
         """Every captured ``(act_name, layer_no)`` of the run."""
+        if self._partial:
+            with self._reader() as reader:
+                run = reader.run(self.run_id)
+            if run is None:
+                msg = f"run {self.run_id!r} is not in the store"
+                raise IncompleteCaptureError(msg)
+            return run.captures
         return self._complete()[0].captures
 
     # -- data ------------------------------------------------------------------------
@@ -129,6 +138,8 @@ class CaptureHandle:
             ValueError: a layer missing for a per-layer hook, or a range outside the
                 captured positions.
         """
+        if self._partial:
+            return self._partial_get(hook, layer)
         with self._lock:
             if self._state is not None:  # cached: no I/O at all
                 key = self._key(hook, layer, start, end)
@@ -191,6 +202,49 @@ class CaptureHandle:
     def logits(self) -> torch.Tensor:
         """``final_logits``: one row per generated token."""
         return self.get("final_logits")
+
+    def partial_positions(self, hook: str, layer: int | None = None) -> tuple[int, int]:
+        """For a handle made with ``partial=True``: the positions ``[start, end)`` that
+        :meth:`get` returns for a hook: from the first stored position up to the first
+        one missing (what an interrupted or failed run stored before it stopped).
+
+        Raises:
+            IncompleteCaptureError: no such run, the hook was not captured, or nothing
+                of it was stored.
+        """
+        with self._reader() as reader:
+            _, _, lo, hi = self._partial_key(reader, hook, layer)
+        return lo, hi
+
+    def _partial_key(self, reader: RecordReader, hook: str, layer: int | None) -> _Key:
+        run = reader.run(self.run_id)
+        if run is None:
+            msg = f"run {self.run_id!r} is not in the store"
+            raise IncompleteCaptureError(msg)
+        h = hook_for(hook)
+        layer_no = layer if h.per_layer and layer is not None else -1
+        if (h.act_name, layer_no) not in run.captures:
+            msg = f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}"
+            raise IncompleteCaptureError(msg)
+        spans = sorted((s, e) for a, n, s, e in reader.ranges(self.run_id, self.request_id)
+                       if a == h.act_name and n == layer_no)
+        if not spans:
+            msg = (f"nothing of {h.act_name} layer {layer_no} was stored for request "
+                   f"{self.request_id!r}")
+            raise IncompleteCaptureError(msg)
+        lo = hi = spans[0][0]
+        for start, end in spans:
+            if start > hi:
+                break
+            hi = max(hi, end)
+        return (h.act_name, layer_no, lo, hi)
+
+    def _partial_get(self, hook: str, layer: int | None) -> torch.Tensor:
+        with self._lock, self._reader() as reader:
+            act, layer_no, lo, hi = self._partial_key(reader, hook, layer)
+            recs = reader.records(self.run_id, self.request_id, act_name=act,
+                                  layer_no=layer_no, start=lo, end=hi)
+            return _decode(recs, lo, hi)
 
     # -- internals -------------------------------------------------------------------
 

@@ -110,9 +110,15 @@ class CaptureStore:
         """
         return self._require(run_id)
 
-    def handle(self, run_id: str, request_id: str) -> CaptureHandle:
-        """The lazy capture handle of one request (nothing is read until used)."""
-        return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader)
+    def handle(self, run_id: str, request_id: str, *, partial: bool = False) -> CaptureHandle:
+        """The lazy capture handle of one request (nothing is read until used).
+
+        ``partial=True`` reads what an interrupted or failed run stored, hook by hook,
+        up to its first missing position (see :meth:`CaptureHandle.partial_positions`);
+        never by default.
+        """
+        return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader,
+                             partial=partial)
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run and free its id (also an id only claimed by a start that never
