@@ -163,7 +163,7 @@ class PipelineFactory:
         claim_new_run(settings)
 
     def open(self, spec: CaptureSpec) -> OpenedCapture:
-        """Open the store, start the run, create the transport and the session.
+        """Open the store, create the transport, start the run, build the session.
 
         Raises:
             StoreError: the store cannot be opened.
@@ -173,8 +173,8 @@ class PipelineFactory:
 
         settings = spec.settings
         sink = open_sink(settings.store())  # a store that cannot open fails here
+        transport = None
         try:
-            sink.start_run(spec.run)
             transport = create_transport(
                 payload_mb=settings.ring_payload_mb,
                 pinned_mb=settings.ring_pinned_mb,
@@ -191,6 +191,7 @@ class PipelineFactory:
                 max_prefill_tokens=spec.max_prefill_tokens,
                 max_requests=spec.max_requests,
             )
+            sink.start_run(spec.run)  # only once the transport exists: no orphan run row
             session = SchedulerMonitor(
                 run=spec.run,
                 selection=spec.selection,
@@ -200,10 +201,11 @@ class PipelineFactory:
                 strip=settings.gpu_padding_strip,
             )
         except BaseException:
-            try:
-                sink.close()
-            except Exception as exc:  # the first failure is the one to report
-                log.warning("dmi.sink_close_failed", error=repr(exc))
+            for release in ((transport.stop,) if transport is not None else ()) + (sink.close,):
+                try:
+                    release()
+                except Exception as exc:  # the first failure is the one to report
+                    log.warning("dmi.pipeline_release_failed", error=repr(exc))
             raise
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
 

@@ -1,0 +1,190 @@
+"""A run is one run: id reuse, racing starts, crashed owners, tampered rows, failed starts.
+
+Each test's docstring is one row of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dmi_sglang import open_store
+from dmi_sglang.adapters.clickhouse import ClickHouseRunClaims, ClickHouseSink, connect
+from dmi_sglang.app import cli
+from dmi_sglang.app.composition import PipelineFactory
+from dmi_sglang.domain.records import RunStatus
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.errors import CapacityError, RunExistsError
+
+from ._faults import commit, embedded, record, run_info
+
+
+def _settings(url: str, run_id: str | None = "run", **kw: str) -> Settings:
+    values = {"dmx_db_url": url, **kw}
+    if run_id is not None:
+        values["dmx_model_id"] = run_id
+    return Settings.from_kwargs(values, env={}).resolve(model_path="/models/toy")
+
+
+def test_bad_input_starting_a_run_whose_id_is_in_the_store(tmp_path: Path) -> None:
+    """A second engine start with the id of a committed run (DMI's "my-run" habit) -> refused
+    in the main process before any scheduler starts, naming the run, its status and
+    `dmi-sglang rm`; the first run's rows stay its own."""
+    config = embedded(tmp_path / "s")
+    sink = ClickHouseSink(config)
+    run = run_info("my-run")
+    sink.start_run(run)
+    sink.put([record(request="request-0", model_id="my-run")])
+    commit(sink, run, {"request-0": 2})
+    sink.close()
+    with pytest.raises(RunExistsError) as info:
+        PipelineFactory().claim_run(_settings(f"chdb://{config.path}", "my-run"))
+    text = str(info.value)
+    assert "run 'my-run' already exists" in text
+    assert "status committed" in text
+    assert "dmi-sglang rm my-run" in text
+    assert open_store(f"chdb://{config.path}").handle("my-run", "request-0").available
+
+
+def test_fault_two_starts_race_for_one_id(tmp_path: Path) -> None:
+    """Eight starts claim one run id at the same moment -> exactly one wins; the others
+    are refused; `dmi-sglang rm` frees the id for a new run."""
+    config = embedded(tmp_path / "s")
+    claims = ClickHouseRunClaims(config)
+    claims.claim("warm-up")  # create the store first, so the racers only race the claim
+    barrier = threading.Barrier(8)
+    won: list[bool] = []
+
+    def start() -> None:
+        barrier.wait()
+        won.append(claims.claim("contended").won)
+
+    racers = [threading.Thread(target=start) for _ in range(8)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join(30)
+    assert sorted(won) == [False] * 7 + [True]
+    assert cli.main(["rm", "contended", "--db", f"chdb://{config.path}"]) == 0
+    assert claims.claim("contended").won
+
+
+def test_bad_input_sequential_plain_engines_in_one_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two plain sglang.Engine starts in one process with DMX_* set and no run id -> each
+    gets its own fresh run id (the first one's resolved id is not reused)."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    monkeypatch.setenv("DMX_DB_URL", "none")
+    monkeypatch.delenv("DMX_MODEL_ID", raising=False)
+    ids = []
+    for _ in range(2):
+        args = SimpleNamespace(model_path="/models/toy", disable_prefill_cuda_graph=True,
+                               disable_radix_cache=True)
+        runtime_hooks.before_resolve_once(args)
+        ids.append(os.environ["DMX_MODEL_ID"])
+    assert ids[0] != ids[1]
+    monkeypatch.setenv("DMX_MODEL_ID", "chosen-id")  # an id the user chose is kept
+    runtime_hooks.before_resolve_once(SimpleNamespace(
+        model_path="/m", disable_prefill_cuda_graph=True, disable_radix_cache=True))
+    assert os.environ["DMX_MODEL_ID"] == "chosen-id"
+
+
+_KILLED_WRITER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from reliability._faults import embedded, record, run_info
+sink = ClickHouseSink(embedded(__import__("pathlib").Path(sys.argv[1])))
+sink.start_run(run_info("killed"))
+sink.put([record(request="r", start=0, end=3, model_id="killed")])
+sink.flush()
+print(os.getpid(), flush=True)
+os._exit(9)  # killed: no finish, no close
+"""
+
+
+def test_fault_the_capturing_process_is_killed(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The process capturing into an embedded store dies mid-run -> the run reads as
+    interrupted (never committed, never running forever); `ls RUN` marks its request
+    incomplete; show refuses it; `show --partial` reads what was stored."""
+    path = tmp_path / "s"
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path), tests_dir],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 9, proc.stderr
+    store = open_store(f"chdb://{path}")
+    run = store.run("killed")
+    assert run is not None
+    assert run.status is RunStatus.INTERRUPTED
+    assert run.owner == f"{socket.gethostname()}:{proc.stdout.split()[-1]}"
+    assert "killed or crashed" in run.error
+    assert not store.handle("killed", "r").available
+    db = ["--db", f"chdb://{path}"]
+    assert cli.main(["ls", "killed", *db]) == 0
+    listing = capsys.readouterr().out
+    assert "run killed: interrupted" in listing
+    assert "NO: run 'killed' is interrupted" in listing
+    assert cli.main(["show", "killed", "r", *db]) != 0
+    assert "--partial" in capsys.readouterr().err
+    assert cli.main(["show", "killed", "r", "--partial", *db]) == 0
+    assert "blocks.hook_resid_pre.0@0-3" in capsys.readouterr().out
+
+
+def test_bad_input_a_tampered_run_status(tmp_path: Path) -> None:
+    """A runs-table row whose status was edited to an unknown value -> that run alone reads
+    as unreadable with the reason; the listing and the other runs still work;
+    `available` is False with the reason instead of raising."""
+    config = embedded(tmp_path / "s")
+    sink = ClickHouseSink(config)
+    good = run_info("good")
+    sink.start_run(good)
+    sink.put([record(request="r", model_id="good")])
+    commit(sink, good, {"r": 2})
+    sink.close()
+    client = connect(config)
+    try:
+        client.command("INSERT INTO `default`.`offload_runs` VALUES ('bad', '/m', [], [], "
+                       "'2026-12-01', '', 'hacked', '', 99999999999999999999)")
+    finally:
+        client.close()
+    store = open_store(f"chdb://{config.path}")
+    runs = {r.run_id: r for r in store.runs()}
+    assert runs["good"].status is RunStatus.COMMITTED
+    assert runs["bad"].status is RunStatus.UNREADABLE
+    assert "hacked" in runs["bad"].error
+    handle = store.handle("bad", "r")
+    assert handle.available is False
+    assert "unreadable" in handle.missing[0]
+
+
+def test_fault_the_ring_cannot_be_allocated(tmp_path: Path) -> None:
+    """The capture ring cannot hold one capture tensor at startup -> CapacityError naming
+    both sizes, the store is released, and no run row is left behind (the run starts only
+    once the transport exists)."""
+    import attrs
+
+    from dmi_sglang.domain.hooks import CATALOG, ModelHooks
+    from dmi_sglang.domain.ports import CaptureSpec
+    from dmi_sglang.domain.shapes import ModelShape
+
+    shape = ModelShape(num_layers=2, hidden=4, heads=2, kv_heads=1, head_dim=2,
+                       intermediate=6, vocab=10)
+    settings = _settings(f"chdb://{tmp_path / 's'}", "no-ring", dmx_ring_payload_mb="1",
+                         dmx_hook_selection="resid_pre")
+    selection = settings.selection.resolve(
+        ModelHooks("ToyForCausalLM", frozenset(h.name for h in CATALOG), 2))
+    spec = CaptureSpec(settings=settings, run=attrs.evolve(run_info("no-ring")),
+                       selection=selection, shape=shape, max_graph_batch=1, device="cpu",
+                       max_prefill_tokens=10**6, max_requests=1)
+    with pytest.raises(CapacityError, match="ring"):
+        PipelineFactory().open(spec)
+    assert open_store(f"chdb://{tmp_path / 's'}").run("no-ring") is None

@@ -1,0 +1,113 @@
+"""Bad settings and secrets: each refused with the variable, the value (never a password)
+and what is accepted, before anything starts.
+
+Each test's docstring is one row of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+import structlog.testing
+
+from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.errors import ConfigurationError, StoreError
+
+from ._faults import within
+
+SECRET = "s3cret-pw"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("DMX_CH_WRITERS", "1000000", "an integer from 1 to 64"),
+        ("DMX_CH_QUEUE_MB", "100000000", "an integer from 1 to 65,536"),
+        ("DMX_DRAIN_FLUSH_TIMEOUT_US", "10000000000000", "an integer from 1 to 60,000,000"),
+        ("DMX_CH_TIMEOUT_S", "0", "an integer from 1 to 3,600"),
+        ("DMX_RING_PAYLOAD_MB", "-5", "an integer from 1 to 131,072"),
+        ("DMX_DB_URL", "chdb:///", "names /: give the store a directory"),
+        ("DMX_DB_HOST", "a b", "a host name or IP address"),
+        ("DMX_DB_HOST", "h:1", "the port goes in DMX_DB_PORT"),
+    ],
+    ids=["writers", "queue-mb", "flush-timeout", "timeout", "ring", "chdb-root", "host-space",
+         "host-port"],
+)
+def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
+                                                   words: str) -> None:
+    """Out-of-range or malformed DMX_* values -> refused at parse time, naming the
+    variable, the value and what is accepted."""
+    with pytest.raises(ConfigurationError) as info:
+        Settings.from_env({variable: value}).resolve(model_path="m").store()
+    text = str(info.value)
+    assert variable in text
+    assert words in text
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[dict[str, str]]] = []
+
+    def _answer(self) -> None:
+        type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
+        length = int(self.headers.get("content-length") or 0)
+        if length:
+            self.rfile.read(length)
+        body = b"Code: 516. DB::Exception: nope. (AUTHENTICATION_FAILED)"
+        self.send_response(403)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer  # noqa: N815 -- http.server's method names
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def recorder() -> Iterator[int]:
+    _Recorder.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    worker = threading.Thread(target=server.serve_forever, daemon=True)
+    worker.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def _sent_credentials(headers: dict[str, str]) -> tuple[str, str] | None:
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        user, _, password = base64.b64decode(auth[6:]).decode().partition(":")
+        return user, password
+    if "x-clickhouse-user" in headers:
+        return headers["x-clickhouse-user"], headers.get("x-clickhouse-key", "")
+    return None
+
+
+def test_bad_input_credentials_in_the_store_url(recorder: int) -> None:
+    """A password inside DMX_DB_URL (http://user:pw@host) -> the credentials are sent to
+    the server, and no printed, logged or stored form shows the password."""
+    url = f"http://alice:{SECRET}@127.0.0.1:{recorder}/db"
+    settings = Settings.from_env({"DMX_DB_URL": url, "DMX_CH_TIMEOUT_S": "2"}).resolve(
+        model_path="m")
+    store = settings.store()
+    assert (store.user, store.password) == ("alice", SECRET)
+    with structlog.testing.capture_logs() as logs:
+        failure = within(lambda: ClickHouseSink(store))
+    assert isinstance(failure, StoreError)
+    assert _Recorder.seen, "the stub saw no request"
+    assert _sent_credentials(_Recorder.seen[0]) == ("alice", SECRET)
+    shown = [str(failure), repr(settings), repr(store), store.url, str(logs),
+             str(settings.to_env(include_secrets=False))]
+    assert all(SECRET not in text for text in shown), shown
+    assert "alice:***@" in settings.to_env(include_secrets=False)["DMX_DB_URL"]
+    with pytest.raises(ConfigurationError) as bad:
+        Settings.from_env({"DMX_DB_URL": f"http://alice:{SECRET}@bad host/db"})
+    assert SECRET not in str(bad.value)
