@@ -176,3 +176,21 @@ def test_bad_input_db_on_a_directory_that_is_not_a_store(tmp_path: Path, content
     assert cli.main(["ls", "--db", f"chdb://{target}"]) != 0
     _one_line_error(capsys, "is not a capture store")
     assert sorted(os.listdir(target)) == before
+
+
+def test_bad_input_rm_of_a_run_that_is_still_running(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """`dmi-sglang rm RUN` while the run is being captured -> refused in one line naming
+    its owner, unless --force."""
+    config = embedded(tmp_path / "s")
+    sink = ClickHouseSink(config)
+    sink.start_run(run_info("live"))
+    try:
+        db = ["--db", f"chdb://{config.path}"]
+        capsys.readouterr()
+        assert cli.main(["rm", "live", *db]) != 0
+        _one_line_error(capsys, "is running (owner ")
+        assert cli.main(["rm", "live", "--force", *db]) == 0
+    finally:
+        sink.close()

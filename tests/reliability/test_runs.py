@@ -12,13 +12,14 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
 
 from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseRunClaims, ClickHouseSink, connect
 from dmi_sglang.app import cli
-from dmi_sglang.app.composition import PipelineFactory
+from dmi_sglang.app.composition import PipelineFactory, claim_new_run, release_unused_claim
 from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import CapacityError, RunExistsError
@@ -77,13 +78,17 @@ def test_fault_two_starts_race_for_one_id(tmp_path: Path) -> None:
 
 
 def test_bad_input_sequential_plain_engines_in_one_process(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        request: pytest.FixtureRequest) -> None:
     """Two plain sglang.Engine starts in one process with DMX_* set and no run id -> each
-    gets its own fresh run id (the first one's resolved id is not reused)."""
+    gets its own fresh run id (the first one's resolved id is not reused); an id the user
+    chose is kept."""
     from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
 
-    monkeypatch.setenv("DMX_DB_URL", "none")
-    monkeypatch.delenv("DMX_MODEL_ID", raising=False)
+    saved = dict(os.environ)  # the hook writes every resolved DMX_* into os.environ
+    request.addfinalizer(lambda: (os.environ.clear(), os.environ.update(saved)))
+    for key in [k for k in os.environ if k.startswith("DMX_")]:
+        del os.environ[key]
+    os.environ["DMX_DB_URL"] = "none"
     ids = []
     for _ in range(2):
         args = SimpleNamespace(model_path="/models/toy", disable_prefill_cuda_graph=True,
@@ -91,7 +96,9 @@ def test_bad_input_sequential_plain_engines_in_one_process(
         runtime_hooks.before_resolve_once(args)
         ids.append(os.environ["DMX_MODEL_ID"])
     assert ids[0] != ids[1]
-    monkeypatch.setenv("DMX_MODEL_ID", "chosen-id")  # an id the user chose is kept
+    later = Settings.from_kwargs({}).resolve(model_path="/models/toy")  # a DMIEngine next
+    assert later.model_id not in ids
+    os.environ["DMX_MODEL_ID"] = "chosen-id"
     runtime_hooks.before_resolve_once(SimpleNamespace(
         model_path="/m", disable_prefill_cuda_graph=True, disable_radix_cache=True))
     assert os.environ["DMX_MODEL_ID"] == "chosen-id"
@@ -185,6 +192,87 @@ def test_fault_the_ring_cannot_be_allocated(tmp_path: Path) -> None:
     spec = CaptureSpec(settings=settings, run=attrs.evolve(run_info("no-ring")),
                        selection=selection, shape=shape, max_graph_batch=1, device="cpu",
                        max_prefill_tokens=10**6, max_requests=1)
+    claim_new_run(settings)  # as the main process does before the scheduler starts
     with pytest.raises(CapacityError, match="ring"):
         PipelineFactory().open(spec)
     assert open_store(f"chdb://{tmp_path / 's'}").run("no-ring") is None
+    assert not ClickHouseRunClaims(settings.store()).claimed("no-ring")  # the id is free
+
+
+def test_fault_a_failed_start_never_frees_another_starts_claim(tmp_path: Path) -> None:
+    """A start that fails after another start claimed the same id -> the other start's
+    claim stays; only a claim this process won is released."""
+    settings = _settings(f"chdb://{tmp_path / 's'}", "theirs")
+    claims = ClickHouseRunClaims(settings.store())
+    assert claims.claim("theirs").won  # another process's start
+    with pytest.raises(RunExistsError):
+        claim_new_run(settings)
+    release_unused_claim(settings.store(), "theirs")
+    assert claims.claimed("theirs")
+    mine = _settings(f"chdb://{tmp_path / 's'}", "mine")
+    claim_new_run(mine)
+    release_unused_claim(mine.store(), "mine")
+    assert not claims.claimed("mine")
+
+
+def test_fault_a_server_store_run_stops_beating(tmp_path: Path) -> None:
+    """A server-store run whose owner stopped rewriting its row (heartbeat) -> read as
+    running while the last heartbeat is under 60 s old, interrupted after; an embedded
+    run being captured by a sink of the reading process reads as running."""
+    import time
+
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.adapters.clickhouse._rows import run_row
+    from dmi_sglang.domain.records import STALE_AFTER_S
+    from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+
+    reader = ClickHouseReader(StoreConfig(kind=StoreKind.SERVER, host="h"))
+    row = run_row(run_info("remote"))
+    fresh = [*row[:8], time.time_ns()]
+    stale = [*row[:8], time.time_ns() - int((STALE_AFTER_S + 5) * 1e9)]
+    assert reader._observed(fresh).status is RunStatus.RUNNING
+    late = reader._observed(stale)
+    assert late.status is RunStatus.INTERRUPTED
+    assert "last heartbeat is" in late.error
+    config = embedded(tmp_path / "s")
+    sink = ClickHouseSink(config)
+    sink.start_run(run_info("local"))
+    try:
+        local = open_store(f"chdb://{config.path}").run("local")
+        assert local is not None
+        assert local.status is RunStatus.RUNNING
+    finally:
+        sink.close()
+    after = open_store(f"chdb://{config.path}").run("local")
+    assert after is not None
+    assert after.status is RunStatus.INTERRUPTED
+
+
+def test_fault_the_heartbeat_keeps_a_flushing_run_alive(tmp_path: Path) -> None:
+    """A sink with a heartbeat rewrites the running row while the run lives and stops
+    before the final row -> the final status is never overwritten by a late beat."""
+    import time
+
+    class Recording(ClickHouseSink):
+        writes: ClassVar[list[str]] = []
+
+        def _write_control(self, layout: Any, rows: list[list[object]], what: str) -> None:
+            type(self).writes.append(what.split(maxsplit=1)[0])
+            super()._write_control(layout, rows, what)
+
+    config = embedded(tmp_path / "s")
+    sink = Recording(config, heartbeat_s=0.02)
+    run = run_info("beating")
+    sink.start_run(run)
+    time.sleep(0.3)
+    sink.put([record(request="r", model_id="beating")])
+    commit(sink, run, {"r": 2})
+    time.sleep(0.1)
+    sink.close()
+    writes = Recording.writes
+    assert writes[0] == "recording"
+    assert writes.count("heartbeat") >= 3
+    assert writes[-1] == "finishing"  # no beat after the final row
+    final = open_store(f"chdb://{config.path}").run("beating")
+    assert final is not None
+    assert final.status is RunStatus.COMMITTED

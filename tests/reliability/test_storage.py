@@ -23,7 +23,7 @@ from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
-from ._faults import commit, embedded, record, run_info, within
+from ._faults import WITHIN_S, commit, embedded, record, run_info, within
 
 
 class _FailingClient:
@@ -93,25 +93,39 @@ def test_bad_input_a_position_of_2_31_or_more(tmp_path: Path,
 def test_fault_an_absurd_partial_batch_wait(tmp_path: Path,
                                             sinks: list[ClickHouseSink]) -> None:
     """A flush timeout too large for the platform's wait (set past the settings'
-    bounds) -> the writer's OverflowError is the sticky failure, no hang."""
+    bounds) -> the writer's OverflowError is the sticky failure at once, no hang."""
     sink = ClickHouseSink(embedded(tmp_path / "s", flush_timeout_us=10**22, insert_rows=100))
     sinks.append(sink)
-    sink.put([record()])
-    time.sleep(0.05)  # the writer waits for the batch to fill, with the huge timeout
-    failure = within(sink.flush)
-    assert failure is None or isinstance(failure, StoreError)
-    if failure is not None:
-        assert isinstance(failure.__cause__, OverflowError | ValueError)
+    sink.put([record()])  # one record of a 100-record batch: the writer waits, and fails
+    deadline = time.monotonic() + WITHIN_S
+    while sink.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(sink.failure, StoreError)
+    assert isinstance(sink.failure.__cause__, OverflowError)
+    assert within(sink.flush) is sink.failure
 
 
-def test_bad_input_a_request_id_with_a_lone_surrogate(tmp_path: Path) -> None:
+def test_bad_input_a_request_id_with_a_lone_surrogate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A request id holding a lone surrogate (SGLang's HTTP API can deliver one) -> stored
-    under an injective escaped id and read back by its original id."""
+    under an injective escaped id where it enters, listed and read back by its original
+    id, and reachable from the command line by the escaped form `ls` prints."""
+    from types import SimpleNamespace
+
+    from dmi_sglang.app import cli
+    from dmi_sglang.app.session import RequestTracker
+    from dmi_sglang.domain.records import original_request_id
+
     rid = "req-\ud800-x"
     stored = storable_request_id(rid)
     assert stored != rid
+    assert original_request_id(stored) == rid
     assert storable_request_id(stored) != stored  # the escaped form cannot collide
     assert storable_request_id("plain-id") == "plain-id"
+    tracker = RequestTracker()  # where SGLang's Req objects enter the capture session
+    tracker.add_reqs([SimpleNamespace(rid=rid, origin_input_ids=[1, 2], output_ids=[3],
+                                      finished=lambda: True)])
+    assert [m.request_id for m in tracker.manifests("run", committed=True)] == [stored]
     config = embedded(tmp_path / "s")
     sink = ClickHouseSink(config)
     run = run_info()
@@ -119,9 +133,17 @@ def test_bad_input_a_request_id_with_a_lone_surrogate(tmp_path: Path) -> None:
     sink.put([record(request=stored, start=0, end=2)])
     commit(sink, run, {stored: 2})
     sink.close()
-    handle = open_store(f"chdb://{config.path}").handle("run", rid)
-    assert handle.missing == ()
-    assert handle.get("resid_pre", 0).shape == (2, 2)
+    store = open_store(f"chdb://{config.path}")
+    assert [r.request_id for r in store.requests("run")] == [rid]
+    assert store.handle("run", rid).missing == ()
+    assert store.handle("run", rid).get("resid_pre", 0).shape == (2, 2)
+    db = ["--db", f"chdb://{config.path}"]
+    capsys.readouterr()
+    assert cli.main(["ls", "run", *db]) == 0
+    listing = capsys.readouterr().out
+    assert "req-\\ud800-x" in listing
+    assert listing.rstrip().endswith("yes")
+    assert cli.main(["show", "run", "req-\\ud800-x", *db]) == 0
 
 
 def _enospc() -> OSError:

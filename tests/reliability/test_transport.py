@@ -35,8 +35,10 @@ class _BuggySink(MemorySink):
 
 @pytest.mark.parametrize("copy_threads", [1, 3], ids=["drain-only", "with-copy-workers"])
 def test_fault_an_unexpected_exception_on_the_drain_thread(copy_threads: int) -> None:
-    """Any exception on the drain (here a sink bug raising RuntimeError) -> stop raises
-    CaptureError with it as the cause, again on every later stop; nothing hangs."""
+    """Any exception on the drain thread (here a sink bug raising RuntimeError), alone or
+    with window copy workers running -> stop raises CaptureError with it as the cause,
+    again on every later stop; nothing hangs (a failing copy worker: tests/transport/
+    test_copier.py)."""
     selection = parse_selection("resid_pre").resolve(
         ModelHooks("Toy", frozenset(h.name for h in CATALOG), 1))
     transport = create_transport(

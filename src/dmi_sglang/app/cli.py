@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                      "hook.layer@start-end (never by default)")
     rm = with_db(sub.add_parser("rm", help="delete a run"))
     rm.add_argument("run")
+    rm.add_argument("--force", action="store_true", help="also a run that is still running")
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
     demo.add_argument("dir", type=Path)
     demo.add_argument("--layers", type=int, default=4)
@@ -98,11 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "show": lambda: cmd.show(store, args.run, args.request, partial=args.partial),
             "export": lambda: cmd.export(store, args.run, args.request, args.out,
                                          force=args.force, partial=args.partial),
-            "rm": lambda: cmd.rm(store, args.run),
+            "rm": lambda: cmd.rm(store, args.run, force=args.force),
         }
         return int(handler[args.command]())
-    except BrokenPipeError:  # `dmi-sglang ls | head`: the reader left; not an error
+    except BrokenPipeError:  # `dmi-sglang ls | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if args.command == "export":  # a capture that did not arrive whole is an error
+            print("dmi-sglang export: the reader of standard output went away",
+                  file=sys.stderr)
+            return EXIT_ERROR
         return 0
     except (DMIError, OSError, ValueError) as exc:
         print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)

@@ -72,6 +72,7 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
+        request_id = _typed_request_id(captures, run_id, request_id)
         if partial:
             yield from _partial_tensors(captures, run_id, request_id)
             return
@@ -85,6 +86,19 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
         for act, layer in handle.captures:
             name = act if layer < 0 else f"{act}.{layer}"
             yield name, handle.get(act, None if layer < 0 else layer)
+
+
+def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
+    """The request a command-line id names: as typed, or, when ``ls`` printed it escaped
+    (control characters, lone surrogates), the id that escaped form stands for."""
+    if "\\" not in typed:
+        return typed
+    try:
+        unescaped = typed.encode("ascii", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return typed
+    known = {r.request_id for r in captures.requests(run_id)}
+    return unescaped if typed not in known and unescaped in known else typed
 
 
 def _partial_tensors(captures: CaptureStore, run_id: str,
@@ -131,7 +145,10 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
         return 0
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # as a plain new file would be, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -168,9 +185,9 @@ def _export_target(out: str, *, force: bool) -> Path | None:
     return path
 
 
-def rm(store: StoreConfig, run_id: str) -> int:
-    """Delete a run."""
-    n = CaptureStore(store).delete_run(run_id)
+def rm(store: StoreConfig, run_id: str, *, force: bool = False) -> int:
+    """Delete a run (a running one only with ``force``)."""
+    n = CaptureStore(store).delete_run(run_id, force=force)
     _out(f"deleted run {run_id} ({n} records)")
     return 0
 

@@ -61,6 +61,9 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+_CLAIMED_HERE: set[tuple[str, str]] = set()
+"""``(store url, run id)`` claims this process won."""
+
 SGLANG_ADAPTERS: Mapping[str, str] = {
     "0.5.19": "dmi_sglang.adapters.sglang_v0519.adapter",
 }
@@ -119,6 +122,7 @@ def claim_new_run(settings: Settings) -> None:
         return
     outcome = claims.claim(run_id)
     if outcome.won:
+        _CLAIMED_HERE.add((store.url, run_id))
         log.info("dmi.run_claimed", run_id=run_id, store=store.url)
         return
     way_out = (f"remove it with `dmi-sglang rm {run_id} --db {store.url}`, or give this "
@@ -135,13 +139,28 @@ def claim_new_run(settings: Settings) -> None:
 
 
 def release_unused_claim(store: StoreConfig, run_id: str) -> None:
-    """Drop the claim of a run id whose engine never recorded the run (its start failed)."""
+    """Drop the claim this process won for a run id whose engine never recorded the run
+    (its start failed). A claim won by another start is never touched."""
     claims = run_claims(store)
-    if claims is None:
+    if claims is None or (store.url, run_id) not in _CLAIMED_HERE:
         return
     try:
         if reader_for(store).run(run_id) is None:
             claims.release(run_id)
+            _CLAIMED_HERE.discard((store.url, run_id))
+    except StoreError as exc:  # best effort: `dmi-sglang rm` frees it too
+        log.warning("dmi.claim_not_released", run_id=run_id, error=str(exc))
+
+
+def _release_failed_start(store: StoreConfig, run_id: str) -> None:
+    """In a scheduler whose capture could not open: the main process won this id's claim
+    before spawning it (a lost claim never gets here), and no run row was written, so the
+    id is free again."""
+    claims = run_claims(store)
+    if claims is None:
+        return
+    try:
+        claims.release(run_id)
     except StoreError as exc:  # best effort: `dmi-sglang rm` frees it too
         log.warning("dmi.claim_not_released", run_id=run_id, error=str(exc))
 
@@ -172,8 +191,13 @@ class PipelineFactory:
         from dmi_sglang.adapters.transport import create_transport
 
         settings = spec.settings
-        sink = open_sink(settings.store())  # a store that cannot open fails here
+        try:
+            sink = open_sink(settings.store())  # a store that cannot open fails here
+        except BaseException:
+            _release_failed_start(settings.store(), spec.run.run_id)
+            raise
         transport = None
+        started = False
         try:
             transport = create_transport(
                 payload_mb=settings.ring_payload_mb,
@@ -192,6 +216,7 @@ class PipelineFactory:
                 max_requests=spec.max_requests,
             )
             sink.start_run(spec.run)  # only once the transport exists: no orphan run row
+            started = True
             session = SchedulerMonitor(
                 run=spec.run,
                 selection=spec.selection,
@@ -206,6 +231,8 @@ class PipelineFactory:
                     release()
                 except Exception as exc:  # the first failure is the one to report
                     log.warning("dmi.pipeline_release_failed", error=repr(exc))
+            if not started:
+                _release_failed_start(settings.store(), spec.run.run_id)
             raise
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
 

@@ -21,11 +21,19 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import attrs
+
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
-from dmi_sglang.domain.records import RequestManifest, RunInfo, storable_request_id
-from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.records import (
+    RequestManifest,
+    RunInfo,
+    RunStatus,
+    original_request_id,
+    storable_request_id,
+)
+from dmi_sglang.domain.settings import PREFIX, Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
@@ -33,14 +41,16 @@ __all__ = ["CaptureStore", "open_store", "store_config"]
 
 
 def store_config(url: str | None = None) -> StoreConfig:
-    """The resolved store of a URL, as ``DMX_DB_URL`` reads it. ``None``: the store
-    ``DMX_DB_URL`` names in the environment, else the embedded store ``./dmi-captures``.
+    """The resolved store of a URL, as ``DMX_DB_URL`` reads it, with the other ``DMX_*``
+    settings of the environment (credentials, table, timeout). ``None``: the store the
+    environment names (``DMX_DB_URL`` or ``DMX_DB_HOST``), else ``./dmi-captures``.
 
     Raises:
         ConfigurationError: the URL is not a store URL.
     """
-    chosen = url or os.environ.get("DMX_DB_URL")
-    env = {"DMX_DB_URL": chosen} if chosen else {}
+    env = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    if url:
+        env[PREFIX + "DB_URL"] = url
     return Settings.from_env(env).resolve(model_path="reader").store()
 
 
@@ -85,7 +95,8 @@ class CaptureStore:
         """
         with self.session():
             self._require(run_id)
-            return self._reader.requests(run_id)
+            return [attrs.evolve(r, request_id=original_request_id(r.request_id))
+                    for r in self._reader.requests(run_id)]
 
     def hook_totals(self, run_id: str) -> Sequence[HookTotal]:
         """Per captured hook of a run: layers, records, rows and bytes stored.
@@ -120,18 +131,24 @@ class CaptureStore:
         return CaptureHandle(run_id, storable_request_id(request_id), lambda: self._reader,
                              partial=partial)
 
-    def delete_run(self, run_id: str) -> int:
+    def delete_run(self, run_id: str, *, force: bool = False) -> int:
         """Delete a run and free its id (also an id only claimed by a start that never
-        recorded its run); returns the records deleted.
+        recorded its run); returns the records deleted. A run that reads as running (its
+        owner is alive) is deleted only with ``force``.
 
         Raises:
-            StoreError: no such run or claim.
+            StoreError: no such run or claim, or a running run without ``force``.
         """
         claims = composition.run_claims(self.config)
         claimed = claims is not None and claims.claimed(run_id)
         with self.session():
-            if not claimed:
+            run = self._reader.run(run_id)
+            if run is None and not claimed:
                 self._require(run_id)
+            if run is not None and run.status is RunStatus.RUNNING and not force:
+                msg = (f"run {run_id!r} is running (owner {run.owner or 'unknown'}); stop it "
+                       "first, or pass --force to delete it anyway")
+                raise StoreError(msg)
             deleted = self._reader.delete_run(run_id)
         if claims is not None:
             claims.release(run_id)

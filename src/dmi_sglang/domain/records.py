@@ -37,6 +37,7 @@ __all__ = [
     "RunInfo",
     "RunStatus",
     "expected_coverage",
+    "original_request_id",
     "storable_request_id",
 ]
 
@@ -60,6 +61,16 @@ def storable_request_id(request_id: str) -> str:
         if not request_id.startswith("\x00"):
             return request_id
     return "\x00" + request_id.encode("utf-8", "surrogatepass").hex()
+
+
+def original_request_id(stored: str) -> str:
+    """The request id a stored id came from (the inverse of :func:`storable_request_id`)."""
+    if not stored.startswith("\x00"):
+        return stored
+    try:
+        return bytes.fromhex(stored[1:]).decode("utf-8", "surrogatepass")
+    except ValueError:
+        return stored  # not one of ours: show it as stored
 
 
 @attrs.frozen

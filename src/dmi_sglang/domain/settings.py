@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
 
@@ -24,9 +24,30 @@ from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
-__all__ = ["PREFIX", "Enable", "Settings", "StoreUrl", "monitoring_requested", "redact_url"]
+__all__ = [
+    "PREFIX",
+    "Enable",
+    "Settings",
+    "StoreUrl",
+    "engine_started",
+    "monitoring_requested",
+    "redact_url",
+]
 
 PREFIX = "DMX_"
+
+_GENERATED_IDS: set[str] = set()
+"""Run ids :meth:`Settings.resolve` generated in this process."""
+_SPENT_IDS: set[str] = set()
+"""Generated run ids an engine of this process started with: stale in ``DMX_MODEL_ID``."""
+
+
+def engine_started(run_id: str) -> None:
+    """An engine of this process starts with ``run_id``. When this process generated it,
+    a later ``DMX_MODEL_ID`` holding it is an earlier engine's leftover, not a choice: the
+    next engine gets a fresh id instead of reusing it."""
+    if run_id in _GENERATED_IDS:
+        _SPENT_IDS.add(run_id)
 
 
 class Enable(enum.Enum):
@@ -135,14 +156,22 @@ def _host(text: str) -> str | None:
     return text
 
 
+def _split_userinfo(url: str) -> tuple[str, str | None, str]:
+    """``(scheme://, userinfo or None, the rest)``, splitting at the LAST ``@`` so that a
+    password holding ``@``, ``/``, ``#`` or ``?`` unencoded is still taken whole."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return (scheme + sep, None, rest)
+    userinfo, _, host = rest.rpartition("@")
+    return (scheme + sep, userinfo, host)
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for logs, errors and the runs table)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    head, userinfo, rest = _split_userinfo(url)
+    if userinfo is None or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    return f"{head}{userinfo.partition(':')[0]}:***@{rest}"
 
 
 def _shown_url(text: str) -> str:
@@ -173,7 +202,8 @@ class StoreUrl:
         shown = redact_url(url)
         if url.lower() == "none":
             return cls(StoreKind.NONE)
-        parts = urlsplit(url)
+        head, userinfo, rest = _split_userinfo(url)
+        parts = _urlsplit(head + rest if userinfo is not None else url, shown)
         if parts.scheme == "chdb":
             path = posixpath.normpath(parts.path) if parts.path else ""
             if parts.netloc or not path.startswith("/"):
@@ -183,25 +213,41 @@ class StoreUrl:
                 msg = f"embedded store URL {shown!r} names /: give the store a directory"
                 raise ConfigurationError(msg)
             return cls(StoreKind.EMBEDDED, path=path)
-        if parts.scheme in ("http", "https") and parts.hostname:
+        hostname = parts.hostname
+        if parts.scheme in ("http", "https") and hostname:
             secure = parts.scheme == "https"
+            user = password = None
+            if userinfo is not None:  # percent-encoded characters are decoded, as in URLs
+                raw_user, has_password, raw_password = userinfo.partition(":")
+                user = unquote(raw_user)
+                password = unquote(raw_password) if has_password else None
             try:
                 port = parts.port or (8443 if secure else 8123)
             except ValueError:
                 msg = f"bad port in {shown!r}"
                 raise ConfigurationError(msg) from None
             try:
-                _host(parts.hostname)
+                _host(hostname)
             except ValueError:
-                msg = f"bad host {parts.hostname!r} in {shown!r}"
+                msg = f"bad host {hostname!r} in {shown!r}"
                 raise ConfigurationError(msg) from None
             database = parts.path.strip("/") or None
             if database is not None:
                 _name(database)
-            return cls(StoreKind.SERVER, host=parts.hostname, port=port, secure=secure,
-                       database=database, user=parts.username, password=parts.password)
+            return cls(StoreKind.SERVER, host=hostname, port=port, secure=secure,
+                       database=database, user=user, password=password)
         msg = f"unsupported store URL {shown!r}"
         raise ConfigurationError(msg)
+
+
+def _urlsplit(url: str, shown: str) -> SplitResult:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- validates the port now
+    except ValueError as exc:
+        msg = f"malformed store URL {shown!r}: {exc}"
+        raise ConfigurationError(msg) from None
+    return parts
 
 
 def _db_url(text: str) -> str:
@@ -331,6 +377,8 @@ class Settings:
                 raise ConfigurationError(msg)
             if text == "" and var.default is None:
                 continue
+            if var.field == "model_id" and text in _SPENT_IDS:
+                continue  # an earlier engine's generated id (see engine_started)
             values[var.field] = var.convert(key, text)
         return cls(**values)
 
@@ -381,6 +429,7 @@ class Settings:
             stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%S")
             base = re.sub(r"[^A-Za-z0-9._-]", "_", posixpath.basename(model_path.rstrip("/")))
             model_id = f"{base.lstrip('._-') or 'model'}-{stamp}-{token or secrets.token_hex(3)}"
+            _GENERATED_IDS.add(model_id)
         db_url = self.db_url
         if db_url is None:
             if self.db_host is not None:

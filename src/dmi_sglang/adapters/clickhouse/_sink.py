@@ -26,6 +26,7 @@ from dmi_sglang.adapters.clickhouse._client import (
     close_quietly,
     compress,
     connect,
+    disk_full,
     is_transient,
     store_error,
     wire_compression,
@@ -145,10 +146,10 @@ class ClickHouseSink:
         self._raise_if_unusable()
         if not run.owner:
             run = attrs.evolve(run, owner=f"{socket.gethostname()}:{os.getpid()}")
-        self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
         self._running = run
-        if self._config.kind is StoreKind.EMBEDDED:
+        if self._config.kind is StoreKind.EMBEDDED:  # live before any reader can see the row
             mark_live(self._config.path, run.run_id)
+        self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
         if self._heartbeat_s > 0 and self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
                                                daemon=True)
@@ -181,19 +182,25 @@ class ClickHouseSink:
         Raises:
             StoreError: the sticky failure, or writing the manifests / run failed.
         """
-        self._stop_heartbeat()  # no running row may land after the final one
-        self._running = None
         try:
-            self.flush()
-        except StoreError as failure:
-            self._record_failed_run(run, failure)
-            raise
-        self._raise_if_unusable()
-        committed = run.status is RunStatus.COMMITTED
-        rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
-        if rows:
-            self._write_control(self._tables.manifest, rows, f"writing manifests of {run.run_id}")
-        self._write_control(self._tables.runs, [run_row(run)], f"finishing run {run.run_id}")
+            try:
+                self.flush()  # the run stays live (and beating) until its final row
+            except StoreError as failure:
+                self._stop_heartbeat()
+                self._record_failed_run(run, failure)
+                raise
+            self._raise_if_unusable()
+            committed = run.status is RunStatus.COMMITTED
+            rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
+            if rows:
+                self._write_control(self._tables.manifest, rows,
+                                    f"writing manifests of {run.run_id}")
+            self._stop_heartbeat()  # no running row may land after the final one
+            self._write_control(self._tables.runs, [run_row(run)],
+                                f"finishing run {run.run_id}")
+        finally:
+            self._stop_heartbeat()
+            self._not_live()
         log.info(
             "store.run_finished", run_id=run.run_id, status=run.status.value, manifests=len(rows)
         )
@@ -207,6 +214,7 @@ class ClickHouseSink:
         if not self._closed:
             self._closed = True
             self._stop_heartbeat()
+            self._not_live()
             self._queue.close()
             for t in self._threads:
                 t.join()
@@ -254,7 +262,9 @@ class ClickHouseSink:
         self._beating.set()
         if beat is not None:
             beat.join()
-        running = self._running
+
+    def _not_live(self) -> None:
+        running, self._running = self._running, None
         if running is not None and self._config.kind is StoreKind.EMBEDDED:
             mark_done(self._config.path, running.run_id)
 
@@ -324,6 +334,9 @@ class ClickHouseSink:
                 return
             except StoreError as failure:
                 cause = failure.__cause__
+                if cause is not None and disk_full(cause):
+                    self._queue.fail(failure)  # a full disk fails the run, as for inserts
+                    raise
                 if attempt >= self._retries or cause is None or not is_transient(cause):
                     raise
                 time.sleep(min(5.0, self._backoff_s * 2**attempt))

@@ -17,7 +17,7 @@ import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.domain.ports import CaptureSession
-from dmi_sglang.domain.settings import PREFIX, Settings, monitoring_requested
+from dmi_sglang.domain.settings import Settings, engine_started, monitoring_requested
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
@@ -25,8 +25,6 @@ __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
 log = structlog.get_logger(__name__)
 
 _MONITOR: CaptureSession | None = None
-_GENERATED_RUN_IDS: set[str] = set()
-"""Run ids :func:`before_resolve_once` generated in this process (never reused)."""
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -62,12 +60,7 @@ def before_resolve_once(server_args: Any) -> None:
     """
     if getattr(server_args, "_resolution_finished", False) or not monitoring_requested():
         return
-    if os.environ.get(PREFIX + "MODEL_ID") in _GENERATED_RUN_IDS:
-        del os.environ[PREFIX + "MODEL_ID"]  # an earlier engine's id: this one gets its own
-    requested = Settings.from_env()
-    settings = requested.resolve(model_path=str(server_args.model_path))
-    if requested.model_id is None and settings.model_id is not None:
-        _GENERATED_RUN_IDS.add(settings.model_id)
+    settings = Settings.from_env().resolve(model_path=str(server_args.model_path))
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         log.warning("dmi.forced", setting="disable_prefill_cuda_graph=True",
@@ -80,6 +73,7 @@ def before_resolve_once(server_args: Any) -> None:
     factory = _state.STATE.factory
     if factory is not None:
         factory.claim_run(settings)
+    engine_started(settings.model_id or "")
     os.environ.update(settings.to_env())
     log.info("dmi.settings", run_id=settings.model_id, store=settings.store().url,
              hooks=settings.hook_selection)
