@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,9 @@ def test_rm_deletes_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     path = tmp_path / "captures"
     _populate(path)
     url = f"chdb://{path}"
-    assert main(["rm", RUN, "--db", url]) == 0
+    assert main(["rm", RUN, "--db", url]) != 0  # no terminal to ask on: --yes needed
+    assert "pass --yes" in capsys.readouterr().err
+    assert main(["rm", RUN, "--db", url, "--yes"]) == 0
     capsys.readouterr()
     assert main(["ls", "--db", url]) == 0
     assert RUN not in capsys.readouterr().out
@@ -123,7 +126,8 @@ def test_rm_deletes_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_capture_without_gpu_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = main(["capture", "--model", "/nonexistent", "--prompt", "hi"])
+    model = Path(__file__).parent  # any directory with a config.json will do
+    code = main(["capture", "--model", str(_model_dir(model)), "--prompt", "hi"])
     assert code != 0
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
@@ -150,3 +154,48 @@ def test_hook_totals(store: tuple[str, dict[str, torch.Tensor]]) -> None:
               for t in open_store(url).hook_totals(RUN)}
     assert totals["blocks.hook_resid_pre"] == (2, 2, 12, 2 * 6 * HIDDEN * 2)
     assert totals["final_logits"] == (1, 1, 3, truth["final_logits"].numel() * 4)
+
+
+def _model_dir(base: Path) -> Path:
+    import tempfile
+
+    where = Path(tempfile.mkdtemp())
+    (where / "config.json").write_text("{}")
+    return where
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["--model", "/nonexistent", "--prompt", "x"], "--model /nonexistent does not exist"),
+     (["--prompts", "/nonexistent/prompts.txt"], "No such file"),
+     (["--hooks", "resid_pree"], "resid_pree"),
+     (["--db", "bogus://x"], "--db 'bogus://x' is not a store URL"),
+     (["--max-new-tokens", "0"], "is not a positive integer")],
+    ids=["model", "prompts", "hooks", "db", "max-new-tokens"],
+)
+def test_capture_checks_its_arguments_before_looking_for_a_gpu(
+        args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", str(_model_dir(Path()))] if "--model" not in args else []
+    with contextlib.suppress(SystemExit):  # argparse's own refusals exit 2
+        assert main(["capture", *base, *args]) != 0
+    err = capsys.readouterr().err
+    assert words in err
+    assert "GPU" not in err
+
+
+def test_version_module_entry_and_polish(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dmi_sglang", "--version"], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("dmi-sglang ")
+    with pytest.raises(SystemExit):
+        main(["demo-model", str(tmp_path / "m"), "--layers", "0"])
+    assert "is not a positive integer" in capsys.readouterr().err
+    assert main(["ls", "--db", f"chdb://{tmp_path / 'none-yet'}"]) != 0
+    assert "capture into it with `dmi-sglang capture" in capsys.readouterr().err
+    assert not (tmp_path / "none-yet").exists()
+    assert main(["ls", "--db", "bogus://x"]) != 0
+    assert "--db 'bogus://x' is not a store URL" in capsys.readouterr().err

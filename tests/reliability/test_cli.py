@@ -189,8 +189,8 @@ def test_bad_input_rm_of_a_run_that_is_still_running(tmp_path: Path,
     try:
         db = ["--db", f"chdb://{config.path}"]
         capsys.readouterr()
-        assert cli.main(["rm", "live", *db]) != 0
+        assert cli.main(["rm", "live", "--yes", *db]) != 0
         _one_line_error(capsys, "is running (owner ")
-        assert cli.main(["rm", "live", "--force", *db]) == 0
+        assert cli.main(["rm", "live", "--force", "--yes", *db]) == 0
     finally:
         sink.close()

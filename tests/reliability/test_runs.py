@@ -73,7 +73,7 @@ def test_fault_two_starts_race_for_one_id(tmp_path: Path) -> None:
     for t in racers:
         t.join(30)
     assert sorted(won) == [False] * 7 + [True]
-    assert cli.main(["rm", "contended", "--db", f"chdb://{config.path}"]) == 0
+    assert cli.main(["rm", "contended", "--yes", "--db", f"chdb://{config.path}"]) == 0
     assert claims.claim("contended").won
 
 

@@ -7,9 +7,11 @@
     dmi-sglang ls [RUN]
     dmi-sglang show RUN REQUEST
     dmi-sglang export RUN REQUEST --out capture.safetensors   # or --out - (stdout)
-    dmi-sglang rm RUN
+    dmi-sglang rm RUN [--yes] [--force]
+    python -m dmi_sglang --version
 
-Every command takes ``--db URL`` (default: the embedded store ``./dmi-captures``). Any
+Every command takes ``--db URL`` (default: ``$DMX_DB_URL``, else the embedded store
+``./dmi-captures``). ``rm`` asks on a terminal and needs ``--yes`` elsewhere. Any
 other ``--option`` of ``capture`` is passed to SGLang's ServerArgs unchanged. Errors are
 one line on stderr and a non-zero exit status.
 """
@@ -23,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dmi_sglang.errors import DMIError
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import ConfigurationError, DMIError, UsageError
 
 __all__ = ["main"]
 
@@ -36,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Capture what a model computes while SGLang 0.5.19 serves it, and read "
         "the captures back.",
     )
+    from dmi_sglang import __version__
+
+    top.add_argument("--version", action="version", version=f"dmi-sglang {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,15 +49,21 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: $DMX_DB_URL, else embedded ./dmi-captures)")
         return p
 
-    cap = with_db(sub.add_parser("capture", help="run a monitored generation into the store"))
+    cap = with_db(sub.add_parser(
+        "capture", help="run a monitored generation into the store",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every other --option is passed to SGLang's ServerArgs unchanged "
+        "(e.g. --attention-backend triton --mem-fraction-static 0.3)."))
     cap.add_argument("--model", required=True, help="model directory (a Qwen3 checkpoint)")
     src = cap.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", type=Path, help="a file with one prompt per line")
-    cap.add_argument("--hooks", default=None, help="hook selection (default: sglang-full)")
+    cap.add_argument("--hooks", default=None,
+                     help="hook selection; unset: $DMX_HOOK_SELECTION, else sglang-full")
     cap.add_argument("--run-id", default=None, help="capture run id (default: generated)")
-    cap.add_argument("--max-new-tokens", type=int, default=32)
-    cap.add_argument("--batch", type=int, default=64, help="prompts per generate call")
+    cap.add_argument("--max-new-tokens", type=_positive, default=32,
+                     help="tokens generated per prompt")
+    cap.add_argument("--batch", type=_positive, default=64, help="prompts per generate call")
 
     ls = with_db(sub.add_parser("ls", help="list runs, or the requests of one run"))
     ls.add_argument("run", nargs="?")
@@ -72,10 +84,23 @@ def _parser() -> argparse.ArgumentParser:
     rm = with_db(sub.add_parser("rm", help="delete a run"))
     rm.add_argument("run")
     rm.add_argument("--force", action="store_true", help="also a run that is still running")
+    rm.add_argument("--yes", action="store_true", help="do not ask before deleting")
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
     demo.add_argument("dir", type=Path)
-    demo.add_argument("--layers", type=int, default=4)
+    demo.add_argument("--layers", type=_positive, default=4)
     return top
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        msg = f"{text!r} is not a positive integer"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,20 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     from dmi_sglang.app import cli_commands as cmd
-    from dmi_sglang.app.reading import store_config
 
     try:
         if args.command == "capture":
             return cmd.capture(args, extra)
         if args.command == "demo-model":
             return cmd.demo_model(args.dir, layers=args.layers)
-        store = store_config(args.db)
+        store = _store(args.db)
         handler: dict[str, Any] = {
             "ls": lambda: cmd.ls(store, args.run),
             "show": lambda: cmd.show(store, args.run, args.request, partial=args.partial),
             "export": lambda: cmd.export(store, args.run, args.request, args.out,
                                          force=args.force, partial=args.partial),
-            "rm": lambda: cmd.rm(store, args.run, force=args.force),
+            "rm": lambda: cmd.rm(store, args.run, force=args.force, yes=args.yes),
         }
         return int(handler[args.command]())
     except BrokenPipeError:  # `dmi-sglang ls | head`: the reader left
@@ -112,6 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DMIError, OSError, ValueError) as exc:
         print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _store(db: str | None) -> StoreConfig:
+    """The store ``--db`` (or the environment) names; errors name ``--db``."""
+    from dmi_sglang.app.reading import store_config
+
+    try:
+        return store_config(db)
+    except ConfigurationError as exc:
+        if db is None:
+            raise
+        msg = f"--db {db!r} is not a store URL: {exc}"
+        raise UsageError(msg) from None
 
 
 def _one_line(exc: BaseException) -> str:

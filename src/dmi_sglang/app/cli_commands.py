@@ -15,7 +15,7 @@ from typing import Any
 
 from dmi_sglang.app.reading import CaptureStore
 from dmi_sglang.domain.store_config import StoreConfig
-from dmi_sglang.errors import IncompleteCaptureError, UsageError
+from dmi_sglang.errors import ConfigurationError, IncompleteCaptureError, UsageError
 
 __all__ = ["capture", "demo_model", "export", "ls", "rm", "show"]
 
@@ -36,6 +36,10 @@ def _mib(n: float) -> str:
 
 def ls(store: StoreConfig, run_id: str | None) -> int:
     """List runs, or one run's requests, with sizes."""
+    if store.kind.value == "embedded" and not os.path.isdir(store.path):
+        msg = (f"no capture store at {store.path} yet: capture into it with `dmi-sglang "
+               "capture --model DIR --prompt TEXT` (needs a GPU), or pass --db URL")
+        raise UsageError(msg)
     captures = CaptureStore(store)
     with captures.session():
         if run_id is None:
@@ -116,13 +120,17 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
 
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
-    _out(f"run {_shown(run_id)}  request {_shown(request_id)}"
-         + ("  (partial: stored positions only)" if partial else ""))
-    _out(f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}")
+    header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
+              + ("  (partial: stored positions only)" if partial else ""),
+              f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}"]
     for name, tensor in _tensors(store, run_id, request_id, partial):
-        norm = float(tensor.float().norm()) if tensor.is_floating_point() else float("nan")
+        for line in header:  # only once the request resolved
+            _out(line)
+        header = []
+        norm = f"{float(tensor.float().norm()):>12.4f}" if tensor.is_floating_point() else (
+            f"{'-':>12}")
         shape = "x".join(str(d) for d in tensor.shape)
-        _out(f"{name:<36} {shape:<22} {tensor.dtype!s:<16} {norm:>12.4f}")
+        _out(f"{name:<36} {shape:<22} {tensor.dtype!s:<16} {norm}")
     return 0
 
 
@@ -185,9 +193,19 @@ def _export_target(out: str, *, force: bool) -> Path | None:
     return path
 
 
-def rm(store: StoreConfig, run_id: str, *, force: bool = False) -> int:
-    """Delete a run (a running one only with ``force``)."""
-    n = CaptureStore(store).delete_run(run_id, force=force)
+def rm(store: StoreConfig, run_id: str, *, force: bool = False, yes: bool = False) -> int:
+    """Delete a run (a running one only with ``force``), after asking on a terminal;
+    elsewhere ``yes`` is required."""
+    captures = CaptureStore(store)
+    if not yes:
+        if not sys.stdin.isatty():
+            msg = f"rm deletes run {run_id!r} for good: pass --yes (no terminal to ask on)"
+            raise UsageError(msg)
+        answer = input(f"delete run {_shown(run_id)} from {store.url} for good? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            _out("kept")
+            return 1
+    n = captures.delete_run(run_id, force=force)
     _out(f"deleted run {run_id} ({n} records)")
     return 0
 
@@ -228,6 +246,7 @@ def _sglang_kwargs(model: str, extra: Sequence[str]) -> dict[str, Any]:
 
 def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """Run a monitored generation into the store and print a summary."""
+    _validate_capture(args)
     problem = _gpu_problem()
     if problem is not None:
         print(f"dmi-sglang capture: {problem}", file=sys.stderr)
@@ -257,6 +276,28 @@ def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
         engine.shutdown()
     _summary(engine, outputs, elapsed)
     return 0
+
+
+def _validate_capture(args: argparse.Namespace) -> None:
+    """Refuse bad capture arguments before looking for a GPU or starting anything."""
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        what = "does not exist" if not model.exists() else "holds no config.json"
+        msg = f"--model {args.model} {what}; give a Hugging Face model directory"
+        raise UsageError(msg)
+    if args.prompts is not None:
+        _read_prompts(args)
+    from dmi_sglang.domain.hooks import parse_selection
+    from dmi_sglang.domain.settings import StoreUrl
+
+    if args.hooks is not None:
+        parse_selection(args.hooks)
+    if args.db is not None:
+        try:
+            StoreUrl.parse(args.db)
+        except ConfigurationError as exc:
+            msg = f"--db {args.db!r} is not a store URL: {exc}"
+            raise UsageError(msg) from None
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
