@@ -26,7 +26,28 @@ from dmi_sglang.errors import IncompleteCaptureError, StoreError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CaptureHandle", "NoStoreHandle"]
+__all__ = ["DMI_GLOBAL_FIELDS", "DMI_LAYER_FIELDS", "CaptureHandle", "NoStoreHandle"]
+
+DMI_LAYER_FIELDS: dict[str, str] = {
+    "attention_output": "attn_out",
+    "attention_values": "z",
+    "q": "q",
+    "k": "k",
+    "v": "v",
+    "ln1": "ln1",
+    "ln2": "ln2",
+    "middle_residual": "resid_mid",
+    "mlp_input": "mlp_in",
+    "mlp_output": "mlp_out",
+    "mlp_activation": "mlp_post",
+}
+"""DMI's per-layer readback fields -> our hook names (a tuple by layer, per request)."""
+DMI_GLOBAL_FIELDS: dict[str, str] = {
+    "embeddings": "embed",
+    "final_hidden": "final_ln",
+    "final_residual": "resid_final",
+}
+"""DMI's global readback fields -> our hook names."""
 
 _Key = tuple[str, int, int, int]
 
@@ -184,6 +205,33 @@ class CaptureHandle:
                 mine = [r for r in recs if r.layer_no == key[1]]
                 self._tensors[key] = _decode(mine, lo, hi)
             return tuple(self._tensors[k] for k in keys)
+
+    def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
+        """A per-layer hook of every layer, as a tuple indexed by layer (DMI's shape of a
+        per-layer field, per request: no left padding). Needs layers 0..L-1.
+
+        Raises:
+            IncompleteCaptureError: the capture is incomplete, or not every layer from 0
+                was captured (use :meth:`get` with ``layer=``).
+        """
+        h = hook_for(hook)
+        run, _ = self._complete()
+        layers = sorted(n for a, n in run.captures if a == h.act_name)
+        if not h.per_layer or not layers or layers != list(range(len(layers))):
+            msg = (f"{h.name} by layer needs a per-layer hook captured at layers 0..L-1; "
+                   f"captured: {layers}; use get({h.name!r}, layer=N)")
+            raise IncompleteCaptureError(msg)
+        return tuple(self.get(h.name, n) for n in layers)
+
+    def __getattr__(self, name: str) -> object:
+        """DMI's readback field names: ``attention_output``, ``middle_residual``, ``q``...
+        (tuples by layer) and ``embeddings``, ``final_hidden``, ``final_residual``."""
+        if name in DMI_LAYER_FIELDS:
+            return self.by_layer(DMI_LAYER_FIELDS[name])
+        if name in DMI_GLOBAL_FIELDS:
+            return self.get(DMI_GLOBAL_FIELDS[name])
+        msg = f"{type(self).__name__!r} object has no attribute {name!r}"
+        raise AttributeError(msg)
 
     def _resid_keys(self) -> list[_Key]:
         run, _ = self._complete()
