@@ -133,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return EXIT_ERROR
         return 0
+    except ModuleNotFoundError as exc:  # an optional dependency of this command
+        wanted = "demo" if args.command == "demo-model" else "read"
+        print(f"dmi-sglang {args.command}: needs the {exc.name} package: "
+              f"pip install 'dmi-sglang[{wanted}]'", file=sys.stderr)
+        return EXIT_ERROR
     except (DMIError, OSError, ValueError) as exc:
         print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR

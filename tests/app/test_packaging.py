@@ -1,0 +1,60 @@
+"""What pyproject.toml declares: extras that never move SGLang 0.5.19's pins, and one line
+when a command's optional dependency is missing."""
+
+from __future__ import annotations
+
+import builtins
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_0519_PINS = {"torch": "2.13.0", "transformers": "5.12.1"}
+"""Releases the SGLang 0.5.19 GPU environment holds (see the GPU kit)."""
+
+
+def _extras() -> dict[str, list[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras: dict[str, list[str]] = project["optional-dependencies"]
+    return extras
+
+
+def test_no_extra_moves_what_sglang_0519_pins() -> None:
+    checked = 0
+    for name, requirements in _extras().items():
+        for text in requirements:
+            req = Requirement(text)
+            pinned = SGLANG_0519_PINS.get(req.name)
+            if pinned is not None:
+                assert req.specifier.contains(pinned), f"[{name}] {text} excludes {pinned}"
+                checked += 1
+    assert checked >= 3  # read's and demo's torch, demo's transformers
+
+
+def test_the_reading_and_demo_extras_declare_what_they_import() -> None:
+    extras = _extras()
+    assert {Requirement(r).name for r in extras["read"]} >= {"torch", "numpy"}
+    assert {Requirement(r).name for r in extras["demo"]} >= {"torch", "transformers",
+                                                             "tokenizers"}
+
+
+def test_a_missing_optional_dependency_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from dmi_sglang.app import cli
+
+    real_import = builtins.__import__
+
+    def no_transformers(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.split(".", maxsplit=1)[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name="transformers")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    assert cli.main(["demo-model", str(tmp_path / "m")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == ("dmi-sglang demo-model: needs the transformers package: "
+                   "pip install 'dmi-sglang[demo]'")
