@@ -141,28 +141,31 @@ def claim_new_run(settings: Settings) -> None:
 def release_unused_claim(store: StoreConfig, run_id: str) -> None:
     """Drop the claim this process won for a run id whose engine never recorded the run
     (its start failed). A claim won by another start is never touched."""
-    claims = run_claims(store)
-    if claims is None or (store.url, run_id) not in _CLAIMED_HERE:
+    if (store.url, run_id) not in _CLAIMED_HERE:
         return
     try:
-        if reader_for(store).run(run_id) is None:
-            claims.release(run_id)
-            _CLAIMED_HERE.discard((store.url, run_id))
+        recorded = reader_for(store).run(run_id) is not None
     except StoreError as exc:  # best effort: `dmi-sglang rm` frees it too
         log.warning("dmi.claim_not_released", run_id=run_id, error=str(exc))
+        return
+    if not recorded and _release_claim(store, run_id):
+        _CLAIMED_HERE.discard((store.url, run_id))
 
 
-def _release_failed_start(store: StoreConfig, run_id: str) -> None:
-    """In a scheduler whose capture could not open: the main process won this id's claim
-    before spawning it (a lost claim never gets here), and no run row was written, so the
-    id is free again."""
+def _release_claim(store: StoreConfig, run_id: str) -> bool:
+    """Drop the claim of ``run_id``, best effort (`dmi-sglang rm` frees it too); whether
+    it was dropped. Used where the claim is known to be this start's: in the main process
+    (:func:`release_unused_claim`), or in a scheduler whose capture could not open (the
+    main process won the claim before spawning it: a lost claim never gets there)."""
     claims = run_claims(store)
     if claims is None:
-        return
+        return False
     try:
         claims.release(run_id)
-    except StoreError as exc:  # best effort: `dmi-sglang rm` frees it too
+    except StoreError as exc:
         log.warning("dmi.claim_not_released", run_id=run_id, error=str(exc))
+        return False
+    return True
 
 
 def handle_for(store: StoreConfig, run_id: str, request_id: str) -> CaptureHandle | NoStoreHandle:
@@ -194,7 +197,7 @@ class PipelineFactory:
         try:
             sink = open_sink(settings.store())  # a store that cannot open fails here
         except BaseException:
-            _release_failed_start(settings.store(), spec.run.run_id)
+            _release_claim(settings.store(), spec.run.run_id)
             raise
         transport = None
         started = False
@@ -232,7 +235,7 @@ class PipelineFactory:
                 except Exception as exc:  # the first failure is the one to report
                     log.warning("dmi.pipeline_release_failed", error=repr(exc))
             if not started:
-                _release_failed_start(settings.store(), spec.run.run_id)
+                _release_claim(settings.store(), spec.run.run_id)
             raise
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
 

@@ -8,8 +8,11 @@ the run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
@@ -22,6 +25,9 @@ from dmi_sglang.adapters.clickhouse._schema import quote
 from dmi_sglang.domain.ports import ClaimOutcome
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.client import Client
 
 __all__ = ["ClickHouseRunClaims"]
 
@@ -45,16 +51,28 @@ class ClickHouseRunClaims:
         self._factory = client_factory or connect
 
     def _table(self, run_id: str) -> str:
+        """The claim table of ``run_id``, qualified and quoted."""
         digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        return f"{self._config.table}_claim_{digest}"
+        return f"{quote(self._config.database)}.{quote(f'{self._config.table}_claim_{digest}')}"
 
-    def _existing_run_reader(self) -> ClickHouseReader | None:
+    def _store_is_new(self) -> bool:
+        """An embedded store not created yet: no run and no claim can be in it."""
         config = self._config
-        if config.kind is StoreKind.EMBEDDED and (
-            not os.path.isdir(config.path) or not os.listdir(config.path)
-        ):
-            return None  # a new store: no runs yet
-        return ClickHouseReader(config)
+        return config.kind is StoreKind.EMBEDDED and (
+            not os.path.isdir(config.path) or not os.listdir(config.path))
+
+    @contextlib.contextmanager
+    def _client(self, what: str) -> Iterator[Client]:
+        """A client for one claim operation, closed after; failures become StoreErrors."""
+        client = self._factory(self._config)
+        try:
+            yield client
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise store_error(what, exc, self._config) from exc
+        finally:
+            close_quietly(client)
 
     def claim(self, run_id: str) -> ClaimOutcome:
         """Claim ``run_id``; see the module docstring.
@@ -62,52 +80,34 @@ class ClickHouseRunClaims:
         Raises:
             StoreError: the store cannot be opened or written.
         """
-        reader = self._existing_run_reader()
-        existing = reader.run(run_id) if reader is not None else None
-        if existing is not None:
-            return ClaimOutcome(won=False, existing=existing)
-        client = self._factory(self._config)
-        try:
+        if not self._store_is_new():
+            existing = ClickHouseReader(self._config).run(run_id)
+            if existing is not None:
+                return ClaimOutcome(won=False, existing=existing)
+        with self._client(f"claiming run id {run_id!r}") as client:
             client.command(f"CREATE DATABASE IF NOT EXISTS {quote(self._config.database)}")
-            table = f"{quote(self._config.database)}.{quote(self._table(run_id))}"
             try:
-                client.command(f"CREATE TABLE {table} (run_id String) ENGINE = TinyLog")
+                client.command(f"CREATE TABLE {self._table(run_id)} (run_id String) "
+                               "ENGINE = TinyLog")
             except Exception as exc:
                 if getattr(exc, "code", None) == _TABLE_ALREADY_EXISTS or (
                     "already exists" in str(exc)
                 ):
                     return ClaimOutcome(won=False)
-                raise store_error(f"claiming run id {run_id!r}", exc, self._config) from exc
-            return ClaimOutcome(won=True)
-        finally:
-            close_quietly(client)
+                raise
+        return ClaimOutcome(won=True)
 
     def claimed(self, run_id: str) -> bool:
         """Whether a claim of ``run_id`` exists."""
-        if self._existing_run_reader() is None:
+        if self._store_is_new():
             return False
-        client = self._factory(self._config)
-        try:
-            rows = client.query(
-                "SELECT count() FROM system.tables WHERE database = {db:String} "
-                "AND name = {t:String}",
-                parameters={"db": self._config.database, "t": self._table(run_id)},
-            ).result_rows
-            return bool(rows and rows[0][0])
-        except Exception as exc:
-            raise store_error(f"reading the claim of {run_id!r}", exc, self._config) from exc
-        finally:
-            close_quietly(client)
+        with self._client(f"reading the claim of {run_id!r}") as client:
+            rows = client.query(f"EXISTS TABLE {self._table(run_id)}").result_rows
+        return bool(rows and rows[0][0])
 
     def release(self, run_id: str) -> None:
         """Drop the claim of ``run_id`` (idempotent)."""
-        if self._existing_run_reader() is None:
+        if self._store_is_new():
             return
-        client = self._factory(self._config)
-        try:
-            table = f"{quote(self._config.database)}.{quote(self._table(run_id))}"
-            client.command(f"DROP TABLE IF EXISTS {table}")
-        except Exception as exc:
-            raise store_error(f"releasing the claim of {run_id!r}", exc, self._config) from exc
-        finally:
-            close_quietly(client)
+        with self._client(f"releasing the claim of {run_id!r}") as client:
+            client.command(f"DROP TABLE IF EXISTS {self._table(run_id)}")
