@@ -49,6 +49,19 @@ def commit(sink: ClickHouseSink, run: RunInfo, requests: dict[str, int]) -> None
                      for r, n in requests.items()])
 
 
+def store_with_run(path: Path, run_id: str = "run", request: str = "r") -> StoreConfig:
+    """An embedded store at ``path`` holding one committed run ``run_id`` with one complete
+    request (positions 0-1 of resid_pre layer 0)."""
+    config = embedded(path)
+    sink = ClickHouseSink(config)
+    run = run_info(run_id)
+    sink.start_run(run)
+    sink.put([record(request=request, start=0, end=2, model_id=run_id)])
+    commit(sink, run, {request: 2})
+    sink.close()
+    return config
+
+
 def within(action: Callable[[], object], seconds: float = WITHIN_S) -> BaseException | None:
     """Run ``action`` on a thread; the exception it raised (None if it returned).
 

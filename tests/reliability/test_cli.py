@@ -17,19 +17,13 @@ from safetensors.torch import load
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
 from dmi_sglang.app import cli
 
-from ._faults import commit, embedded, record, run_info
+from ._faults import embedded, run_info, store_with_run
 
 
 @pytest.fixture
 def db(tmp_path: Path) -> list[str]:
     """A store holding one complete request ``r`` of run ``run``; the --db arguments."""
-    config = embedded(tmp_path / "store")
-    sink = ClickHouseSink(config)
-    run = run_info()
-    sink.start_run(run)
-    sink.put([record(request="r", start=0, end=2)])
-    commit(sink, run, {"r": 2})
-    sink.close()
+    config = store_with_run(tmp_path / "store")
     return ["--db", f"chdb://{config.path}"]
 
 
@@ -120,17 +114,12 @@ def test_bad_input_control_characters_in_ids(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Run and request ids holding terminal control characters -> ls prints them escaped,
     never raw."""
-    config = embedded(tmp_path / "s")
-    sink = ClickHouseSink(config)
-    run = run_info("evil\x1b[2Jrun")
-    sink.start_run(run)
-    sink.put([record(request="req\x07", model_id=run.run_id)])
-    commit(sink, run, {"req\x07": 2})
-    sink.close()
+    run_id = "evil\x1b[2Jrun"
+    config = store_with_run(tmp_path / "s", run_id, "req\x07")
     db = ["--db", f"chdb://{config.path}"]
     capsys.readouterr()  # the setup's own log lines
     assert cli.main(["ls", *db]) == 0
-    assert cli.main(["ls", run.run_id, *db]) == 0
+    assert cli.main(["ls", run_id, *db]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out
     assert "\x07" not in out

@@ -24,7 +24,7 @@ from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import CapacityError, RunExistsError
 
-from ._faults import commit, embedded, record, run_info
+from ._faults import commit, embedded, record, run_info, store_with_run
 
 
 def _settings(url: str, run_id: str | None = "run", **kw: str) -> Settings:
@@ -38,13 +38,7 @@ def test_bad_input_starting_a_run_whose_id_is_in_the_store(tmp_path: Path) -> No
     """A second engine start with the id of a committed run (DMI's "my-run" habit) -> refused
     in the main process before any scheduler starts, naming the run, its status and
     `dmi-sglang rm`; the first run's rows stay its own."""
-    config = embedded(tmp_path / "s")
-    sink = ClickHouseSink(config)
-    run = run_info("my-run")
-    sink.start_run(run)
-    sink.put([record(request="request-0", model_id="my-run")])
-    commit(sink, run, {"request-0": 2})
-    sink.close()
+    config = store_with_run(tmp_path / "s", "my-run", "request-0")
     with pytest.raises(RunExistsError) as info:
         PipelineFactory().claim_run(_settings(f"chdb://{config.path}", "my-run"))
     text = str(info.value)
@@ -150,13 +144,7 @@ def test_bad_input_a_tampered_run_status(tmp_path: Path) -> None:
     """A runs-table row whose status was edited to an unknown value -> that run alone reads
     as unreadable with the reason; the listing and the other runs still work;
     `available` is False with the reason instead of raising."""
-    config = embedded(tmp_path / "s")
-    sink = ClickHouseSink(config)
-    good = run_info("good")
-    sink.start_run(good)
-    sink.put([record(request="r", model_id="good")])
-    commit(sink, good, {"r": 2})
-    sink.close()
+    config = store_with_run(tmp_path / "s", "good")
     client = connect(config)
     try:
         client.command("INSERT INTO `default`.`offload_runs` VALUES ('bad', '/m', [], [], "
