@@ -4,7 +4,7 @@ Run on the H200 machine with the GPU kit::
 
     python -m pytest tests/gpu/test_e2e_qwen3.py -m gpu -q -s
 
-Stock and monitored engines run in separate processes (tests/gpu/run_engine.py). Checks:
+Stock and monitored engines run in separate processes (``harness.engine``). Checks:
 tokens identical to stock with the same forced settings; captured resid_pre (every
 layer), final_ln and final_logits against a transformers forward (relative error <= 3 %
 per request and layer); exact row coverage for every selected hook, a prompt longer than
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from harness.engine import EngineError, EngineProcess
 
 torch = pytest.importorskip("torch")
 
@@ -31,7 +31,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-HERE = Path(__file__).resolve().parent
 REL_TOL = 0.03
 LONG_PROMPT_WORDS = 2100
 
@@ -55,20 +54,25 @@ def _prompts() -> list[str]:
             for i, n in enumerate(lengths)]
 
 
-def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR",
-                                                            "/root/triton-cache")}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_engine.py"), str(spec_path), str(out_path)],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if not out_path.exists():
-        pytest.fail(f"{name} engine produced no result:\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    result["log_tail"] = (proc.stdout + proc.stderr)[-3000:]
+def _run(tmp: Path, name: str, spec: dict[str, Any], prompts: list[str],
+         sampling_params: dict[str, Any], *, monitored: bool = False) -> dict[str, Any]:
+    """One engine child: the prompts in one call, then the stop RPC when monitored;
+    ``{"ok", "outputs", "error", "log_tail"}``."""
+    engine = EngineProcess(name, spec, tmp)
+    workload = {"name": name, "prompts": prompts, "sampling_params": sampling_params,
+                "rids": [f"req-{i}" for i in range(len(prompts))]}
+    result: dict[str, Any] = {"ok": False, "outputs": [], "error": None}
+    try:
+        engine.start(900)
+        result["outputs"] = engine.request("run", 900, workload=workload)["outputs"]
+        if monitored:
+            result["run_id"] = engine.request("stop", 900)["run_id"]
+        result["ok"] = True
+    except EngineError as exc:
+        result["error"] = str(exc)
+    finally:
+        result.update(engine.close())
+    result["log_tail"] = engine.log.read_text(errors="replace")[-3000:]
     return result
 
 
@@ -86,24 +90,20 @@ def checkpoint(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(workdir: Path, checkpoint: Path) -> dict[str, Any]:
-    common = {
-        "engine": _engine_kwargs(checkpoint),
-        "prompts": _prompts(),
-        "rids": [f"req-{i}" for i in range(len(_prompts()))],
-        "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
-    }
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     store = workdir / "store"
-    stock = _run(workdir, "stock", {**common, "env": {"DMX_SGLANG_ENABLE": "0"}})
+    stock = _run(workdir, "stock", {"engine": _engine_kwargs(checkpoint),
+                                    "env": {"DMX_SGLANG_ENABLE": "0"}}, _prompts(), params)
     monitored = _run(workdir, "monitored", {
-        **common,
-        "monitored": True,
+        "engine": _engine_kwargs(checkpoint),
         "env": {
             "DMX_HOOK_SELECTION": "sglang-full",
+            "DMX_MODEL_ID": "e2e-qwen3",
             "DMX_DB_URL": f"chdb://{store}",
             "DMX_RING_PAYLOAD_MB": "16",
             "DMX_RING_PINNED_MB": "16",
         },
-    })
+    }, _prompts(), params, monitored=True)
     assert stock["ok"], stock
     assert monitored["ok"], monitored
     return {"stock": stock, "monitored": monitored, "store": store}
@@ -247,12 +247,13 @@ def test_unsupported_configurations_fail_at_startup(workdir: Path, checkpoint: P
                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
     (moe / "config.json").write_text(json.dumps(config))
     env = {"DMX_HOOK_SELECTION": "hidden-states", "DMX_DB_URL": "none"}
-    base = {"prompts": ["w1"], "sampling_params": {"max_new_tokens": 2}, "env": env}
-    moe_run = _run(workdir, "moe", {**base, "engine": {**_engine_kwargs(moe),
-                                                        "load_format": "dummy"}})
-    compile_run = _run(workdir, "compile", {**base, "engine": {
+    params = {"max_new_tokens": 2}
+    moe_run = _run(workdir, "moe", {"env": env, "engine": {**_engine_kwargs(moe),
+                                                           "load_format": "dummy"}},
+                   ["w1"], params)
+    compile_run = _run(workdir, "compile", {"env": env, "engine": {
         **_engine_kwargs(checkpoint), "enable_torch_compile": True,
-        "num_continuous_decode_steps": 2}})
+        "num_continuous_decode_steps": 2}}, ["w1"], params)
     _evidence("e2e-rejections", {"moe": moe_run, "compile": compile_run}, workdir)
     assert not moe_run["ok"]
     assert "Qwen3MoeForCausalLM is not supported" in moe_run["error"]

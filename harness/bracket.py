@@ -1,0 +1,114 @@
+"""Bracketed comparisons: a stock engine kept running while measured engines take turns.
+
+A :class:`Bracket` starts the stock engine once (warm-ups run untimed), probes the D2H
+rate on it, and then, for each :meth:`Bracket.measure` call: runs the timed workloads on
+stock, starts the measured engine (monitored, or another configuration), runs its warm-ups
+and timed workloads, stops monitoring (the run is durable), shuts it down, and runs the
+stock workloads again. So every measured run sits between two stock runs of the same
+workloads on the same engine (``stock, measured, stock, ...``); the stock run after one
+measured engine is the one before the next when their workloads match. The two engines
+share the GPU with the same fixed KV pool (:func:`harness.models.engine_kwargs`); the
+measured one runs alone (stock idles), and is shut down before stock runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.engine import EngineProcess
+from harness.results import Deadline, Json
+from harness.workloads import Workload
+
+LONGEST_WAIT_S = 1800.0
+"""The longest one engine command may take without a deadline (a hung engine)."""
+
+
+def block_seconds(result: Sequence[Json]) -> dict[str, Json]:
+    """Per timed workload of one engine run: seconds, output tokens, tokens/s."""
+    return {w["name"]: {"seconds": w["seconds"], "output_tokens": w["output_tokens"],
+                        "waves": w["waves"],
+                        "tok_s": w["output_tokens"] / w["seconds"] if w["seconds"] else None}
+            for w in result if w["timed"]}
+
+
+class Bracket:
+    """One stock engine and the measured engines bracketed by it (module docstring)."""
+
+    def __init__(self, key: str, stock_spec: Json, warm_ups: Sequence[Workload], *,
+                 workdir: Path, deadline: Deadline, pgid_file: Path | None = None) -> None:
+        self.key = key
+        self.stock_spec = stock_spec
+        self.warm_ups = list(warm_ups)
+        self.workdir = workdir
+        self.deadline = deadline
+        self.pgid_file = pgid_file
+        self.stock: EngineProcess | None = None
+        self.stock_ready: Json = {}
+        self.d2h_bps: float | None = None
+        self.blocks = 0
+        self._last: tuple[tuple[str, ...], list[Json]] | None = None
+
+    def _timeout(self) -> float:
+        return min(self.deadline.timeout() or LONGEST_WAIT_S, LONGEST_WAIT_S)
+
+    def start(self) -> Json:
+        """Start the stock engine, run its warm-ups, probe D2H; its ``ready`` reply."""
+        self.stock = EngineProcess(f"stock-{self.key}", self.stock_spec, self.workdir,
+                                   self.pgid_file)
+        self.stock_ready = self.stock.start(self._timeout())
+        for wl in self.warm_ups:
+            self.stock.request("run", self._timeout(), workload=wl.spec("s0-"))
+        self.d2h_bps = self.stock.request("d2h", self._timeout())["d2h_bps"]
+        return self.stock_ready
+
+    def stock_block(self, workloads: Sequence[Workload]) -> list[Json]:
+        """The timed ``workloads`` on stock (reused when the last block ran the same)."""
+        names = tuple(w.name for w in workloads)
+        if self._last is not None and self._last[0] == names:
+            return self._last[1]
+        return self._run_stock(workloads)
+
+    def _run_stock(self, workloads: Sequence[Workload]) -> list[Json]:
+        if self.stock is None:
+            self.start()
+        assert self.stock is not None
+        self.blocks += 1
+        prefix = f"s{self.blocks}-"
+        out = [_keyed(self.stock.request("run", self._timeout(), workload=w.spec(prefix)),
+                      prefix) for w in workloads]
+        self._last = (tuple(w.name for w in workloads), out)
+        return out
+
+    def measure(self, name: str, spec: Json, warm_ups: Sequence[Workload],
+                timed: Sequence[Workload], *, monitored: bool) -> Json:
+        """``stock, measured, stock`` for ``timed``; the three runs and the measured
+        engine's startup, stop and log statistics. Raises :class:`EngineError`."""
+        before = self.stock_block(timed)
+        engine = EngineProcess(name, spec, self.workdir, self.pgid_file)
+        measured: Json = {"workloads": []}
+        try:
+            measured["ready"] = engine.start(self._timeout())
+            for wl in [*warm_ups, *timed]:
+                measured["workloads"].append(
+                    _keyed(engine.request("run", self._timeout(), workload=wl.spec()), ""))
+            if monitored:
+                measured["stop"] = engine.request("stop", self._timeout())
+        finally:
+            measured.update(engine.close())
+        after = self._run_stock(timed)
+        return {"stock_before": before, "measured": measured, "stock_after": after}
+
+    def close(self) -> None:
+        """Shut the stock engine down."""
+        if self.stock is not None:
+            self.stock.close()
+            self.stock = None
+            self._last = None
+
+
+def _keyed(result: Json, prefix: str) -> Json:
+    """Outputs keyed by request id without the block prefix (comparable across engines)."""
+    for out in result.get("outputs", []):
+        out["key"] = str(out["id"]).removeprefix(prefix)
+    return result

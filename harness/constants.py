@@ -1,0 +1,36 @@
+"""Every number the GPU harness assumes, in one place.
+
+Estimates only decide what fits before the deadline; nothing measured is taken from here.
+"""
+
+from __future__ import annotations
+
+SCHEMA = 2
+"""Version of the result JSON (:mod:`harness.results`); bump when a field changes meaning."""
+SEED = 20261129
+"""Prompt-id and ServerArgs ``random_seed`` seed shared by stock and monitored engines."""
+TOKEN_ID_LIMIT = 151643
+"""Prompt ids are drawn below Qwen3's first special token."""
+MAX_TOTAL_TOKENS = 65536
+"""KV pool of every engine (stock and monitored alike): two engines share the GPU while a
+benchmark brackets one with the other, so the pool is fixed instead of profiled."""
+MEM_FRACTION_STATIC = 0.45
+"""SGLang's static memory fraction, the same for both engines of a comparison."""
+
+DEADLINE_ENV = "DMI_HARNESS_DEADLINE_S"
+"""The one deadline setting: seconds after the harness command started by which it must be
+done (unset or 0: no deadline). Work that would not fit is left for the next invocation,
+which resumes from the state directory."""
+STATE_ENV = "DMI_HARNESS_STATE"
+"""Directory of resumable state (default ``/root/dmi-harness-state`` where writable)."""
+
+ENGINE_OVERHEAD_S = 20.0
+"""Process start, imports and shutdown per engine, beyond SGLang's own startup (estimate)."""
+STORE_INGEST_BPS = 300e6
+"""Embedded store ingest rate assumed by time estimates."""
+READBACK_S_PER_REQUEST = 0.05
+"""Completeness read-back per request (estimate)."""
+DISK_PROBE_BYTES = 1 << 30
+"""Bytes the disk probe writes (and syncs) to measure the store disk's write rate."""
+D2H_PROBE_BYTES = 1 << 30
+"""Bytes of the pinned device-to-host copy that measures the D2H bound."""

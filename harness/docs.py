@@ -1,0 +1,155 @@
+"""The result tables of ``docs/``, generated from the harness's JSON under ``docs/evidence/``.
+
+Rewrites the blocks between ``<!-- BEGIN GENERATED: NAME ... -->`` and ``<!-- END
+GENERATED: NAME -->``: ``qualified-cells`` (latest result per cell), ``serving-bench``
+(latest serving benchmark) and ``transport-bench`` / ``store-bench`` (latest component
+benchmark). A block with no result of the current schema is left as it is.
+
+    python -m harness docs            # rewrite the docs
+    python -m harness docs --check    # exit 1 when a doc is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.constants import SCHEMA
+from harness.results import REPO, Json, load_json
+
+Found = list[tuple[Path, Json]]
+
+
+def evidence(root: Path) -> Found:
+    """Every result of the current schema under ``root``, oldest run first."""
+    found = [(p, d) for p in sorted(root.rglob("*.json"))
+             if (d := load_json(p)) is not None and d.get("schema") == SCHEMA and "kind" in d]
+    return sorted(found, key=lambda item: str(item[1].get("ran_at_utc")))
+
+
+def _latest(found: Found, kind: str) -> dict[str, tuple[Path, Json]]:
+    """name -> its latest result of ``kind`` (a skipped run never replaces a real one)."""
+    best: dict[str, tuple[Path, Json]] = {}
+    for path, data in found:
+        if data["kind"] == kind and (data["status"] != "skipped" or data["name"] not in best):
+            best[data["name"]] = (path, data)
+    return best
+
+
+def _f(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _source(path: Path, data: Json, docs: Path) -> str:
+    link = path.relative_to(docs) if path.is_relative_to(docs) else path
+    return f"[{str(data.get('commit'))[:8]}, {str(data.get('ran_at_utc'))[:10]}]({link})"
+
+
+def cells_table(found: Found, docs: Path) -> str:
+    """One row per qualification cell ("" without results)."""
+    cells = _latest(found, "qualify-cell")
+    if not cells:
+        return ""
+    lines = ["| cell | status | tokens = stock | rows complete | bytes stored = captured "
+             "| x stock (workload, stock spread) | captured | bound | result |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, (path, d) in cells.items():
+        c, fig = d["checks"], d["figures"]
+        tput = (fig.get("throughput") or {}).get(fig.get("headline_workload"), {})
+
+        def ok(check: str, c: Json = c) -> str:
+            return "-" if check not in c else ("yes" if c[check]["ok"] else "NO")
+
+        tokens = c.get("token_identity") or {}
+        lines.append(
+            f"| {name} | {d['status']} | {ok('token_identity')} ({tokens.get('compared', 0)} "
+            f"req.) | {ok('rows_complete')} | {ok('bytes_stored_equal_captured')} | "
+            f"{_f(fig.get('headline_ratio'), '.3f')} ({fig.get('headline_workload')}, "
+            f"{_f(tput.get('stock_spread'), '.1%')}) | "
+            f"{_f((fig.get('capture_bytes') or 0) / 1e9, '.2f')} GB | "
+            f"{_f((d.get('bound') or {}).get('ratio'), '.2f')} | {_source(path, d, docs)} |")
+    return "\n".join(lines)
+
+
+def serving_table(found: Found, docs: Path) -> str:
+    """The latest serving benchmark's summary, one row per mode."""
+    latest = _latest(found, "serving").get("serving")
+    if latest is None:
+        return ""
+    path, d = latest
+    s = d["settings"]
+    lines = [f"{s['model']} shape, {s['batch']} x {s['prompt_len']} prompt x "
+             f"{s['output_len']} output, >= {s['min_seconds']:g} s per run; "
+             f"{_source(path, d, docs)}", "",
+             "| mode | engines | x stock (median) | spread | stock spread | bound | "
+             "of bound | status |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['units']} | {_f(r['ratio'], '.3f')} | "
+              f"{_f(r['ratio_spread'], '.1%')} | {_f(r['stock_spread'], '.1%')} | "
+              f"{_f(r['bound'], '.2f')} | {_f(r['of_bound'], '.2f')} | {r['status']} |"
+              for r in d["summary"]]
+    return "\n".join(lines)
+
+
+def rows_table(kind: str) -> Callable[[Found, Path], str]:
+    """The ``figures["table"]`` rows of the latest result of a component benchmark."""
+    def render(found: Found, docs: Path) -> str:
+        latest = _latest(found, kind)
+        if not latest:
+            return ""
+        path, d = max(latest.values(), key=lambda item: str(item[1]["ran_at_utc"]))
+        rows = (d.get("figures") or {}).get("table") or []
+        if not rows:
+            return ""
+        keys = list(rows[0])
+        lines = [_source(path, d, docs), "", "| " + " | ".join(keys) + " |",
+                 "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+        return "\n".join(lines)
+    return render
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return "-" if value is None else str(value)
+
+
+BLOCKS: dict[str, Callable[[Found, Path], str]] = {
+    "qualified-cells": cells_table, "serving-bench": serving_table,
+    "transport-bench": rows_table("transport"), "store-bench": rows_table("store")}
+_BLOCK = re.compile(r"(<!-- BEGIN GENERATED: ([\w-]+)[^>]*-->\n)(.*?)(<!-- END GENERATED: \2 -->)",
+                    re.S)
+
+
+def regenerate(text: str, found: Found, docs: Path) -> str:
+    """``text`` with every known block rewritten (blocks without results kept)."""
+    def sub(m: re.Match[str]) -> str:
+        render = BLOCKS.get(m.group(2))
+        body = render(found, docs) if render else ""
+        return m.group(0) if not body else f"{m.group(1)}{body}\n{m.group(4)}"
+    return _BLOCK.sub(sub, text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Rewrite (or ``--check``) every doc under ``docs/``."""
+    parser = argparse.ArgumentParser(prog="python -m harness docs",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when out of date")
+    parser.add_argument("--docs", default=str(REPO / "docs"))
+    args = parser.parse_args(argv)
+    docs = Path(args.docs).resolve()
+    found = evidence(docs / "evidence")
+    stale = []
+    for doc in sorted(docs.glob("*.md")):
+        text = doc.read_text()
+        new = regenerate(text, found, docs)
+        if new != text:
+            stale.append(doc.name)
+            if not args.check:
+                doc.write_text(new)
+    verb = "out of date" if args.check else "rewritten"
+    print(f"{verb}: {', '.join(stale)}" if stale else "docs are up to date")
+    return 1 if args.check and stale else 0

@@ -1,0 +1,339 @@
+"""Engine process control: one SGLang engine per child process, driven by JSON commands.
+
+The parent (:class:`EngineProcess`) starts ``python -m harness.engine SPEC FD`` in its own
+process group; the child builds the engine from ``SPEC`` (ServerArgs keywords, ``DMX_*``
+environment, ``DMIEngine`` or plain ``sglang.Engine``), answers ``ready``, then runs one
+command per line read from stdin and answers each as one JSON line on file descriptor
+``FD`` (stdout and stderr go to the engine's log). ``SPEC["factory"]`` names the engine
+class (``sglang:Engine`` by default, ``dmi_sglang:DMIEngine``):
+
+* ``{"op": "run", "workload": {...}}``: one workload (:meth:`Workload.spec`), in waves;
+* ``{"op": "d2h"}``: the pinned device-to-host copy rate (:mod:`harness.bounds`);
+* ``{"op": "stop"}``: ``dmi_stop_monitoring()`` (the run becomes durable);
+* ``{"op": "shutdown"}``: the engine shuts down and the child exits.
+
+A child that dies or overruns its timeout is killed with its whole group; the result of
+every command says ``ok`` and, when not, why. Nothing here imports torch or SGLang in the
+parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from harness.results import REPO, Json
+
+STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed")
+"""Structlog events of the scheduler whose statistics the checks use."""
+
+
+class EngineError(RuntimeError):
+    """The engine child failed, died or overran its timeout."""
+
+
+class EngineProcess:
+    """One engine in a child process (see the module docstring)."""
+
+    def __init__(self, name: str, spec: Mapping[str, Any], workdir: Path,
+                 pgid_file: Path | None = None) -> None:
+        self.name = name
+        self.spec = dict(spec)
+        self.log = workdir / f"{name}.log"
+        self.pgid_file = pgid_file
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._reply = -1
+        self._buffer = b""
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / f"{name}.spec.json").write_text(json.dumps(self.spec))
+
+    def start(self, timeout_s: float | None) -> Json:
+        """Start the child and wait for the engine: its ``ready`` reply."""
+        read_fd, write_fd = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
+        env.setdefault("TRITON_CACHE_DIR", "/root/triton-cache")
+        env.update(PYTHONUNBUFFERED="1", **self.spec.get("env", {}))
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.engine",
+                 str(self.log.with_suffix(".spec.json")), str(write_fd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=REPO, pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        self._reply = read_fd
+        _track(self.pgid_file, self.proc.pid, add=True)
+        return self._wait(timeout_s)
+
+    def request(self, op: str, timeout_s: float | None, **fields: Any) -> Json:
+        """Send one command and wait for its reply."""
+        if self.proc is None or self.proc.stdin is None:
+            raise EngineError(f"{self.name}: not started")
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineError(f"{self.name}: the child is gone ({exc!r}){self._tail()}") \
+                from None
+        return self._wait(timeout_s)
+
+    def close(self, timeout_s: float = 120.0) -> Json:
+        """Shut the engine down (politely, then by killing its group); the statistics
+        events of its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(EngineError):
+                self.request("shutdown", timeout_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        leftover = self._kill_group()
+        if self._reply >= 0:
+            os.close(self._reply)
+            self._reply = -1
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return {"events": parse_log_events(text, STAT_EVENTS), "leftover_processes": leftover}
+
+    def _wait(self, timeout_s: float | None) -> Json:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                self._kill_group()
+                raise EngineError(f"{self.name}: no reply within {timeout_s:.0f} s "
+                                  f"(killed){self._tail()}")
+            ready, _, _ = select.select([self._reply], [], [], min(wait or 5.0, 5.0))
+            if not ready:
+                continue
+            chunk = os.read(self._reply, 1 << 20)
+            if not chunk:
+                code = self.proc.wait() if self.proc else None
+                raise EngineError(f"{self.name}: the child exited (status {code}) without "
+                                  f"replying{self._tail()}")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        reply: Json = json.loads(line)
+        if not reply.get("ok"):
+            raise EngineError(f"{self.name}: {reply.get('error')}{self._tail()}")
+        return reply
+
+    def _kill_group(self) -> bool:
+        if self.proc is None:
+            return False
+        pgid = self.proc.pid
+        alive = _group_alive(pgid)
+        if alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+            time.sleep(2.0)  # let the driver release the GPU memory
+        _track(self.pgid_file, pgid, add=False)
+        return alive
+
+    def _tail(self, lines: int = 30) -> str:
+        if not self.log.exists():
+            return ""
+        tail = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return "\n--- log tail " + str(self.log) + "\n" + "\n".join(tail)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _track(path: Path | None, pgid: int, *, add: bool) -> None:
+    """Record (or forget) an engine's process group in ``path``."""
+    if path is None:
+        return
+    pids = [int(x) for x in path.read_text().split()] if path.exists() else []
+    pids = [*pids, pgid] if add else [p for p in pids if p != pgid]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{p}\n" for p in pids))
+
+
+def kill_leftovers(path: Path) -> list[int]:
+    """Kill the engine process groups an earlier invocation recorded in ``path`` and did
+    not close (it was cut off); the groups killed."""
+    try:
+        recorded = [int(x) for x in path.read_text().split()]
+    except (OSError, ValueError):
+        recorded = []
+    killed = [g for g in recorded if _group_alive(g)]
+    for pgid in killed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    if killed:
+        time.sleep(3.0)
+    return killed
+
+
+# -- structlog lines of the engine's log ------------------------------------------------------
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PAIR = re.compile(r"""([A-Za-z_]\w*)=('[^']*'|"[^"]*"|\{[^}]*\}|\[[^\]]*\]|\S+)""")
+
+
+def _value(raw: str) -> Any:
+    if raw[:1] in "'\"" and raw[-1:] == raw[:1]:
+        return raw[1:-1]
+    for conv in (int, float):
+        with contextlib.suppress(ValueError):
+            return conv(raw)
+    return {"True": True, "False": False, "None": None}.get(raw, raw)
+
+
+def parse_log_events(text: str, events: Iterable[str]) -> dict[str, Json]:
+    """The last occurrence of each structlog event in a log, its ``key=value`` pairs
+    (console lines) or fields (JSON lines)."""
+    wanted = set(events)
+    found: dict[str, Json] = {}
+    for line in _ANSI.sub("", text).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("{"):
+            with contextlib.suppress(ValueError):
+                data = json.loads(stripped)
+                if isinstance(data, dict) and data.get("event") in wanted:
+                    found[str(data["event"])] = data
+            continue
+        for event in wanted:
+            match = re.search(rf"\]\s+{re.escape(event)}(\s|$)", line)
+            if match:
+                pairs = _PAIR.findall(line[match.end():])
+                found[event] = {k: _value(v) for k, v in pairs}
+    return found
+
+
+# -- the child ---------------------------------------------------------------------------------
+def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
+    """Run one workload in waves; timings, counts and (when kept) outputs."""
+    waves = max(int(wl.get("max_waves") or 1), 1)
+    repeat = float(wl.get("min_seconds") or 0.0) > 0 or waves > 1
+    res: Json = {"name": wl["name"], "timed": bool(wl.get("timed", True)), "waves": 0,
+                 "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
+                 "hidden_state_values": 0, "outputs": []}
+    while True:
+        rids = wl["rids"] if not repeat else [f"{r}.w{res['waves']}" for r in wl["rids"]]
+        args: Json = {"sampling_params": wl["sampling_params"], "rid": rids}
+        if "prompts" in wl:  # text prompts (a checkpoint with a tokenizer)
+            args["prompt"] = wl["prompts"]
+        else:
+            args["input_ids"] = wl["input_ids"]
+        if wl.get("return_hidden_states"):
+            args["return_hidden_states"] = True
+        started = time.perf_counter()
+        outs = engine.generate(**args)
+        elapsed = time.perf_counter() - started
+        res["waves"] += 1
+        res["seconds"] += elapsed
+        res["wave_seconds"].append(elapsed)
+        for out in outs if isinstance(outs, list) else [outs]:
+            meta = out["meta_info"]
+            res["hidden_state_values"] += _count(meta.pop("hidden_states", None))
+            res["requests"] += 1
+            res["output_tokens"] += int(meta["completion_tokens"])
+            if wl.get("keep_outputs", True):
+                res["outputs"].append({
+                    "id": meta["id"], "output_ids": list(out["output_ids"]),
+                    "prompt_tokens": meta["prompt_tokens"],
+                    "completion_tokens": meta["completion_tokens"], "text": out.get("text"),
+                    "num_retractions": meta.get("num_retractions")})
+        if res["waves"] >= waves or res["seconds"] >= float(wl.get("min_seconds") or 0.0):
+            return res
+
+
+def _count(value: Any) -> int:
+    """Numbers in SGLang's nested ``hidden_states`` lists."""
+    if value is None:
+        return 0
+    if isinstance(value, int | float):
+        return 1
+    if hasattr(value, "numel"):
+        return int(value.numel())
+    if value and isinstance(value[0], int | float):
+        return len(value)
+    return sum(_count(v) for v in value)
+
+
+def _env_info() -> Json:
+    import importlib.metadata as md
+
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "sglang": md.version("sglang"), "dmi_sglang": md.version("dmi-sglang"),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _serve(spec: Json, reply: Any) -> None:
+    def send(data: Json) -> None:
+        reply.write(json.dumps({"ok": True, **data}, default=str) + "\n")
+        reply.flush()
+
+    started = time.perf_counter()
+    module, _, name = spec.get("factory", "sglang:Engine").partition(":")
+    engine = getattr(importlib.import_module(module), name)(**spec["engine"])
+    info = engine.get_server_info()
+    send({"event": "ready", "startup_s": time.perf_counter() - started,
+          "env_info": _env_info(), "max_total_num_tokens": info.get("max_total_num_tokens")})
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            op = command["op"]
+            if op == "run":
+                send(run_workload(engine, command["workload"]))
+            elif op == "d2h":
+                from harness.bounds import measure_d2h_bps
+
+                send({"d2h_bps": measure_d2h_bps()})
+            elif op == "stop":
+                t0 = time.perf_counter()
+                if hasattr(engine, "dmi_stop_monitoring"):  # DMIEngine
+                    engine.dmi_stop_monitoring()
+                    run_id = engine.dmi_run_id
+                else:
+                    engine.collective_rpc("dmi_stop_monitoring")
+                    run_id = os.environ.get("DMX_MODEL_ID", "")
+                send({"stop_s": time.perf_counter() - t0, "run_id": run_id})
+            elif op == "shutdown":
+                break
+            else:
+                raise ValueError(f"unknown command {op!r}")
+    finally:
+        engine.shutdown()
+    send({"event": "shut down"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.engine SPEC FD``: serve commands until ``shutdown``."""
+    spec_path, fd = (argv if argv is not None else sys.argv[1:])[:2]
+    spec = json.loads(Path(spec_path).read_text())
+    with os.fdopen(int(fd), "w") as reply:
+        try:
+            _serve(spec, reply)
+        except BaseException as exc:  # every failure reaches the parent as data
+            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+            print(error, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                reply.write(json.dumps({"ok": False, "error": error}) + "\n")
+                reply.flush()
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

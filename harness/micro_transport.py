@@ -1,0 +1,327 @@
+"""Component benchmark of the capture transport: ``python -m harness transport``.
+
+* overhead: the per-step cost of capture under CUDA-graph replay: a decoder-shaped stack
+  (``--layers`` x ``--hidden``, bf16) replayed without capture points (baseline) and with
+  them plus ``commit`` + ``seal``, for ``hidden-states`` and 7 hooks per layer at batch 1,
+  8 and 64, a device sync after every step. Each repetition runs the blocks baseline,
+  capture, baseline; its overhead is capture minus the mean of the two baselines; reported
+  are the median (us per step) and the spread (max - min). Every row must reach the sink.
+* drain: a steady stream of padded decode steps at Qwen3-0.6B sizes (the defaults: 28 x
+  1024, vocab 151,936) for ``hidden-states`` and ``sglang-full`` at batch 64: payload
+  bytes/s from the first commit until ``stop()`` returns, and ``drain_counters()``. Bound:
+  pinned device-to-host copies probed before the first drain run and after each
+  repetition (CUDA only; None on CPU, where the replay is an eager forward: a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions
+from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection, parse_selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.testing import MemorySink
+from harness.bounds import measure_d2h_bps
+from harness.constants import D2H_PROBE_BYTES
+from harness.results import Json, finish, quiet_logs, result, write_json
+
+SEVEN = ("resid_pre", "ln1", "attn_out", "resid_mid", "ln2", "mlp_in", "mlp_out")
+OVERHEAD_PRESETS = {"hidden-states": "hidden-states", "7-hooks": ",".join(SEVEN)}
+DRAIN_PRESETS = ("hidden-states", "sglang-full")
+DRAIN_BATCH = 64
+ROWS = {True: "delivered", False: "LOST"}
+TARGET_US = 100.0
+"""Most capture overhead per decode step allowed for ``hidden-states`` at batch 64 (CUDA)."""
+DENSE = frozenset(h.name for h in CATALOG if not h.attention_matrix) - {
+    "pos_embed", "router_logits", "topk_ids", "topk_weights"}
+"""The hooks a dense Qwen3 offers in SGLang."""
+
+
+def model_shape(layers: int, hidden: int, vocab: int) -> ModelShape:
+    """Qwen3-0.6B's proportions at ``layers`` x ``hidden`` (28 x 1024: Qwen3-0.6B itself)."""
+    return ModelShape(layers, hidden, max(hidden // 64, 1), max(hidden // 128, 1), 128,
+                      3 * hidden, vocab)
+
+
+def spread(values: list[float]) -> float:
+    """``max / min - 1`` of positive rates (0 for one value)."""
+    return max(values) / min(values) - 1.0 if values and min(values) > 0 else 0.0
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def stack(weights: list[torch.Tensor], cap: Capturer | None, x: torch.Tensor) -> torch.Tensor:
+    """A decoder-shaped forward firing the seven per-layer capture points."""
+
+    def point(name: str, layer: int, t: torch.Tensor) -> torch.Tensor:
+        if cap is not None and cap.wants(name, layer):
+            cap.capture(name, layer, t)
+        return t
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(t.dtype)
+
+    for i in range(len(weights) // 2):
+        h = point("ln1", i, norm(point("resid_pre", i, x)))
+        x = point("resid_mid", i, x + point("attn_out", i, h @ weights[2 * i]))
+        h = point("mlp_in", i, point("ln2", i, norm(x)))
+        x = x + point("mlp_out", i, h @ weights[2 * i + 1])
+    return x
+
+
+def replayer(weights: list[torch.Tensor], cap: Capturer | None,
+             x: torch.Tensor) -> Callable[[], None]:
+    """One step: a CUDA graph replay on CUDA, an eager forward on CPU."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            stack(weights, cap, x)
+
+    if x.device.type != "cuda":
+        return forward
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-ups: no step committed, nothing captured
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay
+
+
+def decode_plans(sel: Selection, shape: ModelShape, bs: int,
+                 n: int) -> tuple[list[CommitPlan], float]:
+    """``n`` padded decode plans of ``bs`` requests, and what one cost to make (us)."""
+    rids = [f"req-{i}" for i in range(bs)]
+    started = time.perf_counter()
+    plans = [make_plan(BatchLayout.decode(rids, [100 + s] * bs, padded_batch_size=bs), sel,
+                       shape, padded=True) for s in range(n)]
+    return plans, (time.perf_counter() - started) / max(n, 1) * 1e6
+
+
+def transport_for(args: argparse.Namespace, sel: Selection, shape: ModelShape, bs: int,
+                  run_id: str, *, probe: Callable[[], bool] | None = None,
+                  ) -> tuple[TorchCaptureTransport, MemorySink]:
+    """A transport of ``--ring-mb`` into a counting :class:`MemorySink`."""
+    sink = MemorySink(keep_records=False)
+    transport = TorchCaptureTransport(
+        capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20), selection=sel,
+        shape=shape, max_graph_batch=bs, sink=sink, run_id=run_id, device=args.device,
+        options=TransportOptions(max_prefill_tokens=bs), capture_probe=probe)
+    return transport, sink
+
+
+def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
+    """Replay without vs with capture at one batch size (see the module docstring)."""
+    dev = torch.device(args.device)
+    shape = model_shape(args.layers, args.hidden, args.vocab)
+    sel = parse_selection(OVERHEAD_PRESETS[preset]).resolve(
+        ModelHooks("Bench", frozenset(SEVEN), args.layers))
+    transport, sink = transport_for(args, sel, shape, bs, f"overhead-{preset}-{bs}")
+    torch.manual_seed(0)
+    weights = [torch.randn(args.hidden, args.hidden, device=dev, dtype=torch.bfloat16) * 0.02
+               for _ in range(2 * args.layers)]
+    x = torch.randn(bs, args.hidden, device=dev, dtype=torch.bfloat16)
+    base, cap = replayer(weights, None, x), replayer(weights, transport.capturer, x)
+    plans, plan_us = decode_plans(sel, shape, bs, args.reps * (args.warmup + args.steps))
+    done = 0
+
+    def base_steps(n: int) -> None:
+        for _ in range(n):
+            base()
+            _sync(dev)
+
+    def capture_steps(n: int) -> None:
+        nonlocal done
+        for _ in range(n):
+            transport.commit(plans[done], step=done + 1)
+            cap()
+            transport.seal()
+            done += 1
+            _sync(dev)
+
+    def block(steps: Callable[[int], None]) -> float:
+        steps(args.warmup)
+        started = time.perf_counter()
+        steps(args.steps)
+        return float((time.perf_counter() - started) / args.steps * 1e6)
+
+    bases, caps, overheads = list[float](), list[float](), list[float]()
+    for _ in range(args.reps):
+        before, captured, after = block(base_steps), block(capture_steps), block(base_steps)
+        bases += [before, after]
+        caps.append(captured)
+        overheads.append(captured - (before + after) / 2)
+    stats = transport.stop()
+    expected = done * bs * len(sel.captures())
+    return {
+        "preset": preset, "batch": bs, "captures": len(sel.captures()),
+        "step_bytes": plans[0].total_bytes, "base_us": statistics.median(bases),
+        "base_spread": spread(bases), "capture_us": statistics.median(caps),
+        "overhead_us": statistics.median(overheads),
+        "overhead_spread_us": max(overheads) - min(overheads), "overheads_us": overheads,
+        "make_plan_us": plan_us, "steps": done, "rows": stats.rows, "rows_expected": expected,
+        "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
+        "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water,
+    }
+
+
+def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
+    """``steps`` padded decode steps in a steady stream through the drain (module docstring)."""
+    dev, bs = torch.device(args.device), DRAIN_BATCH
+    shape = model_shape(args.layers, args.hidden, args.vocab)
+    sel = parse_selection(preset).resolve(ModelHooks("Qwen3ForCausalLM", DENSE, args.layers))
+    recording = [False]
+    transport, sink = transport_for(args, sel, shape, bs, f"drain-{preset}",
+                                    probe=lambda: recording[0])
+    recording[0] = True  # fill the arena once, as capturing the decode graph would
+    for hook, layer in sel.captures():
+        row = shape.row(hook)
+        dtype: torch.dtype = getattr(torch, row.dtype.value.removeprefix("torch."))
+        filled = torch.randint(0, 100, (bs, math.prod(row.dims)), device=dev).to(dtype)
+        transport.capturer.capture(hook.name, layer, filled)
+    recording[0] = False
+    plans, _ = decode_plans(sel, shape, bs, steps)
+    _sync(dev)
+    started = time.perf_counter()
+    for s, plan in enumerate(plans):
+        transport.commit(plan, step=s + 1)
+        transport.seal()
+    stats = transport.stop()
+    seconds = time.perf_counter() - started
+    expected = len(plans) * bs * len(sel.captures())
+    return {
+        "preset": preset, "batch": bs, "captures": len(sel.captures()), "steps": len(plans),
+        "step_bytes": plans[0].total_bytes, "bytes": stats.bytes, "seconds": seconds,
+        "bps": stats.bytes / seconds, "rows": stats.rows, "rows_expected": expected,
+        "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
+        "stall_seconds": stats.stall_seconds, "counters": dict(transport.drain_counters()),
+    }
+
+
+def run(args: argparse.Namespace, data: Json) -> None:
+    """Both measurements into ``data`` (figures, bound, checks); prints the tables."""
+    dev = torch.device(args.device)
+    rows = []
+    for preset in args.presets.split(","):
+        for bs in (int(b) for b in args.batches.split(",")):
+            rows.append(overhead(args, preset, bs))
+            gc.collect()  # frees the previous transport's ring and staging
+    print(f"capture overhead per decode step (us; device sync every step; blocks base, "
+          f"capture, base x {args.reps}; spread = max - min of the overheads)\n"
+          f"{'preset':<14}{'bs':>4}{'caps':>6}{'base':>9}{'+cap':>9}{'ovh':>8}{'spread':>8}"
+          f"{'plan':>7}{'stalls':>7}  rows")
+    for r in rows:
+        print(f"{r['preset']:<14}{r['batch']:>4}{r['captures']:>6}{r['base_us']:>9.1f}"
+              f"{r['capture_us']:>9.1f}{r['overhead_us']:>8.1f}{r['overhead_spread_us']:>8.1f}"
+              f"{r['make_plan_us']:>7.0f}{r['stalls']:>7}  {ROWS[r['delivered']]}")
+    for preset in DRAIN_PRESETS:  # warm-up runs (first touches of memory), not reported
+        drain(args, preset, args.warmup)
+    probes = [_d2h(dev, args.d2h_bytes)]  # the bound brackets every repetition of the drain
+    drains: dict[str, list[Json]] = {p: [] for p in DRAIN_PRESETS}
+    for _ in range(args.reps):
+        for preset in DRAIN_PRESETS:
+            drains[preset].append(drain(args, preset, args.drain_steps or args.steps))
+            gc.collect()
+        probes.append(_d2h(dev, args.d2h_bytes))
+    measured = [p for p in probes if p is not None]
+    d2h = statistics.median(measured) if measured else None
+    summary = {p: {"bps": statistics.median(r["bps"] for r in runs),
+                   "spread": spread([r["bps"] for r in runs]), "runs": runs}
+               for p, runs in drains.items()}
+    for s in summary.values():
+        s["of_d2h"] = s["bps"] / d2h if d2h else None
+    print(f"\ndrain: padded decode steps at batch {DRAIN_BATCH}, {args.layers} layers x "
+          f"{args.hidden}, end to end until stop() returns (median of {args.reps}; "
+          f"counters of the last run)\n"
+          f"{'preset':<14}{'caps':>6}{'step MB':>9}{'MB/s':>9}{'spread':>8}{'of D2H':>8}"
+          f"{'records':>9}{'d2h s':>8}{'build s':>9}{'sink s':>8}{'stalls':>7}  rows")
+    for preset, s in summary.items():
+        r, c = s["runs"][-1], s["runs"][-1]["counters"]
+        share = "-" if s["of_d2h"] is None else f"{s['of_d2h']:.2f}"
+        print(f"{preset:<14}{r['captures']:>6}{r['step_bytes'] / 1e6:>9.2f}"
+              f"{s['bps'] / 1e6:>9.0f}{s['spread']:>8.2f}{share:>8}{c['records']:>9.0f}"
+              f"{c['d2h_seconds']:>8.2f}{c['build_cpu_seconds']:>9.2f}{c['sink_seconds']:>8.2f}"
+              f"{r['stalls']:>7}  {ROWS[all(x['delivered'] for x in s['runs'])]}")
+    reason = None if d2h else "no CUDA device: the pinned device-to-host bound needs one"
+    data["bound"] = {"kind": "d2h", "d2h_bps": d2h, "d2h_probes_bps": probes,
+                     "d2h_spread": spread(measured), "reason": reason,
+                     "ratio": {p: s["of_d2h"] for p, s in summary.items()}}
+    print("bound: pinned D2H " + (f"{d2h / 1e9:.1f} GB/s, median of {len(measured)} probes, "
+                                  f"spread {spread(measured):.2f}" if d2h else f"None ({reason})"))
+    data["figures"] = {"overhead": rows, "drain": summary}
+    data["checks"]["overhead_delivered"] = {
+        "ok": all(r["delivered"] for r in rows), "required": True,
+        "lost": [f"{r['preset']}@{r['batch']}" for r in rows if not r["delivered"]]}
+    data["checks"]["drain_delivered"] = {
+        "ok": all(r["delivered"] for s in summary.values() for r in s["runs"]),
+        "required": True}
+    target = [r["overhead_us"] for r in rows
+              if r["preset"] == "hidden-states" and r["batch"] == 64]
+    data["checks"]["hidden_states_bs64_overhead"] = {
+        "ok": bool(target) and max(target) < TARGET_US, "target_us": TARGET_US,
+        "required": dev.type == "cuda" and bool(target), "overhead_us": target}
+
+
+def _d2h(dev: torch.device, nbytes: int) -> float | None:
+    return measure_d2h_bps(nbytes) if dev.type == "cuda" else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the transport benchmark; 0 when every required check passed, else 1."""
+    p = argparse.ArgumentParser(prog="python -m harness transport", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=151936, help="final_logits width (drain)")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--presets", default="hidden-states,7-hooks")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per block")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before each block")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (median and spread)")
+    p.add_argument("--drain-steps", type=int, default=0, help="steps per drain run (0: --steps)")
+    p.add_argument("--ring-mb", type=int, default=1024)
+    p.add_argument("--d2h-bytes", type=int, default=D2H_PROBE_BYTES)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default $OUT/transport.json, else ./transport.json)")
+    args = p.parse_args(argv)
+    if min(args.layers, args.hidden, args.steps, args.reps, args.ring_mb) <= 0:
+        p.error("--layers, --hidden, --steps, --reps and --ring-mb must be positive")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
+        return 2
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    settings = {**vars(args), "out": str(args.out), "device_name": device,
+                "torch": torch.__version__, "python": sys.version.split()[0]}
+    data = result("transport", "transport", settings)
+    try:
+        with quiet_logs():
+            run(args, data)
+        finish(data)
+    except Exception as exc:
+        traceback.print_exc()
+        finish(data, "error", f"{type(exc).__name__}: {exc}")
+    out = args.out or Path(os.environ.get("OUT") or ".") / "transport.json"
+    write_json(out, data)
+    print(f"{data['status']}; wrote {out}")
+    return 0 if data["status"] == "passed" else 1

@@ -1,0 +1,337 @@
+"""Serving benchmark: monitored SGLang 0.5.19 against stock, bracketed, beside its bound.
+
+    python -m harness serving --out FILE [--model 0.6b] [--modes MODES] [--repeats 2]
+    python -m harness serving --dry-run
+
+Modes (each its own engine, started ``--repeats`` times, modes interleaved):
+``store:PRESET`` (embedded store; timing ends when ``dmi_stop_monitoring()`` returned, the
+data durable), ``transport:PRESET`` (``DMX_DB_URL=none``: capture transport only) and
+``return-hidden-states`` (SGLang's own ``return_hidden_states``). Every measured engine
+runs between two runs of the same workload on the stock engine of the same ServerArgs
+(:mod:`harness.bracket`): ``stock, measured, stock, measured, ..., stock``.
+
+Workload: BATCH requests x PROMPT random ids x OUTPUT tokens (greedy, ignore_eos), one
+warm-up wave, then waves for at least ``--min-seconds``. Per mode: the median ratio to the
+stock runs around it, the spread of the ratios and of stock, and the bound measured in
+the same run: pinned D2H for transport modes, synced disk write x on-disk compression for
+store modes, over the capture rate stock speed needs. Checks: tokens identical to stock
+(first wave), every row accounted for (transport statistics / a read-back sample and
+bytes stored = captured). Exit status 0: complete; 1: a check failed; 3: units left for the
+next invocation (run the same command again: units are resumed from the state directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.errors import ConfigurationError
+from harness import checks
+from harness.bounds import bound, directory_bytes, measure_disk_bps
+from harness.bracket import Bracket
+from harness.constants import ENGINE_OVERHEAD_S, SEED, STORE_INGEST_BPS
+from harness.engine import EngineError, kill_leftovers
+from harness.models import MODELS, engine_kwargs, qwen3_config, write_model_dir
+from harness.results import (
+    Deadline,
+    Json,
+    Resumable,
+    finish,
+    result,
+    stable_hash,
+    state_dir,
+    utc_now,
+    write_json,
+)
+from harness.workloads import Workload, check_transport_rows, expected_capture
+
+KINDS = ("store", "transport", "return-hidden-states")
+DEFAULT_MODES = "store:hidden-states,transport:hidden-states,transport:sglang-full"
+READBACK_SAMPLE = 16
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One measured engine configuration."""
+
+    kind: str
+    preset: str | None = None
+
+    @property
+    def key(self) -> str:
+        """``store:hidden-states``."""
+        return f"{self.kind}:{self.preset}" if self.preset else self.kind
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """``store:hidden-states,transport:sglang-full,...``; a clear error for anything else."""
+    modes = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        kind, _, preset = token.partition(":")
+        if kind not in KINDS or bool(preset) != (kind != "return-hidden-states"):
+            raise ValueError(f"mode {token!r}: accepted store:PRESET, transport:PRESET, "
+                             "return-hidden-states")
+        if Mode(kind, preset or None) not in modes:
+            modes.append(Mode(kind, preset or None))
+    if not modes:
+        raise ValueError("no mode selected")
+    return modes
+
+
+def workloads(args: argparse.Namespace, mode: Mode | None) -> tuple[Workload, Workload]:
+    """(warm-up wave, timed waves) of one engine (``mode`` None: stock)."""
+    rhs = mode is not None and mode.kind == "return-hidden-states"
+    n = args.batch
+    warm = Workload("warmup", n * (min(args.prompt_len, 32),), n * (8,), timed=False,
+                    return_hidden_states=rhs, keep_outputs=False)
+    main = Workload("main", n * (args.prompt_len,), n * (args.output_len,),
+                    min_seconds=args.min_seconds, max_waves=10_000, return_hidden_states=rhs)
+    return warm, main
+
+
+def settings(args: argparse.Namespace) -> Json:
+    """What decides the results (the state is keyed by its hash)."""
+    return {"model": args.model, "config_json": qwen3_config(MODELS[args.model]),
+            "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "min_seconds": args.min_seconds, "seed": SEED,
+            "engine": engine_kwargs("<model>", graphs=True, max_bs=args.batch,
+                                    chunked_prefill_size=0),
+            "env": dict(sorted(args.env.items()))}
+
+
+def estimate_s(args: argparse.Namespace, mode: Mode) -> float:
+    """Seconds one bracketed unit should take (engine start, warm-up, waves, stock block)."""
+    model = MODELS[args.model]
+    wave = model.generate_s(args.batch * (args.prompt_len,), args.batch * (args.output_len,),
+                            True)
+    timed = max(float(args.min_seconds), wave) + wave
+    tail = 20.0 if mode.kind == "store" else 5.0
+    if mode.kind == "store" and mode.preset:
+        timed = max(timed, wave_bytes(args, mode.preset) * timed / wave / STORE_INGEST_BPS)
+    return model.startup_s + 2 * timed + tail + ENGINE_OVERHEAD_S
+
+
+def wave_bytes(args: argparse.Namespace, preset: str) -> int:
+    """Capture bytes of one timed wave (every request with the extra forward)."""
+    reqs = [(args.prompt_len, args.output_len, True)] * args.batch
+    return expected_capture(preset, MODELS[args.model], reqs).bytes
+
+
+def monitored_spec(args: argparse.Namespace, mode: Mode, kwargs: Json, store: Path,
+                   run_id: str) -> Json:
+    """The measured engine of ``mode``."""
+    if mode.kind == "return-hidden-states":
+        return {"engine": kwargs | {"enable_return_hidden_states": True},
+                "env": {"DMX_SGLANG_ENABLE": "0"}, "factory": args.engine_class}
+    return {"engine": kwargs, "factory": args.engine_class, "env": {
+        "DMX_SGLANG_ENABLE": "1", "DMX_HOOK_SELECTION": str(mode.preset),
+        "DMX_DB_URL": f"chdb://{store}" if mode.kind == "store" else "none",
+        "DMX_MODEL_ID": run_id, **args.env}}
+
+
+def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
+             bracket: Bracket, disk_bps: float | None) -> Json:
+    """Checks, figures and bound of one bracketed unit."""
+    measured = unit["measured"]
+    stop_s = (measured.get("stop") or {}).get("stop_s", 0.0)
+    main = next(w for w in measured["workloads"] if w["name"] == "main")
+    main["seconds"] += stop_s  # durable: until dmi_stop_monitoring() returned
+    first = [o for o in checks.outputs([main]) if o["key"].endswith(".w0")]
+    stock_first = [o for o in checks.outputs(unit["stock_before"]) if o["key"].endswith(".w0")]
+    out: Json = {"checks": {
+        "same_software": checks.same_software(bracket.stock_ready, measured["ready"]),
+        "token_identity": checks.token_identity(stock_first, first)}}
+    events = measured["events"]
+    stopped = events.get("dmi.stopped") or {}
+    if mode.preset:
+        requests = [(min(args.prompt_len, 32), 8)] * args.batch + \
+            [(args.prompt_len, args.output_len)] * main["requests"]
+        out["checks"]["rows_accounted"] = check_transport_rows(
+            stopped, mode.preset, MODELS[args.model], requests) | {"required": True}
+    on_disk = directory_bytes(store) if mode.kind == "store" else 0
+    if mode.kind == "store":
+        rng = random.Random(SEED)
+        sample = [f"main-{rng.randrange(args.batch)}.w{rng.randrange(main['waves'])}"
+                  for _ in range(READBACK_SAMPLE)]
+        back = checks.read_back(store, measured["stop"]["run_id"], sample)
+        out["checks"]["sample_complete"] = {
+            "ok": back["run_status"] == "committed" and not back["missing"],
+            "required": True, "sampled": sample, "missing": back["missing"],
+            "run_status": back["run_status"]}
+        out["checks"]["bytes_stored_equal_captured"] = checks.bytes_stored_equal_captured(
+            events, back["hook_totals"])
+    tput = checks.bracketed_throughput([unit])["main"]
+    per_token = wave_bytes(args, mode.preset) / (args.batch * args.output_len) \
+        if mode.preset else 0.0
+    out["figures"] = {"throughput": tput, "stop_s": stop_s, "waves": main["waves"],
+                      "startup_s": measured["ready"]["startup_s"], "transport": stopped or None,
+                      "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
+                      "on_disk_bytes": on_disk, "hidden_state_values": main["hidden_state_values"]}
+    if mode.preset:
+        out["bound"] = bound(
+            captured_bytes_per_token=per_token, stock_tok_s=tput["stock_tok_s"],
+            d2h_bps=bracket.d2h_bps, disk_bps=disk_bps if mode.kind == "store" else None,
+            compression=(stopped.get("bytes", 0) / on_disk) if on_disk else None)
+    return out
+
+
+def summarize(units: Sequence[Json]) -> list[Json]:
+    """One row per mode over its units: median ratio, spreads, bound, checks."""
+    rows = []
+    for key in dict.fromkeys(u["settings"]["mode"] for u in units):
+        mine = [u for u in units if u["settings"]["mode"] == key and u["status"] != "skipped"]
+        ratios = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
+            "ratios", [])]
+        stock = [(u["figures"].get("throughput") or {}).get("stock_spread", 0) for u in mine]
+        bounds = [u["bound"]["ratio"] for u in mine if (u.get("bound") or {}).get("ratio")]
+        rows.append({
+            "mode": key, "units": len(mine),
+            "status": "passed" if mine and all(u["status"] == "passed" for u in mine)
+            else "incomplete" if not mine else "failed",
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio_spread": max(ratios) / min(ratios) - 1 if ratios else None,
+            "stock_spread": max(stock) if stock else None,
+            "bound": min(bounds) if bounds else None,
+            "of_bound": statistics.median(ratios) / min(bounds) if ratios and bounds else None})
+    return rows
+
+
+def render(rows: Sequence[Json]) -> str:
+    """The summary rows as a table."""
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = f"{'mode':<28} {'units':>5} {'x stock':>8} {'spread':>7} {'stock sp':>8} " \
+           f"{'bound':>6} {'of bound':>8}  status"
+    lines = [head, "-" * len(head)]
+    lines += [f"{r['mode']:<28} {r['units']:>5} {f(r['ratio'], '.3f'):>8} "
+              f"{f(r['ratio_spread'], '.1%'):>7} {f(r['stock_spread'], '.1%'):>8} "
+              f"{f(r['bound'], '.2f'):>6} {f(r['of_bound'], '.2f'):>8}  {r['status']}"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, state: Path, work: Path, deadline: Deadline) -> int:
+    """Every (repeat, mode) unit, resumed where saved; the exit status."""
+    config = settings(args)
+    saved = Resumable(state / stable_hash(config), fresh=args.fresh)
+    kill_leftovers(state / "engines.pgids")
+    model_dir = write_model_dir(work / "models", MODELS[args.model])
+    kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch, chunked_prefill_size=0)
+    warm, main = workloads(args, None)
+    stock = {"engine": kwargs, "env": {"DMX_SGLANG_ENABLE": "0"}, "factory": args.engine_class}
+    bracket = Bracket("serving", stock,
+                      [warm], workdir=work / "engines", deadline=deadline,
+                      pgid_file=state / "engines.pgids")
+    units: list[Json] = []
+    disk_bps: float | None = None
+    try:
+        for rep in range(args.repeats):
+            for mode in args.mode_list:
+                name = f"{mode.key.replace(':', '-')}-r{rep}"
+                unit_settings = config | {"mode": mode.key, "repeat": rep}
+                identity = stable_hash(unit_settings)
+                data = saved.get(name, identity) or result("serving", name, unit_settings)
+                if data["status"] is None:
+                    need = estimate_s(args, mode) * (1.5 if bracket.stock is None else 1.0)
+                    if not deadline.fits(need):
+                        finish(data, "skipped", f"needs ~{need:.0f} s")
+                    else:
+                        store = work / "stores" / name
+                        shutil.rmtree(store, ignore_errors=True)
+                        if mode.kind == "store" and disk_bps is None:
+                            disk_bps = measure_disk_bps(store.parent)
+                        try:
+                            run_id = f"bench-{name}-{utc_now()[:19].replace(':', '')}"
+                            unit = bracket.measure(
+                                name, monitored_spec(args, mode, kwargs, store, run_id),
+                                workloads(args, mode)[:1], [main],
+                                monitored=mode.kind != "return-hidden-states")
+                            data.update(evaluate(args, mode, unit, store=store, bracket=bracket,
+                                                disk_bps=disk_bps))
+                            finish(data)
+                        except EngineError as exc:
+                            finish(data, "error", str(exc)[-6000:])
+                        except Exception as exc:  # a broken read-back is a result
+                            finish(data, "error", f"the checks failed to run: {exc!r}")
+                        finally:
+                            shutil.rmtree(store, ignore_errors=True)
+                        saved.put(name, identity, data)
+                    print(f"[serving] {name}: {data['status']}", flush=True)
+                units.append(data)
+    finally:
+        bracket.close()
+    rows = summarize(units)
+    out = result("serving", "serving", config) | {"units": units, "summary": rows}
+    finish(out, "passed" if all(u["status"] == "passed" for u in units) else
+           "skipped" if all(u["status"] in ("passed", "skipped") for u in units) else "failed")
+    write_json(Path(args.out), out)
+    print(render(rows))
+    return {"passed": 0, "skipped": 3}.get(out["status"], 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m harness serving",
+                                description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--out", default=None, help="result JSON ($OUT/serving.json)")
+    p.add_argument("--model", choices=sorted(MODELS), default="0.6b")
+    p.add_argument("--modes", default=DEFAULT_MODES)
+    p.add_argument("--repeats", type=int, default=2, help="engines per mode")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--min-seconds", type=float, default=30.0)
+    p.add_argument("--env", action="append", default=[], metavar="DMX_NAME=VALUE",
+                   help="a setting of the monitored modes (repeatable)")
+    p.add_argument("--fresh", action="store_true", help="ignore saved units")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    p.add_argument("--work", default=None, help="engine logs and stores (temp dir)")
+    p.add_argument("--engine-class", default="sglang:Engine",
+                   help="MODULE:NAME of the engine every side builds (default %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("batch", "prompt_len", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+    if args.output_len < 2:
+        p.error(f"--output-len {args.output_len}: expected >= 2")
+    try:
+        args.mode_list = parse_modes(args.modes)
+        for mode in args.mode_list:
+            if mode.preset:
+                wave_bytes(args, mode.preset)
+    except ValueError as exc:
+        p.error(str(exc))
+    except Exception as exc:  # the domain's ConfigurationError for a bad preset
+        p.error(f"--modes: {exc}")
+    pairs = [e.partition("=") for e in args.env]
+    bad = [e for e, (k, sep, _v) in zip(args.env, pairs, strict=True)
+           if not sep or not k.startswith("DMX_") or k in ("DMX_SGLANG_ENABLE",
+                                                            "DMX_HOOK_SELECTION",
+                                                            "DMX_DB_URL", "DMX_MODEL_ID")]
+    if bad:
+        p.error(f"--env {bad[0]!r}: expected DMX_NAME=VALUE for a setting the modes do not set")
+    args.env = {k: v for k, _s, v in pairs}
+    try:
+        Settings.from_env(args.env)
+    except ConfigurationError as exc:
+        p.error(f"--env: {exc}")
+    if args.dry_run:
+        for mode in args.mode_list:
+            gb = wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
+            print(f"  {mode.key:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
+                  f"{args.repeats}, {gb:.2f} GB captured per wave")
+        return 0
+    args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
+    return run(args, state_dir(Path(args.out).resolve().parent / ".state") / "serving", work,
+               Deadline())

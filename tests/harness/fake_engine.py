@@ -1,0 +1,58 @@
+"""A stand-in for ``sglang.Engine`` that the harness's engine child can build on CPU.
+
+Output ids are a pure function of the prompt, so stock and "monitored" engines agree;
+``FAKE_DIVERGE=1`` changes the first output id of every monitored request,
+``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete). With
+``DMX_SGLANG_ENABLE=1`` the stop RPC logs the ``dmi.stopped`` statistics a complete
+capture of every request served would have, in SGLang's console log format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.models import MODELS
+from harness.workloads import expected_capture
+
+
+class FakeEngine:
+    """``generate``, ``get_server_info``, ``collective_rpc`` and ``shutdown``."""
+
+    def __init__(self, model_path: str, **kwargs: Any) -> None:
+        name = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
+        self.model = next(m for m in MODELS.values() if m.hidden == name)
+        self.kwargs = kwargs
+        self.served: list[tuple[int, int, bool]] = []
+        if os.environ.get("FAKE_FAIL_START"):
+            raise RuntimeError("fake engine refused to start")
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"max_total_num_tokens": self.kwargs.get("max_total_tokens")}
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+                 rid: list[str], **_: Any) -> list[dict[str, Any]]:
+        time.sleep(0.002)
+        outs = []
+        for ids, params, r in zip(input_ids, sampling_params, rid, strict=True):
+            n = params["max_new_tokens"]
+            out = [(sum(ids) * 31 + i) % 1000 for i in range(n)]
+            if os.environ.get("FAKE_DIVERGE") and os.environ["DMX_SGLANG_ENABLE"] == "1":
+                out[0] += 1
+            self.served.append((len(ids), n, False))
+            outs.append({"output_ids": out, "meta_info": {
+                "id": r, "prompt_tokens": len(ids), "completion_tokens": n}})
+        return outs
+
+    def collective_rpc(self, method: str) -> None:
+        assert method == "dmi_stop_monitoring"
+        got = expected_capture(os.environ["DMX_HOOK_SELECTION"], self.model, self.served)
+        rows = got.rows - int(os.environ.get("FAKE_DROP_ROWS", "0"))
+        print(f"2026-12-01 00:00:00 [info     ] dmi.stopped    bytes={got.bytes} "
+              f"rows={rows} forced_eager=0 run_id='x'", flush=True)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,164 @@
+"""The harness's parts on their own: log parsing, bounds, bracketed figures, read-back on a
+real embedded store, the docs generator, the deadline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from harness import checks, docs
+from harness.bounds import bound, directory_bytes, measure_disk_bps
+from harness.engine import parse_log_events
+from harness.qualify import select_cells
+from harness.results import Deadline, finish, result, write_json
+
+RUN = "harness-run"
+RESID = "blocks.hook_resid_pre"
+
+
+def test_log_events_are_parsed_from_console_and_json_lines() -> None:
+    text = ("\x1b[2m2026-12-01\x1b[0m [info     ] dmi.stopped    bytes=4096 rows=12 "
+            "run_id='r 1' shape=[1, 2] ok=True\n"
+            '{"event": "store.closed", "bytes_stored": 4096}\n'
+            "[info     ] dmi.stopped    bytes=8192 rows=24\n")
+    found = parse_log_events(text, ("dmi.stopped", "store.closed", "dmi.timing"))
+    assert found["dmi.stopped"] == {"bytes": 8192, "rows": 24}  # the last one wins
+    assert found["store.closed"]["bytes_stored"] == 4096
+    assert "dmi.timing" not in found
+    first = parse_log_events(text.splitlines()[0], ("dmi.stopped",))["dmi.stopped"]
+    assert first == {"bytes": 4096, "rows": 12, "run_id": "r 1", "shape": "[1, 2]",
+                     "ok": True}
+
+
+def test_the_bound_is_the_hardware_rate_over_the_rate_stock_speed_needs() -> None:
+    d2h = bound(captured_bytes_per_token=1000.0, stock_tok_s=20_000.0, d2h_bps=10e6)
+    assert d2h["kind"] == "d2h"
+    assert d2h["needed_bps"] == 20e6
+    assert d2h["ratio"] == pytest.approx(0.5)
+    disk = bound(captured_bytes_per_token=1000.0, stock_tok_s=20_000.0, d2h_bps=10e6,
+                 disk_bps=5e6, compression=2.0)
+    assert disk["ratio"] == pytest.approx(0.5)
+    assert bound(captured_bytes_per_token=1.0, stock_tok_s=1.0, d2h_bps=9.0)["ratio"] == 1.0
+    assert bound(captured_bytes_per_token=1.0, stock_tok_s=None, d2h_bps=9.0)["ratio"] is None
+
+
+def test_the_disk_probe_writes_syncs_and_removes_its_file(tmp_path: Path) -> None:
+    assert measure_disk_bps(tmp_path, 8 << 20) > 0
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_bytes(b"x" * 10_000)
+    assert directory_bytes(tmp_path) >= 10_000
+
+
+def _run(name: str, seconds: float, tokens: int = 100) -> dict[str, object]:
+    return {"name": name, "timed": True, "seconds": seconds, "output_tokens": tokens}
+
+
+def test_throughput_is_each_measured_run_over_the_stock_runs_around_it() -> None:
+    units = [{"stock_before": [_run("main", 1.0)], "stock_after": [_run("main", 1.25)],
+              "measured": {"workloads": [_run("main", 2.0), {**_run("w", 9.0),
+                                                              "timed": False}]}},
+             {"stock_before": [_run("main", 1.25)], "stock_after": [_run("main", 1.0)],
+              "measured": {"workloads": [_run("main", 1.0)]}}]
+    got = checks.bracketed_throughput(units)
+    assert list(got) == ["main"]
+    assert got["main"]["ratios"] == pytest.approx([50 / 90, 100 / 90])
+    assert got["main"]["ratio_spread"] == pytest.approx(1.0)
+    assert got["main"]["stock_spread"] == pytest.approx(0.25)
+    assert got["main"]["stock_runs"] == 4
+
+
+def test_token_identity_names_the_first_difference_and_missing_requests() -> None:
+    ref = [{"key": "a", "output_ids": [1, 2, 3]}, {"key": "b", "output_ids": [4]}]
+    same = checks.token_identity(ref, [dict(r) for r in ref])
+    assert same["ok"]
+    assert same["compared"] == 2
+    other = checks.token_identity(ref, [{"key": "a", "output_ids": [1, 9, 3]}])
+    assert not other["ok"]
+    assert other["diverged"] == [{"key": "a", "first_diff": 1}]
+    assert other["missing"] == ["b"]
+
+
+def _store(tmp_path: Path, *, commit: bool) -> Path:
+    path = tmp_path / "store"
+    sink = ClickHouseSink(StoreConfig(kind=StoreKind.EMBEDDED, path=str(path),
+                                      flush_timeout_us=20_000))
+    run = RunInfo(RUN, "/m", (), ((RESID, 0),), "2026-12-01T10:00:00+00:00")
+    sink.start_run(run)
+    sink.put([CaptureRecord(model_id=RUN, request_id=rid, act_name=RESID, layer_no=0,
+                            shard_rank=0, start_token_idx=0, end_token_idx=n,
+                            dtype="torch.float32", shape=(n, 2), payload=bytes(8 * n), seq=1)
+              for rid, n in (("main-0.w0", 5), ("main-1.w0", 3))])
+    if commit:
+        sink.finish_run(attrs.evolve(run, status=RunStatus.COMMITTED),
+                        [RequestManifest(RUN, "main-0.w0", 4, 2, committed=True),
+                         RequestManifest(RUN, "main-1.w0", 2, 2, committed=True)])
+    sink.close()
+    return path
+
+
+def test_read_back_and_completeness_on_a_real_store(tmp_path: Path) -> None:
+    store = _store(tmp_path, commit=True)
+    back = checks.read_back(store, RUN, ["main-0.w0", "main-1.w0", "never-stored"])
+    assert back["run_status"] == "committed"
+    assert back["hook_totals"] == {RESID: [8, 64]}
+    assert back["manifests"] == {"main-0.w0": [4, 2, False], "main-1.w0": [2, 2, False]}
+    assert sorted(back["stored_requests"]) == ["main-0.w0", "main-1.w0"]
+    assert list(back["missing"]) == ["never-stored"]
+    sent = [{"id": "main-0.w0", "prompt_tokens": 4, "completion_tokens": 2},
+            {"id": "main-1.w0", "prompt_tokens": 2, "completion_tokens": 2}]
+    rows = checks.rows_complete(sent, checks.read_back(store, RUN, [s["id"] for s in sent]))
+    assert rows["ok"], rows
+    wrong = checks.rows_complete([{**sent[0], "completion_tokens": 3}, sent[1]],
+                                 checks.read_back(store, RUN, [s["id"] for s in sent]))
+    assert wrong["problems"] == ["1 manifests disagree with SGLang's token counts"]
+    events = {"dmi.stopped": {"bytes": 64}, "store.closed": {"bytes_stored": 64}}
+    assert checks.bytes_stored_equal_captured(events, back["hook_totals"])["ok"]
+    events["dmi.stopped"]["bytes"] = 72
+    assert not checks.bytes_stored_equal_captured(events, back["hook_totals"])["ok"]
+
+
+def test_an_unfinished_run_is_not_complete(tmp_path: Path) -> None:
+    store = _store(tmp_path, commit=False)
+    back = checks.read_back(store, RUN, ["main-0.w0"])
+    assert back["run_status"] == "interrupted"
+    assert "main-0.w0" in back["missing"]
+
+
+def test_docs_blocks_are_generated_from_results_and_checked(tmp_path: Path) -> None:
+    evidence = tmp_path / "evidence" / "2026-12-01-h200-cells"
+    data = result("qualify-cell", "0.6b-graph-hidden", {})
+    data["checks"] = {"token_identity": {"ok": True, "compared": 306},
+                      "rows_complete": {"ok": True}}
+    data["figures"] = {"headline_workload": "bs64", "headline_ratio": 0.9,
+                       "capture_bytes": 3.2e9, "throughput": {"bs64": {"stock_spread": 0.01}}}
+    write_json(evidence / "0.6b-graph-hidden.json", finish(data))
+    doc = tmp_path / "port.md"
+    doc.write_text("intro\n<!-- BEGIN GENERATED: qualified-cells (python -m harness docs) -->\n"
+                   "old\n<!-- END GENERATED: qualified-cells -->\n"
+                   "<!-- BEGIN GENERATED: serving-bench (x) -->\nkept\n"
+                   "<!-- END GENERATED: serving-bench -->\n")
+    assert docs.main(["--docs", str(tmp_path), "--check"]) == 1
+    assert docs.main(["--docs", str(tmp_path)]) == 0
+    text = doc.read_text()
+    assert "| 0.6b-graph-hidden | passed | yes (306 req.) | yes | - | 0.900 (bs64, 1.0%)" in text
+    assert "kept" in text  # no serving result: the block stays as it was
+    assert text.startswith("intro\n")
+    assert docs.main(["--docs", str(tmp_path), "--check"]) == 0
+
+
+def test_the_deadline_setting_is_one_number_of_seconds() -> None:
+    assert Deadline(env={}).left() == float("inf")
+    assert Deadline(env={"DMI_HARNESS_DEADLINE_S": "60"}, clock=lambda: 0.0).at == 60.0
+    with pytest.raises(SystemExit, match="DMI_HARNESS_DEADLINE_S='soon'"):
+        Deadline(env={"DMI_HARNESS_DEADLINE_S": "soon"})
+
+
+def test_an_unknown_cell_is_refused_with_the_accepted_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown cell 'nope'; accepted: core, optional"):
+        select_cells("core,nope")
+    assert [c.name for c in select_cells("8b-graph-hidden")] == ["8b-graph-hidden"]
