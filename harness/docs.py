@@ -54,8 +54,8 @@ def cells_table(found: Found, docs: Path) -> str:
     if not cells:
         return ""
     lines = ["| cell | status | tokens = stock | rows complete | bytes stored = captured "
-             "| x stock (workload, stock spread) | captured | bound | result |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| x stock (workload, stock spread) | captured | result |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, (path, d) in cells.items():
         c, fig = d["checks"], d["figures"]
         tput = (fig.get("throughput") or {}).get(fig.get("headline_workload"), {})
@@ -69,8 +69,7 @@ def cells_table(found: Found, docs: Path) -> str:
             f"req.) | {ok('rows_complete')} | {ok('bytes_stored_equal_captured')} | "
             f"{_f(fig.get('headline_ratio'), '.3f')} ({fig.get('headline_workload')}, "
             f"{_f(tput.get('stock_spread'), '.1%')}) | "
-            f"{_f((fig.get('capture_bytes') or 0) / 1e9, '.2f')} GB | "
-            f"{_f((d.get('bound') or {}).get('ratio'), '.2f')} | {_source(path, d, docs)} |")
+            f"{_f((fig.get('capture_bytes') or 0) / 1e9, '.2f')} GB | {_source(path, d, docs)} |")
     return "\n".join(lines)
 
 

@@ -10,12 +10,14 @@ A *cell* is one configuration: model shape (Qwen3-0.6B or -8B, dummy weights, re
 1, a mixed batch of 8, 13 requests padded to graph bucket 16, a prompt spanning two prefill
 chunks, batch 64; random prompt ids of a fixed seed; greedy, ignore_eos), each warmed up
 first, bracketed by the stock engine of the same ServerArgs running the same workloads
-before and after (:mod:`harness.bracket`). Required checks: the same software and KV pool,
+before and after (:mod:`harness.bracket`). Cells qualify correctness; their
+throughput is one short wave each, informational (the benchmarks state bounds). Required
+checks: the same software and KV pool,
 tokens identical to stock request by request, rows complete (stored: every request read
 back complete, manifests agree with SGLang, the run committed; transport only: the stop
 statistics account for every row), payload bytes stored = captured. Informational: stock
 equal to itself before and after, stored rows and bytes per hook exactly what the manifests
-imply. Figures: bracketed tokens/s per workload, capture bytes, store rates, the bound.
+imply. Figures: bracketed tokens/s per workload, capture bytes, store rates.
 
 One JSON per cell in RESULTS plus ``summary.json``. Results are kept in the state
 directory; running the command again continues where a deadline stopped it. Exit status 0:
@@ -32,7 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness import checks
-from harness.bounds import bound, measure_disk_bps
 from harness.bracket import Bracket
 from harness.constants import ENGINE_OVERHEAD_S, READBACK_S_PER_REQUEST, SEED, STORE_INGEST_BPS
 from harness.engine import EngineError, kill_leftovers
@@ -186,7 +187,6 @@ class Qualification:
         self.keep_stores = keep_stores
         self.engine_class = engine_class
         self.startup: Json = load_json(state / "startup.json") or {}
-        self.disk_bps: float | None = None
 
     def run(self, cells: Sequence[Cell]) -> int:
         """Run (or reuse) every cell; one JSON each and ``summary.json``; the exit status."""
@@ -230,8 +230,6 @@ class Qualification:
         store = self.work / "stores" / cell.name
         shutil.rmtree(store, ignore_errors=True)
         store.parent.mkdir(parents=True, exist_ok=True)
-        if self.disk_bps is None and cell.store:
-            self.disk_bps = measure_disk_bps(store.parent)
         run_id = f"{cell.name}-{utc_now().replace(':', '').replace('-', '')[:15]}"
         spec = {"engine": kwargs, "env": monitored_env(cell, store, run_id),
                 "factory": self.engine_class}
@@ -287,20 +285,13 @@ class Qualification:
                 | {"required": True}
         head = "bs64-small" if cell.preset == "sglang-full" else "bs64"
         tput = checks.bracketed_throughput([unit])
-        captured = stopped.get("bytes")
-        tokens = sum(r[1] for r in reqs)
         data["figures"] = {
             "throughput": tput, "headline_workload": head,
             "headline_ratio": (tput.get(head) or {}).get("ratio"),
-            "capture_bytes": captured, "transport": stopped or None,
+            "capture_bytes": stopped.get("bytes"), "transport": stopped or None,
             "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
             "startup_s": measured["ready"]["startup_s"], "stop_s": measured["stop"]["stop_s"],
             "leftover_processes": measured["leftover_processes"]}
-        if captured and tokens:
-            data["bound"] = bound(
-                captured_bytes_per_token=captured / tokens,
-                stock_tok_s=(tput.get(head) or {}).get("stock_tok_s"),
-                d2h_bps=bracket.d2h_bps, disk_bps=self.disk_bps if cell.store else None)
 
     def _publish(self, cell: Cell, data: Json) -> Json:
         write_json(self.results / f"{cell.name}.json", data)
