@@ -78,6 +78,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
         calls.shutdowns += 1
 
     monkeypatch.setattr(engine_class, "__init__", init)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr(engine_class, "generate", generate)
     monkeypatch.setattr(io_struct, "sock_send", send)
     monkeypatch.setattr(io_struct, "sock_recv", recv)
@@ -125,6 +126,16 @@ def test_bad_settings_refused_before_anything_starts(fake: FakeEngineCalls) -> N
     with pytest.raises(ConfigurationError, match="unknown keyword dmx_hooks"):
         _engine(dmx_hooks="resid_pre")
     assert not fake.started.is_set()
+
+
+def test_no_cuda_is_one_clear_error_before_anything_starts(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"DMIEngine needs an NVIDIA GPU with CUDA"):
+        _engine(dmx_model_id="r")  # a DMIWarning here would fail: warnings are errors
+    assert not fake.started.is_set()
+    assert not (tmp_path / "dmi-captures").exists()  # no run id was claimed
 
 
 def test_attach_failure_is_loud(fake: FakeEngineCalls) -> None:

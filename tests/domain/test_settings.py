@@ -154,3 +154,39 @@ def test_writers_setting_reaches_the_store_config() -> None:
     assert Settings.from_env({}).resolve(model_path="m", now=NOW).store().writers == 2
     with pytest.raises(ConfigurationError, match="DMX_CH_WRITERS"):
         Settings.from_env({"DMX_CH_WRITERS": "0"})
+
+
+@pytest.mark.parametrize("name", ["DMX_CH_PARALLELISM", "DMX_CH_MAX_BATCH_ITEMS",
+                                  "DMX_CH_MAX_BATCH_BYTES", "DMX_STEP_DEBUG"])
+def test_dmi_variables_that_change_nothing_stored_are_ignored_with_one_line(name: str) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        assert Settings.from_env({name: "10"}) == Settings.from_env({})
+    assert [(e["event"], e["variable"]) for e in logs] == [("setting ignored", name)]
+    assert Settings.from_kwargs({name.lower(): 10}, env={}) == Settings.from_env({})
+
+
+def test_dmi_null_mode_means_no_store_and_contradicting_it_is_refused() -> None:
+    null = Settings.from_env({"DMX_NULL_MODE": "1"}).resolve(model_path="m").store()
+    assert null == Settings.from_env({"DMX_DB_URL": "none"}).resolve(model_path="m").store()
+    assert Settings.from_env({"DMX_NULL_MODE": "true", "DMX_DB_URL": "none"}).db_url == "none"
+    assert Settings.from_env({"DMX_NULL_MODE": "0"}) == Settings.from_env({})
+    with pytest.raises(ConfigurationError, match=r"DMX_NULL_MODE=1 .*contradicts DMX_DB_URL="
+                                                 r"chdb:///tmp/s"):
+        Settings.from_env({"DMX_NULL_MODE": "1", "DMX_DB_URL": "chdb:///tmp/s"})
+    with pytest.raises(ConfigurationError, match="DMX_NULL_MODE='maybe' is invalid; accepted"):
+        Settings.from_env({"DMX_NULL_MODE": "maybe"})
+
+
+def test_dmi_native_port_gets_the_http_port_hint() -> None:
+    with pytest.raises(ConfigurationError, match=r"DMX_DB_PORT='9000' is invalid.*native-"
+                                                 r"protocol port.*HTTP protocol, by default "
+                                                 r"on 8123"):
+        Settings.from_env({"DMX_DB_PORT": "9000"})
+    assert Settings.from_env({"DMX_DB_PORT": "8124"}).db_port == 8124
+
+
+def test_other_unknown_variables_are_still_refused() -> None:
+    with pytest.raises(ConfigurationError, match="unknown setting DMX_CH_PARALELISM"):
+        Settings.from_env({"DMX_CH_PARALELISM": "4"})

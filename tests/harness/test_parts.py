@@ -162,3 +162,19 @@ def test_an_unknown_cell_is_refused_with_the_accepted_names() -> None:
     with pytest.raises(ValueError, match=r"unknown cell 'nope'; accepted: core, optional"):
         select_cells("core,nope")
     assert [c.name for c in select_cells("8b-graph-hidden")] == ["8b-graph-hidden"]
+
+
+def test_the_original_smoke_variables_are_refused_with_their_replacements(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.__main__ import main
+
+    monkeypatch.setenv("DMI_V0519_CELLS", "graph")
+    monkeypatch.setenv("DMI_V0519_MEM_FRACTION", "0.3")
+    assert main(["qualify", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert "DMI_V0519_CELLS: --cells core|optional|all" in err
+    assert "DMI_V0519_MEM_FRACTION: none" in err
+    assert "DMI_HARNESS_DEADLINE_S" in err
+    monkeypatch.delenv("DMI_V0519_CELLS")
+    monkeypatch.delenv("DMI_V0519_MEM_FRACTION")
+    assert main(["qualify", "--list"]) == 0

@@ -1,7 +1,7 @@
 """A small random-weight Qwen3 checkpoint with a working tokenizer.
 
-SGLang 0.5.19 loads it and serves text prompts such as ``"w1 w2 w3"`` (seen on the H200
-machine, see ``shared/gpu-kit/README.md``); transformers loads the same directory, so GPU
+SGLang 0.5.19 loads it and serves text prompts such as ``"w1 w2 w3"`` (the GPU tests in
+``tests/gpu`` do); transformers loads the same directory, so GPU
 tests compare captures against a Hugging Face reference forward of identical weights. The
 CLI's ``demo-model`` command and the tests share this code.
 

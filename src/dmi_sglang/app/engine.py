@@ -84,9 +84,11 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise ConfigurationError(msg)
         composition.sglang_adapter()  # an SGLang without an adapter: refused before anything
         settings = Settings.from_kwargs(dmx).resolve(model_path=str(kwargs["model_path"]))
+        _require_cuda()
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""
         self._dmi_stopped = False
+        self._dmi_started = False
         self._dmi_stop_error: CaptureError | None = None
         self._dmi_tap: EngineTap = _ADAPTER.engine_tap(self)
         if not _STARTING.acquire(blocking=False):
@@ -112,6 +114,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             composition.release_unused_claim(settings.store(), self.dmi_run_id)
             msg = f"dmi-sglang monitoring did not attach in the scheduler: {exc}"
             raise CaptureError(msg) from exc
+        self._dmi_started = True
         log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.store().url)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -165,10 +168,10 @@ class DMIEngine(_Engine):  # type: ignore[misc]
         log.info("dmi.monitoring_stopped", run_id=self.dmi_run_id)
 
     def shutdown(self) -> None:
-        """``sglang.Engine.shutdown``; warns when captures were never flushed."""
-        if not self._dmi_stopped and self._dmi_stop_error is None and not getattr(
-            self, "_dmi_warned", False
-        ):
+        """``sglang.Engine.shutdown``; warns when a started engine's captures were never
+        flushed."""
+        if getattr(self, "_dmi_started", False) and not self._dmi_stopped and \
+                self._dmi_stop_error is None and not getattr(self, "_dmi_warned", False):
             self._dmi_warned = True
             warnings.warn(
                 f"DMIEngine.shutdown() without dmi_stop_monitoring(): the captures of run "
@@ -177,3 +180,14 @@ class DMIEngine(_Engine):  # type: ignore[misc]
                 stacklevel=2,
             )
         super().shutdown()
+
+
+def _require_cuda() -> None:
+    """Refuse a machine without a CUDA device in one line, before SGLang starts."""
+    import torch
+
+    if not torch.cuda.is_available():
+        msg = ("DMIEngine needs an NVIDIA GPU with CUDA: torch.cuda.is_available() is False "
+               "on this machine. Captures already stored read back without a GPU "
+               "(dmi-sglang ls / show / export, dmi_sglang.open_store)")
+        raise ConfigurationError(msg)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
+import structlog
 
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -34,7 +35,21 @@ __all__ = [
     "redact_url",
 ]
 
+log = structlog.get_logger(__name__)
+
 PREFIX = "DMX_"
+NATIVE_PORT = 9000
+"""ClickHouse's native TCP port (DMI's ``DMX_DB_PORT`` default); refused with a hint."""
+
+LEGACY_IGNORED: Mapping[str, str] = {
+    "CH_PARALLELISM": "DMI's insert parallelism; here DMX_CH_WRITERS sets the inserting threads",
+    "CH_MAX_BATCH_ITEMS": "DMI's insert batch size; here DMX_CH_INSERT_ROWS sets it",
+    "CH_MAX_BATCH_BYTES": "DMI's insert batch bytes; here DMX_CH_QUEUE_MB bounds the queue",
+    "STEP_DEBUG": "DMI's per-step debug switch; it has no counterpart here",
+}
+"""Variables of the original DMI integration that change nothing stored: accepted, each
+with one "ignored" log line. (DMI's ``DMX_NULL_MODE`` does change what is stored: it maps
+to ``DMX_DB_URL=none``, see :meth:`Settings.from_env`.)"""
 
 _GENERATED_IDS: set[str] = set()
 """Run ids :meth:`Settings.resolve` generated in this process."""
@@ -96,6 +111,10 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
         raise ValueError(text)
+    if value == NATIVE_PORT:
+        msg = (f"{NATIVE_PORT} is ClickHouse's native-protocol port, DMI's default; "
+               "dmi-sglang speaks ClickHouse's HTTP protocol, by default on 8123")
+        raise ConfigurationError(msg)
     return value
 
 
@@ -371,7 +390,16 @@ class Settings:
         for key, text in source.items():
             if not key.startswith(PREFIX):
                 continue
-            var = _VARS.get(key[len(PREFIX):])
+            name = key[len(PREFIX):]
+            if name in LEGACY_IGNORED:
+                log.warning("setting ignored", variable=key, why=LEGACY_IGNORED[name])
+                continue
+            if name == "NULL_MODE":
+                _null_mode(text, source)
+                if _bool(text.strip()):
+                    values["db_url"] = "none"
+                continue
+            var = _VARS.get(name)
             if var is None:
                 msg = f"unknown setting {key}; accepted: {', '.join(PREFIX + k for k in _VARS)}"
                 raise ConfigurationError(msg)
@@ -391,7 +419,9 @@ class Settings:
                   if k.startswith(PREFIX)}
         for key, value in kwargs.items():
             name = key.upper()
-            if not name.startswith(PREFIX) or name[len(PREFIX):] not in _VARS:
+            bare = name[len(PREFIX):]
+            known = bare in _VARS or bare in LEGACY_IGNORED or bare == "NULL_MODE"
+            if not name.startswith(PREFIX) or not known:
                 accepted = ", ".join(f"dmx_{k.lower()}" for k in _VARS)
                 msg = f"unknown keyword {key}; accepted: {accepted}"
                 raise ConfigurationError(msg)
@@ -479,6 +509,26 @@ class Settings:
             text = var.render(value)
             env[PREFIX + key] = text if include_secrets or var.redact is None else var.redact(text)
         return env
+
+
+def _null_mode(text: str, source: Mapping[str, str]) -> None:
+    """Check DMI's ``DMX_NULL_MODE`` (capture without persistence): a boolean that does
+    not contradict the store settings; logs that ``0`` has no effect."""
+    try:
+        on = _bool(text.strip())
+    except ValueError:
+        msg = f"DMX_NULL_MODE={text!r} is invalid; accepted: {_ACC_BOOL}"
+        raise ConfigurationError(msg) from None
+    store = {k: source[k] for k in ("DMX_DB_URL", "DMX_DB_HOST")
+             if source.get(k, "").strip().lower() not in ("", "none")}
+    if on and store:
+        named = ", ".join(f"{k}={redact_url(v)}" for k, v in store.items())
+        msg = (f"DMX_NULL_MODE={text} (capture without storing) contradicts {named}; "
+               "accepted: one of them (DMX_NULL_MODE=1 is DMX_DB_URL=none)")
+        raise ConfigurationError(msg)
+    if not on:
+        log.warning("setting ignored", variable="DMX_NULL_MODE",
+                    why="0 is the default: captures are stored")
 
 
 def _kwarg_text(value: object) -> str:
