@@ -13,7 +13,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = "dmi_sglang"
 COMPOSITION_ROOT = f"{PKG}.app.composition"
-VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assemble", "null_sink"))
+VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assemble", "null_sink",
+                                                    "reference"))
 """Application services that must work with any SGLang version and any store."""
 INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports")
 FRAMEWORKS = ("sglang", "clickhouse_connect", "chdb")

@@ -2,6 +2,7 @@
 
 ::
 
+    dmi-sglang reference-capture          # no GPU: transformers on CPU, demo checkpoint
     dmi-sglang demo-model ./qwen3-demo
     dmi-sglang capture --model ./qwen3-demo --prompt "w1 w2 w3" --max-new-tokens 8
     dmi-sglang ls [RUN]
@@ -31,6 +32,10 @@ from dmi_sglang.errors import ConfigurationError, DMIError, UsageError
 __all__ = ["main"]
 
 EXIT_ERROR = 2
+REFERENCE_LAYERS = 2
+"""Layers of the demo checkpoint ``reference-capture`` generates by default."""
+REFERENCE_PROMPTS = ("w1 w2 w3", "w10 w11 w12 w13 w14")
+"""``reference-capture``'s prompts by default (words of the demo checkpoint's vocabulary)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,6 +90,31 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("run")
     rm.add_argument("--force", action="store_true", help="also a run that is still running")
     rm.add_argument("--yes", action="store_true", help="do not ask before deleting")
+    ref = with_db(sub.add_parser(
+        "reference-capture",
+        help="no GPU: capture a greedy generation run by transformers on CPU (a CPU "
+        "reference capture, labelled cpu-reference in ls)",
+        description="Run a greedy generation with transformers on the CPU and store what it "
+        "computes as a normal committed run: the same hook names, the same row rules and the "
+        "same store as `capture`, labelled cpu-reference (runs-table setting dmi.source). "
+        "Needs no GPU and no SGLang; try ls, show, export and open_store(...) on it."))
+    ref.add_argument("--model", type=Path, default=None,
+                     help="a Qwen3ForCausalLM checkpoint directory; unset: a fresh random-"
+                     "weight demo checkpoint in a temporary directory")
+    ref.add_argument("--layers", type=_positive, default=None,
+                     help=f"layers of that demo checkpoint; unset: {REFERENCE_LAYERS} "
+                     "(not with --model)")
+    ref_src = ref.add_mutually_exclusive_group()
+    ref_src.add_argument("--prompt", action="append", default=None,
+                         help="a prompt (repeat for more); unset: "
+                         + " and ".join(repr(p) for p in REFERENCE_PROMPTS))
+    ref_src.add_argument("--prompts", type=Path, help="a file with one prompt per line")
+    ref.add_argument("--hooks", default=None,
+                     help="hook selection; unset: $DMX_HOOK_SELECTION, else sglang-full")
+    ref.add_argument("--run-id", default=None, help="run id (default: generated)")
+    ref.add_argument("--max-new-tokens", type=_positive, default=8,
+                     help="tokens generated per prompt, fewer when the end of sequence "
+                     "token comes first (default: 8)")
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
     demo.add_argument("dir", type=Path)
     demo.add_argument("--layers", type=_positive, default=4)
@@ -118,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo-model":
             return cmd.demo_model(args.dir, layers=args.layers)
         store = _store(args.db)
+        if args.command == "reference-capture":
+            return cmd.reference_capture(args, default_layers=REFERENCE_LAYERS,
+                                         default_prompts=REFERENCE_PROMPTS)
         handler: dict[str, Any] = {
             "ls": lambda: cmd.ls(store, args.run),
             "show": lambda: cmd.show(store, args.run, args.request, partial=args.partial),
@@ -134,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_ERROR
         return 0
     except ModuleNotFoundError as exc:  # an optional dependency of this command
-        wanted = "demo" if args.command == "demo-model" else "read"
+        wanted = "demo" if args.command in ("demo-model", "reference-capture") else "read"
         print(f"dmi-sglang {args.command}: needs the {exc.name} package: "
               f"pip install 'dmi-sglang[{wanted}]'", file=sys.stderr)
         return EXIT_ERROR

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from dmi_sglang.app.reading import CaptureStore
+from dmi_sglang.app.reference import ENGINE_KEY
+from dmi_sglang.domain.records import RunSource
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import ConfigurationError, IncompleteCaptureError, UsageError
 
-__all__ = ["capture", "demo_model", "export", "ls", "rm", "show"]
+__all__ = ["capture", "demo_model", "export", "ls", "reference_capture", "rm", "show"]
 
 
 def _out(line: str = "") -> None:
@@ -38,7 +41,8 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
     """List runs, or one run's requests, with sizes."""
     if store.kind.value == "embedded" and not os.path.isdir(store.path):
         msg = (f"no capture store at {store.path} yet: capture into it with `dmi-sglang "
-               "capture --model DIR --prompt TEXT` (needs a GPU), or pass --db URL")
+               "capture --model DIR --prompt TEXT` (needs a GPU), or make a CPU reference "
+               "capture with `dmi-sglang reference-capture`, or pass --db URL")
         raise UsageError(msg)
     captures = CaptureStore(store)
     with captures.session():
@@ -48,18 +52,21 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
                 _out(f"no runs in {store.url}")
                 return 0
             _out(f"{'run':<44} {'status':<10} {'requests':>8} {'rows':>10} {'size':>14}  "
-                 "started")
+                 f"{'started':<32}  source")
             for run in runs:
                 reqs = captures.requests(run.run_id)
                 rows = sum(r.rows for r in reqs)
                 size = sum(r.bytes for r in reqs)
                 _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
-                     f"{_mib(size):>14}  {run.started_at}")
+                     f"{_mib(size):>14}  {run.started_at:<32}  {_shown(run.source)}")
             return 0
         run = captures.require_run(run_id)
         requests = captures.requests(run_id)
         _out(f"run {_shown(run_id)}: {run.status.value}"
              + (f" ({_shown(run.error)})" if run.error else ""))
+        if run.source == RunSource.CPU_REFERENCE.value:
+            engine = dict(run.settings).get(ENGINE_KEY, "transformers on CPU")
+            _out(f"CPU reference capture ({_shown(engine)}), not SGLang")
         _out(f"{'request':<40} {'records':>10} {'size':>14}  complete")
         for req in requests:
             missing = captures.handle(run_id, req.request_id).missing
@@ -300,6 +307,18 @@ def _validate_capture(args: argparse.Namespace) -> None:
             raise UsageError(msg) from None
 
 
+def _reference_prompts(args: argparse.Namespace, default: Sequence[str]) -> list[str]:
+    if args.prompts is not None:
+        return _read_prompts(args)
+    if args.prompt is None:
+        return list(default)
+    blank = next((p for p in args.prompt if not p.strip()), None)
+    if blank is not None:
+        msg = f"--prompt {blank!r} is blank; give a prompt with words"
+        raise UsageError(msg)
+    return list(args.prompt)
+
+
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts is not None:
         prompts = [ln.strip() for ln in args.prompts.read_text().splitlines() if ln.strip()]
@@ -320,7 +339,90 @@ def _summary(engine: Any, outputs: list[dict[str, Any]], elapsed: float) -> None
     _out(f"stored in    {store.url}")
     if store.kind.value == "none":
         return
-    totals = CaptureStore(store).hook_totals(engine.dmi_run_id)
+    _hook_table(store, engine.dmi_run_id)
+
+
+def _hook_table(store: StoreConfig, run_id: str) -> None:
+    totals = CaptureStore(store).hook_totals(run_id)
     _out(f"{'hook':<32} {'layers':>6} {'records':>9} {'rows':>10} {'size':>14}")
     for t in totals:
         _out(f"{t.act_name:<32} {t.layers:>6} {t.records:>9} {t.rows:>10} {_mib(t.bytes):>14}")
+
+
+def reference_capture(args: argparse.Namespace, *, default_layers: int,
+                      default_prompts: Sequence[str]) -> int:
+    """A CPU reference capture (transformers on CPU) into the store, then a summary and
+    the commands that read it back. Every argument is checked before any work."""
+    from dmi_sglang.app.composition import run_reference_capture
+
+    settings, prompts = _validate_reference(args, default_layers, default_prompts)
+    layers = args.layers or default_layers
+    result = run_reference_capture(settings, prompts, model_dir=args.model, layers=layers,
+                                   max_new_tokens=args.max_new_tokens)
+    store = settings.store()
+    run = result.run
+    prompt = sum(m.prompt_tokens for m in result.manifests)
+    completion = sum(m.completion_tokens for m in result.manifests)
+    _out(f"a CPU reference capture (transformers on CPU, not SGLang), labelled {run.source}")
+    _out(f"run id       {run.run_id}")
+    _out(f"model        {run.model_path}"
+         + (f"  (generated: {layers} layers, random weights)" if args.model is None else ""))
+    _out(f"engine       {dict(run.settings).get(ENGINE_KEY, '')}")
+    _out(f"requests     {len(result.manifests)}  (prompt tokens {prompt}, generated "
+         f"{completion}; {result.forwards} forwards in {result.seconds:.2f} s)")
+    _out(f"stored in    {store.url}")
+    _hook_table(store, run.run_id)
+    db = "" if args.db is None else f" --db {args.db}"
+    first = result.manifests[0].request_id
+    _out("read it back:")
+    _out(f"  dmi-sglang ls{db}")
+    _out(f"  dmi-sglang show {run.run_id} {first}{db}")
+    _out(f"  dmi-sglang export {run.run_id} {first} --out capture.safetensors{db}")
+    _out(f"  python -c \"import dmi_sglang; h = dmi_sglang.open_store('{store.url}')"
+         f".handle('{run.run_id}', '{first}'); print(h.missing, h.hidden_states[0].shape)\"")
+    return 0
+
+
+def _validate_reference(args: argparse.Namespace, default_layers: int,
+                        default_prompts: Sequence[str]) -> tuple[Settings, list[str]]:
+    """The resolved settings and the prompts of ``reference-capture``; every bad argument
+    is refused here, before a model is made, loaded or the store opened."""
+    from dmi_sglang.app.composition import DEMO_MODEL_NAME, reference_hooks
+    from dmi_sglang.domain.hooks import parse_selection
+
+    if args.model is not None:
+        if args.layers is not None:
+            msg = (f"--layers {args.layers} sets the layers of the generated demo checkpoint; "
+                   f"--model {args.model} has its own: give one of them")
+            raise UsageError(msg)
+        if not (args.model / "config.json").is_file():
+            what = "does not exist" if not args.model.exists() else "holds no config.json"
+            msg = f"--model {args.model} {what}; give a Qwen3ForCausalLM checkpoint directory"
+            raise UsageError(msg)
+    try:
+        hooks = reference_hooks(args.model, layers=args.layers or default_layers)
+    except ConfigurationError as exc:
+        msg = f"--model {args.model}: {exc}"
+        raise UsageError(msg) from None
+    prompts = _reference_prompts(args, default_prompts)
+    if args.run_id is not None:
+        try:
+            Settings.from_kwargs({"dmx_model_id": args.run_id}, env={})
+        except ConfigurationError as exc:
+            msg = f"--run-id {args.run_id!r} is not a run id: {exc}"
+            raise UsageError(msg) from None
+    if args.hooks is not None:
+        try:
+            parse_selection(args.hooks).resolve(hooks)
+        except ConfigurationError as exc:
+            msg = f"--hooks {args.hooks!r}: {exc}"
+            raise UsageError(msg) from None
+    kwargs = {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
+                                ("dmx_model_id", args.run_id)) if v is not None}
+    settings = Settings.from_kwargs(kwargs).resolve(
+        model_path=str(args.model) if args.model is not None else DEMO_MODEL_NAME)
+    settings.selection.resolve(hooks)  # $DMX_HOOK_SELECTION, when --hooks is unset
+    if settings.store().kind.value == "none":
+        msg = "the store is 'none': a reference capture would store nothing; pass --db URL"
+        raise UsageError(msg)
+    return settings, prompts

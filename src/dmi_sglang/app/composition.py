@@ -5,7 +5,9 @@
   release is refused with the supported list);
 * the capture pipeline (sink + transport + capture session) that the SGLang adapter opens
   in each scheduler through the :class:`~dmi_sglang.tensor_ports.CaptureFactory` it is
-  handed at registration (:class:`PipelineFactory`), so no adapter imports another.
+  handed at registration (:class:`PipelineFactory`), so no adapter imports another;
+* a CPU reference capture (:func:`run_reference_capture`): the transformers reference
+  model, the demo checkpoint and the same sink, driven by :mod:`dmi_sglang.app.reference`.
 
 A sibling SGLang adapter is a new ``adapters/sglang_vXXXX`` package plus one line in
 :data:`SGLANG_ADAPTERS`; another store backend is a new adapter plus a branch in
@@ -23,14 +25,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.app.null_sink import NullSink
+from dmi_sglang.app.reference import (
+    ReferenceRequest,
+    ReferenceResult,
+    capture_reference,
+    reference_run,
+)
 from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.hooks import ModelHooks
 from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.settings import Settings, monitoring_requested
@@ -40,21 +50,26 @@ from dmi_sglang.errors import (
     RunExistsError,
     StoreError,
     UnsupportedConfigurationError,
+    UsageError,
 )
 from dmi_sglang.tensor_ports import OpenedCapture, SGLangAdapter
 
 __all__ = [
+    "DEMO_MODEL_NAME",
     "SGLANG_ADAPTERS",
     "PipelineFactory",
+    "check_reference_packages",
     "claim_new_run",
     "handle_for",
     "installed_sglang",
     "nearest_sglang_adapter",
     "open_sink",
     "reader_for",
+    "reference_hooks",
     "register_plugin",
     "release_unused_claim",
     "run_claims",
+    "run_reference_capture",
     "sglang_adapter",
     "write_demo_checkpoint",
 ]
@@ -306,3 +321,93 @@ def write_demo_checkpoint(path: Path, *, layers: int) -> Path:
     from dmi_sglang.adapters.demo_model import write_demo_checkpoint as write
 
     return write(path, layers=layers)
+
+
+# -- CPU reference capture -------------------------------------------------------------
+DEMO_MODEL_NAME = "qwen3-demo"
+"""The directory name of the demo checkpoint a reference capture generates (and so the
+start of its run ids)."""
+
+
+def check_reference_packages() -> None:
+    """Import what a reference capture needs (torch, transformers, tokenizers).
+
+    Raises:
+        ModuleNotFoundError: one is missing (the ``[demo]`` extra).
+    """
+    from dmi_sglang.adapters.transformers_ref import check_packages
+
+    check_packages()
+
+
+def reference_hooks(model_dir: Path | None, *, layers: int) -> ModelHooks:
+    """The hooks and layers a reference capture of ``model_dir`` offers, from its
+    ``config.json`` alone (None: the demo checkpoint of ``layers`` layers).
+
+    Raises:
+        ConfigurationError: no readable ``config.json``, or not a ``Qwen3ForCausalLM``
+            checkpoint.
+    """
+    from dmi_sglang.adapters.transformers_ref import ARCHITECTURE, model_hooks, read_config
+
+    config = (read_config(model_dir) if model_dir is not None
+              else {"architectures": [ARCHITECTURE], "num_hidden_layers": layers})
+    return model_hooks(config)
+
+
+def run_reference_capture(
+    settings: Settings,
+    prompts: Sequence[str],
+    *,
+    model_dir: Path | None,
+    layers: int,
+    max_new_tokens: int,
+) -> ReferenceResult:
+    """A CPU reference capture into the store of ``settings``, committed.
+
+    Claims the run id, loads ``model_dir`` with transformers (None: a fresh demo
+    checkpoint of ``layers`` layers in a temporary directory, removed afterwards), opens
+    the store's sink and runs :func:`~dmi_sglang.app.reference.capture_reference`.
+    Request ids are ``req-0``, ``req-1``, ... in prompt order.
+
+    Raises:
+        RunExistsError: the run id names a run already.
+        UsageError: the store is ``none``, or a prompt has no tokens.
+        StoreError: the store cannot be opened or written.
+        ModuleNotFoundError: torch, transformers or tokenizers is missing.
+    """
+    from dmi_sglang.adapters.transformers_ref import TransformersReference
+
+    store = settings.store()
+    if store.kind is StoreKind.NONE:
+        msg = "the store is 'none': a reference capture would store nothing; pass --db"
+        raise UsageError(msg)
+    check_reference_packages()
+    claim_new_run(settings)
+    run_id = settings.model_id or ""
+    with tempfile.TemporaryDirectory(prefix="dmi-reference-") as tmp:
+        try:
+            note = None
+            if model_dir is None:
+                model_dir = write_demo_checkpoint(Path(tmp) / DEMO_MODEL_NAME, layers=layers)
+                note = (f"random-weight demo checkpoint, {layers} layers, seed 0 "
+                        f"(dmi-sglang demo-model DIR --layers {layers})")
+            model = TransformersReference.load(model_dir)
+            requests = [ReferenceRequest(f"req-{i}", tuple(model.encode(p)))
+                        for i, p in enumerate(prompts)]
+            empty = [i for i, r in enumerate(requests) if not r.prompt_ids]
+            if empty:
+                msg = f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens"
+                raise UsageError(msg)
+            selection = settings.selection.resolve(model.hooks)
+            run = reference_run(settings, model, selection, model_note=note,
+                                model_path=None if note is None else DEMO_MODEL_NAME)
+            sink = open_sink(store)
+        except BaseException:
+            release_unused_claim(store, run_id)
+            raise
+        try:
+            return capture_reference(model, sink, run, selection, requests,
+                                     max_new_tokens=max_new_tokens)
+        finally:
+            sink.close()

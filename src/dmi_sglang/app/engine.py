@@ -32,7 +32,7 @@ import structlog
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.domain.ports import EngineTap
-from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
 from dmi_sglang.domain.support import request_input_problem
 from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning, RunExistsError
 
@@ -84,6 +84,8 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise ConfigurationError(msg)
         composition.sglang_adapter()  # an SGLang without an adapter: refused before anything
         settings = Settings.from_kwargs(dmx).resolve(model_path=str(kwargs["model_path"]))
+        for variable, why in ignored_variables({k.upper(): str(v) for k, v in dmx.items()}):
+            log.warning("setting ignored", variable=variable.lower(), why=why)
         _require_cuda()
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""

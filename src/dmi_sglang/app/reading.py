@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import attrs
+import structlog
 
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle
@@ -33,11 +34,13 @@ from dmi_sglang.domain.records import (
     original_request_id,
     storable_request_id,
 )
-from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
 __all__ = ["CaptureStore", "open_store", "store_config"]
+
+log = structlog.get_logger(__name__)
 
 
 def store_config(url: str | None = None) -> StoreConfig:
@@ -51,7 +54,10 @@ def store_config(url: str | None = None) -> StoreConfig:
     env = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
     if url:
         env[PREFIX + "DB_URL"] = url
-    return Settings.from_env(env).resolve(model_path="reader").store()
+    store = Settings.from_env(env).resolve(model_path="reader").store()
+    for variable, why in ignored_variables(env):
+        log.warning("setting ignored", variable=variable, why=why)
+    return store
 
 
 class CaptureStore:

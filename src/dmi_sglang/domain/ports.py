@@ -8,6 +8,8 @@
 * :class:`TrackedRequest`: what the capture session reads of an engine's request.
 * :class:`CaptureSpec`: what an SGLang adapter knows when it asks for a capture pipeline.
 * :class:`EngineTap`: the monitored engine's side of the app (attach check, final stop).
+* :class:`ReferenceModel`: a model run outside SGLang (transformers on CPU) whose forwards
+  hand over what the capture points would see, as :class:`ReferenceForward` values.
 
 Interfaces that must speak torch tensors (what capture points call, and the factory
 that returns them) live in :mod:`dmi_sglang.tensor_ports`.
@@ -15,14 +17,14 @@ that returns them) live in :mod:`dmi_sglang.tensor_ports`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import attrs
 
 from dmi_sglang.domain.capacity import Preflight
-from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
@@ -38,6 +40,8 @@ __all__ = [
     "HookTotal",
     "RecordReader",
     "RecordSink",
+    "ReferenceForward",
+    "ReferenceModel",
     "RequestSummary",
     "RunClaims",
     "TrackedRequest",
@@ -386,4 +390,64 @@ class EngineTap(Protocol):
         Raises:
             CaptureError: with the scheduler's reason (never a bare AssertionError).
         """
+        ...
+
+
+@attrs.frozen
+class ReferenceForward:
+    """One forward of a :class:`ReferenceModel` for one request.
+
+    Attributes:
+        start: the first position the forward computed (0 for the prompt's forward).
+        tokens: the token ids it forwarded, one row each (positions ``start`` onwards).
+        next_token: the token its logits decided (greedy).
+        payloads: per selected ``(hook name, layer_no)`` (``layer_no = -1`` for global
+            hooks), the raw rows the capture point saw, as
+            :meth:`~dmi_sglang.domain.shapes.ModelShape.row` lays them out: one row per
+            forwarded token for token-row hooks, one row (the next-token logits) for
+            ``final_logits``.
+    """
+
+    start: int
+    tokens: tuple[int, ...]
+    next_token: int
+    payloads: Mapping[tuple[str, int], bytes] = attrs.field(eq=False, repr=False)
+
+
+class ReferenceModel(Protocol):
+    """**Port**: a model run outside SGLang for a reference capture (transformers on CPU).
+
+    It offers the catalog's hooks under the same names and row shapes as the hooked SGLang
+    model; which rows are stored is decided by the domain's plan, not by the model.
+    """
+
+    @property
+    def model_path(self) -> str:
+        """The model directory it loaded."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """What runs it (libraries, device, dtype), for the runs table."""
+        ...
+
+    @property
+    def hooks(self) -> ModelHooks:
+        """The hooks it offers and its number of layers."""
+        ...
+
+    @property
+    def shape(self) -> ModelShape:
+        """Its row shapes and dtypes."""
+        ...
+
+    def encode(self, prompt: str) -> Sequence[int]:
+        """A prompt's token ids, as the serving engine would tokenize it."""
+        ...
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                 selection: Selection) -> Iterator[ReferenceForward]:
+        """Greedy generation of one request: the prompt's forward, then one forward per
+        generated token that is fed back, until ``max_new_tokens`` tokens or an end of
+        sequence token were decided (the last decided token is never forwarded)."""
         ...

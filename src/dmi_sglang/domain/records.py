@@ -30,11 +30,13 @@ from dmi_sglang.domain.hooks import Hook, RowBasis
 
 __all__ = [
     "HEARTBEAT_S",
+    "SOURCE_KEY",
     "STALE_AFTER_S",
     "CaptureRecord",
     "Coverage",
     "RequestManifest",
     "RunInfo",
+    "RunSource",
     "RunStatus",
     "expected_coverage",
     "original_request_id",
@@ -195,6 +197,21 @@ class RunStatus(enum.Enum):
     malformed value); ``error`` says why."""
 
 
+class RunSource(enum.Enum):
+    """What produced a run's captures, as the runs table records it (:data:`SOURCE_KEY`)."""
+
+    SGLANG = "sglang"
+    """A monitored SGLang engine (the default: runs without the key)."""
+    CPU_REFERENCE = "cpu-reference"
+    """A CPU reference capture: transformers on CPU, same hook names and row rules
+    (``dmi-sglang reference-capture``), not SGLang."""
+
+
+SOURCE_KEY = "dmi.source"
+"""The key of the runs table's ``settings`` entry naming the run's :class:`RunSource`;
+runs without it come from SGLang."""
+
+
 HEARTBEAT_S = 10.0
 """How often a run on a ClickHouse server store rewrites its running row (its heartbeat)."""
 STALE_AFTER_S = 60.0
@@ -209,7 +226,8 @@ class RunInfo:
     Attributes:
         run_id: the ``model_id`` key of every record of the run.
         model_path: the served model.
-        settings: the resolved settings as ``DMX_*`` variables (secrets removed).
+        settings: the resolved settings as ``DMX_*`` variables (secrets removed), and
+            ``dmi.*`` entries that describe the run (:data:`SOURCE_KEY`).
         captures: every ``(act_name, layer_no)`` a complete request capture holds.
         started_at / stopped_at: UTC ISO-8601 timestamps (``stopped_at`` empty while
             running).
@@ -227,3 +245,9 @@ class RunInfo:
     error: str = ""
     owner: str = ""
     """The process that captures it (``host:pid``), recorded at start."""
+
+    @property
+    def source(self) -> str:
+        """What produced the run: the value of its :data:`SOURCE_KEY` setting (a
+        :class:`RunSource` value), ``"sglang"`` when it has none."""
+        return next((v for k, v in self.settings if k == SOURCE_KEY), RunSource.SGLANG.value)

@@ -19,7 +19,6 @@ from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
-import structlog
 
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -31,11 +30,10 @@ __all__ = [
     "Settings",
     "StoreUrl",
     "engine_started",
+    "ignored_variables",
     "monitoring_requested",
     "redact_url",
 ]
-
-log = structlog.get_logger(__name__)
 
 PREFIX = "DMX_"
 NATIVE_PORT = 9000
@@ -48,8 +46,8 @@ LEGACY_IGNORED: Mapping[str, str] = {
     "STEP_DEBUG": "DMI's per-step debug switch; it has no counterpart here",
 }
 """Variables of the original DMI integration that change nothing stored: accepted, each
-with one "ignored" log line. (DMI's ``DMX_NULL_MODE`` does change what is stored: it maps
-to ``DMX_DB_URL=none``, see :meth:`Settings.from_env`.)"""
+with one "setting ignored" log line (:func:`ignored_variables`). DMI's ``DMX_NULL_MODE``
+does change what is stored: it maps to ``DMX_DB_URL=none`` (:meth:`Settings.from_env`)."""
 
 _GENERATED_IDS: set[str] = set()
 """Run ids :meth:`Settings.resolve` generated in this process."""
@@ -392,7 +390,6 @@ class Settings:
                 continue
             name = key[len(PREFIX):]
             if name in LEGACY_IGNORED:
-                log.warning("setting ignored", variable=key, why=LEGACY_IGNORED[name])
                 continue
             if name == "NULL_MODE":
                 _null_mode(text, source)
@@ -526,9 +523,19 @@ def _null_mode(text: str, source: Mapping[str, str]) -> None:
         msg = (f"DMX_NULL_MODE={text} (capture without storing) contradicts {named}; "
                "accepted: one of them (DMX_NULL_MODE=1 is DMX_DB_URL=none)")
         raise ConfigurationError(msg)
-    if not on:
-        log.warning("setting ignored", variable="DMX_NULL_MODE",
-                    why="0 is the default: captures are stored")
+
+
+def ignored_variables(env: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """``(variable, why)`` for every variable of the original DMI integration in ``env``
+    (default: ``os.environ``) that :meth:`Settings.from_env` accepts and ignores; the
+    callers at the edges log each in one line."""
+    source = os.environ if env is None else env
+    found = [(k, LEGACY_IGNORED[k[len(PREFIX):]]) for k in sorted(source)
+             if k.startswith(PREFIX) and k[len(PREFIX):] in LEGACY_IGNORED]
+    null = source.get(PREFIX + "NULL_MODE", "").strip().lower()
+    if null in _FALSE:
+        found.append((PREFIX + "NULL_MODE", "0 is the default: captures are stored"))
+    return tuple(found)
 
 
 def _kwarg_text(value: object) -> str:

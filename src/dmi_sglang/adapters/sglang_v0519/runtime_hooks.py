@@ -17,7 +17,12 @@ import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.domain.ports import CaptureSession
-from dmi_sglang.domain.settings import Settings, engine_started, monitoring_requested
+from dmi_sglang.domain.settings import (
+    Settings,
+    engine_started,
+    ignored_variables,
+    monitoring_requested,
+)
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
@@ -61,6 +66,8 @@ def before_resolve_once(server_args: Any) -> None:
     if getattr(server_args, "_resolution_finished", False) or not monitoring_requested():
         return
     settings = Settings.from_env().resolve(model_path=str(server_args.model_path))
+    for variable, why in ignored_variables():
+        log.warning("setting ignored", variable=variable, why=why)
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         log.warning("dmi.forced", setting="disable_prefill_cuda_graph=True",

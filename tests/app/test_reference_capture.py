@@ -1,0 +1,304 @@
+"""``dmi-sglang reference-capture``: a real CPU capture (transformers, 2-layer demo
+checkpoint) into a real embedded store, read back by ls, show, export and the handle."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dmi_sglang.app.cli import main
+from dmi_sglang.app.reference import forward_records
+from dmi_sglang.domain.hooks import ModelHooks, parse_selection
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import make_plan
+from dmi_sglang.domain.records import expected_coverage
+from dmi_sglang.domain.shapes import DType, ModelShape
+from dmi_sglang.errors import CaptureError
+
+RUN = "reference-test-1"
+PROMPTS = ("w1 w2 w3", "w5 w6 w7 w8 w9 w10")
+NEW_TOKENS = 4
+
+
+def _needs_torch() -> None:
+    if os.environ.get("CI", "").lower() != "true":  # under CI=true a missing package fails
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One default-model reference capture (the demo checkpoint it generates, 2 layers)."""
+    _needs_torch()
+    base = tmp_path_factory.mktemp("reference")
+    url = f"chdb://{base / 'captures'}"
+    args = ["reference-capture", "--db", url, "--layers", "2", "--run-id", RUN,
+            "--max-new-tokens", str(NEW_TOKENS)]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    return {"url": url, "base": base, "out": out.getvalue()}
+
+
+def _store(url: str) -> Any:
+    from dmi_sglang import open_store
+
+    return open_store(url)
+
+
+@pytest.mark.torch
+def test_the_run_is_committed_and_labelled_cpu_reference(captured: dict[str, Any]) -> None:
+    run = _store(captured["url"]).require_run(RUN)
+    settings = dict(run.settings)
+    assert run.status.value == "committed"
+    assert run.source == "cpu-reference" == settings["dmi.source"]
+    assert settings["dmi.reference.engine"].startswith("transformers ")
+    assert "--layers 2" in settings["dmi.reference.model"]
+    assert run.model_path == "qwen3-demo"
+    selection = parse_selection("sglang-full")
+    from dmi_sglang.app.composition import reference_hooks
+
+    expected = selection.resolve(reference_hooks(None, layers=2)).captures()
+    assert run.captures == tuple((h.act_name, layer) for h, layer in expected)
+    assert len(run.captures) == 12 * 2 + 5
+
+
+@pytest.mark.torch
+def test_every_request_is_complete_and_stores_exactly_its_coverage(
+        captured: dict[str, Any]) -> None:
+    from dmi_sglang.app.assemble import hook_for
+    from dmi_sglang.app.composition import reader_for
+    from dmi_sglang.app.reading import store_config
+
+    store = _store(captured["url"])
+    reader = reader_for(store_config(captured["url"]))
+    run = store.require_run(RUN)
+    with store.session(), reader.session():
+        requests = [r.request_id for r in store.requests(RUN)]
+        assert requests == ["req-0", "req-1"]
+        for rid, prompt in zip(requests, PROMPTS, strict=True):
+            assert store.handle(RUN, rid).missing == ()
+            manifest = store.manifest(RUN, rid)
+            assert manifest is not None
+            assert manifest.committed
+            assert manifest.prompt_tokens == len(prompt.split())
+            assert 1 <= manifest.completion_tokens <= NEW_TOKENS
+            assert not manifest.overlap_extra_forward
+            stored: dict[tuple[str, int], list[int]] = {}
+            for act, layer, start, end in reader.ranges(RUN, rid):
+                stored.setdefault((act, layer), []).extend(range(start, end))
+            assert set(stored) == set(run.captures)
+            for (act, layer), positions in stored.items():
+                cov = expected_coverage(hook_for(act), prompt_tokens=manifest.prompt_tokens,
+                                        completion_tokens=manifest.completion_tokens,
+                                        overlap_extra_forward=False)
+                assert sorted(positions) == list(range(cov.start, cov.end)), (act, layer)
+
+
+@pytest.mark.torch
+def test_captures_equal_a_direct_transformers_forward(captured: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dmi_sglang.app.composition import write_demo_checkpoint
+
+    model_dir = write_demo_checkpoint(captured["base"] / "again", layers=2)  # same seed
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    store = _store(captured["url"])
+    with store.session():
+        for i, prompt in enumerate(PROMPTS):
+            handle = store.handle(RUN, f"req-{i}")
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            ids = handle.token_ids
+            n_prompt = len(prompt_ids)
+            assert ids[:n_prompt].tolist() == prompt_ids
+            with torch.no_grad():
+                ref = hf(ids[None], output_hidden_states=True)
+            for layer, got in enumerate(handle.hidden_states):
+                torch.testing.assert_close(got, ref.hidden_states[layer][0], rtol=1e-5,
+                                           atol=1e-5, msg=f"resid_pre layer {layer}")
+            torch.testing.assert_close(handle.get("final_ln"), ref.hidden_states[-1][0],
+                                       rtol=1e-5, atol=1e-5)
+            logits = handle.logits
+            torch.testing.assert_close(logits, ref.logits[0, n_prompt - 1:], rtol=1e-5,
+                                       atol=1e-5)
+            # greedy: each generated token that was fed back is its logits row's argmax
+            assert ids[n_prompt:].tolist() == logits[:-1].argmax(-1).tolist()
+
+
+@pytest.mark.torch
+def test_the_summary_says_what_ran_and_how_to_read_it(captured: dict[str, Any]) -> None:
+    out = captured["out"]
+    assert "a CPU reference capture (transformers on CPU, not SGLang), labelled cpu-reference" \
+        in out
+    assert f"run id       {RUN}\n" in out
+    assert "requests     2  (prompt tokens 9, generated " in out
+    assert f"dmi-sglang show {RUN} req-0 --db {captured['url']}" in out
+    assert "blocks.hook_resid_pre" in out
+
+
+@pytest.mark.torch
+def test_ls_show_and_export_read_it_like_any_run(captured: dict[str, Any], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    url = captured["url"]
+    assert main(["ls", "--db", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "source"
+    row = next(line for line in lines if line.startswith(RUN))
+    assert row.split()[1] == "committed"
+    assert row.split()[-1] == "cpu-reference"
+    assert main(["ls", RUN, "--db", url]) == 0
+    out = capsys.readouterr().out
+    assert "CPU reference capture (transformers" in out
+    assert "req-1" in out
+    assert "NO:" not in out
+    assert main(["show", RUN, "req-0", "--db", url]) == 0
+    assert "blocks.hook_resid_pre.1" in capsys.readouterr().out
+    target = tmp_path / "req-0.safetensors"
+    assert main(["export", RUN, "req-0", "--out", str(target), "--db", url]) == 0
+    tensors = load_file(str(target))
+    assert tensors["blocks.hook_resid_pre.0"].dtype.is_floating_point
+    assert len(tensors) == 12 * 2 + 5
+
+
+@pytest.mark.torch
+def test_a_given_model_and_selection(captured: dict[str, Any], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from dmi_sglang.app.composition import write_demo_checkpoint
+
+    model_dir = write_demo_checkpoint(tmp_path / "mine", layers=2)
+    url = captured["url"]
+    assert main(["reference-capture", "--db", url, "--model", str(model_dir), "--hooks",
+                 "resid_pre@1,final_logits", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    run_id = next(ln.split()[-1] for ln in out.splitlines() if ln.startswith("run id"))
+    assert run_id.startswith("mine-")
+    store = _store(url)
+    run = store.require_run(run_id)
+    assert run.captures == (("blocks.hook_resid_pre", 1), ("final_logits", -1))
+    assert run.model_path == str(model_dir)
+    handle = store.handle(run_id, "req-0")
+    assert handle.missing == ()
+    assert handle.logits.shape[0] == store.manifest(run_id, "req-0").completion_tokens
+    # the run id names one run: a second capture under it is refused before any work
+    assert main(["reference-capture", "--db", url, "--run-id", RUN]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "already exists" in err
+    assert err.count("\n") == 0
+
+
+def _config_dir(tmp_path: Path, architecture: str) -> Path:
+    where = tmp_path / architecture
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps(
+        {"architectures": [architecture], "num_hidden_layers": 2}))
+    return where
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["--model", "/nonexistent"], "--model /nonexistent does not exist"),
+     (["--model", "QWEN", "--layers", "3"], "--layers 3 sets the layers of the generated"),
+     (["--model", "LLAMA"], "architecture LlamaForCausalLM has no reference capture"),
+     (["--hooks", "resid_pree"], "--hooks 'resid_pree': unknown hook or preset"),
+     (["--hooks", "resid_pre@2"], "outside the model's layers 0-1"),
+     (["--run-id", "no spaces"], "--run-id 'no spaces' is not a run id"),
+     (["--db", "bogus://x"], "--db 'bogus://x' is not a store URL"),
+     (["--db", "none"], "the store is 'none'"),
+     (["--prompt", "  "], "is blank; give a prompt with words"),
+     (["--prompts", "/nonexistent/prompts.txt"], "No such file"),
+     (["--max-new-tokens", "0"], "is not a positive integer"),
+     (["--layers", "0"], "is not a positive integer")],
+    ids=["model", "model-and-layers", "architecture", "hooks", "layer-range", "run-id", "db",
+         "db-none", "prompt", "prompts", "max-new-tokens", "layers"],
+)
+def test_bad_arguments_are_refused_before_any_work(
+        args: list[str], words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dmi_sglang.app import composition
+
+    def no_work(*_a: object, **_k: object) -> None:
+        raise AssertionError("the capture began")
+
+    monkeypatch.setattr(composition, "run_reference_capture", no_work)
+    monkeypatch.setattr(composition, "write_demo_checkpoint", no_work)
+    names = {"QWEN": "Qwen3ForCausalLM", "LLAMA": "LlamaForCausalLM"}
+    args = [str(_config_dir(tmp_path, names[a])) if a in names else a for a in args]
+    store = tmp_path / "captures"
+    db = [] if "--db" in args else ["--db", f"chdb://{store}"]
+    with contextlib.suppress(SystemExit):  # argparse's own refusals exit 2
+        assert main(["reference-capture", *db, *args]) != 0
+    err = capsys.readouterr().err.strip()
+    assert words in err
+    assert err.count("\n") == 0 or "usage:" in err
+    assert not store.exists()
+
+
+def test_a_missing_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    store = tmp_path / "captures"
+    assert main(["reference-capture", "--db", f"chdb://{store}"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dmi-sglang reference-capture: needs the ")
+    assert err.endswith(" package: pip install 'dmi-sglang[demo]'")
+    assert err.count("\n") == 0
+    assert not store.exists()
+
+
+def test_records_are_cut_by_the_domain_plan() -> None:
+    """An intermediate prompt chunk of one request beside the last chunk of another: token
+    rows for both, a logits row only for the request whose chunk decides a token."""
+    shape = ModelShape(num_layers=1, hidden=2, heads=1, kv_heads=1, head_dim=2,
+                       intermediate=4, vocab=3, activation_dtype=DType.FLOAT32)
+    selection = parse_selection("resid_pre,final_logits").resolve(
+        ModelHooks("Qwen3ForCausalLM", frozenset({"resid_pre", "final_logits"}), 1))
+    layout = BatchLayout.extend(["a", "b"], [0, 4], [3, 2], seq_lens=[8, 6])
+    plan = make_plan(layout, selection, shape, padded=False)
+    resid = bytes(range(5 * 8))  # 5 token rows of 2 float32
+    logits = bytes(range(100, 100 + 2 * 12))  # one row per request of 3 float32
+    records = forward_records(plan, {("resid_pre", 0): resid, ("final_logits", -1): logits},
+                              run_id="r", seq=7)
+    got = {(r.act_name, r.request_id): (r.start_token_idx, r.end_token_idx, r.shape,
+                                        bytes(r.payload)) for r in records}
+    assert got == {
+        ("blocks.hook_resid_pre", "a"): (0, 3, (3, 2), resid[:24]),
+        ("blocks.hook_resid_pre", "b"): (4, 6, (2, 2), resid[24:]),
+        ("final_logits", "b"): (5, 6, (1, 3), logits[12:]),
+    }
+    assert {r.seq for r in records} == {7}
+    with pytest.raises(CaptureError, match="expects 5 rows"):
+        forward_records(plan, {("resid_pre", 0): resid[:8], ("final_logits", -1): logits},
+                        run_id="r", seq=8)
+    with pytest.raises(CaptureError, match="does not hold"):
+        forward_records(plan, {("resid_pre", 0): resid, ("final_logits", -1): logits,
+                               ("ln1", 0): b""}, run_id="r", seq=8)
+
+
+def test_the_reference_offers_the_hooked_sglang_models_hooks() -> None:
+    from dmi_sglang.adapters.sglang_v0519.facts import QWEN3_HOOKS
+    from dmi_sglang.adapters.transformers_ref import REFERENCE_HOOKS
+
+    assert REFERENCE_HOOKS == QWEN3_HOOKS
+
+
+def test_a_run_without_the_source_key_is_an_sglang_run() -> None:
+    from dmi_sglang.domain.records import SOURCE_KEY, RunInfo, RunSource
+
+    plain = RunInfo("r", "/m", (("DMX_HOOK_SELECTION", "resid_pre"),), (), "t")
+    assert plain.source == RunSource.SGLANG.value == "sglang"
+    labelled = RunInfo("r", "/m", ((SOURCE_KEY, "cpu-reference"),), (), "t")
+    assert labelled.source == RunSource.CPU_REFERENCE.value
