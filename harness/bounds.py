@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ def measure_d2h_bps(nbytes: int = D2H_PROBE_BYTES, repeats: int = 3) -> float | 
     del src, dst
     torch.cuda.empty_cache()
     return best
+
+
+def spread_of(values: Iterable[float]) -> float:
+    """The spread of repeated positive measurements (rates, step times, ratios):
+    ``max / min - 1``; 0 for one value or none, or where one is not positive."""
+    seen = list(values)
+    return max(seen) / min(seen) - 1.0 if seen and min(seen) > 0 else 0.0
 
 
 def directory_bytes(path: Path) -> int:

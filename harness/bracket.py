@@ -16,20 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.engine import EngineProcess
+from harness.engine import EngineError, EngineProcess
 from harness.results import Deadline, Json
 from harness.workloads import Workload
-
-LONGEST_WAIT_S = 1800.0
-"""The longest one engine command may take without a deadline (a hung engine)."""
-
-
-def block_seconds(result: Sequence[Json]) -> dict[str, Json]:
-    """Per timed workload of one engine run: seconds, output tokens, tokens/s."""
-    return {w["name"]: {"seconds": w["seconds"], "output_tokens": w["output_tokens"],
-                        "waves": w["waves"],
-                        "tok_s": w["output_tokens"] / w["seconds"] if w["seconds"] else None}
-            for w in result if w["timed"]}
 
 
 class Bracket:
@@ -49,17 +38,21 @@ class Bracket:
         self.blocks = 0
         self._last: tuple[tuple[str, ...], list[Json]] | None = None
 
-    def _timeout(self) -> float:
-        return min(self.deadline.timeout() or LONGEST_WAIT_S, LONGEST_WAIT_S)
+    def _timeout(self) -> float | None:
+        return self.deadline.timeout()
 
     def start(self) -> Json:
         """Start the stock engine, run its warm-ups, probe D2H; its ``ready`` reply."""
         self.stock = EngineProcess(f"stock-{self.key}", self.stock_spec, self.workdir,
                                    self.pgid_file)
-        self.stock_ready = self.stock.start(self._timeout())
-        for wl in self.warm_ups:
-            self.stock.request("run", self._timeout(), workload=wl.spec("s0-"))
-        self.d2h_bps = self.stock.request("d2h", self._timeout())["d2h_bps"]
+        try:
+            self.stock_ready = self.stock.start(self._timeout())
+            for wl in self.warm_ups:
+                self.stock.request("run", self._timeout(), workload=wl.spec("s0-"))
+            self.d2h_bps = self.stock.request("d2h", self._timeout())["d2h_bps"]
+        except EngineError:
+            self.close()  # the next measurement starts a new stock engine
+            raise
         return self.stock_ready
 
     def stock_block(self, workloads: Sequence[Workload]) -> list[Json]:
@@ -75,16 +68,24 @@ class Bracket:
         assert self.stock is not None
         self.blocks += 1
         prefix = f"s{self.blocks}-"
-        out = [_keyed(self.stock.request("run", self._timeout(), workload=w.spec(prefix)),
-                      prefix) for w in workloads]
+        try:
+            out = [_keyed(self.stock.request("run", self._timeout(), workload=w.spec(prefix)),
+                          prefix) for w in workloads]
+        except EngineError:
+            self.close()
+            raise
         self._last = (tuple(w.name for w in workloads), out)
         return out
 
     def measure(self, name: str, spec: Json, warm_ups: Sequence[Workload],
-                timed: Sequence[Workload], *, monitored: bool) -> Json:
-        """``stock, measured, stock`` for ``timed``; the three runs and the measured
-        engine's startup, stop and log statistics. Raises :class:`EngineError`."""
-        before = self.stock_block(timed)
+                timed: Sequence[Workload], *, monitored: bool,
+                stock_timed: Sequence[Workload] | None = None) -> Json:
+        """``stock, measured, stock`` for ``timed`` (stock runs ``stock_timed`` when given:
+        the same requests without what only the measured engine asks for); the three runs
+        and the measured engine's startup, stop and log statistics. Raises
+        :class:`EngineError`."""
+        stock_timed = timed if stock_timed is None else stock_timed
+        before = self.stock_block(stock_timed)
         engine = EngineProcess(name, spec, self.workdir, self.pgid_file)
         measured: Json = {"workloads": []}
         try:
@@ -96,7 +97,7 @@ class Bracket:
                 measured["stop"] = engine.request("stop", self._timeout())
         finally:
             measured.update(engine.close())
-        after = self._run_stock(timed)
+        after = self._run_stock(stock_timed)
         return {"stock_before": before, "measured": measured, "stock_after": after}
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.bounds import spread_of
 from harness.results import Json
 
 SOFTWARE_KEYS = ("python", "torch", "sglang", "device")
@@ -43,13 +44,15 @@ def token_identity(reference: Sequence[Json], other: Sequence[Json], *,
 
 
 def same_software(a: Json, b: Json) -> Json:
-    """Both engines ran the same Python, torch, SGLang and device, with equal KV pools."""
+    """Both engines ran the same Python, torch, SGLang and device, with equal KV pools
+    (a value neither engine reported counts as a difference)."""
     ea, eb = a.get("env_info") or {}, b.get("env_info") or {}
-    differ = {k: [ea.get(k), eb.get(k)] for k in SOFTWARE_KEYS if ea.get(k) != eb.get(k)}
-    pools = [a.get("max_total_num_tokens"), b.get("max_total_num_tokens")]
-    if pools[0] != pools[1]:
-        differ["max_total_num_tokens"] = pools
-    return {"ok": not differ, "required": True, "differ": differ}
+    compared = {k: [ea.get(k), eb.get(k)] for k in SOFTWARE_KEYS}
+    compared["max_total_num_tokens"] = [a.get("max_total_num_tokens"),
+                                        b.get("max_total_num_tokens")]
+    differ = {k: v for k, v in compared.items()
+              if v[0] != v[1] or (v[0] is None and k != "device")}
+    return {"ok": not differ, "required": True, "compared": compared, "differ": differ}
 
 
 def bracketed_throughput(units: Sequence[Json]) -> dict[str, Json]:
@@ -76,13 +79,10 @@ def bracketed_throughput(units: Sequence[Json]) -> dict[str, Json]:
     return {name: {"measured_tok_s": statistics.median(v["measured"]),
                    "stock_tok_s": statistics.median(v["stock"]),
                    "ratio": statistics.median(v["ratio"]),
-                   "ratio_spread": _spread(v["ratio"]), "stock_spread": _spread(v["stock"]),
-                   "ratios": v["ratio"], "stock_runs": len(v["stock"])}
+                   "ratio_spread": spread_of(v["ratio"]), "stock_spread": spread_of(v["stock"]),
+                   "ratios": v["ratio"], "stock_rates": v["stock"],
+                   "stock_runs": len(v["stock"])}
             for name, v in per.items()}
-
-
-def _spread(values: Sequence[float]) -> float:
-    return max(values) / min(values) - 1.0 if values and min(values) > 0 else 0.0
 
 
 def read_back(store: Path, run_id: str, request_ids: Sequence[str]) -> Json:
@@ -153,5 +153,5 @@ def bytes_stored_equal_captured(events: Json, totals: dict[str, list[int]]) -> J
     captured = (events.get("dmi.stopped") or {}).get("bytes")
     inserted = (events.get("store.closed") or {}).get("bytes_stored")
     held = sum(v[1] for v in totals.values())
-    return {"ok": captured is not None and captured == inserted == held, "required": True,
+    return {"ok": bool(captured) and captured == inserted == held, "required": True,
             "captured": captured, "inserted": inserted, "held": held}

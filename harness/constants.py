@@ -22,7 +22,14 @@ DEADLINE_ENV = "DMI_HARNESS_DEADLINE_S"
 done (unset or 0: no deadline). Work that would not fit is left for the next invocation,
 which resumes from the state directory."""
 STATE_ENV = "DMI_HARNESS_STATE"
-"""Directory of resumable state (default ``/root/dmi-harness-state`` where writable)."""
+"""Directory of resumable state (default :data:`STATE_DIR` where writable)."""
+STATE_DIR = "/root/dmi-harness-state"
+"""The default state directory: it outlives one command on the GPU machine."""
+TRITON_CACHE_DIR = "/root/triton-cache"
+"""Triton's kernel cache for engine children (kept between commands of one machine)."""
+SHUTDOWN_GRACE_S = 120.0
+"""How long a shutting-down engine may take before its process group is killed (a grace
+for cleanup, not a limit on the work: the work is bounded by the deadline alone)."""
 
 ENGINE_OVERHEAD_S = 20.0
 """Process start, imports and shutdown per engine, beyond SGLang's own startup (estimate)."""

@@ -3,7 +3,8 @@
 Rewrites the blocks between ``<!-- BEGIN GENERATED: NAME ... -->`` and ``<!-- END
 GENERATED: NAME -->``: ``qualified-cells`` (latest result per cell), ``serving-bench``
 (latest serving benchmark) and ``transport-bench`` / ``store-bench`` (latest component
-benchmark). A block with no result of the current schema is left as it is.
+benchmark: its ``figures["table"]``, a list of flat rows, and ``figures["note"]``). A block
+with no result of the current schema is left as it is.
 
     python -m harness docs            # rewrite the docs
     python -m harness docs --check    # exit 1 when a doc is out of date
@@ -93,21 +94,43 @@ def serving_table(found: Found, docs: Path) -> str:
 
 
 def rows_table(kind: str) -> Callable[[Found, Path], str]:
-    """The ``figures["table"]`` rows of the latest result of a component benchmark."""
+    """The table of the latest result of a component benchmark: its ``figures["table"]``
+    (flat rows; see :func:`table_lines`) under its source and ``figures["note"]``."""
     def render(found: Found, docs: Path) -> str:
         latest = _latest(found, kind)
         if not latest:
             return ""
         path, d = max(latest.values(), key=lambda item: str(item[1]["ran_at_utc"]))
-        rows = (d.get("figures") or {}).get("table") or []
-        if not rows:
+        figures = d.get("figures") or {}
+        if not figures.get("table"):
             return ""
-        keys = list(rows[0])
-        lines = [_source(path, d, docs), "", "| " + " | ".join(keys) + " |",
-                 "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
-        return "\n".join(lines)
+        note = f"; {figures['note']}" if figures.get("note") else ""
+        return "\n".join([_source(path, d, docs) + note, "",
+                          *table_lines(figures["table"], markdown=True)])
     return render
+
+
+def table_lines(rows: Sequence[Json], *, markdown: bool = False) -> list[str]:
+    """Flat rows (short column names as keys) as text or markdown tables: one table per
+    run of rows with the same columns, a blank line between tables."""
+    groups: list[list[Json]] = []
+    for row in rows:
+        if groups and list(groups[-1][0]) == list(row):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    lines: list[str] = []
+    for group in groups:
+        keys, cells = list(group[0]), [[_cell(r.get(k)) for k in group[0]] for r in group]
+        lines += [""] if lines else []
+        if markdown:
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(c) + " |" for c in cells]
+            continue
+        widths = [max(len(x) for x in col) for col in zip(keys, *cells, strict=True)]
+        lines += ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True))
+                  for c in [keys, *cells]]
+    return lines
 
 
 def _cell(value: Any) -> str:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.constants import SHUTDOWN_GRACE_S, TRITON_CACHE_DIR
 from harness.results import REPO, Json
 
 STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed")
@@ -63,15 +64,20 @@ class EngineProcess:
         """Start the child and wait for the engine: its ``ready`` reply."""
         read_fd, write_fd = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
-        env.setdefault("TRITON_CACHE_DIR", "/root/triton-cache")
+        env.setdefault("TRITON_CACHE_DIR", TRITON_CACHE_DIR)
         env.update(PYTHONUNBUFFERED="1", **self.spec.get("env", {}))
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.engine",
-                 str(self.log.with_suffix(".spec.json")), str(write_fd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=REPO, pass_fds=(write_fd,), start_new_session=True)
-        os.close(write_fd)
+        try:
+            with self.log.open("w") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "harness.engine",
+                     str(self.log.with_suffix(".spec.json")), str(write_fd)],
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    cwd=REPO, pass_fds=(write_fd,), start_new_session=True)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
         self._reply = read_fd
         _track(self.pgid_file, self.proc.pid, add=True)
         return self._wait(timeout_s)
@@ -88,14 +94,17 @@ class EngineProcess:
                 from None
         return self._wait(timeout_s)
 
-    def close(self, timeout_s: float = 120.0) -> Json:
-        """Shut the engine down (politely, then by killing its group); the statistics
-        events of its log."""
+    def close(self, grace_s: float = SHUTDOWN_GRACE_S) -> Json:
+        """Shut the engine down (politely within ``grace_s``, then by killing its group);
+        the statistics events of its log."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(EngineError):
-                self.request("shutdown", timeout_s)
+                self.request("shutdown", grace_s)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout_s)
+                self.proc.wait(timeout=grace_s)
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         leftover = self._kill_group()
         if self._reply >= 0:
             os.close(self._reply)
@@ -111,14 +120,16 @@ class EngineProcess:
                 self._kill_group()
                 raise EngineError(f"{self.name}: no reply within {timeout_s:.0f} s "
                                   f"(killed){self._tail()}")
-            ready, _, _ = select.select([self._reply], [], [], min(wait or 5.0, 5.0))
-            if not ready:
-                continue
-            chunk = os.read(self._reply, 1 << 20)
-            if not chunk:
-                code = self.proc.wait() if self.proc else None
+            ready, _, _ = select.select([self._reply], [], [], min(wait or 1.0, 1.0))
+            chunk = os.read(self._reply, 1 << 20) if ready else None
+            gone = self.proc is not None and self.proc.poll() is not None and not ready
+            if chunk == b"" or gone:  # the pipe closed, or the child died (a grandchild
+                code = self.proc.wait() if self.proc else None  # may hold the pipe open)
+                self._kill_group()
                 raise EngineError(f"{self.name}: the child exited (status {code}) without "
                                   f"replying{self._tail()}")
+            if chunk is None:
+                continue
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         reply: Json = json.loads(line)
@@ -279,43 +290,63 @@ def _env_info() -> Json:
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def _serve(spec: Json, reply: Any) -> None:
-    def send(data: Json) -> None:
-        reply.write(json.dumps({"ok": True, **data}, default=str) + "\n")
-        reply.flush()
+def _send(reply: Any, data: Json) -> None:
+    reply.write(json.dumps(data, default=str) + "\n")
+    reply.flush()
 
+
+def _serve(spec: Json, reply: Any) -> None:
+    """Build the engine and answer commands; a failure is answered before the engine is
+    shut down (a shutdown that hangs must not swallow it)."""
     started = time.perf_counter()
     module, _, name = spec.get("factory", "sglang:Engine").partition(":")
-    engine = getattr(importlib.import_module(module), name)(**spec["engine"])
-    info = engine.get_server_info()
-    send({"event": "ready", "startup_s": time.perf_counter() - started,
-          "env_info": _env_info(), "max_total_num_tokens": info.get("max_total_num_tokens")})
+    engine = None
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
-            op = command["op"]
-            if op == "run":
-                send(run_workload(engine, command["workload"]))
-            elif op == "d2h":
-                from harness.bounds import measure_d2h_bps
-
-                send({"d2h_bps": measure_d2h_bps()})
-            elif op == "stop":
-                t0 = time.perf_counter()
-                if hasattr(engine, "dmi_stop_monitoring"):  # DMIEngine
-                    engine.dmi_stop_monitoring()
-                    run_id = engine.dmi_run_id
-                else:
-                    engine.collective_rpc("dmi_stop_monitoring")
-                    run_id = os.environ.get("DMX_MODEL_ID", "")
-                send({"stop_s": time.perf_counter() - t0, "run_id": run_id})
-            elif op == "shutdown":
-                break
-            else:
-                raise ValueError(f"unknown command {op!r}")
+        engine = getattr(importlib.import_module(module), name)(**spec["engine"])
+        info = engine.get_server_info()
+        _send(reply, {"ok": True, "event": "ready", "startup_s": time.perf_counter() - started,
+                      "env_info": _env_info(),
+                      "max_total_num_tokens": info.get("max_total_num_tokens")})
+        _commands(engine, reply)
+    except BaseException as exc:  # every failure reaches the parent as data, first
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+        print(error, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            _send(reply, {"ok": False, "error": error})
+        raise
     finally:
-        engine.shutdown()
-    send({"event": "shut down"})
+        if engine is not None:
+            engine.shutdown()
+    _send(reply, {"ok": True, "event": "shut down"})
+
+
+def _commands(engine: Any, reply: Any) -> None:
+    """Answer commands read from stdin until ``shutdown`` (or the parent closes it)."""
+    def send(data: Json) -> None:
+        _send(reply, {"ok": True, **data})
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        if op == "run":
+            send(run_workload(engine, command["workload"]))
+        elif op == "d2h":
+            from harness.bounds import measure_d2h_bps
+
+            send({"d2h_bps": measure_d2h_bps()})
+        elif op == "stop":
+            t0 = time.perf_counter()
+            if hasattr(engine, "dmi_stop_monitoring"):  # DMIEngine
+                engine.dmi_stop_monitoring()
+                run_id = engine.dmi_run_id
+            else:
+                engine.collective_rpc("dmi_stop_monitoring")
+                run_id = os.environ.get("DMX_MODEL_ID", "")
+            send({"stop_s": time.perf_counter() - t0, "run_id": run_id})
+        elif op == "shutdown":
+            return
+        else:
+            raise ValueError(f"unknown command {op!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,12 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     with os.fdopen(int(fd), "w") as reply:
         try:
             _serve(spec, reply)
-        except BaseException as exc:  # every failure reaches the parent as data
-            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
-            print(error, file=sys.stderr, flush=True)
-            with contextlib.suppress(OSError):
-                reply.write(json.dumps({"ok": False, "error": error}) + "\n")
-                reply.flush()
+        except BaseException:  # already answered and logged by _serve
             return 1
     return 0
 

@@ -4,12 +4,14 @@
   go through the public :class:`ClickHouseSink` on the embedded engine (chdb) with
   ``--writers`` inserting threads, and are made durable (``flush``, ``close``) within the
   timed span: MB/s and CPU seconds of the whole process per GB, ``--repeat`` runs each;
-  also MB/s until ``os.sync()`` returned (the sink's durable is "inserted", unsynced).
-  Bound: the disk, a synced write into the store's directory
-  (:func:`harness.bounds.measure_disk_bps`) probed before the first run and after every
-  run, so each run sits between two probes (their spread is reported); on-disk
-  compression = captured bytes / bytes the store occupies; a run's ``of_bound`` is its
-  MB/s over disk B/s x compression (the fraction of the disk bound it reached).
+  also the synced MB/s, timed until ``os.sync()`` returned (the sink's durable is
+  "inserted", unsynced). Bound (:func:`harness.bounds.bound`): the disk, a synced write
+  into the store's directory (:func:`harness.bounds.measure_disk_bps`) probed before the
+  first run and after every run, so each run sits between two probes (their spread is
+  reported), x the on-disk compression (captured bytes / bytes the store occupies).
+  Both sides synced: needed = the synced ingest rate (records offered back to back),
+  ``of_bound`` = synced B/s / (disk B/s x compression). The result's ``bound`` is that of
+  the largest payload with the most writers.
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -37,22 +40,34 @@ from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
-from harness.bounds import directory_bytes, measure_disk_bps
+from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import DISK_PROBE_BYTES
+from harness.docs import table_lines
+from harness.models import MODELS
 from harness.results import Json, finish, quiet_logs, result, utc_now, write_json
 
-HIDDEN = 1024  # Qwen3-0.6B
-LAYERS = 28
+Q06 = MODELS["0.6b"]
+HIDDEN, LAYERS = Q06.hidden, Q06.layers
 RESID = "blocks.hook_resid_pre"
 FULL = {"mb": 512, "sizes": "65536,1048576", "writers": "1,4", "repeat": 2,
-        "probe_mb": DISK_PROBE_BYTES >> 20, "readback": "28,256,256"}
+        "probe_mb": DISK_PROBE_BYTES >> 20, "readback": f"{LAYERS},256,256"}
 QUICK = {"mb": 8, "sizes": "16384,262144", "writers": "1,2", "repeat": 2, "probe_mb": 16,
          "readback": "4,32,32"}
 
 
-def spread(values: list[float]) -> float:
-    """``max / min - 1`` of positive rates (0 for one value)."""
-    return max(values) / min(values) - 1.0 if values and min(values) > 0 else 0.0
+def ints(what: str, *, even: bool = False, count: int = 0,
+         low: tuple[int, ...] = ()) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: integers separated by commas (``count`` of them where given), each
+    at least its ``low`` (default 1), even where ``even``; ``what`` says what is accepted."""
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        values = tuple(int(x) for x in parts if x.strip().lstrip("-").isdigit())
+        mins = low or (1,) * len(values)
+        if len(values) != len(parts) or (count and len(values) != count) or any(
+                v < m or (even and v % 2) for v, m in zip(values, mins, strict=False)):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what}")
+        return values
+    return parse
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -107,7 +122,7 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int) -> Json:
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
     """Write one request (prefill, then one row per decode step), time reading it back."""
     path, positions = root / "readback", prompt + decode
-    run = RunInfo("bench", "/models/qwen3-0.6b", (), tuple((RESID, n) for n in range(layers)),
+    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(layers)),
                   utc_now())
     data = torch.randn(layers, positions, HIDDEN).to(torch.bfloat16)
     sink = ClickHouseSink(StoreConfig(kind=StoreKind.EMBEDDED, path=str(path)))
@@ -141,51 +156,55 @@ def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
 
 
 def run(args: argparse.Namespace, root: Path, data: Json) -> None:
-    """Probes, ingests and the readback into ``data``; prints the table."""
+    """Probes, ingests and the readback into ``data``; prints the tables."""
     probe_bytes = args.probe_mb << 20
     probes = [measure_disk_bps(root, probe_bytes)]
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        for writers in (int(w) for w in args.writers.split(",")):
+    for size in args.sizes:
+        for writers in args.writers:
             runs = []
             for rep in range(args.repeat):  # probe, run, probe, run, probe ...
                 runs.append(ingest(root, size, args.mb * 1_000_000, writers, rep))
                 probes.append(measure_disk_bps(root, probe_bytes))
-            rates = [r["bps"] for r in runs]
             ratios = [r["compression"] for r in runs if r["compression"]]
             rows.append({"payload_bytes": size, "writers": writers,
-                         "bps": statistics.median(rates), "spread": spread(rates),
+                         "bps": statistics.median(r["bps"] for r in runs),
+                         "spread": spread_of(r["bps"] for r in runs),
                          "synced_bps": statistics.median(r["synced_bps"] for r in runs),
+                         "synced_spread": spread_of(r["synced_bps"] for r in runs),
                          "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in runs),
                          "compression": statistics.median(ratios) if ratios else None,
                          "delivered": all(r["delivered"] for r in runs), "runs": runs})
     disk = statistics.median(probes)
-    for r in rows:
-        r["of_bound"] = r["bps"] / (disk * (r["compression"] or 1.0))
-    back = readback(root, *(int(x) for x in args.readback.split(",")))
-    print(f"ingest through ClickHouseSink (embedded), {args.mb} MB a run, durable at the "
-          f"end (synced: until os.sync returned too); median of {args.repeat} runs\n"
-          f"{'payload':>8}{'writers':>8}{'MB/s':>8}{'spread':>8}{'synced':>8}{'cpu s/GB':>10}"
-          f"{'compr.':>8}{'of bound':>10}  stored")
-    for r in rows:
-        print(f"{r['payload_bytes'] // 1024:>6}Ki{r['writers']:>8}{r['bps'] / 1e6:>8.0f}"
-              f"{r['spread']:>8.2f}{r['synced_bps'] / 1e6:>8.0f}{r['cpu_s_per_GB']:>10.1f}"
-              f"{r['compression'] or 0:>8.2f}"
-              f"{r['of_bound']:>10.2f}  {'all' if r['delivered'] else 'LOST'}")
-    print(f"bound: disk {disk / 1e6:.0f} MB/s (synced write into the store directory, median "
-          f"of {len(probes)} probes, spread {spread(probes):.2f}) x compression\n"
-          f"readback of one request ({back['layers']} layers x {back['positions']} positions, "
-          f"{back['bytes'] / 1e6:.1f} MB): available {back['available_ms_cold']:.0f} ms "
-          f"(cold), hidden_states {back['hidden_states_ms']:.0f} ms, 10-row range "
-          f"{back['range_10_rows_ms_cold']:.0f} ms (cold); read "
-          f"{'equal to what was written' if back['equal'] else 'DIFFERENT from what was written'}")
-    best = max(rows, key=lambda r: r["of_bound"])
-    data["bound"] = {"kind": "disk", "disk_bps": disk, "disk_probes_bps": probes,
-                     "disk_spread": spread(probes), "compression": best["compression"],
-                     "limit_bps": disk * (best["compression"] or 1.0),
-                     "ratio": best["of_bound"],
-                     "ratio_of": f"{best['payload_bytes']} B x {best['writers']} writers"}
-    data["figures"] = {"ingest": rows, "readback": back}
+    for r in rows:  # a record stands for a token: needed = the synced ingest rate
+        r["bound"] = bound(captured_bytes_per_token=r["payload_bytes"], d2h_bps=None,
+                           stock_tok_s=r["synced_bps"] / r["payload_bytes"], disk_bps=disk,
+                           compression=r["compression"])
+        r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
+    back = readback(root, *args.readback)
+    headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
+    data["bound"] = headline["bound"]
+    table: list[Json] = [
+        {"payload KiB": r["payload_bytes"] / 1024, "writers": r["writers"],
+         "MB/s": r["bps"] / 1e6, "synced MB/s": r["synced_bps"] / 1e6,
+         "spread": r["synced_spread"], "cpu s/GB": r["cpu_s_per_GB"],
+         "compression": r["compression"], "limit MB/s": r["bound"]["limit_bps"] / 1e6,
+         "of bound": r["of_bound"], "stored": "all" if r["delivered"] else "LOST"}
+        for r in rows]
+    table.append({"readback": f"{back['layers']} layers x {back['positions']} positions",
+                  "MB": back["bytes"] / 1e6, "available ms (cold)": back["available_ms_cold"],
+                  "hidden_states ms": back["hidden_states_ms"],
+                  "10-row range ms (cold)": back["range_10_rows_ms_cold"],
+                  "read": "equal" if back["equal"] else "DIFFERENT"})
+    note = (f"{args.mb} MB a run, median of {args.repeat}; disk {disk / 1e6:,.0f} MB/s (synced "
+            f"write into the store directory, median of {len(probes)} probes, spread "
+            f"{spread_of(probes):.2f}); MB/s: durable as the sink defines it (inserted); "
+            "synced MB/s: until os.sync() returned; limit = disk x compression; of bound = "
+            "synced MB/s / limit (both synced); headline: "
+            f"{headline['payload_bytes'] // 1024} KiB x {headline['writers']} writers")
+    print("\n".join(table_lines(table)) + f"\n{note}")
+    data["figures"] = {"ingest": rows, "readback": back, "table": table, "note": note,
+                       "disk": {"bps": disk, "probes_bps": probes, "spread": spread_of(probes)}}
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
@@ -198,17 +217,19 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: seconds, any machine")
     p.add_argument("--mb", type=int, help=f"MB ingested per run (default {FULL['mb']})")
-    p.add_argument("--sizes", help=f"payload bytes (default {FULL['sizes']})")
-    p.add_argument("--writers", help=f"writer threads (default {FULL['writers']})")
+    p.add_argument("--sizes", type=ints("even payload bytes >= 2, separated by commas",
+                                        even=True), help=f"payload bytes ({FULL['sizes']})")
+    p.add_argument("--writers", type=ints("writer threads >= 1, separated by commas"),
+                   help=f"writer threads (default {FULL['writers']})")
     p.add_argument("--repeat", type=int, help=f"runs per configuration ({FULL['repeat']})")
     p.add_argument("--probe-mb", type=int, help="MiB the disk probe writes (default 1024)")
-    p.add_argument("--readback", help="layers,prompt,decode of the readback (28,256,256)")
+    p.add_argument("--readback", type=ints("layers,prompt,decode: layers and prompt >= 1, "
+                                           "decode >= 0", count=3, low=(1, 1, 0)),
+                   help=f"layers,prompt,decode of the readback ({FULL['readback']})")
     p.add_argument("--dir", type=Path, help="where the scratch stores go (default /var/tmp)")
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
-    args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))
+    args = p.parse_args(argv)  # string defaults go through their type too
     if min(args.mb, args.repeat, args.probe_mb) <= 0:
         p.error("--mb, --repeat and --probe-mb must be positive")
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)

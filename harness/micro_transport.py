@@ -6,11 +6,17 @@
   8 and 64, a device sync after every step. Each repetition runs the blocks baseline,
   capture, baseline; its overhead is capture minus the mean of the two baselines; reported
   are the median (us per step) and the spread (max - min). Every row must reach the sink.
-* drain: a steady stream of padded decode steps at Qwen3-0.6B sizes (the defaults: 28 x
-  1024, vocab 151,936) for ``hidden-states`` and ``sglang-full`` at batch 64: payload
-  bytes/s from the first commit until ``stop()`` returns, and ``drain_counters()``. Bound:
-  pinned device-to-host copies probed before the first drain run and after each
-  repetition (CUDA only; None on CPU, where the replay is an eager forward: a dry run).
+  Bound (:func:`harness.bounds.bound`): needed = the step's ring bytes / baseline step
+  time, bound = min(1, D2H / needed); ``of_bound`` = (baseline / capture step time) / bound.
+* drain: a steady stream of padded decode steps at Qwen3-0.6B sizes (the defaults) for
+  ``hidden-states`` and ``sglang-full`` at batch 64: payload bytes/s from the first commit
+  until ``stop()`` returns, and ``drain_counters()``. No rate is asked of it (steps are
+  committed back to back), so it has no bound: ``of_d2h`` = drain B/s / D2H B/s.
+
+D2H: pinned device-to-host copies probed before the first drain run and after each
+repetition (CUDA only; None on CPU, where the replay is an eager forward: a dry run). The
+result's ``bound`` is that of ``hidden-states`` at the largest batch; ``figures["table"]``
+holds the rows ``python -m harness docs`` renders.
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
-from harness.bounds import measure_d2h_bps
+from harness.bounds import bound, measure_d2h_bps, spread_of
 from harness.constants import D2H_PROBE_BYTES
+from harness.docs import table_lines
+from harness.models import MODELS
 from harness.results import Json, finish, quiet_logs, result, write_json
+
+Q06 = MODELS["0.6b"]
 
 SEVEN = ("resid_pre", "ln1", "attn_out", "resid_mid", "ln2", "mlp_in", "mlp_out")
 OVERHEAD_PRESETS = {"hidden-states": "hidden-states", "7-hooks": ",".join(SEVEN)}
@@ -52,14 +62,28 @@ DENSE = frozenset(h.name for h in CATALOG if not h.attention_matrix) - {
 
 
 def model_shape(layers: int, hidden: int, vocab: int) -> ModelShape:
-    """Qwen3-0.6B's proportions at ``layers`` x ``hidden`` (28 x 1024: Qwen3-0.6B itself)."""
-    return ModelShape(layers, hidden, max(hidden // 64, 1), max(hidden // 128, 1), 128,
-                      3 * hidden, vocab)
+    """Qwen3-0.6B's proportions at ``layers`` x ``hidden`` (its own sizes: Qwen3-0.6B)."""
+    return ModelShape(layers, hidden, max(hidden * Q06.heads // Q06.hidden, 1),
+                      max(hidden * Q06.kv_heads // Q06.hidden, 1), Q06.head_dim,
+                      hidden * Q06.intermediate // Q06.hidden, vocab)
 
 
-def spread(values: list[float]) -> float:
-    """``max / min - 1`` of positive rates (0 for one value)."""
-    return max(values) / min(values) - 1.0 if values and min(values) > 0 else 0.0
+def _ints(text: str) -> tuple[int, ...]:
+    """``--batches``: positive integers separated by commas."""
+    values = tuple(int(x) for x in text.split(",") if x.strip().isdigit())
+    if len(values) != len(text.split(",")) or min(values) <= 0:
+        msg = f"{text!r}: expected positive integers separated by commas, e.g. 1,8,64"
+        raise argparse.ArgumentTypeError(msg)
+    return values
+
+
+def _presets(text: str) -> tuple[str, ...]:
+    """``--presets``: names of :data:`OVERHEAD_PRESETS` separated by commas."""
+    if unknown := [n for n in text.split(",") if n not in OVERHEAD_PRESETS]:
+        msg = (f"unknown preset {', '.join(map(repr, unknown))}: accepted "
+               f"{', '.join(OVERHEAD_PRESETS)} (one or more, separated by commas)")
+        raise argparse.ArgumentTypeError(msg)
+    return tuple(text.split(","))
 
 
 def _sync(dev: torch.device) -> None:
@@ -173,16 +197,14 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         overheads.append(captured - (before + after) / 2)
     stats = transport.stop()
     expected = done * bs * len(sel.captures())
-    return {
-        "preset": preset, "batch": bs, "captures": len(sel.captures()),
+    return {"preset": preset, "batch": bs, "captures": len(sel.captures()),
         "step_bytes": plans[0].total_bytes, "base_us": statistics.median(bases),
-        "base_spread": spread(bases), "capture_us": statistics.median(caps),
+        "base_spread": spread_of(bases), "capture_us": statistics.median(caps),
         "overhead_us": statistics.median(overheads),
         "overhead_spread_us": max(overheads) - min(overheads), "overheads_us": overheads,
         "make_plan_us": plan_us, "steps": done, "rows": stats.rows, "rows_expected": expected,
         "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
-        "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water,
-    }
+        "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
 
 
 def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
@@ -209,31 +231,21 @@ def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
     stats = transport.stop()
     seconds = time.perf_counter() - started
     expected = len(plans) * bs * len(sel.captures())
-    return {
-        "preset": preset, "batch": bs, "captures": len(sel.captures()), "steps": len(plans),
+    return {"preset": preset, "batch": bs, "captures": len(sel.captures()), "steps": len(plans),
         "step_bytes": plans[0].total_bytes, "bytes": stats.bytes, "seconds": seconds,
         "bps": stats.bytes / seconds, "rows": stats.rows, "rows_expected": expected,
         "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
-        "stall_seconds": stats.stall_seconds, "counters": dict(transport.drain_counters()),
-    }
+        "stall_seconds": stats.stall_seconds, "counters": dict(transport.drain_counters())}
 
 
 def run(args: argparse.Namespace, data: Json) -> None:
     """Both measurements into ``data`` (figures, bound, checks); prints the tables."""
     dev = torch.device(args.device)
     rows = []
-    for preset in args.presets.split(","):
-        for bs in (int(b) for b in args.batches.split(",")):
+    for preset in args.presets:
+        for bs in args.batches:
             rows.append(overhead(args, preset, bs))
             gc.collect()  # frees the previous transport's ring and staging
-    print(f"capture overhead per decode step (us; device sync every step; blocks base, "
-          f"capture, base x {args.reps}; spread = max - min of the overheads)\n"
-          f"{'preset':<14}{'bs':>4}{'caps':>6}{'base':>9}{'+cap':>9}{'ovh':>8}{'spread':>8}"
-          f"{'plan':>7}{'stalls':>7}  rows")
-    for r in rows:
-        print(f"{r['preset']:<14}{r['batch']:>4}{r['captures']:>6}{r['base_us']:>9.1f}"
-              f"{r['capture_us']:>9.1f}{r['overhead_us']:>8.1f}{r['overhead_spread_us']:>8.1f}"
-              f"{r['make_plan_us']:>7.0f}{r['stalls']:>7}  {ROWS[r['delivered']]}")
     for preset in DRAIN_PRESETS:  # warm-up runs (first touches of memory), not reported
         drain(args, preset, args.warmup)
     probes = [_d2h(dev, args.d2h_bytes)]  # the bound brackets every repetition of the drain
@@ -245,36 +257,44 @@ def run(args: argparse.Namespace, data: Json) -> None:
         probes.append(_d2h(dev, args.d2h_bytes))
     measured = [p for p in probes if p is not None]
     d2h = statistics.median(measured) if measured else None
-    summary = {p: {"bps": statistics.median(r["bps"] for r in runs),
-                   "spread": spread([r["bps"] for r in runs]), "runs": runs}
-               for p, runs in drains.items()}
-    for s in summary.values():
-        s["of_d2h"] = s["bps"] / d2h if d2h else None
-    print(f"\ndrain: padded decode steps at batch {DRAIN_BATCH}, {args.layers} layers x "
-          f"{args.hidden}, end to end until stop() returns (median of {args.reps}; "
-          f"counters of the last run)\n"
-          f"{'preset':<14}{'caps':>6}{'step MB':>9}{'MB/s':>9}{'spread':>8}{'of D2H':>8}"
-          f"{'records':>9}{'d2h s':>8}{'build s':>9}{'sink s':>8}{'stalls':>7}  rows")
-    for preset, s in summary.items():
-        r, c = s["runs"][-1], s["runs"][-1]["counters"]
-        share = "-" if s["of_d2h"] is None else f"{s['of_d2h']:.2f}"
-        print(f"{preset:<14}{r['captures']:>6}{r['step_bytes'] / 1e6:>9.2f}"
-              f"{s['bps'] / 1e6:>9.0f}{s['spread']:>8.2f}{share:>8}{c['records']:>9.0f}"
-              f"{c['d2h_seconds']:>8.2f}{c['build_cpu_seconds']:>9.2f}{c['sink_seconds']:>8.2f}"
-              f"{r['stalls']:>7}  {ROWS[all(x['delivered'] for x in s['runs'])]}")
+    for r in rows:  # needed: the step's bytes at baseline speed (a decode step: a token each)
+        r["bound"] = bound(captured_bytes_per_token=r["step_bytes"] / r["batch"],
+                           stock_tok_s=r["batch"] / (r["base_us"] * 1e-6), d2h_bps=d2h)
+        r["x_base"] = r["base_us"] / r["capture_us"]
+        r["of_bound"] = r["x_base"] / r["bound"]["ratio"] if r["bound"]["ratio"] else None
+    summary = {p: {"bps": (bps := statistics.median(r["bps"] for r in runs)), "runs": runs,
+                   "spread": spread_of(r["bps"] for r in runs),
+                   "of_d2h": bps / d2h if d2h else None} for p, runs in drains.items()}
     reason = None if d2h else "no CUDA device: the pinned device-to-host bound needs one"
-    data["bound"] = {"kind": "d2h", "d2h_bps": d2h, "d2h_probes_bps": probes,
-                     "d2h_spread": spread(measured), "reason": reason,
-                     "ratio": {p: s["of_d2h"] for p, s in summary.items()}}
-    print("bound: pinned D2H " + (f"{d2h / 1e9:.1f} GB/s, median of {len(measured)} probes, "
-                                  f"spread {spread(measured):.2f}" if d2h else f"None ({reason})"))
-    data["figures"] = {"overhead": rows, "drain": summary}
+    headline = max(rows, key=lambda r: (r["preset"] == "hidden-states", r["batch"]))
+    data["bound"] = headline["bound"]
+    table = [{"test": "overhead", "preset": r["preset"], "batch": r["batch"],
+              "captures": r["captures"], "step MB": r["step_bytes"] / 1e6,
+              "base µs": r["base_us"], "+capture µs": r["capture_us"],
+              "overhead µs": r["overhead_us"], "spread µs": r["overhead_spread_us"],
+              "x base": r["x_base"], "need GB/s": r["bound"]["needed_bps"] / 1e9,
+              "bound": r["bound"]["ratio"], "of bound": r["of_bound"], "stalls": r["stalls"],
+              "rows": ROWS[r["delivered"]]} for r in rows]
+    table += [{"test": "drain", "preset": p, "batch": DRAIN_BATCH,
+               "captures": s["runs"][0]["captures"], "step MB": s["runs"][0]["step_bytes"] / 1e6,
+               "GB/s": s["bps"] / 1e9, "spread": s["spread"], "of D2H": s["of_d2h"],
+               "stalls": max(r["stalls"] for r in s["runs"]),
+               "rows": ROWS[all(r["delivered"] for r in s["runs"])]} for p, s in summary.items()]
+    note = ((f"D2H {d2h / 1e9:.1f} GB/s (pinned, median of {len(measured)} probes, spread "
+             f"{spread_of(measured):.2f})" if d2h else f"D2H none ({reason})") +
+            f"; {args.layers} x {args.hidden}, median of {args.reps}; x base = base / capture "
+            "step time, need = step bytes / base step time, bound = min(1, D2H / need), of "
+            "bound = x base / bound; drain: steps back to back (no rate asked, no bound), of "
+            f"D2H = GB/s / D2H; headline: {headline['preset']} at batch {headline['batch']}")
+    print("\n".join(table_lines(table)) + f"\n{note}")
+    data["figures"] = {"overhead": rows, "drain": summary, "table": table, "note": note,
+                       "d2h": {"bps": d2h, "probes_bps": probes, "reason": reason,
+                               "spread": spread_of(measured)}}
     data["checks"]["overhead_delivered"] = {
         "ok": all(r["delivered"] for r in rows), "required": True,
         "lost": [f"{r['preset']}@{r['batch']}" for r in rows if not r["delivered"]]}
-    data["checks"]["drain_delivered"] = {
-        "ok": all(r["delivered"] for s in summary.values() for r in s["runs"]),
-        "required": True}
+    data["checks"]["drain_delivered"] = {"required": True, "ok": all(
+        r["delivered"] for s in summary.values() for r in s["runs"])}
     target = [r["overhead_us"] for r in rows
               if r["preset"] == "hidden-states" and r["batch"] == 64]
     data["checks"]["hidden_states_bs64_overhead"] = {
@@ -291,11 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness transport", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=151936, help="final_logits width (drain)")
-    p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--presets", default="hidden-states,7-hooks")
+    p.add_argument("--layers", type=int, default=Q06.layers)
+    p.add_argument("--hidden", type=int, default=Q06.hidden)
+    p.add_argument("--vocab", type=int, default=Q06.vocab, help="final_logits width (drain)")
+    p.add_argument("--batches", type=_ints, default="1,8,64", help="positive, e.g. 1,8,64")
+    p.add_argument("--presets", type=_presets, default=",".join(OVERHEAD_PRESETS),
+                   help=f"of {', '.join(OVERHEAD_PRESETS)} (default: both)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each block")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median and spread)")

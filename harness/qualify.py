@@ -27,6 +27,7 @@ every cell passed; 1: a cell failed; 3: cells left for the next invocation.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from pathlib import Path
 from harness import checks
 from harness.bracket import Bracket
 from harness.constants import ENGINE_OVERHEAD_S, READBACK_S_PER_REQUEST, SEED, STORE_INGEST_BPS
-from harness.engine import EngineError, kill_leftovers
+from harness.engine import kill_leftovers
 from harness.models import MODELS, ModelSpec, engine_kwargs, qwen3_config, write_model_dir
 from harness.results import (
     Deadline,
@@ -112,6 +113,8 @@ def select_cells(text: str) -> list[Cell]:
             accepted = ", ".join([*GROUPS, *(c.name for c in CELLS)])
             raise ValueError(f"unknown cell {token!r}; accepted: {accepted}")
         names.update(GROUPS.get(token, [token]))
+    if not names:
+        raise ValueError(f"no cell named in {text!r}; accepted: names or core, optional, all")
     return [c for c in CELLS if c.name in names]
 
 
@@ -240,7 +243,7 @@ class Qualification:
                                    timed_workloads(cell), monitored=True)
             self.startup[cell.stock_key] = unit["measured"]["ready"]["startup_s"]
             write_json(self.state / "startup.json", self.startup)
-        except EngineError as exc:
+        except Exception as exc:  # an engine (or anything else) failed: this cell's result
             finish(data, "error", str(exc)[-6000:])
         else:
             try:
@@ -359,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.results:
         parser.error("the results directory is required")
     results = Path(args.results).resolve()
-    state = state_dir(results / ".state") / "qualify"
+    state = state_dir(results / ".state") / "qualify" / re.sub(r"\W", "-", args.engine_class)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-qualify-"))
     print(render_plan(cells, load_json(state / "startup.json") or {}), flush=True)
     return Qualification(results, state, work, deadline, fresh=args.fresh,

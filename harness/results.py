@@ -2,8 +2,8 @@
 
 Every file the harness writes is a JSON object made by :func:`result`::
 
-    {"schema", "kind", "name", "status", "commit", "code", "command", "ran_at_utc",
-     "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
+    {"schema", "kind", "name", "status", "commit", "code", "command", "environment",
+     "ran_at_utc", "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
 
 ``status`` is ``passed`` (every required check ok), ``failed``, ``error`` (it could not be
 measured) or ``skipped`` (it did not fit before the deadline; run the command again).
@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from harness.constants import DEADLINE_ENV, SCHEMA, STATE_ENV
+from harness.constants import DEADLINE_ENV, SCHEMA, STATE_DIR, STATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -80,8 +80,11 @@ def git_commit(repo: Path = REPO, env: Mapping[str, str] | None = None) -> str:
 
 
 def command_line() -> str:
-    """This process's command line, shell-quoted."""
-    return " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    """This process's command line, shell-quoted (``python -m harness ...`` as typed)."""
+    args = list(sys.argv)
+    if args and args[0].endswith(("harness/__main__.py", "harness\\__main__.py")):
+        args[0:1] = ["-m", "harness"]
+    return " ".join(shlex.quote(a) for a in [sys.executable, *args])
 
 
 def result(kind: str, name: str, settings: Mapping[str, Any]) -> Json:
@@ -89,6 +92,8 @@ def result(kind: str, name: str, settings: Mapping[str, Any]) -> Json:
     return {
         "schema": SCHEMA, "kind": kind, "name": name, "status": None,
         "commit": git_commit(), "code": code_fingerprint(), "command": command_line(),
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(("DMI_HARNESS_", "DMI_COMMIT"))},
         "ran_at_utc": utc_now(), "finished_at_utc": None, "settings": dict(settings),
         "checks": {}, "figures": {}, "bound": {}, "error": None,
     }
@@ -149,17 +154,16 @@ class Deadline:
         """Whether ``seconds`` of work fit before the deadline."""
         return seconds <= self.left()
 
-    def timeout(self, floor_s: float = 30.0) -> float | None:
-        """A child's timeout: what is left (at least ``floor_s``), or None without deadline."""
-        return None if self.at is None else max(self.left(), floor_s)
+    def timeout(self) -> float | None:
+        """How long a child may take: what is left, or None (no deadline: wait for it)."""
+        return None if self.at is None else max(self.left(), 0.001)
 
 
 def state_dir(fallback: Path, env: Mapping[str, str] | None = None) -> Path:
     """The state directory: :data:`~harness.constants.STATE_ENV`, else
-    ``/root/dmi-harness-state`` where writable (it outlives one command on the GPU machine),
-    else ``fallback``."""
+    :data:`~harness.constants.STATE_DIR` where writable, else ``fallback``."""
     source = os.environ if env is None else env
-    for candidate in (source.get(STATE_ENV), "/root/dmi-harness-state"):
+    for candidate in (source.get(STATE_ENV), STATE_DIR):
         if not candidate:
             continue
         path = Path(candidate)
@@ -177,11 +181,13 @@ def state_dir(fallback: Path, env: Mapping[str, str] | None = None) -> Path:
 
 class Resumable:
     """Finished results kept across invocations, keyed by an identity hash: a result is
-    reused only for the same code, the same settings and a final status."""
+    reused only for the same code (:func:`code_fingerprint`), the same settings and a
+    final status."""
 
     def __init__(self, root: Path, *, fresh: bool = False) -> None:
         self.root = root
         self.fresh = fresh
+        self.code = code_fingerprint()
 
     def get(self, key: str, identity: str) -> Json | None:
         """The saved result of ``key`` when its identity matches and it is final."""
@@ -189,7 +195,7 @@ class Resumable:
             return None
         data = load_json(self.root / f"{key}.json")
         if data and data.get("identity") == identity and data.get("status") in \
-                ("passed", "failed"):
+                ("passed", "failed") and data.get("code") == self.code:
             return data
         return None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import statistics
 import tempfile
@@ -36,9 +37,9 @@ from typing import Any
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import ConfigurationError
 from harness import checks
-from harness.bounds import bound, directory_bytes, measure_disk_bps
+from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.bracket import Bracket
-from harness.constants import ENGINE_OVERHEAD_S, SEED, STORE_INGEST_BPS
+from harness.constants import ENGINE_OVERHEAD_S, MAX_TOTAL_TOKENS, SEED, STORE_INGEST_BPS
 from harness.engine import EngineError, kill_leftovers
 from harness.models import MODELS, engine_kwargs, qwen3_config, write_model_dir
 from harness.results import (
@@ -185,21 +186,23 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
 
 
 def summarize(units: Sequence[Json]) -> list[Json]:
-    """One row per mode over its units: median ratio, spreads, bound, checks."""
+    """One row per mode over its units: the median ratio to stock, the spread of those
+    ratios and of every stock run around them, the bound, the status."""
     rows = []
     for key in dict.fromkeys(u["settings"]["mode"] for u in units):
         mine = [u for u in units if u["settings"]["mode"] == key and u["status"] != "skipped"]
         ratios = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
             "ratios", [])]
-        stock = [(u["figures"].get("throughput") or {}).get("stock_spread", 0) for u in mine]
+        stock = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
+            "stock_rates", [])]
         bounds = [u["bound"]["ratio"] for u in mine if (u.get("bound") or {}).get("ratio")]
         rows.append({
             "mode": key, "units": len(mine),
             "status": "passed" if mine and all(u["status"] == "passed" for u in mine)
             else "incomplete" if not mine else "failed",
             "ratio": statistics.median(ratios) if ratios else None,
-            "ratio_spread": max(ratios) / min(ratios) - 1 if ratios else None,
-            "stock_spread": max(stock) if stock else None,
+            "ratio_spread": spread_of(ratios) if ratios else None,
+            "stock_spread": spread_of(stock) if stock else None,
             "bound": min(bounds) if bounds else None,
             "of_bound": statistics.median(ratios) / min(bounds) if ratios and bounds else None})
     return rows
@@ -252,9 +255,10 @@ def run(args: argparse.Namespace, state: Path, work: Path, deadline: Deadline) -
                             disk_bps = measure_disk_bps(store.parent)
                         try:
                             run_id = f"bench-{name}-{utc_now()[:19].replace(':', '')}"
+                            warm_mode, main_mode = workloads(args, mode)
                             unit = bracket.measure(
                                 name, monitored_spec(args, mode, kwargs, store, run_id),
-                                workloads(args, mode)[:1], [main],
+                                [warm_mode], [main_mode], stock_timed=[main],
                                 monitored=mode.kind != "return-hidden-states")
                             data.update(evaluate(args, mode, unit, store=store, bracket=bracket,
                                                 disk_bps=disk_bps))
@@ -299,11 +303,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--engine-class", default="sglang:Engine",
                    help="MODULE:NAME of the engine every side builds (default %(default)s)")
     args = p.parse_args(argv)
+    _validate(p, args)
+    if args.dry_run:
+        for mode in args.mode_list:
+            gb = wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
+            print(f"  {mode.key:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
+                  f"{args.repeats}, {gb:.2f} GB captured per wave")
+        return 0
+    args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
+    state = state_dir(Path(args.out).resolve().parent / ".state") / "serving"
+    return run(args, state / re.sub(r"\W", "-", args.engine_class), work, Deadline())
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One clear error (exit 2) for anything the benchmark cannot run; parses the modes
+    and ``--env`` in place."""
     for name in ("batch", "prompt_len", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     if args.output_len < 2:
         p.error(f"--output-len {args.output_len}: expected >= 2")
+    if args.min_seconds < 0:
+        p.error(f"--min-seconds {args.min_seconds}: expected >= 0")
+    tokens = args.batch * (args.prompt_len + args.output_len)
+    if tokens > MAX_TOTAL_TOKENS:
+        p.error(f"--batch x (--prompt-len + --output-len) = {tokens} tokens: expected at most "
+                f"{MAX_TOTAL_TOKENS}, the KV pool every engine gets (harness/constants.py)")
     try:
         args.mode_list = parse_modes(args.modes)
         for mode in args.mode_list:
@@ -325,13 +351,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         Settings.from_env(args.env)
     except ConfigurationError as exc:
         p.error(f"--env: {exc}")
-    if args.dry_run:
-        for mode in args.mode_list:
-            gb = wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
-            print(f"  {mode.key:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
-                  f"{args.repeats}, {gb:.2f} GB captured per wave")
-        return 0
-    args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
-    return run(args, state_dir(Path(args.out).resolve().parent / ".state") / "serving", work,
-               Deadline())

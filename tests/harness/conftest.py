@@ -6,9 +6,10 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests start without a deadline and without a state directory from outside."""
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests start without a deadline and with a state directory of their own (never the
+    machine's, whose saved results and engine records belong to real runs)."""
     monkeypatch.delenv("DMI_HARNESS_DEADLINE_S", raising=False)
-    monkeypatch.delenv("DMI_HARNESS_STATE", raising=False)
-    for name in ("FAKE_DIVERGE", "FAKE_DROP_ROWS", "FAKE_FAIL_START"):
+    monkeypatch.setenv("DMI_HARNESS_STATE", str(tmp_path_factory.mktemp("state")))
+    for name in ("FAKE_DIVERGE", "FAKE_DROP_ROWS", "FAKE_FAIL_START", "FAKE_RUN_FAULT"):
         monkeypatch.delenv(name, raising=False)

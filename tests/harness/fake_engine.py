@@ -2,7 +2,8 @@
 
 Output ids are a pure function of the prompt, so stock and "monitored" engines agree;
 ``FAKE_DIVERGE=1`` changes the first output id of every monitored request,
-``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete). With
+``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete),
+``FAKE_RUN_FAULT=raise|exit|hang`` makes ``generate`` raise, exit the process or hang. With
 ``DMX_SGLANG_ENABLE=1`` the stop RPC logs the ``dmi.stopped`` statistics a complete
 capture of every request served would have, in SGLang's console log format.
 """
@@ -34,8 +35,15 @@ class FakeEngine:
         return {"max_total_num_tokens": self.kwargs.get("max_total_tokens")}
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-                 rid: list[str], **_: Any) -> list[dict[str, Any]]:
+                 rid: list[str], return_hidden_states: bool = False) -> list[dict[str, Any]]:
         time.sleep(0.002)
+        fault = os.environ.get("FAKE_RUN_FAULT", "")
+        if fault == "raise":
+            raise RuntimeError("boom in generate")
+        if fault == "exit":
+            os._exit(7)
+        if fault == "hang":
+            time.sleep(3600)
         outs = []
         for ids, params, r in zip(input_ids, sampling_params, rid, strict=True):
             n = params["max_new_tokens"]
@@ -43,8 +51,10 @@ class FakeEngine:
             if os.environ.get("FAKE_DIVERGE") and os.environ["DMX_SGLANG_ENABLE"] == "1":
                 out[0] += 1
             self.served.append((len(ids), n, False))
-            outs.append({"output_ids": out, "meta_info": {
-                "id": r, "prompt_tokens": len(ids), "completion_tokens": n}})
+            meta: dict[str, Any] = {"id": r, "prompt_tokens": len(ids), "completion_tokens": n}
+            if return_hidden_states:
+                meta["hidden_states"] = [[0.5] * 8 for _ in range(n)]
+            outs.append({"output_ids": out, "meta_info": meta})
         return outs
 
     def collective_rpc(self, method: str) -> None:

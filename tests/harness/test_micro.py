@@ -1,8 +1,11 @@
 """The component benchmarks (``python -m harness transport`` / ``store``) on CPU, tiny sizes:
-one result of the one schema, every row delivered, the bound and the spreads present."""
+one result of the one schema, every row delivered, the bound and the spreads present, the
+tables ``python -m harness docs`` renders, and bad arguments refused before any work."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -12,8 +15,11 @@ import pytest
 
 from harness.constants import SCHEMA
 
-KEYS = {"schema", "kind", "name", "status", "commit", "code", "command", "ran_at_utc",
-        "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
+KEYS = {"schema", "kind", "name", "status", "commit", "code", "command", "environment",
+        "ran_at_utc", "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
+BOUND_KEYS = {"needed_bps", "d2h_bps", "kind", "limit_bps", "ratio"}
+"""The keys of :func:`harness.bounds.bound`'s answer (a stored mode adds the disk's)."""
+Ran = tuple[dict[str, Any], str]
 
 
 def _needs_torch() -> None:
@@ -31,17 +37,42 @@ def _result(path: Path, kind: str) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.torch
-def test_transport_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def transport_run(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """One tiny CPU transport benchmark, written to its default ``$OUT/transport.json``."""
     _needs_torch()
-    from harness.micro_transport import DRAIN_PRESETS, main
+    from harness.micro_transport import main
 
-    monkeypatch.setenv("OUT", str(tmp_path))  # the default --out: $OUT/transport.json
-    assert main(["--device", "cpu", "--layers", "2", "--hidden", "32", "--vocab", "256",
-                 "--batches", "1,8", "--steps", "4", "--warmup", "1", "--reps", "2",
-                 "--ring-mb", "16"]) == 0
-    data = _result(tmp_path / "transport.json", "transport")
+    out, printed = tmp_path_factory.mktemp("transport"), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setenv("OUT", str(out))
+        assert main(["--device", "cpu", "--layers", "2", "--hidden", "32", "--vocab", "256",
+                     "--batches", "1,8", "--steps", "4", "--warmup", "1", "--reps", "2",
+                     "--ring-mb", "16"]) == 0
+    return _result(out / "transport.json", "transport"), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def store_run(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """One tiny store benchmark (``--quick`` with smaller sizes)."""
+    _needs_torch()
+    from harness.micro_store import main
+
+    tmp, printed = tmp_path_factory.mktemp("store"), io.StringIO()
+    out = tmp / "results" / "store.json"
+    with contextlib.redirect_stdout(printed):
+        assert main(["--quick", "--mb", "2", "--sizes", "16384", "--writers", "1,2",
+                     "--repeat", "2", "--probe-mb", "4", "--readback", "2,8,8",
+                     "--dir", str(tmp), "--out", str(out)]) == 0
+    assert not list(tmp.glob("dmi-store-bench-*"))  # the scratch stores are gone
+    return _result(out, "store"), printed.getvalue()
+
+
+@pytest.mark.torch
+def test_transport_on_cpu(transport_run: Ran) -> None:
+    from harness.micro_transport import DRAIN_PRESETS
+
+    data, out = transport_run
     rows = data["figures"]["overhead"]
     assert [(r["preset"], r["batch"], r["captures"]) for r in rows] == [
         ("hidden-states", 1, 2), ("hidden-states", 8, 2), ("7-hooks", 1, 14), ("7-hooks", 8, 14)]
@@ -50,49 +81,116 @@ def test_transport_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         assert r["rows"] == r["rows_expected"] == 10 * r["batch"] * r["captures"]
         assert len(r["overheads_us"]) == 2
         assert r["overhead_spread_us"] == max(r["overheads_us"]) - min(r["overheads_us"])
+        # needed: the step's bytes at baseline speed; no D2H on CPU, so no bound
+        assert r["bound"]["needed_bps"] == pytest.approx(r["step_bytes"] / r["base_us"] * 1e6)
+        assert (r["bound"]["ratio"], r["of_bound"]) == (None, None)
+        assert r["x_base"] == pytest.approx(r["base_us"] / r["capture_us"])
     drain = data["figures"]["drain"]
     assert set(drain) == set(DRAIN_PRESETS)
     for summary in drain.values():
-        assert (len(summary["runs"]), summary["spread"] >= 0) == (2, True)
+        assert (len(summary["runs"]), summary["spread"] >= 0, summary["of_d2h"]) == (
+            2, True, None)
         for run in summary["runs"]:
             assert run["delivered"]
             assert run["rows"] == 4 * 64 * run["captures"] > 0
             assert run["bytes"] == 4 * run["step_bytes"] > 0
             assert run["counters"]["records"] > 0
-    bound = data["bound"]  # no CUDA: no D2H bound, and the reason says so
-    assert (bound["kind"], bound["d2h_bps"], bound["d2h_probes_bps"]) == ("d2h", None, [None] * 3)
-    assert "CUDA" in bound["reason"]
+    bound = data["bound"]  # bounds.bound() of the headline: hidden-states, largest batch
+    assert set(bound) == BOUND_KEYS
+    assert bound == rows[1]["bound"]
+    assert (bound["kind"], bound["d2h_bps"], bound["ratio"]) == ("d2h", None, None)
+    d2h = data["figures"]["d2h"]  # no CUDA: no D2H probe, and the reason says so
+    assert (d2h["bps"], d2h["probes_bps"]) == (None, [None] * 3)
+    assert "CUDA" in d2h["reason"]
     assert not data["checks"]["hidden_states_bs64_overhead"]["required"]
-    out = capsys.readouterr().out
     assert (out.count("delivered"), out.count("LOST")) == (6, 0)
-    assert "bound: pinned D2H None" in out
+    assert "D2H none (no CUDA device" in out
 
 
 @pytest.mark.torch
-def test_store_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _needs_torch()
-    from harness.micro_store import main
-
-    out = tmp_path / "results" / "store.json"
-    assert main(["--quick", "--mb", "2", "--sizes", "16384", "--writers", "1,2",
-                 "--repeat", "2", "--probe-mb", "4", "--readback", "2,8,8",
-                 "--dir", str(tmp_path), "--out", str(out)]) == 0
-    data = _result(out, "store")
+def test_store_on_cpu(store_run: Ran) -> None:
+    data, out = store_run
     rows = data["figures"]["ingest"]
     assert [(r["payload_bytes"], r["writers"]) for r in rows] == [(16384, 1), (16384, 2)]
+    disk = data["figures"]["disk"]  # probe, run, probe, run, probe per configuration
+    assert len(disk["probes_bps"]) == 5
+    assert min(disk["probes_bps"]) > 0
+    assert disk["spread"] >= 0
     for r in rows:
         assert r["delivered"]
         assert [(x["records"], x["delivered"]) for x in r["runs"]] == [(2_000_000 // 16384,
                                                                         True)] * 2
-        assert min(r["spread"], r["compression"], r["of_bound"], r["cpu_s_per_GB"]) >= 0
+        assert min(r["spread"], r["synced_spread"], r["compression"], r["cpu_s_per_GB"]) >= 0
+        # like with like: the synced ingest rate against the synced disk probe
+        assert r["bound"]["needed_bps"] == pytest.approx(r["synced_bps"])
+        assert r["bound"]["limit_bps"] == pytest.approx(disk["bps"] * r["compression"])
+        assert r["of_bound"] == pytest.approx(r["synced_bps"] / r["bound"]["limit_bps"])
         assert r["of_bound"] > 0
-    bound = data["bound"]  # probe, run, probe, run, probe per configuration
-    assert (bound["kind"], len(bound["disk_probes_bps"])) == ("disk", 5)
-    assert min(bound["disk_probes_bps"]) > 0
-    assert bound["disk_spread"] >= 0
-    assert bound["ratio"] == max(r["of_bound"] for r in rows)
+        assert r["synced_bps"] <= r["bps"]
+    bound = data["bound"]  # bounds.bound() of the headline: largest payload, most writers
+    assert set(bound) == BOUND_KEYS | {"disk_bps", "compression"}
+    assert bound == rows[1]["bound"]
+    assert (bound["kind"], bound["disk_bps"]) == ("disk", disk["bps"])
     back = data["figures"]["readback"]
     assert (back["equal"], back["positions"], back["records"]) == (True, 16, 2 * 9)
     assert min(back["available_ms_cold"], back["hidden_states_ms"]) > 0
-    assert not list(tmp_path.glob("dmi-store-bench-*"))  # the scratch stores are gone
-    assert "read equal to what was written" in capsys.readouterr().out
+    assert "equal" in out
+    assert "LOST" not in out
+
+
+@pytest.mark.torch
+def test_docs_render_both_tables(transport_run: Ran, store_run: Ran, tmp_path: Path) -> None:
+    from harness import docs
+
+    for (data, _), name in ((transport_run, "transport"), (store_run, "store")):
+        path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n\n<!-- BEGIN GENERATED: transport-bench (x) -->\nold\n"
+                   "<!-- END GENERATED: transport-bench -->\n\nbetween\n\n"
+                   "<!-- BEGIN GENERATED: store-bench (x) -->\n"
+                   "<!-- END GENERATED: store-bench -->\n")
+    assert docs.main(["--docs", str(tmp_path), "--check"]) == 1
+    assert docs.main(["--docs", str(tmp_path)]) == 0
+    text = doc.read_text()
+    assert "old\n" not in text
+    assert "\nbetween\n" in text
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith("| overhead | ")]
+    assert [r.split(" | ")[1:3] for r in rows] == [
+        ["hidden-states", "1"], ["hidden-states", "8"], ["7-hooks", "1"], ["7-hooks", "8"]]
+    assert all(r.endswith("| - | - | 0 | delivered |") for r in rows)  # bound, of bound
+    drains = [line for line in lines if line.startswith("| drain | ")]
+    assert [r.split(" | ")[1:3] for r in drains] == [["hidden-states", "64"],
+                                                     ["sglang-full", "64"]]
+    assert "| test | preset | batch | captures | step MB | GB/s | spread | of D2H |" in text
+    ingest = [line for line in lines if line.startswith("| 16 | ")]
+    assert [r.split(" | ")[1] for r in ingest] == ["1", "2"]
+    assert all(r.endswith(" | all |") for r in ingest)
+    assert "| payload KiB | writers | MB/s | synced MB/s | spread |" in text
+    assert "| 2 layers x 16 positions |" in text
+    assert "](evidence/2026-12-02-cpu/store.json); 2 MB a run" in text
+    assert "](evidence/2026-12-02-cpu/transport.json); D2H none" in text
+    assert docs.main(["--docs", str(tmp_path), "--check"]) == 0
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("module", "argv", "says"), [
+    ("micro_transport", ["--presets", "bogus"],
+     "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks"),
+    ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
+    ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
+    ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
+])
+def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    _needs_torch()
+    import importlib
+
+    main = importlib.import_module(f"harness.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path / "r.json")])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before any work

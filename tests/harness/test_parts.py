@@ -162,6 +162,8 @@ def test_an_unknown_cell_is_refused_with_the_accepted_names() -> None:
     with pytest.raises(ValueError, match=r"unknown cell 'nope'; accepted: core, optional"):
         select_cells("core,nope")
     assert [c.name for c in select_cells("8b-graph-hidden")] == ["8b-graph-hidden"]
+    with pytest.raises(ValueError, match="no cell named in ','"):
+        select_cells(",")
 
 
 def test_the_original_smoke_variables_are_refused_with_their_replacements(
@@ -178,3 +180,19 @@ def test_the_original_smoke_variables_are_refused_with_their_replacements(
     monkeypatch.delenv("DMI_V0519_CELLS")
     monkeypatch.delenv("DMI_V0519_MEM_FRACTION")
     assert main(["qualify", "--list"]) == 0
+
+
+def test_saved_results_are_reused_only_for_the_same_code_and_settings(tmp_path: Path) -> None:
+    from harness.results import Resumable
+
+    saved = Resumable(tmp_path)
+    data = finish(result("qualify-cell", "c", {}) | {"checks": {"x": {"ok": True}}})
+    saved.put("c", "id-1", data)
+    assert saved.get("c", "id-1") is not None
+    assert saved.get("c", "id-2") is None
+    assert Resumable(tmp_path, fresh=True).get("c", "id-1") is None
+    other_code = Resumable(tmp_path)
+    other_code.code = "0" * 12
+    assert other_code.get("c", "id-1") is None
+    saved.put("s", "id-1", finish(result("qualify-cell", "s", {}), "skipped"))
+    assert saved.get("s", "id-1") is None

@@ -4,13 +4,17 @@ resumable results, the deadline."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from harness import serving
+from harness.engine import EngineError, EngineProcess, kill_leftovers
+from harness.models import MODELS, write_model_dir
 from harness.qualify import CELLS, Qualification
 from harness.results import Deadline, load_json
+from harness.workloads import Workload
 
 FAKE = "tests.harness.fake_engine:FakeEngine"
 
@@ -109,3 +113,59 @@ def test_serving_refuses_a_setting_the_modes_own(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         serving.main(["--env", "DMX_DB_URL=none", "--dry-run"])
     assert "DMX_DB_URL" in capsys.readouterr().err
+
+
+def _child(tmp_path: Path) -> EngineProcess:
+    model = write_model_dir(tmp_path / "models", MODELS["0.6b"])
+    spec = {"engine": {"model_path": str(model), "max_total_tokens": 64},
+            "env": {"DMX_SGLANG_ENABLE": "0"}, "factory": FAKE}
+    return EngineProcess("child", spec, tmp_path / "engines")
+
+
+WORKLOAD = Workload("w", (3, 4), (2, 2))
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("raise", "RuntimeError: boom in generate"),
+    ("exit", "the child exited (status 7) without replying"),
+    ("hang", "no reply within 2 s (killed)")])
+def test_a_failing_engine_child_is_reported_not_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, message: str) -> None:
+    child = _child(tmp_path)
+    assert child.start(30)["max_total_num_tokens"] == 64
+    assert child.request("run", 30, workload=WORKLOAD.spec())["output_tokens"] == 4
+    child.close()
+    monkeypatch.setenv("FAKE_RUN_FAULT", fault)
+    child = _child(tmp_path)
+    child.start(30)
+    with pytest.raises(EngineError, match=re.escape(message)):
+        child.request("run", 2, workload=WORKLOAD.spec())
+    assert child.close()["leftover_processes"] in (True, False)
+    assert child.proc is not None
+    assert child.proc.poll() is not None  # nothing of it is left running
+
+
+def test_leftover_engines_of_an_interrupted_run_are_killed(tmp_path: Path) -> None:
+    pgids = tmp_path / "engines.pgids"
+    child = EngineProcess("child", _child(tmp_path).spec, tmp_path / "engines", pgids)
+    child.start(30)
+    assert child.proc is not None
+    assert pgids.read_text().split() == [str(child.proc.pid)]
+    assert kill_leftovers(pgids) == [child.proc.pid]
+    child.proc.wait(10)
+    assert pgids.read_text() == ""
+
+
+def test_return_hidden_states_mode_asks_for_them_and_stock_does_not(tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    code = serving.main(["--out", str(out), "--modes", "return-hidden-states", "--repeats",
+                         "1", "--batch", "2", "--prompt-len", "4", "--output-len", "3",
+                         "--min-seconds", "0.01", "--engine-class", FAKE,
+                         "--work", str(tmp_path / "work")])
+    data = load_json(out)
+    assert data is not None
+    assert code == 0, data
+    unit = data["units"][0]
+    assert unit["figures"]["hidden_state_values"] >= 2 * 3 * 8
+    assert unit["checks"]["token_identity"]["ok"]
+    assert "bound" not in unit or not unit["bound"]
