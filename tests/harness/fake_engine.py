@@ -5,7 +5,9 @@ Output ids are a pure function of the prompt, so stock and "monitored" engines a
 ``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete),
 ``FAKE_RUN_FAULT=raise|exit|hang`` makes ``generate`` raise, exit the process or hang. With
 ``DMX_SGLANG_ENABLE=1`` the stop RPC logs the ``dmi.stopped`` statistics a complete
-capture of every request served would have, in SGLang's console log format.
+capture of every request served would have, in SGLang's console log format; with an
+embedded store (``DMX_DB_URL=chdb://...``) it also writes that capture through the real
+sink, complete and committed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FakeEngine:
         self.model = next(m for m in MODELS.values() if m.hidden == name)
         self.kwargs = kwargs
         self.served: list[tuple[int, int, bool]] = []
+        self.requests: list[tuple[str, int, int]] = []
         if os.environ.get("FAKE_FAIL_START"):
             raise RuntimeError("fake engine refused to start")
 
@@ -51,6 +54,7 @@ class FakeEngine:
             if os.environ.get("FAKE_DIVERGE") and os.environ["DMX_SGLANG_ENABLE"] == "1":
                 out[0] += 1
             self.served.append((len(ids), n, False))
+            self.requests.append((r, len(ids), n))
             meta: dict[str, Any] = {"id": r, "prompt_tokens": len(ids), "completion_tokens": n}
             if return_hidden_states:
                 meta["hidden_states"] = [[0.5] * 8 for _ in range(n)]
@@ -63,6 +67,58 @@ class FakeEngine:
         rows = got.rows - int(os.environ.get("FAKE_DROP_ROWS", "0"))
         print(f"2026-12-01 00:00:00 [info     ] dmi.stopped    bytes={got.bytes} "
               f"rows={rows} forced_eager=0 run_id='x'", flush=True)
+        url = os.environ.get("DMX_DB_URL", "none")
+        if url.startswith("chdb://"):
+            stored = self._store(url.removeprefix("chdb://"))
+            print(f"2026-12-01 00:00:00 [info     ] store.closed   bytes_stored={stored}",
+                  flush=True)
+
+    def _store(self, path: str) -> int:
+        """A complete capture of every request served, through the real sink: one record
+        per (request, hook, layer) over the domain's coverage, manifests committed."""
+        import attrs
+
+        from dmi_sglang.adapters.clickhouse import ClickHouseSink
+        from dmi_sglang.adapters.sglang_v0519.facts import QWEN3_HOOKS
+        from dmi_sglang.domain.hooks import ModelHooks, parse_selection
+        from dmi_sglang.domain.records import (
+            CaptureRecord,
+            RequestManifest,
+            RunInfo,
+            RunStatus,
+            expected_coverage,
+        )
+        from dmi_sglang.domain.shapes import ModelShape
+        from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+
+        m = self.model
+        hooks = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, m.layers)
+        captures = parse_selection(os.environ["DMX_HOOK_SELECTION"]).resolve(hooks).captures()
+        shape = ModelShape(m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim,
+                           m.intermediate, m.vocab)
+        run_id = os.environ["DMX_MODEL_ID"]
+        run = RunInfo(run_id, "/fake", (), tuple((h.act_name, layer) for h, layer in captures),
+                      "2026-12-01T00:00:00+00:00")
+        sink = ClickHouseSink(StoreConfig(kind=StoreKind.EMBEDDED, path=path))
+        sink.start_run(run)
+        manifests, stored = [], 0
+        for rid, prompt, completion in self.requests:
+            for hook, layer in captures:
+                cover = expected_coverage(hook, prompt_tokens=prompt,
+                                          completion_tokens=completion,
+                                          overlap_extra_forward=False)
+                row = shape.row(hook)
+                payload = bytes(cover.rows * row.nbytes)
+                stored += len(payload)
+                sink.put([CaptureRecord(
+                    model_id=run_id, request_id=rid, act_name=hook.act_name, layer_no=layer,
+                    shard_rank=0, start_token_idx=cover.start, end_token_idx=cover.end,
+                    dtype=str(row.dtype.value), shape=(cover.rows, *row.dims),
+                    payload=payload, seq=1)])
+            manifests.append(RequestManifest(run_id, rid, prompt, completion, committed=True))
+        sink.finish_run(attrs.evolve(run, status=RunStatus.COMMITTED), manifests)
+        sink.close()
+        return stored
 
     def shutdown(self) -> None:
         pass

@@ -169,3 +169,23 @@ def test_return_hidden_states_mode_asks_for_them_and_stock_does_not(tmp_path: Pa
     assert unit["figures"]["hidden_state_values"] >= 2 * 3 * 8
     assert unit["checks"]["token_identity"]["ok"]
     assert "bound" not in unit or not unit["bound"]
+
+
+def test_the_stored_mode_reads_back_and_states_the_disk_bound(tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    code = serving.main(["--out", str(out), "--modes", "store:hidden-states", "--repeats",
+                         "1", "--batch", "2", "--prompt-len", "4", "--output-len", "3",
+                         "--min-seconds", "0.01", "--engine-class", FAKE,
+                         "--work", str(tmp_path / "work")])
+    data = load_json(out)
+    assert data is not None
+    unit = data["units"][0]
+    assert code == 0, unit
+    assert unit["checks"]["sample_complete"]["ok"]
+    stored = unit["checks"]["bytes_stored_equal_captured"]
+    assert stored["ok"]
+    assert stored["captured"] > 0
+    assert unit["bound"]["kind"] == "disk"
+    assert unit["bound"]["disk_bps"] > 0
+    assert unit["bound"]["compression"] > 0
+    assert unit["figures"]["on_disk_bytes"] > 0
