@@ -1,0 +1,155 @@
+"""Replay a newcomer's first hour on a CPU machine: every item, not only the first failure.
+
+    .venv/bin/python scripts/newcomer_check.py          # exit 0 when every item passes
+
+Each item of issue #18 that can be tried without a GPU runs as a user would try it: the
+installed ``dmi-sglang`` command or ``python -c``, in a fresh scratch directory, with a
+clean ``DMX_*`` environment. The table names each item and what went wrong. CI runs it
+after the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+Check = Callable[[Path], str | None]
+"""A check gets a scratch directory and answers None (passed) or what went wrong."""
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+        stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """``args`` with this interpreter's scripts first on PATH and no inherited ``DMX_*``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMX_", "DMI_V0519_"))}
+    base["PATH"] = f"{BIN}{os.pathsep}{base.get('PATH', '')}"
+    return subprocess.run(args, cwd=cwd, env=base | (env or {}), input=stdin, text=True,
+                          capture_output=True, timeout=600, check=False)
+
+
+def expect(proc: subprocess.CompletedProcess[str], code: int, *texts: str) -> str | None:
+    """None when ``proc`` exited with ``code`` and printed every text (stdout or stderr)."""
+    out = proc.stdout + proc.stderr
+    if proc.returncode != code:
+        return f"exit {proc.returncode}, expected {code}: {out.strip()[-300:]}"
+    missing = [t for t in texts if t not in out]
+    return f"missing {missing!r} in: {out.strip()[-300:]}" if missing else None
+
+
+def py(code: str) -> list[str]:
+    """``python -c code`` with this interpreter."""
+    return [sys.executable, "-c", code]
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], code: int, *texts: str) -> str | None:
+    """Like :func:`expect`, and the error is one line, no traceback."""
+    problem = expect(proc, code, *texts)
+    if problem is None and "Traceback" in proc.stderr:
+        return "a traceback instead of one line"
+    return problem
+
+
+def _read_side(d: Path) -> str | None:
+    made = run(["dmi-sglang", "reference-capture", "--max-new-tokens", "4"], d)
+    if problem := expect(made, 0, "cpu-reference"):
+        return f"reference-capture: {problem}"
+    listed = run(["dmi-sglang", "ls"], d)
+    if problem := expect(listed, 0, "committed", "cpu-reference"):
+        return f"ls: {problem}"
+    run_id = next(line.split()[0] for line in listed.stdout.splitlines()
+                  if "cpu-reference" in line)
+    if problem := expect(run(["dmi-sglang", "show", run_id, "req-0"], d), 0, "token_ids"):
+        return f"show: {problem}"
+    exported = run(["dmi-sglang", "export", run_id, "req-0", "--out", "x.safetensors"], d)
+    if problem := expect(exported, 0, "wrote"):
+        return f"export: {problem}"
+    handle = run(py(
+        "from dmi_sglang import open_store; "
+        f"h = open_store().handle({run_id!r}, 'req-0'); "
+        "print('complete' if not h.missing else h.missing, len(h.hidden_states))"), d)
+    return expect(handle, 0, "complete")
+
+
+def _engine_without_cuda(d: Path) -> str | None:
+    code = ("import torch; torch.cuda.is_available = lambda: False\n"
+            "from dmi_sglang import DMIEngine\n"
+            "DMIEngine(model_path='m')\n")
+    proc = run(py(code), d)
+    problem = expect(proc, 1, "DMIEngine needs an NVIDIA GPU with CUDA")
+    if problem is None and "dmi_stop_monitoring" in proc.stderr:
+        return "the misleading shutdown warning was printed"
+    return problem
+
+
+def _stands_alone(_scratch: Path) -> str | None:
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True,
+                             text=True, check=False).stdout.split()
+    hits = [p for p in tracked if not p.startswith("docs/evidence/")
+            and p != "scripts/newcomer_check.py" and (REPO / p).is_file()
+            and "../shared" in (REPO / p).read_text(errors="replace")]
+    return f"../shared is named in {hits}" if hits else None
+
+
+CHECKS: dict[str, Check] = {
+    "1 the plugin imports no Engine; the design card's import works": lambda d: expect(run(py(
+        "import sys; import dmi_sglang.app, dmi_sglang.app.plugin; "
+        "print('eager' if 'sglang.srt.entrypoints.engine' in sys.modules else 'lazy'); "
+        "from dmi_sglang.app import DMIEngine; print(DMIEngine.__name__)"), d),
+        0, "lazy", "DMIEngine"),
+    "4 the CLI follows DMX_DB_URL": lambda d: expect(run(
+        ["dmi-sglang", "ls"], d, {"DMX_DB_URL": f"chdb://{d}/elsewhere"}), 2,
+        f"{d}/elsewhere"),
+    "4 an unknown DMX_ variable is refused": lambda d: one_line_error(run(
+        ["dmi-sglang", "ls"], d, {"DMX_HOOKS": "x"}), 2, "unknown setting DMX_HOOKS"),
+    "4 DMI's DMX_CH_PARALLELISM is ignored with one line": lambda d: expect(run(
+        ["dmi-sglang", "ls"], d, {"DMX_CH_PARALLELISM": "10"}), 2,
+        "setting ignored", "DMX_CH_PARALLELISM"),
+    "4 DMX_NULL_MODE beside a store is refused": lambda d: one_line_error(run(
+        ["dmi-sglang", "ls"], d, {"DMX_NULL_MODE": "1", "DMX_DB_URL": f"chdb://{d}/s"}), 2,
+        "DMX_NULL_MODE=1", "contradicts"),
+    "4 DMX_DB_PORT=9000 gets the HTTP-port hint": lambda d: one_line_error(run(
+        ["dmi-sglang", "ls"], d, {"DMX_DB_PORT": "9000"}), 2, "8123"),
+    "5 reference-capture, then ls, show, export and the handle": _read_side,
+    "7 --version and python -m dmi_sglang": lambda d: expect(run(
+        [sys.executable, "-m", "dmi_sglang", "--version"], d), 0, "dmi-sglang "),
+    "7 capture checks its arguments before looking for a GPU": lambda d: one_line_error(run(
+        ["dmi-sglang", "capture", "--model", str(d / "nope"), "--prompt", "w1"], d), 2,
+        "nope"),
+    "7 demo-model --layers 0 is refused": lambda d: one_line_error(run(
+        ["dmi-sglang", "demo-model", str(d / "m"), "--layers", "0"], d), 2,
+        "not a positive integer"),
+    "7 rm asks, or needs --yes": lambda d: one_line_error(run(
+        ["dmi-sglang", "rm", "some-run"], d), 2, "--yes"),
+    "7 ls without a store says how to make one": lambda d: expect(run(
+        ["dmi-sglang", "ls"], d), 2, "no capture store", "reference-capture"),
+    "7 DMIEngine without CUDA is one clear error": _engine_without_cuda,
+    "8 nothing in the repository reads ../shared": _stands_alone,
+    "8 the original DMI_V0519_* smoke variables are refused": lambda _d: expect(run(
+        [sys.executable, "-m", "harness", "qualify", "--list"], REPO,
+        {"DMI_V0519_CELLS": "graph"}), 2, "DMI_V0519_CELLS: --cells"),
+}
+
+
+def main() -> int:
+    """Run every check; a table; exit 1 when any failed."""
+    failed = 0
+    for name, check in CHECKS.items():
+        with tempfile.TemporaryDirectory(prefix="dmi-newcomer-") as scratch:
+            try:
+                problem = check(Path(scratch))
+            except Exception as exc:  # a check that crashes is a failed item, reported
+                problem = f"the check crashed: {exc!r}"
+        failed += problem is not None
+        print(f"{'ok  ' if problem is None else 'FAIL'}  {name}"
+              + ("" if problem is None else f"\n      {problem}"), flush=True)
+    print(f"{len(CHECKS) - failed} of {len(CHECKS)} newcomer items pass")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
