@@ -196,3 +196,7 @@ def test_saved_results_are_reused_only_for_the_same_code_and_settings(tmp_path: 
     assert other_code.get("c", "id-1") is None
     saved.put("s", "id-1", finish(result("qualify-cell", "s", {}), "skipped"))
     assert saved.get("s", "id-1") is None
+
+
+def test_the_committed_docs_match_the_committed_results() -> None:
+    assert docs.main(["--check"]) == 0
