@@ -4,6 +4,9 @@ when a command's optional dependency is missing."""
 from __future__ import annotations
 
 import builtins
+import configparser
+import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,3 +61,33 @@ def test_a_missing_optional_dependency_is_one_line(monkeypatch: pytest.MonkeyPat
     err = capsys.readouterr().err.strip()
     assert err == ("dmi-sglang demo-model: needs the transformers package: "
                    "pip install 'dmi-sglang[demo]'")
+
+
+def _readme_test_command() -> list[list[str]]:
+    """The README's test command, split at ``&&`` into argument lists."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
+    lines = [ln for ln in block.splitlines() if ln.strip() and not ln.startswith("```")]
+    assert len(lines) == 1, lines
+    return [shlex.split(part) for part in lines[0].split("&&")]
+
+
+def test_tox_py_runs_the_readme_test_command_and_ci_runs_every_other_env() -> None:
+    """CI runs the README test command for ``tox -e py`` and ``tox -e`` for the rest."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+
+    def argv(line: str) -> list[str]:
+        words = shlex.split(line.replace("{tox_root}/", ""))
+        return [w for w in words if w != "{posargs}"]
+
+    py_env = tox["testenv:py"]
+    pre = py_env.get("commands_pre", tox["testenv"].get("commands_pre", ""))
+    commands = [argv(ln) for ln in (pre + "\n" + py_env["commands"]).splitlines() if ln.strip()]
+    assert commands == _readme_test_command()
+
+    envs = {e.strip() for e in re.split(r"[,\s]+", tox["tox"]["env_list"]) if e.strip()}
+    assert "py" in envs
+    ci = (ROOT / ".ci" / "run").read_text()
+    ran = {e for m in re.findall(r"^\S*tox -e (\S+)", ci, re.M) for e in m.split(",")}
+    assert envs - {"py"} <= ran, f"CI does not run tox -e {sorted(envs - {'py'} - ran)}"

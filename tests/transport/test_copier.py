@@ -128,13 +128,14 @@ def test_a_caller_error_still_waits_for_every_worker(monkeypatch):
     assert finished == ["worker", "worker"]  # nobody writes once copy() is left
 
 
-def _copy_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("dmi-copy")]
+def _copy_threads() -> set[int | None]:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("dmi-copy")}
 
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_copy_threads_end_with_the_drain(make_driver, monkeypatch, fail):
     monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 0)
+    before = _copy_threads()  # another test's unreferenced copier may still be collected
     sink = MemorySink(fail_on_put=1) if fail else MemorySink()
     d, _ = make_driver("resid_pre,final_logits", sink=sink, copy_threads=3,
                        flush_timeout_s=1e-6)
@@ -147,7 +148,7 @@ def test_copy_threads_end_with_the_drain(make_driver, monkeypatch, fail):
         d.t.stop()
         d.verify(sink.records)
         assert d.t.drain_counters()["copy_worker_cpu_seconds"] > 0
-    assert _copy_threads() == []
+    assert _copy_threads() <= before  # every thread this transport started has ended
 
 
 def test_thread_count_is_checked():
