@@ -39,8 +39,12 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"python -m harness: {problem}", file=sys.stderr)
         return 2
+    usage = f"usage: python -m harness {{{','.join(COMMANDS)}}} [--help]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{(sys.modules['harness'].__doc__ or '').strip()}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m harness {{{','.join(COMMANDS)}}} [--help]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[argv[0]])
     return int(module.main(argv[1:]))

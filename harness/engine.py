@@ -176,14 +176,24 @@ def _track(path: Path | None, pgid: int, *, add: bool) -> None:
     path.write_text("".join(f"{p}\n" for p in pids))
 
 
+def _is_engine_child(pgid: int) -> bool:
+    """Whether the group's leader is still an engine child (its id was not reused)."""
+    try:
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"harness.engine" in cmdline
+
+
 def kill_leftovers(path: Path) -> list[int]:
     """Kill the engine process groups an earlier invocation recorded in ``path`` and did
-    not close (it was cut off); the groups killed."""
+    not close (it was cut off), where the group's leader is still an engine child; the
+    groups killed."""
     try:
         recorded = [int(x) for x in path.read_text().split()]
     except (OSError, ValueError):
         recorded = []
-    killed = [g for g in recorded if _group_alive(g)]
+    killed = [g for g in recorded if _group_alive(g) and _is_engine_child(g)]
     for pgid in killed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)

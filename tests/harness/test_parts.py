@@ -200,3 +200,11 @@ def test_saved_results_are_reused_only_for_the_same_code_and_settings(tmp_path: 
 
 def test_the_committed_docs_match_the_committed_results() -> None:
     assert docs.main(["--check"]) == 0
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert "qualify,serving,transport,store,docs" in capsys.readouterr().out
+    assert main(["bogus"]) == 2
