@@ -29,6 +29,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +41,14 @@ from harness import checks
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.bracket import Bracket
 from harness.constants import ENGINE_OVERHEAD_S, MAX_TOTAL_TOKENS, SEED, STORE_INGEST_BPS
-from harness.engine import EngineError, kill_leftovers
+from harness.engine import kill_leftovers
 from harness.models import MODELS, engine_kwargs, qwen3_config, write_model_dir
 from harness.results import (
     Deadline,
     Json,
     Resumable,
     finish,
+    load_json,
     result,
     stable_hash,
     state_dir,
@@ -223,64 +225,82 @@ def render(rows: Sequence[Json]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, state: Path, work: Path, deadline: Deadline) -> int:
-    """Every (repeat, mode) unit, resumed where saved; the exit status."""
-    config = settings(args)
-    saved = Resumable(state / stable_hash(config), fresh=args.fresh)
-    kill_leftovers(state / "engines.pgids")
-    model_dir = write_model_dir(work / "models", MODELS[args.model])
-    kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch, chunked_prefill_size=0)
-    warm, main = workloads(args, None)
-    stock = {"engine": kwargs, "env": {"DMX_SGLANG_ENABLE": "0"}, "factory": args.engine_class}
-    bracket = Bracket("serving", stock,
-                      [warm], workdir=work / "engines", deadline=deadline,
-                      pgid_file=state / "engines.pgids")
-    units: list[Json] = []
-    disk_bps: float | None = None
-    try:
-        for rep in range(args.repeats):
-            for mode in args.mode_list:
-                name = f"{mode.key.replace(':', '-')}-r{rep}"
-                unit_settings = config | {"mode": mode.key, "repeat": rep}
-                identity = stable_hash(unit_settings)
-                data = saved.get(name, identity) or result("serving", name, unit_settings)
-                if data["status"] is None:
-                    need = estimate_s(args, mode) * (1.5 if bracket.stock is None else 1.0)
-                    if not deadline.fits(need):
-                        finish(data, "skipped", f"needs ~{need:.0f} s")
-                    else:
-                        store = work / "stores" / name
-                        shutil.rmtree(store, ignore_errors=True)
-                        if mode.kind == "store" and disk_bps is None:
-                            disk_bps = measure_disk_bps(store.parent)
-                        try:
-                            run_id = f"bench-{name}-{utc_now()[:19].replace(':', '')}"
-                            warm_mode, main_mode = workloads(args, mode)
-                            unit = bracket.measure(
-                                name, monitored_spec(args, mode, kwargs, store, run_id),
-                                [warm_mode], [main_mode], stock_timed=[main],
-                                monitored=mode.kind != "return-hidden-states")
-                            data.update(evaluate(args, mode, unit, store=store, bracket=bracket,
-                                                disk_bps=disk_bps))
-                            finish(data)
-                        except EngineError as exc:
-                            finish(data, "error", str(exc)[-6000:])
-                        except Exception as exc:  # a broken read-back is a result
-                            finish(data, "error", f"the checks failed to run: {exc!r}")
-                        finally:
-                            shutil.rmtree(store, ignore_errors=True)
-                        saved.put(name, identity, data)
-                    print(f"[serving] {name}: {data['status']}", flush=True)
-                units.append(data)
-    finally:
-        bracket.close()
-    rows = summarize(units)
-    out = result("serving", "serving", config) | {"units": units, "summary": rows}
-    finish(out, "passed" if all(u["status"] == "passed" for u in units) else
-           "skipped" if all(u["status"] in ("passed", "skipped") for u in units) else "failed")
-    write_json(Path(args.out), out)
-    print(render(rows))
-    return {"passed": 0, "skipped": 3}.get(out["status"], 1)
+class ServingRun:
+    """The (repeat, mode) units of one invocation, each bracketed, resumed where saved;
+    the seconds each mode's last unit took are kept to estimate the next."""
+
+    def __init__(self, args: argparse.Namespace, state: Path, work: Path,
+                 deadline: Deadline) -> None:
+        self.args, self.state, self.work, self.deadline = args, state, work, deadline
+        self.config = settings(args)
+        self.saved = Resumable(state / stable_hash(self.config), fresh=args.fresh)
+        self.took: Json = load_json(state / "took.json") or {}
+        model_dir = write_model_dir(work / "models", MODELS[args.model])
+        self.kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch,
+                                    chunked_prefill_size=0)
+        warm, self.main = workloads(args, None)
+        stock = {"engine": self.kwargs, "env": {"DMX_SGLANG_ENABLE": "0"},
+                 "factory": args.engine_class}
+        self.bracket = Bracket("serving", stock, [warm], workdir=work / "engines",
+                               deadline=deadline, pgid_file=state / "engines.pgids")
+        self.disk_bps: float | None = None
+
+    def unit(self, mode: Mode, rep: int) -> Json:
+        """One unit: saved, skipped (it would not fit) or measured now."""
+        name = f"{mode.key.replace(':', '-')}-r{rep}"
+        unit_settings = self.config | {"mode": mode.key, "repeat": rep}
+        identity = stable_hash(unit_settings)
+        saved = self.saved.get(name, identity)
+        if saved is not None:
+            return saved | {"reused": True}
+        data = result("serving", name, unit_settings)
+        need = float(self.took.get(mode.key, estimate_s(self.args, mode)))
+        need *= 1.5 if self.bracket.stock is None else 1.1
+        if not self.deadline.fits(need):
+            return finish(data, "skipped", f"needs ~{need:.0f} s")
+        store = self.work / "stores" / name
+        shutil.rmtree(store, ignore_errors=True)
+        started = time.monotonic()
+        try:
+            if mode.kind == "store" and self.disk_bps is None:
+                self.disk_bps = measure_disk_bps(store.parent)
+            run_id = f"bench-{name}-{utc_now()[:19].replace(':', '')}"
+            warm_mode, main_mode = workloads(self.args, mode)
+            unit = self.bracket.measure(
+                name, monitored_spec(self.args, mode, self.kwargs, store, run_id),
+                [warm_mode], [main_mode], stock_timed=[self.main],
+                monitored=mode.kind != "return-hidden-states")
+            data.update(evaluate(self.args, mode, unit, store=store, bracket=self.bracket,
+                                 disk_bps=self.disk_bps))
+            finish(data)
+        except Exception as exc:  # an engine or the read-back failed: this unit's result
+            finish(data, "error", str(exc)[-6000:])
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
+        self.took[mode.key] = time.monotonic() - started
+        write_json(self.state / "took.json", self.took)
+        self.saved.put(name, identity, data)
+        return data
+
+    def run(self) -> int:
+        """Every unit (modes interleaved within each repeat); the JSON and the table; the
+        exit status."""
+        units: list[Json] = []
+        try:
+            for rep in range(self.args.repeats):
+                for mode in self.args.mode_list:
+                    units.append(self.unit(mode, rep))
+                    print(f"[serving] {units[-1]['name']}: {units[-1]['status']}", flush=True)
+        finally:
+            self.bracket.close()
+        rows = summarize(units)
+        out = result("serving", "serving", self.config) | {"units": units, "summary": rows}
+        statuses = {u["status"] for u in units}
+        finish(out, "passed" if statuses == {"passed"} else
+               "skipped" if statuses <= {"passed", "skipped"} else "failed")
+        write_json(Path(self.args.out), out)
+        print(render(rows))
+        return {"passed": 0, "skipped": 3}.get(out["status"], 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
     state = state_dir(Path(args.out).resolve().parent / ".state") / "serving"
-    return run(args, state / re.sub(r"\W", "-", args.engine_class), work, Deadline())
+    kill_leftovers(state / "engines.pgids")
+    return ServingRun(args, state / re.sub(r"\W", "-", args.engine_class), work,
+                      Deadline()).run()
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
