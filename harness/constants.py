@@ -41,3 +41,14 @@ DISK_PROBE_BYTES = 1 << 30
 """Bytes the disk probe writes (and syncs) to measure the store disk's write rate."""
 D2H_PROBE_BYTES = 1 << 30
 """Bytes of the pinned device-to-host copy that measures the D2H bound."""
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "transport:hidden-states": ("ratio", 0.97),
+    "transport:sglang-full": ("ratio", 0.60),
+    "store:hidden-states": ("bound_share", 0.85),
+}
+"""The serving targets (ARCHITECTURE.md, "Performance targets"): mode -> (summary figure,
+minimum). They apply to the reference workload only (:data:`TARGET_WORKLOAD`)."""
+TARGET_WORKLOAD = {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128}
+"""The workload the targets are stated for, with at least :data:`TARGET_MIN_SECONDS`."""
+TARGET_MIN_SECONDS = 30.0

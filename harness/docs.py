@@ -85,12 +85,17 @@ def serving_table(found: Found, docs: Path) -> str:
              f"{s['output_len']} output, >= {s['min_seconds']:g} s per run; "
              f"{_source(path, d, docs)}", "",
              "| mode | engines | x stock (median) | spread | stock spread | bound | "
-             "of bound | status |", "|---|---|---|---|---|---|---|---|"]
+             "bound share | status | target |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['units']} | {_f(r['ratio'], '.3f')} | "
               f"{_f(r['ratio_spread'], '.1%')} | {_f(r['stock_spread'], '.1%')} | "
-              f"{_f(r['bound'], '.2f')} | {_f(r['of_bound'], '.2f')} | {r['status']} |"
-              for r in d["summary"]]
+              f"{_f(r['bound'], '.2f')} | {_f(r.get('bound_share', r.get('of_bound')), '.2f')} "
+              f"| {r['status']} | {_target(r)} |" for r in d["summary"]]
     return "\n".join(lines)
+
+
+def _target(row: Json) -> str:
+    """A summary row's target and verdict (results from before targets were stated: -)."""
+    return "-" if not row.get("target") else f"{row['target']}: {row['verdict']}"
 
 
 def rows_table(kind: str) -> Callable[[Found, Path], str]:

@@ -40,7 +40,15 @@ from dmi_sglang.errors import ConfigurationError
 from harness import checks
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.bracket import Bracket
-from harness.constants import ENGINE_OVERHEAD_S, MAX_TOTAL_TOKENS, SEED, STORE_INGEST_BPS
+from harness.constants import (
+    ENGINE_OVERHEAD_S,
+    MAX_TOTAL_TOKENS,
+    SEED,
+    STORE_INGEST_BPS,
+    TARGET_MIN_SECONDS,
+    TARGET_WORKLOAD,
+    TARGETS,
+)
 from harness.engine import kill_leftovers
 from harness.models import MODELS, engine_kwargs, qwen3_config, write_model_dir
 from harness.results import (
@@ -198,16 +206,36 @@ def summarize(units: Sequence[Json]) -> list[Json]:
         stock = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
             "stock_rates", [])]
         bounds = [u["bound"]["ratio"] for u in mine if (u.get("bound") or {}).get("ratio")]
+        ratio = statistics.median(ratios) if ratios else None
+        share = ratio / min(bounds) if ratio is not None and bounds else None
         rows.append({
             "mode": key, "units": len(mine),
             "status": "passed" if mine and all(u["status"] == "passed" for u in mine)
             else "incomplete" if not mine else "failed",
-            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio": ratio,
             "ratio_spread": spread_of(ratios) if ratios else None,
             "stock_spread": spread_of(stock) if stock else None,
             "bound": min(bounds) if bounds else None,
-            "of_bound": statistics.median(ratios) / min(bounds) if ratios and bounds else None})
+            "bound_share": share,
+            **verdict(key, {"ratio": ratio, "bound_share": share}, mine)})
     return rows
+
+
+def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
+    """The mode's target (:data:`~harness.constants.TARGETS`) and whether it is met:
+    PASS / FAIL, ``not measured``, or ``n/a`` off the reference workload."""
+    if mode not in TARGETS:
+        return {"target": None, "verdict": None}
+    figure, minimum = TARGETS[mode]
+    text = f"{figure} >= {minimum:g}"
+    config = units[0]["settings"] if units else {}
+    reference = all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
+        float(config.get("min_seconds", 0)) >= TARGET_MIN_SECONDS
+    if not units or figures[figure] is None:
+        return {"target": text, "verdict": "not measured"}
+    if not reference:
+        return {"target": text, "verdict": "n/a (not the reference workload)"}
+    return {"target": text, "verdict": "PASS" if figures[figure] >= minimum else "FAIL"}
 
 
 def render(rows: Sequence[Json]) -> str:
@@ -216,11 +244,12 @@ def render(rows: Sequence[Json]) -> str:
         return "-" if v is None else format(v, fmt)
 
     head = f"{'mode':<28} {'units':>5} {'x stock':>8} {'spread':>7} {'stock sp':>8} " \
-           f"{'bound':>6} {'of bound':>8}  status"
+           f"{'bound':>6} {'share':>6}  status    target"
     lines = [head, "-" * len(head)]
     lines += [f"{r['mode']:<28} {r['units']:>5} {f(r['ratio'], '.3f'):>8} "
               f"{f(r['ratio_spread'], '.1%'):>7} {f(r['stock_spread'], '.1%'):>8} "
-              f"{f(r['bound'], '.2f'):>6} {f(r['of_bound'], '.2f'):>8}  {r['status']}"
+              f"{f(r['bound'], '.2f'):>6} {f(r['bound_share'], '.2f'):>6}  {r['status']:<9} "
+              f"{'' if r['target'] is None else r['target'] + ': ' + r['verdict']}"
               for r in rows]
     return "\n".join(lines)
 

@@ -208,3 +208,24 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     assert "qualify,serving,transport,store,docs" in capsys.readouterr().out
     assert main(["bogus"]) == 2
+
+
+def test_serving_targets_are_judged_only_on_the_reference_workload() -> None:
+    from harness.serving import verdict
+
+    reference = {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128,
+                 "min_seconds": 30.0}
+    units = [{"settings": reference}]
+    assert verdict("transport:hidden-states", {"ratio": 0.98, "bound_share": None}, units) \
+        == {"target": "ratio >= 0.97", "verdict": "PASS"}
+    assert verdict("transport:sglang-full", {"ratio": 0.5, "bound_share": 0.7}, units) \
+        == {"target": "ratio >= 0.6", "verdict": "FAIL"}
+    assert verdict("store:hidden-states", {"ratio": 0.3, "bound_share": 0.9}, units)[
+        "verdict"] == "PASS"
+    short = [{"settings": reference | {"min_seconds": 5.0}}]
+    assert verdict("transport:hidden-states", {"ratio": 0.99, "bound_share": None}, short)[
+        "verdict"] == "n/a (not the reference workload)"
+    assert verdict("transport:hidden-states", {"ratio": None, "bound_share": None}, [])[
+        "verdict"] == "not measured"
+    assert verdict("return-hidden-states", {"ratio": 0.1, "bound_share": None}, units) == {
+        "target": None, "verdict": None}
