@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -44,7 +43,7 @@ from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import DISK_PROBE_BYTES
 from harness.docs import table_lines
 from harness.models import MODELS
-from harness.results import Json, finish, quiet_logs, result, utc_now, write_json
+from harness.results import Json, run_benchmark, utc_now
 
 Q06 = MODELS["0.6b"]
 HIDDEN, LAYERS = Q06.hidden, Q06.layers
@@ -237,17 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {**vars(args), "dir": str(root), "out": str(args.out), "cpus": os.cpu_count(),
                 "python": sys.version.split()[0], "torch": torch.__version__,
                 **{n: version(n) for n in ("chdb-core", "clickhouse-connect")}}
-    data = result("store", "store", settings)
     try:
-        with quiet_logs():
-            run(args, root, data)
-        finish(data)
-    except Exception as exc:
-        traceback.print_exc()
-        finish(data, "error", f"{type(exc).__name__}: {exc}")
+        return run_benchmark("store", settings, lambda data: run(args, root, data), args.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out = args.out or Path(os.environ.get("OUT") or ".") / "store.json"
-    write_json(out, data)
-    print(f"{data['status']}; wrote {out}")
-    return 0 if data["status"] == "passed" else 1

@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +43,7 @@ from harness.bounds import bound, measure_d2h_bps, spread_of
 from harness.constants import D2H_PROBE_BYTES
 from harness.docs import table_lines
 from harness.models import MODELS
-from harness.results import Json, finish, quiet_logs, result, write_json
+from harness.results import Json, run_benchmark
 
 Q06 = MODELS["0.6b"]
 
@@ -334,15 +332,4 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     settings = {**vars(args), "out": str(args.out), "device_name": device,
                 "torch": torch.__version__, "python": sys.version.split()[0]}
-    data = result("transport", "transport", settings)
-    try:
-        with quiet_logs():
-            run(args, data)
-        finish(data)
-    except Exception as exc:
-        traceback.print_exc()
-        finish(data, "error", f"{type(exc).__name__}: {exc}")
-    out = args.out or Path(os.environ.get("OUT") or ".") / "transport.json"
-    write_json(out, data)
-    print(f"{data['status']}; wrote {out}")
-    return 0 if data["status"] == "passed" else 1
+    return run_benchmark("transport", settings, lambda data: run(args, data), args.out)

@@ -97,3 +97,17 @@ def engine_kwargs(model_dir: Path | str, *, graphs: bool, overlap: bool = True,
     if not overlap:
         kwargs["disable_overlap_schedule"] = True
     return kwargs
+
+
+STOCK_ENV = {"DMX_SGLANG_ENABLE": "0"}
+"""The environment of a stock engine: the plugin loads and stays off."""
+
+
+def monitored_env(preset: str, store: Path | None, run_id: str,
+                  extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``DMX_*`` variables that switch monitoring on for a plain ``sglang.Engine``:
+    hook ``preset``, the embedded ``store`` (None: capture without storing), the run id,
+    then ``extra`` settings."""
+    return {"DMX_SGLANG_ENABLE": "1", "DMX_HOOK_SELECTION": preset,
+            "DMX_DB_URL": "none" if store is None else f"chdb://{store}",
+            "DMX_MODEL_ID": run_id, **(extra or {})}

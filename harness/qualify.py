@@ -34,15 +34,23 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import checks
+from harness import checks, models
 from harness.bracket import Bracket
 from harness.constants import ENGINE_OVERHEAD_S, READBACK_S_PER_REQUEST, SEED, STORE_INGEST_BPS
 from harness.engine import kill_leftovers
-from harness.models import MODELS, ModelSpec, engine_kwargs, qwen3_config, write_model_dir
+from harness.models import (
+    MODELS,
+    STOCK_ENV,
+    ModelSpec,
+    engine_kwargs,
+    qwen3_config,
+    write_model_dir,
+)
 from harness.results import (
     Deadline,
     Json,
     Resumable,
+    compact_utc,
     finish,
     load_json,
     result,
@@ -140,12 +148,11 @@ def warm_ups(cell: Cell) -> list[Workload]:
 
 
 def monitored_env(cell: Cell, store: Path, run_id: str) -> dict[str, str]:
-    """The ``DMX_*`` variables that switch monitoring on for a plain ``sglang.Engine``."""
-    env = {"DMX_SGLANG_ENABLE": "1", "DMX_HOOK_SELECTION": cell.preset,
-           "DMX_DB_URL": f"chdb://{store}" if cell.store else "none", "DMX_MODEL_ID": run_id}
-    if cell.ring_mb:
-        env["DMX_RING_PAYLOAD_MB"] = env["DMX_RING_PINNED_MB"] = str(cell.ring_mb)
-    return env
+    """The monitored engine's ``DMX_*`` variables (:func:`harness.models.monitored_env`),
+    with the cell's ring size."""
+    ring = {"DMX_RING_PAYLOAD_MB": str(cell.ring_mb), "DMX_RING_PINNED_MB": str(cell.ring_mb)}
+    return models.monitored_env(cell.preset, store if cell.store else None, run_id,
+                                ring if cell.ring_mb else None)
 
 
 def settings(cell: Cell) -> Json:
@@ -210,15 +217,13 @@ class Qualification:
         first = group[0]
         model_dir = write_model_dir(self.work / "models", first.spec)
         kwargs = engine_kwargs(model_dir, graphs=first.graphs, overlap=first.overlap)
-        stock_spec = {"engine": kwargs, "env": {"DMX_SGLANG_ENABLE": "0"},
-                      "factory": self.engine_class}
+        stock_spec = {"engine": kwargs, "env": STOCK_ENV, "factory": self.engine_class}
         shapes = {w.name: w for c in group for w in warm_ups(c)}
         bracket = Bracket(key, stock_spec, list(shapes.values()), workdir=self.work / "engines",
                           deadline=self.deadline, pgid_file=self.state / "engines.pgids")
         try:
             for cell in group:
-                need = estimate_s(cell, self.startup) + (
-                    0 if bracket.stock else estimate_s(cell, self.startup) / 2)
+                need = estimate_s(cell, self.startup) * (1.0 if bracket.stock else 1.5)
                 if not self.deadline.fits(need):
                     done[cell.name] = self._publish(cell, finish(
                         result("qualify-cell", cell.name, settings(cell)), "skipped",
@@ -233,7 +238,7 @@ class Qualification:
         store = self.work / "stores" / cell.name
         shutil.rmtree(store, ignore_errors=True)
         store.parent.mkdir(parents=True, exist_ok=True)
-        run_id = f"{cell.name}-{utc_now().replace(':', '').replace('-', '')[:15]}"
+        run_id = f"{cell.name}-{compact_utc()}"
         spec = {"engine": kwargs, "env": monitored_env(cell, store, run_id),
                 "factory": self.engine_class}
         try:

@@ -21,7 +21,8 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,11 @@ Json = dict[str, Any]
 def utc_now() -> str:
     """Now, UTC, ISO 8601 to the second."""
     return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+def compact_utc() -> str:
+    """Now, UTC, as ``20261201T142625`` (for run ids)."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
 
 
 def stable_hash(data: Any) -> str:
@@ -214,3 +220,23 @@ def quiet_logs() -> Iterator[None]:
         yield
     finally:
         structlog.configure(**saved)
+
+
+def run_benchmark(kind: str, settings: Mapping[str, Any], measure: Callable[[Json], None],
+                  out: Path | None) -> int:
+    """A component benchmark's frame: a fresh result, ``measure`` filling it with library
+    logs quieted, ``passed`` / ``failed`` from its checks or ``error`` with what raised,
+    the JSON written (``out``, else ``$OUT/<kind>.json``, else ``./<kind>.json``); the exit
+    status (0 passed)."""
+    data = result(kind, kind, settings)
+    try:
+        with quiet_logs():
+            measure(data)
+        finish(data)
+    except Exception as exc:  # a failed measurement is a result with its error
+        traceback.print_exc()
+        finish(data, "error", f"{type(exc).__name__}: {exc}")
+    path = out or Path(os.environ.get("OUT") or ".") / f"{kind}.json"
+    write_json(path, data)
+    print(f"{data['status']}; wrote {path}")
+    return 0 if data["status"] == "passed" else 1

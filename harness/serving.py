@@ -50,17 +50,24 @@ from harness.constants import (
     TARGETS,
 )
 from harness.engine import kill_leftovers
-from harness.models import MODELS, engine_kwargs, qwen3_config, write_model_dir
+from harness.models import (
+    MODELS,
+    STOCK_ENV,
+    engine_kwargs,
+    monitored_env,
+    qwen3_config,
+    write_model_dir,
+)
 from harness.results import (
     Deadline,
     Json,
     Resumable,
+    compact_utc,
     finish,
     load_json,
     result,
     stable_hash,
     state_dir,
-    utc_now,
     write_json,
 )
 from harness.workloads import Workload, check_transport_rows, expected_capture
@@ -142,11 +149,10 @@ def monitored_spec(args: argparse.Namespace, mode: Mode, kwargs: Json, store: Pa
     """The measured engine of ``mode``."""
     if mode.kind == "return-hidden-states":
         return {"engine": kwargs | {"enable_return_hidden_states": True},
-                "env": {"DMX_SGLANG_ENABLE": "0"}, "factory": args.engine_class}
-    return {"engine": kwargs, "factory": args.engine_class, "env": {
-        "DMX_SGLANG_ENABLE": "1", "DMX_HOOK_SELECTION": str(mode.preset),
-        "DMX_DB_URL": f"chdb://{store}" if mode.kind == "store" else "none",
-        "DMX_MODEL_ID": run_id, **args.env}}
+                "env": STOCK_ENV, "factory": args.engine_class}
+    env = monitored_env(str(mode.preset), store if mode.kind == "store" else None, run_id,
+                        args.env)
+    return {"engine": kwargs, "factory": args.engine_class, "env": env}
 
 
 def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
@@ -268,8 +274,7 @@ class ServingRun:
         self.kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch,
                                     chunked_prefill_size=0)
         warm, self.main = workloads(args, None)
-        stock = {"engine": self.kwargs, "env": {"DMX_SGLANG_ENABLE": "0"},
-                 "factory": args.engine_class}
+        stock = {"engine": self.kwargs, "env": STOCK_ENV, "factory": args.engine_class}
         self.bracket = Bracket("serving", stock, [warm], workdir=work / "engines",
                                deadline=deadline, pgid_file=state / "engines.pgids")
         self.disk_bps: float | None = None
@@ -293,7 +298,7 @@ class ServingRun:
         try:
             if mode.kind == "store" and self.disk_bps is None:
                 self.disk_bps = measure_disk_bps(store.parent)
-            run_id = f"bench-{name}-{utc_now()[:19].replace(':', '')}"
+            run_id = f"bench-{name}-{compact_utc()}"
             warm_mode, main_mode = workloads(self.args, mode)
             unit = self.bracket.measure(
                 name, monitored_spec(self.args, mode, self.kwargs, store, run_id),

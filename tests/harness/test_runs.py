@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,14 +91,22 @@ def test_work_past_the_deadline_is_skipped_then_resumed(tmp_path: Path) -> None:
     assert data["reused"] is True
 
 
-def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
+def serve(tmp_path: Path, mode: str, *, repeats: int, batch: int, prompt: int,
+          output: int) -> tuple[int, dict[str, Any]]:
+    """The serving benchmark on the fake engine: its exit status and result JSON."""
     out = tmp_path / "serving.json"
-    code = serving.main(["--out", str(out), "--modes", "transport:hidden-states",
-                         "--repeats", "2", "--batch", "4", "--prompt-len", "8",
-                         "--output-len", "4", "--min-seconds", "0.01",
+    code = serving.main(["--out", str(out), "--modes", mode, "--repeats", str(repeats),
+                         "--batch", str(batch), "--prompt-len", str(prompt),
+                         "--output-len", str(output), "--min-seconds", "0.01",
                          "--engine-class", FAKE, "--work", str(tmp_path / "work")])
     data = load_json(out)
     assert data is not None
+    return code, data
+
+
+def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
+    code, data = serve(tmp_path, "transport:hidden-states", repeats=2, batch=4, prompt=8,
+                       output=4)
     assert code == 0, data["summary"]
     assert [u["name"] for u in data["units"]] == ["transport-hidden-states-r0",
                                                   "transport-hidden-states-r1"]
@@ -157,13 +166,8 @@ def test_leftover_engines_of_an_interrupted_run_are_killed(tmp_path: Path) -> No
 
 
 def test_return_hidden_states_mode_asks_for_them_and_stock_does_not(tmp_path: Path) -> None:
-    out = tmp_path / "serving.json"
-    code = serving.main(["--out", str(out), "--modes", "return-hidden-states", "--repeats",
-                         "1", "--batch", "2", "--prompt-len", "4", "--output-len", "3",
-                         "--min-seconds", "0.01", "--engine-class", FAKE,
-                         "--work", str(tmp_path / "work")])
-    data = load_json(out)
-    assert data is not None
+    code, data = serve(tmp_path, "return-hidden-states", repeats=1, batch=2, prompt=4,
+                       output=3)
     assert code == 0, data
     unit = data["units"][0]
     assert unit["figures"]["hidden_state_values"] >= 2 * 3 * 8
@@ -172,13 +176,8 @@ def test_return_hidden_states_mode_asks_for_them_and_stock_does_not(tmp_path: Pa
 
 
 def test_the_stored_mode_reads_back_and_states_the_disk_bound(tmp_path: Path) -> None:
-    out = tmp_path / "serving.json"
-    code = serving.main(["--out", str(out), "--modes", "store:hidden-states", "--repeats",
-                         "1", "--batch", "2", "--prompt-len", "4", "--output-len", "3",
-                         "--min-seconds", "0.01", "--engine-class", FAKE,
-                         "--work", str(tmp_path / "work")])
-    data = load_json(out)
-    assert data is not None
+    code, data = serve(tmp_path, "store:hidden-states", repeats=1, batch=2, prompt=4,
+                       output=3)
     unit = data["units"][0]
     assert code == 0, unit
     assert unit["checks"]["sample_complete"]["ok"]
