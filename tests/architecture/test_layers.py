@@ -16,7 +16,7 @@ COMPOSITION_ROOT = f"{PKG}.app.composition"
 VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assemble", "null_sink",
                                                     "reference"))
 """Application services that must work with any SGLang version and any store."""
-INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports")
+INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports", f"{PKG}.columns")
 FRAMEWORKS = ("sglang", "clickhouse_connect", "chdb")
 
 
@@ -136,7 +136,8 @@ def test_version_neutral_code_imports_only_the_domain(module: str) -> None:
         assert target.split(".")[0] not in FRAMEWORKS, f"{module} imports {target}"
 
 
-@pytest.mark.parametrize("module", [f"{PKG}.tensor_ports", f"{PKG}.errors", f"{PKG}.testing"])
+@pytest.mark.parametrize("module", [f"{PKG}.tensor_ports", f"{PKG}.errors", f"{PKG}.testing",
+                                    f"{PKG}.columns"])
 def test_shared_seams_import_only_the_domain(module: str) -> None:
     for target in EDGES[module]:
         assert _in(target, *INNER), f"{module} imports {target}"

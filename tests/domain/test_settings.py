@@ -26,7 +26,6 @@ def test_defaults_match_the_settings_table() -> None:
     assert s.hook_selection == "sglang-full"
     assert (s.ring_payload_mb, s.ring_pinned_mb, s.ring_task_entries) == (1024, 1024, 65536)
     assert s.drain_flush_timeout_us == 100_000
-    assert s.drain_copy_threads == 0
     assert s.gpu_padding_strip is True
     assert s.allow_prefix_cache is False
     assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")
@@ -79,9 +78,6 @@ def test_server_shorthand_and_none() -> None:
         ({"DMX_RING_PINNED_MB": "lots"}, "DMX_RING_PINNED_MB='lots'"),
         ({"DMX_SGLANG_ENABLE": "maybe"}, "DMX_SGLANG_ENABLE='maybe' is invalid; accepted: auto"),
         ({"DMX_GPU_PADDING_STRIP": "2"}, "DMX_GPU_PADDING_STRIP='2'"),
-        ({"DMX_DRAIN_COPY_THREADS": "-1"},
-         "DMX_DRAIN_COPY_THREADS='-1' is invalid; accepted: 0 "),
-        ({"DMX_DRAIN_COPY_THREADS": "65"}, "DMX_DRAIN_COPY_THREADS='65' is invalid; accepted: "),
         ({"DMX_HOOK_SELECTION": "resid_pre@x"}, "bad layer range 'x'"),
         ({"DMX_DB_URL": "chdb://relative/dir"}, "needs an absolute path"),
         ({"DMX_DB_URL": "ftp://h"}, "DMX_DB_URL='ftp://h'"),
@@ -162,8 +158,9 @@ def test_writers_setting_reaches_the_store_config() -> None:
 
 
 @pytest.mark.parametrize("name", ["DMX_CH_PARALLELISM", "DMX_CH_MAX_BATCH_ITEMS",
-                                  "DMX_CH_MAX_BATCH_BYTES", "DMX_STEP_DEBUG"])
-def test_dmi_variables_that_change_nothing_stored_are_ignored_with_one_line(name: str) -> None:
+                                  "DMX_CH_MAX_BATCH_BYTES", "DMX_STEP_DEBUG",
+                                  "DMX_DRAIN_COPY_THREADS"])
+def test_variables_that_change_nothing_stored_are_ignored_with_one_line(name: str) -> None:
     assert Settings.from_env({name: "10"}) == Settings.from_env({})
     assert [v for v, _why in ignored_variables({name: "10", "DMX_DB_URL": "none"})] == [name]
     assert Settings.from_kwargs({name.lower(): 10}, env={}) == Settings.from_env({})

@@ -33,17 +33,14 @@ class _BuggySink(MemorySink):
         raise RuntimeError(msg)
 
 
-@pytest.mark.parametrize("copy_threads", [1, 3], ids=["drain-only", "with-copy-workers"])
-def test_fault_an_unexpected_exception_on_the_drain_thread(copy_threads: int) -> None:
-    """Any exception on the drain thread (here a sink bug raising RuntimeError), alone or
-    with window copy workers running -> stop raises CaptureError with it as the cause,
-    again on every later stop; nothing hangs (a failing copy worker: tests/transport/
-    test_copier.py)."""
+def test_fault_an_unexpected_exception_on_the_drain_thread() -> None:
+    """Any exception on the drain thread (here a sink bug raising RuntimeError) -> stop
+    raises CaptureError with it as the cause, again on every later stop; nothing hangs."""
     selection = parse_selection("resid_pre").resolve(
         ModelHooks("Toy", frozenset(h.name for h in CATALOG), 1))
     transport = create_transport(
         payload_mb=1, pinned_mb=1, task_entries=64, padding_strip=True, flush_timeout_us=1000,
-        copy_threads=copy_threads, selection=selection, shape=SHAPE, max_graph_batch=1,
+        selection=selection, shape=SHAPE, max_graph_batch=1,
         sink=_BuggySink(), run_id="run", device="cpu", max_prefill_tokens=16, max_requests=1)
     layout = BatchLayout.extend(["a"], [0], [4])
     transport.commit(make_plan(layout, selection, SHAPE, padded=False), step=1)

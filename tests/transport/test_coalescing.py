@@ -80,7 +80,7 @@ def test_a_request_leaving_keeps_the_window_and_records_stay_exact(make_driver):
             if r.request_id == "a" and r.layer_no == 0] == [(2, 5)]
 
 
-def test_full_windows_are_sliced_in_place_sparse_ones_compacted(make_driver):
+def test_a_window_brings_each_stored_row_to_the_host_once(make_driver):
     # 3 layers x 16 B of resid_pre per row: 2 requests x 4 steps fill a 384 B window
     d, sink = make_driver("resid_pre", coalesce_max_bytes=384)
     for n in range(8):
@@ -88,12 +88,14 @@ def test_full_windows_are_sliced_in_place_sparse_ones_compacted(make_driver):
     d.t.stop()
     d.verify(sink.records)
     assert len(sink.records) == 2 * 2 * 3  # 2 windows x 2 requests x 3 layers
-    assert d.t._drain.pool.allocated == 0  # nothing gathered: records slice the windows
+    assert d.t.drain_counters()["window_bytes"] == 8 * 2 * 3 * 16
+    assert d.t.drain_counters()["d2h_bytes"] == 0  # no step went through staging
     d2, sink2 = make_driver("resid_pre", coalesce_max_bytes=384)
-    d2.forward(BatchLayout.decode(["a", "b"], [5, 9]))  # 1 of 4 steps used: compacted at stop
+    d2.forward(BatchLayout.decode(["a", "b"], [5, 9]))  # 1 of 4 steps used
+    d2.forward(BatchLayout.decode(["b"], [10]))  # a left: its slot stays empty
     d2.t.stop()
     d2.verify(sink2.records)
-    assert d2.t._drain.pool.allocated == 1  # gathered into one pooled chunk
+    assert d2.t.drain_counters()["window_bytes"] == 3 * 3 * 16  # only the rows used
 
 
 def test_windows_after_a_timeout_are_sized_to_fill_before_the_next_one(make_driver):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.errors import StoreError
 from dmi_sglang.testing import MemorySink
@@ -34,9 +35,13 @@ def _record(i: int) -> CaptureRecord:
                          "torch.bfloat16", (1, 2), b"abcd", seq=i)
 
 
+def _batch(*starts: int) -> RecordBatch:
+    return RecordBatch.from_records([_record(i) for i in starts])
+
+
 def test_memory_sink_keeps_records_and_counts():
     sink = MemorySink()
-    sink.put([_record(0), _record(1)])
+    sink.put(_batch(0, 1))
     sink.flush()
     sink.close()
     assert [r.start_token_idx for r in sink.records] == [0, 1]
@@ -47,17 +52,17 @@ def test_memory_sink_keeps_records_and_counts():
 
 def test_memory_sink_without_records_only_counts():
     sink = MemorySink(keep_records=False)
-    sink.put([_record(0)])
+    sink.put(_batch(0))
     assert sink.records == []
     assert sink.rows == 1
 
 
 def test_memory_sink_failures_are_sticky():
     sink = MemorySink(fail_on_put=2)
-    sink.put([_record(0)])
+    sink.put(_batch(0))
     with pytest.raises(StoreError, match="put #2"):
-        sink.put([_record(1)])
-    for call in (sink.flush, sink.close, lambda: sink.put([_record(2)])):
+        sink.put(_batch(1))
+    for call in (sink.flush, sink.close, lambda: sink.put(_batch(2))):
         with pytest.raises(StoreError, match="put #2"):
             call()
     assert len(sink.records) == 1

@@ -189,5 +189,6 @@ def test_create_transport_from_plain_settings():
     )
     assert t.capacity == RingCapacity(1 << 20, 2 << 20, 128)
     assert (t.options.strip, t.options.flush_timeout_s) == (False, 0.005)
-    assert t.device_bytes == (1 << 20) + 3 * 8 * 16
+    window = 2 * t.options.coalesce_max_bytes  # the window and its gather buffer
+    assert t.device_bytes == (1 << 20) + 3 * 8 * 16 + window
     assert t.stop().steps == 0

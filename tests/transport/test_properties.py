@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dmi_sglang.adapters.transport import _copier
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.testing import MemorySink
 
@@ -27,17 +26,15 @@ schedules = st.lists(st.one_of(prefill, decode, finish), min_size=1, max_size=12
     coalesce=st.booleans(),
     slow=st.booleans(),
     window_bytes=st.sampled_from([200, 1 << 20]),
-    copy_threads=st.sampled_from([1, 3]),
 )
 def test_any_schedule_delivers_every_row_once_in_order(
-    make_driver, monkeypatch, schedule, ring, strip, coalesce, slow, window_bytes, copy_threads
+    make_driver, schedule, ring, strip, coalesce, slow, window_bytes
 ):
-    monkeypatch.setattr(_copier, "MIN_PARALLEL_BYTES", 0)  # every window step in pieces
     sink = MemorySink(delay_s=0.001 if slow else 0.0)
     d, _ = make_driver(
         "resid_pre,token_ids,final_logits", payload_bytes=ring, sink=sink, strip=strip,
         max_graph_batch=8, max_prefill_tokens=40, coalesce_decode=coalesce,
-        coalesce_max_bytes=window_bytes, copy_threads=copy_threads,
+        coalesce_max_bytes=window_bytes,
     )
     for bucket in reversed(BUCKETS):
         d.graph_capture(bucket)

@@ -41,7 +41,6 @@ def test_payloads_are_read_only_slices_that_survive_the_pool(make_driver):
     d.t.stop()
     d.verify(sink.records)
     assert all(isinstance(r.payload, memoryview) and r.payload.readonly for r in sink.records)
-    assert len({hash(r) for r in sink.records}) == len(sink.records)  # still hashable
 
 
 def test_clickhouse_sink_stores_memoryview_payloads(make_driver, tmp_path):

@@ -1,6 +1,5 @@
 """The ports, in domain vocabulary only (plain values; no torch, SGLang or ClickHouse).
 
-* :class:`RecordSink`: where captured records go (ClickHouse, or nowhere).
 * :class:`RecordReader`: reads records and manifests back per (run, request).
 * :class:`CaptureTransport`: moves captured tensors from the GPU to the sink, step by step.
 * :class:`CaptureSession`: one run's capture inside one scheduler process, as the SGLang
@@ -11,6 +10,7 @@
 * :class:`ReferenceModel`: a model run outside SGLang (transformers on CPU) whose forwards
   hand over what the capture points would see, as :class:`ReferenceForward` values.
 
+The record sink, which takes numpy columns, is :class:`dmi_sglang.columns.RecordSink`.
 Interfaces that must speak torch tensors (what capture points call, and the factory
 that returns them) live in :mod:`dmi_sglang.tensor_ports`.
 """
@@ -39,7 +39,6 @@ __all__ = [
     "EngineTap",
     "HookTotal",
     "RecordReader",
-    "RecordSink",
     "ReferenceForward",
     "ReferenceModel",
     "RequestSummary",
@@ -47,35 +46,6 @@ __all__ = [
     "TrackedRequest",
     "TransportStats",
 ]
-
-
-@runtime_checkable
-class RecordSink(Protocol):
-    """**Port**: accepts records for durable storage.
-
-    ``put`` may block (backpressure) but never drops. Failures are sticky: once the sink
-    failed, ``put``, ``flush`` and ``close`` raise the original cause.
-    """
-
-    def start_run(self, run: RunInfo) -> None:
-        """Record that a run started (before any record of it)."""
-        ...
-
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Queue records for insertion; blocks while the queue is full."""
-        ...
-
-    def flush(self) -> None:
-        """Block until everything queued is durable; raise the sticky failure if any."""
-        ...
-
-    def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """Flush, then write the manifests and the run's final status."""
-        ...
-
-    def close(self) -> None:
-        """Release the store (the embedded engine admits one process at a time)."""
-        ...
 
 
 @attrs.frozen

@@ -44,9 +44,10 @@ LEGACY_IGNORED: Mapping[str, str] = {
     "CH_MAX_BATCH_ITEMS": "DMI's insert batch size; here DMX_CH_INSERT_ROWS sets it",
     "CH_MAX_BATCH_BYTES": "DMI's insert batch bytes; here DMX_CH_QUEUE_MB bounds the queue",
     "STEP_DEBUG": "DMI's per-step debug switch; it has no counterpart here",
+    "DRAIN_COPY_THREADS": "decode rows are coalesced on the GPU now; no host copy threads",
 }
-"""Variables of the original DMI integration that change nothing stored: accepted, each
-with one "setting ignored" log line (:func:`ignored_variables`). DMI's ``DMX_NULL_MODE``
+"""Variables of the original DMI integration, and retired ones of ours, that change
+nothing stored: accepted, each with one "setting ignored" log line (:func:`ignored_variables`). DMI's ``DMX_NULL_MODE``
 does change what is stored: it maps to ``DMX_DB_URL=none`` (:meth:`Settings.from_env`)."""
 
 _GENERATED_IDS: set[str] = set()
@@ -96,13 +97,6 @@ def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
         return value
 
     return parse, f"an integer from {low:,} to {high:,}"
-
-
-def _copy_threads(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 64:
-        raise ValueError(text)
-    return value
 
 
 def _port(text: str) -> int:
@@ -327,9 +321,6 @@ _VARS: dict[str, _Var] = {
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
         "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
     ),
-    "DRAIN_COPY_THREADS": _Var(
-        "drain_copy_threads", 0, _conv(_copy_threads, "0 (automatic) or 1-64")
-    ),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
@@ -371,7 +362,6 @@ class Settings:
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
     drain_flush_timeout_us: int = 100_000
-    drain_copy_threads: int = 0
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False
     preload_libstdcxx: str = "auto"

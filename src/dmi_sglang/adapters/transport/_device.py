@@ -72,6 +72,8 @@ class DeviceOps:
         self._drain_stream = torch.cuda.Stream(dev) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self._done = torch.cuda.Event(blocking=True) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self._free_events: list[torch.cuda.Event] = []
+        self._pending: list[torch.cuda.Event] = []
+        """Markers waited for by work queued on the drain stream, not settled yet."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -102,21 +104,37 @@ class DeviceOps:
     def copies_to_host(self, markers: Sequence[Marker],
                        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """:meth:`to_host` for several ``(dst, src)`` pairs: one wait, one completion."""
-        events = [m for m in markers if m is not None]
-        if not events or self._drain_stream is None or self._done is None:
+        def copy() -> None:
             for dst, src in pairs:
-                dst.copy_(src)
-            return
-        last = {stream_id: event for event, stream_id in events}
+                dst.copy_(src, non_blocking=self.is_cuda)
+        self.on_drain_stream(markers, copy)
+        self.settle()
+
+    def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
+        """Queue ``work`` (device copies) on the drain's own stream after the device work
+        the markers follow; returns without waiting for it (on CPU it runs now). Call
+        :meth:`settle` before the host reads what it wrote or the ring space it read is
+        reused. Each marker is used once: it is recycled at the next settle."""
         stream = self._drain_stream
+        if stream is None:
+            work()
+            return
+        events = [m for m in markers if m is not None]
         with torch.cuda.stream(stream):
-            for event in last.values():
+            for event in {stream_id: ev for ev, stream_id in events}.values():
                 stream.wait_event(event)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            self._done.record(stream)
+            work()
+        self._pending.extend(event for event, _ in events)
+
+    def settle(self) -> None:
+        """Block until the work queued on the drain's stream is done (the GIL is
+        released while waiting)."""
+        if self._drain_stream is None or self._done is None:
+            return
+        self._done.record(self._drain_stream)
         self._done.synchronize()
-        self._free_events.extend(event for event, _ in events)
+        self._free_events.extend(self._pending)
+        self._pending.clear()
 
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""

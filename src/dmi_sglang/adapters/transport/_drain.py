@@ -1,13 +1,15 @@
-"""The drain thread: sealed steps -> host staging -> records -> the sink.
+"""The drain thread: sealed steps -> record batches -> the sink.
 
 Per sealed item (a step, or one piece of a piecewise step), in commit order:
 
-1. wait for the item's marker and copy its ring region to the same offsets of pinned
-   staging with ONE device-to-host copy, on the drain's own stream;
-2. decode steps join the :class:`~._window.DecodeWindow`; anything else first flushes the
-   window (rows of a request stay in position order), then becomes records directly
-   (``_records``); payloads are read-only slices of pooled memory (``_pool``);
-3. release the region (the ring frees in order), then hand the records to the sink.
+1. plain decode steps join the :class:`~._window.DecodeWindow` on the device (a strided
+   device copy per group, on the drain's own stream, after the item's marker); their
+   ring regions are released once those copies completed (one wait per wake-up);
+2. anything else first flushes the window (rows of a request stay in position order),
+   then its ring region is copied to the same offsets of pinned staging with ONE
+   device-to-host copy and becomes record batches (``_records``) over pooled memory
+   (``_pool``);
+3. release the region (the ring frees in order), then hand the batches to the sink.
 
 *Direct* items skip staging: a step that is not coalesced and whose token groups' rows
 lie contiguous in the ring (a prefill, for instance) is copied from the ring straight
@@ -30,7 +32,6 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from dmi_sglang.adapters.transport._copier import ParallelCopier
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
@@ -41,9 +42,9 @@ from dmi_sglang.adapters.transport._records import (
     hold_request_rows,
 )
 from dmi_sglang.adapters.transport._window import DecodeWindow
+from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
-from dmi_sglang.domain.ports import RecordSink
 
 __all__ = ["Drain", "DrainItem", "Finish", "coalescable"]
 
@@ -111,8 +112,6 @@ class Drain:
         flush_timeout_s: longest time a decode row waits in the window.
         direct_copies: copy direct items from the ring into payload memory (see the
             module docstring); False: every item through staging.
-        copy_threads: threads (the drain's own included) that copy a decode step into
-            the window.
     """
 
     def __init__(
@@ -128,7 +127,6 @@ class Drain:
         flush_timeout_s: float,
         on_failure: Callable[[BaseException, str], None],
         direct_copies: bool = True,
-        copy_threads: int = 1,
     ) -> None:
         self._ops = ops
         self._direct_copies = direct_copies
@@ -145,30 +143,51 @@ class Drain:
         if direct_copies:
             self.direct_pool.reserve(DIRECT_FREE_SLABS)
         self.held = HeldRows()
-        self._copier = ParallelCopier(copy_threads)
         self._window = (
-            DecodeWindow(run_id, window_bytes, flush_timeout_s, pool=self.pool,
-                         held=self.held, copier=self._copier)
+            DecodeWindow(run_id, window_bytes, flush_timeout_s, ops=ops, ring=ring,
+                         held=self.held)
             if window_bytes is not None else None
         )
+        self._unreleased = 0
+        """Decode items whose rows were queued into the window but whose ring regions
+        are not released yet (after the next settle)."""
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
         self.rows = 0
         self.bytes = 0
         self.records = 0
+        self.batches = 0
         self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
         self.direct_items = 0
+        self.staged_copied_bytes = 0
+        self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
         self.sink_seconds = 0.0
 
     @property
-    def copy_worker_cpu_seconds(self) -> float:
-        """CPU seconds of the window copy threads (the drain's own share is in
-        ``build_cpu_seconds``)."""
-        return self._copier.worker_cpu_seconds
+    def device_bytes(self) -> int:
+        """Device memory of the decode window (0 without coalescing)."""
+        return self._window.device_bytes if self._window is not None else 0
+
+    @property
+    def host_copied_bytes(self) -> int:
+        """Payload bytes the host's CPU copied between the device and the sink: staged
+        items (staging to payload memory), held request rows (copied out, then into
+        their batch). Decode windows and direct items arrive by DMA: none."""
+        return self.staged_copied_bytes + self.held.copied + self.loose_copied_bytes
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes the decode windows' flushes copied to the host so far."""
+        return self._window.gathered_bytes if self._window is not None else 0
+
+    @property
+    def window_flushes(self) -> int:
+        """Decode windows flushed so far."""
+        return self._window.flushes if self._window is not None else 0
 
     def start(self) -> None:
         """Start the thread."""
@@ -207,13 +226,12 @@ class Drain:
                     t0 = time.thread_time()
                     if self._window is not None:
                         self._window.flush(out, final=True)
+                        self._release_window_items()
                     self.held.release_all(out)
                     self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
-        finally:
-            self._copier.close()
 
     def _more(self, have: int) -> object:
         """The next queued item without waiting, or None."""
@@ -234,22 +252,28 @@ class Drain:
                 self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
 
+    def _coalesce(self, item: DrainItem) -> bool:
+        """True for an item that joins the decode window."""
+        return (self._window is not None and not item.discard
+                and coalescable(item.plan, item.program)
+                and self._window.fits(item.program, item.plan.layout))
+
     def _process(self, batch: list[DrainItem | Finish], out: Emitted) -> Emitted:
-        """Copy the batch's staged items to staging, then build records (direct items
-        copy their own rows).
+        """Queue the batch's decode steps into the window, copy the other items to
+        staging (direct items copy their own rows) and build their batches.
 
         A timed-out decode window is flushed only when nothing else waits for the drain:
         behind a backlog its rows wait for the drain anyway, and flushing every step or
-        two would multiply the records (one per request and capture each flush) when the
-        drain is slowest (sglang-full: ~11,000 per step at batch 64).
+        two would multiply the records (one per request and capture each flush).
 
-        Returns what is left to emit (a long batch hands records over as it goes)."""
-        direct = {id(it) for it in batch if isinstance(it, DrainItem) and self._direct(it)}
-        self._to_staging([it for it in batch
-                          if isinstance(it, DrainItem) and id(it) not in direct])
+        Returns what is left to emit (a long batch hands batches over as it goes)."""
+        items = [it for it in batch if isinstance(it, DrainItem)]
+        window_items = {id(it) for it in items if self._coalesce(it)}
+        direct = {id(it) for it in items if id(it) not in window_items and self._direct(it)}
+        self._to_staging([it for it in items if id(it) not in window_items
+                          and id(it) not in direct])
         t0 = time.thread_time()
         window = self._window
-        staging = self._staging_np
         last = len(batch) - 1
         for n, item in enumerate(batch):
             if isinstance(item, Finish):
@@ -258,29 +282,45 @@ class Drain:
                 else:
                     self.held.finish(item.request_id, item.logits_end, out)
                 continue
-            if item.discard:
-                self._release()
-                continue
-            if window is not None and coalescable(item.plan, item.program):
+            if id(item) in window_items:
+                assert window is not None
                 if not window.can_take(item.program, item.plan.layout):
                     out = self._flush_window(out)
-                window.append(item.seq, item.program, staging, item.base, item.plan.layout)
-                self._release()
+                window.append(item.seq, item.program, item.base, item.plan.layout,
+                              item.marker)
+                self._unreleased += 1
                 if window.full or (window.due() and n == last and self._queue.empty()):
                     out = self._flush_window(out)
                 continue
             if window is not None and window.rows:
                 out = self._flush_window(out)
+            self._release_window_items()
+            if item.discard:
+                self._release()
+                continue
             if id(item) in direct:
                 self._build_direct(item, out)
             else:
-                build_records(self._run_id, item.plan, item.program, staging, item.base,
-                              seq=item.seq, pool=self.pool, held=self.held, out=out)
+                before = out.bytes
+                build_records(self._run_id, item.plan, item.program, self._staging_np,
+                              item.base, seq=item.seq, pool=self.pool, held=self.held,
+                              out=out)
+                self.staged_copied_bytes += out.bytes - before
             self._release()
             if out.bytes >= _EMIT_BYTES:
                 out = self._hand_over(out)
+        self._release_window_items()
         self.build_cpu_seconds += time.thread_time() - t0
         return out
+
+    def _release_window_items(self) -> None:
+        """Release the ring regions of the decode steps queued into the window, once
+        their copies completed (the ring frees in order)."""
+        if self._unreleased:
+            self._ops.settle()
+            for _ in range(self._unreleased):
+                self._release()
+            self._unreleased = 0
 
     def _to_staging(self, items: list[DrainItem]) -> None:
         """Copy the items' ring regions to staging: one copy per contiguous span."""
@@ -297,8 +337,7 @@ class Drain:
 
     def _direct(self, item: DrainItem) -> bool:
         """True for an item copied from the ring straight into payload memory."""
-        return (self._direct_copies and item.program.direct and not item.discard
-                and not (self._window is not None and coalescable(item.plan, item.program)))
+        return self._direct_copies and item.program.direct and not item.discard
 
     def _build_direct(self, item: DrainItem, out: Emitted) -> None:
         """Records of a direct item: token chunks are allocated and sliced into records
@@ -331,11 +370,13 @@ class Drain:
                               item.base, self.held, out)
 
     def _flush_window(self, out: Emitted) -> Emitted:
-        """Flush the window into ``out`` and hand it to the sink: a window's payload slabs
-        return to the pool only once the sink let go of them, so they must not pile up
-        over a long batch."""
+        """Flush the window into ``out`` and hand it to the sink: a window's page-locked
+        buffer returns to the pool only once the sink let go of it, so they must not
+        pile up over a long batch. The flush waited for every queued copy, so the
+        window's ring regions are released too."""
         assert self._window is not None
         self._window.flush(out)
+        self._release_window_items()
         return self._hand_over(out)
 
     def _hand_over(self, out: Emitted) -> Emitted:
@@ -348,11 +389,15 @@ class Drain:
         self.discarded += out.discarded
         if out.discarded:
             log.debug("request rows discarded", rows=out.discarded, total=self.discarded)
-        if not out.records:
+        batches = out.batches_out()
+        if not batches:
             return
         t0 = time.perf_counter()
-        self._sink.put(out.records)
+        for batch in batches:
+            self._sink.put(batch)
         self.sink_seconds += time.perf_counter() - t0
-        self.records += len(out.records)
+        self.batches += len(batches)
+        self.loose_copied_bytes += out.copied
+        self.records += out.records
         self.rows += out.rows
         self.bytes += out.bytes

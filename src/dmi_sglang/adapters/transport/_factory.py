@@ -6,9 +6,9 @@ import torch
 
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
+from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import Selection
-from dmi_sglang.domain.ports import RecordSink
 from dmi_sglang.domain.shapes import ModelShape
 
 __all__ = ["create_transport"]
@@ -21,7 +21,6 @@ def create_transport(
     task_entries: int,
     padding_strip: bool,
     flush_timeout_us: int,
-    copy_threads: int = 0,
     selection: Selection,
     shape: ModelShape,
     max_graph_batch: int,
@@ -38,7 +37,6 @@ def create_transport(
             ``DMX_RING_PINNED_MB``, ``DMX_RING_TASK_ENTRIES``.
         padding_strip: ``DMX_GPU_PADDING_STRIP``.
         flush_timeout_us: ``DMX_DRAIN_FLUSH_TIMEOUT_US``.
-        copy_threads: ``DMX_DRAIN_COPY_THREADS`` (0: automatic).
         selection / shape: the resolved selection and the model's row shapes.
         max_graph_batch: the largest decode CUDA-graph batch (SGLang's ``max_bs``).
         sink / run_id: where records go, and their ``model_id``.
@@ -60,7 +58,6 @@ def create_transport(
         options=TransportOptions.from_settings(
             strip=padding_strip,
             flush_timeout_us=flush_timeout_us,
-            copy_threads=copy_threads,
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
         ),

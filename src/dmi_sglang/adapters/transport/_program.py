@@ -18,6 +18,7 @@ import numpy.typing as npt
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
+from dmi_sglang.columns import CaptureKey as RecordKey
 from dmi_sglang.domain.hooks import RowBasis
 from dmi_sglang.domain.plan import CommitPlan, Segment, align_up
 from dmi_sglang.errors import CaptureError
@@ -96,6 +97,7 @@ class Program:
         "groups",
         "host_key",
         "host_row_bytes",
+        "labels",
         "reserve_bytes",
     )
 
@@ -105,6 +107,10 @@ class Program:
         self.reserve_bytes = align_up(total_bytes, RING_ALIGNMENT)
         self.host_key: Hashable = tuple((g.row_nbytes, *(m.key for m in g.metas)) for g in groups)
         self.host_row_bytes = sum(g.count * g.row_nbytes for g in groups)
+        self.labels = tuple(tuple(RecordKey(m.act_name, m.layer_no, m.dtype, m.dims)
+                                  for m in g.metas) for g in groups)
+        """Per group, what its segments' records are labelled with (the batches'
+        ``captures``)."""
         self.direct = any(not g.request_rows for g in groups) and all(
             g.dense for g in groups if not g.request_rows)
         """Every token group's kept rows lie contiguous in the ring: the drain may copy

@@ -19,17 +19,21 @@ request's decisions end (rows at or past that position are discarded and counted
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from dmi_sglang.adapters.transport._pool import Bytes1D, Chunk, PayloadPool, readonly
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
-from dmi_sglang.domain.plan import CommitPlan
+from dmi_sglang.columns import CaptureKey as RecordKey
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.plan import CommitPlan, RecordSlice
 from dmi_sglang.domain.records import CaptureRecord
 
-__all__ = ["Emitted", "Fill", "HeldRows", "Yielder", "build_records", "copy_row",
+Bytes3D = npt.NDArray[np.uint8]
+
+__all__ = ["Emitted", "Fill", "HeldRows", "build_records", "chunk_batch", "copy_row",
            "hold_request_rows", "staging_fill"]
 
 Fill = Callable[[Group, int, int, Chunk], None]
@@ -50,46 +54,52 @@ def staging_fill(staging: Bytes2D, base: int) -> Fill:
     return fill
 
 
-class Yielder:
-    """Hands the GIL to other threads every few hundred records.
+class Emitted:
+    """Record batches ready for the sink, with the counters the transport reports.
 
-    Building records holds the GIL (one Python object each; the payload bytes are copied
-    beforehand with the GIL released). In a long burst the scheduler thread, at each of
-    its own GIL releases (every torch call), would wait up to the interpreter's switch
-    interval (5 ms) to get it back; a voluntary release every ~0.2 ms of work bounds it.
+    Held request rows that are released arrive one by one (:meth:`add`); consecutive
+    ones become one batch.
     """
 
-    __slots__ = ("_records",)
-
-    RECORDS = 128
+    __slots__ = ("batches", "bytes", "copied", "discarded", "loose", "records", "rows")
 
     def __init__(self) -> None:
-        self._records = 0
-
-    def tick(self, records: int) -> None:
-        """``records`` records were built."""
-        self._records += records
-        if self._records >= self.RECORDS:
-            self._records = 0
-            time.sleep(0)
-
-
-class Emitted:
-    """Records ready for the sink, with the counters the transport reports."""
-
-    __slots__ = ("bytes", "discarded", "records", "rows")
-
-    def __init__(self) -> None:
-        self.records: list[CaptureRecord] = []
+        self.batches: list[RecordBatch] = []
+        self.loose: list[CaptureRecord] = []
+        self.copied = 0
+        """Payload bytes the host copied to make the loose records' batches."""
+        self.records = 0
         self.rows = 0
         self.bytes = 0
         self.discarded = 0
 
     def add(self, record: CaptureRecord) -> None:
-        """One record built elsewhere (a held row)."""
-        self.records.append(record)
+        """One record built elsewhere (a released held row)."""
+        self.loose.append(record)
+        self.records += 1
         self.rows += record.end_token_idx - record.start_token_idx
         self.bytes += len(record.payload)
+
+    def add_batch(self, batch: RecordBatch) -> None:
+        """A batch built from device or staging memory (after the loose records so far:
+        arrival order is kept)."""
+        self._close_loose()
+        self.batches.append(batch)
+        self.records += len(batch)
+        self.rows += batch.rows
+        self.bytes += batch.nbytes
+
+    def batches_out(self) -> list[RecordBatch]:
+        """Every batch, in arrival order (loose records become batches)."""
+        self._close_loose()
+        return self.batches
+
+    def _close_loose(self) -> None:
+        if self.loose:
+            batch = RecordBatch.from_records(self.loose)
+            self.copied += batch.nbytes
+            self.batches.append(batch)
+            self.loose = []
 
 
 class HeldRows:
@@ -100,6 +110,8 @@ class HeldRows:
 
     def __init__(self) -> None:
         self._rows: dict[str, list[CaptureRecord]] = {}
+        self.copied = 0
+        """Payload bytes copied out to be held (each held row is copied once here)."""
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -109,6 +121,7 @@ class HeldRows:
 
     def hold(self, record: CaptureRecord) -> None:
         """Hold ``record`` (call :meth:`confirm` for its request first)."""
+        self.copied += len(record.payload)
         self._rows.setdefault(record.request_id, []).append(record)
 
     def confirm(self, request_id: str, out: Emitted) -> None:
@@ -143,6 +156,63 @@ def copy_row(row: Bytes1D) -> memoryview:
     return readonly(own)
 
 
+def _slice_columns(slices: Sequence[RecordSlice], rb: int) -> tuple[
+        tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Per slice: request ids (distinct, in order), request index, start, end, byte offset
+    in a segment, byte size; and whether the slices tile the segment's kept rows."""
+    ids: dict[str, int] = {}
+    n = len(slices)
+    request = np.empty(n, dtype=np.int32)
+    start = np.empty(n, dtype=np.int32)
+    end = np.empty(n, dtype=np.int32)
+    at = np.empty(n, dtype=np.int64)
+    size = np.empty(n, dtype=np.int64)
+    for i, sl in enumerate(slices):
+        request[i] = ids.setdefault(sl.request_id, len(ids))
+        start[i], end[i] = sl.start, sl.end
+        at[i], size[i] = sl.row_offset * rb, sl.rows * rb
+    tiled = bool(n) and at[0] == 0 and bool(np.all(at[1:] == at[:-1] + size[:-1]))
+    return tuple(ids), request, start, end, at, size, tiled
+
+
+def chunk_batch(  # noqa: PLR0917 - one chunk's whole context
+    run_id: str,
+    labels: tuple[RecordKey, ...],
+    slices: Sequence[RecordSlice],
+    seq: int,
+    rows: Bytes3D,
+    kept_rows: int,
+) -> RecordBatch | None:
+    """The records of ``rows`` (``[segments, kept rows, row bytes]``, contiguous: a
+    pooled chunk filled by one bulk copy), one per segment and slice, segment-major.
+
+    The payload is ``rows`` itself when the slices tile the kept rows (the normal
+    case); otherwise the sliced rows are gathered into a buffer of their own.
+    """
+    nseg, _, rb = rows.shape
+    if not slices or not nseg:
+        return None
+    ids, request, start, end, at, size, tiled = _slice_columns(slices, rb)
+    nsl = len(slices)
+    seg_bytes = kept_rows * rb
+    flat = rows.reshape(-1)
+    if tiled and int(at[-1] + size[-1]) == seg_bytes:
+        payload = flat
+    else:  # rows outside every slice: keep only the sliced ones, in record order
+        starts = (np.arange(nseg, dtype=np.int64)[:, None] * seg_bytes + at[None, :]).ravel()
+        payload = np.concatenate([flat[a : a + n] for a, n in
+                                  zip(starts.tolist(), np.tile(size, nseg).tolist(),
+                                      strict=True)])
+    offsets = np.zeros(nseg * nsl + 1, dtype=np.int64)
+    np.cumsum(np.tile(size, nseg), out=offsets[1:])
+    return RecordBatch(
+        run_id, ids, labels,
+        np.tile(request, nseg), np.repeat(np.arange(nseg, dtype=np.int32), nsl),
+        np.tile(start, nseg), np.tile(end, nseg), np.full(nseg * nsl, seq, dtype=np.int64),
+        offsets, payload,
+    )
+
+
 def build_records(
     run_id: str,
     plan: CommitPlan,
@@ -157,19 +227,18 @@ def build_records(
     fill: Fill | None = None,
     request_rows: bool = True,
 ) -> None:
-    """Records of one drained step or piece: one per segment and request slice.
+    """Record batches of one drained step or piece: one record per segment and request
+    slice, one batch per chunk of segments.
 
-    Token rows go out now (slices of pooled chunks, one bulk copy per chunk of segments,
-    made by ``fill``: default from ``staging``); request rows are held back (see the
-    module docstring; they are read from ``staging``), releasing the rows they confirm.
+    Token rows go out now (pooled chunks, one bulk copy per chunk of segments, made by
+    ``fill``: default from ``staging``); request rows are held back (see the module
+    docstring; they are read from ``staging``), releasing the rows they confirm.
     ``request_rows=False`` leaves them to a later :func:`hold_request_rows`.
     """
     fill = fill or staging_fill(staging, base)
     segments = plan.segments
     request_groups: list[Group] = []
-    yielder = Yielder()
-    append = out.records.append
-    for group in program.groups:
+    for group, labels in zip(program.groups, program.labels, strict=True):
         if group.request_rows:
             request_groups.append(group)
             continue
@@ -180,21 +249,10 @@ def build_records(
             s1 = min(group.count, s0 + per)
             chunk = pool.alloc((s1 - s0) * kept * rb)
             fill(group, s0, s1, chunk)
-            view = chunk.view
-            for s, meta in enumerate(group.metas[s0:s1]):
-                seg_off = chunk.offset + s * kept * rb
-                for sl in slices:
-                    a = seg_off + sl.row_offset * rb
-                    append(
-                        CaptureRecord(
-                            run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
-                            sl.end, meta.dtype, (sl.rows, *meta.dims), view[a : a + sl.rows * rb],
-                            seq,
-                        )
-                    )
-                yielder.tick(len(slices))
-        out.rows += group.count * kept
-        out.bytes += group.count * kept * rb
+            batch = chunk_batch(run_id, labels[s0:s1], slices, seq,
+                                chunk.array.reshape(s1 - s0, kept, rb), kept)
+            if batch is not None:
+                out.add_batch(batch)
     if request_groups and request_rows:
         hold_request_rows(run_id, seq, plan, request_groups, staging, base, held, out)
 

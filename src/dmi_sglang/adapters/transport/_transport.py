@@ -24,6 +24,7 @@ from dmi_sglang.adapters.transport._drain import Drain, DrainItem
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
+from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import (
     Decision,
     Preflight,
@@ -34,7 +35,7 @@ from dmi_sglang.domain.capacity import (
 )
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.plan import CommitPlan
-from dmi_sglang.domain.ports import RecordSink, TransportStats
+from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError
 
@@ -126,7 +127,6 @@ class TorchCaptureTransport:
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
             direct_copies=opts.direct_copies,
-            copy_threads=opts.copy_threads,
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
@@ -137,13 +137,15 @@ class TorchCaptureTransport:
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
             max_graph_batch=max_graph_batch, strip=opts.strip, malloc_tuned=tuned,
-            copy_threads=opts.copy_threads,
+            window_bytes=self._drain.device_bytes,
         )
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the transport holds (ring + arena): count it in capacity."""
-        return int(self._ring.numel()) + int(self._arena.buffer.numel())
+        """Device memory the transport holds (ring, arena and decode window): count it in
+        capacity."""
+        return (int(self._ring.numel()) + int(self._arena.buffer.numel())
+                + self._drain.device_bytes)
 
     def preflight(self, plan: CommitPlan, eager_plan: CommitPlan | None = None) -> Preflight:
         """How ``plan`` would be committed now (see :func:`~.capacity.preflight`).
@@ -287,16 +289,19 @@ class TorchCaptureTransport:
         )
 
     def drain_counters(self) -> dict[str, float]:
-        """Drain internals for benchmarks: records, device-to-host bytes and seconds,
-        CPU seconds the drain thread spent building records (GIL held for most of it,
-        the bulk copies excepted) and its window copy threads spent copying, seconds in
-        ``sink.put``, payload buffers allocated and reused, request rows held back now."""
+        """Drain internals for benchmarks: records and batches, device-to-host bytes and
+        seconds of staged and direct items, decode windows flushed and the bytes they
+        brought to the host, payload bytes the host's CPU copied on the way, CPU seconds
+        the drain thread spent building batches (the waits for device copies excepted),
+        seconds in ``sink.put``, payload buffers allocated and reused, request rows held
+        back now."""
         d = self._drain
         return {
-            "records": d.records, "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
-            "direct_items": d.direct_items,
+            "records": d.records, "batches": d.batches,
+            "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
+            "direct_items": d.direct_items, "window_flushes": d.window_flushes,
+            "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
             "build_cpu_seconds": d.build_cpu_seconds,
-            "copy_worker_cpu_seconds": d.copy_worker_cpu_seconds,
             "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
             "pinned_buffers_allocated": d.direct_pool.allocated,

@@ -1,49 +1,55 @@
-"""Coalescing of decode rows: one record per (request, hook, layer) and run of steps.
+"""Coalescing of decode rows on the device: one record per (request, hook, layer) and run.
 
 A decode step gives every request one row per capture. Stored one record per token and
-layer, a generation of 128 tokens over 28 layers is 3,584 records per hook and request,
-and building them costs the drain (and the GIL) more than the bytes do. The window keeps
-consecutive decode steps in host memory and emits, when it is flushed, one record per
+layer, a generation of 128 tokens over 28 layers is 3,584 records per hook and request.
+The window keeps consecutive decode steps and emits, when it is flushed, one record per
 request, capture and *run*: rows of consecutive positions. A position that does not
 follow the previous one (a retracted and recomputed request) starts a new run, so rows
 stay in position order and ranges stay exact.
 
-**Request-major.** The window's memory is laid out ``[segment, request, step, row
-bytes]`` per group: appending a step writes each request's row straight into its place
-(one strided copy per group and step, the GIL released, spread over a few threads
-when the step is large: ``_copier``), so the rows of a run are
-already contiguous and its records are slices of the window's own memory: no copy at
-flush. A request keeps its slot for the window's life. Within a window the decode batch
-can only lose requests (a joining request had a prefill first, which flushed the
-window), so the slots are the first step's requests; a step with a new request flushes
-and reopens. Slots of requests that left early, and steps never reached before a
-timeout, stay unused: when less than half of the window's cells hold rows, the flush
-gathers the rows into compact pooled chunks instead (one ``index_select`` per chunk), so
-that records never pin much more memory than they hold.
+**On the device.** The window lives in device memory laid out ``[segment, request, step,
+row]`` per group. Appending a step is one strided device-to-device copy per group on the
+drain's stream, straight from the ring (the host copies nothing; the ring region is
+freed once the copies completed). A flush gathers the rows that go out, in record order
+(run by run, segment by segment), into a second device buffer with one ``index_select``
+per group, and copies that to page-locked host memory with ONE device-to-host copy: the
+host receives each payload byte once, already dense and in record order, and the
+records are :class:`~dmi_sglang.columns.RecordBatch` columns over that memory (numpy, no
+object per record). Rows of requests that left early and steps never reached before a
+timeout are simply not gathered.
 
-Request rows (``final_logits``) follow the hold-back rule of ``_records``: each
-request's newest row is held until confirmed or finished.
+A request keeps its slot for the window's life. Within a window the decode batch can
+only lose requests (a joining request had a prefill first, which flushed the window), so
+the slots are the first step's requests; a step with a new request flushes and reopens.
+
+Request rows (``final_logits``) follow the hold-back rule of ``_records``: each live
+request's newest row is gathered after the others and copied out to be held until it is
+confirmed or its request finishes.
 
 Flushed when all its steps are used, when its oldest step is older than the flush
 timeout and the drain has nothing else queued (behind a backlog the rows wait for the
-drain anyway), before any step that is not a plain decode step, and on stop. A window
-holds at most ``max_bytes``; after a window timed out, the next ones hold the steps that
-arrived before the timeout (x 1.25), so that they fill and are sliced in place, and they
-grow back (x 2 per full window) up to ``max_bytes``.
+drain anyway), before any step that is not a plain decode step, and on stop. After a
+window timed out, the next ones hold the steps that arrived before the timeout (x 1.25),
+and they grow back (x 2 per full window) up to the buffer's size.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable
 
+import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from dmi_sglang.adapters.transport._copier import ParallelCopier
-from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
-from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host_rows
-from dmi_sglang.adapters.transport._records import Emitted, HeldRows, Yielder, copy_row
+from dmi_sglang.adapters.transport._device import DeviceOps, Marker
+from dmi_sglang.adapters.transport._pool import PayloadPool
+from dmi_sglang.adapters.transport._program import Group, Program
+from dmi_sglang.adapters.transport._records import Emitted, HeldRows, copy_row
+from dmi_sglang.columns import CaptureKey as RecordKey
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.records import CaptureRecord
 
@@ -52,30 +58,40 @@ __all__ = ["DecodeWindow"]
 _LIVE = object()
 """A request without a finish notice (its newest request row is held back)."""
 
-_ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-          torch.uint8: np.uint8}
-_SPARE_WINDOWS = 2
-"""Window-sized buffers kept for reuse."""
-_ALIGN = 64
-"""Each group's cells start on this boundary (typed views for ``index_select``)."""
+_ALIGN = 16
+"""Each group's cells start on this boundary (8-byte element views)."""
+_SPARE_OUTPUTS = 2
+"""Page-locked flush buffers kept for reuse (one more is made while the sink holds
+both)."""
+
+Ints = npt.NDArray[np.int64]
 
 
-def _wide(rows: np.ndarray, row_nbytes: int) -> torch.Tensor:
-    """``rows`` ([segments, cells, row bytes]) as a tensor of the widest element that
-    divides a row, sharing memory (for ``index_select``)."""
-    elem = next(e for e in (8, 4, 2, 1) if row_nbytes % e == 0)
-    return torch.from_numpy(rows).view(_ELEMENT[elem])
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _elem(group: Group) -> int:
+    """Bytes per element of the group's device copies (divides rows and offsets)."""
+    return math.gcd(group.elem, group.row_nbytes)
+
+
+def _concat_ranges(starts: Ints, lengths: Ints) -> Ints:
+    """``[starts[0], starts[0] + lengths[0]), [starts[1], ...) ...`` as one index array."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(total, dtype=np.int64)
 
 
 class _Runs:
-    """Runs of a flush, by slot then step: slot, first step, rows, first position, step
-    number (``seq``) of the first row."""
+    """Runs of a flush, by slot then step (numpy arrays): slot, first step, rows, first
+    position, step number (``seq``) of the first row."""
 
     __slots__ = ("n", "seq", "slot", "start", "step")
 
-    def __init__(self, slot: list[int], step: list[int], n: list[int], start: list[int],
-                 seq: list[int]) -> None:
+    def __init__(self, slot: Ints, step: Ints, n: Ints, start: Ints, seq: Ints) -> None:
         self.slot = slot
         self.step = step
         self.n = n
@@ -83,17 +99,31 @@ class _Runs:
         self.seq = seq
 
 
+@attrs.frozen(eq=False)
+class _GroupOut:
+    """What one group sends at a flush (see ``DecodeWindow._gather_plan``): the kept
+    runs (``jobs``) and their rows, the cells to gather, the held runs."""
+
+    group: Group
+    labels: tuple[RecordKey, ...]
+    jobs: Ints
+    rows: Ints
+    index: Ints
+    held: Ints
+
+
 class DecodeWindow:
-    """Decode rows waiting to be coalesced into records.
+    """Decode rows waiting on the device to be coalesced into records.
 
     Args:
         run_id: stored as ``model_id``.
-        max_bytes: bound on the window's memory (one step is always accepted).
+        max_bytes: device memory of the window (and of its gather buffer, and of each
+            page-locked flush buffer). A step larger than this is not coalesced
+            (:meth:`fits`).
         timeout_s: longest time a row waits (``DMX_DRAIN_FLUSH_TIMEOUT_US``); a held
             request row waits for its confirmation instead.
-        pool: where compacted payloads come from.
+        ops / ring: the transport's device and payload ring (appends copy from it).
         held: the drain's held request rows.
-        copier: copies each appended step into place (several threads for large steps).
     """
 
     def __init__(
@@ -102,25 +132,30 @@ class DecodeWindow:
         max_bytes: int,
         timeout_s: float,
         *,
-        pool: PayloadPool | None = None,
+        ops: DeviceOps,
+        ring: torch.Tensor,
         held: HeldRows | None = None,
-        copier: ParallelCopier | None = None,
     ) -> None:
         self._run_id = run_id
-        self._copier = copier if copier is not None else ParallelCopier(1)
+        self._ops = ops
         self._max_bytes = max_bytes
         self._timeout = timeout_s
-        self._pool = pool if pool is not None else PayloadPool()
         self._held = held if held is not None else HeldRows()
-        self._space = PayloadPool(slab_bytes=max(max_bytes, 1 << 20) + (1 << 16),  # + alignment
-                                  max_free_slabs=_SPARE_WINDOWS)
+        self._ring = ops.wide(ring)
+        self._cells_buf = ops.device_buffer(_align(max_bytes))
+        self._gather_buf = ops.device_buffer(_align(max_bytes))
+        self._cells_wide = ops.wide(self._cells_buf)
+        self._gather_wide = ops.wide(self._gather_buf)
+        self.host = PayloadPool(slab_bytes=_align(max_bytes), max_free_slabs=_SPARE_OUTPUTS,
+                                buffer=ops.host_buffer)
+        """Page-locked memory the flushes copy into (the batches' payloads)."""
+        self.host.reserve(_SPARE_OUTPUTS)
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
-        self._chunk: Chunk | None = None
-        self._cells: list[np.ndarray] = []
-        """Per group ``[segments, slots, steps, row bytes]`` views of the window memory."""
+        self._labels: tuple[tuple[RecordKey, ...], ...] = ()
+        self._cells: list[torch.Tensor] = []
+        """Per group ``[segments, slots, steps, row elements]`` views of the window."""
         self._offsets: list[int] = []
-        """Per group, where its cells start in the chunk."""
         self._slots = 0
         self._steps = 0
         self._slot: dict[str, int] = {}
@@ -138,7 +173,14 @@ class DecodeWindow:
         self._opened = 0.0
         self._steps_hint: int | None = None
         """Steps the last timed-out window reached (x 1.25): the next window is sized to
-        what arrives before the timeout, so that it fills and is sliced in place."""
+        what arrives before the timeout."""
+        self.flushes = 0
+        self.gathered_bytes = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the window holds (cells and gather buffer)."""
+        return 2 * _align(self._max_bytes)
 
     def seconds_left(self) -> float | None:
         """Time until the window is due, or None when it is empty."""
@@ -158,8 +200,15 @@ class DecodeWindow:
     def _timed_out(self) -> bool:
         return time.monotonic() >= self._opened + self._timeout
 
+    def _bytes_for(self, program: Program, slots: int, steps: int) -> int:
+        return sum(_align(g.count * slots * steps * g.row_nbytes) for g in program.groups)
+
+    def fits(self, program: Program, layout: BatchLayout) -> bool:
+        """True when one step of this shape fits the window at all."""
+        return self._bytes_for(program, len(layout.request_ids), 1) <= self._max_bytes
+
     def can_take(self, program: Program, layout: BatchLayout) -> bool:
-        """True when this plain decode step can join the window."""
+        """True when this plain decode step can join the window now."""
         if not self.rows:
             return True
         if program.host_key != self._key or self.full:
@@ -175,11 +224,12 @@ class DecodeWindow:
         """A finish notice for a request with rows in the window (applied at flush)."""
         self._finished[request_id] = logits_end
 
-    def append(
-        self, seq: int, program: Program, staging: Bytes2D, base: int, layout: BatchLayout
-    ) -> None:
-        """Copy one plain decode step's rows out of staging into their requests' slots
-        (request ``i`` owns row ``i``); :meth:`can_take` said yes."""
+    def append(self, seq: int, program: Program, base: int, layout: BatchLayout,
+               marker: Marker) -> None:
+        """Queue the copies of one plain decode step's rows from the ring region at
+        ``base`` into their requests' slots (request ``i`` owns row ``i``), after the
+        step's device work (``marker``); :meth:`can_take` said yes. The ring region may
+        be reused only after the next :meth:`DeviceOps.settle`."""
         rids = layout.request_ids
         if not rids:
             return
@@ -192,33 +242,49 @@ class DecodeWindow:
             self._last_span = (lo, hi) if contiguous else None
             self._last_idx = idx
             self._last_rids = rids
-        t, idx, span = self._t, self._last_idx, self._last_span
-        if span is not None:
-            self._copier.copy([(cells[:, span[0] : span[1], t, :], host_rows(staging, base, g))
-                               for cells, g in zip(self._cells, program.groups, strict=True)])
-        else:  # the batch's order changed: a scatter (rare)
-            for cells, group in zip(self._cells, program.groups, strict=True):
-                cells[:, idx, t, :] = host_rows(staging, base, group)
-        self._valid[idx, t] = True
-        self._pos[idx, t] = layout.starts
+        t, span, idx = self._t, self._last_span, self._last_idx
+        groups, cells, ring, device = program.groups, self._cells, self._ring, self._ops.device
+
+        def copy() -> None:
+            for g, dst in zip(groups, cells, strict=True):
+                e = _elem(g)
+                w = g.row_nbytes // e
+                src = ring[e].as_strided((g.count, g.ring_rows, w), (g.ring_stride // e, w, 1),
+                                         (base + g.ring_offset) // e)
+                if g.host_index is not None:
+                    src = src.index_select(1, program.index(g.host_index, device))
+                elif g.ring_rows != g.kept_rows:
+                    src = src[:, : g.kept_rows]
+                if span is not None:
+                    dst[:, span[0] : span[1], t, :].copy_(src)
+                else:  # the batch's order changed: a scatter (rare)
+                    dst[:, torch.from_numpy(idx).to(device), t, :] = src
+
+        self._ops.on_drain_stream([marker], copy)
+        self._valid[self._last_idx, t] = True
+        self._pos[self._last_idx, t] = layout.starts
         self._seq[t] = seq
         self._t = t + 1
         self.rows += len(rids)
 
     def _open(self, program: Program, rids: tuple[str, ...]) -> None:
         slots = len(rids)
-        steps = max(1, self._max_bytes // max(program.host_row_bytes * slots, 1))
+        per_step = max(1, program.host_row_bytes * slots)
+        steps = max(1, self._max_bytes // per_step)
         if self._steps_hint is not None:
             steps = min(steps, self._steps_hint)
-        sizes = [g.count * slots * steps * g.row_nbytes for g in program.groups]
-        chunk = self._space.alloc(sum(-(-n // _ALIGN) * _ALIGN for n in sizes))
+        while steps > 1 and self._bytes_for(program, slots, steps) > self._max_bytes:
+            steps -= 1
         cells, offsets, at = [], [], 0
-        for g, n in zip(program.groups, sizes, strict=True):
-            cells.append(chunk.array[at : at + n].reshape(g.count, slots, steps, g.row_nbytes))
+        for g in program.groups:
+            e = _elem(g)
+            w = g.row_nbytes // e
+            cells.append(self._cells_wide[e].as_strided(
+                (g.count, slots, steps, w), (slots * steps * w, steps * w, w, 1), at // e))
             offsets.append(at)
-            at += -(-n // _ALIGN) * _ALIGN
-        self._chunk, self._cells, self._offsets = chunk, cells, offsets
-        self._key, self._groups = program.host_key, program.groups
+            at += _align(g.count * slots * steps * g.row_nbytes)
+        self._cells, self._offsets = cells, offsets
+        self._key, self._groups, self._labels = program.host_key, program.groups, program.labels
         self._slots, self._steps = slots, steps
         self._slot = {r: i for i, r in enumerate(rids)}
         self._rids = list(rids)
@@ -230,7 +296,8 @@ class DecodeWindow:
         self._opened = time.monotonic()
 
     def flush(self, out: Emitted, *, final: bool = False) -> None:
-        """Records of everything in the window (one per request, capture and run).
+        """Batches of everything in the window (one record per request, capture and
+        run), each group's records as one :class:`RecordBatch`.
 
         ``final`` (the run stops): nothing is held back any more.
         """
@@ -242,27 +309,20 @@ class DecodeWindow:
             self._steps_hint = max(2, self._t + (self._t + 3) // 4)
         runs = self._runs()
         groups = self._groups
-        token = [i for i, g in enumerate(groups) if not g.request_rows]
-        request = [i for i, g in enumerate(groups) if g.request_rows]
-        keep = runs.n
-        if request:
-            keep = self._resolve(runs, request, out, final=final)
-        compact = 2 * int(self._valid[:, : self._t].sum()) < self._slots * self._steps
-        yielder = Yielder()
-        for i in token + request:
-            counts = keep if groups[i].request_rows else runs.n
-            if compact:
-                self._gathered(i, runs, counts, out, yielder)
-            else:
-                self._in_place(i, runs, counts, out, yielder)
+        keep, holds = runs.n, np.zeros(0, dtype=np.int64)
+        if any(g.request_rows for g in groups):
+            keep, holds = self._resolve(runs, out, final=final)
+        plans = [self._gather_plan(g, labels, runs, keep if g.request_rows else runs.n,
+                                   holds if g.request_rows else None)
+                 for g, labels in zip(groups, self._labels, strict=True)]
+        self._gather(plans, runs, out)
         self.rows = 0
         self._slot = {}
         self._rids = []
         self._finished = {}
         self._last_rids = None
-        self._chunk = None  # its memory returns once the records let go of it
         self._cells = []
-        self._space.release()  # ... for the next window to reuse (no fresh pages)
+        self.flushes += 1
 
     def _runs(self) -> _Runs:
         """Maximal runs of consecutive positions per slot, by slot then step."""
@@ -273,142 +333,119 @@ class DecodeWindow:
         ends[:, :-1] &= ~cont[:, 1:]
         slot, step = np.nonzero(valid & ~cont)
         _, last = np.nonzero(ends)  # same row-major order: one end per start
-        return _Runs(slot.tolist(), step.tolist(), (last - step + 1).tolist(),
-                     pos[slot, step].tolist(), self._seq[step].tolist())
+        return _Runs(slot.astype(np.int64), step.astype(np.int64),
+                     (last - step + 1).astype(np.int64), pos[slot, step],
+                     self._seq[step])
 
-    def _resolve(self, runs: _Runs, groups: list[int], out: Emitted, *,
-                 final: bool) -> list[int]:
-        """Apply the hold-back rule to request rows: rows kept per run. Held and
-        discarded rows leave the window here."""
+    def _resolve(self, runs: _Runs, out: Emitted, *, final: bool) -> tuple[Ints, Ints]:
+        """Apply the hold-back rule to request rows: rows kept per run, and the runs
+        whose last row is held back. Previously held rows are settled here."""
         rids = self._rids
-        keep: list[int] = []
         nruns = len(runs.n)
+        keep = runs.n.copy()
+        holds: list[int] = []
+        slots, ns, starts = runs.slot.tolist(), runs.n.tolist(), runs.start.tolist()
         for j in range(nruns):
-            slot, n, start = runs.slot[j], runs.n[j], runs.start[j]
+            slot, n, start = slots[j], ns[j], starts[j]
             rid = rids[slot]
             status = self._finished.get(rid, _LIVE)
             if final and status is _LIVE:
                 status = None
-            newest = j + 1 == nruns or runs.slot[j + 1] != slot
-            if j == 0 or runs.slot[j - 1] != slot:  # the request's first run
+            newest = j + 1 == nruns or slots[j + 1] != slot
+            if j == 0 or slots[j - 1] != slot:  # the request's first run
                 if status is _LIVE:
                     self._held.confirm(rid, out)
                 else:
                     self._held.finish(rid, status, out)  # type: ignore[arg-type]
             if status is _LIVE:
-                k = n - 1 if newest else n
                 if newest:
-                    self._hold(rid, slot, runs.step[j] + n - 1, start + n - 1, groups)
-            elif status is None:
-                k = n
-            else:
-                k = max(0, min(n, status - start))  # type: ignore[operator]
-                out.discarded += (n - k) * sum(self._groups[i].count for i in groups)
-            keep.append(k)
-        return keep
+                    keep[j] = n - 1
+                    holds.append(j)
+            elif status is not None:
+                k = max(0, min(n, status - start))
+                out.discarded += (n - k) * sum(g.count for g in self._groups if g.request_rows)
+                keep[j] = k
+        return keep, np.asarray(holds, dtype=np.int64)
 
-    def _hold(self, rid: str, slot: int, step: int, pos: int, groups: list[int]) -> None:
-        seq = int(self._seq[step])
-        for i in groups:
-            group, cells = self._groups[i], self._cells[i]
-            for s, meta in enumerate(group.metas):
-                self._held.hold(
-                    CaptureRecord(
-                        self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                        meta.dtype, (1, *meta.dims), copy_row(cells[s, slot, step]), seq,
-                    )
-                )
+    def _gather_plan(self, g: Group, labels: tuple[RecordKey, ...], runs: _Runs,
+                     counts: Ints, holds: Ints | None) -> _GroupOut:
+        """What group ``g`` sends: its kept runs and their rows, and which rows to gather
+        (rows of the group's cells viewed ``[segments x slots x steps, row]``, in record
+        order: run by run, segment by segment, then the held rows)."""
+        jobs = np.nonzero(counts > 0)[0]
+        seg = np.arange(g.count, dtype=np.int64)
+        first = ((seg[None, :] * self._slots + runs.slot[jobs][:, None]) * self._steps
+                 + runs.step[jobs][:, None])
+        index = _concat_ranges(first.ravel(), np.repeat(counts[jobs], g.count))
+        held = holds if holds is not None else np.zeros(0, dtype=np.int64)
+        if len(held):
+            last = runs.step[held] + runs.n[held] - 1
+            cells = (seg[None, :] * self._slots + runs.slot[held][:, None]) * self._steps
+            index = np.concatenate([index, (cells + last[:, None]).ravel()])
+        return _GroupOut(g, labels, jobs, counts[jobs], index, held)
 
-    def _in_place(self, i: int, runs: _Runs, counts: list[int], out: Emitted,
-                  yielder: Yielder) -> None:
-        """Records of group ``i``: slices of the window's own memory."""
-        assert self._chunk is not None
-        group, rids = self._groups[i], self._rids
-        rb, slots, steps = group.row_nbytes, self._slots, self._steps
-        base = self._chunk.offset + self._offsets[i]
-        view, run_id, append = self._chunk.view, self._run_id, out.records.append
-        metas = group.metas
-        rows = 0
-        for j, k in enumerate(counts):
-            if not k:
-                continue
-            slot, t0, a, sq = runs.slot[j], runs.step[j], runs.start[j], runs.seq[j]
-            rid, nbytes = rids[slot], k * rb
-            for s, m in enumerate(metas):
-                p = base + ((s * slots + slot) * steps + t0) * rb
-                append(CaptureRecord(run_id, rid, m.act_name, m.layer_no, 0, a, a + k,
-                                     m.dtype, (k, *m.dims), view[p : p + nbytes], sq))
-            rows += k
-            yielder.tick(len(metas))
-        out.rows += rows * len(metas)
-        out.bytes += rows * rb * len(metas)
+    def _gather(self, plans: list[_GroupOut], runs: _Runs, out: Emitted) -> None:
+        """Gather every group's rows on the device, copy them to the host once, and
+        make the batches (and the held rows) over that memory."""
+        places, at = [], 0
+        for p in plans:
+            places.append(at)
+            at += _align(len(p.index) * p.group.row_nbytes)
+        total = at
+        if not total:
+            return
+        chunk = self.host.alloc(total)
+        cells, slots, steps = self._cells, self._slots, self._steps
+        device, gather = self._ops.device, self._gather_wide
 
-    def _gathered(self, i: int, runs: _Runs, counts: list[int], out: Emitted,
-                  yielder: Yielder) -> None:
-        """Records of group ``i`` from compact pooled chunks of at most a slab: the kept
-        rows gathered with one ``index_select`` per chunk."""
-        group = self._groups[i]
-        rb, count, steps = group.row_nbytes, group.count, self._steps
-        src = _wide(self._cells[i].reshape(count, self._slots * steps, rb), rb)
-        index = torch.from_numpy(np.concatenate(
-            [np.arange(runs.slot[j] * steps + runs.step[j],
-                       runs.slot[j] * steps + runs.step[j] + k, dtype=np.int64)
-             for j, k in enumerate(counts)] or [np.zeros(0, dtype=np.int64)]))
-        slab = self._pool.slab_bytes
-        nruns = len(counts)
-        j = r = 0
-        while j < nruns:
-            j0, r0, rows = j, r, 0
-            while j < nruns and (not rows or count * (rows + counts[j]) * rb <= slab):
-                rows += counts[j]
-                j += 1
-            r += rows
-            if not rows:
-                continue
-            per = max(1, slab // (rows * rb))  # segments per chunk (all of them normally)
-            for s0 in range(0, count, per):
-                s1 = min(count, s0 + per)
-                chunk = self._pool.alloc((s1 - s0) * rows * rb)
-                dst = chunk.array.view(_NUMPY[src.dtype]).reshape(s1 - s0, rows, -1)
-                torch.index_select(src[s0:s1], 1, index[r0 : r0 + rows],
-                                   out=torch.from_numpy(dst))
-                self._records(runs, group, counts, (j0, j), (s0, s1), rows, chunk, out,
-                              yielder)
+        def work() -> None:
+            for p, place, src in zip(plans, places, cells, strict=True):
+                if not len(p.index):
+                    continue
+                e = _elem(p.group)
+                w = p.group.row_nbytes // e
+                flat = src.as_strided((p.group.count * slots * steps, w), (w, 1),
+                                      src.storage_offset())
+                dst = gather[e][place // e : place // e + len(p.index) * w]
+                torch.index_select(flat, 0, torch.from_numpy(p.index).to(device),
+                                   out=dst.view(len(p.index), w))
+            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=self._ops.is_cuda)
 
-    def _records(  # noqa: PLR0917 - private helper of _gathered
-        self,
-        runs: _Runs,
-        group: Group,
-        counts: list[int],
-        run_range: tuple[int, int],
-        seg_range: tuple[int, int],
-        rows: int,
-        chunk: Chunk,
-        out: Emitted,
-        yielder: Yielder,
-    ) -> None:
-        """Records of runs ``run_range`` and segments ``seg_range`` of one chunk."""
-        rids, run_id = self._rids, self._run_id
-        rb = group.row_nbytes
-        s0, s1 = seg_range
-        seg_bytes = rows * rb
-        metas = [(chunk.offset + (s - s0) * seg_bytes, m.act_name, m.layer_no, m.dtype, m.dims)
-                 for s, m in enumerate(group.metas[s0:s1], start=s0)]
-        view = chunk.view
-        append = out.records.append
+        self._ops.on_drain_stream([], work)
+        self._ops.settle()
+        self.gathered_bytes += total
+        host = chunk.array
+        rids = tuple(self._rids)
+        for p, place in zip(plans, places, strict=True):
+            rb, nseg = p.group.row_nbytes, p.group.count
+            kept = int(p.rows.sum()) * nseg * rb
+            if len(p.jobs):
+                offsets = np.zeros(len(p.jobs) * nseg + 1, dtype=np.int64)
+                np.cumsum(np.repeat(p.rows * rb, nseg), out=offsets[1:])
+                start = runs.start[p.jobs]
+                out.add_batch(RecordBatch(
+                    self._run_id, rids, p.labels,
+                    np.repeat(runs.slot[p.jobs], nseg),
+                    np.tile(np.arange(nseg, dtype=np.int32), len(p.jobs)),
+                    np.repeat(start, nseg), np.repeat(start + p.rows, nseg),
+                    np.repeat(runs.seq[p.jobs], nseg), offsets, host[place : place + kept],
+                ))
+            if len(p.held):
+                self._hold(p.group, runs, p.held, host[place + kept :
+                                                       place + len(p.index) * rb])
+
+    def _hold(self, g: Group, runs: _Runs, held: Ints, rows: np.ndarray) -> None:
+        """Hold the newest request row of the live requests of the ``held`` runs (their
+        rows in ``rows``, run by run, segment by segment)."""
+        rb = g.row_nbytes
         at = 0
-        for j in range(*run_range):
-            n = counts[j]
-            if not n:
-                continue
-            rid, a, sq = rids[runs.slot[j]], runs.start[j], runs.seq[j]
-            nbytes = n * rb
-            row_off = at * rb
-            for seg_off, act, layer, dtype, dims in metas:
-                p = seg_off + row_off
-                append(CaptureRecord(run_id, rid, act, layer, 0, a, a + n, dtype, (n, *dims),
-                                     view[p : p + nbytes], sq))
-            at += n
-            yielder.tick(len(metas))
-        out.rows += at * len(metas)
-        out.bytes += at * rb * len(metas)
+        for j in held.tolist():
+            rid = self._rids[int(runs.slot[j])]
+            last = int(runs.step[j] + runs.n[j] - 1)
+            pos = int(runs.start[j] + runs.n[j] - 1)
+            seq = int(self._seq[last])
+            for meta in g.metas:
+                self._held.hold(CaptureRecord(
+                    self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
+                    meta.dtype, (1, *meta.dims), copy_row(rows[at : at + rb]), seq))
+                at += rb
