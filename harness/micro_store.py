@@ -1,11 +1,13 @@
 """Component benchmark of the capture store: ``python -m harness store``.
 
-* ingest: records of bf16 activations (payloads of ``--sizes`` bytes, 28 layers a step)
-  go through the public :class:`ClickHouseSink` on the embedded engine (chdb) with
-  ``--writers`` inserting threads, and are made durable (``flush``, ``close``) within the
-  timed span: MB/s and CPU seconds of the whole process per GB, ``--repeat`` runs each;
-  also the synced MB/s, timed until ``os.sync()`` returned (the sink's durable is
-  "inserted", unsynced). Bound (:func:`harness.bounds.bound`): the disk, a synced write
+* ingest: records of bf16 activations (payloads of ``--sizes`` bytes, 28 layers a step,
+  a step of up to 64 requests, about 4 MiB, per record batch; the payloads are views of
+  one buffer, as the transport hands them over) go through the public
+  :class:`ClickHouseSink` on the embedded engine (chdb) with ``--writers`` inserting
+  threads, one run from ``start_run`` to ``finish_run`` (which syncs the run's files) and
+  ``close`` within the timed span: MB/s, CPU seconds of the whole process per GB and of
+  the sink's writer threads per GB, ``--repeat`` runs each; also the MB/s timed until a
+  later ``os.sync()`` returned. Bound (:func:`harness.bounds.bound`): the disk, a synced write
   into the store's directory (:func:`harness.bounds.measure_disk_bps`) probed before the
   first run and after every run, so each run sits between two probes (their spread is
   reported), x the on-disk compression (captured bytes / bytes the store occupies).
@@ -33,10 +35,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 
 from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
@@ -48,7 +52,7 @@ from harness.results import Json, run_benchmark, utc_now
 Q06 = MODELS["0.6b"]
 HIDDEN, LAYERS = Q06.hidden, Q06.layers
 RESID = "blocks.hook_resid_pre"
-FULL = {"mb": 512, "sizes": "65536,1048576", "writers": "1,4", "repeat": 2,
+FULL = {"mb": 512, "sizes": "2048,65536,1048576", "writers": "1,4", "repeat": 2,
         "probe_mb": DISK_PROBE_BYTES >> 20, "readback": f"{LAYERS},256,256"}
 QUICK = {"mb": 8, "sizes": "16384,262144", "writers": "1,2", "repeat": 2, "probe_mb": 16,
          "readback": "4,32,32"}
@@ -74,48 +78,74 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def make_records(size: int, total: int) -> list[CaptureRecord]:
-    """``total // size`` records of ``size`` payload bytes (64 distinct bf16 payloads of
-    normal values), layer after layer, request after request, as a drain emits them."""
+STEP_REQUESTS, STEP_BYTES = 64, 4 << 20
+"""A record batch: one step of up to 64 requests x 28 layers, about 4 MiB at most."""
+
+
+def make_batches(size: int, total: int) -> list[RecordBatch]:
+    """Record batches of ``total // size`` records of ``size`` payload bytes (bf16 normal
+    values) in all: layer after layer of a step, request after request, each batch's
+    payload a view of one shared buffer (no per-record objects, no copies)."""
+    per_step = LAYERS * max(1, min(STEP_REQUESTS, STEP_BYTES // (LAYERS * size)))
+    count = max(1, total // size)
+    steps = -(-count // per_step)
+    pooled = max(1, min(steps, (256 << 20) // (per_step * size)))  # distinct steps
     gen = torch.Generator().manual_seed(size)
-    pool = [raw(torch.randn(size // 2, generator=gen).to(torch.bfloat16)) for _ in range(64)]
-    rows = max(1, size // (2 * HIDDEN))
-    trailing = (HIDDEN,) if size >= 2 * HIDDEN else (size // 2,)
+    pool = torch.randn(pooled * per_step * size // 2, generator=gen).to(torch.bfloat16)
+    buffer = pool.view(torch.uint8).numpy()
+    whole = size % (2 * HIDDEN) == 0  # whole hidden rows, else one row of size // 2
+    rows, trailing = (size // (2 * HIDDEN), (HIDDEN,)) if whole else (1, (size // 2,))
+    keys = tuple(CaptureKey(RESID, n, "torch.bfloat16", trailing) for n in range(LAYERS))
+    requests = per_step // LAYERS
+    names = tuple(f"req-{r}" for r in range(requests))
+    layer = np.tile(np.arange(LAYERS, dtype=np.int32), requests)
+    request = np.repeat(np.arange(requests, dtype=np.int32), LAYERS)
+    offsets = np.arange(per_step + 1, dtype=np.int64) * size
     out = []
-    for i in range(max(1, total // size)):
-        step, layer = divmod(i, LAYERS)
-        req, chunk = divmod(step, 64)
-        out.append(CaptureRecord("bench", f"req-{req}", RESID, layer, 0, chunk * rows,
-                                 (chunk + 1) * rows, "torch.bfloat16", (rows, *trailing),
-                                 pool[i % len(pool)], i))
+    for step in range(steps):
+        first = step * per_step
+        n = min(per_step, count - first)
+        at = (step % pooled) * per_step * size
+        start = np.full(n, step * rows, dtype=np.int32)
+        out.append(RecordBatch("bench", names, keys, request[:n], layer[:n], start,
+                               start + rows, np.arange(first, first + n, dtype=np.int64),
+                               offsets[:n + 1], buffer[at:at + n * size]))
     return out
 
 
 def ingest(root: Path, size: int, total: int, writers: int, rep: int) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
     path = root / f"ingest-{size}-{writers}-{rep}"
-    records = make_records(size, total)
-    captured = sum(len(r.payload) for r in records)
+    batches = make_batches(size, total)
+    records = sum(len(b) for b in batches)
+    captured = sum(b.nbytes for b in batches)
+    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
+                  utc_now())
     sink = ClickHouseSink(StoreConfig(kind=StoreKind.EMBEDDED, path=str(path)),
                           writers=writers)
     os.sync()  # the previous run's writeback is not this run's
     started, cpu = time.perf_counter(), time.process_time()
     try:
-        for i in range(0, len(records), LAYERS):
-            sink.put(records[i:i + LAYERS])
-        sink.flush()
+        sink.start_run(run)
+        for batch in batches:
+            sink.put(batch)
+        sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
+                        [])
     finally:
         sink.close()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    os.sync()  # the sink's durable is "inserted"; the disk probe's is "synced"
+    os.sync()  # whatever the sink left unsynced (none of the run's files, if all went well)
     synced, stats, on_disk = time.perf_counter() - started, sink.stats(), directory_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
-    return {"payload_bytes": size, "writers": writers, "records": len(records),
-            "bytes": captured, "seconds": wall, "bps": stats.bytes_stored / wall,
-            "synced_seconds": synced, "synced_bps": stats.bytes_stored / synced,
-            "cpu_s_per_GB": cpu / (stats.bytes_stored / 1e9), "disk_bytes": on_disk,
-            "compression": captured / on_disk if on_disk else None, "inserts": stats.inserts,
-            "delivered": stats.records_stored == len(records) and stats.bytes_stored == captured}
+    return {"payload_bytes": size, "writers": writers, "records": records,
+            "batches": len(batches), "bytes": captured, "seconds": wall,
+            "bps": stats.bytes_stored / wall, "synced_seconds": synced,
+            "synced_bps": stats.bytes_stored / synced,
+            "cpu_s_per_GB": cpu / (stats.bytes_stored / 1e9),
+            "writer_cpu_s_per_GB": stats.cpu_s_per_gb, "sync_seconds": stats.sync_seconds,
+            "disk_bytes": on_disk, "compression": captured / on_disk if on_disk else None,
+            "inserts": stats.inserts,
+            "delivered": stats.records_stored == records and stats.bytes_stored == captured}
 
 
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
@@ -129,9 +159,10 @@ def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
         sink.start_run(run)
         spans = [(0, prompt)] + [(p, p + 1) for p in range(prompt, positions)]
         for seq, (lo, hi) in enumerate(spans, start=1):
-            sink.put([CaptureRecord("bench", "req", RESID, n, 0, lo, hi, "torch.bfloat16",
-                                    (hi - lo, HIDDEN), raw(data[n, lo:hi]), seq)
-                      for n in range(layers)])
+            sink.put(RecordBatch.from_records([
+                CaptureRecord("bench", "req", RESID, n, 0, lo, hi, "torch.bfloat16",
+                              (hi - lo, HIDDEN), raw(data[n, lo:hi]), seq)
+                for n in range(layers)]))
         sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
                         [RequestManifest("bench", "req", prompt, decode + 1, committed=True)])
     finally:
@@ -172,6 +203,9 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                          "synced_bps": statistics.median(r["synced_bps"] for r in runs),
                          "synced_spread": spread_of(r["synced_bps"] for r in runs),
                          "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in runs),
+                         "writer_cpu_s_per_GB": statistics.median(
+                             r["writer_cpu_s_per_GB"] for r in runs),
+                         "sync_seconds": statistics.median(r["sync_seconds"] for r in runs),
                          "compression": statistics.median(ratios) if ratios else None,
                          "delivered": all(r["delivered"] for r in runs), "runs": runs})
     disk = statistics.median(probes)
@@ -187,6 +221,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
         {"payload KiB": r["payload_bytes"] / 1024, "writers": r["writers"],
          "MB/s": r["bps"] / 1e6, "synced MB/s": r["synced_bps"] / 1e6,
          "spread": r["synced_spread"], "cpu s/GB": r["cpu_s_per_GB"],
+         "writer cpu s/GB": r["writer_cpu_s_per_GB"], "sync s": r["sync_seconds"],
          "compression": r["compression"], "limit MB/s": r["bound"]["limit_bps"] / 1e6,
          "of bound": r["of_bound"], "stored": "all" if r["delivered"] else "LOST"}
         for r in rows]
@@ -197,9 +232,11 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "read": "equal" if back["equal"] else "DIFFERENT"})
     note = (f"{args.mb} MB a run, median of {args.repeat}; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "
-            f"{spread_of(probes):.2f}); MB/s: durable as the sink defines it (inserted); "
-            "synced MB/s: until os.sync() returned; limit = disk x compression; of bound = "
-            "synced MB/s / limit (both synced); headline: "
+            f"{spread_of(probes):.2f}); MB/s: until finish_run (inserted, synced) and close "
+            "returned; synced MB/s: until a later os.sync() returned; cpu s/GB: the whole "
+            "process; writer cpu s/GB: the sink's writer threads; sync s: finish_run's fsync "
+            "of the run's files; limit = disk x compression; of bound = synced MB/s / limit "
+            "(both synced); headline: "
             f"{headline['payload_bytes'] // 1024} KiB x {headline['writers']} writers")
     print("\n".join(table_lines(table)) + f"\n{note}")
     data["figures"] = {"ingest": rows, "readback": back, "table": table, "note": note,

@@ -11,7 +11,12 @@
 * drain: a steady stream of padded decode steps at Qwen3-0.6B sizes (the defaults) for
   ``hidden-states`` and ``sglang-full`` at batch 64: payload bytes/s from the first commit
   until ``stop()`` returns, and ``drain_counters()``. No rate is asked of it (steps are
-  committed back to back), so it has no bound: ``of_d2h`` = drain B/s / D2H B/s.
+  committed back to back), so it has no bound: ``of_d2h`` = drain B/s / D2H B/s. Also per
+  run: records and batches per step, the drain thread's CPU per step, host bytes copied
+  per captured byte (``host_copied_bytes / bytes``: what the host's CPU copied between the
+  device and the sink), and the lateness of a Python thread that asks to wake every
+  millisecond beside the drain (p50 / p99 / max: what the drain's GIL holding costs the
+  scheduler thread).
 
 D2H: pinned device-to-host copies probed before the first drain run and after each
 repetition (CUDA only; None on CPU, where the replay is an eager forward: a dry run). The
@@ -26,6 +31,7 @@ import gc
 import math
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -205,6 +211,38 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
 
 
+class LatenessProbe:
+    """A Python thread that sleeps ``period_s`` in a loop and records how late it wakes:
+    beside a thread that holds the GIL, the lateness is what that costs the others."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        self._period = period_s
+        self._stop = threading.Event()
+        self.late_s: list[float] = []
+        self._thread = threading.Thread(target=self._run, name="lateness-probe", daemon=True)
+
+    def __enter__(self) -> LatenessProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            due = time.perf_counter() + self._period
+            time.sleep(self._period)
+            self.late_s.append(max(0.0, time.perf_counter() - due))
+
+    def summary(self) -> Json:
+        """Lateness p50 / p99 / max in milliseconds, and the number of wake-ups."""
+        late = sorted(self.late_s) or [0.0]
+        return {"wakeups": len(self.late_s), "p50_ms": late[len(late) // 2] * 1e3,
+                "p99_ms": late[min(len(late) - 1, int(len(late) * 0.99))] * 1e3,
+                "max_ms": late[-1] * 1e3}
+
+
 def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
     """``steps`` padded decode steps in a steady stream through the drain (module docstring)."""
     dev, bs = torch.device(args.device), DRAIN_BATCH
@@ -222,18 +260,25 @@ def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
     recording[0] = False
     plans, _ = decode_plans(sel, shape, bs, steps)
     _sync(dev)
-    started = time.perf_counter()
-    for s, plan in enumerate(plans):
-        transport.commit(plan, step=s + 1)
-        transport.seal()
-    stats = transport.stop()
-    seconds = time.perf_counter() - started
+    with LatenessProbe() as probe:
+        started = time.perf_counter()
+        for s, plan in enumerate(plans):
+            transport.commit(plan, step=s + 1)
+            transport.seal()
+        stats = transport.stop()
+        seconds = time.perf_counter() - started
     expected = len(plans) * bs * len(sel.captures())
+    counters = dict(transport.drain_counters())
+    n = max(len(plans), 1)
     return {"preset": preset, "batch": bs, "captures": len(sel.captures()), "steps": len(plans),
         "step_bytes": plans[0].total_bytes, "bytes": stats.bytes, "seconds": seconds,
         "bps": stats.bytes / seconds, "rows": stats.rows, "rows_expected": expected,
         "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
-        "stall_seconds": stats.stall_seconds, "counters": dict(transport.drain_counters())}
+        "stall_seconds": stats.stall_seconds, "counters": counters,
+        "records_per_step": counters["records"] / n, "batches_per_step": counters["batches"] / n,
+        "drain_cpu_ms_per_step": counters["build_cpu_seconds"] / n * 1e3,
+        "host_copies_per_byte": counters["host_copied_bytes"] / max(stats.bytes, 1),
+        "lateness": probe.summary()}
 
 
 def run(args: argparse.Namespace, data: Json) -> None:
@@ -276,6 +321,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
     table += [{"test": "drain", "preset": p, "batch": DRAIN_BATCH,
                "captures": s["runs"][0]["captures"], "step MB": s["runs"][0]["step_bytes"] / 1e6,
                "GB/s": s["bps"] / 1e9, "spread": s["spread"], "of D2H": s["of_d2h"],
+               "records/step": s["runs"][0]["records_per_step"],
+               "drain CPU ms/step": statistics.median(
+                   r["drain_cpu_ms_per_step"] for r in s["runs"]),
+               "host copies/B": max(r["host_copies_per_byte"] for r in s["runs"]),
+               "late p99 ms": max(r["lateness"]["p99_ms"] for r in s["runs"]),
                "stalls": max(r["stalls"] for r in s["runs"]),
                "rows": ROWS[all(r["delivered"] for r in s["runs"])]} for p, s in summary.items()]
     note = ((f"D2H {d2h / 1e9:.1f} GB/s (pinned, median of {len(measured)} probes, spread "

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.ports import HookTotal, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
@@ -19,7 +20,7 @@ __all__ = ["MemoryReader", "MemorySink"]
 
 
 class MemorySink:
-    """A :class:`~dmi_sglang.domain.ports.RecordSink` that keeps records in a list.
+    """A :class:`~dmi_sglang.columns.RecordSink` that keeps records in a list.
 
     Thread-safe (the transport's drain thread calls ``put``). Failures are sticky, as the
     port requires: once it failed, ``put``, ``flush`` and ``close`` raise the same error.
@@ -31,9 +32,10 @@ class MemorySink:
         keep_records: False keeps only the counters (benchmarks: no memory growth).
 
     Attributes:
-        records: every stored record, in arrival order.
+        records: every stored record, in arrival order (payloads are read-only views of
+            the batches' memory, which they keep alive).
         rows / payload_bytes: rows and payload bytes stored.
-        puts / flushes: calls seen.
+        puts: batches put (each ``put`` call, empty batches included); flushes: calls.
         runs / finished: ``start_run`` and ``finish_run`` arguments.
         closed: ``close`` was called.
     """
@@ -71,8 +73,8 @@ class MemorySink:
             self._raise_if_failed()
             self.runs.append(run)
 
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Store ``records`` (after ``delay_s``), or fail as configured."""
+    def put(self, batch: RecordBatch) -> None:
+        """Store the batch's records (after ``delay_s``), or fail as configured."""
         if self.delay_s:
             time.sleep(self.delay_s)
         with self._lock:
@@ -81,11 +83,10 @@ class MemorySink:
             if self.fail_on_put is not None and self.puts >= self.fail_on_put:
                 self.failure = StoreError(f"injected failure on put #{self.puts}")
                 raise self.failure
-            for r in records:
-                self.payload_bytes += len(r.payload)
-                self.rows += r.end_token_idx - r.start_token_idx
+            self.payload_bytes += batch.nbytes
+            self.rows += batch.rows
             if self.keep_records:
-                self.records.extend(records)
+                self.records.extend(batch.records())
 
     def flush(self) -> None:
         """Nothing is buffered; fails as configured."""

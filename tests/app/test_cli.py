@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dmi_sglang.app.cli import main
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -44,7 +45,7 @@ def _populate(path: Path) -> dict[str, torch.Tensor]:
     sink = open_sink(store)
     try:
         sink.start_run(run)
-        sink.put(records)
+        sink.put(RecordBatch.from_records(records))
         manifest = RequestManifest(RUN, "req-0", prompt_tokens=4, completion_tokens=3,
                                    committed=True)
         done = RunInfo(RUN, run.model_path, run.settings, captures, run.started_at,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dmi_sglang.app.handle import DMI_GLOBAL_FIELDS, DMI_LAYER_FIELDS, CaptureHandle
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import IncompleteCaptureError
 from dmi_sglang.testing import MemoryReader, MemorySink
@@ -28,7 +29,8 @@ def _handle() -> CaptureHandle:
     sink = MemorySink()
     run = RunInfo("run", "/m", (), CAPTURES, "2026-12-01T10:00:00+00:00")
     sink.start_run(run)
-    sink.put([_record(act, layer, 10 * layer + i) for i, (act, layer) in enumerate(CAPTURES)])
+    sink.put(RecordBatch.from_records(
+        [_record(act, layer, 10 * layer + i) for i, (act, layer) in enumerate(CAPTURES)]))
     sink.finish_run(attrs.evolve(run, status=RunStatus.COMMITTED),
                     [RequestManifest("run", "r", 3, 1, committed=True)])
     return CaptureHandle("run", "r", lambda: MemoryReader(sink))

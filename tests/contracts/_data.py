@@ -6,7 +6,9 @@ import struct
 import zlib
 
 import attrs
+import numpy as np
 
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 
 RUN = "contract-run"
@@ -51,6 +53,16 @@ def request_records(request: str, prompt: int, completion: int) -> list[CaptureR
     out += [record(RESID, layer, request, prompt, positions, seq=2) for layer in (0, 1)]
     out.append(record(LOGITS, -1, request, prompt - 1, positions))
     return out
+
+
+def batch(records: list[CaptureRecord]) -> RecordBatch:
+    """``records`` as one record batch."""
+    return RecordBatch.from_records(records)
+
+
+def empty_batch(run: str = RUN) -> RecordBatch:
+    """A record batch without records."""
+    return RecordBatch(run, (), (), [], [], [], [], [], [0], np.empty(0, dtype=np.uint8))
 
 
 def manifest(request: str, prompt: int, completion: int, run: str = RUN) -> RequestManifest:

@@ -16,7 +16,8 @@ import pytest
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.app.null_sink import NullSink
-from dmi_sglang.domain.ports import RecordReader, RecordSink
+from dmi_sglang.columns import RecordSink
+from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.testing import MemoryReader, MemorySink
 

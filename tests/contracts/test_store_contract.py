@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.domain.ports import HookTotal, RecordReader, RecordSink, RequestSummary
+from dmi_sglang.columns import RecordSink
+from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
 from dmi_sglang.domain.records import RunStatus
 
 from . import _data as d
@@ -21,9 +22,9 @@ def _write_run(backend: Backend) -> None:
     sink = backend.sink
     run = d.run_info()
     sink.start_run(run)
-    sink.put(d.request_records("a", 4, 3))
-    sink.put([d.record(d.RESID, 0, "a", 0, 2, seq=0)])  # older copy, superseded by seq 1
-    sink.put(d.request_records("b", 2, 2))
+    sink.put(d.batch(d.request_records("a", 4, 3)))
+    sink.put(d.batch([d.record(d.RESID, 0, "a", 0, 2, seq=0)]))  # older, superseded by seq 1
+    sink.put(d.batch(d.request_records("b", 2, 2)))
     sink.flush()
     sink.finish_run(d.committed(run), [d.manifest("a", 4, 3), d.manifest("b", 2, 2)])
 
@@ -36,8 +37,8 @@ def test_a_sink_conforms_to_the_port(sink: RecordSink) -> None:
 def test_a_sink_takes_a_whole_run_lifecycle(sink: RecordSink) -> None:
     run = d.run_info()
     sink.start_run(run)
-    sink.put([])
-    sink.put(d.request_records("a", 4, 3))
+    sink.put(d.empty_batch())
+    sink.put(d.batch(d.request_records("a", 4, 3)))
     sink.flush()
     sink.finish_run(d.committed(run), [d.manifest("a", 4, 3)])
     sink.close()

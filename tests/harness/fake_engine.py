@@ -80,6 +80,7 @@ class FakeEngine:
 
         from dmi_sglang.adapters.clickhouse import ClickHouseSink
         from dmi_sglang.adapters.sglang_v0519.facts import QWEN3_HOOKS
+        from dmi_sglang.columns import RecordBatch
         from dmi_sglang.domain.hooks import ModelHooks, parse_selection
         from dmi_sglang.domain.records import (
             CaptureRecord,
@@ -110,11 +111,11 @@ class FakeEngine:
                 row = shape.row(hook)
                 payload = bytes(cover.rows * row.nbytes)
                 stored += len(payload)
-                sink.put([CaptureRecord(
+                sink.put(RecordBatch.from_records([CaptureRecord(
                     model_id=run_id, request_id=rid, act_name=hook.act_name, layer_no=layer,
                     shard_rank=0, start_token_idx=cover.start, end_token_idx=cover.end,
                     dtype=str(row.dtype.value), shape=(cover.rows, *row.dims),
-                    payload=payload, seq=1)])
+                    payload=payload, seq=1)]))
             manifests.append(RequestManifest(run_id, rid, prompt, completion, committed=True))
         sink.finish_run(attrs.evolve(run, status=RunStatus.COMMITTED), manifests)
         sink.close()

@@ -9,6 +9,7 @@ import attrs
 import pytest
 
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness import checks, docs
@@ -89,10 +90,11 @@ def _store(tmp_path: Path, *, commit: bool) -> Path:
                                       flush_timeout_us=20_000))
     run = RunInfo(RUN, "/m", (), ((RESID, 0),), "2026-12-01T10:00:00+00:00")
     sink.start_run(run)
-    sink.put([CaptureRecord(model_id=RUN, request_id=rid, act_name=RESID, layer_no=0,
-                            shard_rank=0, start_token_idx=0, end_token_idx=n,
-                            dtype="torch.float32", shape=(n, 2), payload=bytes(8 * n), seq=1)
-              for rid, n in (("main-0.w0", 5), ("main-1.w0", 3))])
+    sink.put(RecordBatch.from_records([
+        CaptureRecord(model_id=RUN, request_id=rid, act_name=RESID, layer_no=0, shard_rank=0,
+                      start_token_idx=0, end_token_idx=n, dtype="torch.float32",
+                      shape=(n, 2), payload=bytes(8 * n), seq=1)
+        for rid, n in (("main-0.w0", 5), ("main-1.w0", 3))]))
     if commit:
         sink.finish_run(attrs.evolve(run, status=RunStatus.COMMITTED),
                         [RequestManifest(RUN, "main-0.w0", 4, 2, committed=True),

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
@@ -56,7 +57,8 @@ def store_with_run(path: Path, run_id: str = "run", request: str = "r") -> Store
     sink = ClickHouseSink(config)
     run = run_info(run_id)
     sink.start_run(run)
-    sink.put([record(request=request, start=0, end=2, model_id=run_id)])
+    sink.put(RecordBatch.from_records([record(request=request, start=0, end=2,
+                                              model_id=run_id)]))
     commit(sink, run, {request: 2})
     sink.close()
     return config

@@ -20,6 +20,7 @@ from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseRunClaims, ClickHouseSink, connect
 from dmi_sglang.app import cli
 from dmi_sglang.app.composition import PipelineFactory, claim_new_run, release_unused_claim
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import CapacityError, RunExistsError
@@ -102,10 +103,11 @@ _KILLED_WRITER = """
 import os, sys
 sys.path.insert(0, sys.argv[2])
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.columns import RecordBatch
 from reliability._faults import embedded, record, run_info
 sink = ClickHouseSink(embedded(__import__("pathlib").Path(sys.argv[1])))
 sink.start_run(run_info("killed"))
-sink.put([record(request="r", start=0, end=3, model_id="killed")])
+sink.put(RecordBatch.from_records([record(request="r", start=0, end=3, model_id="killed")]))
 sink.flush()
 print(os.getpid(), flush=True)
 os._exit(9)  # killed: no finish, no close
@@ -253,7 +255,7 @@ def test_fault_the_heartbeat_keeps_a_flushing_run_alive(tmp_path: Path) -> None:
     run = run_info("beating")
     sink.start_run(run)
     time.sleep(0.3)
-    sink.put([record(request="r", model_id="beating")])
+    sink.put(RecordBatch.from_records([record(request="r", model_id="beating")]))
     commit(sink, run, {"r": 2})
     time.sleep(0.1)
     sink.close()

@@ -19,6 +19,8 @@ import pytest
 
 from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, connect
+from dmi_sglang.adapters.clickhouse._insert import open_inserter
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
@@ -27,26 +29,35 @@ from ._faults import WITHIN_S, commit, embedded, record, run_info, within
 
 
 class _FailingClient:
-    """A real client whose ``raw_insert`` / ``command`` raise ``error`` (after the
-    tables exist when ``on_insert``)."""
+    """A real client whose ``command`` raises ``error`` (creating the tables fails)."""
 
-    def __init__(self, inner: Any, error: BaseException, *, on_insert: bool) -> None:
-        self._inner, self._error, self._on_insert = inner, error, on_insert
-        self.inserts = 0
-
-    def raw_insert(self, *args: Any, **kwargs: Any) -> Any:
-        self.inserts += 1
-        if self._on_insert:
-            raise self._error
-        return self._inner.raw_insert(*args, **kwargs)
+    def __init__(self, inner: Any, error: BaseException) -> None:
+        self._inner, self._error = inner, error
 
     def command(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._on_insert:
-            raise self._error
-        return self._inner.command(*args, **kwargs)
+        raise self._error
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _FailingInserter:
+    """A real writer connection whose ``insert_arrow`` raises ``error``."""
+
+    def __init__(self, inner: Any, error: BaseException) -> None:
+        self._inner, self._error = inner, error
+        self.inserts = 0
+
+    def insert_arrow(self, table: str, arrow_table: Any) -> Any:
+        self.inserts += 1
+        raise self._error
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _batch(**kw: Any) -> RecordBatch:
+    return RecordBatch.from_records([record(**kw)])
 
 
 @pytest.fixture
@@ -70,24 +81,29 @@ def _sticky(sink: ClickHouseSink, match: str) -> StoreError:
 
 def test_fault_a_record_the_encoder_cannot_encode(tmp_path: Path,
                                                   sinks: list[ClickHouseSink]) -> None:
-    """A record with a negative seq reaches a writer thread -> the thread's exception is
-    the sticky failure: flush, finish_run and close raise it; nothing hangs."""
+    """A batch with a negative seq reaches a writer thread -> the Arrow encoder refuses it;
+    the thread's exception is the sticky failure: flush, finish_run and close raise it;
+    nothing hangs."""
     sink = ClickHouseSink(embedded(tmp_path / "s"))
     sinks.append(sink)
     sink.start_run(run_info())
-    sink.put([record(seq=-1)])
+    sink.put(_batch(seq=-1))
     failure = _sticky(sink, "a writer of chdb://")
     assert isinstance(failure.__cause__, OverflowError)
+    assert "negative seq -1" in str(failure)
 
 
 def test_bad_input_a_position_of_2_31_or_more(tmp_path: Path,
                                               sinks: list[ClickHouseSink]) -> None:
-    """A record at position 2^31 (beyond Int32) -> refused by the encoder, sticky failure
-    naming the cause, no hang."""
+    """A record at position 2^31 (beyond Int32) -> refused where its record batch is built
+    (OverflowError), before it reaches the sink, which stays usable; no hang."""
     sink = ClickHouseSink(embedded(tmp_path / "s"))
     sinks.append(sink)
-    sink.put([record(start=2**31, end=2**31 + 1)])
-    assert isinstance(_sticky(sink, "a writer of").__cause__, OverflowError)
+    with pytest.raises(OverflowError):
+        _batch(start=2**31, end=2**31 + 1)
+    sink.put(_batch())
+    assert within(sink.flush) is None
+    assert sink.stats().records_stored == 1
 
 
 def test_fault_an_absurd_partial_batch_wait(tmp_path: Path,
@@ -96,7 +112,7 @@ def test_fault_an_absurd_partial_batch_wait(tmp_path: Path,
     bounds) -> the writer's OverflowError is the sticky failure at once, no hang."""
     sink = ClickHouseSink(embedded(tmp_path / "s", flush_timeout_us=10**22, insert_rows=100))
     sinks.append(sink)
-    sink.put([record()])  # one record of a 100-record batch: the writer waits, and fails
+    sink.put(_batch())  # one record of a 100-record insert: the writer waits, and fails
     deadline = time.monotonic() + WITHIN_S
     while sink.failure is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -130,7 +146,7 @@ def test_bad_input_a_request_id_with_a_lone_surrogate(
     sink = ClickHouseSink(config)
     run = run_info()
     sink.start_run(run)
-    sink.put([record(request=stored, start=0, end=2)])
+    sink.put(_batch(request=stored, start=0, end=2))
     commit(sink, run, {stored: 2})
     sink.close()
     store = open_store(f"chdb://{config.path}")
@@ -154,16 +170,16 @@ def test_fault_the_disk_fills_during_an_insert(tmp_path: Path) -> None:
     """ENOSPC from an insert -> not retried; the sticky failure names the store and its
     free space; the run is recorded failed; nothing reads back as complete."""
     config = embedded(tmp_path / "s")
-    made: list[_FailingClient] = []
+    made: list[_FailingInserter] = []
 
     def factory(c: StoreConfig) -> Any:
-        made.append(_FailingClient(connect(c), _enospc(), on_insert=True))
+        made.append(_FailingInserter(open_inserter(c), _enospc()))
         return made[-1]
 
-    sink = ClickHouseSink(config, client_factory=factory, retries=5, backoff_s=0.001)
+    sink = ClickHouseSink(config, inserter_factory=factory, retries=5, backoff_s=0.001)
     run = run_info()
     sink.start_run(run)
-    sink.put([record()])
+    sink.put(_batch())
     failure = within(sink.flush)
     assert isinstance(failure, StoreError)
     assert f"the disk of the capture store chdb://{config.path} is full" in str(failure)
@@ -186,8 +202,7 @@ def test_fault_the_disk_is_full_when_the_tables_are_created(tmp_path: Path) -> N
     config = embedded(tmp_path / "s")
     with pytest.raises(StoreError, match=r"is full \(.* MiB free on"):
         ClickHouseSink(config,
-                       client_factory=lambda c: _FailingClient(connect(c), _enospc(),
-                                                               on_insert=False))
+                       client_factory=lambda c: _FailingClient(connect(c), _enospc()))
 
 
 def test_fault_a_server_that_accepts_and_never_answers() -> None:

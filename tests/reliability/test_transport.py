@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pytest
 import torch
 
 from dmi_sglang.adapters.transport import create_transport

@@ -1,4 +1,5 @@
-"""Helpers shared by the storage tests: configs, records from tensors, fault injection."""
+"""Helpers shared by the storage tests: configs, records and batches from tensors, fault
+injection."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
@@ -67,6 +69,22 @@ def records_of(
     return out
 
 
+def batch_of(
+    run_id: str,
+    request_id: str,
+    act_name: str,
+    layer: int,
+    tensor: torch.Tensor,
+    bounds: Sequence[int],
+    *,
+    base: int = 0,
+    seq: int = 1,
+) -> RecordBatch:
+    """:func:`records_of` as one record batch."""
+    return RecordBatch.from_records(
+        records_of(run_id, request_id, act_name, layer, tensor, bounds, base=base, seq=seq))
+
+
 def run_info(run_id: str, captures: Sequence[tuple[str, int]], **kw: Any) -> RunInfo:
     """A running run with the given captures."""
     kw.setdefault("started_at", "2026-11-29T10:00:00Z")
@@ -98,9 +116,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
 
 
-class FaultyClient:
-    """Wraps a real client; ``raw_insert`` obeys ``plan(call_number)``: None passes
-    through, an exception is raised, a float sleeps that long first."""
+class FaultyInserter:
+    """Wraps a real writer connection; ``insert_arrow`` obeys ``plan(call_number)``: None
+    passes through, an exception is raised, a float sleeps that long first."""
 
     def __init__(self, inner: Any, plan: Any) -> None:
         self._inner = inner
@@ -108,7 +126,7 @@ class FaultyClient:
         self.calls = 0
         self._lock = threading.Lock()
 
-    def raw_insert(self, *args: Any, **kwargs: Any) -> Any:
+    def insert_arrow(self, table: str, arrow_table: Any) -> Any:
         with self._lock:
             self.calls += 1
             n = self.calls
@@ -117,7 +135,7 @@ class FaultyClient:
             raise action
         if isinstance(action, float):
             time.sleep(action)
-        return self._inner.raw_insert(*args, **kwargs)
+        return self._inner.insert_arrow(table, arrow_table)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    def close(self) -> None:
+        self._inner.close()

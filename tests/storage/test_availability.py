@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import IncompleteCaptureError
@@ -27,7 +28,8 @@ def _put_request(sink: ClickHouseSink, *, skip: tuple[str, int, int] | None = No
         bounds = [first, PROMPT, PROMPT + 1, PROMPT + 2]
         t = torch.randn(bounds[-1] - first, 5)
         recs = records_of("run", "r", act, layer, t, bounds, base=first)
-        sink.put([r for r in recs if (act, layer, r.start_token_idx) != skip])
+        sink.put(RecordBatch.from_records(
+            [r for r in recs if (act, layer, r.start_token_idx) != skip]))
 
 
 def test_complete_capture_is_available(

@@ -19,7 +19,7 @@ from dmi_sglang.app.null_sink import NullSink as NullSinkType
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
-from ._support import RESID, commit, embedded, manifest, records_of, run_info
+from ._support import RESID, batch_of, commit, embedded, manifest, run_info
 
 
 def test_a_path_under_a_regular_file_is_refused(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_a_store_held_by_another_process_is_a_clear_error_then_handed_over(
     sink.start_run(run)
     import torch
 
-    sink.put(records_of("run", "r", RESID, 0, torch.ones(3, 2), [0, 3]))
+    sink.put(batch_of("run", "r", RESID, 0, torch.ones(3, 2), [0, 3]))
     commit(sink, run, [manifest("run", "r", 3, 1)])
     child = f"""
         from dmi_sglang.adapters.clickhouse import ClickHouseReader
@@ -122,7 +122,7 @@ def test_store_none_gives_a_counting_sink_and_no_reader() -> None:
     assert isinstance(sink, NullSinkType)
     import torch
 
-    sink.put(records_of("run", "r", RESID, 0, torch.ones(4, 2), [0, 1, 4]))
+    sink.put(batch_of("run", "r", RESID, 0, torch.ones(4, 2), [0, 1, 4]))
     sink.flush()
     sink.finish_run(run_info("run", []), [])
     sink.close()

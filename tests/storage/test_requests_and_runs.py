@@ -9,10 +9,20 @@ import torch
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.domain.store_config import StoreConfig
 
-from ._support import RESID, commit, handle, manifest, records_of, run_info, same_bits
+from ._support import (
+    RESID,
+    batch_of,
+    commit,
+    handle,
+    manifest,
+    records_of,
+    run_info,
+    same_bits,
+)
 
 LAYERS = 3
 HIDDEN = 8
@@ -58,7 +68,7 @@ def test_many_requests_layers_and_two_runs_of_one_model_do_not_collide(
         for i in range(12):  # same request ids in both runs
             prompt, completion = 3 + i % 4, 1 + i % 5
             recs, data = _capture_request(run_id, f"req-{i}", prompt, completion, gen)
-            sink.put(recs)
+            sink.put(RecordBatch.from_records(recs))
             expected[(run_id, f"req-{i}")] = data
             manifests.append(manifest(run_id, f"req-{i}", prompt, completion))
         commit(sink, run, manifests)
@@ -91,7 +101,7 @@ def test_token_range_readback(
     run = run_info("run", CAPTURES)
     sink.start_run(run)
     recs, data = _capture_request("run", "r", prompt=6, completion=5, gen=torch.Generator())
-    sink.put(recs)
+    sink.put(RecordBatch.from_records(recs))
     commit(sink, run, [manifest("run", "r", 6, 5)])
     h = handle(store, "run", "r")
     # [4, 8) spans the end of the prefill chunk and three decode rows
@@ -127,8 +137,8 @@ def test_retraction_keeps_the_latest_row_per_position(
     sink.start_run(run)
     old = torch.randn(first[-1], HIDDEN).to(torch.bfloat16)
     new = torch.randn(second[-1] - second_base, HIDDEN).to(torch.bfloat16)
-    sink.put(records_of("run", "r", RESID, 0, old, first, seq=1))
-    sink.put(records_of("run", "r", RESID, 0, new, second, base=second_base, seq=100))
+    sink.put(batch_of("run", "r", RESID, 0, old, first, seq=1))
+    sink.put(batch_of("run", "r", RESID, 0, new, second, base=second_base, seq=100))
     commit(sink, run, [manifest("run", "r", prompt=5, completion=8)])  # positions [0, 12)
     expected = torch.empty(12, HIDDEN, dtype=torch.bfloat16)
     expected[: first[-1]] = old
@@ -146,7 +156,7 @@ def test_delete_run_removes_only_that_run(
         run = run_info(run_id, CAPTURES)
         sink.start_run(run)
         recs, _ = _capture_request(run_id, "r", 4, 2, torch.Generator())
-        sink.put(recs)
+        sink.put(RecordBatch.from_records(recs))
         commit(sink, run, [manifest(run_id, "r", 4, 2)])
     sink.close()
     reader = ClickHouseReader(store)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.domain.store_config import StoreConfig
 
-from ._support import commit, handle, manifest, records_of, run_info, same_bits
+from ._support import batch_of, commit, handle, manifest, run_info, same_bits
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64)
 # Hooks whose rows take each dtype in SGLang: activations, logits, token ids.
@@ -50,7 +50,7 @@ def _roundtrip(
     t = random_tensor(dtype, (total, *trailing), seed)
     run = run_info(run_id, [(act, layer)])
     sink.start_run(run)
-    sink.put(records_of(run_id, "req", act, layer, t, bounds))
+    sink.put(batch_of(run_id, "req", act, layer, t, bounds))
     # token-row hook, no overlap: coverage [0, prompt + completion - 1) = [0, total)
     commit(sink, run, [manifest(run_id, "req", prompt=total, completion=1)])
     h = handle(store, run_id, "req")

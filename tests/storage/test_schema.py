@@ -14,7 +14,7 @@ from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, Sto
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
-from ._support import RESID, records_of, run_info
+from ._support import RESID, batch_of, run_info
 
 # DMI's DDL of the `offload` table, as DMI's native client creates it (clickhouse_client.cpp,
 # RunSchemaInitOnce); the layout every store here must keep.
@@ -72,7 +72,7 @@ def test_rows_use_dmis_dtype_shape_and_raw_bytes_encoding(
     sink = open_sink()
     t = torch.randn(3, 4).to(torch.bfloat16)
     sink.start_run(run_info("run", [(RESID, 0)]))
-    sink.put(records_of("run", "r", RESID, 0, t, [0, 3]))
+    sink.put(batch_of("run", "r", RESID, 0, t, [0, 3]))
     sink.close()
     client = _client(store)
     try:

@@ -14,13 +14,16 @@ import structlog.testing
 import torch
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, connect
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.clickhouse._insert import open_inserter
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
 from ._support import (
     RESID,
-    FaultyClient,
+    FaultyInserter,
+    batch_of,
     commit,
     embedded,
     handle,
@@ -31,9 +34,11 @@ from ._support import (
 )
 
 
-def _faulty(plan: Callable[[int], Any]) -> tuple[Callable[[StoreConfig], Any], list[FaultyClient]]:
-    """A client factory whose clients share one fault plan over their insert calls."""
-    made: list[FaultyClient] = []
+def _faulty(
+    plan: Callable[[int], Any],
+) -> tuple[Callable[[StoreConfig], Any], list[FaultyInserter]]:
+    """An inserter factory whose writers share one fault plan over their insert calls."""
+    made: list[FaultyInserter] = []
     calls = [0]
     lock = threading.Lock()
 
@@ -43,9 +48,9 @@ def _faulty(plan: Callable[[int], Any]) -> tuple[Callable[[StoreConfig], Any], l
             return plan(calls[0])
 
     def factory(config: StoreConfig) -> Any:
-        client = FaultyClient(connect(config), shared)
-        made.append(client)
-        return client
+        inserter = FaultyInserter(open_inserter(config), shared)
+        made.append(inserter)
+        return inserter
 
     return factory, made
 
@@ -54,31 +59,39 @@ def _decode_rows(n: int, width: int = 64) -> tuple[torch.Tensor, list[int]]:
     return torch.randn(n, width), list(range(n + 1))
 
 
-def test_batches_hold_at_most_insert_rows_and_partial_batches_linger_out(
+def test_inserts_join_whole_batches_up_to_insert_rows_and_partial_ones_linger_out(
     open_sink: Callable[..., ClickHouseSink], tmp_path: Any
 ) -> None:
-    sink = open_sink(embedded(str(tmp_path / "s"), insert_rows=10, flush_timeout_us=50_000))
-    t, bounds = _decode_rows(35)
-    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    config = embedded(str(tmp_path / "s"), insert_rows=10, flush_timeout_us=200_000)
+    sink = open_sink(config, writers=1)
+    t, bounds = _decode_rows(20)
+    for k in range(5):  # 5 batches of 4 records: inserts of 4 + 4, 4 + 4, then 4
+        sink.put(batch_of("run", "r", RESID, 0, t[4 * k:4 * k + 4], bounds[4 * k:4 * k + 5],
+                          base=4 * k))
     sink.flush()
-    assert sink.stats().inserts == 4  # 10 + 10 + 10 + 5
-    sink.put(records_of("run", "r2", RESID, 0, t[:3], [0, 1, 2, 3]))
+    stats = sink.stats()
+    assert (stats.inserts, stats.batches_stored, stats.records_stored) == (3, 5, 20)
+    sink.put(batch_of("run", "r2", RESID, 0, t[:3], [0, 1, 2, 3]))
     deadline = time.monotonic() + 5
-    while sink.stats().records_stored < 38 and time.monotonic() < deadline:
-        time.sleep(0.01)  # no flush: the partial batch goes after flush_timeout_us
-    assert sink.stats().records_stored == 38
-    assert sink.stats().inserts == 5
+    while sink.stats().records_stored < 23 and time.monotonic() < deadline:
+        time.sleep(0.01)  # no flush: the partial insert goes after flush_timeout_us
+    assert (sink.stats().records_stored, sink.stats().inserts) == (23, 4)
+    big, big_bounds = _decode_rows(35)  # one batch above insert_rows: inserted whole
+    sink.put(batch_of("run", "r3", RESID, 0, big, big_bounds))
+    sink.flush()
+    assert (sink.stats().records_stored, sink.stats().inserts) == (58, 5)
+    assert len(ClickHouseReader(config).records("run", "r3")) == 35
 
 
 def test_transient_errors_are_retried(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:
     factory, _ = _faulty(lambda n: OperationalError("connection reset") if n <= 2 else None)
-    sink = open_sink(client_factory=factory, retries=3, backoff_s=0.001)
+    sink = open_sink(inserter_factory=factory, retries=3, backoff_s=0.001)
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
     t, bounds = _decode_rows(5)
-    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    sink.put(batch_of("run", "r", RESID, 0, t, bounds))
     commit(sink, run, [manifest("run", "r", 5, 1)])
     assert sink.stats().retries == 2
     assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
@@ -89,20 +102,21 @@ def test_a_store_failing_mid_run_fails_sticky_and_nothing_is_reported_complete(
 ) -> None:
     factory, _ = _faulty(lambda n: None if n == 1 else OperationalError("disk gone"))
     config = attrs.evolve(store, insert_rows=4)
-    sink = open_sink(config, client_factory=factory, retries=2, backoff_s=0.001, writers=1)
+    sink = open_sink(config, inserter_factory=factory, retries=2, backoff_s=0.001, writers=1)
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
     t, bounds = _decode_rows(12)
-    sink.put(records_of("run", "r", RESID, 0, t[:4], bounds[:5]))
+    sink.put(batch_of("run", "r", RESID, 0, t[:4], bounds[:5]))
     sink.flush()  # the first batch made it
-    sink.put(records_of("run", "r", RESID, 0, t[4:], bounds[4:], base=4))
+    sink.put(batch_of("run", "r", RESID, 0, t[4:8], bounds[4:9], base=4))
+    sink.put(batch_of("run", "r", RESID, 0, t[8:], bounds[8:], base=8))
     expected = r"after 3 attempt\(s\): OperationalError: disk gone"
     with pytest.raises(StoreError, match=expected) as info:
         sink.flush()
     assert isinstance(info.value.__cause__, OperationalError)
     assert sink.stats().retries == 2
     for action in (
-        lambda: sink.put(records_of("run", "r", RESID, 0, t[:1], [0, 1])),
+        lambda: sink.put(batch_of("run", "r", RESID, 0, t[:1], [0, 1])),
         sink.flush,
         lambda: commit(sink, run, [manifest("run", "r", 12, 1)]),
         sink.close,
@@ -119,9 +133,9 @@ def test_a_store_failing_mid_run_fails_sticky_and_nothing_is_reported_complete(
 def test_a_non_transient_error_is_not_retried(open_sink: Callable[..., ClickHouseSink]) -> None:
     error = DatabaseError("Code: 60. Unknown table", code=60)
     factory, _ = _faulty(lambda n: error)
-    sink = open_sink(client_factory=factory, retries=5, backoff_s=0.001)
+    sink = open_sink(inserter_factory=factory, retries=5, backoff_s=0.001)
     t, bounds = _decode_rows(2)
-    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    sink.put(batch_of("run", "r", RESID, 0, t, bounds))
     with pytest.raises(StoreError, match="after 1 attempt") as info:
         sink.flush()
     assert info.value.__cause__ is error
@@ -133,7 +147,7 @@ def test_backpressure_blocks_put_and_drops_nothing(
 ) -> None:
     config = embedded(str(tmp_path / "s"), queue_mb=1, insert_rows=2)
     factory, _ = _faulty(lambda n: 0.05)  # a slow store: every insert takes 50 ms more
-    sink = open_sink(config, client_factory=factory)
+    sink = open_sink(config, inserter_factory=factory)
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
     rows = 24
@@ -141,10 +155,10 @@ def test_backpressure_blocks_put_and_drops_nothing(
     most_queued, blocked = 0, 0.0
     for k, rec in enumerate(records_of("run", "r", RESID, 0, t, list(range(rows + 1)))):
         started = time.monotonic()
-        sink.put([rec])
+        sink.put(RecordBatch.from_records([rec]))
         blocked += time.monotonic() - started
         most_queued = max(most_queued, sink.stats().queued_bytes)
-        assert sink.stats().records_put == k + 1
+        assert (sink.stats().records_put, sink.stats().batches_put) == (k + 1, k + 1)
     assert most_queued <= 1 << 20
     assert blocked > 0.2  # 12 inserts of 50 ms could not keep up: put waited
     commit(sink, run, [manifest("run", "r", rows, 1)])
@@ -162,7 +176,7 @@ def test_several_writer_threads_share_the_embedded_store(
         sink.start_run(run)
         t, bounds = _decode_rows(40)
         for rec in records_of("run", "r", RESID, 0, t, bounds):
-            sink.put([rec])
+            sink.put(RecordBatch.from_records([rec]))
         commit(sink, run, [manifest("run", "r", 40, 1)])
         sink.close()
     assert [e["writers"] for e in logs if e["event"] in ("store.opened", "store.closed")] == [3, 3]
@@ -175,9 +189,9 @@ def test_close_is_idempotent_and_put_after_close_is_refused(
 ) -> None:
     sink = open_sink()
     t, bounds = _decode_rows(3)
-    sink.put(records_of("run", "r", RESID, 0, t, bounds))
+    sink.put(batch_of("run", "r", RESID, 0, t, bounds))
     sink.close()
     assert sink.stats().records_stored == 3  # close drained the queue
     sink.close()
     with pytest.raises(StoreError, match="closed"):
-        sink.put(records_of("run", "r", RESID, 0, t, bounds))
+        sink.put(batch_of("run", "r", RESID, 0, t, bounds))

@@ -126,13 +126,17 @@ def test_request_rows_of_a_direct_step_still_pass_through_staging(make_driver):
     d.verify(sink.records)  # the logits rows held back and confirmed, bytes exact
 
 
-def test_coalesced_decode_steps_still_use_staging(make_driver):
-    d2, sink2 = make_driver("resid_pre")  # decode steps join the window (from staging)
+def test_coalesced_decode_steps_go_through_the_device_window_only(make_driver):
+    d2, sink2 = make_driver("resid_pre")  # decode steps join the window on the device
     d2.forward(BatchLayout.extend(["a"], [0], [4]))
     d2.forward(BatchLayout.decode(["a"], [5]))
     d2.forward(BatchLayout.decode(["a"], [6]))
     d2.t.stop()
-    assert d2.t.drain_counters()["direct_items"] == 1  # the prefill only
+    counters = d2.t.drain_counters()
+    assert counters["direct_items"] == 1  # the prefill only
+    assert counters["d2h_bytes"] == 3 * 4 * 16  # its rows; the decode rows: window flush
+    assert counters["window_bytes"] == 3 * 2 * 16
+    assert counters["host_copied_bytes"] == 0
     d2.verify(sink2.records)
 
 

@@ -40,8 +40,9 @@ from dmi_sglang.app.reference import (
     reference_run,
 )
 from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.hooks import ModelHooks
-from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RecordSink, RunClaims
+from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -223,7 +224,6 @@ class PipelineFactory:
                 task_entries=settings.ring_task_entries,
                 padding_strip=settings.gpu_padding_strip,
                 flush_timeout_us=settings.drain_flush_timeout_us,
-                copy_threads=settings.drain_copy_threads,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

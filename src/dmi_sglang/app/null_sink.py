@@ -5,19 +5,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.records import RequestManifest, RunInfo
 
 __all__ = ["NullSink"]
 
 
 class NullSink:
-    """A :class:`~dmi_sglang.domain.ports.RecordSink` that stores nothing and never fails.
+    """A :class:`~dmi_sglang.columns.RecordSink` that stores nothing and never fails.
 
     It counts what it is given, so a benchmark can check that every record reached the
     sink; capture-only runs thus do all the work of a stored run up to the sink call.
 
     Attributes:
-        records_put / bytes_put: records and payload bytes handed to ``put``.
+        records_put / bytes_put / batches_put: records, payload bytes and non-empty
+            batches handed to ``put``.
         runs_started / runs_finished: ``start_run`` and ``finish_run`` arguments.
     """
 
@@ -25,6 +27,7 @@ class NullSink:
         self._lock = threading.Lock()
         self.records_put = 0
         self.bytes_put = 0
+        self.batches_put = 0
         self.runs_started: list[RunInfo] = []
         self.runs_finished: list[RunInfo] = []
 
@@ -32,12 +35,14 @@ class NullSink:
         """Remember the run (nothing is stored)."""
         self.runs_started.append(run)
 
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Count the records and drop them."""
-        size = sum(len(r.payload) for r in records)
+    def put(self, batch: RecordBatch) -> None:
+        """Count the batch's records and bytes and drop it."""
+        if not len(batch):
+            return
         with self._lock:
-            self.records_put += len(records)
-            self.bytes_put += size
+            self.records_put += len(batch)
+            self.bytes_put += batch.nbytes
+            self.batches_put += 1
 
     def flush(self) -> None:
         """Nothing to flush."""

@@ -25,10 +25,11 @@ from datetime import UTC, datetime
 import attrs
 import structlog
 
+from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
-from dmi_sglang.domain.ports import RecordSink, ReferenceForward, ReferenceModel
+from dmi_sglang.domain.ports import ReferenceForward, ReferenceModel
 from dmi_sglang.domain.records import (
     SOURCE_KEY,
     CaptureRecord,
@@ -146,7 +147,8 @@ def capture_reference(
                 seq += 1
                 out = forward_records(make_plan(layout, selection, model.shape, padded=False),
                                       fwd.payloads, run_id=run.run_id, seq=seq)
-                sink.put(out)
+                if out:
+                    sink.put(RecordBatch.from_records(out))
                 records += len(out)
                 rows += sum(r.rows for r in out)
                 nbytes += sum(len(r.payload) for r in out)

@@ -34,11 +34,12 @@ from datetime import UTC, datetime
 import attrs
 import structlog
 
+from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
-from dmi_sglang.domain.ports import CaptureTransport, RecordSink, TrackedRequest, TransportStats
+from dmi_sglang.domain.ports import CaptureTransport, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CaptureError

@@ -47,8 +47,9 @@ LEGACY_IGNORED: Mapping[str, str] = {
     "DRAIN_COPY_THREADS": "decode rows are coalesced on the GPU now; no host copy threads",
 }
 """Variables of the original DMI integration, and retired ones of ours, that change
-nothing stored: accepted, each with one "setting ignored" log line (:func:`ignored_variables`). DMI's ``DMX_NULL_MODE``
-does change what is stored: it maps to ``DMX_DB_URL=none`` (:meth:`Settings.from_env`)."""
+nothing stored: accepted, each with one "setting ignored" log line
+(:func:`ignored_variables`). DMI's ``DMX_NULL_MODE`` does change what is stored: it maps
+to ``DMX_DB_URL=none`` (:meth:`Settings.from_env`)."""
 
 _GENERATED_IDS: set[str] = set()
 """Run ids :meth:`Settings.resolve` generated in this process."""

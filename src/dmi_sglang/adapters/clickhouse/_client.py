@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,10 +34,11 @@ if TYPE_CHECKING:
 __all__ = [
     "ClientFactory",
     "close_quietly",
-    "compress",
     "connect",
+    "error_code",
     "is_transient",
     "store_error",
+    "too_many_parts",
     "wire_compression",
 ]
 
@@ -45,7 +47,8 @@ log = structlog.get_logger(__name__)
 ClientFactory = Callable[[StoreConfig], "Client"]
 """Opens a client on a store (the seam tests use to inject faults)."""
 
-# ClickHouse error codes worth retrying: timeouts, network trouble, overload.
+# ClickHouse error codes worth retrying: timeouts, network trouble, overload. Not
+# TOO_MANY_PARTS (252): the sink waits for merges instead (see too_many_parts).
 _TRANSIENT_CODES = frozenset(
     {
         159,  # TIMEOUT_EXCEEDED
@@ -54,23 +57,27 @@ _TRANSIENT_CODES = frozenset(
         210,  # NETWORK_ERROR
         241,  # MEMORY_LIMIT_EXCEEDED
         242,  # TABLE_IS_READ_ONLY
-        252,  # TOO_MANY_PARTS
         319,  # UNKNOWN_STATUS_OF_INSERT
         425,  # SYSTEM_ERROR
         999,  # KEEPER_EXCEPTION
     }
 )
 _NOT_ENOUGH_SPACE = 243
+_TOO_MANY_PARTS = 252
+_CODE = re.compile(r"\bCode:\s*(\d+)")
 _AUTH_CODES = frozenset({192, 193, 194, 516})  # UNKNOWN_USER, WRONG_PASSWORD, ..., AUTH FAILED
 
 
-def connect(config: StoreConfig, *, create: bool = True) -> Client:
+def connect(config: StoreConfig, *, create: bool = True, compress: str | None = None) -> Client:
     """Open a client on the store ``config`` names.
 
     Args:
         config: an embedded or server store.
         create: for the embedded store, create the directory when missing (the sink);
             readers pass False and get an error for a missing store instead.
+        compress: a server client's compression (``lz4``, ``zstd``, ``gzip``; from
+            :func:`wire_compression`): ``insert_arrow`` compresses its Arrow buffers with
+            lz4 or zstd, and answers may come compressed. None: plain.
 
     Raises:
         StoreError: the directory cannot be created or is locked by another process,
@@ -92,7 +99,7 @@ def connect(config: StoreConfig, *, create: bool = True) -> Client:
                 username=config.user,
                 password=config.password,
                 secure=config.secure,
-                compress=False,  # inserts are compressed by the sink itself (raw blocks)
+                compress=compress or False,
                 connect_timeout=min(5, config.timeout_s),
                 send_receive_timeout=config.timeout_s,
             )
@@ -194,6 +201,25 @@ def _first_line(text: str) -> str:
     return line[:500]
 
 
+def error_code(exc: BaseException) -> int | None:
+    """The ClickHouse error code of ``exc``: clickhouse-connect's ``code`` attribute, or the
+    ``Code: NNN`` the embedded engine's errors (``chdb.ChdbError``, a ``RuntimeError``)
+    start their text with; None for other errors."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    if isinstance(exc, RuntimeError):
+        found = _CODE.search(str(exc))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def too_many_parts(exc: BaseException) -> bool:
+    """Whether ``exc`` is ClickHouse's TOO_MANY_PARTS: inserts outran merges."""
+    return error_code(exc) == _TOO_MANY_PARTS
+
+
 def disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` says the store's disk is full (ENOSPC, or ClickHouse's
     NOT_ENOUGH_SPACE), wherever in its chain of causes."""
@@ -201,7 +227,7 @@ def disk_full(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
             return True
-        if getattr(seen, "code", None) == _NOT_ENOUGH_SPACE:
+        if error_code(seen) == _NOT_ENOUGH_SPACE:
             return True
         text = str(seen)
         if "No space left on device" in text or "NOT_ENOUGH_SPACE" in text:
@@ -219,7 +245,9 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, OperationalError | OSError | TimeoutError):
         return True
-    return isinstance(exc, DatabaseError) and getattr(exc, "code", None) in _TRANSIENT_CODES
+    if isinstance(exc, DatabaseError | RuntimeError):
+        return error_code(exc) in _TRANSIENT_CODES
+    return False
 
 
 def store_error(what: str, exc: BaseException, config: StoreConfig | None = None) -> StoreError:
@@ -256,13 +284,14 @@ _COMPRESSIONS = {"lz4": "lz4", "true": "lz4", "zstd": "zstd", "gzip": "gzip"}
 
 
 def wire_compression(config: StoreConfig) -> str | None:
-    """The HTTP ``Content-Encoding`` the sink compresses raw blocks with (None: plain).
+    """How the sink compresses inserts to a server (None: plain; always None for the
+    embedded engine, which reads the Arrow table in memory).
 
     Raises:
         StoreError: an unsupported ``compression`` setting.
     """
     if config.kind is not StoreKind.SERVER or config.compression in {"", "none", "false"}:
-        return None  # the embedded engine reads the block from a local file: never compress
+        return None
     try:
         return _COMPRESSIONS[config.compression]
     except KeyError:
@@ -271,19 +300,3 @@ def wire_compression(config: StoreConfig) -> str | None:
         )
         raise StoreError(msg) from None
 
-
-def compress(data: bytes, method: str | None) -> bytes:
-    """``data`` compressed with ``method`` (from :func:`wire_compression`)."""
-    if method is None:
-        return data
-    if method == "lz4":
-        import lz4.frame  # type: ignore[import-untyped]
-
-        return bytes(lz4.frame.compress(data))
-    if method == "zstd":
-        from clickhouse_connect.driver.compression import _zstd_compress
-
-        return bytes(_zstd_compress(data))
-    import gzip
-
-    return gzip.compress(data, compresslevel=1)

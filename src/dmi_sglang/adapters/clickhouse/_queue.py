@@ -1,10 +1,10 @@
-"""The sink's bounded record queue: byte-bounded, blocking, batch-forming.
+"""The sink's bounded queue of record batches: byte-bounded, blocking, insert-forming.
 
-Records get consecutive indices as they are put. Writers take batches in index order
-and report each batch done; ``done_below`` is the low-water mark (every record with a
-smaller index is durable), which is what ``flush`` waits on, even when several writers
-finish their batches out of order. Queued bytes count until the batch holding them is
-done, so the bound covers records in flight too.
+Batches get consecutive indices as they are put. Writers take one or more whole batches
+in index order (an *insert*) and report each insert done; ``done_below`` is the low-water
+mark (every batch with a smaller index is stored), which is what ``flush`` waits on, even
+when several writers finish their inserts out of order. Queued bytes count until the
+insert holding them is done, so the bound covers batches in flight too.
 """
 
 from __future__ import annotations
@@ -12,43 +12,50 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 
-from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.errors import StoreError
 
-__all__ = ["Batch", "RecordQueue", "record_bytes"]
+__all__ = ["RecordQueue", "Taken", "charge"]
 
 _ROW_OVERHEAD = 128  # keys, shape and framing of one row, roughly
 
 
-def record_bytes(record: CaptureRecord) -> int:
-    """Bytes a record is charged in the queue bound."""
-    return len(record.payload) + _ROW_OVERHEAD
+def charge(batch: RecordBatch) -> int:
+    """Bytes a batch is charged in the queue bound: its payload plus a row overhead per
+    record."""
+    return batch.nbytes + _ROW_OVERHEAD * len(batch)
 
 
-class Batch:
-    """Records ``[first, first + len(records))`` taken by one writer."""
+class Taken:
+    """Batches ``[first, first + len(batches))`` taken by one writer for one insert."""
 
-    __slots__ = ("first", "nbytes", "records")
+    __slots__ = ("batches", "first", "nbytes", "records")
 
-    def __init__(self, first: int, records: list[CaptureRecord], nbytes: int) -> None:
+    def __init__(self, first: int, batches: list[RecordBatch], nbytes: int, records: int) -> None:
         self.first = first
-        self.records = records
+        self.batches = batches
         self.nbytes = nbytes
+        self.records = records
+
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes of the batches."""
+        return sum(b.nbytes for b in self.batches)
 
 
 class RecordQueue:
-    """A FIFO of records bounded in bytes (see the module docstring).
+    """A FIFO of record batches bounded in bytes (see the module docstring).
 
     Args:
-        max_bytes: the bound; ``put`` blocks while it would be exceeded (a single put
+        max_bytes: the bound; ``put`` blocks while it would be exceeded (a single batch
             larger than the bound is admitted alone into an empty queue).
-        batch_rows: most records per batch.
-        linger_s: longest the oldest queued record waits for a batch to fill.
-        batch_bytes: most bytes per batch (a batch holds at least one record);
-            default a quarter of ``max_bytes``, at most 256 MiB, so that several
-            batches can be in flight and no insert builds a huge block.
+        batch_rows: most records per insert, unless one batch alone holds more (a batch
+            is never split).
+        linger_s: longest the oldest queued batch waits for an insert to fill.
+        batch_bytes: most bytes per insert, unless one batch alone holds more; default
+            a quarter of ``max_bytes``, at most 256 MiB, so that several inserts can be
+            in flight and none builds a huge block.
     """
 
     def __init__(
@@ -59,27 +66,28 @@ class RecordQueue:
         self._batch_bytes = batch_bytes or min(max(1, self._max_bytes // 4), 256 << 20)
         self._linger_s = max(0.0, linger_s)
         self._cond = threading.Condition()
-        self._records: deque[CaptureRecord] = deque()
-        self._arrivals: deque[list[float]] = deque()  # [records left, put time] per put
+        self._batches: deque[tuple[RecordBatch, int, float]] = deque()  # batch, charge, put at
         self._bytes = 0  # queued + in flight
         self._waiting_bytes = 0  # queued, not taken yet
-        self._next_index = 0  # index the next put record gets
-        self._taken = 0  # index of the next record a writer takes
+        self._waiting_records = 0
+        self._next_index = 0  # index the next put batch gets
+        self._taken = 0  # index of the next batch a writer takes
         self._done_below = 0
-        self._done: dict[int, int] = {}  # finished batches ahead of the low-water mark
-        self._urgent = 0  # flushers and blocked putters waiting: send partial batches now
+        self._done: dict[int, int] = {}  # finished inserts ahead of the low-water mark
+        self._urgent = 0  # flushers and blocked putters waiting: send partial inserts now
         self._closing = False
         self._failure: StoreError | None = None
 
     # -- producers ---------------------------------------------------------------------
 
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Append records, blocking while the byte bound would be exceeded.
+    def put(self, batch: RecordBatch) -> None:
+        """Append a batch, blocking while the byte bound would be exceeded. An empty
+        batch is accepted and dropped.
 
         Raises:
             StoreError: the sink failed (sticky) or is closed.
         """
-        nbytes = sum(record_bytes(r) for r in records)
+        nbytes = charge(batch)
         with self._cond:
             if self._bytes and self._bytes + nbytes > self._max_bytes:
                 self._urgent += 1
@@ -95,17 +103,17 @@ class RecordQueue:
                 finally:
                     self._urgent -= 1
             self._raise_if_unusable()
-            if not records:
+            if not len(batch):
                 return
-            self._records.extend(records)
-            self._arrivals.append([len(records), time.monotonic()])
+            self._batches.append((batch, nbytes, time.monotonic()))
             self._bytes += nbytes
             self._waiting_bytes += nbytes
-            self._next_index += len(records)
+            self._waiting_records += len(batch)
+            self._next_index += 1
             self._cond.notify_all()
 
     def wait_done(self) -> None:
-        """Block until every record put so far is durable.
+        """Block until every batch put so far is stored.
 
         Raises:
             StoreError: the sink failed before they were.
@@ -131,17 +139,17 @@ class RecordQueue:
 
     # -- writers ---------------------------------------------------------------------
 
-    def take(self) -> Batch | None:
-        """The next batch, waiting for it to fill or linger out; None when closing
-        and drained, or after a failure."""
+    def take(self) -> Taken | None:
+        """The next insert's batches, waiting for them to fill it or linger out; None
+        when closing and drained, or after a failure."""
         with self._cond:
             while True:
                 if self._failure is not None:
                     return None
-                n = len(self._records)
-                if n:
-                    wait = self._arrivals[0][1] + self._linger_s - time.monotonic()
-                    full = n >= self._batch_rows or self._waiting_bytes >= self._batch_bytes
+                if self._batches:
+                    wait = self._batches[0][2] + self._linger_s - time.monotonic()
+                    full = (self._waiting_records >= self._batch_rows
+                            or self._waiting_bytes >= self._batch_bytes)
                     if full or self._urgent or self._closing or wait <= 0:
                         return self._pop()
                     self._cond.wait(wait)
@@ -150,47 +158,42 @@ class RecordQueue:
                 else:
                     self._cond.wait()
 
-    def _pop(self) -> Batch:
-        records: list[CaptureRecord] = []
-        nbytes = 0
-        while self._records and len(records) < self._batch_rows:
-            size = record_bytes(self._records[0])
-            if records and nbytes + size > self._batch_bytes:
+    def _pop(self) -> Taken:
+        batches: list[RecordBatch] = []
+        nbytes = records = 0
+        while self._batches:
+            batch, size, _ = self._batches[0]
+            if batches and (nbytes + size > self._batch_bytes
+                            or records + len(batch) > self._batch_rows):
                 break
-            records.append(self._records.popleft())
+            self._batches.popleft()
+            batches.append(batch)
             nbytes += size
+            records += len(batch)
         self._waiting_bytes -= nbytes
-        k = left = len(records)
-        while left:
-            head = self._arrivals[0]
-            used = min(left, int(head[0]))
-            head[0] -= used
-            left -= used
-            if head[0] == 0:
-                self._arrivals.popleft()
+        self._waiting_records -= records
         first = self._taken
-        self._taken += k
-        return Batch(first, records, nbytes)
+        self._taken += len(batches)
+        return Taken(first, batches, nbytes, records)
 
-    def done(self, batch: Batch) -> None:
-        """A writer stored ``batch``."""
+    def done(self, taken: Taken) -> None:
+        """A writer stored ``taken``."""
         with self._cond:
             if self._failure is not None:
                 return  # everything was dropped when the sink failed
-            self._bytes -= batch.nbytes
-            self._done[batch.first] = batch.first + len(batch.records)
+            self._bytes -= taken.nbytes
+            self._done[taken.first] = taken.first + len(taken.batches)
             while self._done_below in self._done:
                 self._done_below = self._done.pop(self._done_below)
             self._cond.notify_all()
 
     def fail(self, failure: StoreError) -> None:
-        """Make ``failure`` sticky: queued records are dropped, everyone is woken."""
+        """Make ``failure`` sticky: queued batches are dropped, everyone is woken."""
         with self._cond:
             if self._failure is None:
                 self._failure = failure
-            self._records.clear()
-            self._arrivals.clear()
-            self._bytes = self._waiting_bytes = 0  # queued and in-flight records are dropped
+            self._batches.clear()
+            self._bytes = self._waiting_bytes = self._waiting_records = 0
             self._cond.notify_all()
 
     def close(self) -> None:

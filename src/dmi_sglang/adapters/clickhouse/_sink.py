@@ -1,12 +1,21 @@
-"""The ClickHouse record sink: :class:`ClickHouseSink` (batched, background writers).
+"""The ClickHouse record sink: :class:`ClickHouseSink` (queued batches, background writers).
 
-``ClickHouseSink.put`` only queues; writer threads (one by default, each with its own
-client) take batches of at most ``insert_rows`` records, a partial batch after at most
-``flush_timeout_us``, encode them as one Native block and ``raw_insert`` it. Transient
-errors are retried with exponential backoff; when the retries run out, or on any other
-error, the failure becomes sticky: queued records are dropped, and ``put``, ``flush``,
-``finish_run`` and ``close`` raise it (a :class:`StoreError` whose ``__cause__`` is the
-library's exception).
+``ClickHouseSink.put`` only queues a :class:`~dmi_sglang.columns.RecordBatch`; writer
+threads (each with its own connection) take one or more whole batches per insert (at most
+``insert_rows`` records and the batch byte bound, unless one batch alone holds more), a
+partial insert after at most ``flush_timeout_us``, turn them into one Arrow table without
+copying the payloads (:mod:`._arrow`) and insert it (:mod:`._insert`: the embedded
+engine reads it in place through ``Python()``, a server gets Arrow IPC).
+
+Transient errors are retried with exponential backoff. TOO_MANY_PARTS is not: merges
+start again and the insert is repeated for up to :data:`TOO_MANY_PARTS_WAIT_S`. When
+that runs out, the retries run out, or on any other error, the failure becomes sticky:
+queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close`` raise it
+(a :class:`StoreError` whose ``__cause__`` is the library's exception).
+
+On the embedded store, merges of the records table are held while a run captures
+(:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
+(:mod:`._durable`) before it returns.
 """
 
 from __future__ import annotations
@@ -15,54 +24,54 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import structlog
 
+from dmi_sglang.adapters.clickhouse._arrow import arrow_table
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
     close_quietly,
-    compress,
     connect,
     disk_full,
     is_transient,
     store_error,
+    too_many_parts,
     wire_compression,
 )
+from dmi_sglang.adapters.clickhouse._durable import sync_tree
+from dmi_sglang.adapters.clickhouse._insert import Inserter, InserterFactory, open_inserter
 from dmi_sglang.adapters.clickhouse._live import mark_done, mark_live
-from dmi_sglang.adapters.clickhouse._native import COLUMN_NAMES, coalesce, encode_block
-from dmi_sglang.adapters.clickhouse._queue import Batch, RecordQueue
+from dmi_sglang.adapters.clickhouse._merges import MergeHold
+from dmi_sglang.adapters.clickhouse._queue import RecordQueue, Taken
 from dmi_sglang.adapters.clickhouse._rows import manifest_row, run_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.adapters.clickhouse._stats import SinkStats, StatsCounter
-from dmi_sglang.domain.records import (
-    HEARTBEAT_S,
-    CaptureRecord,
-    RequestManifest,
-    RunInfo,
-    RunStatus,
-)
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.records import HEARTBEAT_S, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["ClickHouseSink", "SinkStats"]
+__all__ = ["TOO_MANY_PARTS_WAIT_S", "ClickHouseSink", "SinkStats"]
 
 log = structlog.get_logger(__name__)
 
-# Every file write of a piece releases the GIL, and a thread that releases it waits up to
-# the switch interval (5 ms) to get it back while another thread runs Python (SGLang's
-# scheduler). Writing each payload separately would cost that wait per record; joining
-# into pieces this large costs one copy and keeps the waits few per insert.
-_PIECE_BYTES = 8 << 20
+TOO_MANY_PARTS_WAIT_S = 120.0
+"""Longest an insert refused with TOO_MANY_PARTS is repeated (merges running again)
+before the refusal becomes the sticky failure."""
+
+_SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
+_SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
+_MTIME_SLACK_NS = 2_000_000_000  # file times come from a coarse clock
 
 
 class ClickHouseSink:
-    """A :class:`~dmi_sglang.domain.ports.RecordSink` on ClickHouse (embedded or server).
+    """A :class:`~dmi_sglang.columns.RecordSink` on ClickHouse (embedded or server).
 
     The constructor opens the store and creates or checks the tables, so a bad
     directory, a locked store, an unreachable server or refused credentials fail here,
@@ -70,14 +79,18 @@ class ClickHouseSink:
 
     Args:
         config: the store (``kind`` embedded or server).
-        writers: inserting threads, each with its own client (the embedded engine
-            admits several clients of one process on its directory); default
+        writers: inserting threads, each with its own connection (the embedded engine
+            admits several connections of one process on its directory); default
             ``config.writers`` (``DMX_CH_WRITERS``).
         retries: retries of a transient insert failure before it becomes sticky.
-        backoff_s: first retry delay; doubles per retry, at most 5 s.
+        backoff_s: first retry delay; doubles per retry, at most 5 s (also the first
+            delay of the repeats after TOO_MANY_PARTS).
         batch_mb: most payload MiB per insert (0: a quarter of ``queue_mb``, at most
             256 MiB).
-        client_factory: opens a client (default: :func:`connect`); a seam for tests.
+        client_factory: opens the control client (tables, runs, manifests, merges;
+            default :func:`connect`); a seam for tests.
+        inserter_factory: opens a writer's connection (default
+            :func:`~._insert.open_inserter`); a seam for tests.
 
     Raises:
         StoreError: the store cannot be opened, or a table has an incompatible layout.
@@ -92,6 +105,7 @@ class ClickHouseSink:
         backoff_s: float = 0.1,
         batch_mb: int = 0,
         client_factory: ClientFactory | None = None,
+        inserter_factory: InserterFactory | None = None,
         heartbeat_s: float | None = None,
     ) -> None:
         self._config = config
@@ -104,7 +118,7 @@ class ClickHouseSink:
         self._retries = retries
         self._backoff_s = backoff_s
         self._factory: ClientFactory = client_factory or connect
-        self._compression = wire_compression(config)
+        wire_compression(config)  # an unsupported setting fails before connecting
         self._queue = RecordQueue(
             max_bytes=config.queue_mb << 20,
             batch_rows=config.insert_rows,
@@ -114,20 +128,25 @@ class ClickHouseSink:
         self._stats = StatsCounter()
         self._control_lock = threading.Lock()
         self._closed = False
-        self._clients: list[Client] = []
+        self._control: Client | None = None
+        self._inserters: list[Inserter] = []
+        self._sync_since_ns = time.time_ns() - _MTIME_SLACK_NS
         try:
             self._control = self._factory(config)
-            self._clients.append(self._control)
             self._run_control("creating the capture tables", self._tables.ensure)
             count = config.writers if writers is None else max(1, writers)
-            self._clients.extend(self._factory(config) for _ in range(count))
+            opener = inserter_factory or open_inserter
+            for _ in range(count):
+                self._inserters.append(opener(config))
         except BaseException:
-            for client in self._clients:
-                close_quietly(client)
+            self._close_connections()
             raise
+        table = self._tables.offload.name
+        self._merges = MergeHold(self._run_control, config.database, table,
+                                 self._tables.qualified(self._tables.offload))
         self._threads = [
-            threading.Thread(target=self._write_loop, args=(c,), name=f"dmi-sink-{i}", daemon=True)
-            for i, c in enumerate(self._clients[1:])
+            threading.Thread(target=self._write_loop, args=(w,), name=f"dmi-sink-{i}", daemon=True)
+            for i, w in enumerate(self._inserters)
         ]
         for t in self._threads:
             t.start()
@@ -149,20 +168,23 @@ class ClickHouseSink:
         self._running = run
         if self._config.kind is StoreKind.EMBEDDED:  # live before any reader can see the row
             mark_live(self._config.path, run.run_id)
+            self._merges.hold()
         self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
         if self._heartbeat_s > 0 and self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
 
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Queue records; blocks while ``queue_mb`` is used up; never drops.
+    def put(self, batch: RecordBatch) -> None:
+        """Queue a batch (kept, payload memory included, until it is stored); blocks
+        while ``queue_mb`` is used up; never drops.
 
         Raises:
             StoreError: the sink failed (sticky) or was closed.
         """
-        self._queue.put(records)
-        self._stats.put(records)
+        self._queue.put(batch)
+        if len(batch):
+            self._stats.put(batch)
 
     def flush(self) -> None:
         """Block until everything put so far is stored.
@@ -173,14 +195,18 @@ class ClickHouseSink:
         self._queue.wait_done()
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """Flush, then write the manifests and, last, the run's final status.
+        """Flush, write the manifests and, last, the run's final status; on the
+        embedded store then sync the files written since the previous sync (the run's
+        parts, its rows) to disk, so that they survive a power loss, and let merges run
+        again. On a server store, durability is the server's (its own fsync settings).
 
         A manifest is stored as committed only when it says so, the run's status is
         committed and the flush succeeded. When the sink has failed, the run is recorded
         as failed (best effort, no manifest) and the failure is raised.
 
         Raises:
-            StoreError: the sticky failure, or writing the manifests / run failed.
+            StoreError: the sticky failure, writing the manifests / run failed, or the
+                sync failed.
         """
         try:
             try:
@@ -198,9 +224,12 @@ class ClickHouseSink:
             self._stop_heartbeat()  # no running row may land after the final one
             self._write_control(self._tables.runs, [run_row(run)],
                                 f"finishing run {run.run_id}")
+            if self._config.kind is StoreKind.EMBEDDED:
+                self._sync(run.run_id)
         finally:
             self._stop_heartbeat()
             self._not_live()
+            self._merges.release("run finished")
         log.info(
             "store.run_finished", run_id=run.run_id, status=run.status.value, manifests=len(rows)
         )
@@ -218,8 +247,8 @@ class ClickHouseSink:
             self._queue.close()
             for t in self._threads:
                 t.join()
-            for client in self._clients:
-                close_quietly(client)
+            self._merges.release("sink closed")
+            self._close_connections()
             log.info("store.closed", url=self._config.url, writers=len(self._threads),
                      **self.stats().as_dict())
         self._raise_if_failed()
@@ -268,20 +297,47 @@ class ClickHouseSink:
         if running is not None and self._config.kind is StoreKind.EMBEDDED:
             mark_done(self._config.path, running.run_id)
 
-    def _write_loop(self, client: Client) -> None:
+    def _close_connections(self) -> None:
+        for inserter in self._inserters:
+            try:
+                inserter.close()
+            except Exception as exc:  # closing is best effort: the data is already stored
+                log.warning("store.close_failed", error=str(exc))
+        close_quietly(self._control)
+
+    def _sync(self, run_id: str) -> None:
+        since, self._sync_since_ns = self._sync_since_ns, time.time_ns() - _MTIME_SLACK_NS
+        try:
+            report = sync_tree(self._config.path, since)
+        except OSError as exc:
+            self._sync_since_ns = since  # the next sync covers these files again
+            what = f"syncing the files of run {run_id} to disk"
+            raise store_error(what, exc, self._config) from exc
+        self._stats.synced(report.seconds)
+        log.info("store.synced", run_id=run_id, path=self._config.path, files=report.files,
+                 directories=report.directories, mb=round(report.nbytes / 1e6, 1),
+                 seconds=round(report.seconds, 3))
+
+    def _write_loop(self, inserter: Inserter) -> None:
         """Insert batches until the queue closes. Any exception, not only a store error
-        (a record the encoder refuses, a bad timeout), becomes the sticky failure, so
+        (a batch the encoder refuses, a bad timeout), becomes the sticky failure, so
         ``flush``, ``finish_run`` and ``close`` raise it instead of waiting forever."""
         try:
-            while (batch := self._queue.take()) is not None:
+            while True:
+                taken = self._queue.take()
+                if taken is None:
+                    break
                 started, cpu = time.monotonic(), time.thread_time()
                 try:
-                    self._insert(client, batch)
+                    self._insert(inserter, taken)
                 finally:
                     self._stats.insert_time(time.monotonic() - started,
                                             time.thread_time() - cpu)
-                self._queue.done(batch)
-                self._stats.inserted(batch)
+                self._stats.inserted(taken)
+                self._queue.done(taken)
+                parts = 1 + taken.payload_bytes // _SQUASH_BYTES + taken.records // _SQUASH_ROWS
+                del taken  # the payloads go back to their owner while this writer waits
+                self._merges.inserted(parts)
         except BaseException as exc:
             failure = exc if isinstance(exc, StoreError) else store_error(
                 f"a writer of {self._config.url} failed", exc, self._config)
@@ -290,34 +346,52 @@ class ClickHouseSink:
             log.error("store.failed", error=str(failure))
             self._queue.fail(failure)
 
-    def _insert(self, client: Client, batch: Batch) -> None:
-        chunks = encode_block(batch.records)
+    def _insert(self, inserter: Inserter, taken: Taken) -> None:
+        block = arrow_table(taken.batches)
         table = self._tables.qualified(self._tables.offload)
-        for attempt in range(self._retries + 1):
-            block: bytes | Generator[bytes, None, None]
-            if self._config.kind is StoreKind.SERVER:
-                block = compress(b"".join(chunks), self._compression)
-            else:  # the embedded client writes the pieces to a file, then ingests it
-                block = coalesce(chunks, _PIECE_BYTES)
+        attempt = waits = 0
+        parts_deadline: float | None = None
+        while True:
             try:
-                client.raw_insert(
-                    table, COLUMN_NAMES, block, fmt="Native", compression=self._compression
-                )
+                inserter.insert_arrow(table, block)
                 return
             except Exception as exc:
+                if too_many_parts(exc):
+                    now = time.monotonic()
+                    if parts_deadline is None:
+                        parts_deadline = now + TOO_MANY_PARTS_WAIT_S
+                        self._merges.release("too many parts")
+                    if now >= parts_deadline:
+                        what = (
+                            f"inserting {taken.records} records into {table} failed: the "
+                            f"table still had too many parts (TOO_MANY_PARTS) after "
+                            f"{TOO_MANY_PARTS_WAIT_S:g} s of waiting for merges"
+                        )
+                        raise store_error(what, exc, self._config) from exc
+                    delay = min(5.0, self._backoff_s * 2**waits, parts_deadline - now)
+                    waits += 1
+                    log.warning("store.too_many_parts", attempt=waits, delay_s=delay,
+                                error=str(exc))
+                    self._stats.waited_for_parts()
+                    time.sleep(delay)
+                    continue
                 if attempt >= self._retries or not is_transient(exc):
                     what = (
-                        f"inserting {len(batch.records)} records into {table} failed "
+                        f"inserting {taken.records} records into {table} failed "
                         f"after {attempt + 1} attempt(s)"
                     )
                     raise store_error(what, exc, self._config) from exc
                 delay = min(5.0, self._backoff_s * 2**attempt)
-                log.warning("store.retry", attempt=attempt + 1, delay_s=delay, error=str(exc))
+                attempt += 1
+                log.warning("store.retry", attempt=attempt, delay_s=delay, error=str(exc))
                 self._stats.retried()
                 time.sleep(delay)
 
     def _run_control(self, what: str, action: Callable[[Client], object]) -> None:
         with self._control_lock:
+            if self._control is None:
+                msg = f"{what}: the store's control client is not open"
+                raise StoreError(msg)
             try:
                 action(self._control)
             except StoreError:
@@ -337,7 +411,8 @@ class ClickHouseSink:
                 if cause is not None and disk_full(cause):
                     self._queue.fail(failure)  # a full disk fails the run, as for inserts
                     raise
-                if attempt >= self._retries or cause is None or not is_transient(cause):
+                retry = cause is not None and (is_transient(cause) or too_many_parts(cause))
+                if attempt >= self._retries or not retry:
                     raise
                 time.sleep(min(5.0, self._backoff_s * 2**attempt))
 

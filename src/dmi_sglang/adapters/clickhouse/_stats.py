@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
-from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.columns import RecordBatch
 
 if TYPE_CHECKING:
-    from dmi_sglang.adapters.clickhouse._queue import Batch
+    from dmi_sglang.adapters.clickhouse._queue import Taken
 
 __all__ = ["SinkStats", "StatsCounter"]
 
@@ -21,29 +20,45 @@ class SinkStats:
     """What a sink has done so far.
 
     Attributes:
-        records_put / bytes_put: records and payload bytes handed to ``put``.
-        records_stored / bytes_stored: records and payload bytes inserted.
-        inserts: insert statements that succeeded.
+        records_put / bytes_put / batches_put: records, payload bytes and record batches
+            handed to ``put``.
+        records_stored / bytes_stored / batches_stored: those inserted.
+        inserts: insert statements that succeeded (each holds one or more batches).
         retries: insert attempts retried after a transient error.
+        parts_waits: insert attempts repeated after TOO_MANY_PARTS (waiting for merges;
+            not counted in ``retries``).
         insert_seconds: wall time the writers spent encoding and inserting.
-        writer_cpu_seconds: CPU time of the writer threads themselves (encoding and
-            the client's Python work; the embedded engine's own threads not included).
+        writer_cpu_seconds: CPU time of the writer threads themselves (encoding, and the
+            embedded engine's work that runs on the inserting thread; the engine's own
+            threads not included).
+        sync_seconds: time ``finish_run`` spent syncing the embedded store's new files.
         queued_bytes: bytes queued or in flight now (payload plus a row overhead).
     """
 
     records_put: int = 0
     bytes_put: int = 0
+    batches_put: int = 0
     records_stored: int = 0
     bytes_stored: int = 0
+    batches_stored: int = 0
     inserts: int = 0
     retries: int = 0
+    parts_waits: int = 0
     insert_seconds: float = 0.0
     writer_cpu_seconds: float = 0.0
+    sync_seconds: float = 0.0
     queued_bytes: int = 0
 
-    def as_dict(self) -> dict[str, float]:
-        """The counters as a plain dict (for logs and JSON)."""
-        return attrs.asdict(self)
+    @property
+    def cpu_s_per_gb(self) -> float | None:
+        """Writer CPU seconds per GB (1e9 bytes) of payload inserted; None before any."""
+        if not self.bytes_stored:
+            return None
+        return self.writer_cpu_seconds / (self.bytes_stored / 1e9)
+
+    def as_dict(self) -> dict[str, float | None]:
+        """The counters (and ``cpu_s_per_gb``) as a plain dict (for logs and JSON)."""
+        return {**attrs.asdict(self), "cpu_s_per_gb": self.cpu_s_per_gb}
 
 
 class StatsCounter:
@@ -59,25 +74,30 @@ class StatsCounter:
                 self._s, **{k: getattr(self._s, k) + v for k, v in delta.items()}
             )
 
-    def put(self, records: Sequence[CaptureRecord]) -> None:
-        """Records were queued."""
-        self._add(records_put=len(records), bytes_put=sum(len(r.payload) for r in records))
+    def put(self, batch: RecordBatch) -> None:
+        """A batch was queued."""
+        self._add(records_put=len(batch), bytes_put=batch.nbytes, batches_put=1)
 
-    def inserted(self, batch: Batch) -> None:
-        """A batch was stored."""
-        self._add(
-            records_stored=len(batch.records),
-            bytes_stored=sum(len(r.payload) for r in batch.records),
-            inserts=1,
-        )
+    def inserted(self, taken: Taken) -> None:
+        """An insert was stored."""
+        self._add(records_stored=taken.records, bytes_stored=taken.payload_bytes,
+                  batches_stored=len(taken.batches), inserts=1)
 
     def retried(self) -> None:
         """An insert is being retried."""
         self._add(retries=1)
 
+    def waited_for_parts(self) -> None:
+        """An insert is being repeated after TOO_MANY_PARTS."""
+        self._add(parts_waits=1)
+
     def insert_time(self, wall_s: float, cpu_s: float) -> None:
         """Time one insert (with its retries) took."""
         self._add(insert_seconds=wall_s, writer_cpu_seconds=cpu_s)
+
+    def synced(self, seconds: float) -> None:
+        """A sync of the store's new files took ``seconds``."""
+        self._add(sync_seconds=seconds)
 
     def snapshot(self, *, queued_bytes: int = 0) -> SinkStats:
         """The counters now."""

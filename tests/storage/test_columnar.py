@@ -1,0 +1,121 @@
+"""The columnar insert path: record batches -> one Arrow table -> the records table, and
+back through the reader, without copying the payloads."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.clickhouse._arrow import COLUMN_NAMES, arrow_batch, arrow_table
+from dmi_sglang.adapters.clickhouse._schema import OFFLOAD_COLUMNS
+from dmi_sglang.columns import CaptureKey, RecordBatch
+from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.domain.store_config import StoreConfig
+
+from ._support import RESID
+
+KEYS = (
+    CaptureKey(RESID, 0, "torch.bfloat16", (4,)),
+    CaptureKey("blocks.attn.hook_q", 3, "torch.float32", (2, 3)),
+    CaptureKey("token_ids", -1, "torch.int64", ()),
+)
+
+
+def _records(run: str, seed: int, *, shard: int = 0) -> list[CaptureRecord]:
+    """Records of two requests and three captures, random bytes, rising ``seq``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(12):
+        key = KEYS[k % 3]
+        start = 5 * k
+        rows = 1 + k % 4
+        nbytes = rows * key.row_nbytes
+        out.append(CaptureRecord(run, f"req-{k % 2}", key.act_name, key.layer_no, shard,
+                                 start, start + rows, key.dtype, (rows, *key.dims),
+                                 rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes(),
+                                 100 + k))
+    return out
+
+
+def _fields(r: CaptureRecord) -> tuple[object, ...]:
+    return (r.model_id, r.request_id, r.act_name, r.layer_no, r.shard_rank, r.start_token_idx,
+            r.end_token_idx, r.dtype, tuple(r.shape), bytes(r.payload), r.seq)
+
+
+def test_the_arrow_table_holds_the_records_in_the_tables_layout() -> None:
+    records = _records("run", 1, shard=1)
+    table = arrow_table([RecordBatch.from_records(records[:5]),
+                         RecordBatch.from_records(records[5:])])
+    assert table.column_names == [name for name, _ in OFFLOAD_COLUMNS] == list(COLUMN_NAMES)
+    assert table.num_rows == 12
+    assert [c.num_chunks for c in table.columns] == [2] * len(COLUMN_NAMES)  # one per batch
+    rows = [{**row, "shape": tuple(row["shape"])} for row in table.to_pylist()]
+    assert [tuple(row.values()) for row in rows] == [_fields(r) for r in records]
+
+
+def test_a_batch_with_a_negative_seq_is_refused() -> None:
+    bad = RecordBatch.from_records(_records("run", 2)[:2])
+    bad.seq[1] = -1
+    with pytest.raises(OverflowError, match="negative seq -1"):
+        arrow_batch(bad)
+
+
+def test_records_put_as_batches_read_back_equal(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink(writers=1)
+    records = _records("run", 3)
+    for part in (records[:4], records[4:9], records[9:]):  # one insert of three batches
+        sink.put(RecordBatch.from_records(part))
+    sink.flush()
+    stats = sink.stats()
+    assert (stats.inserts, stats.batches_stored, stats.records_stored) == (1, 3, 12)
+    assert stats.bytes_stored == sum(len(r.payload) for r in records)
+    assert stats.cpu_s_per_gb is not None
+    assert stats.cpu_s_per_gb > 0
+    sink.close()
+    reader = ClickHouseReader(store)
+    stored = reader.records("run", "req-0") + reader.records("run", "req-1")
+    assert sorted(map(_fields, stored), key=str) == sorted(map(_fields, records), key=str)
+
+
+def test_a_view_into_a_larger_buffer_is_inserted_without_copying_its_payload(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    rng = np.random.default_rng(4)
+    big = rng.integers(0, 256, 4096, dtype=np.uint8)  # e.g. a pooled slab
+    key = CaptureKey(RESID, 0, "torch.float32", (2,))  # 8 bytes a row
+    offsets = np.array([1000, 1008, 1024, 1048], dtype=np.int64)  # 1, 2, 3 rows
+    start = np.array([0, 1, 3], dtype=np.int32)
+    end = np.array([1, 3, 6], dtype=np.int32)
+    batch = RecordBatch("run", ("r",), (key,), np.zeros(3), np.zeros(3), start, end,
+                        np.arange(1, 4), offsets, big[:2000])
+    column = arrow_batch(batch).column(COLUMN_NAMES.index("bytes"))
+    _, arrow_offsets, data = column.buffers()
+    assert data.address == big.ctypes.data + 1000  # the payload memory itself
+    assert np.frombuffer(arrow_offsets, dtype=np.int64).tolist() == [0, 8, 24, 48]
+    assert column.to_pylist() == [big[a:b].tobytes() for a, b in itertools.pairwise(offsets)]
+    sink = open_sink()
+    sink.put(batch)
+    sink.close()
+    stored = ClickHouseReader(store).records("run", "r")
+    assert [(r.start_token_idx, r.shape, bytes(r.payload)) for r in stored] == [
+        (0, (1, 2), big[1000:1008].tobytes()),
+        (1, (2, 2), big[1008:1024].tobytes()),
+        (3, (3, 2), big[1024:1048].tobytes()),
+    ]
+
+
+def test_an_empty_batch_is_accepted_and_stores_nothing(
+    open_sink: Callable[..., ClickHouseSink],
+) -> None:
+    sink = open_sink()
+    empty = RecordBatch("run", (), (), [], [], [], [], [], [0], np.empty(0, dtype=np.uint8))
+    sink.put(empty)
+    sink.flush()
+    stats = sink.stats()
+    assert (stats.batches_put, stats.inserts, stats.records_stored) == (0, 0, 0)

@@ -1,0 +1,264 @@
+"""Merges held while a run captures, TOO_MANY_PARTS survived, and the run's files synced
+to disk before ``finish_run`` returns (embedded store)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog.testing
+import torch
+from clickhouse_connect.driver.exceptions import DatabaseError
+
+from dmi_sglang.adapters.clickhouse import (
+    ClickHouseReader,
+    ClickHouseSink,
+    _durable,
+    _merges,
+    _sink,
+    connect,
+)
+from dmi_sglang.adapters.clickhouse._client import (
+    disk_full,
+    error_code,
+    is_transient,
+    too_many_parts,
+)
+from dmi_sglang.adapters.clickhouse._durable import sync_tree
+from dmi_sglang.adapters.clickhouse._insert import open_inserter
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
+
+from ._support import RESID, FaultyInserter, batch_of, commit, handle, manifest, run_info
+
+TOO_MANY_PARTS = RuntimeError(
+    "Code: 252. DB::Exception: Too many parts (5 with average size of 1.00 KiB) in table "
+    "'default.offload'. Merges are processing significantly slower than inserts. "
+    "(TOO_MANY_PARTS)"
+)
+
+
+@pytest.fixture
+def client(store: StoreConfig) -> Iterator[Any]:
+    """A client of this process on the store, beside the sink's own (as a reader would)."""
+    opened: list[Any] = []
+
+    def make() -> Any:
+        opened.append(connect(store))
+        return opened[-1]
+
+    yield make
+    for c in opened:
+        c.close()
+
+
+def _optimize(client: Any) -> str | None:
+    """Merge the records table now; the error text when merges are stopped."""
+    try:
+        client.command("OPTIMIZE TABLE default.offload FINAL")
+    except DatabaseError as exc:
+        return str(exc)
+    return None
+
+
+def _active_parts(client: Any) -> int:
+    return int(client.query("SELECT count() FROM system.parts WHERE database = 'default' "
+                            "AND table = 'offload' AND active").result_rows[0][0])
+
+
+def _put_flushed(sink: ClickHouseSink, request: str, inserts: int) -> torch.Tensor:
+    """``inserts`` one-record batches of ``request``, each flushed (one part each)."""
+    t = torch.randn(inserts, 8)
+    for k in range(inserts):
+        sink.put(batch_of("run", request, RESID, 0, t[k:k + 1], [k, k + 1], base=k, seq=k + 1))
+        sink.flush()
+    return t
+
+
+# -- error classification --------------------------------------------------------------
+
+
+def test_embedded_engine_errors_are_classified_by_their_code() -> None:
+    assert error_code(TOO_MANY_PARTS) == 252
+    assert too_many_parts(TOO_MANY_PARTS)
+    assert not is_transient(TOO_MANY_PARTS)  # handled by waiting for merges instead
+    assert is_transient(RuntimeError("Code: 241. DB::Exception: Memory limit exceeded"))
+    assert not is_transient(RuntimeError("Code: 60. DB::Exception: Unknown table"))
+    assert disk_full(RuntimeError("Code: 243. DB::Exception: Cannot reserve 1.00 MiB"))
+    assert error_code(ValueError("Code: 252")) is None  # only the engine's errors are parsed
+    assert too_many_parts(DatabaseError("Too many parts", code=252))
+
+
+# -- merges ----------------------------------------------------------------------------
+
+
+def test_merges_are_stopped_while_a_run_captures_and_started_when_it_finishes(
+    open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any]
+) -> None:
+    sink = open_sink()
+    other = client()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    _put_flushed(sink, "r", 3)
+    stopped = _optimize(other)
+    assert stopped is not None
+    assert "Cancelled merging parts" in stopped
+    assert _active_parts(other) == 3
+    commit(sink, run, [manifest("run", "r", 3, 1)])
+    assert _optimize(other) is None
+    assert _active_parts(other) == 1
+
+
+def test_merges_start_again_when_the_sink_closes_without_finishing_the_run(
+    open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any]
+) -> None:
+    sink = open_sink()
+    other = client()
+    sink.start_run(run_info("run", [(RESID, 0)]))
+    _put_flushed(sink, "r", 2)
+    assert _optimize(other) is not None
+    sink.close()
+    assert _optimize(other) is None
+
+
+def test_merges_start_again_once_the_run_made_many_parts(
+    open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_merges, "HELD_PARTS", 3)
+    sink = open_sink()
+    other = client()
+    with structlog.testing.capture_logs() as logs:
+        sink.start_run(run_info("run", [(RESID, 0)]))
+        _put_flushed(sink, "r", 2)
+        assert _optimize(other) is not None
+        _put_flushed(sink, "r2", 1)  # the third part: merges run again, mid-run
+        deadline = time.monotonic() + 5
+        while _optimize(other) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer starts them right after its insert is done
+    assert _optimize(other) is None
+    assert {"event": "store.merges_started", "reason": "parts"}.items() <= next(
+        e for e in logs if e["event"] == "store.merges_started").items()
+
+
+def test_too_many_parts_restarts_merges_and_every_record_is_stored(
+    open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any], store: StoreConfig
+) -> None:
+    sink = open_sink(retries=0, backoff_s=0.02)  # no ordinary retry at all
+    other = client()
+    # few parts (ClickHouse merges 10 small ones at once, fewer only after a while)
+    other.command("ALTER TABLE default.offload MODIFY SETTING parts_to_throw_insert = 10, "
+                  "parts_to_delay_insert = 0")
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    with structlog.testing.capture_logs() as logs:
+        t = _put_flushed(sink, "r", 12)  # the 11th insert finds 10 parts: TOO_MANY_PARTS
+    stats = sink.stats()
+    assert stats.parts_waits >= 1
+    assert (stats.retries, stats.records_stored, stats.inserts) == (0, 12, 12)
+    assert [e["reason"] for e in logs if e["event"] == "store.merges_started"] == [
+        "too many parts"]
+    assert any(e["event"] == "store.too_many_parts" for e in logs)
+    commit(sink, run, [manifest("run", "r", 12, 1)])
+    got = handle(store, "run", "r").get("resid_pre", 0)
+    assert torch.equal(got, t)
+
+
+def test_too_many_parts_becomes_the_sticky_failure_after_the_wait(
+    open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sink, "TOO_MANY_PARTS_WAIT_S", 0.3)
+    made: list[FaultyInserter] = []
+
+    def factory(config: StoreConfig) -> Any:
+        made.append(FaultyInserter(open_inserter(config), lambda n: TOO_MANY_PARTS))
+        return made[-1]
+
+    sink = open_sink(inserter_factory=factory, retries=5, backoff_s=0.01, writers=1)
+    sink.put(batch_of("run", "r", RESID, 0, torch.ones(2, 2), [0, 2]))
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=r"TOO_MANY_PARTS\) after 0.3 s of waiting for merg"):
+        sink.flush()
+    assert 0.25 < time.monotonic() - started < 5
+    assert made[0].calls > 2
+    assert sink.stats().retries == 0
+
+
+# -- sync ------------------------------------------------------------------------------
+
+
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(_durable.os, "fsync", fsync)
+    return synced
+
+
+def test_sync_tree_syncs_files_changed_since_and_their_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    (old_dir / "a.bin").write_bytes(b"x")
+    (tmp_path / "b.bin").write_bytes(b"y")
+    past = time.time_ns() - 60 * 10**9
+    for p in (old_dir / "a.bin", tmp_path / "b.bin", old_dir, tmp_path):
+        os.utime(p, ns=(past, past))
+    since = time.time_ns() - 10**9
+    new_dir = tmp_path / "new" / "part"
+    new_dir.mkdir(parents=True)
+    (new_dir / "data.bin").write_bytes(b"z" * 100)
+    (old_dir / "changed.txt").write_bytes(b"w")
+    os.symlink(new_dir / "data.bin", tmp_path / "link")
+    synced = _record_fsyncs(monkeypatch)
+    report = sync_tree(str(tmp_path), since)
+    files = [str(new_dir / "data.bin"), str(old_dir / "changed.txt")]
+    dirs = [str(new_dir), str(tmp_path / "new"), str(old_dir), str(tmp_path)]
+    assert sorted(synced[:2]) == sorted(files)  # files first
+    assert set(synced[2:]) == set(dirs)
+    assert synced[2] == str(new_dir)  # deepest directory first, the root last
+    assert synced[-1] == str(tmp_path)
+    assert (report.files, report.directories, report.nbytes) == (2, 4, 101)
+
+
+def test_finish_run_syncs_the_runs_parts_to_disk(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    synced = _record_fsyncs(monkeypatch)
+    with structlog.testing.capture_logs() as logs:
+        commit(sink, run, [manifest("run", "r", 4, 1)])
+    assert sink.stats().sync_seconds > 0
+    event = next(e for e in logs if e["event"] == "store.synced")
+    assert event["files"] == len([p for p in synced if os.path.isfile(p)]) > 0
+    assert event["seconds"] >= 0
+    parts = [str(p) for p, in _part_paths(store)]
+    assert parts
+    for part in parts:  # every file of every part of the records table, and the part
+        names = [os.path.join(part, n) for n in os.listdir(part)]
+        assert set(names) <= set(synced), set(names) - set(synced)
+        assert os.path.realpath(part).rstrip("/") in synced
+    assert len(ClickHouseReader(store).records("run", "r")) == 1
+
+
+def _part_paths(store: StoreConfig) -> list[tuple[str]]:
+    c = connect(store)
+    try:
+        rows = c.query("SELECT path FROM system.parts WHERE database = 'default' "
+                       "AND table = 'offload' AND active").result_rows
+        return [(os.path.realpath(str(r[0]).rstrip("/")),) for r in rows]
+    finally:
+        c.close()
