@@ -78,6 +78,7 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+INSERT_ROWS = StoreConfig(kind=StoreKind.EMBEDDED).insert_rows
 STEP_REQUESTS, STEP_BYTES = 64, 4 << 20
 """A record batch: one step of up to 64 requests x 28 layers, about 4 MiB at most."""
 
@@ -113,7 +114,8 @@ def make_batches(size: int, total: int) -> list[RecordBatch]:
     return out
 
 
-def ingest(root: Path, size: int, total: int, writers: int, rep: int) -> Json:
+def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
+           insert_rows: int = INSERT_ROWS) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
     path = root / f"ingest-{size}-{writers}-{rep}"
     batches = make_batches(size, total)
@@ -121,8 +123,8 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int) -> Json:
     captured = sum(b.nbytes for b in batches)
     run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
                   utc_now())
-    sink = ClickHouseSink(StoreConfig(kind=StoreKind.EMBEDDED, path=str(path)),
-                          writers=writers)
+    config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path), insert_rows=insert_rows)
+    sink = ClickHouseSink(config, writers=writers)
     os.sync()  # the previous run's writeback is not this run's
     started, cpu = time.perf_counter(), time.process_time()
     try:
@@ -194,7 +196,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
         for writers in args.writers:
             runs = []
             for rep in range(args.repeat):  # probe, run, probe, run, probe ...
-                runs.append(ingest(root, size, args.mb * 1_000_000, writers, rep))
+                runs.append(ingest(root, size, args.mb * 1_000_000, writers, rep,
+                                   insert_rows=args.insert_rows))
                 probes.append(measure_disk_bps(root, probe_bytes))
             ratios = [r["compression"] for r in runs if r["compression"]]
             rows.append({"payload_bytes": size, "writers": writers,
@@ -230,7 +233,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "hidden_states ms": back["hidden_states_ms"],
                   "10-row range ms (cold)": back["range_10_rows_ms_cold"],
                   "read": "equal" if back["equal"] else "DIFFERENT"})
-    note = (f"{args.mb} MB a run, median of {args.repeat}; disk {disk / 1e6:,.0f} MB/s (synced "
+    note = (f"{args.mb} MB a run, median of {args.repeat}, at most {args.insert_rows} records "
+            f"an insert; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "
             f"{spread_of(probes):.2f}); MB/s: until finish_run (inserted, synced) and close "
             "returned; synced MB/s: until a later os.sync() returned; cpu s/GB: the whole "
@@ -255,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=int, help=f"MB ingested per run (default {FULL['mb']})")
     p.add_argument("--sizes", type=ints("even payload bytes >= 2, separated by commas",
                                         even=True), help=f"payload bytes ({FULL['sizes']})")
+    p.add_argument("--insert-rows", type=int, default=INSERT_ROWS,
+                   help=f"most records per insert (DMX_CH_INSERT_ROWS, default {INSERT_ROWS})")
     p.add_argument("--writers", type=ints("writer threads >= 1, separated by commas"),
                    help=f"writer threads (default {FULL['writers']})")
     p.add_argument("--repeat", type=int, help=f"runs per configuration ({FULL['repeat']})")
@@ -266,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
     p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))
     args = p.parse_args(argv)  # string defaults go through their type too
-    if min(args.mb, args.repeat, args.probe_mb) <= 0:
-        p.error("--mb, --repeat and --probe-mb must be positive")
+    if min(args.mb, args.repeat, args.probe_mb, args.insert_rows) <= 0:
+        p.error("--mb, --repeat, --probe-mb and --insert-rows must be positive")
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)
     root = Path(tempfile.mkdtemp(prefix="dmi-store-bench-", dir=parent))
     settings = {**vars(args), "dir": str(root), "out": str(args.out), "cpus": os.cpu_count(),

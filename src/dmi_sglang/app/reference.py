@@ -7,7 +7,7 @@ stored is the domain's rule, exactly as for a monitored SGLang engine: each forw
 its :class:`~dmi_sglang.domain.layout.BatchLayout` (the prompt's forward an extend, every
 later one a decode) and its unpadded :func:`~dmi_sglang.domain.plan.make_plan`, whose
 segments and slices cut the records. The records go to the same
-:class:`~dmi_sglang.domain.ports.RecordSink`, with one committed manifest per request, so
+:class:`~dmi_sglang.columns.RecordSink`, with one committed manifest per request, so
 ``ls``, ``show``, ``export`` and the Python handle read the run like any other.
 
 The run is labelled in the runs table: its settings carry

@@ -3,7 +3,7 @@
 Importing this package is cheap: clickhouse_connect is imported inside the functions that
 need it.
 
-* :class:`ClickHouseSink`: the :class:`~dmi_sglang.domain.ports.RecordSink`.
+* :class:`ClickHouseSink`: the :class:`~dmi_sglang.columns.RecordSink`.
 * :class:`ClickHouseReader`: the :class:`~dmi_sglang.domain.ports.RecordReader`.
 * :class:`ClickHouseRunClaims`: the :class:`~dmi_sglang.domain.ports.RunClaims`.
 * :class:`StoreTables`: the DDL of the three tables (records, runs, manifests).
