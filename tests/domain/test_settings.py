@@ -31,7 +31,7 @@ def test_defaults_match_the_settings_table() -> None:
     assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")
     assert (s.ch_user, s.ch_password, s.ch_secure, s.ch_compression) == ("default", "", False,
                                                                          "lz4")
-    assert (s.ch_insert_rows, s.ch_queue_mb) == (4096, 1024)
+    assert (s.ch_insert_rows, s.ch_queue_mb) == (131_072, 1024)
     assert s.preload_libstdcxx == "auto"
 
 

@@ -312,7 +312,7 @@ _VARS: dict[str, _Var] = {
     "CH_COMPRESSION": _Var(
         "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "none"), "lz4, zstd, none")
     ),
-    "CH_INSERT_ROWS": _Var("ch_insert_rows", 4096, _conv(*_bounded(1, 1_000_000))),
+    "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
     "CH_WRITERS": _Var("ch_writers", 2, _conv(*_bounded(1, 64))),
     "CH_TIMEOUT_S": _Var("ch_timeout_s", 30, _conv(*_bounded(1, 3600))),
@@ -355,7 +355,7 @@ class Settings:
     ch_password: str = attrs.field(default="", repr=False)
     ch_secure: bool = False
     ch_compression: str = "lz4"
-    ch_insert_rows: int = 4096
+    ch_insert_rows: int = 131_072
     ch_queue_mb: int = 1024
     ch_writers: int = 2
     ch_timeout_s: int = 30

@@ -51,7 +51,7 @@ class StoreConfig:
     user: str = "default"
     password: str = attrs.field(default="", repr=False)
     compression: str = "lz4"
-    insert_rows: int = 4096
+    insert_rows: int = 131_072
     queue_mb: int = 1024
     writers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     flush_timeout_us: int = 100_000
