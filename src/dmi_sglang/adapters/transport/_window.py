@@ -155,7 +155,6 @@ class DecodeWindow:
         self._labels: tuple[tuple[RecordKey, ...], ...] = ()
         self._cells: list[torch.Tensor] = []
         """Per group ``[segments, slots, steps, row elements]`` views of the window."""
-        self._offsets: list[int] = []
         self._slots = 0
         self._steps = 0
         self._slot: dict[str, int] = {}
@@ -275,15 +274,14 @@ class DecodeWindow:
             steps = min(steps, self._steps_hint)
         while steps > 1 and self._bytes_for(program, slots, steps) > self._max_bytes:
             steps -= 1
-        cells, offsets, at = [], [], 0
+        cells, at = [], 0
         for g in program.groups:
             e = _elem(g)
             w = g.row_nbytes // e
             cells.append(self._cells_wide[e].as_strided(
                 (g.count, slots, steps, w), (slots * steps * w, steps * w, w, 1), at // e))
-            offsets.append(at)
             at += _align(g.count * slots * steps * g.row_nbytes)
-        self._cells, self._offsets = cells, offsets
+        self._cells = cells
         self._key, self._groups, self._labels = program.host_key, program.groups, program.labels
         self._slots, self._steps = slots, steps
         self._slot = {r: i for i, r in enumerate(rids)}
