@@ -192,7 +192,10 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     out["figures"] = {"throughput": tput, "stop_s": stop_s, "waves": main["waves"],
                       "startup_s": measured["ready"]["startup_s"], "transport": stopped or None,
                       "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
-                      "on_disk_bytes": on_disk, "hidden_state_values": main["hidden_state_values"]}
+                      "on_disk_bytes": on_disk, "hidden_state_values": main["hidden_state_values"],
+                      "wave_seconds": {"measured": main["wave_seconds"], **{
+                          k: [w["wave_seconds"] for w in unit[k] if w["name"] == "main"]
+                          for k in ("stock_before", "stock_after")}}}
     if mode.preset:
         out["bound"] = bound(
             captured_bytes_per_token=per_token, stock_tok_s=tput["stock_tok_s"],

@@ -143,3 +143,59 @@ def test_behind_a_backlog_the_window_keeps_coalescing_past_its_timeout(make_driv
     # the backlog drained in windows of 2, 4 and 6 steps (a timed-out window sizes the
     # next to what arrived in time; full ones double), not 12 one-step records
     assert spans[1:] == [(5, 7), (7, 11), (11, 17)]
+
+
+def _burst(make_driver, linger_s: float, pause_s: float = 0.0,
+           **options: object) -> tuple[list[tuple], dict]:
+    """Decode steps (``pause_s`` apart): a steady run, a batch order change, a request
+    leaving, a position restart. Returns the stored rows and the drain's counters."""
+    d, sink = make_driver("resid_pre,final_logits", linger_s=linger_s, **options)
+    steps = [(["a", "b", "c"], [5 + n, 9 + n, 3 + n]) for n in range(6)]
+    steps += [(["c", "a", "b"], [9, 11, 15]), (["a", "b"], [12, 16])]
+    steps += [(["a", "b"], [4, 17]), (["a", "b"], [5, 18])]  # a retracted, recomputed
+    for rids, seq_lens in steps:
+        d.forward(BatchLayout.decode(rids, seq_lens))
+        time.sleep(pause_s)
+    d.t.stop()
+    d.verify(sink.records)
+    rows = []  # (request, capture, position, row bytes): independent of record boundaries
+    for r in sink.records:
+        width = len(r.payload) // r.rows
+        rows += [(r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
+                  bytes(r.payload[i * width : (i + 1) * width])) for i in range(r.rows)]
+    return sorted(rows), d.t.drain_counters()
+
+
+def test_a_lingering_drain_moves_several_steps_per_copy_with_the_same_rows(make_driver):
+    one_by_one, counters = _burst(make_driver, 0.0, pause_s=0.02)
+    assert counters["lingers"] == 0
+    assert counters["window_appends"] == 10
+    together, counters = _burst(make_driver, 0.5, pause_s=0.02)
+    assert counters["lingers"] >= 1
+    assert counters["window_appends"] < 10
+    assert together == one_by_one
+
+
+def test_steps_joining_together_respect_the_window_size(make_driver):
+    # resid_pre (3 layers x 16 B) + final_logits (40 B) for 3 requests: 264 B per step.
+    one_by_one, _ = _burst(make_driver, 0.0, coalesce_max_bytes=264 * 4)
+    together, counters = _burst(make_driver, 0.5, coalesce_max_bytes=264 * 4)
+    assert counters["window_flushes"] >= 3
+    assert together == one_by_one
+
+
+def test_a_step_waiting_for_ring_space_ends_the_drains_linger(make_driver):
+    # 3 requests x 3 layers x 16 B = 144 B per step: 3 steps fill the 512 B ring, so
+    # the steps after them wait for the drain, which would otherwise linger 30 s.
+    d, sink = make_driver("resid_pre", payload_bytes=512, linger_s=30.0)
+    d.graph_capture(4)
+    started = time.monotonic()
+    for n in range(10):
+        layout = BatchLayout.decode(["a", "b", "c"], [5 + n, 9 + n, 3 + n], padded_batch_size=4)
+        d.forward(layout, padded=True)
+    stats = d.t.stop()
+    assert time.monotonic() - started < 20.0
+    assert stats.stalls >= 1
+    assert d.t.drain_counters()["lingers"] >= 1
+    d.verify(sink.records)
+    assert sum(r.rows for r in sink.records) == 10 * 3 * 3

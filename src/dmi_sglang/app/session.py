@@ -75,10 +75,17 @@ class RequestTracker:
         self._seen: dict[str, _Seen] = {}
         self._live: dict[str, _Seen] = {}
         """Requests with a Req object and no finish notice yet (scanned every forward)."""
+        self._known: dict[int, TrackedRequest] = {}
+        """Req objects already remembered, by ``id`` (each is held in ``_seen``, so its id
+        is not reused while it is here): a batch's known requests cost one lookup."""
 
     def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
+        known = self._known
         for req in reqs:
+            if known.get(id(req)) is req:
+                continue
+            known[id(req)] = req
             rid = storable_request_id(req.rid)
             seen = self._seen.get(rid)
             if seen is None:
@@ -179,6 +186,9 @@ class SchedulerMonitor:
         self.unfinished: frozenset[str] = frozenset()
         """Requests of the batch about to run whose prompt chunk does not finish it."""
         self.host_seconds = 0.0
+        self.host_cpu_seconds = 0.0
+        """The scheduler thread's CPU time among :attr:`host_seconds`: the difference is
+        time it waited (for the GIL, which the drain thread shares, or for ring space)."""
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
@@ -199,9 +209,11 @@ class SchedulerMonitor:
         self.requests.add_reqs(reqs)
         self.unfinished = unfinished
 
-    def add_host_seconds(self, seconds: float) -> None:
-        """Count scheduler-thread time the runtime hooks spent for the capture."""
+    def add_host_seconds(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """Count scheduler-thread time the runtime hooks spent for the capture (wall, and
+        the thread's CPU time among it)."""
         self.host_seconds += seconds
+        self.host_cpu_seconds += cpu_seconds
 
     # -- one forward -------------------------------------------------------------------
     def begin_forward(self) -> int:
@@ -301,6 +313,7 @@ class SchedulerMonitor:
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
+            "host_cpu_seconds": self.host_cpu_seconds,
             "stall_seconds": stats.stall_seconds,
         }
         out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})

@@ -298,8 +298,10 @@ class CaptureSession(Protocol):
         """The engine is about to run a batch of these requests."""
         ...
 
-    def add_host_seconds(self, seconds: float) -> None:
-        """Count scheduler-thread time the adapter's hooks spent for the capture."""
+    def add_host_seconds(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """Count scheduler-thread time the adapter's hooks spent for the capture: wall
+        seconds and the thread's CPU seconds among them (the rest was waiting: for the
+        GIL, or for ring space)."""
         ...
 
     def begin_forward(self) -> int:

@@ -61,7 +61,7 @@ def layout_from_forward_batch(
     if fb.rids is None:
         msg = f"{mode} ForwardBatch without rids: rows cannot be mapped to requests"
         raise CommitError(msg)
-    rids = [storable_request_id(r) for r in fb.rids]
+    rids = _storable_rids(fb.rids)
     seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if mode == "DECODE":
         return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded_batch_size)
@@ -80,6 +80,21 @@ def layout_from_forward_batch(
     ends = [p + e + (rid in unfinished) for rid, p, e in zip(rids, prefix, extend, strict=False)]
     kind = ForwardKind.MIXED if mode == "MIXED" else ForwardKind.EXTEND
     return BatchLayout.extend(rids, prefix, extend, seq_lens=ends, kind=kind)
+
+
+_last_rids: tuple[list[str], tuple[str, ...]] = ([], ())
+"""The previous forward's rids and their stored form: consecutive decode forwards mostly
+run the same requests, and comparing two lists costs far less than converting one."""
+
+
+def _storable_rids(raw: list[str]) -> tuple[str, ...]:
+    """``fb.rids`` as stored ids (the same tuple object as last time when unchanged)."""
+    global _last_rids  # noqa: PLW0603 - a one-entry cache of the scheduler thread
+    before, stored = _last_rids
+    if raw != before:
+        stored = tuple(storable_request_id(r) for r in raw)
+        _last_rids = (list(raw), stored)
+    return stored
 
 
 def unfinished_rids(schedule_batch: Any) -> frozenset[str]:

@@ -84,6 +84,25 @@ def coalescable(plan: CommitPlan, program: Program) -> bool:
     return all(g.kept_rows == n for g in program.groups)
 
 
+def _window_run(batch: list[DrainItem | Finish], start: int, window_items: set[int],
+                room: int) -> list[DrainItem]:
+    """The items from ``batch[start]`` on that join the window with one copy per group:
+    at most ``room``, consecutive decode steps of the same program and requests whose
+    ring regions follow each other."""
+    first = batch[start]
+    assert isinstance(first, DrainItem)
+    run = [first]
+    rids = first.plan.layout.request_ids
+    for item in batch[start + 1 :]:
+        prev = run[-1]
+        if (len(run) >= room or not isinstance(item, DrainItem) or id(item) not in window_items
+                or item.program is not first.program or item.base != prev.base + prev.nbytes
+                or item.plan.layout.request_ids != rids):
+            break
+        run.append(item)
+    return run
+
+
 class Finish:
     """A finish notice: where a request's stored request rows end (None: keep all)."""
 
@@ -99,9 +118,8 @@ _BATCH = 1024
 """Most items drained per wake-up (each wake-up costs GIL hand-overs; see docs)."""
 _EMIT_BYTES = 64 << 20
 """Payload bytes after which a batch hands its records to the sink before going on."""
-DIRECT_FREE_SLABS = 8
-"""Page-locked 32 MiB slabs reserved at startup and kept for reuse. More are allocated
-while the sink holds more payloads (torch caches them once allocated)."""
+DIRECT_MIN_SLABS = 8
+"""Page-locked slabs (32 MiB) reserved at startup at the least (see ``direct_slabs``)."""
 
 
 class Drain:
@@ -110,6 +128,13 @@ class Drain:
     Args:
         window_bytes: bound of the decode coalescing window; None: no coalescing.
         flush_timeout_s: longest time a decode row waits in the window.
+        linger_s: shortest time between two wake-ups for decode steps that join the
+            window (see ``TransportOptions.linger_s``); :meth:`hurry` ends a wait.
+        direct_bytes: the largest direct item expected (the largest prefill's token
+            rows, at most the ring): that much page-locked payload memory is reserved at
+            startup and kept for reuse, because page-locked allocation synchronises the
+            device (a first long prefill would otherwise stall serving). More is allocated
+            while the sink holds more payloads (torch caches it once allocated).
         direct_copies: copy direct items from the ring into payload memory (see the
             module docstring); False: every item through staging.
     """
@@ -127,8 +152,14 @@ class Drain:
         flush_timeout_s: float,
         on_failure: Callable[[BaseException, str], None],
         direct_copies: bool = True,
+        linger_s: float = 0.0,
+        direct_bytes: int = 0,
     ) -> None:
         self._ops = ops
+        self._linger_s = linger_s
+        self._hurry = threading.Event()
+        self._round_end = 0.0
+        self.lingers = 0
         self._direct_copies = direct_copies
         self._ring = ring
         self._staging = staging
@@ -138,10 +169,11 @@ class Drain:
         self._run_id = run_id
         self.pool = PayloadPool(max_free_slabs=8)
         """Slabs of staged steps and of compacted decode windows."""
-        self.direct_pool = PayloadPool(max_free_slabs=DIRECT_FREE_SLABS, buffer=ops.host_buffer)
+        slabs = max(DIRECT_MIN_SLABS, -(-direct_bytes * 5 // 4 // PayloadPool.SLAB_BYTES))
+        self.direct_pool = PayloadPool(max_free_slabs=slabs, buffer=ops.host_buffer)
         """Page-locked slabs that direct items are copied into (reserved at startup)."""
         if direct_copies:
-            self.direct_pool.reserve(DIRECT_FREE_SLABS)
+            self.direct_pool.reserve(slabs)
         self.held = HeldRows()
         self._window = (
             DecodeWindow(run_id, window_bytes, flush_timeout_s, ops=ops, ring=ring,
@@ -185,6 +217,11 @@ class Drain:
         return self._window.gathered_bytes if self._window is not None else 0
 
     @property
+    def window_appends(self) -> int:
+        """Appends to the decode window so far (one device copy per group each)."""
+        return self._window.appends if self._window is not None else 0
+
+    @property
     def window_flushes(self) -> int:
         """Decode windows flushed so far."""
         return self._window.flushes if self._window is not None else 0
@@ -201,9 +238,14 @@ class Drain:
         """Queue a finish notice, ordered after every item handed over so far."""
         self._queue.put(Finish(request_id, logits_end))
 
+    def hurry(self) -> None:
+        """Someone waits for ring space: end the current linger now (thread-safe)."""
+        self._hurry.set()
+
     def close(self) -> None:
         """Drain everything queued, flush the window and the held rows, end the thread."""
         self._queue.put(_STOP)
+        self._hurry.set()
         self._thread.join()
 
     def _run(self) -> None:
@@ -212,6 +254,7 @@ class Drain:
             while not stop:
                 batch: list[DrainItem | Finish] = []
                 item = self._next()
+                self._linger(item)
                 while item is not None:
                     if item is _STOP:
                         stop = True
@@ -230,8 +273,22 @@ class Drain:
                     self.held.release_all(out)
                     self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
+                self._round_end = time.monotonic()
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
+
+    def _linger(self, item: object) -> None:
+        """Before a round that starts with a decode step for the window, let the steps
+        that follow it arrive (until ``linger_s`` after the previous round, or a
+        :meth:`hurry`), so they join the window together."""
+        if (not self._linger_s or not isinstance(item, DrainItem) or not self._queue.empty()
+                or not self._coalesce(item)):
+            return
+        left = self._round_end + self._linger_s - time.monotonic()
+        if left > 0:
+            self.lingers += 1
+            self._hurry.wait(left)
+        self._hurry.clear()
 
     def _more(self, have: int) -> object:
         """The next queued item without waiting, or None."""
@@ -274,24 +331,30 @@ class Drain:
                           and id(it) not in direct])
         t0 = time.thread_time()
         window = self._window
-        last = len(batch) - 1
-        for n, item in enumerate(batch):
+        n = 0
+        while n < len(batch):
+            item = batch[n]
             if isinstance(item, Finish):
                 if window is not None and window.has(item.request_id):
                     window.finish(item.request_id, item.logits_end)
                 else:
                     self.held.finish(item.request_id, item.logits_end, out)
+                n += 1
                 continue
             if id(item) in window_items:
                 assert window is not None
                 if not window.can_take(item.program, item.plan.layout):
                     out = self._flush_window(out)
-                window.append(item.seq, item.program, item.base, item.plan.layout,
-                              item.marker)
-                self._unreleased += 1
-                if window.full or (window.due() and n == last and self._queue.empty()):
+                run = _window_run(batch, n, window_items,
+                                  window.room(item.program, item.plan.layout))
+                window.append([it.seq for it in run], item.program, item.base,
+                              [it.plan.layout for it in run], [it.marker for it in run])
+                self._unreleased += len(run)
+                n += len(run)
+                if window.full or (window.due() and n == len(batch) and self._queue.empty()):
                     out = self._flush_window(out)
                 continue
+            n += 1
             if window is not None and window.rows:
                 out = self._flush_window(out)
             self._release_window_items()

@@ -35,6 +35,13 @@ class TransportOptions:
         direct_copies: copy steps whose rows lie contiguous in the ring straight into
             payload memory (no staging copy on the host; see ``_drain``). Off only to
             compare.
+        linger_s: shortest time between two wake-ups of the drain for decode steps that
+            join the coalescing window: the steps that arrive meanwhile wait in the ring
+            and join the window together (one device copy per group for all of them).
+            Every wake-up takes the GIL from the scheduler thread several times (each
+            torch call releases and retakes it), so fewer wake-ups leave it more of the
+            interpreter. A scheduler waiting for ring space ends the wait at once. 0: wake
+            for every step.
     """
 
     strip: bool = True
@@ -46,6 +53,7 @@ class TransportOptions:
     max_requests: int = 0
     tune_host_malloc: bool = True
     direct_copies: bool = True
+    linger_s: float = attrs.field(default=0.008, validator=attrs.validators.ge(0.0))
 
     @classmethod
     def from_settings(

@@ -92,7 +92,10 @@ class PayloadPool:
         buffer: allocates host memory (a 1-D uint8 tensor); default pageable memory.
     """
 
-    def __init__(self, slab_bytes: int = 32 * MIB, max_free_slabs: int = 16,
+    SLAB_BYTES = 32 * MIB
+    """The default slab size."""
+
+    def __init__(self, slab_bytes: int = SLAB_BYTES, max_free_slabs: int = 16,
                  buffer: Callable[[int], torch.Tensor] | None = None) -> None:
         self.slab_bytes = slab_bytes
         self._max_free = max_free_slabs

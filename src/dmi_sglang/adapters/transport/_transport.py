@@ -34,7 +34,8 @@ from dmi_sglang.domain.capacity import (
     preflight,
 )
 from dmi_sglang.domain.hooks import Selection
-from dmi_sglang.domain.plan import CommitPlan
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import CommitPlan, make_plan
 from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError
@@ -46,6 +47,14 @@ log = structlog.get_logger("dmi_sglang.transport")
 _FITS = Preflight(Decision.FITS, "fits the free ring space")
 _NOTHING = Preflight(Decision.FITS, "captures nothing")
 _PROGRAM_CACHE = 512
+
+
+def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: TransportOptions,
+                           max_graph_batch: int) -> int:
+    """Ring bytes of the longest eager forward the engine may run (one request)."""
+    rows = max(opts.max_prefill_tokens, max_graph_batch)
+    return make_plan(BatchLayout.extend(["-"], [0], [rows]), selection, shape,
+                     padded=False).total_bytes
 
 
 class TorchCaptureTransport:
@@ -126,7 +135,9 @@ class TorchCaptureTransport:
             sink=sink, run_id=run_id,
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
-            direct_copies=opts.direct_copies,
+            direct_copies=opts.direct_copies, linger_s=opts.linger_s,
+            direct_bytes=min(nbytes, _largest_prefill_bytes(selection, shape, opts,
+                                                             max_graph_batch)),
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
@@ -161,6 +172,7 @@ class TorchCaptureTransport:
             usage = self._alloc.usage()
         if program.reserve_bytes <= usage.free_bytes and program.entries <= usage.free_entries:
             return _FITS
+        self._drain.hurry()
         result = preflight(plan, usage, self.capacity, eager_plan=eager_plan)
         if result.decision is Decision.RUN_EAGER:
             self._forced_eager += 1
@@ -188,6 +200,7 @@ class TorchCaptureTransport:
                 base = self._alloc.reserve(program.reserve_bytes, program.entries)
                 usage = self._alloc.usage()  # only read when the step does not fit
             if base is None:
+                self._drain.hurry()
                 decision = preflight(plan, usage, self.capacity).decision
                 if decision is Decision.PIECEWISE or decision is Decision.RUN_EAGER:
                     mode = Mode.PIECES if decision is Decision.PIECEWISE else Mode.ARENA_PIECES
@@ -290,23 +303,25 @@ class TorchCaptureTransport:
 
     def drain_counters(self) -> dict[str, float]:
         """Drain internals for benchmarks: records and batches, device-to-host bytes and
-        seconds of staged and direct items, decode windows flushed and the bytes they
+        seconds of staged and direct items, appends to the decode window (each moves one
+        or more steps), decode windows flushed and the bytes they
         brought to the host, payload bytes the host's CPU copied on the way, CPU seconds
         the drain thread spent building batches (the waits for device copies excepted),
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
-        back now."""
+        back now, wake-ups that lingered for more decode steps."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
             "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
-            "direct_items": d.direct_items, "window_flushes": d.window_flushes,
+            "direct_items": d.direct_items, "window_appends": d.window_appends,
+            "window_flushes": d.window_flushes,
             "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
             "build_cpu_seconds": d.build_cpu_seconds,
             "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
             "pinned_buffers_allocated": d.direct_pool.allocated,
             "pinned_buffers_reused": d.direct_pool.reused,
-            "held_rows": len(d.held),
+            "held_rows": len(d.held), "lingers": d.lingers,
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -353,6 +368,7 @@ class TorchCaptureTransport:
                 if self._alloc.live_regions == 0:
                     msg = f"{nbytes} bytes / {entries} tensors can never fit the ring"
                     raise CaptureError(msg)
+                self._drain.hurry()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     msg = (f"step {seq} waited {self.options.stall_timeout_s:.0f} s for the drain "

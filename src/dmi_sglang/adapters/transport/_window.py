@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import attrs
 import numpy as np
@@ -174,6 +174,8 @@ class DecodeWindow:
         """Steps the last timed-out window reached (x 1.25): the next window is sized to
         what arrives before the timeout."""
         self.flushes = 0
+        self.appends = 0
+        """Appends so far (each moved one or more steps with one copy per group)."""
         self.gathered_bytes = 0
 
     @property
@@ -223,17 +225,42 @@ class DecodeWindow:
         """A finish notice for a request with rows in the window (applied at flush)."""
         self._finished[request_id] = logits_end
 
-    def append(self, seq: int, program: Program, base: int, layout: BatchLayout,
-               marker: Marker) -> None:
-        """Queue the copies of one plain decode step's rows from the ring region at
-        ``base`` into their requests' slots (request ``i`` owns row ``i``), after the
-        step's device work (``marker``); :meth:`can_take` said yes. The ring region may
-        be reused only after the next :meth:`DeviceOps.settle`."""
-        rids = layout.request_ids
-        if not rids:
+    def room(self, program: Program, layout: BatchLayout) -> int:
+        """Steps of this shape the window can take now: what is left of it, or the size
+        a window opened for this step would have (:meth:`can_take` said yes)."""
+        if self.rows:
+            return self._steps - self._t
+        return self._steps_for(program, len(layout.request_ids))
+
+    def _steps_for(self, program: Program, slots: int) -> int:
+        per_step = max(1, program.host_row_bytes * slots)
+        steps = max(1, self._max_bytes // per_step)
+        if self._steps_hint is not None:
+            steps = min(steps, self._steps_hint)
+        while steps > 1 and self._bytes_for(program, slots, steps) > self._max_bytes:
+            steps -= 1
+        return steps
+
+    def append(self, seqs: Sequence[int], program: Program, base: int,
+               layouts: Sequence[BatchLayout], markers: Sequence[Marker]) -> None:
+        """Queue the copies of consecutive plain decode steps' rows into their requests'
+        slots (request ``i`` owns row ``i``), after the steps' device work (``markers``).
+
+        The steps share ``program`` and their requests (in the same order), and their ring
+        regions follow each other from ``base`` (``program.reserve_bytes`` apart), so each
+        group moves with ONE strided device copy for all of them. :meth:`can_take` said
+        yes to the first, and the window has :meth:`room` for all. The ring regions may be
+        reused only after the next :meth:`DeviceOps.settle`.
+        """
+        rids = layouts[0].request_ids
+        k = len(layouts)
+        if not rids or not k:
             return
         if not self.rows:
             self._open(program, rids)
+        if k > self._steps - self._t:
+            msg = f"{k} steps appended to a window with room for {self._steps - self._t}"
+            raise ValueError(msg)
         if rids != self._last_rids:
             idx = np.fromiter((self._slot[r] for r in rids), dtype=np.int64, count=len(rids))
             lo, hi = int(idx[0]), int(idx[-1]) + 1
@@ -243,37 +270,40 @@ class DecodeWindow:
             self._last_rids = rids
         t, span, idx = self._t, self._last_span, self._last_idx
         groups, cells, ring, device = program.groups, self._cells, self._ring, self._ops.device
+        step_bytes = program.reserve_bytes
 
         def copy() -> None:
             for g, dst in zip(groups, cells, strict=True):
                 e = _elem(g)
                 w = g.row_nbytes // e
-                src = ring[e].as_strided((g.count, g.ring_rows, w), (g.ring_stride // e, w, 1),
+                # [segment, request row, step, element]: the cells' own order
+                src = ring[e].as_strided((g.count, g.ring_rows, k, w),
+                                         (g.ring_stride // e, w, step_bytes // e, 1),
                                          (base + g.ring_offset) // e)
                 if g.host_index is not None:
                     src = src.index_select(1, program.index(g.host_index, device))
                 elif g.ring_rows != g.kept_rows:
                     src = src[:, : g.kept_rows]
                 if span is not None:
-                    dst[:, span[0] : span[1], t, :].copy_(src)
+                    dst[:, span[0] : span[1], t : t + k, :].copy_(src)
                 else:  # the batch's order changed: a scatter (rare)
-                    dst[:, torch.from_numpy(idx).to(device), t, :] = src
+                    dst[:, torch.from_numpy(idx).to(device), t : t + k, :] = src
 
-        self._ops.on_drain_stream([marker], copy)
-        self._valid[self._last_idx, t] = True
-        self._pos[self._last_idx, t] = layout.starts
-        self._seq[t] = seq
-        self._t = t + 1
-        self.rows += len(rids)
+        self._ops.on_drain_stream(markers, copy)
+        self.appends += 1
+        self._valid[idx, t : t + k] = True
+        if k == 1:
+            self._pos[idx, t] = layouts[0].starts
+        else:
+            self._pos[idx, t : t + k] = np.array([lay.starts for lay in layouts],
+                                                 dtype=np.int64).T
+        self._seq[t : t + k] = seqs
+        self._t = t + k
+        self.rows += k * len(rids)
 
     def _open(self, program: Program, rids: tuple[str, ...]) -> None:
         slots = len(rids)
-        per_step = max(1, program.host_row_bytes * slots)
-        steps = max(1, self._max_bytes // per_step)
-        if self._steps_hint is not None:
-            steps = min(steps, self._steps_hint)
-        while steps > 1 and self._bytes_for(program, slots, steps) > self._max_bytes:
-            steps -= 1
+        steps = self._steps_for(program, slots)
         cells, at = [], 0
         for g in program.groups:
             e = _elem(g)
