@@ -5,7 +5,9 @@
   them plus ``commit`` + ``seal``, for ``hidden-states`` and 7 hooks per layer at batch 1,
   8 and 64, a device sync after every step. Each repetition runs the blocks baseline,
   capture, baseline; its overhead is capture minus the mean of the two baselines; reported
-  are the median (us per step) and the spread (max - min). Every row must reach the sink.
+  are the median (us per step) and the spread (max - min); also the scheduler thread's
+  CPU time in ``commit`` + ``seal`` per step (median, ``host CPU µs``) and, with
+  ``--profile``, a cProfile of the capture steps. Every row must reach the sink.
   Bound (:func:`harness.bounds.bound`): needed = the step's ring bytes / baseline step
   time, bound = min(1, D2H / needed); ``of_bound`` = (baseline / capture step time) / bound.
 * drain: a steady stream of padded decode steps at Qwen3-0.6B sizes (the defaults) for
@@ -27,8 +29,11 @@ holds the rows ``python -m harness docs`` renders.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import math
+import pstats
 import statistics
 import sys
 import threading
@@ -178,12 +183,18 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
             base()
             _sync(dev)
 
+    host_cpu: list[float] = []
+
     def capture_steps(n: int) -> None:
         nonlocal done
         for _ in range(n):
+            c0 = time.thread_time()
             transport.commit(plans[done], step=done + 1)
+            c1 = time.thread_time()
             cap()
+            c2 = time.thread_time()
             transport.seal()
+            host_cpu.append(time.thread_time() - c2 + c1 - c0)
             done += 1
             _sync(dev)
 
@@ -194,8 +205,15 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         return float((time.perf_counter() - started) / args.steps * 1e6)
 
     bases, caps, overheads = list[float](), list[float](), list[float]()
+    profile = cProfile.Profile() if args.profile else None
     for _ in range(args.reps):
-        before, captured, after = block(base_steps), block(capture_steps), block(base_steps)
+        before = block(base_steps)
+        if profile is not None:
+            profile.enable()
+        captured = block(capture_steps)
+        if profile is not None:
+            profile.disable()
+        after = block(base_steps)
         bases += [before, after]
         caps.append(captured)
         overheads.append(captured - (before + after) / 2)
@@ -206,7 +224,9 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         "base_spread": spread_of(bases), "capture_us": statistics.median(caps),
         "overhead_us": statistics.median(overheads),
         "overhead_spread_us": max(overheads) - min(overheads), "overheads_us": overheads,
-        "make_plan_us": plan_us, "steps": done, "rows": stats.rows, "rows_expected": expected,
+        "make_plan_us": plan_us, "host_cpu_us": statistics.median(host_cpu) * 1e6,
+        "profile": _top(profile) if profile is not None else None, "steps": done,
+        "rows": stats.rows, "rows_expected": expected,
         "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
         "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
 
@@ -315,6 +335,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
               "captures": r["captures"], "step MB": r["step_bytes"] / 1e6,
               "base µs": r["base_us"], "+capture µs": r["capture_us"],
               "overhead µs": r["overhead_us"], "spread µs": r["overhead_spread_us"],
+              "host CPU µs": r["host_cpu_us"],
               "x base": r["x_base"], "need GB/s": r["bound"]["needed_bps"] / 1e9,
               "bound": r["bound"]["ratio"], "of bound": r["of_bound"], "stalls": r["stalls"],
               "rows": ROWS[r["delivered"]]} for r in rows]
@@ -335,6 +356,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
             "bound = x base / bound; drain: steps back to back (no rate asked, no bound), of "
             f"D2H = GB/s / D2H; headline: {headline['preset']} at batch {headline['batch']}")
     print("\n".join(table_lines(table)) + f"\n{note}")
+    for r in rows:
+        if r["profile"]:
+            print(f"-- profile of the capture steps: {r['preset']} at batch {r['batch']}\n"
+                  f"{r['profile']}")
     data["figures"] = {"overhead": rows, "drain": summary, "table": table, "note": note,
                        "d2h": {"bps": d2h, "probes_bps": probes, "reason": reason,
                                "spread": spread_of(measured)}}
@@ -348,6 +373,13 @@ def run(args: argparse.Namespace, data: Json) -> None:
     data["checks"]["hidden_states_bs64_overhead"] = {
         "ok": bool(target) and max(target) < TARGET_US, "target_us": TARGET_US,
         "required": dev.type == "cuda" and bool(target), "overhead_us": target}
+
+
+def _top(profile: cProfile.Profile, n: int = 25) -> str:
+    """The ``n`` functions with the most own time, as ``pstats`` prints them."""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(n)
+    return text.getvalue()
 
 
 def _d2h(dev: torch.device, nbytes: int) -> float | None:
@@ -370,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="repetitions (median and spread)")
     p.add_argument("--drain-steps", type=int, default=0, help="steps per drain run (0: --steps)")
     p.add_argument("--ring-mb", type=int, default=1024)
+    p.add_argument("--profile", action="store_true",
+                   help="profile the capture steps (cProfile; printed, and in the JSON)")
     p.add_argument("--d2h-bytes", type=int, default=D2H_PROBE_BYTES)
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/transport.json, else ./transport.json)")
