@@ -20,7 +20,7 @@ if __name__ == "__main__":
         dmx_hook_selection="resid_pre,final_ln,token_ids,final_logits",
         dmx_ring_payload_mb=1024,
         dmx_ring_pinned_mb=1024,
-        attention_backend="triton",  # the GPU kit carries no FA3 kernels
+        attention_backend="triton",  # the backend qualification ran on (docs/gpu.md)
     )
     try:
         outputs = engine.generate(

@@ -152,7 +152,7 @@ def test_settings_round_trip_through_env(env: dict[str, str], resolve: bool) -> 
 def test_writers_setting_reaches_the_store_config() -> None:
     s = Settings.from_env({"DMX_CH_WRITERS": "6"}).resolve(model_path="m", now=NOW)
     assert s.store().writers == 6
-    assert Settings.from_env({}).resolve(model_path="m", now=NOW).store().writers == 2
+    assert Settings.from_env({}).resolve(model_path="m", now=NOW).store().writers == 4
     with pytest.raises(ConfigurationError, match="DMX_CH_WRITERS"):
         Settings.from_env({"DMX_CH_WRITERS": "0"})
 

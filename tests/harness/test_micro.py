@@ -194,3 +194,24 @@ def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before any work
+
+
+@pytest.mark.torch
+def test_docs_never_show_a_profiled_run(transport_run: Ran, tmp_path: Path) -> None:
+    from harness import docs
+
+    data, _ = transport_run
+    profiled = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+                "settings": {**data["settings"], "profile": True},
+                "figures": {**data["figures"], "table": [{"test": "profiled"}]}}
+    for name, result in (("transport", data), ("transport-profile", profiled)):
+        path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
+    doc = tmp_path / "bench.md"
+    doc.write_text("<!-- BEGIN GENERATED: transport-bench (x) -->\n"
+                   "<!-- END GENERATED: transport-bench -->\n")
+    assert docs.main(["--docs", str(tmp_path)]) == 0
+    text = doc.read_text()
+    assert "](evidence/2026-12-02-cpu/transport.json)" in text
+    assert "profiled" not in text
