@@ -224,6 +224,7 @@ class PipelineFactory:
                 task_entries=settings.ring_task_entries,
                 padding_strip=settings.gpu_padding_strip,
                 flush_timeout_us=settings.drain_flush_timeout_us,
+                linger_us=settings.drain_linger_us,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

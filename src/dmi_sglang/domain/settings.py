@@ -322,6 +322,7 @@ _VARS: dict[str, _Var] = {
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
         "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
     ),
+    "DRAIN_LINGER_US": _Var("drain_linger_us", 8_000, _conv(*_bounded(0, 1_000_000))),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
@@ -363,6 +364,7 @@ class Settings:
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
     drain_flush_timeout_us: int = 100_000
+    drain_linger_us: int = 8_000
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False
     preload_libstdcxx: str = "auto"

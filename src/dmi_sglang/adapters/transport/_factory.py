@@ -29,6 +29,7 @@ def create_transport(
     device: str | torch.device = "cuda",
     max_prefill_tokens: int = 0,
     max_requests: int = 0,
+    linger_us: int = 8_000,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -43,6 +44,7 @@ def create_transport(
         device: the scheduler's device (``"cuda:N"``).
         max_prefill_tokens: SGLang's ``chunked_prefill_size`` (startup check).
         max_requests: most requests in one forward (startup check).
+        linger_us: ``DMX_DRAIN_LINGER_US``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -60,5 +62,6 @@ def create_transport(
             flush_timeout_us=flush_timeout_us,
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
+            linger_us=linger_us,
         ),
     )

@@ -35,7 +35,8 @@ class TransportOptions:
         direct_copies: copy steps whose rows lie contiguous in the ring straight into
             payload memory (no staging copy on the host; see ``_drain``). Off only to
             compare.
-        linger_s: shortest time between two wake-ups of the drain for decode steps that
+        linger_s: ``DMX_DRAIN_LINGER_US`` / 1e6: shortest time between two wake-ups of the
+            drain for decode steps that
             join the coalescing window: the steps that arrive meanwhile wait in the ring
             and join the window together (one device copy per group for all of them).
             Every wake-up takes the GIL from the scheduler thread several times (each
@@ -63,12 +64,14 @@ class TransportOptions:
         flush_timeout_us: int = 100_000,
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
+        linger_us: int = 8_000,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
-        values."""
+        ``DMX_DRAIN_LINGER_US`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
+            linger_s=max(linger_us, 0) / 1e6,
         )
