@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dmi_sglang.domain.bandwidth import throughput_bound
 from harness.constants import D2H_PROBE_BYTES, DISK_PROBE_BYTES
 
 CHUNK = 64 << 20
@@ -97,7 +98,5 @@ def bound(*, captured_bytes_per_token: float, stock_tok_s: float | None,
                    limit_bps=disk_bps * factor)
     else:
         out.update(kind="d2h", limit_bps=d2h_bps)
-    limit = out["limit_bps"]
-    out["ratio"] = min(1.0, limit / needed) if needed and limit else (1.0 if needed == 0
-                                                                       else None)
+    out["ratio"] = throughput_bound(needed, out["limit_bps"])
     return out

@@ -90,28 +90,18 @@ def expected_capture(preset: str, model: ModelSpec,
                      requests: Iterable[tuple[int, int, bool]]) -> Expected:
     """What the store must hold for requests ``(prompt, completion, extra_forward)``
     (``extra_forward``: the overlap scheduler forwarded the last token once more), from
-    the domain's own coverage rules and row shapes."""
+    the domain's own arithmetic (:func:`~dmi_sglang.domain.bandwidth.capture_bytes`)."""
     from dmi_sglang.adapters.sglang_v0519.facts import QWEN3_HOOKS
+    from dmi_sglang.domain.bandwidth import capture_bytes
     from dmi_sglang.domain.hooks import ModelHooks, parse_selection
-    from dmi_sglang.domain.records import expected_coverage
     from dmi_sglang.domain.shapes import ModelShape
 
     hooks = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, model.layers)
     captures = parse_selection(preset).resolve(hooks).captures()
     shape = ModelShape(model.layers, model.hidden, model.heads, model.kv_heads,
                        model.head_dim, model.intermediate, model.vocab)
-    out = Expected()
-    for prompt, completion, extra in requests:
-        for hook, _layer in captures:
-            rows = expected_coverage(hook, prompt_tokens=prompt, completion_tokens=completion,
-                                     overlap_extra_forward=extra).rows
-            nbytes = rows * shape.row(hook).nbytes
-            out.rows += rows
-            out.bytes += nbytes
-            entry = out.by_act.setdefault(hook.act_name, [0, 0])
-            entry[0] += rows
-            entry[1] += nbytes
-    return out
+    got = capture_bytes(captures, shape, requests)
+    return Expected(got.rows, got.bytes, {k: list(v) for k, v in got.by_act.items()})
 
 
 def check_transport_rows(stats: Mapping[str, Any], preset: str, model: ModelSpec,

@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--max-new-tokens", type=_positive, default=8,
                      help="tokens generated per prompt, fewer when the end of sequence "
                      "token comes first (default: 8)")
+    from dmi_sglang.app.cli_plan import add_plan_parser
+
+    add_plan_parser(sub, _positive)
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
     demo.add_argument("dir", type=Path)
     demo.add_argument("--layers", type=_positive, default=4)
@@ -147,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd.capture(args, extra)
         if args.command == "demo-model":
             return cmd.demo_model(args.dir, layers=args.layers)
+        if args.command == "plan":
+            from dmi_sglang.app.cli_plan import plan
+
+            return plan(args)
         store = _store(args.db)
         if args.command == "reference-capture":
             return cmd.reference_capture(args, default_layers=REFERENCE_LAYERS,

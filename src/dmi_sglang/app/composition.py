@@ -28,6 +28,8 @@ import importlib.metadata
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import structlog
 
@@ -45,6 +47,7 @@ from dmi_sglang.domain.hooks import ModelHooks
 from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.settings import Settings, monitoring_requested
+from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import (
     ConfigurationError,
@@ -63,6 +66,7 @@ __all__ = [
     "claim_new_run",
     "handle_for",
     "installed_sglang",
+    "model_rows",
     "nearest_sglang_adapter",
     "open_sink",
     "reader_for",
@@ -294,6 +298,19 @@ def nearest_sglang_adapter() -> SGLangAdapter:
         return sglang_adapter()
     except UnsupportedConfigurationError:
         return sglang_adapter(list(SGLANG_ADAPTERS)[-1])
+
+
+def model_rows(config: Mapping[str, Any]) -> tuple[ModelHooks, ModelShape]:
+    """The hooks a model offers and its row shapes, from its ``config.json`` (no SGLang
+    and no GPU needed: for planning).
+
+    Raises:
+        UnsupportedConfigurationError: the architecture has no hooked model.
+    """
+    from dmi_sglang.adapters.sglang_v0519.facts import model_hooks, model_shape
+
+    hf = SimpleNamespace(**config)
+    return model_hooks(hf), model_shape(hf, config.get("torch_dtype") or "bfloat16")
 
 
 def register_plugin() -> None:

@@ -1,0 +1,133 @@
+"""``dmi-sglang plan``: what a hook selection moves per token and which stage limits it.
+
+Needs no GPU and no SGLang: the model's ``config.json`` gives the row shapes, the domain's
+bandwidth plan (:mod:`dmi_sglang.domain.bandwidth`) does the arithmetic, with the stage
+rates given on the command line (documented defaults: the H200 host's measured rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dmi_sglang.app.composition import model_rows
+from dmi_sglang.domain.bandwidth import DEFAULT_RATES, GB, BandwidthPlan, Rates, plan_bandwidth
+from dmi_sglang.domain.hooks import parse_selection
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.errors import UsageError
+
+__all__ = ["add_plan_parser", "plan"]
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        msg = f"{text!r} is not a positive number"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                    positive: Callable[[str], int]) -> None:
+    """The ``plan`` subcommand's arguments (``positive``: the CLI's positive-int type)."""
+    p = sub.add_parser(
+        "plan", help="bytes a hook selection moves per token, and the stage that limits it "
+        "(no GPU)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="The bandwidth plan of a hook selection: bytes per prompt token and per "
+        "generated token for requests of --prompt-len + --output-len tokens, and the most "
+        "generated tokens per second that the device-to-host copies, the store's ingest and "
+        "the disk can follow (and the bound at --tok-s). The rates default to what was "
+        "measured on an H200 host; give yours.")
+    p.add_argument("--model", required=True, type=Path,
+                   help="model directory (its config.json)")
+    p.add_argument("--hooks", default=None,
+                   help="hook selection; unset: $DMX_HOOK_SELECTION, else sglang-full")
+    p.add_argument("--tok-s", type=_positive_float, default=None,
+                   help="generated tokens per second to check the plan against")
+    p.add_argument("--prompt-len", type=positive, default=256, help="prompt tokens a request")
+    p.add_argument("--output-len", type=positive, default=128,
+                   help="generated tokens a request")
+    p.add_argument("--no-store", action="store_true",
+                   help="capture without storing (DMX_DB_URL=none): only D2H applies")
+    p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_RATES.d2h_bps / GB,
+                   help="page-locked device-to-host GB/s")
+    p.add_argument("--store-gbps", type=_positive_float, default=DEFAULT_RATES.store_bps / GB,
+                   help="the store's ingest, GB/s of captured bytes")
+    p.add_argument("--disk-gbps", type=_positive_float, default=DEFAULT_RATES.disk_bps / GB,
+                   help="the disk's synced write GB/s")
+    p.add_argument("--compression", type=_positive_float, default=DEFAULT_RATES.compression,
+                   help="captured bytes / bytes on disk")
+
+
+def _config(model: Path) -> dict[str, Any]:
+    path = model / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        msg = f"--model {str(model)!r} has no config.json: give a model directory"
+        raise UsageError(msg) from None
+    except json.JSONDecodeError as exc:
+        msg = f"{path} is not JSON: {exc}"
+        raise UsageError(msg) from None
+    if not isinstance(raw, dict):
+        msg = f"{path} holds no JSON object"
+        raise UsageError(msg)
+    return raw
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Print the plan; 0, or a usage error for a bad model directory or selection."""
+    hooks, shape = model_rows(_config(args.model))
+    text = args.hooks or Settings.from_env().hook_selection
+    selection = parse_selection(text).resolve(hooks)
+    captures = selection.captures()
+    rates = Rates(args.d2h_gbps * GB, args.store_gbps * GB, args.disk_gbps * GB,
+                  args.compression)
+    result = plan_bandwidth(captures, shape, prompt_tokens=args.prompt_len,
+                            completion_tokens=args.output_len, tok_s=args.tok_s,
+                            stored=not args.no_store, rates=rates)
+    print(f"selection {text} on {hooks.architecture} ({shape.num_layers} layers, hidden "
+          f"{shape.hidden}): {len(captures)} tensors a forward")
+    if selection.omitted:
+        print(f"omitted (the model lacks them): {', '.join(selection.omitted)}")
+    for line in _lines(result, args.compression):
+        print(line)
+    return 0
+
+
+def _lines(p: BandwidthPlan, compression: float) -> list[str]:
+    head = (f"a request of {p.prompt_tokens} prompt + {p.completion_tokens} generated tokens: "
+            f"{_bytes(p.bytes_per_request)}; {_bytes(p.bytes_per_prompt_token)} per prompt "
+            f"token, {_bytes(p.bytes_per_generated_token)} per generated token (prompt "
+            "included)")
+    at = f"bound at {p.tok_s:,.0f} tok/s" if p.tok_s else "bound"
+    rows = [("stage", "GB/s", "max tok/s", at)]
+    for s in p.stages:
+        rate = f"{s.limit_bps / GB:.2f}" + (f" (x{compression:g})" if s.stage == "disk" else "")
+        rows.append((s.stage, rate, "-" if s.max_tok_s is None else f"{s.max_tok_s:,.0f}",
+                     "-" if s.bound is None else f"{s.bound:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    tail = [f"limited by {p.limiting.stage}"
+            + (f": {p.limiting.max_tok_s:,.0f} generated tok/s at most"
+               if p.limiting.max_tok_s is not None else "")]
+    if p.tok_s and p.needed_bps is not None:
+        tail.append(f"at {p.tok_s:,.0f} tok/s the capture needs {p.needed_bps / GB:.2f} GB/s"
+                    + ("" if p.bound is None or p.bound >= 1.0
+                       else f": it keeps up with {p.bound:.0%} of that rate"))
+    return [head, *table, *tail]
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

@@ -1,0 +1,68 @@
+"""``dmi-sglang plan``: the bandwidth plan on the command line, no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dmi_sglang.app.cli import main
+
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024,
+             "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+             "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
+    return tmp_path
+
+
+def test_hidden_states_at_stock_speed_are_limited_by_the_store(model, capsys) -> None:
+    assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
+                 "--tok-s", "21000"]) == 0
+    out = capsys.readouterr().out
+    assert "selection hidden-states on Qwen3ForCausalLM (28 layers, hidden 1024): 28 tensors" \
+        in out
+    # 28 layers x (256 + 128) positions x 2 KiB = 22.0 MB; 57.3 kB a prompt token
+    assert "a request of 256 prompt + 128 generated tokens: 22 MB; 57.3 kB per prompt" in out
+    assert "172 kB per generated token" in out
+    assert "limited by store: 3,778 generated tok/s at most" in out
+    assert "at 21,000 tok/s the capture needs 3.61 GB/s: it keeps up with 18% of that" in out
+
+
+def test_capture_only_has_the_d2h_stage_alone(model, capsys) -> None:
+    assert main(["plan", "--model", str(model), "--hooks", "sglang-full", "--no-store",
+                 "--d2h-gbps", "50"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    assert [line.split()[0] for line in lines[at : at + 3]] == ["stage", "d2h", "limited"]
+    assert "omitted (the model lacks them): " in out  # MoE routing hooks of the preset
+    assert "50.00" in out
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--hooks", "bogus"], "unknown hook or preset 'bogus'"),
+    (["--hooks", "resid_pre@40"], "outside the model's layers 0-27"),
+])
+def test_bad_selections_are_one_line_errors(model, capsys, args, words) -> None:
+    assert main(["plan", "--model", str(model), *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_directory_without_config_is_refused_by_name(tmp_path, capsys) -> None:
+    assert main(["plan", "--model", str(tmp_path / "none")]) == 2
+    assert "has no config.json: give a model directory" in capsys.readouterr().err
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_06B,
+                                                      "architectures": ["LlamaForCausalLM"]}))
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert "LlamaForCausalLM has no hooked model" in capsys.readouterr().err
