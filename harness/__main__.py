@@ -1,4 +1,4 @@
-"""``python -m harness COMMAND ...``: qualify, serving, transport, store or docs."""
+"""``python -m harness COMMAND ...``: qualify, serving, transport, store, profile or docs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 COMMANDS = {"qualify": "harness.qualify", "serving": "harness.serving",
             "transport": "harness.micro_transport", "store": "harness.micro_store",
-            "docs": "harness.docs"}
+            "profile": "harness.profile", "docs": "harness.docs"}
 
 
 LEGACY = {

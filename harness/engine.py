@@ -9,6 +9,10 @@ class (``sglang:Engine`` by default, ``dmi_sglang:DMIEngine``):
 
 * ``{"op": "run", "workload": {...}}``: one workload (:meth:`Workload.spec`), in waves;
 * ``{"op": "d2h"}``: the pinned device-to-host copy rate (:mod:`harness.bounds`);
+* ``{"op": "profile", "workload": {...}, "steps": N, "dir": D}``: one wave of the workload
+  while SGLang's ``start_profile`` records ``N`` forwards of the scheduler with torch's
+  profiler (CPU and GPU, Python stacks) into ``D``; the trace's summary
+  (:mod:`harness.trace`);
 * ``{"op": "stop"}``: ``dmi_stop_monitoring()`` (the run becomes durable);
 * ``{"op": "shutdown"}``: the engine shuts down and the child exits.
 
@@ -277,6 +281,40 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
             return res
 
 
+PROFILE_WAIT_S = 300.0
+"""Longest wait for the profiler's trace file after the profiled wave."""
+
+
+def profile_workload(engine: Any, wl: Mapping[str, Any], out_dir: Path, steps: int) -> Json:
+    """One wave of ``wl`` with ``steps`` forwards profiled (see the module docstring)."""
+    from harness.trace import summarize_trace
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.glob("*.trace.json*"))
+    engine.start_profile(output_dir=str(out_dir), num_steps=steps, activities=["CPU", "GPU"],
+                         with_stack=True, record_shapes=False)
+    ran = run_workload(engine, {**wl, "min_seconds": 0, "max_waves": 1})
+    ran.pop("outputs", None)
+    path = _new_file(out_dir, before)
+    return {"run": ran, "trace": str(path), "trace_bytes": path.stat().st_size,
+            "summary": summarize_trace(path)}
+
+
+def _new_file(directory: Path, before: set[Path]) -> Path:
+    """The trace file that appeared in ``directory``, once its size stopped changing."""
+    deadline = time.monotonic() + PROFILE_WAIT_S
+    sizes: dict[Path, int] = {}
+    while time.monotonic() < deadline:
+        for path in set(directory.glob("*.trace.json*")) - before:
+            size = path.stat().st_size
+            if size and sizes.get(path) == size:
+                return path
+            sizes[path] = size
+        time.sleep(1.0)
+    msg = f"no trace file appeared in {directory} within {PROFILE_WAIT_S:.0f} s"
+    raise TimeoutError(msg)
+
+
 def _count(value: Any) -> int:
     """Numbers in SGLang's nested ``hidden_states`` lists."""
     if value is None:
@@ -340,6 +378,9 @@ def _commands(engine: Any, reply: Any) -> None:
         op = command["op"]
         if op == "run":
             send(run_workload(engine, command["workload"]))
+        elif op == "profile":
+            send(profile_workload(engine, command["workload"], Path(command["dir"]),
+                                  int(command["steps"])))
         elif op == "d2h":
             from harness.bounds import measure_d2h_bps
 

@@ -12,6 +12,7 @@ sink, complete and committed.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -60,6 +61,37 @@ class FakeEngine:
                 meta["hidden_states"] = [[0.5] * 8 for _ in range(n)]
             outs.append({"output_ids": out, "meta_info": meta})
         return outs
+
+    def start_profile(self, *, output_dir: str, num_steps: int, activities: list[str],
+                      with_stack: bool, record_shapes: bool) -> None:
+        """Like SGLang's: the next ``num_steps`` forwards, written as a trace after them.
+        Each step: the scheduler thread's forward (1 ms, a 0.8 ms kernel in it) inside
+        dmi_sglang's ``around_forward`` (1.2 ms, an ``aten::copy_`` of 30 us in it after
+        the forward); the drain thread's 0.5 ms append."""
+        assert activities == ["CPU", "GPU"]
+        assert with_stack
+        assert not record_shapes
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "MainThread"}},
+            {"ph": "M", "name": "thread_name", "tid": 2, "args": {"name": "dmi-capture-drain"}}]
+        hooks = "/x/dmi_sglang/adapters/sglang_v0519/runtime_hooks.py(104): around_forward"
+        for i in range(num_steps):
+            t = 10_000.0 + i * 3000
+            events += [
+                {"ph": "X", "cat": "python_function", "name": hooks, "tid": 1, "ts": t - 100,
+                 "dur": 1200},
+                {"ph": "X", "cat": "python_function", "tid": 1, "ts": t, "dur": 1000,
+                 "name": "/x/sglang/srt/model_executor/model_runner.py(9): forward"},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": t + 1050,
+                 "dur": 30},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "tid": 7, "ts": t + 100,
+                 "dur": 800},
+                {"ph": "X", "cat": "python_function", "tid": 2, "ts": t + 1500, "dur": 500,
+                 "name": "/x/dmi_sglang/adapters/transport/_window.py(9): append"}]
+        path = Path(output_dir) / "fake-TP-0.trace.json.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": events}, f)
 
     def collective_rpc(self, method: str) -> None:
         assert method == "dmi_stop_monitoring"

@@ -188,3 +188,37 @@ def test_the_stored_mode_reads_back_and_states_the_disk_bound(tmp_path: Path) ->
     assert unit["bound"]["disk_bps"] > 0
     assert unit["bound"]["compression"] > 0
     assert unit["figures"]["on_disk_bytes"] > 0
+
+
+def test_the_profile_command_summarizes_each_modes_trace(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    from harness import profile
+
+    out = tmp_path / "profile.json"
+    code = profile.main(["--modes", "stock,transport:hidden-states", "--steps", "5",
+                         "--batch", "2", "--prompt-len", "4", "--output-len", "3",
+                         "--engine-class", FAKE, "--work", str(tmp_path / "work"),
+                         "--out", str(out)])
+    assert code == 0
+    data = load_json(out)
+    assert data is not None
+    assert data["kind"] == "profile"
+    assert data["status"] == "passed"
+    modes = data["figures"]["modes"]
+    assert [m["mode"] for m in modes] == ["stock", "transport:hidden-states"]
+    s = modes[1]["summary"]
+    assert s["forwards"] == 5
+    assert s["window_s"] == pytest.approx((4 * 3000 + 2100) / 1e6)  # first hook to last append
+    assert s["gpu_busy"] == pytest.approx(5 * 800 / (4 * 3000 + 2100))
+    threads = {t["name"]: t for t in s["threads"]}
+    assert threads["MainThread"]["python_s"] == pytest.approx(5 * 1200e-6)
+    assert threads["MainThread"]["dmi_s"] == pytest.approx(5 * 1200e-6)
+    assert threads["dmi-capture-drain"]["dmi_s"] == pytest.approx(5 * 500e-6)
+    assert s["dmi"][0] == {"function": "adapters/sglang_v0519/runtime_hooks.py: around_forward",
+                           "seconds": pytest.approx(5 * 1200e-6), "calls": 5}
+    assert s["dmi_ops"] == [{"op": "aten::copy_", "seconds": pytest.approx(5 * 30e-6)}]
+    assert modes[1]["run"]["requests"] == 2
+    printed = capsys.readouterr().out
+    assert "transport:hidden-states" in printed
+    assert "around_forward" in printed

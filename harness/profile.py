@@ -1,0 +1,142 @@
+"""Where a serving step's time goes: ``python -m harness profile``.
+
+For each ``--modes`` entry (``stock``, or a serving mode such as ``transport:hidden-states``)
+one engine serves the serving benchmark's workload (``--batch`` requests of
+``--prompt-len`` + ``--output-len`` tokens, the same engine settings): a warm-up wave, one
+untimed wave of the workload, then one more wave during which SGLang's own profiler
+(``Engine.start_profile``: torch's profiler, CPU and GPU, Python stacks) records
+``--steps`` forwards of the scheduler. Each trace is summarized on the machine
+(:mod:`harness.trace`): the share of the window the GPU was busy, forwards, per thread the
+seconds in Python and in dmi_sglang's functions, dmi_sglang's functions by inclusive time,
+and the torch operators they ran. The traces stay in ``--work``; the JSON and the table
+hold the summaries. A diagnostic, not a benchmark: the profiler slows what it records, so
+compare modes with each other, never with the serving benchmark's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.engine import EngineError, EngineProcess, kill_leftovers
+from harness.models import MODELS, STOCK_ENV, engine_kwargs, monitored_env, write_model_dir
+from harness.results import Deadline, Json, finish, result, state_dir, write_json
+from harness.serving import parse_modes, workloads
+
+__all__ = ["main"]
+
+
+def _modes(text: str) -> list[str]:
+    """``--modes``: ``stock`` and serving modes, separated by commas."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    if not keys:
+        msg = f"{text!r}: expected stock and/or serving modes, e.g. stock,transport:hidden-states"
+        raise argparse.ArgumentTypeError(msg)
+    try:
+        parse_modes(",".join(k for k in keys if k != "stock") or "transport:hidden-states")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return keys
+
+
+def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadline,
+                 pgids: Path) -> Json:
+    """One engine of mode ``key``: warm-up, a wave, a profiled wave; its summary."""
+    model_dir = write_model_dir(work / "models", MODELS[args.model])
+    kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch, chunked_prefill_size=0)
+    mode = None if key == "stock" else parse_modes(key)[0]
+    warm, main = workloads(args, mode)
+    if mode is None:
+        spec: Json = {"engine": kwargs, "env": STOCK_ENV, "factory": args.engine_class}
+    else:
+        store = work / "stores" / key.replace(":", "-")
+        spec = {"engine": kwargs, "factory": args.engine_class,
+                "env": monitored_env(str(mode.preset), store if mode.kind == "store" else None,
+                                     f"profile-{key.replace(':', '-')}")}
+    engine = EngineProcess(f"profile-{key.replace(':', '-')}", spec, work / "engines", pgids)
+    out: Json = {"mode": key}
+    try:
+        out["ready"] = engine.start(deadline.timeout())
+        for wl, prefix in ((warm, "w-"), (main, "m-")):
+            engine.request("run", deadline.timeout(),
+                           workload={**wl.spec(prefix), "min_seconds": 0, "max_waves": 1})
+        profiled = engine.request("profile", deadline.timeout(), workload=main.spec("p-"),
+                                  steps=args.steps,
+                                  dir=str(work / "traces" / key.replace(":", "-")))
+        out.update(profiled)
+        if mode is not None:
+            engine.request("stop", deadline.timeout())
+    finally:
+        engine.close()
+    return out
+
+
+def render(rows: Sequence[Json]) -> str:
+    """The summaries as a table, then each mode's dmi_sglang functions."""
+    head = (f"{'mode':<26} {'window s':>8} {'fwd':>4} {'GPU busy':>8} "
+            f"{'thread':<22} {'python ms/fwd':>13} {'dmi ms/fwd':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s = r.get("summary") or {}
+        fwd = max(int(s.get("forwards") or 0), 1)
+        for i, t in enumerate((s.get("threads") or [])[:3]):
+            lead = (f"{r['mode']:<26} {s['window_s']:>8.3f} {s['forwards']:>4} "
+                    f"{(s['gpu_busy'] or 0):>8.1%}") if i == 0 else " " * 49
+            lines.append(f"{lead} {str(t['name'])[:22]:<22} "
+                         f"{t['python_s'] / fwd * 1e3:>13.3f} {t['dmi_s'] / fwd * 1e3:>10.3f}")
+    for r in rows:
+        s = r.get("summary") or {}
+        fwd = max(int(s.get("forwards") or 0), 1)
+        if s.get("dmi"):
+            lines.append(f"\n{r['mode']}: dmi_sglang functions, inclusive ms per forward")
+            lines += [f"  {f['seconds'] / fwd * 1e3:8.3f}  {f['calls']:>6}  {f['function']}"
+                      for f in s["dmi"]]
+            lines.append("  torch operators inside them, ms per forward")
+            lines += [f"  {o['seconds'] / fwd * 1e3:8.3f}  {o['op']}" for o in s["dmi_ops"][:10]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring); 0 when every mode was profiled."""
+    p = argparse.ArgumentParser(prog="python -m harness profile",
+                                description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--modes", type=_modes, default="stock,transport:hidden-states")
+    p.add_argument("--model", choices=sorted(MODELS), default="0.6b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=40, help="forwards profiled per mode")
+    p.add_argument("--out", default=None, help="result JSON ($OUT/profile.json)")
+    p.add_argument("--work", default=None, help="engine logs, stores and traces (temp dir)")
+    p.add_argument("--engine-class", default="sglang:Engine",
+                   help="MODULE:NAME of the engine (default %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("batch", "prompt_len", "output_len", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+    args.min_seconds = 0.0
+    args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "profile.json")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-profile-"))
+    pgids = state_dir(Path(args.out).resolve().parent / ".state") / "profile.pgids"
+    kill_leftovers(pgids)
+    deadline = Deadline()
+    data = result("profile", "profile", {k: v for k, v in vars(args).items() if k != "out"})
+    rows: list[Json] = []
+    for key in args.modes:
+        try:
+            rows.append(profile_mode(args, key, work, deadline, pgids))
+        except (EngineError, TimeoutError) as exc:
+            rows.append({"mode": key, "error": str(exc)[-3000:]})
+    data["figures"] = {"modes": rows}
+    failed = [r["mode"] for r in rows if "error" in r]
+    finish(data, "failed" if failed else "passed",
+           f"not profiled: {', '.join(failed)}" if failed else None)
+    write_json(Path(args.out), data)
+    print(render([r for r in rows if "summary" in r]))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']}: {r['error'][-500:]}")
+    return 1 if failed else 0
