@@ -101,7 +101,7 @@ class Driver:
         if padded:
             eager_layout = layout.with_padding(layout.raw_batch_size)
             eager = self.plan(eager_layout)
-            decision = self.t.preflight(plan, eager).decision
+            decision = self.t.preflight(plan, lambda: eager).decision
             if decision is Decision.RUN_EAGER:
                 layout, plan, padded = eager_layout, eager, False
         self.t.commit(plan, step=self.step)

@@ -169,7 +169,6 @@ def _burst(make_driver, linger_s: float, pause_s: float = 0.0,
 def test_a_lingering_drain_moves_several_steps_per_copy_with_the_same_rows(make_driver):
     one_by_one, counters = _burst(make_driver, 0.0, pause_s=0.02)
     assert counters["lingers"] == 0
-    assert counters["window_appends"] == 10
     together, counters = _burst(make_driver, 0.5, pause_s=0.02)
     assert counters["lingers"] >= 1
     assert counters["window_appends"] < 10

@@ -37,7 +37,7 @@ import structlog
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
-from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
 from dmi_sglang.domain.ports import CaptureTransport, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
@@ -75,6 +75,11 @@ class RequestTracker:
         self._seen: dict[str, _Seen] = {}
         self._live: dict[str, _Seen] = {}
         """Requests with a Req object and no finish notice yet (scanned every forward)."""
+        self._decoding: BatchLayout | None = None
+        """The newest decode layout not folded into ``_seen`` yet: consecutive decode
+        forwards of the same requests (the same ``request_ids`` tuple, which the adapter
+        reuses while the batch is unchanged) only move one position further, so only the
+        newest one's ends matter (the run's first was folded)."""
         self._known: dict[int, TrackedRequest] = {}
         """Req objects already remembered, by ``id`` (each is held in ``_seen``, so its id
         is not reused while it is here): a batch's known requests cost one lookup."""
@@ -122,6 +127,17 @@ class RequestTracker:
 
     def add_layout(self, layout: BatchLayout) -> None:
         """Record the positions a forward computes."""
+        pending = self._decoding
+        decode = layout.kind is ForwardKind.DECODE
+        if decode and pending is not None and layout.request_ids is pending.request_ids:
+            self._decoding = layout
+            return
+        if pending is not None:
+            self._fold(pending)
+        self._fold(layout)
+        self._decoding = layout if decode else None
+
+    def _fold(self, layout: BatchLayout) -> None:
         seen_by_rid = self._seen
         for rid, start, count in zip(layout.request_ids, layout.starts, layout.counts,
                                      strict=True):
@@ -135,6 +151,9 @@ class RequestTracker:
 
     def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
         """One manifest per request seen; finished requests only count as complete."""
+        if self._decoding is not None:
+            self._fold(self._decoding)
+            self._decoding = None
         out = []
         for rid, seen in self._seen.items():
             req = seen.req
@@ -186,9 +205,6 @@ class SchedulerMonitor:
         self.unfinished: frozenset[str] = frozenset()
         """Requests of the batch about to run whose prompt chunk does not finish it."""
         self.host_seconds = 0.0
-        self.host_cpu_seconds = 0.0
-        """The scheduler thread's CPU time among :attr:`host_seconds`: the difference is
-        time it waited (for the GIL, which the drain thread shares, or for ring space)."""
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
@@ -209,11 +225,9 @@ class SchedulerMonitor:
         self.requests.add_reqs(reqs)
         self.unfinished = unfinished
 
-    def add_host_seconds(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        """Count scheduler-thread time the runtime hooks spent for the capture (wall, and
-        the thread's CPU time among it)."""
+    def add_host_seconds(self, seconds: float) -> None:
+        """Count scheduler-thread time the runtime hooks spent for the capture."""
         self.host_seconds += seconds
-        self.host_cpu_seconds += cpu_seconds
 
     # -- one forward -------------------------------------------------------------------
     def begin_forward(self) -> int:
@@ -235,8 +249,8 @@ class SchedulerMonitor:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
         layout = layout.with_padding(padded_bs)
         padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
-        eager = make_plan(layout, self.selection, self.shape, padded=False)
-        decision = self.transport.preflight(padded, eager)
+        decision = self.transport.preflight(
+            padded, lambda: make_plan(layout, self.selection, self.shape, padded=False))
         if decision.decision is Decision.RUN_EAGER:
             log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
             return False
@@ -313,7 +327,6 @@ class SchedulerMonitor:
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
-            "host_cpu_seconds": self.host_cpu_seconds,
             "stall_seconds": stats.stall_seconds,
         }
         out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})

@@ -191,8 +191,10 @@ class CaptureTransport(Protocol):
         """Device memory the transport holds (ring and arena)."""
         ...
 
-    def preflight(self, plan: CommitPlan, eager_plan: CommitPlan | None = None) -> Preflight:
-        """How the step would be committed now (see :func:`~.capacity.preflight`)."""
+    def preflight(self, plan: CommitPlan,
+                  eager_plan: Callable[[], CommitPlan] | None = None) -> Preflight:
+        """How the step would be committed now (see :func:`~.capacity.preflight`);
+        ``eager_plan`` makes the unpadded plan of a graph step, only when it is needed."""
         ...
 
     def commit(self, plan: CommitPlan, *, step: int) -> None:
@@ -298,10 +300,8 @@ class CaptureSession(Protocol):
         """The engine is about to run a batch of these requests."""
         ...
 
-    def add_host_seconds(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        """Count scheduler-thread time the adapter's hooks spent for the capture: wall
-        seconds and the thread's CPU seconds among them (the rest was waiting: for the
-        GIL, or for ring space)."""
+    def add_host_seconds(self, seconds: float) -> None:
+        """Count scheduler-thread time the adapter's hooks spent for the capture."""
         ...
 
     def begin_forward(self) -> int:

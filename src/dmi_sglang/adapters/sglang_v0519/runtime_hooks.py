@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from time import perf_counter, thread_time
+from time import perf_counter
 from typing import Any
 
 import structlog
@@ -110,17 +110,17 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
     owner: object = getattr(runner, "_dmi_monitor", None)
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
         return original(runner, fb, *args, **kw)
-    t0, c0 = perf_counter(), thread_time()
+    t0 = perf_counter()
     mon.begin_forward()
-    t1, c1 = perf_counter(), thread_time()
+    t1 = perf_counter()
     try:
         out = original(runner, fb, *args, **kw)
     except BaseException:
         mon.abort_forward()
         raise
-    t2, c2 = perf_counter(), thread_time()
+    t2 = perf_counter()
     mon.end_forward()
-    mon.add_host_seconds(perf_counter() - t2 + t1 - t0, thread_time() - c2 + c1 - c0)
+    mon.add_host_seconds(perf_counter() - t2 + t1 - t0)
     return out
 
 
@@ -133,11 +133,11 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
         return ok
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
-    t0, c0 = perf_counter(), thread_time()
+    t0 = perf_counter()
     layout = layout_from_forward_batch(fb)
     padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
     allowed = mon.graph_allowed(layout, padded)
-    mon.add_host_seconds(perf_counter() - t0, thread_time() - c0)
+    mon.add_host_seconds(perf_counter() - t0)
     return allowed
 
 
@@ -149,14 +149,14 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
-    t0, c0 = perf_counter(), thread_time()
+    t0 = perf_counter()
     plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
     if plan.layout.raw_batch_size != int(graph_runner.raw_bs):
         msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
                f"{plan.layout.raw_batch_size}")
         raise CaptureError(msg)
     mon.commit_graph(plan)
-    mon.add_host_seconds(perf_counter() - t0, thread_time() - c0)
+    mon.add_host_seconds(perf_counter() - t0)
     del result
 
 
@@ -168,11 +168,11 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
-    t0, c0 = perf_counter(), thread_time()
+    t0 = perf_counter()
     layout = layout_from_forward_batch(result if result is not None else fb,
                                        unfinished_rids=mon.unfinished)
     mon.commit_eager(layout)
-    mon.add_host_seconds(perf_counter() - t0, thread_time() - c0)
+    mon.add_host_seconds(perf_counter() - t0)
 
 
 def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
@@ -190,9 +190,9 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     if mon is not None and batch is not None:
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
-        t0, c0 = perf_counter(), thread_time()
+        t0 = perf_counter()
         mon.add_requests(batch.reqs, unfinished_rids(batch))
-        mon.add_host_seconds(perf_counter() - t0, thread_time() - c0)
+        mon.add_host_seconds(perf_counter() - t0)
     return original(worker, batch, *args, **kw)
 
 

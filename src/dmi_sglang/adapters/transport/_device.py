@@ -66,6 +66,7 @@ class DeviceOps:
         if self.is_cuda and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
+        self._index = dev.index if dev.index is not None else 0
         if capture_probe is None:
             capture_probe = torch.cuda.is_current_stream_capturing if self.is_cuda else _never
         self.capturing: Callable[[], bool] = capture_probe
@@ -87,7 +88,7 @@ class DeviceOps:
         """Record a marker on the current stream after the work queued so far."""
         if not self.is_cuda:
             return None
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self._index)
         event = self._free_events.pop() if self._free_events else torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         return event, stream.cuda_stream

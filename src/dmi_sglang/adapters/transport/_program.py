@@ -90,6 +90,7 @@ class Program:
     """The cached copy program of a plan structure (see the module docstring)."""
 
     __slots__ = (
+        "_arena_views",
         "_indices",
         "arena_checked",
         "direct",
@@ -117,6 +118,8 @@ class Program:
         them from the device straight into payload memory (request rows, held back one
         step, still go through staging)."""
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._arena_views: list[torch.Tensor | None] | None = None
+        """Per group without a gather, its rows in the arena (fixed: made once)."""
         self.arena_checked = False
 
     def index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -138,18 +141,23 @@ class Program:
         ring_wide: dict[int, torch.Tensor],
     ) -> None:
         """Queue the arena -> ring copies of a replayed step on the current stream."""
-        for g in self.groups:
-            if g.gather is None:
+        views = self._arena_views
+        if views is None:
+            views = self._arena_views = [
+                None if g.gather is not None else arena_wide[g.elem].as_strided(
+                    (g.count, g.ring_rows * g.row_nbytes // g.elem),
+                    (g.arena_stride // g.elem, 1), g.arena_offset // g.elem)
+                for g in self.groups]
+        for g, src in zip(self.groups, views, strict=True):
+            if src is not None:
                 e = g.elem
                 width = g.ring_rows * g.row_nbytes // e
-                src = arena_wide[e].as_strided(
-                    (g.count, width), (g.arena_stride // e, 1), g.arena_offset // e
-                )
                 dst = ring_wide[e].as_strided(
                     (g.count, width), (g.ring_stride // e, 1), (base + g.ring_offset) // e
                 )
                 dst.copy_(src)
                 continue
+            assert g.gather is not None
             index = self.index(g.gather, arena.buffer.device)
             for pos, meta in zip(g.positions, g.metas, strict=True):
                 seg = plan.segments[pos]

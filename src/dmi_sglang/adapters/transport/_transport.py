@@ -158,11 +158,13 @@ class TorchCaptureTransport:
         return (int(self._ring.numel()) + int(self._arena.buffer.numel())
                 + self._drain.device_bytes)
 
-    def preflight(self, plan: CommitPlan, eager_plan: CommitPlan | None = None) -> Preflight:
+    def preflight(self, plan: CommitPlan,
+                  eager_plan: Callable[[], CommitPlan] | None = None) -> Preflight:
         """How ``plan`` would be committed now (see :func:`~.capacity.preflight`).
 
         A decode graph step answered ``RUN_EAGER`` is counted as forced eager: the
-        adapter is expected to run it eagerly with ``eager_plan``.
+        adapter is expected to run it eagerly with the plan ``eager_plan()`` makes (made
+        only when the step does not fit now).
         """
         self._check_usable()
         if not plan.segments:
@@ -173,7 +175,8 @@ class TorchCaptureTransport:
         if program.reserve_bytes <= usage.free_bytes and program.entries <= usage.free_entries:
             return _FITS
         self._drain.hurry()
-        result = preflight(plan, usage, self.capacity, eager_plan=eager_plan)
+        result = preflight(plan, usage, self.capacity,
+                           eager_plan=eager_plan() if eager_plan is not None else None)
         if result.decision is Decision.RUN_EAGER:
             self._forced_eager += 1
             log.info("decode step forced eager", reason=result.reason)
