@@ -97,10 +97,10 @@ def expected_capture(preset: str, model: ModelSpec,
     from dmi_sglang.domain.shapes import ModelShape
 
     hooks = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, model.layers)
-    captures = parse_selection(preset).resolve(hooks).captures()
+    selection = parse_selection(preset).resolve(hooks)
     shape = ModelShape(model.layers, model.hidden, model.heads, model.kv_heads,
                        model.head_dim, model.intermediate, model.vocab)
-    got = capture_bytes(captures, shape, requests)
+    got = capture_bytes(selection, shape, requests)
     return Expected(got.rows, got.bytes, {k: list(v) for k, v in got.by_act.items()})
 
 

@@ -18,7 +18,7 @@ HOOKS = ModelHooks("Qwen3ForCausalLM", frozenset(h.name for h in CATALOG), 28)
 
 
 def captures(text: str):
-    return parse_selection(text).resolve(HOOKS).captures()
+    return parse_selection(text).resolve(HOOKS)
 
 
 def test_hidden_states_of_qwen3_06b_at_stock_speed_are_store_bound() -> None:

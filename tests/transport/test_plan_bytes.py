@@ -51,7 +51,7 @@ def test_stored_bytes_equal_the_plans(make_driver, reqs, text, coalesce) -> None
             else:
                 live[rid] = (prompt, completion, seq + 1)
     d.t.stop()
-    captures = select(text).captures()
+    captures = select(text)
     stored = sum(len(r.payload) for r in sink.records)
     want = capture_bytes(captures, SHAPE, [(p, c, True) for _, p, c, _ in reqs])
     assert stored == want.bytes

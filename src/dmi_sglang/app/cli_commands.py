@@ -299,6 +299,11 @@ def _validate_capture(args: argparse.Namespace) -> None:
 
     if args.hooks is not None:
         parse_selection(args.hooks)
+        try:
+            Settings.from_kwargs({"dmx_hook_selection": args.hooks}, env={})
+        except ConfigurationError as exc:
+            msg = f"--hooks {args.hooks!r}: {exc}"
+            raise UsageError(msg) from None
     if args.db is not None:
         try:
             StoreUrl.parse(args.db)
@@ -414,6 +419,7 @@ def _validate_reference(args: argparse.Namespace, default_layers: int,
     if args.hooks is not None:
         try:
             parse_selection(args.hooks).resolve(hooks)
+            Settings.from_kwargs({"dmx_hook_selection": args.hooks}, env={})
         except ConfigurationError as exc:
             msg = f"--hooks {args.hooks!r}: {exc}"
             raise UsageError(msg) from None

@@ -90,7 +90,7 @@ def plan(args: argparse.Namespace) -> int:
     captures = selection.captures()
     rates = Rates(args.d2h_gbps * GB, args.store_gbps * GB, args.disk_gbps * GB,
                   args.compression)
-    result = plan_bandwidth(captures, shape, prompt_tokens=args.prompt_len,
+    result = plan_bandwidth(selection, shape, prompt_tokens=args.prompt_len,
                             completion_tokens=args.output_len, tok_s=args.tok_s,
                             stored=not args.no_store, rates=rates)
     print(f"selection {text} on {hooks.architecture} ({shape.num_layers} layers, hidden "

@@ -14,7 +14,8 @@ Bytes per generated token include the prompt: a request of ``prompt`` + ``comple
 tokens stores ``prompt_bytes x prompt + generated_bytes x completion`` (the overlap
 scheduler's extra forward included, as a complete capture holds it), spread over its
 ``completion`` generated tokens. Row counts come from :func:`expected_coverage`, the same
-rule the readers judge completeness by.
+rule the readers judge completeness by, and each capture's position rule
+(:mod:`~dmi_sglang.domain.positions`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from dmi_sglang.domain.hooks import Hook
+from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.records import expected_coverage
 from dmi_sglang.domain.shapes import ModelShape
 
@@ -56,20 +57,22 @@ class CaptureBytes:
 
 
 def capture_bytes(
-    captures: Iterable[tuple[Hook, int]],
+    selection: Selection,
     shape: ModelShape,
     requests: Iterable[tuple[int, int, bool]],
 ) -> CaptureBytes:
-    """Rows and bytes a complete capture holds for ``requests`` given as ``(prompt,
-    completion, overlap_extra_forward)``, for the ``(hook, layer)`` captures of a
-    resolved selection (:meth:`~dmi_sglang.domain.hooks.Selection.captures`)."""
-    todo = tuple(captures)
+    """Rows and bytes a complete capture of ``selection`` holds for ``requests`` given as
+    ``(prompt, completion, overlap_extra_forward)``: every capture's coverage
+    (:func:`expected_coverage`), less what its position rule leaves out."""
+    todo = [(hook, selection.positions_of(hook.name, layer))
+            for hook, layer in selection.captures()]
     rows = nbytes = 0
     by_act: dict[str, tuple[int, int]] = {}
     for prompt, completion, extra in requests:
-        for hook, _layer in todo:
-            n = expected_coverage(hook, prompt_tokens=prompt, completion_tokens=completion,
-                                  overlap_extra_forward=extra).rows
+        for hook, rule in todo:
+            full = expected_coverage(hook, prompt_tokens=prompt, completion_tokens=completion,
+                                     overlap_extra_forward=extra)
+            n = rule.rows(full.start, full.end, prompt=prompt, completion=completion)
             b = n * shape.row(hook).nbytes
             rows += n
             nbytes += b
@@ -165,7 +168,7 @@ class BandwidthPlan:
 
 
 def plan_bandwidth(
-    captures: Iterable[tuple[Hook, int]],
+    selection: Selection,
     shape: ModelShape,
     *,
     prompt_tokens: int,
@@ -187,9 +190,9 @@ def plan_bandwidth(
     if tok_s is not None and tok_s <= 0:
         msg = f"tokens per second {tok_s}: must be positive"
         raise ValueError(msg)
-    todo = tuple(captures)
-    one = capture_bytes(todo, shape, [(prompt_tokens, completion_tokens, True)]).bytes
-    longer = capture_bytes(todo, shape, [(prompt_tokens + 1, completion_tokens, True)]).bytes
+    one = capture_bytes(selection, shape, [(prompt_tokens, completion_tokens, True)]).bytes
+    longer = capture_bytes(selection, shape,
+                           [(prompt_tokens + 1, completion_tokens, True)]).bytes
     per_token = one / completion_tokens
     needed = per_token * tok_s if tok_s is not None else None
     limits = [("d2h", rates.d2h_bps)]

@@ -8,14 +8,17 @@ act names with the layer in ``layer_no``; global hooks store their bare name wit
 Selection syntax (``DMX_HOOK_SELECTION``)::
 
     selection := item ("," item)*
-    item      := name ["@" layers]
+    item      := name ["@" layers] [":" rule]
     layers    := N | N "-" M            (inclusive, 0-based)
     name      := a hook short name | a preset | an alias
+    rule      := all | last_prompt | last | generated | every(K) | positions(A-B)
 
 A preset expands to its members; members a model lacks are omitted (reported in
 :attr:`Selection.omitted` so the caller can log them). A hook named explicitly that the
 model lacks is an error. A layer range applies to the per-layer members of its item; a
-range on a global hook is an error.
+range on a global hook is an error. A rule keeps only some positions of each request
+(:mod:`~dmi_sglang.domain.positions`, which defines them); the same hook and layer
+selected twice with different rules is an error.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from dmi_sglang.domain.positions import Positions
 from dmi_sglang.errors import SelectionError
 
 __all__ = [
@@ -202,9 +206,12 @@ class SelectionItem:
     """A hook short name or a preset name (aliases already resolved)."""
     layers: LayerRange | None
     is_preset: bool
+    positions: Positions = attrs.field(factory=Positions)
+    """Which positions of each request it keeps (default: all)."""
 
     def __str__(self) -> str:
-        return self.name if self.layers is None else f"{self.name}@{self.layers}"
+        text = self.name if self.layers is None else f"{self.name}@{self.layers}"
+        return text if self.positions.is_all else f"{text}:{self.positions}"
 
 
 @attrs.frozen
@@ -216,6 +223,11 @@ class HookSelection:
     def __str__(self) -> str:
         return ",".join(str(i) for i in self.items)
 
+    @property
+    def selects_positions(self) -> bool:
+        """True when an item keeps only some positions (a ``:rule`` other than ``all``)."""
+        return any(not item.positions.is_all for item in self.items)
+
     def resolve(self, model: ModelHooks) -> Selection:
         """Bind the selection to a model: which hooks, which layers.
 
@@ -224,6 +236,7 @@ class HookSelection:
                 the model's ``0..num_layers-1``.
         """
         layers_by_hook: dict[str, set[int]] = {}
+        rules: dict[tuple[str, int], Positions] = {}
         omitted: list[str] = []
         for item in self.items:
             if item.layers is not None and item.layers.last >= model.num_layers:
@@ -246,16 +259,33 @@ class HookSelection:
                     raise SelectionError(msg)
                 if not hook.per_layer:
                     layers_by_hook.setdefault(name, set())
+                    _rule(rules, name, -1, item)
                     continue
                 wanted = range(model.num_layers) if item.layers is None else item.layers.indices
                 layers_by_hook.setdefault(name, set()).update(wanted)
+                for layer in wanted:
+                    _rule(rules, name, layer, item)
         ordered = sorted(layers_by_hook, key=_firing_index)
         return Selection(
             hooks=tuple(
                 (_BY_NAME[n], tuple(sorted(layers_by_hook[n]))) for n in ordered
             ),
             omitted=tuple(sorted(set(omitted) - set(layers_by_hook), key=_firing_index)),
+            rules=tuple(sorted((n, layer, p) for (n, layer), p in rules.items()
+                               if not p.is_all)),
         )
+
+
+def _rule(rules: dict[tuple[str, int], Positions], name: str, layer: int,
+          item: SelectionItem) -> None:
+    """Record ``item``'s rule for one capture; the same capture with another rule is an
+    error."""
+    known = rules.setdefault((name, layer), item.positions)
+    if known != item.positions:
+        where = name if layer < 0 else f"{name}@{layer}"
+        msg = (f"{where} is selected with two position rules, {known} and "
+               f"{item.positions} ({str(item)!r}); select each hook and layer once")
+        raise SelectionError(msg)
 
 
 def _firing_index(name: str) -> int:
@@ -282,6 +312,16 @@ class Selection:
 
     hooks: tuple[tuple[Hook, tuple[int, ...]], ...]
     omitted: tuple[str, ...] = ()
+    rules: tuple[tuple[str, int, Positions], ...] = ()
+    """``(hook, layer_no, rule)`` of the captures that keep only some positions (every
+    other capture keeps all)."""
+
+    def positions_of(self, name: str, layer_no: int) -> Positions:
+        """The position rule of one capture (``layer_no = -1`` for a global hook)."""
+        for hook, layer, rule in self.rules:
+            if hook == name and layer == layer_no:
+                return rule
+        return _ALL
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -312,6 +352,9 @@ class Selection:
         return (*before, *middle, *after)
 
 
+_ALL = Positions()
+
+
 def _after_layers(hook: Hook) -> bool:
     return hook.name in {"resid_final", "final_ln", "final_logits"}
 
@@ -331,17 +374,20 @@ def parse_selection(text: str) -> HookSelection:
         if not token:
             msg = f"empty item in hook selection {text!r}; {_accepted()}"
             raise SelectionError(msg)
-        name, _, layer_text = token.partition("@")
+        head, colon, rule_text = token.partition(":")
+        positions = Positions.parse(rule_text, token) if colon else Positions()
+        name, _, layer_text = head.partition("@")
         name = ALIASES.get(name.strip(), name.strip())
         is_preset = name in PRESETS
         if not is_preset and name not in _BY_NAME:
             msg = f"unknown hook or preset {name!r} in {token!r}; {_accepted()}"
             raise SelectionError(msg)
-        layers = _parse_layers(layer_text, token) if "@" in token else None
+        layers = _parse_layers(layer_text, token) if "@" in head else None
         if layers is not None and not is_preset and not _BY_NAME[name].per_layer:
             msg = f"{name!r} in {token!r} is a global hook and takes no layer range"
             raise SelectionError(msg)
-        items.append(SelectionItem(name=name, layers=layers, is_preset=is_preset))
+        items.append(SelectionItem(name=name, layers=layers, is_preset=is_preset,
+                                   positions=positions))
     return HookSelection(tuple(items))
 
 

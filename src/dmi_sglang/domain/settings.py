@@ -88,6 +88,18 @@ def _conv(
     return convert
 
 
+def _capturable(text: str) -> HookSelection:
+    """A selection a capture can run: position rules (``:last`` ...) are planned by
+    ``dmi-sglang plan`` and not captured yet."""
+    selection = parse_selection(text)
+    if selection.selects_positions:
+        ruled = ", ".join(str(i) for i in selection.items if not i.positions.is_all)
+        msg = (f"position rules ({ruled}) are understood by dmi-sglang plan but not "
+               "captured yet: capture every position (no ':rule')")
+        raise ConfigurationError(msg)
+    return selection
+
+
 def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
     """A parser of integers in ``[low, high]`` and the words that say so."""
 
@@ -291,7 +303,7 @@ _VARS: dict[str, _Var] = {
         "hook_selection",
         "sglang-full",
         _conv(
-            lambda t: str(parse_selection(t)),
+            lambda t: str(_capturable(t)),
             "hook names, presets and name@N-M layer ranges, comma-separated",
         ),
     ),

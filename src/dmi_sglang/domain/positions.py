@@ -1,0 +1,143 @@
+"""Which positions of a request a hook keeps: the ``:rule`` of the selection syntax.
+
+Each rule is defined by content, never by how the scheduler happened to batch the
+forwards. For a request of ``prompt`` tokens and ``completion`` generated tokens, a complete
+capture of every position holds (:func:`~dmi_sglang.domain.records.expected_coverage`):
+
+* token-row hooks: positions ``[0, prompt + completion - 1)``, plus ``prompt + completion -
+  1`` when SGLang's overlap scheduler forwarded the last generated token once more;
+* request-row hooks (``final_logits``): ``[prompt - 1, prompt + completion - 1)``, one row
+  per generated token (the row at position ``p`` decides token ``p + 1``).
+
+The rules keep, of those:
+
+========================  ==============================================================
+``all`` (the default)     every one
+``last_prompt``           ``prompt - 1``: the last prompt position (it decides the first
+                          generated token)
+``last``                  ``prompt + completion - 2``: the position that decided the last
+                          generated token
+``generated``             ``[prompt - 1, prompt + completion - 1)``: the positions whose
+                          outputs are the generated tokens (never the extra forward's)
+``every(K)``              the positions that are multiples of ``K`` (``0, K, 2K, ...``)
+``positions(A-B)``        ``A <= position <= B`` (``positions(A)``: position ``A`` alone)
+========================  ==============================================================
+
+A kept position is stored as one record per run of consecutive kept positions (a stride
+of ``every(K)`` with ``K > 1`` is one record per position), in DMI's columns.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+import attrs
+
+from dmi_sglang.errors import SelectionError
+
+__all__ = ["PositionRule", "Positions"]
+
+
+class PositionRule(enum.Enum):
+    """The kinds of position selection (see the module docstring)."""
+
+    ALL = "all"
+    LAST_PROMPT = "last_prompt"
+    LAST = "last"
+    GENERATED = "generated"
+    EVERY = "every"
+    RANGE = "positions"
+
+
+_CALL = re.compile(r"^(every|positions)\((\d+)(?:-(\d+))?\)$")
+ACCEPTED = "all, last_prompt, last, generated, every(K), positions(A-B)"
+"""The rules the selection syntax accepts, as the error messages name them."""
+
+
+@attrs.frozen
+class Positions:
+    """A position rule with its parameters (``every``: ``K``; ``positions``: ``A``-``B``,
+    inclusive)."""
+
+    rule: PositionRule = PositionRule.ALL
+    k: int = 1
+    first: int = 0
+    last: int = 0
+
+    @classmethod
+    def parse(cls, text: str, token: str = "") -> Positions:
+        """A rule as written after ``:`` in a selection item (``token``: the item, for the
+        message).
+
+        Raises:
+            SelectionError: an unknown rule, ``every(0)``, or a range ``A-B`` with ``B < A``.
+        """
+        where = f" in {token!r}" if token else ""
+        name = text.strip()
+        for rule in (PositionRule.ALL, PositionRule.LAST_PROMPT, PositionRule.LAST,
+                     PositionRule.GENERATED):
+            if name == rule.value:
+                return cls(rule)
+        match = _CALL.match(name)
+        if match is None or (match.group(1) == "every" and match.group(3) is not None):
+            msg = f"unknown position rule {name!r}{where}; accepted: {ACCEPTED}"
+            raise SelectionError(msg)
+        a = int(match.group(2))
+        if match.group(1) == "every":
+            if a < 1:
+                msg = f"every({a}){where}: K must be at least 1"
+                raise SelectionError(msg)
+            return cls(PositionRule.EVERY, k=a)
+        b = int(match.group(3)) if match.group(3) is not None else a
+        if b < a:
+            msg = f"positions({a}-{b}){where}: need A <= B"
+            raise SelectionError(msg)
+        return cls(PositionRule.RANGE, first=a, last=b)
+
+    @property
+    def is_all(self) -> bool:
+        """True for the default rule (every position)."""
+        return self.rule is PositionRule.ALL
+
+    def __str__(self) -> str:
+        if self.rule is PositionRule.EVERY:
+            return f"every({self.k})"
+        if self.rule is PositionRule.RANGE:
+            span = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+            return f"positions({span})"
+        return str(self.rule.value)
+
+    def keeps(self, position: int, *, prompt: int, completion: int) -> bool:
+        """True when the rule keeps ``position`` of a request of ``prompt`` +
+        ``completion`` tokens (``position`` being one a complete capture holds)."""
+        rule = self.rule
+        if rule is PositionRule.ALL:
+            return True
+        if rule is PositionRule.LAST_PROMPT:
+            return position == prompt - 1
+        if rule is PositionRule.LAST:
+            return position == prompt + completion - 2
+        if rule is PositionRule.GENERATED:
+            return prompt - 1 <= position < prompt + completion - 1
+        if rule is PositionRule.EVERY:
+            return position % self.k == 0
+        return self.first <= position <= self.last
+
+    def rows(self, start: int, end: int, *, prompt: int, completion: int) -> int:
+        """How many positions of ``[start, end)`` (what a complete capture of the request
+        holds for one hook) the rule keeps."""
+        rule = self.rule
+        if end <= start:
+            return 0
+        if rule is PositionRule.ALL:
+            return end - start
+        if rule is PositionRule.EVERY:
+            return -(-end // self.k) - -(-start // self.k)
+        if rule is PositionRule.RANGE:
+            return max(0, min(end, self.last + 1) - max(start, self.first))
+        if rule is PositionRule.GENERATED:
+            lo, hi = prompt - 1, prompt + completion - 1
+            return max(0, min(end, hi) - max(start, lo))
+        one = prompt - 1 if rule is PositionRule.LAST_PROMPT else prompt + completion - 2
+        return 1 if start <= one < end else 0

@@ -1,0 +1,106 @@
+"""Position rules: the syntax, their content definitions, and the rows they keep."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dmi_sglang.domain.bandwidth import capture_bytes, plan_bandwidth
+from dmi_sglang.domain.hooks import CATALOG, ModelHooks, parse_selection
+from dmi_sglang.domain.positions import PositionRule, Positions
+from dmi_sglang.domain.records import expected_coverage
+from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.errors import ConfigurationError, SelectionError
+
+SHAPE = ModelShape(4, 8, 2, 1, 4, 12, 10)
+HOOKS = ModelHooks("Toy", frozenset(h.name for h in CATALOG), 4)
+RULES = ("all", "last_prompt", "last", "generated", "every(1)", "every(3)", "positions(2-5)",
+         "positions(7)")
+
+
+@pytest.mark.parametrize("text", RULES)
+def test_every_rule_reads_back_as_written(text: str) -> None:
+    rule = Positions.parse(text)
+    assert str(rule) == text
+    assert Positions.parse(str(rule)) == rule
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("first", "unknown position rule 'first'"),
+    ("every(0)", "every(0) in 'x': K must be at least 1"),
+    ("every(2-4)", "unknown position rule 'every(2-4)'"),
+    ("positions(5-3)", "positions(5-3) in 'x': need A <= B"),
+    ("positions()", "accepted: all, last_prompt, last, generated, every(K), positions(A-B)"),
+])
+def test_bad_rules_are_refused_by_name(text: str, words: str) -> None:
+    with pytest.raises(SelectionError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Positions.parse(text, "x")
+
+
+@given(text=st.sampled_from(RULES), prompt=st.integers(1, 40), completion=st.integers(1, 40),
+       extra=st.booleans(), request_rows=st.booleans())
+def test_rows_counts_the_positions_the_rule_keeps(text: str, prompt: int, completion: int,
+                                                  extra: bool, request_rows: bool) -> None:
+    hook = next(h for h in CATALOG if h.name == ("final_logits" if request_rows else "resid_pre"))
+    full = expected_coverage(hook, prompt_tokens=prompt, completion_tokens=completion,
+                             overlap_extra_forward=extra)
+    rule = Positions.parse(text)
+    kept = [p for p in range(full.start, full.end)
+            if rule.keeps(p, prompt=prompt, completion=completion)]
+    assert rule.rows(full.start, full.end, prompt=prompt, completion=completion) == len(kept)
+    if rule.rule in (PositionRule.LAST_PROMPT, PositionRule.LAST):
+        assert len(kept) == 1
+    if rule.rule is PositionRule.GENERATED:
+        assert kept == list(range(prompt - 1, prompt + completion - 1))  # never the extra
+
+
+def test_the_definitions_by_content() -> None:
+    # prompt of 5 (positions 0-4), 3 generated tokens (at 5, 6, 7), decided at 4, 5, 6
+    keeps = {t: [p for p in range(8) if Positions.parse(t).keeps(p, prompt=5, completion=3)]
+             for t in RULES}
+    assert keeps["last_prompt"] == [4]
+    assert keeps["last"] == [6]
+    assert keeps["generated"] == [4, 5, 6]
+    assert keeps["every(3)"] == [0, 3, 6]
+    assert keeps["positions(2-5)"] == [2, 3, 4, 5]
+
+
+def test_selection_items_carry_their_rule_per_hook_and_layer() -> None:
+    text = "resid_pre@0-1:last,resid_pre@2-3,final_logits:generated,mlp_out@2:every(8)"
+    parsed = parse_selection(text)
+    assert str(parsed) == text
+    assert parsed.selects_positions
+    sel = parsed.resolve(HOOKS)
+    assert str(sel.positions_of("resid_pre", 0)) == "last"
+    assert sel.positions_of("resid_pre", 2).is_all
+    assert str(sel.positions_of("final_logits", -1)) == "generated"
+    assert str(sel.positions_of("mlp_out", 2)) == "every(8)"
+    assert not parse_selection("resid_pre@0-1,final_ln").selects_positions
+
+
+def test_one_capture_with_two_rules_is_an_error() -> None:
+    with pytest.raises(SelectionError, match="resid_pre@1 is selected with two position rules"):
+        parse_selection("resid_pre:last,resid_pre@1-2:generated").resolve(HOOKS)
+    same = parse_selection("resid_pre:last,resid_pre@1:last").resolve(HOOKS)
+    assert str(same.positions_of("resid_pre", 1)) == "last"
+
+
+def test_the_plan_counts_only_kept_rows() -> None:
+    sel = parse_selection("resid_pre:last,final_logits:last_prompt").resolve(HOOKS)
+    got = capture_bytes(sel, SHAPE, [(5, 3, True), (2, 9, False)])
+    per_request = 4 * SHAPE.row(CATALOG[0]).nbytes + 10 * 4  # 4 layers x 1 row, 1 logits row
+    assert got.bytes == 2 * per_request
+    assert got.rows == 2 * 5
+    plan = plan_bandwidth(sel, SHAPE, prompt_tokens=100, completion_tokens=10)
+    assert plan.bytes_per_request == per_request
+    assert plan.bytes_per_prompt_token == 0
+
+
+def test_a_capture_refuses_rules_it_cannot_capture_yet() -> None:
+    with pytest.raises(ConfigurationError, match=r"position rules \(resid_pre:last\) are "
+                       "understood by dmi-sglang plan but not captured yet"):
+        Settings.from_env({"DMX_HOOK_SELECTION": "resid_pre:last"})
+    assert Settings.from_env({"DMX_HOOK_SELECTION": "resid_pre:all"}).hook_selection == \
+        "resid_pre"
