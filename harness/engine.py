@@ -295,7 +295,11 @@ def profile_workload(engine: Any, wl: Mapping[str, Any], out_dir: Path, steps: i
                          with_stack=True, record_shapes=False)
     ran = run_workload(engine, {**wl, "min_seconds": 0, "max_waves": 1})
     ran.pop("outputs", None)
-    path = _new_file(out_dir, before)
+    try:
+        path = _new_file(out_dir, before)
+    except TimeoutError:
+        engine.stop_profile()  # fewer forwards than asked for: the profiler still runs
+        raise
     return {"run": ran, "trace": str(path), "trace_bytes": path.stat().st_size,
             "summary": summarize_trace(path)}
 

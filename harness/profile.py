@@ -4,10 +4,12 @@ For each ``--modes`` entry (``stock``, or a serving mode such as ``transport:hid
 one engine serves the serving benchmark's workload (``--batch`` requests of
 ``--prompt-len`` + ``--output-len`` tokens, the same engine settings): a warm-up wave, one
 untimed wave of the workload, then one more wave during which SGLang's own profiler
-(``Engine.start_profile``: torch's profiler, CPU and GPU, Python stacks) records
-``--steps`` forwards of the scheduler. Each trace is summarized on the machine
-(:mod:`harness.trace`): the share of the window the GPU was busy, forwards, per thread the
-seconds in Python and in dmi_sglang's functions, dmi_sglang's functions by inclusive time,
+(``Engine.start_profile``: torch's profiler, CPU and GPU, Python stacks) records the
+wave's first ``--steps`` forwards of the scheduler (its prefill, then decode steps; at
+most ``--output-len - 2``, because SGLang writes the trace when forward N + 1 starts).
+Each trace is summarized on the machine (:mod:`harness.trace`): the share of the window
+the GPU was busy, forwards, per thread the seconds in Python and dmi_sglang's own seconds
+(its library calls in, SGLang's code it wraps out, waits apart), dmi_sglang's functions
 and the torch operators they ran. The traces stay in ``--work``; the JSON and the table
 hold the summaries. A diagnostic, not a benchmark: the profiler slows what it records, so
 compare modes with each other, never with the serving benchmark's figures.
@@ -77,7 +79,8 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
 def render(rows: Sequence[Json]) -> str:
     """The summaries as a table, then each mode's dmi_sglang functions."""
     head = (f"{'mode':<26} {'window s':>8} {'fwd':>4} {'GPU busy':>8} "
-            f"{'thread':<22} {'python ms/fwd':>13} {'dmi ms/fwd':>10}")
+            f"{'thread (its entry)':<36} {'python ms/fwd':>13} {'dmi ms/fwd':>10} "
+            f"{'dmi wait':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         s = r.get("summary") or {}
@@ -85,13 +88,15 @@ def render(rows: Sequence[Json]) -> str:
         for i, t in enumerate((s.get("threads") or [])[:3]):
             lead = (f"{r['mode']:<26} {s['window_s']:>8.3f} {s['forwards']:>4} "
                     f"{(s['gpu_busy'] or 0):>8.1%}") if i == 0 else " " * 49
-            lines.append(f"{lead} {str(t['name'])[:22]:<22} "
-                         f"{t['python_s'] / fwd * 1e3:>13.3f} {t['dmi_s'] / fwd * 1e3:>10.3f}")
+            label = str(t.get("entry") or t["name"])[-36:]
+            lines.append(f"{lead} {label:<36} {t['python_s'] / fwd * 1e3:>13.3f} "
+                         f"{t['dmi_s'] / fwd * 1e3:>10.3f} {t['dmi_wait_s'] / fwd * 1e3:>8.3f}")
     for r in rows:
         s = r.get("summary") or {}
         fwd = max(int(s.get("forwards") or 0), 1)
         if s.get("dmi"):
-            lines.append(f"\n{r['mode']}: dmi_sglang functions, inclusive ms per forward")
+            lines.append(f"\n{r['mode']}: dmi_sglang functions, own ms per forward (their "
+                         "library calls in, SGLang's code they wrap out)")
             lines += [f"  {f['seconds'] / fwd * 1e3:8.3f}  {f['calls']:>6}  {f['function']}"
                       for f in s["dmi"]]
             lines.append("  torch operators inside them, ms per forward")
@@ -117,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("batch", "prompt_len", "output_len", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+    if args.steps > args.output_len - 2:  # SGLang writes the trace when forward N + 1 starts
+        p.error(f"--steps {args.steps}: at most --output-len - 2 = {args.output_len - 2}, so "
+                "that the profiled wave runs the forwards the profiler waits for")
     args.min_seconds = 0.0
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "profile.json")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-profile-"))

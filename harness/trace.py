@@ -50,28 +50,6 @@ def _union(intervals: Iterable[Interval]) -> float:
     return total
 
 
-def _inside(spans: Sequence[Interval], a: float, b: float) -> bool:
-    """True when ``[a, b)`` lies within one of ``spans`` (sorted, disjoint)."""
-    lo, hi = 0, len(spans)
-    while lo < hi:  # the last span starting at or before a
-        mid = (lo + hi) // 2
-        if spans[mid][0] <= a:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo > 0 and spans[lo - 1][1] >= b
-
-
-def _merged(intervals: Iterable[Interval]) -> list[Interval]:
-    out: list[Interval] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
 def load_trace(path: Path) -> list[dict[str, Any]]:
     """The trace's events."""
     opener = gzip.open if path.name.endswith(".gz") else open
@@ -86,14 +64,71 @@ def summarize_trace(path: Path, top: int = 20) -> Json:
     return summarize_events(load_trace(path), top=top)
 
 
+_WAITS = ("threading.py", "queue.py", ": synchronize", ": sleep", ": wait")
+"""Frames that block (a wait is not work): their own time is reported apart."""
+
+
+class _Frame:
+    """One ``python_function`` event in its thread's call tree."""
+
+    __slots__ = ("a", "b", "child_s", "name", "ours", "root")
+
+    def __init__(self, name: str, a: float, b: float, parent: _Frame | None) -> None:
+        self.name, self.a, self.b = name, a, b
+        self.child_s = 0.0
+        self.root = parent is None
+        mine = OURS in name
+        sglang = "/sglang/" in name and not mine
+        # dmi_sglang's frame this one works for: itself, or its caller's unless SGLang's
+        # own code (the forward a hook wraps) runs here
+        self.ours: _Frame | None = self if mine else (
+            parent.ours if parent is not None and not sglang else None)
+
+    @property
+    def own(self) -> float:
+        """Seconds in this frame itself (its calls excluded)."""
+        return max(0.0, (self.b - self.a) - self.child_s) / 1e6
+
+
+def _frames(events: Sequence[tuple[str, float, float]],
+            ops: Sequence[tuple[str, float, float]]) -> tuple[list[_Frame], list[tuple[
+                str, float, _Frame | None]]]:
+    """The call tree of one thread's Python events, and each operator with the innermost
+    frame it ran in (one pass over both, by start; at equal starts the longer first, a
+    frame before an operator)."""
+    items = sorted([(a, -(b - a), 0, name, b) for name, a, b in events]
+                   + [(a, -(b - a), 1, name, b) for name, a, b in ops])
+    frames: list[_Frame] = []
+    owned: list[tuple[str, float, _Frame | None]] = []
+    stack: list[_Frame] = []
+    for a, _neg, kind, name, b in items:
+        while stack and stack[-1].b <= a:
+            stack.pop()
+        parent = stack[-1] if stack else None
+        if kind == 1:
+            owned.append((name, (b - a) / 1e6, parent if parent is not None and
+                          b <= parent.b else None))
+            continue
+        frame = _Frame(name, a, b, parent)
+        if parent is not None:
+            parent.child_s += b - a
+        stack.append(frame)
+        frames.append(frame)
+    return frames, owned
+
+
 def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
-    """:func:`summarize_trace` of events already loaded."""
+    """:func:`summarize_trace` of events already loaded.
+
+    dmi_sglang's time is what its frames run themselves plus the library calls they make
+    (torch, numpy, the standard library), never SGLang's code they wrap (the forward
+    inside ``around_forward``); waits (``threading``, ``queue``, ``synchronize``,
+    ``sleep``) are reported apart.
+    """
     names: dict[Any, str] = {}
     gpu: list[Interval] = []
-    python: dict[Any, list[Interval]] = defaultdict(list)
-    ours: dict[Any, list[Interval]] = defaultdict(list)
-    by_function: dict[tuple[str, Any], list[Interval]] = defaultdict(list)
-    ops: list[tuple[Any, str, float, float]] = []
+    python: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
+    ops: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     first, last, forwards = float("inf"), float("-inf"), 0
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
@@ -108,41 +143,56 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         if cat in GPU_CATEGORIES:
             gpu.append((a, b))
         elif cat == "python_function":
-            python[tid].append((a, b))
+            python[tid].append((name, a, b))
             if f"{FORWARD[0]}(" in name and name.endswith(FORWARD[1]):
                 forwards += 1
-            if OURS in name:
-                ours[tid].append((a, b))
-                by_function[_short(name), tid].append((a, b))
         elif cat == "cpu_op":
-            ops.append((tid, name, a, b))
+            ops[tid].append((name, a, b))
     window = max(last - first, 0.0)
-    ours_merged = {tid: _merged(spans) for tid, spans in ours.items()}
-    op_seconds: dict[str, float] = defaultdict(float)
-    for tid, name, a, b in ops:
-        spans = ours_merged.get(tid)
-        if spans and _inside(spans, a, b):
-            op_seconds[name] += (b - a) / 1e6
-    threads = [{"tid": tid, "name": names.get(tid, ""),
-                "python_s": _union(spans) / 1e6,
-                "dmi_s": _union(ours.get(tid, ())) / 1e6}
-               for tid, spans in python.items()]
-    threads.sort(key=lambda t: -float(t["python_s"]))
-    seconds: dict[str, float] = defaultdict(float)
+    threads: list[Json] = []
+    by_function: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
-    for (function, _tid), spans in by_function.items():  # recursion once, threads summed
-        seconds[function] += _union(spans) / 1e6
-        calls[function] += len(spans)
-    functions = sorted(((f, s, calls[f]) for f, s in seconds.items()), key=lambda x: -x[1])
+    op_seconds: dict[str, float] = defaultdict(float)
+    for tid, evs in python.items():
+        threads.append({"tid": tid, "name": names.get(tid, ""), **_thread(
+            evs, ops.get(tid, ()), by_function, calls, op_seconds)})
+    threads.sort(key=lambda t: -float(t["python_s"]))
+    functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
         "window_s": window / 1e6,
         "gpu_busy": _union(gpu) / window if window else None,
         "forwards": forwards,
         "threads": threads,
-        "dmi": [{"function": f, "seconds": s, "calls": n} for f, s, n in functions[:top]],
+        "dmi": [{"function": f, "seconds": s, "calls": calls.get(f, 0)}
+                for f, s in functions[:top]],
         "dmi_ops": [{"op": k, "seconds": v} for k, v in
                     sorted(op_seconds.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def _thread(evs: Sequence[tuple[str, float, float]], ops: Sequence[tuple[str, float, float]],
+            by_function: dict[str, float], calls: dict[str, int],
+            op_seconds: dict[str, float]) -> Json:
+    """One thread's figures; adds its dmi_sglang functions and operators to the totals."""
+    frames, owned = _frames(evs, ops)
+    work = wait = 0.0
+    for f in frames:
+        if f.ours is None:
+            continue
+        if any(w in f.name for w in _WAITS):
+            wait += f.own
+        else:
+            work += f.own
+            by_function[_short(f.ours.name)] += f.own
+        if f is f.ours:
+            calls[_short(f.name)] += 1
+    for name, seconds, inner in owned:  # an operator belongs to its innermost frame
+        if inner is not None and inner.ours is not None:
+            op_seconds[name] += seconds
+    entry = max((f for f in frames if f.root), key=lambda f: f.b - f.a, default=None)
+    return {"entry": _short(entry.name) if entry is not None else "",
+            "python_s": _union((f.a, f.b) for f in frames) / 1e6, "dmi_s": work,
+            "dmi_wait_s": wait}
 
 
 def _short(name: str) -> str:

@@ -25,8 +25,8 @@ def test_hidden_states_at_stock_speed_are_limited_by_the_store(model, capsys) ->
     assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
                  "--tok-s", "21000"]) == 0
     out = capsys.readouterr().out
-    assert "selection hidden-states on Qwen3ForCausalLM (28 layers, hidden 1024): 28 tensors" \
-        in out
+    assert "selection hidden-states on Qwen3ForCausalLM (28 layers, hidden 1024, bfloat16): " \
+        "28 tensors" in out
     # 28 layers x (256 + 128) positions x 2 KiB = 22.0 MB; 57.3 kB a prompt token
     assert "a request of 256 prompt + 128 generated tokens: 22 MB; 57.3 kB per prompt" in out
     assert "172 kB per generated token" in out
@@ -58,7 +58,7 @@ def test_bad_selections_are_one_line_errors(model, capsys, args, words) -> None:
 
 def test_a_directory_without_config_is_refused_by_name(tmp_path, capsys) -> None:
     assert main(["plan", "--model", str(tmp_path / "none")]) == 2
-    assert "has no config.json: give a model directory" in capsys.readouterr().err
+    assert "does not exist: give a model directory" in capsys.readouterr().err
 
 
 def test_an_unsupported_architecture_is_refused(tmp_path, capsys) -> None:
@@ -66,3 +66,35 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys) -> None:
                                                       "architectures": ["LlamaForCausalLM"]}))
     assert main(["plan", "--model", str(tmp_path)]) == 2
     assert "LlamaForCausalLM has no hooked model" in capsys.readouterr().err
+
+
+def test_a_float32_checkpoint_is_planned_as_sglang_serves_it(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_06B, "torch_dtype": "float32"}))
+    assert main(["plan", "--model", str(tmp_path), "--hooks", "resid_pre@0"]) == 0
+    out = capsys.readouterr().out
+    assert "hidden 1024, float16)" in out  # SGLang's dtype=auto serves float32 as float16
+    assert "2.05 kB per prompt token" in out
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2},
+     "config.json lacks a usable model size"),
+    ([1, 2], "holds no JSON object"),
+])
+def test_a_config_without_sizes_is_one_line_error(tmp_path, capsys, config, words) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_directory_lacking_config_json_is_refused_by_name(tmp_path, capsys) -> None:
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert "has no config.json: give a model directory" in capsys.readouterr().err
+
+
+def test_a_file_given_as_model_is_refused_by_name(tmp_path, capsys) -> None:
+    (tmp_path / "f").write_text("x")
+    assert main(["plan", "--model", str(tmp_path / "f")]) == 2
+    assert "is not a directory: give a model directory" in capsys.readouterr().err

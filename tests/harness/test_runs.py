@@ -197,7 +197,7 @@ def test_the_profile_command_summarizes_each_modes_trace(tmp_path: Path,
 
     out = tmp_path / "profile.json"
     code = profile.main(["--modes", "stock,transport:hidden-states", "--steps", "5",
-                         "--batch", "2", "--prompt-len", "4", "--output-len", "3",
+                         "--batch", "2", "--prompt-len", "4", "--output-len", "7",
                          "--engine-class", FAKE, "--work", str(tmp_path / "work"),
                          "--out", str(out)])
     assert code == 0
@@ -213,12 +213,24 @@ def test_the_profile_command_summarizes_each_modes_trace(tmp_path: Path,
     assert s["gpu_busy"] == pytest.approx(5 * 800 / (4 * 3000 + 2100))
     threads = {t["name"]: t for t in s["threads"]}
     assert threads["MainThread"]["python_s"] == pytest.approx(5 * 1200e-6)
-    assert threads["MainThread"]["dmi_s"] == pytest.approx(5 * 1200e-6)
+    assert threads["MainThread"]["dmi_s"] == pytest.approx(5 * 200e-6)  # not the forward
     assert threads["dmi-capture-drain"]["dmi_s"] == pytest.approx(5 * 500e-6)
-    assert s["dmi"][0] == {"function": "adapters/sglang_v0519/runtime_hooks.py: around_forward",
-                           "seconds": pytest.approx(5 * 1200e-6), "calls": 5}
+    by = {f["function"]: f for f in s["dmi"]}
+    assert by["adapters/sglang_v0519/runtime_hooks.py: around_forward"] == {
+        "function": "adapters/sglang_v0519/runtime_hooks.py: around_forward",
+        "seconds": pytest.approx(5 * 200e-6), "calls": 5}
     assert s["dmi_ops"] == [{"op": "aten::copy_", "seconds": pytest.approx(5 * 30e-6)}]
     assert modes[1]["run"]["requests"] == 2
     printed = capsys.readouterr().out
     assert "transport:hidden-states" in printed
     assert "around_forward" in printed
+
+
+def test_the_profile_command_refuses_more_steps_than_a_wave_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from harness import profile
+
+    with pytest.raises(SystemExit) as exited:
+        profile.main(["--steps", "40", "--output-len", "41"])
+    assert exited.value.code == 2
+    assert "--steps 40: at most --output-len - 2 = 39" in capsys.readouterr().err

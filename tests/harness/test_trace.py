@@ -13,6 +13,27 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "python_functi
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
+def test_own_time_counts_library_calls_and_never_sglangs_code() -> None:
+    events = [
+        _x(OURS.format(9, "around_forward"), 0, 100, tid=3),
+        _x("/p/sglang/srt/model_executor/model_runner.py(5): forward", 10, 80, tid=3),
+        _x("/p/torch/nn/modules/module.py(1): _call_impl", 20, 60, tid=3),  # SGLang's
+        _x("aten::mm", 30, 10, tid=3, cat="cpu_op"),                         # the model's op
+        _x("/p/torch/cuda/streams.py(2): record", 92, 4, tid=3),             # the hook's
+        _x("aten::copy_", 96, 2, tid=3, cat="cpu_op"),                       # the hook's op
+        _x("/l/python3.12/threading.py(7): wait", 200, 500, tid=4),
+        _x(OURS.format(3, "_run"), 150, 600, tid=4),
+    ]
+    s = summarize_events(events)
+    threads = {t["tid"]: t for t in s["threads"]}
+    assert threads[3]["dmi_s"] == pytest.approx(20e-6)  # 100 - the forward's 80
+    assert threads[3]["entry"] == "app/session.py: around_forward"
+    assert threads[4]["dmi_s"] == pytest.approx(100e-6)  # 600 - the 500 waited
+    assert threads[4]["dmi_wait_s"] == pytest.approx(500e-6)
+    assert s["dmi_ops"] == [{"op": "aten::copy_", "seconds": pytest.approx(2e-6)}]
+    assert s["forwards"] == 1
+
+
 def test_recursion_and_nesting_are_counted_once() -> None:
     events = [
         _x(OURS.format(1, "outer"), 0, 100),
@@ -30,12 +51,12 @@ def test_recursion_and_nesting_are_counted_once() -> None:
     assert s["gpu_busy"] == pytest.approx(80 / 155)
     threads = {t["tid"]: t for t in s["threads"]}
     assert threads[1]["python_s"] == pytest.approx(100e-6)
-    assert threads[1]["dmi_s"] == pytest.approx(100e-6)
+    assert threads[1]["dmi_s"] == pytest.approx(100e-6)  # own times: 50 + 40 + 6 + 4
     assert threads[2]["dmi_s"] == pytest.approx(30e-6)
     by = {f["function"]: f for f in s["dmi"]}
-    assert by["app/session.py: outer"]["seconds"] == pytest.approx(130e-6)  # union: 100 + 30
+    assert by["app/session.py: outer"]["seconds"] == pytest.approx(120e-6)  # 50 + 40 + 30
     assert by["app/session.py: outer"]["calls"] == 3
-    assert by["app/session.py: inner"]["seconds"] == pytest.approx(10e-6)
+    assert by["app/session.py: inner"]["seconds"] == pytest.approx(10e-6)  # with its call
     assert s["dmi_ops"] == [{"op": "aten::copy_", "seconds": pytest.approx(5e-6)}]
 
 

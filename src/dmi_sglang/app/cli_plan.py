@@ -43,8 +43,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
         description="The bandwidth plan of a hook selection: bytes per prompt token and per "
         "generated token for requests of --prompt-len + --output-len tokens, and the most "
         "generated tokens per second that the device-to-host copies, the store's ingest and "
-        "the disk can follow (and the bound at --tok-s). The rates default to what was "
-        "measured on an H200 host; give yours.")
+        "the disk can follow (and the bound at --tok-s). An upper bound from bandwidth alone: "
+        "the capture's own work per step costs serving speed too (docs/benchmarks.md). The "
+        "rates default to what was measured on an H200 host; give yours.")
     p.add_argument("--model", required=True, type=Path,
                    help="model directory (its config.json)")
     p.add_argument("--hooks", default=None,
@@ -68,6 +69,10 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 
 def _config(model: Path) -> dict[str, Any]:
     path = model / "config.json"
+    if not model.is_dir():
+        what = "does not exist" if not model.exists() else "is not a directory"
+        msg = f"--model {str(model)!r} {what}: give a model directory (with config.json)"
+        raise UsageError(msg)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -94,7 +99,8 @@ def plan(args: argparse.Namespace) -> int:
                             completion_tokens=args.output_len, tok_s=args.tok_s,
                             stored=not args.no_store, rates=rates)
     print(f"selection {text} on {hooks.architecture} ({shape.num_layers} layers, hidden "
-          f"{shape.hidden}): {len(captures)} tensors a forward")
+          f"{shape.hidden}, {shape.activation_dtype.value.removeprefix('torch.')}): "
+          f"{len(captures)} tensors a forward")
     if selection.omitted:
         print(f"omitted (the model lacks them): {', '.join(selection.omitted)}")
     for line in _lines(result, args.compression):

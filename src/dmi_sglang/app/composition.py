@@ -302,15 +302,22 @@ def nearest_sglang_adapter() -> SGLangAdapter:
 
 def model_rows(config: Mapping[str, Any]) -> tuple[ModelHooks, ModelShape]:
     """The hooks a model offers and its row shapes, from its ``config.json`` (no SGLang
-    and no GPU needed: for planning).
+    and no GPU needed: for planning), in the dtype SGLang serves it in (``auto``;
+    bfloat16 when the file names none).
 
     Raises:
         UnsupportedConfigurationError: the architecture has no hooked model.
+        UsageError: the file lacks a size the row shapes need.
     """
-    from dmi_sglang.adapters.sglang_v0519.facts import model_hooks, model_shape
+    from dmi_sglang.adapters.sglang_v0519.facts import model_hooks, model_shape, served_dtype
 
     hf = SimpleNamespace(**config)
-    return model_hooks(hf), model_shape(hf, config.get("torch_dtype") or "bfloat16")
+    hooks = model_hooks(hf)
+    try:
+        return hooks, model_shape(hf, served_dtype(dict(config)) or "bfloat16")
+    except (AttributeError, TypeError, ValueError) as exc:
+        msg = f"config.json lacks a usable model size ({exc})"
+        raise UsageError(msg) from None
 
 
 def register_plugin() -> None:

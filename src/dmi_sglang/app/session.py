@@ -81,8 +81,8 @@ class RequestTracker:
         reuses while the batch is unchanged) only move one position further, so only the
         newest one's ends matter (the run's first was folded)."""
         self._known: dict[int, TrackedRequest] = {}
-        """Req objects already remembered, by ``id`` (each is held in ``_seen``, so its id
-        is not reused while it is here): a batch's known requests cost one lookup."""
+        """Req objects already remembered and not finished, by ``id`` (each is held here,
+        so its id is not reused while it is): a batch's known requests cost one lookup."""
 
     def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
@@ -109,6 +109,7 @@ class RequestTracker:
         for rid, req in done:
             self._live[rid].notified = True
             del self._live[rid]
+            self._known.pop(id(req), None)
             out.append((rid, logits_end(req)))
         return out
 
@@ -123,6 +124,7 @@ class RequestTracker:
             req = seen.req
             out.append((rid, logits_end(req) if req is not None and req.finished() else None))
         self._live.clear()
+        self._known.clear()
         return out
 
     def add_layout(self, layout: BatchLayout) -> None:

@@ -1,10 +1,11 @@
 """The bandwidth plan: what a selection moves per token, and which stage limits it.
 
-One piece of arithmetic, used by ``dmi-sglang plan``, the engine's startup log and the
-benchmarks' bounds. A capture moves each captured byte over three stages: device to host
-(D2H), into the store (ClickHouse's insert path) and onto the disk (after the store's
-compression). Each stage has a rate; the bound a stage puts on serving is the fraction of
-a generation rate it can follow::
+One piece of arithmetic, used by ``dmi-sglang plan`` and the benchmarks' bounds. It
+bounds throughput by bandwidth alone (the capture's own work per step is not in it). A
+capture moves each captured byte over three stages: device to host (D2H), into the store
+(ClickHouse's insert path) and onto the disk (after the store's compression). Each stage
+has a rate; the bound a stage puts on serving is the fraction of a generation rate it can
+follow::
 
     needed   = bytes per generated token x generated tokens/s
     bound    = min(1, stage rate / needed)

@@ -254,6 +254,12 @@ def _local_config_json(model_path: Any) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def served_dtype(config: dict[str, Any]) -> str | None:
+    """The activation dtype SGLang serves a ``config.json`` in with ``dtype="auto"`` (None:
+    the file names none)."""
+    return _dtype_from(None, None, config)
+
+
 def _dtype_from(requested: Any, config: Any, raw: dict[str, Any] | None) -> str | None:
     text = str(requested or "auto").removeprefix("torch.").lower()
     if text != "auto":

@@ -119,7 +119,7 @@ _BATCH = 1024
 _EMIT_BYTES = 64 << 20
 """Payload bytes after which a batch hands its records to the sink before going on."""
 DIRECT_MIN_SLABS = 8
-"""Page-locked slabs (32 MiB) reserved at startup at the least (see ``direct_slabs``)."""
+"""Page-locked slabs (32 MiB) reserved at startup at the least (see ``direct_bytes``)."""
 
 
 class Drain:
@@ -285,9 +285,10 @@ class Drain:
                 or not self._coalesce(item)):
             return
         left = self._round_end + self._linger_s - time.monotonic()
-        if left > 0:
-            self.lingers += 1
-            self._hurry.wait(left)
+        if self._window is not None and (due := self._window.seconds_left()) is not None:
+            left = min(left, due)  # the flush timeout still bounds how long rows wait
+        if left > 0 and not self._hurry.wait(left):
+            self.lingers += 1  # waited the whole linger (a hurry ends it early)
         self._hurry.clear()
 
     def _more(self, have: int) -> object:

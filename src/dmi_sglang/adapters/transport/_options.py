@@ -36,13 +36,12 @@ class TransportOptions:
             payload memory (no staging copy on the host; see ``_drain``). Off only to
             compare.
         linger_s: ``DMX_DRAIN_LINGER_US`` / 1e6: shortest time between two wake-ups of the
-            drain for decode steps that
-            join the coalescing window: the steps that arrive meanwhile wait in the ring
-            and join the window together (one device copy per group for all of them).
-            Every wake-up takes the GIL from the scheduler thread several times (each
-            torch call releases and retakes it), so fewer wake-ups leave it more of the
-            interpreter. A scheduler waiting for ring space ends the wait at once. 0: wake
-            for every step.
+            drain for decode steps that join the coalescing window: the steps that arrive
+            meanwhile wait in the ring and join the window together (one device copy per
+            group for all of them). Every wake-up takes the GIL from the scheduler thread
+            several times (each torch call releases and retakes it). A step waiting for
+            ring space ends a linger at once, and the flush timeout still bounds how long
+            rows wait. 0: wake for every step.
     """
 
     strip: bool = True

@@ -311,7 +311,8 @@ class TorchCaptureTransport:
         brought to the host, payload bytes the host's CPU copied on the way, CPU seconds
         the drain thread spent building batches (the waits for device copies excepted),
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
-        back now, wake-ups that lingered for more decode steps."""
+        back now, lingers that ran their whole time (a step waiting for ring space ends one
+        early)."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,

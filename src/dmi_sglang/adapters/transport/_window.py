@@ -9,7 +9,8 @@ stay in position order and ranges stay exact.
 
 **On the device.** The window lives in device memory laid out ``[segment, request, step,
 row]`` per group. Appending a step is one strided device-to-device copy per group on the
-drain's stream, straight from the ring (the host copies nothing; the ring region is
+drain's stream, straight from the ring (consecutive steps that queued up together move
+with one copy per group) (the host copies nothing; the ring region is
 freed once the copies completed). A flush gathers the rows that go out, in record order
 (run by run, segment by segment), into a second device buffer with one ``index_select``
 per group, and copies that to page-locked host memory with ONE device-to-host copy: the
@@ -252,9 +253,9 @@ class DecodeWindow:
         yes to the first, and the window has :meth:`room` for all. The ring regions may be
         reused only after the next :meth:`DeviceOps.settle`.
         """
-        rids = layouts[0].request_ids
         k = len(layouts)
-        if not rids or not k:
+        rids = layouts[0].request_ids if k else ()
+        if not rids:
             return
         if not self.rows:
             self._open(program, rids)
