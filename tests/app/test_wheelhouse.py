@@ -282,3 +282,44 @@ def test_a_real_install_into_a_target_directory(tmp_path: Path) -> None:
     assert (target / "wheelhouse_probe.py").is_file()
     assert "sglang 0.5.19" in proc.stdout
     assert "dmi-sglang " in proc.stdout
+
+
+def _sums_program() -> str:
+    """The Python program ``build`` runs to check DIR against the lock (as the script
+    holds it)."""
+    text = SCRIPT.read_text()
+    match = re.search(r"^SUMS_PY='\n(.*?)\n'$", text, flags=re.S | re.M)
+    assert match is not None, "SUMS_PY not found in scripts/wheelhouse.sh"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(("wheels", "words"), [
+    (["a_b-1.0-py3-none-any.whl", "dmi_sglang-0.1.0-py3-none-any.whl"], None),
+    (["dmi_sglang-0.1.0-py3-none-any.whl"], "no wheel for a-b"),
+    (["a_b-1.0-py3-none-any.whl"], "no wheel for dmi-sglang"),
+    (["a_b-1.0-py3-none-any.whl", "a_b-0.9-py3-none-any.whl",
+      "dmi_sglang-0.1.0-py3-none-any.whl"], "wheels the lock does not pin"),
+    (["a_b-1.0-py3-none-any.whl", "A.B-1.0-py3-none-any.whl",
+      "dmi_sglang-0.1.0-py3-none-any.whl"], "more than one wheel of a-b"),
+])
+def test_build_checks_the_wheel_directory_against_the_lock(tmp_path: Path,
+                                                           wheels: list[str],
+                                                           words: str | None) -> None:
+    lock = tmp_path / "lock.txt"
+    lock.write_text("# pins\nA_B==1.0  # a comment\n")
+    d = tmp_path / "wh"
+    d.mkdir()
+    for name in wheels:
+        (d / name).write_bytes(name.encode())
+    proc = subprocess.run([sys.executable, "-c", _sums_program(), str(d), str(lock)],
+                          capture_output=True, text=True, check=False)
+    if words is None:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "2"
+        sums = (d / "SHA256SUMS").read_text().splitlines()
+        assert [line.split("  ")[1] for line in sums] == sorted(wheels)
+        assert sums[0].split("  ")[0] == hashlib.sha256(sorted(wheels)[0].encode()).hexdigest()
+    else:
+        assert proc.returncode == 1
+        assert words in proc.stderr
+        assert not (d / "SHA256SUMS").exists()
