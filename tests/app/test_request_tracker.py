@@ -38,3 +38,35 @@ def test_the_newest_decode_layout_counts_whichever_tuple_it_holds() -> None:
     tracker.add_layout(BatchLayout.decode(("a",), [9]))  # another tuple: position 8
     (m,) = tracker.manifests("run", committed=True)
     assert m.overlap_extra_forward  # position 8 = 4 + 5 - 1: the extra forward
+
+
+def test_a_finished_request_is_kept_as_two_lengths_not_as_its_req() -> None:
+    import gc
+    import weakref
+
+    class Req:
+        def __init__(self, rid: str, prompt: int, completion: int) -> None:
+            self.rid, self.origin_input_ids = rid, [1] * prompt
+            self.output_ids = [2] * completion
+            self.done = False
+
+        def finished(self) -> bool:
+            return self.done
+
+    tracker = RequestTracker()
+    req = Req("a", 4, 2)
+    tracker.add_reqs([req])
+    tracker.add_layout(BatchLayout.extend(["a"], [0], [4]))
+    assert tracker.take_finished() == []
+    req.done = True
+    assert tracker.take_finished() == [("a", 5)]
+    tracker.add_reqs([req])  # the overlap scheduler's extra forward still names it
+    tracker.add_layout(BatchLayout.decode(["a"], [6]))
+    gone = weakref.ref(req)
+    del req
+    gc.collect()
+    assert gone() is None  # nothing of the tracker holds the finished Req
+    (m,) = tracker.manifests("run", committed=True)
+    assert (m.prompt_tokens, m.completion_tokens, m.committed) == (4, 2, True)
+    assert m.overlap_extra_forward  # position 5 = 4 + 2 - 1 was forwarded
+    assert tracker.take_all() == []  # reported once

@@ -55,6 +55,8 @@ class _Seen:
     first_start: int
     last_end: int
     notified: bool = False
+    lengths: tuple[int, int] | None = None
+    """``(prompt, completion)`` kept when the request finished (its Req is let go)."""
 
 
 def logits_end(req: TrackedRequest) -> int:
@@ -66,9 +68,11 @@ def logits_end(req: TrackedRequest) -> int:
 class RequestTracker:
     """Requests seen by forwards, for the manifest written at stop.
 
-    Holds SGLang's ``Req`` objects (prompt and output ids) and the positions our
-    forwards computed: the first position (prefix-cache hits start later) and one past
-    the last (the overlap scheduler forwards the last generated token once more).
+    Holds SGLang's ``Req`` objects (prompt and output ids) of the live requests, the
+    lengths of the finished ones (their Req objects are let go, so a long serving run
+    keeps two integers per finished request), and the positions our forwards computed:
+    the first position (prefix-cache hits start later) and one past the last (the
+    overlap scheduler forwards the last generated token once more).
     """
 
     def __init__(self) -> None:
@@ -90,15 +94,16 @@ class RequestTracker:
         for req in reqs:
             if known.get(id(req)) is req:
                 continue
-            known[id(req)] = req
             rid = storable_request_id(req.rid)
             seen = self._seen.get(rid)
             if seen is None:
                 seen = self._seen[rid] = _Seen(req, 1 << 62, 0)
+            elif seen.notified:  # finished (the overlap scheduler's extra forward): known
+                continue
             else:
                 seen.req = req
-            if not seen.notified:
-                self._live[rid] = seen
+            known[id(req)] = req
+            self._live[rid] = seen
 
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
@@ -107,8 +112,10 @@ class RequestTracker:
                 if seen.req is not None and seen.req.finished()]
         out = []
         for rid, req in done:
-            self._live[rid].notified = True
-            del self._live[rid]
+            seen = self._live.pop(rid)
+            seen.notified = True
+            seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
+            seen.req = None
             self._known.pop(id(req), None)
             out.append((rid, logits_end(req)))
         return out
@@ -159,11 +166,13 @@ class RequestTracker:
         out = []
         for rid, seen in self._seen.items():
             req = seen.req
-            if req is None:
+            if req is not None:
+                prompt, completion = len(req.origin_input_ids), len(req.output_ids)
+                finished = bool(req.finished())
+            elif seen.lengths is not None:
+                (prompt, completion), finished = seen.lengths, True
+            else:
                 continue
-            prompt = len(req.origin_input_ids)
-            completion = len(req.output_ids)
-            finished = bool(req.finished())
             out.append(
                 RequestManifest(
                     model_id=run_id,
