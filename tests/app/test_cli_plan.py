@@ -98,3 +98,30 @@ def test_a_file_given_as_model_is_refused_by_name(tmp_path, capsys) -> None:
     (tmp_path / "f").write_text("x")
     assert main(["plan", "--model", str(tmp_path / "f")]) == 2
     assert "is not a directory: give a model directory" in capsys.readouterr().err
+
+
+def test_the_capture_logs_its_plan_and_warns_below_the_asked_rate() -> None:
+    import structlog
+
+    from dmi_sglang.app.composition import log_plan
+    from dmi_sglang.domain.hooks import CATALOG, ModelHooks, parse_selection
+    from dmi_sglang.domain.settings import Settings
+    from dmi_sglang.domain.shapes import ModelShape
+
+    shape = ModelShape(28, 1024, 16, 8, 128, 3072, 151936)
+    sel = parse_selection("hidden-states").resolve(
+        ModelHooks("Qwen3ForCausalLM", frozenset(h.name for h in CATALOG), 28))
+    tok_s = Settings.from_env({"DMX_PLAN_TOK_S": "21000"}).plan_tok_s
+    with structlog.testing.capture_logs() as logs:
+        log_plan(sel, shape, stored=True, tok_s=None)
+        log_plan(sel, shape, stored=False, tok_s=tok_s)
+        log_plan(sel, shape, stored=True, tok_s=tok_s)
+    plans = [e for e in logs if e["event"] == "dmi.plan"]
+    assert plans[0]["bytes_per_generated_token"] == 28 * 384 * 2048 // 128
+    assert plans[0]["limiting"] == "store"
+    assert set(plans[1]["max_tok_s"]) == {"d2h"}
+    warned = [e for e in logs if e["event"] == "dmi.plan_cannot_keep_up"]
+    assert len(warned) == 1  # only the stored capture at 21,000 tok/s falls short
+    assert warned[0]["stage"] == "store"
+    assert warned[0]["keeps_up_with"] == pytest.approx(0.18, abs=0.005)
+    assert warned[0]["log_level"] == "warning"

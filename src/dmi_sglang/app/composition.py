@@ -43,7 +43,7 @@ from dmi_sglang.app.reference import (
 )
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.columns import RecordSink
-from dmi_sglang.domain.hooks import ModelHooks
+from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.settings import Settings, monitoring_requested
@@ -66,6 +66,7 @@ __all__ = [
     "claim_new_run",
     "handle_for",
     "installed_sglang",
+    "log_plan",
     "model_rows",
     "nearest_sglang_adapter",
     "open_sink",
@@ -214,6 +215,8 @@ class PipelineFactory:
         from dmi_sglang.adapters.transport import create_transport
 
         settings = spec.settings
+        log_plan(spec.selection, spec.shape, stored=settings.store().kind is not StoreKind.NONE,
+                 tok_s=settings.plan_tok_s)
         try:
             sink = open_sink(settings.store())  # a store that cannot open fails here
         except BaseException:
@@ -298,6 +301,33 @@ def nearest_sglang_adapter() -> SGLangAdapter:
         return sglang_adapter()
     except UnsupportedConfigurationError:
         return sglang_adapter(list(SGLANG_ADAPTERS)[-1])
+
+
+PLAN_REQUEST = (256, 128)
+"""The request (prompt, generated tokens) the startup plan is logged for (as ``dmi-sglang
+plan``'s defaults)."""
+
+
+def log_plan(selection: Selection, shape: ModelShape, *, stored: bool,
+             tok_s: int | None) -> None:
+    """Log the bandwidth plan of this capture (``dmi.plan``); with ``DMX_PLAN_TOK_S`` set,
+    warn when a stage cannot follow that many generated tokens per second."""
+    from dmi_sglang.domain.bandwidth import plan_bandwidth
+
+    plan = plan_bandwidth(selection, shape, prompt_tokens=PLAN_REQUEST[0],
+                          completion_tokens=PLAN_REQUEST[1], tok_s=tok_s, stored=stored)
+    limits = {s.stage: round(s.max_tok_s) for s in plan.stages if s.max_tok_s is not None}
+    log.info("dmi.plan", request=f"{PLAN_REQUEST[0]}+{PLAN_REQUEST[1]}",
+             bytes_per_request=plan.bytes_per_request,
+             bytes_per_prompt_token=round(plan.bytes_per_prompt_token),
+             bytes_per_generated_token=round(plan.bytes_per_generated_token),
+             max_tok_s=limits, limiting=plan.limiting.stage)
+    if plan.bound is not None and plan.bound < 1.0:
+        log.warning("dmi.plan_cannot_keep_up", tok_s=tok_s, needed_gbps=round(
+            (plan.needed_bps or 0) / 1e9, 3), stage=plan.limiting.stage,
+            keeps_up_with=round(plan.bound, 3),
+            hint="select fewer hooks, layers or positions (dmi-sglang plan), or capture "
+            "without storing")
 
 
 def model_rows(config: Mapping[str, Any]) -> tuple[ModelHooks, ModelShape]:
