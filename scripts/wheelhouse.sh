@@ -46,19 +46,23 @@ need_python() {
 }
 
 # Python helpers, run by "$PY" so that the script needs no sha256sum/shasum of its own.
-# `sums DIR LOCK`: checks that DIR holds exactly one wheel per pin of LOCK plus one
-# dmi_sglang wheel and nothing else, then writes DIR/SHA256SUMS.
-SUMS_PY='
-import hashlib, pathlib, re, sys
-d, lock = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-normv = lambda version: re.sub(r"(?<![0-9])0+(?=[0-9])", "", version.lower())
+# SHA256_PY: the file digest that SUMS_PY and CHECK_PY use (it is prepended to them).
+SHA256_PY='
+import hashlib
 def sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+'
+# `sums DIR LOCK`: checks that DIR holds exactly one wheel per pin of LOCK plus one
+# dmi_sglang wheel and nothing else, then writes DIR/SHA256SUMS.
+SUMS_PY='
+import pathlib, re, sys
+d, lock = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+normv = lambda version: re.sub(r"(?<![0-9])0+(?=[0-9])", "", version.lower())
 pins = {}
 for line in lock.read_text().splitlines():
     line = line.split("#", 1)[0].strip()
@@ -91,14 +95,8 @@ print(len(lines))
 # CPython ABI tags (abi3 and none fit any): a cp312 wheel on another Python is refused
 # here in one line, not by pip.
 CHECK_PY='
-import hashlib, pathlib, sys
+import pathlib, sys
 d = pathlib.Path(sys.argv[1])
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 here = "cp%d%d" % sys.version_info[:2]
 tags = {t for w in d.glob("*.whl") for t in w.name.split("-")[-2].split(".")
         if t.startswith("cp")}
@@ -156,7 +154,7 @@ cmd_build() {
     (cd "$ROOT" && "$PY" -m pip wheel --no-deps -w "$dir" .) \
         || die "pip wheel of the project failed (above)"
     say "3/3 checking DIR against the lock, writing $dir/SHA256SUMS"
-    n=$("$PY" -c "$SUMS_PY" "$dir" "$LOCK") || exit 1
+    n=$("$PY" -c "$SHA256_PY$SUMS_PY" "$dir" "$LOCK") || exit 1
     say "wheelhouse ready: $n wheels, $(du -sh "$dir" | cut -f1) in $dir"
     say "copy $dir to the GPU host, then there: bash scripts/wheelhouse.sh install DIR"
 }
@@ -183,7 +181,7 @@ cmd_install() {
     done
     need_python
     say "checking $dir"
-    "$PY" -c "$CHECK_PY" "$dir" || exit 1
+    "$PY" -c "$SHA256_PY$CHECK_PY" "$dir" || exit 1
     args=(--no-index --no-deps --find-links "$dir")
     if [ -n "$target" ]; then
         mkdir -p "$target" 2>/dev/null || die "$target: cannot create the directory"

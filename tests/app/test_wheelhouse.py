@@ -286,11 +286,14 @@ def test_a_real_install_into_a_target_directory(tmp_path: Path) -> None:
 
 def _sums_program() -> str:
     """The Python program ``build`` runs to check DIR against the lock (as the script
-    holds it)."""
+    holds it: the digest helper, then the check)."""
     text = SCRIPT.read_text()
-    match = re.search(r"^SUMS_PY='\n(.*?)\n'$", text, flags=re.S | re.M)
-    assert match is not None, "SUMS_PY not found in scripts/wheelhouse.sh"
-    return match.group(1)
+    programs = []
+    for name in ("SHA256_PY", "SUMS_PY"):
+        match = re.search(rf"^{name}='\n(.*?)\n'$", text, flags=re.S | re.M)
+        assert match is not None, f"{name} not found in scripts/wheelhouse.sh"
+        programs.append(match.group(1))
+    return "\n".join(programs)
 
 
 @pytest.mark.parametrize(("wheels", "words"), [
