@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.testing import MemorySink
 
@@ -201,20 +203,24 @@ def test_a_step_waiting_for_ring_space_ends_the_drains_linger(make_driver):
     assert sum(r.rows for r in sink.records) == 10 * 3 * 3
 
 
-def test_the_linger_setting_reaches_the_drain() -> None:
+def test_the_linger_and_gil_slice_settings_reach_the_drain() -> None:
     from dmi_sglang.adapters.transport import create_transport
     from dmi_sglang.domain.settings import Settings
 
     from .conftest import SHAPE, select
 
-    settings = Settings.from_env({"DMX_DRAIN_LINGER_US": "0"})
-    assert settings.drain_linger_us == 0
-    assert Settings.from_env({}).drain_linger_us == 8_000
+    settings = Settings.from_env({"DMX_DRAIN_LINGER_US": "0", "DMX_DRAIN_GIL_SLICE_US": "50"})
+    assert (settings.drain_linger_us, settings.drain_gil_slice_us) == (0, 50)
+    defaults = Settings.from_env({})
+    assert (defaults.drain_linger_us, defaults.drain_gil_slice_us) == (8_000, 200)
     transport = create_transport(
         payload_mb=1, pinned_mb=1, task_entries=64, padding_strip=True, flush_timeout_us=1000,
         selection=select("resid_pre"), shape=SHAPE, max_graph_batch=2, sink=MemorySink(),
-        run_id="run", device="cpu", linger_us=settings.drain_linger_us)
+        run_id="run", device="cpu", linger_us=settings.drain_linger_us,
+        gil_slice_us=settings.drain_gil_slice_us)
     try:
         assert transport.options.linger_s == 0.0
+        assert transport.options.gil_slice_s == pytest.approx(50e-6)
+        assert transport.drain_counters()["gil_yields"] == 0
     finally:
         transport.stop()

@@ -232,6 +232,7 @@ class PipelineFactory:
                 padding_strip=settings.gpu_padding_strip,
                 flush_timeout_us=settings.drain_flush_timeout_us,
                 linger_us=settings.drain_linger_us,
+                gil_slice_us=settings.drain_gil_slice_us,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

@@ -335,6 +335,7 @@ _VARS: dict[str, _Var] = {
         "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
     ),
     "DRAIN_LINGER_US": _Var("drain_linger_us", 8_000, _conv(*_bounded(0, 1_000_000))),
+    "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
@@ -378,6 +379,7 @@ class Settings:
     ring_task_entries: int = 65536
     drain_flush_timeout_us: int = 100_000
     drain_linger_us: int = 8_000
+    drain_gil_slice_us: int = 200
     plan_tok_s: int | None = None
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False

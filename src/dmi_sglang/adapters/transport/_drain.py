@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
+from dmi_sglang.adapters.transport._gil import GilSlice
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
 from dmi_sglang.adapters.transport._records import (
@@ -137,6 +138,8 @@ class Drain:
             while the sink holds more payloads (torch caches it once allocated).
         direct_copies: copy direct items from the ring into payload memory (see the
             module docstring); False: every item through staging.
+        gil_slice_s: longest stretch of the thread's Python between two hand-overs of
+            the GIL (see ``_gil``); 0: only when it waits.
     """
 
     def __init__(
@@ -154,8 +157,10 @@ class Drain:
         direct_copies: bool = True,
         linger_s: float = 0.0,
         direct_bytes: int = 0,
+        gil_slice_s: float = 0.0,
     ) -> None:
         self._ops = ops
+        self.gil = GilSlice(gil_slice_s)
         self._linger_s = linger_s
         self._hurry = threading.Event()
         self._round_end = 0.0
@@ -177,7 +182,7 @@ class Drain:
         self.held = HeldRows()
         self._window = (
             DecodeWindow(run_id, window_bytes, flush_timeout_s, ops=ops, ring=ring,
-                         held=self.held)
+                         held=self.held, gil=self.gil)
             if window_bytes is not None else None
         )
         self._unreleased = 0
@@ -255,6 +260,7 @@ class Drain:
                 batch: list[DrainItem | Finish] = []
                 item = self._next()
                 self._linger(item)
+                self.gil.restart()
                 while item is not None:
                     if item is _STOP:
                         stop = True
@@ -334,6 +340,7 @@ class Drain:
         window = self._window
         n = 0
         while n < len(batch):
+            self.gil.check()
             item = batch[n]
             if isinstance(item, Finish):
                 if window is not None and window.has(item.request_id):
@@ -458,6 +465,7 @@ class Drain:
             return
         t0 = time.perf_counter()
         for batch in batches:
+            self.gil.check()
             self._sink.put(batch)
         self.sink_seconds += time.perf_counter() - t0
         self.batches += len(batches)

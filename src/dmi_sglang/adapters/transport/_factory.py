@@ -30,6 +30,7 @@ def create_transport(
     max_prefill_tokens: int = 0,
     max_requests: int = 0,
     linger_us: int = 8_000,
+    gil_slice_us: int = 200,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -45,6 +46,7 @@ def create_transport(
         max_prefill_tokens: SGLang's ``chunked_prefill_size`` (startup check).
         max_requests: most requests in one forward (startup check).
         linger_us: ``DMX_DRAIN_LINGER_US``.
+        gil_slice_us: ``DMX_DRAIN_GIL_SLICE_US``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -63,5 +65,6 @@ def create_transport(
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
             linger_us=linger_us,
+            gil_slice_us=gil_slice_us,
         ),
     )

@@ -42,6 +42,10 @@ class TransportOptions:
             several times (each torch call releases and retakes it). A step waiting for
             ring space ends a linger at once, and the flush timeout still bounds how long
             rows wait. 0: wake for every step.
+        gil_slice_s: ``DMX_DRAIN_GIL_SLICE_US`` / 1e6: longest stretch of the drain's
+            Python between two hand-overs of the GIL (``time.sleep(0)``), so a window
+            flush does not hold the scheduler thread for milliseconds (see ``_gil``).
+            0: the drain gives the GIL away only when it waits.
     """
 
     strip: bool = True
@@ -54,6 +58,7 @@ class TransportOptions:
     tune_host_malloc: bool = True
     direct_copies: bool = True
     linger_s: float = attrs.field(default=0.008, validator=attrs.validators.ge(0.0))
+    gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
 
     @classmethod
     def from_settings(
@@ -64,13 +69,15 @@ class TransportOptions:
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
         linger_us: int = 8_000,
+        gil_slice_us: int = 200,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
-        ``DMX_DRAIN_LINGER_US`` values."""
+        ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
             max_prefill_tokens=max_prefill_tokens,
             max_requests=max_requests,
             linger_s=max(linger_us, 0) / 1e6,
+            gil_slice_s=max(gil_slice_us, 0) / 1e6,
         )

@@ -136,6 +136,7 @@ class TorchCaptureTransport:
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
             direct_copies=opts.direct_copies, linger_s=opts.linger_s,
+            gil_slice_s=opts.gil_slice_s,
             direct_bytes=min(nbytes, _largest_prefill_bytes(selection, shape, opts,
                                                              max_graph_batch)),
         )
@@ -312,7 +313,8 @@ class TorchCaptureTransport:
         the drain thread spent building batches (the waits for device copies excepted),
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
         back now, lingers that ran their whole time (a step waiting for ring space ends one
-        early)."""
+        early), and the times the drain gave the GIL away between pieces of its work and
+        the seconds that took."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -326,6 +328,7 @@ class TorchCaptureTransport:
             "pinned_buffers_allocated": d.direct_pool.allocated,
             "pinned_buffers_reused": d.direct_pool.reused,
             "held_rows": len(d.held), "lingers": d.lingers,
+            "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
         }
 
     # -- internals -------------------------------------------------------------------------

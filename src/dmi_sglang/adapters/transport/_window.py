@@ -46,6 +46,7 @@ import numpy.typing as npt
 import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
+from dmi_sglang.adapters.transport._gil import GilSlice
 from dmi_sglang.adapters.transport._pool import PayloadPool
 from dmi_sglang.adapters.transport._program import Group, Program
 from dmi_sglang.adapters.transport._records import Emitted, HeldRows, copy_row
@@ -125,6 +126,7 @@ class DecodeWindow:
             request row waits for its confirmation instead.
         ops / ring: the transport's device and payload ring (appends copy from it).
         held: the drain's held request rows.
+        gil: the drain's GIL slice (flushes give the GIL away between groups).
     """
 
     def __init__(
@@ -136,9 +138,11 @@ class DecodeWindow:
         ops: DeviceOps,
         ring: torch.Tensor,
         held: HeldRows | None = None,
+        gil: GilSlice | None = None,
     ) -> None:
         self._run_id = run_id
         self._ops = ops
+        self._gil = gil if gil is not None else GilSlice(0.0)
         self._max_bytes = max_bytes
         self._timeout = timeout_s
         self._held = held if held is not None else HeldRows()
@@ -340,10 +344,13 @@ class DecodeWindow:
         groups = self._groups
         keep, holds = runs.n, np.zeros(0, dtype=np.int64)
         if any(g.request_rows for g in groups):
+            self._gil.check()
             keep, holds = self._resolve(runs, out, final=final)
-        plans = [self._gather_plan(g, labels, runs, keep if g.request_rows else runs.n,
-                                   holds if g.request_rows else None)
-                 for g, labels in zip(groups, self._labels, strict=True)]
+        plans = []
+        for g, labels in zip(groups, self._labels, strict=True):
+            self._gil.check()
+            plans.append(self._gather_plan(g, labels, runs, keep if g.request_rows else runs.n,
+                                           holds if g.request_rows else None))
         self._gather(plans, runs, out)
         self.rows = 0
         self._slot = {}
@@ -446,6 +453,7 @@ class DecodeWindow:
         host = chunk.array
         rids = tuple(self._rids)
         for p, place in zip(plans, places, strict=True):
+            self._gil.check()
             rb, nseg = p.group.row_nbytes, p.group.count
             kept = int(p.rows.sum()) * nseg * rb
             if len(p.jobs):
