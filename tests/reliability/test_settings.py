@@ -39,8 +39,8 @@ SECRET = "s3cret-pw"
         ("DMX_DB_HOST", "a b", "a host name or IP address"),
         ("DMX_DB_HOST", "h:1", "the port goes in DMX_DB_PORT"),
     ],
-    ids=["writers", "queue-mb", "flush-timeout", "linger", "gil-slice", "plan-tok-s", "timeout", "ring",
-         "chdb-root", "host-space", "host-port"],
+    ids=["writers", "queue-mb", "flush-timeout", "linger", "gil-slice", "plan-tok-s",
+         "timeout", "ring", "chdb-root", "host-space", "host-port"],
 )
 def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
                                                    words: str) -> None:
