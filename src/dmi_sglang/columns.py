@@ -159,12 +159,19 @@ class RecordBatch:
         return list_offsets, values
 
     @classmethod
-    def from_records(cls, records: Sequence[CaptureRecord]) -> RecordBatch:
-        """A batch holding copies of ``records`` (small writes and tests). The records
-        must share one run and shard.
+    def from_records(cls, records: Sequence[CaptureRecord], *,
+                     payload: Bytes | None = None) -> RecordBatch:
+        """A batch of ``records`` (small writes, held rows, tests). The records must share
+        one run and shard.
+
+        Args:
+            payload: the records' payloads already back to back in one 1-D uint8 buffer,
+                in record order: the batch is a view of it (no copy). None: the payloads
+                are copied into a new buffer.
 
         Raises:
-            ValueError: records of several runs or shards, or an inconsistent record.
+            ValueError: records of several runs or shards, an inconsistent record, or a
+                ``payload`` of another size than the records' payloads together.
         """
         if not records:
             msg = "RecordBatch.from_records needs at least one record"
@@ -189,9 +196,14 @@ class RecordBatch:
             capture[i] = captures.setdefault(key, len(captures))
             start[i], end[i], seq[i] = r.start_token_idx, r.end_token_idx, r.seq
             offsets[i + 1] = offsets[i] + len(r.payload)
-        payload = np.empty(int(offsets[-1]), dtype=np.uint8)
-        for i, r in enumerate(records):
-            payload[offsets[i] : offsets[i + 1]] = np.frombuffer(r.payload, dtype=np.uint8)
+        if payload is None:
+            payload = np.empty(int(offsets[-1]), dtype=np.uint8)
+            for i, r in enumerate(records):
+                payload[offsets[i] : offsets[i + 1]] = np.frombuffer(r.payload, dtype=np.uint8)
+        elif payload.shape != (int(offsets[-1]),):
+            msg = (f"payload of shape {payload.shape} given for records of "
+                   f"{int(offsets[-1])} payload bytes")
+            raise ValueError(msg)
         return cls(first.model_id, tuple(requests), tuple(captures), request, capture, start,
                    end, seq, offsets, payload, shard_rank=first.shard_rank)
 

@@ -33,8 +33,8 @@ from dmi_sglang.domain.records import CaptureRecord
 
 Bytes3D = npt.NDArray[np.uint8]
 
-__all__ = ["Emitted", "Fill", "HeldRows", "build_records", "chunk_batch", "copy_row",
-           "hold_request_rows", "staging_fill"]
+__all__ = ["Emitted", "Fill", "HeldRows", "back_to_back", "build_records", "chunk_batch",
+           "copy_row", "hold_request_rows", "staging_fill"]
 
 Fill = Callable[[Group, int, int, Chunk], None]
 """Copies segments ``[s0, s1)`` of a group's kept rows into a chunk, as
@@ -96,10 +96,37 @@ class Emitted:
 
     def _close_loose(self) -> None:
         if self.loose:
-            batch = RecordBatch.from_records(self.loose)
-            self.copied += batch.nbytes
+            span = back_to_back(self.loose)
+            batch = RecordBatch.from_records(self.loose, payload=span)
+            if span is None:
+                self.copied += batch.nbytes
             self.batches.append(batch)
             self.loose = []
+
+
+def back_to_back(records: Sequence[CaptureRecord]) -> Bytes1D | None:
+    """The one buffer span the records' payloads fill back to back, in order (held rows
+    of one window flush, released together), or None when they do not."""
+    first = records[0].payload
+    base = first.obj if isinstance(first, memoryview) else None
+    if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
+        return None
+    origin = _address(base)
+    start = at = _address(first) - origin
+    for r in records:
+        view = r.payload
+        if (not isinstance(view, memoryview) or view.obj is not base
+                or _address(view) != origin + at):
+            return None
+        at += view.nbytes
+    if start < 0 or at > base.shape[0]:
+        return None
+    span: Bytes1D = base[start:at]
+    return span
+
+
+def _address(buffer: memoryview | np.ndarray) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])
 
 
 class HeldRows:

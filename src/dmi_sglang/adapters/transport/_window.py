@@ -49,7 +49,7 @@ from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._gil import GilSlice
 from dmi_sglang.adapters.transport._pool import PayloadPool
 from dmi_sglang.adapters.transport._program import Group, Program
-from dmi_sglang.adapters.transport._records import Emitted, HeldRows, copy_row
+from dmi_sglang.adapters.transport._records import Emitted, HeldRows
 from dmi_sglang.columns import CaptureKey as RecordKey
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.layout import BatchLayout
@@ -65,6 +65,9 @@ _ALIGN = 16
 _SPARE_OUTPUTS = 2
 """Page-locked flush buffers kept for reuse (one more is made while the sink holds
 both)."""
+_HELD_SLAB_BYTES = 64 << 20
+"""Slab of the held rows' pool: one flush's held rows of ``final_logits`` at batch 64 of
+a 152k vocabulary (39 MB) fit one; larger ones get memory of their own."""
 
 Ints = npt.NDArray[np.int64]
 
@@ -155,6 +158,8 @@ class DecodeWindow:
                                 buffer=ops.host_buffer)
         """Page-locked memory the flushes copy into (the batches' payloads)."""
         self.host.reserve(_SPARE_OUTPUTS)
+        self._held_pool = PayloadPool(slab_bytes=_HELD_SLAB_BYTES, max_free_slabs=4)
+        """Pageable memory the held request rows of a flush are copied into."""
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
         self._labels: tuple[tuple[RecordKey, ...], ...] = ()
@@ -473,8 +478,17 @@ class DecodeWindow:
 
     def _hold(self, g: Group, runs: _Runs, held: Ints, rows: np.ndarray) -> None:
         """Hold the newest request row of the live requests of the ``held`` runs (their
-        rows in ``rows``, run by run, segment by segment)."""
+        rows in ``rows``, run by run, segment by segment).
+
+        The rows are copied out of the flush's page-locked buffer (a held row may wait
+        long; it must not keep that buffer) with one bulk copy into pooled memory, in
+        the order they are held: released together at the next flush, in the same order,
+        they become one batch over that memory without another copy
+        (:func:`~._records.back_to_back`)."""
         rb = g.row_nbytes
+        chunk = self._held_pool.alloc(rows.nbytes)
+        chunk.array[:] = rows
+        own = chunk.view[chunk.offset : chunk.offset + rows.nbytes]
         at = 0
         for j in held.tolist():
             rid = self._rids[int(runs.slot[j])]
@@ -484,5 +498,5 @@ class DecodeWindow:
             for meta in g.metas:
                 self._held.hold(CaptureRecord(
                     self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                    meta.dtype, (1, *meta.dims), copy_row(rows[at : at + rb]), seq))
+                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq))
                 at += rb
