@@ -98,9 +98,41 @@ def test_the_plan_counts_only_kept_rows() -> None:
     assert plan.bytes_per_prompt_token == 0
 
 
-def test_a_capture_refuses_rules_it_cannot_capture_yet() -> None:
-    with pytest.raises(ConfigurationError, match=r"position rules \(resid_pre:last\) are "
+@pytest.mark.parametrize("text", ["resid_pre:last", "final_ln:every(4)",
+                                  "final_logits:positions(0-9)", "hf-only:positions(0-9)"])
+def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
+    item = text.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ConfigurationError, match=rf"position rules \({item}\) are "
                        "understood by dmi-sglang plan but not captured yet"):
-        Settings.from_env({"DMX_HOOK_SELECTION": "resid_pre:last"})
+        Settings.from_env({"DMX_HOOK_SELECTION": text})
+
+
+def test_a_capture_takes_position_ranges_on_token_row_hooks() -> None:
+    text = "resid_pre@0-3:positions(0-127),final_ln:positions(5),final_logits"
+    assert Settings.from_env({"DMX_HOOK_SELECTION": text}).hook_selection == text
     assert Settings.from_env({"DMX_HOOK_SELECTION": "resid_pre:all"}).hook_selection == \
         "resid_pre"
+
+
+def test_a_position_range_narrows_a_span_and_other_rules_have_none() -> None:
+    rule = Positions.parse("positions(3-6)")
+    assert rule.span(0, 10) == (3, 7)
+    assert rule.span(5, 20) == (5, 7)
+    lo, hi = rule.span(8, 12)
+    assert hi <= lo  # nothing of [8, 12) is kept
+    assert Positions().span(2, 9) == (2, 9)
+    with pytest.raises(ValueError, match="every"):
+        Positions.parse("every(4)").span(0, 10)
+
+
+def test_a_runs_rules_come_from_the_selection_it_stored() -> None:
+    from dmi_sglang.domain.records import SELECTION_KEY, RunInfo
+
+    captures = tuple((f"blocks.hook_{n}", layer) for n in ("resid_pre",) for layer in range(4))
+    run = RunInfo("r", "m", ((SELECTION_KEY, "hidden-states@2-3:positions(0-9),final_ln"),),
+                  (*captures, ("hook_final_ln", -1)), "t")
+    ranged = Positions.parse("positions(0-9)")
+    assert run.position_rules() == {("blocks.hook_resid_pre", 2): ranged,
+                                    ("blocks.hook_resid_pre", 3): ranged}
+    plain = RunInfo("r", "m", ((SELECTION_KEY, "hidden-states"),), captures, "t")
+    assert plain.position_rules() == {}

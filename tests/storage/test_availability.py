@@ -146,3 +146,45 @@ def test_the_handle_does_no_io_until_used(store: StoreConfig) -> None:
     h2 = type(h)("run", "r", factory)  # type: ignore[arg-type]
     assert repr(h2) == "CaptureHandle(run_id='run', request_id='r')"
     assert calls == []
+
+
+def _ranged_run(open_sink: Callable[..., ClickHouseSink], *, skip: int | None = None):
+    """Run "ranged" captured ``resid_pre:positions(2-4)`` and final_logits for request
+    "r" (prompt 4, completion 3: resid_pre computed at [0, 6)): only positions 2, 3 and 4
+    of resid_pre are stored, one record each (``skip``: that one left out)."""
+    sink = open_sink()
+    run = attrs.evolve(run_info("ranged", CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", "resid_pre:positions(2-4),final_logits"),))
+    sink.start_run(run)
+    for act, layer in CAPTURES:
+        logits = act == "final_logits"
+        kept = range(PROMPT - 1, PROMPT + COMPLETION - 1) if logits else range(2, 5)
+        for p in kept:
+            if p == skip and not logits:
+                continue
+            recs = records_of("ranged", "r", act, layer, torch.randn(1, 5), [p, p + 1], base=p)
+            sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest("ranged", "r", PROMPT, COMPLETION)])
+
+
+def test_a_position_range_is_complete_with_the_rows_of_the_range(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    _ranged_run(open_sink)
+    h = handle(store, "ranged", "r")
+    assert h.missing == ()
+    assert h.get("resid_pre", 0).shape == (3, 5)  # positions 2, 3 and 4
+    assert h.get("resid_pre", 1, start=3, end=5).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"outside resid_pre's captured \[2, 5\)"):
+        h.get("resid_pre", 0, start=0, end=3)
+    assert h.logits.shape == (3, 5)
+
+
+def test_a_missing_row_inside_a_position_range_is_reported(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    _ranged_run(open_sink, skip=3)
+    h = handle(store, "ranged", "r")
+    assert not h.available
+    assert h.missing == ("blocks.hook_resid_pre layer 0: positions [3, 4) missing",
+                         "blocks.hook_resid_pre layer 1: positions [3, 4) missing")

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 import attrs
 
 from dmi_sglang.domain.hooks import CATALOG, Hook
+from dmi_sglang.domain.positions import Positions
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
 
-__all__ = ["Slice", "hook_for", "missing", "select_rows"]
+__all__ = ["Slice", "hook_for", "missing", "select_rows", "selected_span"]
 
 _BY_ACT = {h.act_name: h for h in CATALOG}
 _BY_NAME = {h.name: h for h in CATALOG}
@@ -46,7 +47,7 @@ def missing(
 
     Complete means: the run is committed, the request's manifest is committed, and for
     every ``(act_name, layer)`` of ``run.captures`` the stored ranges cover every
-    position of the manifest's coverage for that hook.
+    position of :func:`selected_span`.
     """
     if run is None:
         return (f"run {run_id!r} is not in the store",)
@@ -61,14 +62,24 @@ def missing(
     for act, layer, start, end in ranges:
         by_key.setdefault((act, layer), []).append((start, end))
     reasons = []
+    rules = run.position_rules()
     for act, layer in run.captures:
-        cov = manifest.coverage(hook_for(act))
-        gaps = _uncovered(cov.start, cov.end, by_key.get((act, layer), []))
+        lo, hi = selected_span(manifest, act, rules.get((act, layer)))
+        gaps = _uncovered(lo, hi, by_key.get((act, layer), [])) if hi > lo else []
         if gaps:
             shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:4])
             more = f" and {len(gaps) - 4} more" if len(gaps) > 4 else ""
             reasons.append(f"{act} layer {layer}: positions {shown}{more} missing")
     return tuple(reasons)
+
+
+def selected_span(manifest: RequestManifest, act: str,
+                  rule: Positions | None) -> tuple[int, int]:
+    """The positions ``[lo, hi)`` of a request a capture of hook ``act`` holds: the
+    manifest's coverage, narrowed by the capture's position rule (None: every position;
+    empty when ``hi <= lo``)."""
+    cov = manifest.coverage(hook_for(act))
+    return (cov.start, cov.end) if rule is None else rule.span(cov.start, cov.end)
 
 
 def _uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from dmi_sglang.app.assemble import hook_for, missing, select_rows
+from dmi_sglang.app.assemble import hook_for, missing, select_rows, selected_span
 from dmi_sglang.domain.ports import RecordReader
-from dmi_sglang.domain.records import CaptureRecord, Coverage, RequestManifest, RunInfo
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
 
@@ -316,13 +316,13 @@ class CaptureHandle:
                 f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}"
             )
             raise IncompleteCaptureError(msg)
-        cov: Coverage = manifest.coverage(h)
-        lo = cov.start if start is None else start
-        hi = cov.end if end is None else end
-        if lo < cov.start or hi > cov.end or hi < lo:
-            msg = (
-                f"positions [{lo}, {hi}) are outside {h.name}'s captured [{cov.start}, {cov.end})"
-            )
+        first, stop = selected_span(manifest, h.act_name,
+                                    run.position_rules().get((h.act_name, layer_no)))
+        stop = max(first, stop)
+        lo = first if start is None else start
+        hi = stop if end is None else end
+        if lo < first or hi > stop or hi < lo:
+            msg = f"positions [{lo}, {hi}) are outside {h.name}'s captured [{first}, {stop})"
             raise ValueError(msg)
         return (h.act_name, layer_no, lo, hi)
 

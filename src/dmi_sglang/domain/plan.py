@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import enum
 import functools
-import itertools
 from collections.abc import Iterator
 
 import attrs
 
 from dmi_sglang.domain.hooks import Hook, RowBasis, Selection
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.positions import Positions
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CommitError
 
@@ -77,6 +77,8 @@ class Segment:
         offset: aligned byte offset inside the step's ring region. Segments are placed
             grouped by row size (then in firing order), so equal-width segments are
             adjacent and equally spaced.
+        positions: the capture's position rule (token-row hooks: ``positions(A-B)``
+            keeps the rows of those positions, in ``source_index``).
     """
 
     hook: Hook
@@ -87,6 +89,7 @@ class Segment:
     ring_rows: int
     source_index: tuple[int, ...] | None
     offset: int
+    positions: Positions = attrs.field(factory=Positions)
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +114,7 @@ class _Structure:
     index: dict[tuple[str, int], Segment] = attrs.field(eq=False, hash=False)
     total_bytes: int
     kept_bytes: int
+    ruled_rows: tuple[tuple[Positions, tuple[int, ...] | None, int], ...] = ()
 
 
 @attrs.frozen
@@ -131,7 +135,7 @@ class CommitPlan:
     strip: bool
     alignment: int
     _structure: _Structure = attrs.field(repr=False)
-    _slices: dict[RowBasis, tuple[RecordSlice, ...]] = attrs.field(
+    _slices: dict[tuple[RowBasis, Positions], tuple[RecordSlice, ...]] = attrs.field(
         init=False, factory=dict, eq=False, hash=False, repr=False
     )
 
@@ -155,12 +159,19 @@ class CommitPlan:
         """Task entries the step needs (one per captured tensor)."""
         return len(self._structure.segments)
 
+    @property
+    def ruled_rows(self) -> tuple[tuple[Positions, tuple[int, ...] | None, int], ...]:
+        """Per position rule of the selection: the token rows it keeps this step
+        (``None``: all of them) and how many; empty without rules. With
+        :attr:`segments`' first and last, it determines the plan's structure."""
+        return self._structure.ruled_rows
+
     def slices(self, segment: Segment) -> tuple[RecordSlice, ...]:
         """Where each request's rows sit in ``segment`` (kept rows, in row order)."""
-        basis = segment.hook.row_basis
-        cached = self._slices.get(basis)
+        key = (segment.hook.row_basis, segment.positions)
+        cached = self._slices.get(key)
         if cached is None:
-            cached = self._slices[basis] = _slices(self.layout, basis)
+            cached = self._slices[key] = _slices(self.layout, *key)
         return cached
 
     def segment_for(self, hook_name: str, layer_no: int) -> Segment | None:
@@ -213,9 +224,14 @@ def make_plan(
         )
         logit_rows = len(emitting)
         logit_index = None if emitting == tuple(range(logit_rows)) else emitting
+    ruled = tuple(
+        (rule, *_rule_rows(layout, rule))
+        for rule in sorted({r for _, _, r in selection.rules}, key=str)
+    )
     structure = _structure(
         selection,
         shape,
+        ruled=ruled,
         token_rows=layout.token_rows,
         raw_batch=layout.raw_batch_size,
         padding=padding,
@@ -228,15 +244,31 @@ def make_plan(
     return CommitPlan(layout, padded, strip, alignment, structure)
 
 
-def _slices(layout: BatchLayout, basis: RowBasis) -> tuple[RecordSlice, ...]:
+def _rule_rows(layout: BatchLayout, rule: Positions) -> tuple[tuple[int, ...] | None, int]:
+    """The token rows of ``layout`` that ``rule`` keeps (None: all) and their count."""
+    index: list[int] = []
+    row = 0
+    for start, n in zip(layout.starts, layout.counts, strict=True):
+        lo, hi = rule.span(start, start + n)
+        index.extend(range(row + lo - start, row + hi - start))
+        row += n
+    if len(index) == layout.token_rows:
+        return None, len(index)
+    return tuple(index), len(index)
+
+
+def _slices(layout: BatchLayout, basis: RowBasis,
+            rule: Positions | None = None) -> tuple[RecordSlice, ...]:
     rows = zip(layout.request_ids, layout.starts, layout.counts, layout.emits, strict=True)
     if basis is RowBasis.TOKEN:
-        offsets = itertools.accumulate(layout.counts, initial=0)
-        return tuple(
-            RecordSlice(rid, off, n, start, start + n)
-            for (rid, start, n, _), off in zip(rows, offsets, strict=False)
-            if n > 0
-        )
+        out: list[RecordSlice] = []
+        at = 0
+        for rid, start, n, _ in rows:
+            lo, hi = (start, start + n) if rule is None else rule.span(start, start + n)
+            if hi > lo:
+                out.append(RecordSlice(rid, at, hi - lo, lo, hi))
+                at += hi - lo
+        return tuple(out)
     kept = [(rid, start + n) for rid, start, n, emits in rows if emits and n > 0]
     return tuple(RecordSlice(rid, j, 1, end - 1, end) for j, (rid, end) in enumerate(kept))
 
@@ -246,6 +278,7 @@ def _structure(
     selection: Selection,
     shape: ModelShape,
     *,
+    ruled: tuple[tuple[Positions, tuple[int, ...] | None, int], ...],
     token_rows: int,
     raw_batch: int,
     padding: int,
@@ -256,16 +289,21 @@ def _structure(
     alignment: int,
 ) -> _Structure:
     segments: list[Segment] = []
+    rows_of = {rule: (index, kept) for rule, index, kept in ruled}
     for hook, layer_no in selection.captures():
         row = shape.row(hook)
+        rule = selection.positions_of(hook.name, layer_no)
         if hook.row_basis is RowBasis.REQUEST:
             source, kept, index = raw_batch + padding, logit_rows, logit_index
-        else:
+        elif rule.is_all:
             source, kept, index = token_rows + padding, token_rows, None
+        else:
+            source = token_rows + padding
+            index, kept = rows_of[rule]
         if kept == 0:
             continue
         ring_rows = kept if strip or not padded else source
-        segments.append(Segment(hook, layer_no, row, source, kept, ring_rows, index, 0))
+        segments.append(Segment(hook, layer_no, row, source, kept, ring_rows, index, 0, rule))
     # Offsets group segments of equal row size (stable in firing order): a transport can
     # then move each group between arena, ring and host with one strided copy.
     placed: dict[int, Segment] = {}
@@ -275,7 +313,8 @@ def _structure(
         offset += segments[i].aligned_bytes(alignment)
     ordered = tuple(placed[i] for i in range(len(segments)))
     index_by_key = {(seg.hook.name, seg.layer_no): seg for seg in ordered}
-    return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered))
+    return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
+                      ruled)
 
 
 class StepState(enum.Enum):

@@ -124,6 +124,21 @@ class Positions:
             return position % self.k == 0
         return self.first <= position <= self.last
 
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The kept positions of ``[start, end)`` as one span ``[lo, hi)`` (empty when
+        ``hi <= lo``), for the rules whose kept positions are contiguous without knowing
+        the request's lengths: ``all`` and ``positions(A-B)``.
+
+        Raises:
+            ValueError: another rule.
+        """
+        if self.rule is PositionRule.ALL:
+            return start, end
+        if self.rule is PositionRule.RANGE:
+            return max(start, self.first), min(end, self.last + 1)
+        msg = f"{self} keeps no span of positions that is known while capturing"
+        raise ValueError(msg)
+
     def rows(self, start: int, end: int, *, prompt: int, completion: int) -> int:
         """How many positions of ``[start, end)`` (what a complete capture of the request
         holds for one hook) the rule keeps."""

@@ -26,10 +26,13 @@ import enum
 
 import attrs
 
-from dmi_sglang.domain.hooks import Hook, RowBasis
+from dmi_sglang.domain.hooks import CATALOG, Hook, ModelHooks, RowBasis, parse_selection
+from dmi_sglang.domain.positions import Positions
+from dmi_sglang.errors import SelectionError
 
 __all__ = [
     "HEARTBEAT_S",
+    "SELECTION_KEY",
     "SOURCE_KEY",
     "STALE_AFTER_S",
     "CaptureRecord",
@@ -207,6 +210,13 @@ class RunSource(enum.Enum):
     (``dmi-sglang reference-capture``), not SGLang."""
 
 
+SELECTION_KEY = "DMX_HOOK_SELECTION"
+"""The runs table's ``settings`` entry holding the hook selection the run used."""
+
+_NAME_OF = {h.act_name: h.name for h in CATALOG}
+_ACT_OF = {h.name: h.act_name for h in CATALOG}
+
+
 SOURCE_KEY = "dmi.source"
 """The key of the runs table's ``settings`` entry naming the run's :class:`RunSource`;
 runs without it come from SGLang."""
@@ -245,6 +255,22 @@ class RunInfo:
     error: str = ""
     owner: str = ""
     """The process that captures it (``host:pid``), recorded at start."""
+
+    def position_rules(self) -> dict[tuple[str, int], Positions]:
+        """The position rule of each ``(act_name, layer_no)`` of :attr:`captures` that
+        keeps only some positions, from the selection the run used (its
+        :data:`SELECTION_KEY` setting); empty when every capture keeps every position."""
+        text = next((v for k, v in self.settings if k == SELECTION_KEY), "")
+        if not text or ":" not in text:
+            return {}
+        names = {_NAME_OF[a] for a, _ in self.captures if a in _NAME_OF}
+        layers = max((n for _, n in self.captures), default=-1) + 1
+        try:
+            selection = parse_selection(text).resolve(
+                ModelHooks("stored", frozenset(names), max(layers, 1)))
+        except SelectionError:
+            return {}
+        return {(_ACT_OF[name], layer): rule for name, layer, rule in selection.rules}
 
     @property
     def source(self) -> str:
