@@ -74,9 +74,12 @@ class Driver:
         self.step = 0
         self.expected: dict[Key, list[tuple[int, int]]] = defaultdict(list)
         self.capturing = False
+        self.skip: frozenset[str] = frozenset()
+        """Requests the plans leave out (request sampling)."""
 
     def plan(self, layout: BatchLayout, *, padded: bool = False, strip: bool = True) -> CommitPlan:
-        return make_plan(layout, self.selection, SHAPE, padded=padded, strip=strip)
+        return make_plan(layout, self.selection, SHAPE, padded=padded, strip=strip,
+                         skip=self.skip)
 
     def fire(
         self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None

@@ -272,7 +272,7 @@ class SchedulerMonitor:
         """The padded plan of this decode step: the one its preflight built, else one
         from ``layout_of()`` (the step was not preflighted at this batch size)."""
         plan, self._preflighted = self._preflighted, None
-        if plan is None or plan.layout.padded_batch_size != padded_bs:
+        if plan is None or plan.batch.padded_batch_size != padded_bs:
             layout = layout_of().with_padding(padded_bs)
             plan = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
         return plan

@@ -194,6 +194,13 @@ class BatchLayout:
             raise CommitError(msg)
         return cls(kind, rids, starts, counts, emits, padded_bs, token_rows)
 
+    def subset(self, indices: Sequence[int]) -> BatchLayout:
+        """The layout of some of its requests (``indices``, in that order), unpadded."""
+        counts = tuple(self.counts[i] for i in indices)
+        return self._build(self.kind, tuple(self.request_ids[i] for i in indices),
+                           tuple(self.starts[i] for i in indices), counts,
+                           tuple(self.emits[i] for i in indices), sum(counts), None)
+
     def with_padding(self, padded_batch_size: int) -> BatchLayout:
         """The same layout padded to another batch size."""
         return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,

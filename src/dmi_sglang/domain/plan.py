@@ -122,9 +122,11 @@ class CommitPlan:
     """Everything one forward captures, decided before it runs.
 
     Attributes:
-        layout: the forward's packed layout.
+        layout: the packed layout of the requests it captures (the forward's, less the
+            requests left out: see :func:`make_plan`'s ``skip``); records follow it.
         padded / strip / alignment: how it was planned (see :func:`make_plan`).
         segments: every captured tensor, in firing order.
+        batch: the forward's whole layout (what the capture points see).
 
     Where each request's rows sit (:meth:`slices`) is derived on first use, off the
     scheduler's hot path (the drain thread asks).
@@ -135,9 +137,15 @@ class CommitPlan:
     strip: bool
     alignment: int
     _structure: _Structure = attrs.field(repr=False)
+    _full: BatchLayout | None = attrs.field(default=None, repr=False)
     _slices: dict[tuple[RowBasis, Positions], tuple[RecordSlice, ...]] = attrs.field(
         init=False, factory=dict, eq=False, hash=False, repr=False
     )
+
+    @property
+    def batch(self) -> BatchLayout:
+        """The forward's whole layout (:attr:`layout` unless requests are left out)."""
+        return self._full if self._full is not None else self.layout
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -199,6 +207,7 @@ def make_plan(
     padded: bool,
     strip: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
+    skip: frozenset[str] = frozenset(),
 ) -> CommitPlan:
     """Plan one forward.
 
@@ -213,21 +222,29 @@ def make_plan(
             batch), False for an eager forward.
         strip: drop padding rows on the GPU (``DMX_GPU_PADDING_STRIP``).
         alignment: segment alignment in bytes.
+        skip: requests not captured (request sampling): their rows are left out on the
+            device like padding, and the plan's :attr:`~CommitPlan.layout` holds the
+            other requests only.
     """
     padding = layout.padded_batch_size - layout.raw_batch_size if padded else 0
-    if layout.is_uniform_decode:
+    keep: frozenset[int] | None = None
+    captured = layout
+    if skip and not skip.isdisjoint(layout.request_ids):
+        kept = [i for i, rid in enumerate(layout.request_ids) if rid not in skip]
+        keep, captured = frozenset(kept), layout.subset(kept)
+    if layout.is_uniform_decode and keep is None:
         logit_rows, logit_index = layout.raw_batch_size, None
     else:
         emitting = tuple(
             i for i, (e, n) in enumerate(zip(layout.emits, layout.counts, strict=True))
-            if e and n > 0
+            if e and n > 0 and (keep is None or i in keep)
         )
         logit_rows = len(emitting)
         logit_index = None if emitting == tuple(range(logit_rows)) else emitting
-    ruled = tuple(
-        (rule, *_rule_rows(layout, rule))
-        for rule in sorted({r for _, _, r in selection.rules}, key=str)
-    )
+    rules = {r for _, _, r in selection.rules}
+    if keep is not None:
+        rules.add(_EVERY_POSITION)
+    ruled = tuple((rule, *_rule_rows(layout, rule, keep)) for rule in sorted(rules, key=str))
     structure = _structure(
         selection,
         shape,
@@ -241,16 +258,23 @@ def make_plan(
         strip=strip,
         alignment=alignment,
     )
-    return CommitPlan(layout, padded, strip, alignment, structure)
+    return CommitPlan(captured, padded, strip, alignment, structure,
+                      None if keep is None else layout)
 
 
-def _rule_rows(layout: BatchLayout, rule: Positions) -> tuple[tuple[int, ...] | None, int]:
-    """The token rows of ``layout`` that ``rule`` keeps (None: all) and their count."""
+_EVERY_POSITION = Positions()
+
+
+def _rule_rows(layout: BatchLayout, rule: Positions,
+               keep: frozenset[int] | None = None) -> tuple[tuple[int, ...] | None, int]:
+    """The token rows of ``layout`` that ``rule`` keeps of the requests in ``keep``
+    (None: every request), as an index (None: all rows) and a count."""
     index: list[int] = []
     row = 0
-    for start, n in zip(layout.starts, layout.counts, strict=True):
-        lo, hi = rule.span(start, start + n)
-        index.extend(range(row + lo - start, row + hi - start))
+    for i, (start, n) in enumerate(zip(layout.starts, layout.counts, strict=True)):
+        if keep is None or i in keep:
+            lo, hi = rule.span(start, start + n)
+            index.extend(range(row + lo - start, row + hi - start))
         row += n
     if len(index) == layout.token_rows:
         return None, len(index)
@@ -295,7 +319,7 @@ def _structure(
         rule = selection.positions_of(hook.name, layer_no)
         if hook.row_basis is RowBasis.REQUEST:
             source, kept, index = raw_batch + padding, logit_rows, logit_index
-        elif rule.is_all:
+        elif rule.is_all and rule not in rows_of:
             source, kept, index = token_rows + padding, token_rows, None
         else:
             source = token_rows + padding

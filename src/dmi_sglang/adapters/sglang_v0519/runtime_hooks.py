@@ -151,9 +151,9 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
 
     t0 = perf_counter()
     plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
-    if plan.layout.raw_batch_size != int(graph_runner.raw_bs):
+    if plan.batch.raw_batch_size != int(graph_runner.raw_bs):
         msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
-               f"{plan.layout.raw_batch_size}")
+               f"{plan.batch.raw_batch_size}")
         raise CaptureError(msg)
     mon.commit_graph(plan)
     mon.add_host_seconds(perf_counter() - t0)
