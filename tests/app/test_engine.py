@@ -39,6 +39,7 @@ class FakeEngineCalls:
         self.release = threading.Event()
         self.block = False
         self.shutdowns = 0
+        self.generated: list[dict[str, Any]] = []
 
 
 @pytest.fixture
@@ -57,6 +58,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
             raise calls.fail_start
 
     def generate(self: Any, prompt: Any = None, **kwargs: Any) -> Any:
+        calls.generated.append(kwargs)
         items = [{"text": "x", "output_ids": [1], "meta_info": {"id": f"rid-{i}"}}
                  for i, _ in enumerate(prompt if isinstance(prompt, list) else [prompt])]
         return items if isinstance(prompt, list) else items[0]
@@ -175,6 +177,20 @@ def test_generate_tags_outputs_with_lazy_handles(fake: FakeEngineCalls, tmp_path
         engine.generate(prompt="a", stream=True)
     with pytest.raises(ValueError, match=r"image_data=\.\.\.\) is refused: .*no token ids"):
         engine.generate(prompt="a", image_data="x.png")
+
+
+def test_generate_sends_a_capture_choice_as_custom_params(fake: FakeEngineCalls,
+                                                          tmp_path: Any) -> None:
+    engine = _engine(dmx_model_id="run-y", dmx_db_url=f"chdb://{tmp_path}/nowhere")
+    engine.generate(prompt=["a", "b"], sampling_params={"max_new_tokens": 1},
+                    dmi_capture=[True, False])
+    assert fake.generated[-1]["sampling_params"] == [
+        {"max_new_tokens": 1, "custom_params": {"dmi_capture": True}},
+        {"max_new_tokens": 1, "custom_params": {"dmi_capture": False}}]
+    engine.generate(prompt="a")
+    assert "sampling_params" not in fake.generated[-1]  # nothing added unless asked
+    with pytest.raises(ValueError, match="dmi_capture=1 is invalid"):
+        engine.generate(prompt="a", dmi_capture=1)
 
 
 def test_stop_is_terminal_and_failures_stick(fake: FakeEngineCalls) -> None:

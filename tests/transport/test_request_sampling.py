@@ -4,6 +4,8 @@ stored exactly as a full capture stores them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from dmi_sglang.domain.layout import BatchLayout
@@ -59,3 +61,52 @@ def test_a_window_coalesces_the_captured_requests_of_decode_steps(make_driver) -
     assert counters["window_flushes"] == 1
     assert {(r.request_id, r.start_token_idx, r.end_token_idx) for r in sink.records} == {
         ("a", 5, 9), ("c", 4, 8)}
+
+
+class _Req:
+    """What the monitor reads of SGLang's Req, with the sampling parameters' custom
+    params the caller sent."""
+
+    def __init__(self, rid: str, prompt: int, asked: object = None) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(range(prompt))
+        self.output_ids: list[int] = [7]
+        self.sampling_params = SimpleNamespace(
+            custom_params=None if asked is None else {"dmi_capture": asked})
+
+    def finished(self) -> bool:
+        return False
+
+
+def test_the_monitor_captures_the_requests_that_ask_or_are_sampled(make_driver) -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import capture_param
+    from dmi_sglang.app.session import SchedulerMonitor
+    from dmi_sglang.domain.records import RunInfo
+    from dmi_sglang.domain.sampling import RequestSample
+
+    from .conftest import SHAPE
+
+    d, sink = make_driver("resid_pre,final_logits")
+    mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True,
+                           sample=RequestSample(0.0), asked=capture_param)
+    reqs = [_Req("a", 3, asked=True), _Req("b", 2, asked=False), _Req("c", 4)]
+    layouts = [BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [3, 2, 4]),
+               BatchLayout.decode(["a", "b", "c"], [4, 3, 5]),
+               BatchLayout.decode(["a", "b", "c"], [5, 4, 6])]
+    for layout in layouts:
+        mon.requests.add_reqs(reqs)
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+    assert mon.requests.skipped == {"b", "c"}
+    timing = mon.timing(d.t.stats())
+    assert (timing["requests_seen"], timing["requests_captured"]) == (3, 1)
+    manifests = mon.requests.manifests("run-1", committed=False)
+    assert [m.request_id for m in manifests] == ["a"]
+    d.t.stop()
+    assert {r.request_id for r in sink.records} == {"a"}
+    resid = sorted((r.layer_no, p) for r in sink.records if "resid_pre" in r.act_name
+                   for p in range(r.start_token_idx, r.end_token_idx))
+    assert resid == [(layer, p) for layer in range(3) for p in range(5)]

@@ -55,7 +55,8 @@ def missing(
         error = f": {run.error}" if run.error else ""
         return (f"run {run_id!r} is {run.status.value}, not committed{error}",)
     if manifest is None:
-        return (f"request {request_id!r} of run {run_id!r} has no manifest",)
+        return (f"request {request_id!r} of run {run_id!r} has no manifest: the run never "
+                "saw it, or left it out (DMX_REQUEST_SAMPLE, or dmi_capture=False)",)
     if not manifest.committed:
         return (f"the manifest of request {request_id!r} is not committed",)
     by_key: dict[tuple[str, int], list[tuple[int, int]]] = {}

@@ -46,6 +46,7 @@ from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RunClaims
 from dmi_sglang.domain.records import storable_request_id
+from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -244,6 +245,8 @@ class PipelineFactory:
             )
             sink.start_run(spec.run)  # only once the transport exists: no orphan run row
             started = True
+            from dmi_sglang.adapters.sglang_v0519.batch import capture_param
+
             session = SchedulerMonitor(
                 run=spec.run,
                 selection=spec.selection,
@@ -251,6 +254,8 @@ class PipelineFactory:
                 transport=transport,
                 sink=sink,
                 strip=settings.gpu_padding_strip,
+                sample=RequestSample(settings.request_sample),
+                asked=capture_param,
             )
         except BaseException:
             for release in ((transport.stop,) if transport is not None else ()) + (sink.close,):

@@ -32,6 +32,7 @@ import structlog
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.domain.ports import EngineTap
+from dmi_sglang.domain.sampling import with_capture_param
 from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
 from dmi_sglang.domain.support import request_input_problem
 from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning, RunExistsError
@@ -119,13 +120,20 @@ class DMIEngine(_Engine):  # type: ignore[misc]
         self._dmi_started = True
         log.info("dmi.engine_ready", run_id=self.dmi_run_id, store=settings.store().url)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def generate(self, *args: Any, dmi_capture: bool | list[bool] | None = None,
+                 **kwargs: Any) -> Any:
         """``sglang.Engine.generate``; each output dict gains a lazy ``dmi_internal``.
+
+        ``dmi_capture`` (True / False, or one per prompt) captures the request or leaves
+        it out whatever ``DMX_REQUEST_SAMPLE`` says; it travels as the sampling
+        parameters' ``custom_params["dmi_capture"]``, which callers of SGLang's own APIs
+        can set themselves. A request left out has no capture (its handle says why).
 
         Raises:
             CaptureError: after :meth:`dmi_stop_monitoring` (monitoring is terminal).
-            ValueError: ``stream=True`` (a streamed capture has no single handle), or
-                multimodal inputs (no token ids to capture; refused before sending).
+            ValueError: ``stream=True`` (a streamed capture has no single handle),
+                multimodal inputs (no token ids to capture; refused before sending), or
+                an invalid ``dmi_capture``.
         """
         if self._dmi_stopped or self._dmi_stop_error is not None:
             msg = ("monitoring was stopped (dmi_stop_monitoring): this engine captures no "
@@ -139,6 +147,12 @@ class DMIEngine(_Engine):  # type: ignore[misc]
         if problem is not None:
             msg = f"DMIEngine.generate({', '.join(multimodal)}=...) is refused: {problem}"
             raise ValueError(msg)
+        if dmi_capture is not None:
+            if len(args) > 1:
+                args = (args[0], with_capture_param(args[1], dmi_capture), *args[2:])
+            else:
+                kwargs["sampling_params"] = with_capture_param(
+                    kwargs.get("sampling_params"), dmi_capture)
         out = super().generate(*args, **kwargs)
         for item in out if isinstance(out, list) else [out]:
             item["dmi_internal"] = self.dmi_handle(item["meta_info"]["id"])

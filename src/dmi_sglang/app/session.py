@@ -41,6 +41,7 @@ from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
 from dmi_sglang.domain.ports import CaptureTransport, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
+from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CaptureError
 
@@ -57,6 +58,13 @@ class _Seen:
     notified: bool = False
     lengths: tuple[int, int] | None = None
     """``(prompt, completion)`` kept when the request finished (its Req is let go)."""
+    captured: bool = True
+    """False for a request the capture leaves out (request sampling, or its own ask)."""
+    decided: bool = False
+
+
+def _not_asked(_req: TrackedRequest) -> object:
+    return None
 
 
 def logits_end(req: TrackedRequest) -> int:
@@ -75,7 +83,16 @@ class RequestTracker:
     overlap scheduler forwards the last generated token once more).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sample: RequestSample | None = None,
+                 asked: Callable[[TrackedRequest], object] = _not_asked) -> None:
+        self._sample = sample if sample is not None else RequestSample()
+        self._asked = asked
+        self._skipped: set[str] = set()
+        self._skip: frozenset[str] = frozenset()
+        self.seen_requests = 0
+        """Requests seen so far."""
+        self.captured_requests = 0
+        """Of those, the requests captured (the others: sampled out or asked not to be)."""
         self._seen: dict[str, _Seen] = {}
         self._live: dict[str, _Seen] = {}
         """Requests with a Req object and no finish notice yet (scanned every forward)."""
@@ -102,8 +119,27 @@ class RequestTracker:
                 continue
             else:
                 seen.req = req
+            if not seen.decided:
+                self._decide(rid, seen, req)
             known[id(req)] = req
             self._live[rid] = seen
+
+    def _decide(self, rid: str, seen: _Seen, req: TrackedRequest) -> None:
+        """Capture the request or leave it out, once, before its first planned forward
+        (a request whose rows a forward already captured stays captured)."""
+        self.seen_requests += 1
+        seen.decided = True
+        seen.captured = seen.last_end > 0 or self._sample.decide(req.rid, self._asked(req))
+        if seen.captured:
+            self.captured_requests += 1
+        else:
+            self._skipped.add(rid)
+            self._skip = frozenset(self._skipped)
+
+    @property
+    def skipped(self) -> frozenset[str]:
+        """Live requests the capture leaves out (their rows are never copied)."""
+        return self._skip
 
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
@@ -117,7 +153,11 @@ class RequestTracker:
             seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
             seen.req = None
             self._known.pop(id(req), None)
-            out.append((rid, logits_end(req)))
+            if seen.captured:
+                out.append((rid, logits_end(req)))
+            else:
+                self._skipped.discard(rid)
+                self._skip = frozenset(self._skipped)
         return out
 
     def take_all(self) -> list[tuple[str, int | None]]:
@@ -125,7 +165,7 @@ class RequestTracker:
         :func:`logits_end`, the others with None (keep everything)."""
         out: list[tuple[str, int | None]] = []
         for rid, seen in self._seen.items():
-            if seen.notified:
+            if seen.notified or not seen.captured:
                 continue
             seen.notified = True
             req = seen.req
@@ -166,6 +206,8 @@ class RequestTracker:
         out = []
         for rid, seen in self._seen.items():
             req = seen.req
+            if not seen.captured:
+                continue
             if req is not None:
                 prompt, completion = len(req.origin_input_ids), len(req.output_ids)
                 finished = bool(req.finished())
@@ -199,6 +241,8 @@ class SchedulerMonitor:
         transport: CaptureTransport,
         sink: RecordSink,
         strip: bool,
+        sample: RequestSample | None = None,
+        asked: Callable[[TrackedRequest], object] = _not_asked,
     ) -> None:
         self._run = run
         self.selection = selection
@@ -207,7 +251,7 @@ class SchedulerMonitor:
         self.sink = sink
         self.strip = strip
         self.protocol = StepProtocol()
-        self.requests = RequestTracker()
+        self.requests = RequestTracker(sample, asked)
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
@@ -259,9 +303,12 @@ class SchedulerMonitor:
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
         layout = layout.with_padding(padded_bs)
-        padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
+        skip = self.requests.skipped
+        padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip,
+                           skip=skip)
         decision = self.transport.preflight(
-            padded, lambda: make_plan(layout, self.selection, self.shape, padded=False))
+            padded, lambda: make_plan(layout, self.selection, self.shape, padded=False,
+                                      skip=skip))
         if decision.decision is Decision.RUN_EAGER:
             log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
             return False
@@ -274,7 +321,8 @@ class SchedulerMonitor:
         plan, self._preflighted = self._preflighted, None
         if plan is None or plan.batch.padded_batch_size != padded_bs:
             layout = layout_of().with_padding(padded_bs)
-            plan = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip)
+            plan = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip,
+                             skip=self.requests.skipped)
         return plan
 
     def commit_graph(self, plan: CommitPlan) -> None:
@@ -283,7 +331,8 @@ class SchedulerMonitor:
 
     def commit_eager(self, layout: BatchLayout) -> None:
         """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""
-        self._commit(make_plan(layout, self.selection, self.shape, padded=False))
+        self._commit(make_plan(layout, self.selection, self.shape, padded=False,
+                               skip=self.requests.skipped))
 
     def _commit(self, plan: CommitPlan) -> None:
         self.requests.add_layout(plan.layout)
@@ -328,6 +377,9 @@ class SchedulerMonitor:
             finally:
                 self.sink.close()
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
+            seen, captured = self.requests.seen_requests, self.requests.captured_requests
+            log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
+                     fraction=round(captured / seen, 4) if seen else None)
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats
 
@@ -339,6 +391,8 @@ class SchedulerMonitor:
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
             "stall_seconds": stats.stall_seconds,
+            "requests_seen": float(self.requests.seen_requests),
+            "requests_captured": float(self.requests.captured_requests),
         }
         out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})
         return out

@@ -111,6 +111,14 @@ def _capturable(text: str) -> HookSelection:
     return selection
 
 
+def _fraction(text: str) -> float:
+    """A number from 0 to 1 (``DMX_REQUEST_SAMPLE``)."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise ValueError(text)
+    return value
+
+
 def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
     """A parser of integers in ``[low, high]`` and the words that say so."""
 
@@ -348,6 +356,7 @@ _VARS: dict[str, _Var] = {
     "DRAIN_LINGER_US": _Var("drain_linger_us", 8_000, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
+    "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
@@ -392,6 +401,7 @@ class Settings:
     drain_linger_us: int = 8_000
     drain_gil_slice_us: int = 200
     plan_tok_s: int | None = None
+    request_sample: float = 1.0
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False
     preload_libstdcxx: str = "auto"

@@ -23,9 +23,10 @@ from typing import Any
 
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.records import storable_request_id
+from dmi_sglang.domain.sampling import CAPTURE_PARAM
 from dmi_sglang.errors import CommitError
 
-__all__ = ["CAPTURED_MODES", "layout_from_forward_batch", "unfinished_rids"]
+__all__ = ["CAPTURED_MODES", "capture_param", "layout_from_forward_batch", "unfinished_rids"]
 
 CAPTURED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
 """``ForwardMode`` names a monitored engine runs (the others need rejected features)."""
@@ -116,3 +117,11 @@ def _ints(cpu: Any, device: Any) -> list[int]:
     if isinstance(values, Sequence):
         return [int(v) for v in values]
     return [int(v) for v in values.tolist()]
+
+
+def capture_param(req: Any) -> object:
+    """What a ``Req`` asked through ``custom_params["dmi_capture"]`` (its sampling
+    parameters' ``custom_params``, passed to the scheduler as the caller sent them), or
+    None when it asked nothing."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params.get(CAPTURE_PARAM) if isinstance(params, dict) else None
