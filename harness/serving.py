@@ -144,6 +144,15 @@ def wave_bytes(args: argparse.Namespace, preset: str) -> int:
     return expected_capture(preset, MODELS[args.model], reqs).bytes
 
 
+def sampled(args: argparse.Namespace, rids: Sequence[str]) -> set[str]:
+    """The request ids a monitored engine captures under ``--env DMX_REQUEST_SAMPLE``
+    (every one without it): the domain's own rule."""
+    from dmi_sglang.domain.sampling import RequestSample
+
+    sample = RequestSample(float(args.env.get("DMX_REQUEST_SAMPLE", 1.0)))
+    return {r for r in rids if sample.keeps(r)}
+
+
 def monitored_spec(args: argparse.Namespace, mode: Mode, kwargs: Json, store: Path,
                    run_id: str) -> Json:
     """The measured engine of ``mode``."""
@@ -169,16 +178,19 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
         "token_identity": checks.token_identity(stock_first, first)}}
     events = measured["events"]
     stopped = events.get("dmi.stopped") or {}
+    warm_rids = [f"warmup-{i}" for i in range(args.batch)]
+    main_rids = [f"main-{i}.w{k}" for k in range(main["waves"]) for i in range(args.batch)]
+    captured = sampled(args, warm_rids + main_rids)
     if mode.preset:
-        requests = [(min(args.prompt_len, 32), 8)] * args.batch + \
-            [(args.prompt_len, args.output_len)] * main["requests"]
+        requests = [(min(args.prompt_len, 32), 8)] * sum(r in captured for r in warm_rids) + \
+            [(args.prompt_len, args.output_len)] * sum(r in captured for r in main_rids)
         out["checks"]["rows_accounted"] = check_transport_rows(
             stopped, mode.preset, MODELS[args.model], requests) | {"required": True}
     on_disk = directory_bytes(store) if mode.kind == "store" else 0
     if mode.kind == "store":
         rng = random.Random(SEED)
-        sample = [f"main-{rng.randrange(args.batch)}.w{rng.randrange(main['waves'])}"
-                  for _ in range(READBACK_SAMPLE)]
+        stored = [r for r in main_rids if r in captured]
+        sample = [rng.choice(stored) for _ in range(READBACK_SAMPLE)] if stored else []
         back = checks.read_back(store, measured["stop"]["run_id"], sample)
         out["checks"]["sample_complete"] = {
             "ok": back["run_status"] == "committed" and not back["missing"],
@@ -187,12 +199,15 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
         out["checks"]["bytes_stored_equal_captured"] = checks.bytes_stored_equal_captured(
             events, back["hook_totals"])
     tput = checks.bracketed_throughput([unit])["main"]
-    per_token = wave_bytes(args, mode.preset) / (args.batch * args.output_len) \
+    share = sum(r in captured for r in main_rids) / max(len(main_rids), 1)
+    per_token = share * wave_bytes(args, mode.preset) / (args.batch * args.output_len) \
         if mode.preset else 0.0
     out["figures"] = {"throughput": tput, "stop_s": stop_s, "waves": main["waves"],
                       "startup_s": measured["ready"]["startup_s"], "transport": stopped or None,
                       "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
                       "on_disk_bytes": on_disk, "hidden_state_values": main["hidden_state_values"],
+                      "requests": {"served": len(warm_rids) + len(main_rids),
+                                   "captured": len(captured)},
                       "wave_seconds": {"measured": main["wave_seconds"], **{
                           k: [w["wave_seconds"] for w in unit[k] if w["name"] == "main"]
                           for k in ("stock_before", "stock_after")}}}

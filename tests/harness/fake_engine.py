@@ -5,7 +5,8 @@ Output ids are a pure function of the prompt, so stock and "monitored" engines a
 ``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete),
 ``FAKE_RUN_FAULT=raise|exit|hang`` makes ``generate`` raise, exit the process or hang. With
 ``DMX_SGLANG_ENABLE=1`` the stop RPC logs the ``dmi.stopped`` statistics a complete
-capture of every request served would have, in SGLang's console log format; with an
+capture of every request served (of the sampled ones under ``DMX_REQUEST_SAMPLE``) would
+have, in SGLang's console log format; with an
 embedded store (``DMX_DB_URL=chdb://...``) it also writes that capture through the real
 sink, complete and committed.
 """
@@ -54,13 +55,22 @@ class FakeEngine:
             out = [(sum(ids) * 31 + i) % 1000 for i in range(n)]
             if os.environ.get("FAKE_DIVERGE") and os.environ["DMX_SGLANG_ENABLE"] == "1":
                 out[0] += 1
-            self.served.append((len(ids), n, False))
-            self.requests.append((r, len(ids), n))
+            if self._captures(r):
+                self.served.append((len(ids), n, False))
+                self.requests.append((r, len(ids), n))
             meta: dict[str, Any] = {"id": r, "prompt_tokens": len(ids), "completion_tokens": n}
             if return_hidden_states:
                 meta["hidden_states"] = [[0.5] * 8 for _ in range(n)]
             outs.append({"output_ids": out, "meta_info": meta})
         return outs
+
+    @staticmethod
+    def _captures(rid: str) -> bool:
+        """Whether the monitored engine would capture request ``rid``
+        (``DMX_REQUEST_SAMPLE``, by the domain's rule)."""
+        from dmi_sglang.domain.sampling import RequestSample
+
+        return RequestSample(float(os.environ.get("DMX_REQUEST_SAMPLE", "1"))).keeps(rid)
 
     def start_profile(self, *, output_dir: str, num_steps: int, activities: list[str],
                       with_stack: bool, record_shapes: bool) -> None:

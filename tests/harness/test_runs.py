@@ -92,13 +92,14 @@ def test_work_past_the_deadline_is_skipped_then_resumed(tmp_path: Path) -> None:
 
 
 def serve(tmp_path: Path, mode: str, *, repeats: int, batch: int, prompt: int,
-          output: int) -> tuple[int, dict[str, Any]]:
+          output: int, env: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
     """The serving benchmark on the fake engine: its exit status and result JSON."""
     out = tmp_path / "serving.json"
     code = serving.main(["--out", str(out), "--modes", mode, "--repeats", str(repeats),
                          "--batch", str(batch), "--prompt-len", str(prompt),
                          "--output-len", str(output), "--min-seconds", "0.01",
-                         "--engine-class", FAKE, "--work", str(tmp_path / "work")])
+                         "--engine-class", FAKE, "--work", str(tmp_path / "work"),
+                         *(a for e in env for a in ("--env", e))])
     data = load_json(out)
     assert data is not None
     return code, data
@@ -116,6 +117,18 @@ def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
     assert row["ratio_spread"] is not None
     assert data["units"][0]["bound"]["kind"] == "d2h"
     assert data["units"][0]["checks"]["rows_accounted"]["ok"]
+
+
+def test_a_sampled_store_run_is_checked_against_the_requests_it_captured(
+        tmp_path: Path) -> None:
+    code, data = serve(tmp_path, "store:hidden-states", repeats=1, batch=8, prompt=8,
+                       output=4, env=("DMX_REQUEST_SAMPLE=0.5",))
+    unit = data["units"][0]
+    assert code == 0, unit["checks"]
+    assert unit["checks"]["rows_accounted"]["ok"]
+    assert unit["checks"]["sample_complete"]["ok"]
+    requests = unit["figures"]["requests"]
+    assert 0 < requests["captured"] < requests["served"]  # about half of them
 
 
 def test_serving_refuses_a_setting_the_modes_own(capsys: pytest.CaptureFixture[str]) -> None:
