@@ -134,3 +134,28 @@ def test_step_protocol() -> None:
     proto.begin()
     proto.abort()
     assert proto.begin() == 4
+
+
+def test_a_plan_without_some_requests_keeps_the_others_rows_and_ids() -> None:
+    sel = parse_selection("resid_pre,final_logits").resolve(MODEL)
+    rids = ("a", "b", "c", "d")
+    skip = frozenset({"b", "d"})
+    first = make_plan(BatchLayout.decode(rids, [5, 6, 7, 8], padded_batch_size=8), sel,
+                      SHAPE, padded=True, skip=skip)
+    second = make_plan(BatchLayout.decode(rids, [6, 7, 8, 9], padded_batch_size=8), sel,
+                       SHAPE, padded=True, skip=skip)
+    assert first.layout.request_ids == ("a", "c")
+    assert first.layout.starts == (4, 6)
+    assert first.batch.raw_batch_size == 4
+    assert second.layout.request_ids is first.layout.request_ids  # an unchanged batch
+    for seg in first.segments:
+        assert seg.source_rows == 8
+        assert seg.kept_rows == 2
+        assert seg.source_index == (0, 2)
+    everyone = make_plan(BatchLayout.decode(rids, [5, 6, 7, 8]), sel, SHAPE, padded=False,
+                         skip=frozenset({"z"}))
+    assert everyone.batch is everyone.layout
+    assert all(seg.source_index is None for seg in everyone.segments)
+    nobody = make_plan(BatchLayout.decode(rids, [5, 6, 7, 8]), sel, SHAPE, padded=False,
+                       skip=frozenset(rids))
+    assert nobody.segments == ()

@@ -108,6 +108,12 @@ class RequestTracker:
     def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
         """Remember the scheduler's Req objects of a batch about to run."""
         known = self._known
+        if not isinstance(reqs, list):
+            reqs = list(reqs)
+        # Every Req already known (a running batch): one pass in C. ``known`` holds each
+        # of its Req objects alive, so an id found there is that same object's.
+        if known.keys() >= set(map(id, reqs)):
+            return
         for req in reqs:
             if known.get(id(req)) is req:
                 continue

@@ -133,7 +133,7 @@ class BatchLayout:
             msg = f"decode seq_len {seq_lens[bad]} of request {request_ids[bad]!r} must be >= 1"
             raise CommitError(msg)
         return cls._build(ForwardKind.DECODE, tuple(request_ids),
-                          tuple(v - 1 for v in seq_lens), (1,) * n, (True,) * n, n,
+                          tuple(map((-1).__add__, seq_lens)), (1,) * n, (True,) * n, n,
                           padded_batch_size)
 
     @classmethod
@@ -194,11 +194,14 @@ class BatchLayout:
             raise CommitError(msg)
         return cls(kind, rids, starts, counts, emits, padded_bs, token_rows)
 
-    def subset(self, indices: Sequence[int]) -> BatchLayout:
-        """The layout of some of its requests (``indices``, in that order), unpadded."""
+    def subset(self, indices: Sequence[int],
+               request_ids: tuple[str, ...] | None = None) -> BatchLayout:
+        """The layout of some of its requests (``indices``, in that order), unpadded
+        (``request_ids``: their ids, when the caller has them as a tuple already)."""
         counts = tuple(self.counts[i] for i in indices)
-        return self._build(self.kind, tuple(self.request_ids[i] for i in indices),
-                           tuple(self.starts[i] for i in indices), counts,
+        rids = request_ids if request_ids is not None else tuple(
+            self.request_ids[i] for i in indices)
+        return self._build(self.kind, rids, tuple(self.starts[i] for i in indices), counts,
                            tuple(self.emits[i] for i in indices), sum(counts), None)
 
     def with_padding(self, padded_batch_size: int) -> BatchLayout:

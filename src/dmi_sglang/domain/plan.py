@@ -229,13 +229,15 @@ def make_plan(
     padding = layout.padded_batch_size - layout.raw_batch_size if padded else 0
     keep: frozenset[int] | None = None
     captured = layout
-    if skip and not skip.isdisjoint(layout.request_ids):
-        kept = [i for i, rid in enumerate(layout.request_ids) if rid not in skip]
-        keep, captured = frozenset(kept), layout.subset(kept)
-    if layout.is_uniform_decode and keep is None:
+    uniform = layout.is_uniform_decode
+    if skip:
+        kept, keep, rids = _kept(layout.request_ids, skip)
+        if keep is not None:
+            captured = layout.subset(kept, rids)
+    if uniform and keep is None:
         logit_rows, logit_index = layout.raw_batch_size, None
     else:
-        emitting = tuple(
+        emitting = kept if uniform else tuple(
             i for i, (e, n) in enumerate(zip(layout.emits, layout.counts, strict=True))
             if e and n > 0 and (keep is None or i in keep)
         )
@@ -244,7 +246,10 @@ def make_plan(
     rules = {r for _, _, r in selection.rules}
     if keep is not None:
         rules.add(_EVERY_POSITION)
-    ruled = tuple((rule, *_rule_rows(layout, rule, keep)) for rule in sorted(rules, key=str))
+    ruled = tuple(
+        (rule, *((kept, len(kept)) if uniform and rule.is_all else _rule_rows(layout, rule, keep)))
+        for rule in sorted(rules, key=str)
+    )
     structure = _structure(
         selection,
         shape,
@@ -263,6 +268,19 @@ def make_plan(
 
 
 _EVERY_POSITION = Positions()
+
+
+@functools.lru_cache(maxsize=16)
+def _kept(request_ids: tuple[str, ...], skip: frozenset[str]) -> tuple[
+        tuple[int, ...], frozenset[int] | None, tuple[str, ...]]:
+    """The requests of a batch that are captured: their indices, the same as a set (None
+    when every request is), their ids. Cached: consecutive decode steps of an unchanged
+    batch ask again with the same tuples (and get the same ids tuple back, which the
+    request tracker's fast path recognises)."""
+    if skip.isdisjoint(request_ids):
+        return tuple(range(len(request_ids))), None, request_ids
+    kept = tuple(i for i, rid in enumerate(request_ids) if rid not in skip)
+    return kept, frozenset(kept), tuple(request_ids[i] for i in kept)
 
 
 def _rule_rows(layout: BatchLayout, rule: Positions,

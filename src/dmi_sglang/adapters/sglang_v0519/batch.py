@@ -116,7 +116,8 @@ def _ints(cpu: Any, device: Any) -> list[int]:
         return []
     if isinstance(values, Sequence):
         return [int(v) for v in values]
-    return [int(v) for v in values.tolist()]
+    listed = values.tolist()  # a tensor or an array of integers: Python ints already
+    return listed if all(type(v) is int for v in listed) else [int(v) for v in listed]
 
 
 def capture_param(req: Any) -> object:
