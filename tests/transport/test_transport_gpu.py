@@ -302,3 +302,46 @@ def test_prefill_larger_than_the_free_ring_is_committed_piecewise():
     stats = t.stop()
     expected.verify(sink.records)
     assert stats.piecewise_steps == 1, stats
+
+
+RULED: Selection = parse_selection(
+    "resid_pre:positions(12-14),mlp_out,final_ln:positions(0-13),final_logits").resolve(
+    ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
+
+
+def test_graph_replay_drops_left_out_requests_and_positions_on_the_device():
+    sink = MemorySink()
+    t = _transport(sink, selection=RULED)
+    model = _model(t)
+    bucket = 8
+    static_ids = torch.zeros(bucket, dtype=torch.long, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            model(static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.ref = {}
+    with torch.cuda.graph(graph), torch.no_grad():
+        model(static_ids)
+    ref, model.ref = model.ref, None
+    expected = Expected()
+    skip = frozenset({"r1", "r4"})
+    for step, raw in enumerate((3, 5, 8, 8, 6, 8), start=1):
+        rids = [f"r{i}" for i in range(raw)]
+        static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
+        layout = BatchLayout.decode(rids, [10 + step + i for i in range(raw)],
+                                    padded_batch_size=bucket)
+        plan = make_plan(layout, RULED, SHAPE, padded=True, skip=skip)
+        t.commit(plan, step=step)
+        graph.replay()
+        t.seal()
+        expected.add(plan, ref)
+    stats = t.stop()
+    assert expected.verify(sink.records) == stats.rows
+    assert not skip & {r.request_id for r in sink.records}
+    resid = {(r.start_token_idx, r.end_token_idx) for r in sink.records
+             if r.act_name.endswith("resid_pre")}
+    assert resid
+    assert all(12 <= a and b <= 15 for a, b in resid)
