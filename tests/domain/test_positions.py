@@ -99,7 +99,7 @@ def test_the_plan_counts_only_kept_rows() -> None:
 
 
 @pytest.mark.parametrize("text", ["resid_pre:last", "final_ln:every(4)",
-                                  "final_logits:positions(0-9)", "hf-only:positions(0-9)"])
+                                  "final_logits:generated", "hf-only:last"])
 def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
     item = text.replace("(", r"\(").replace(")", r"\)")
     with pytest.raises(ConfigurationError, match=rf"position rules \({item}\) are "
@@ -107,9 +107,20 @@ def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
         Settings.from_env({"DMX_HOOK_SELECTION": text})
 
 
-def test_a_capture_takes_position_ranges_on_token_row_hooks() -> None:
-    text = "resid_pre@0-3:positions(0-127),final_ln:positions(5),final_logits"
+@pytest.mark.parametrize("text", [
+    "resid_pre@0-3:positions(0-127),final_ln:positions(5),final_logits",
+    "hf-only:last_prompt", "final_logits:positions(0-9),resid_pre"])
+def test_a_capture_takes_position_ranges_and_the_last_prompt_position(text: str) -> None:
     assert Settings.from_env({"DMX_HOOK_SELECTION": text}).hook_selection == text
+
+
+def test_the_last_prompt_position_needs_the_prompt_length() -> None:
+    rule = Positions.parse("last_prompt")
+    assert rule.span(0, 10, prompt=7) == (6, 7)
+    lo, hi = rule.span(7, 9, prompt=7)  # decode positions: after the prompt
+    assert hi <= lo
+    with pytest.raises(ValueError, match="needs the request's prompt length"):
+        rule.span(0, 10)
     assert Settings.from_env({"DMX_HOOK_SELECTION": "resid_pre:all"}).hook_selection == \
         "resid_pre"
 

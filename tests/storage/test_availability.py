@@ -188,3 +188,20 @@ def test_a_missing_row_inside_a_position_range_is_reported(
     assert not h.available
     assert h.missing == ("blocks.hook_resid_pre layer 0: positions [3, 4) missing",
                          "blocks.hook_resid_pre layer 1: positions [3, 4) missing")
+
+
+def test_a_last_prompt_capture_is_complete_with_one_row_per_hook(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = attrs.evolve(run_info("lp", CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", "resid_pre:last_prompt,final_logits:last_prompt"),))
+    sink.start_run(run)
+    for act, layer in CAPTURES:  # PROMPT - 1 = 3: the position that decided token one
+        recs = records_of("lp", "r", act, layer, torch.randn(1, 5), [3, 4], base=3)
+        sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest("lp", "r", PROMPT, COMPLETION)])
+    h = handle(store, "lp", "r")
+    assert h.missing == ()
+    assert h.get("resid_pre", 1).shape == (1, 5)
+    assert h.logits.shape == (1, 5)

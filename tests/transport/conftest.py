@@ -76,10 +76,12 @@ class Driver:
         self.capturing = False
         self.skip: frozenset[str] = frozenset()
         """Requests the plans leave out (request sampling)."""
+        self.prompts: dict[str, int] = {}
+        """Prompt lengths (for last_prompt rules)."""
 
     def plan(self, layout: BatchLayout, *, padded: bool = False, strip: bool = True) -> CommitPlan:
         return make_plan(layout, self.selection, SHAPE, padded=padded, strip=strip,
-                         skip=self.skip)
+                         skip=self.skip, prompts=self.prompts.get)
 
     def fire(
         self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None

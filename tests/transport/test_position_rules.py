@@ -58,3 +58,75 @@ def test_a_range_outside_every_computed_position_captures_nothing_of_that_hook(m
     d.verify(sink.records)
     assert sink.records
     assert not [r for r in sink.records if "resid_pre" in r.act_name]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+def test_the_last_prompt_position_is_what_a_full_capture_holds_there(make_driver,
+                                                                      padded: bool) -> None:
+    selection = "resid_pre:last_prompt,final_ln,final_logits:last_prompt"
+    full, full_sink = make_driver("resid_pre,final_ln,final_logits")
+    some, some_sink = make_driver(selection)
+    some.prompts = {"a": 5, "b": 7}
+    for d in (full, some):
+        # b's prompt comes in two chunks: the first one (0-3) does not reach position 6
+        d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 4], seq_lens=[5, 8]))
+        d.forward(BatchLayout.extend(["b"], [4], [3]))
+        if padded:
+            d.graph_capture(4)
+        for n in range(3):
+            d.forward(BatchLayout.decode(["a", "b"], [6 + n, 8 + n],
+                                         padded_batch_size=4 if padded else None),
+                      padded=padded)
+    full.t.stop()
+    some.t.stop()
+    some.verify(some_sink.records)
+
+    def rows(records):
+        out = set()
+        for r in records:
+            width = len(r.payload) // r.rows
+            for i in range(r.rows):
+                out.add((r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
+                         bytes(r.payload[i * width : (i + 1) * width])))
+        return out
+
+    last_prompt = {"a": 4, "b": 6}
+    want = {row for row in rows(full_sink.records)
+            if "final_ln" in row[1] or row[3] == last_prompt[row[0]]}
+    assert rows(some_sink.records) == want
+    logits = sorted((row[0], row[3]) for row in want if "logits" in row[1])
+    assert logits == [("a", 4), ("b", 6)]  # the rows that decided the first tokens
+
+
+def test_last_prompt_without_a_prompt_length_is_a_commit_error(make_driver) -> None:
+    from dmi_sglang.errors import CommitError
+
+    d, _ = make_driver("resid_pre:last_prompt")
+    with pytest.raises(CommitError, match="prompt length of request 'a'"):
+        d.plan(BatchLayout.extend(["a"], [0], [5]))
+
+
+def test_the_monitor_gives_the_plans_each_requests_prompt_length(make_driver) -> None:
+    from types import SimpleNamespace
+
+    from dmi_sglang.app.session import SchedulerMonitor
+    from dmi_sglang.domain.records import RunInfo
+
+    from .conftest import SHAPE
+
+    d, sink = make_driver("resid_pre:last_prompt")
+    mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+    reqs = [SimpleNamespace(rid=r, origin_input_ids=[1] * n, output_ids=[], finished=bool)
+            for r, n in (("a", 3), ("b", 5))]
+    for layout in (BatchLayout.extend(["a", "b"], [0, 0], [3, 5]),
+                   BatchLayout.decode(["a", "b"], [4, 6])):
+        mon.requests.add_reqs(reqs)
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+    d.t.stop()
+    assert sorted((r.request_id, r.layer_no, r.start_token_idx, r.end_token_idx)
+                  for r in sink.records) == [
+        (rid, layer, p, p + 1) for rid, p in (("a", 2), ("b", 4)) for layer in range(3)]

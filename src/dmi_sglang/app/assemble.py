@@ -80,7 +80,9 @@ def selected_span(manifest: RequestManifest, act: str,
     manifest's coverage, narrowed by the capture's position rule (None: every position;
     empty when ``hi <= lo``)."""
     cov = manifest.coverage(hook_for(act))
-    return (cov.start, cov.end) if rule is None else rule.span(cov.start, cov.end)
+    if rule is None:
+        return cov.start, cov.end
+    return rule.span(cov.start, cov.end, prompt=manifest.prompt_tokens)
 
 
 def _uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

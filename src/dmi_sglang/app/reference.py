@@ -19,7 +19,7 @@ request's last generated token is forwarded (``overlap_extra_forward`` is False)
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 
 import attrs
@@ -145,8 +145,9 @@ def capture_reference(
                                       selection=selection):
                 layout = _layout(rid, request, fwd, first=completion == 0, end=end)
                 seq += 1
-                out = forward_records(make_plan(layout, selection, model.shape, padded=False),
-                                      fwd.payloads, run_id=run.run_id, seq=seq)
+                plan = make_plan(layout, selection, model.shape, padded=False,
+                                 prompts=_prompt_of(len(request.prompt_ids)))
+                out = forward_records(plan, fwd.payloads, run_id=run.run_id, seq=seq)
                 if out:
                     sink.put(RecordBatch.from_records(out))
                 records += len(out)
@@ -171,6 +172,11 @@ def capture_reference(
     log.info("dmi.reference.committed", run_id=run.run_id, requests=len(manifests),
              forwards=seq, records=records, seconds=round(seconds, 3))
     return ReferenceResult(done, tuple(manifests), seq, records, rows, nbytes, seconds)
+
+
+def _prompt_of(length: int) -> Callable[[str], int | None]:
+    """The prompt lengths of a run of one request at a time: every id has this one."""
+    return lambda _request_id: length
 
 
 def _layout(rid: str, request: ReferenceRequest, fwd: ReferenceForward, *, first: bool,

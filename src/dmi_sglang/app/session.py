@@ -142,6 +142,15 @@ class RequestTracker:
             self._skipped.add(rid)
             self._skip = frozenset(self._skipped)
 
+    def prompt_length(self, request_id: str) -> int | None:
+        """The prompt length of a request seen (None: never seen)."""
+        seen = self._seen.get(request_id)
+        if seen is None:
+            return None
+        if seen.req is not None:
+            return len(seen.req.origin_input_ids)
+        return seen.lengths[0] if seen.lengths is not None else None
+
     @property
     def skipped(self) -> frozenset[str]:
         """Live requests the capture leaves out (their rows are never copied)."""
@@ -258,6 +267,8 @@ class SchedulerMonitor:
         self.strip = strip
         self.protocol = StepProtocol()
         self.requests = RequestTracker(sample, asked)
+        self._prompts = self.requests.prompt_length if any(
+            rule.needs_prompt for _, _, rule in selection.rules) else None
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
@@ -309,12 +320,8 @@ class SchedulerMonitor:
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
         layout = layout.with_padding(padded_bs)
-        skip = self.requests.skipped
-        padded = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip,
-                           skip=skip)
-        decision = self.transport.preflight(
-            padded, lambda: make_plan(layout, self.selection, self.shape, padded=False,
-                                      skip=skip))
+        padded = self._plan(layout, padded=True)
+        decision = self.transport.preflight(padded, lambda: self._plan(layout, padded=False))
         if decision.decision is Decision.RUN_EAGER:
             log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
             return False
@@ -326,9 +333,7 @@ class SchedulerMonitor:
         from ``layout_of()`` (the step was not preflighted at this batch size)."""
         plan, self._preflighted = self._preflighted, None
         if plan is None or plan.batch.padded_batch_size != padded_bs:
-            layout = layout_of().with_padding(padded_bs)
-            plan = make_plan(layout, self.selection, self.shape, padded=True, strip=self.strip,
-                             skip=self.requests.skipped)
+            plan = self._plan(layout_of().with_padding(padded_bs), padded=True)
         return plan
 
     def commit_graph(self, plan: CommitPlan) -> None:
@@ -337,8 +342,14 @@ class SchedulerMonitor:
 
     def commit_eager(self, layout: BatchLayout) -> None:
         """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""
-        self._commit(make_plan(layout, self.selection, self.shape, padded=False,
-                               skip=self.requests.skipped))
+        self._commit(self._plan(layout, padded=False))
+
+    def _plan(self, layout: BatchLayout, *, padded: bool) -> CommitPlan:
+        """The plan of a forward (padded: its decode graph replay): the captured
+        requests' rows of the selected captures."""
+        return make_plan(layout, self.selection, self.shape, padded=padded,
+                         strip=self.strip if padded else True, skip=self.requests.skipped,
+                         prompts=self._prompts)
 
     def _commit(self, plan: CommitPlan) -> None:
         self.requests.add_layout(plan.layout)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from dmi_sglang.domain.hooks import Hook, RowBasis, Selection
+from dmi_sglang.domain.hooks import Hook, RowBasis, Selection, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.positions import Positions
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
@@ -114,7 +114,7 @@ class _Structure:
     index: dict[tuple[str, int], Segment] = attrs.field(eq=False, hash=False)
     total_bytes: int
     kept_bytes: int
-    ruled_rows: tuple[tuple[Positions, tuple[int, ...] | None, int], ...] = ()
+    ruled_rows: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...] = ()
 
 
 @attrs.frozen
@@ -138,6 +138,8 @@ class CommitPlan:
     alignment: int
     _structure: _Structure = attrs.field(repr=False)
     _full: BatchLayout | None = attrs.field(default=None, repr=False)
+    _prompts: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    """Prompt lengths of :attr:`layout`'s requests (given when a rule needs them)."""
     _slices: dict[tuple[RowBasis, Positions], tuple[RecordSlice, ...]] = attrs.field(
         init=False, factory=dict, eq=False, hash=False, repr=False
     )
@@ -168,9 +170,9 @@ class CommitPlan:
         return len(self._structure.segments)
 
     @property
-    def ruled_rows(self) -> tuple[tuple[Positions, tuple[int, ...] | None, int], ...]:
-        """Per position rule of the selection: the token rows it keeps this step
-        (``None``: all of them) and how many; empty without rules. With
+    def ruled_rows(self) -> tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...]:
+        """Per row basis and position rule of the selection: the source rows it keeps
+        this step (``None``: all of them) and how many; empty without rules. With
         :attr:`segments`' first and last, it determines the plan's structure."""
         return self._structure.ruled_rows
 
@@ -179,7 +181,7 @@ class CommitPlan:
         key = (segment.hook.row_basis, segment.positions)
         cached = self._slices.get(key)
         if cached is None:
-            cached = self._slices[key] = _slices(self.layout, *key)
+            cached = self._slices[key] = _slices(self.layout, *key, self._prompts)
         return cached
 
     def segment_for(self, hook_name: str, layer_no: int) -> Segment | None:
@@ -208,6 +210,7 @@ def make_plan(
     strip: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
     skip: frozenset[str] = frozenset(),
+    prompts: Callable[[str], int | None] | None = None,
 ) -> CommitPlan:
     """Plan one forward.
 
@@ -225,6 +228,12 @@ def make_plan(
         skip: requests not captured (request sampling): their rows are left out on the
             device like padding, and the plan's :attr:`~CommitPlan.layout` holds the
             other requests only.
+        prompts: a request's prompt length from its id (None: unknown); asked (for the
+            captured requests) only when the selection has a ``last_prompt`` rule.
+
+    Raises:
+        CommitError: a ``last_prompt`` rule and a captured request without a prompt
+            length.
     """
     padding = layout.padded_batch_size - layout.raw_batch_size if padded else 0
     keep: frozenset[int] | None = None
@@ -243,12 +252,18 @@ def make_plan(
         )
         logit_rows = len(emitting)
         logit_index = None if emitting == tuple(range(logit_rows)) else emitting
-    rules = {r for _, _, r in selection.rules}
+    token_rules, request_rules = _rules_by_basis(selection)
+    prompt_of = _prompt_lengths(layout, keep, prompts) if any(
+        r.needs_prompt for r in token_rules | request_rules) else None
     if keep is not None:
-        rules.add(_EVERY_POSITION)
+        token_rules = token_rules | {_EVERY_POSITION}
     ruled = tuple(
-        (rule, *((kept, len(kept)) if uniform and rule.is_all else _rule_rows(layout, rule, keep)))
-        for rule in sorted(rules, key=str)
+        (RowBasis.TOKEN, rule, *((kept, len(kept)) if uniform and rule.is_all
+                                 else _rule_rows(layout, rule, keep, prompt_of)))
+        for rule in sorted(token_rules, key=str)
+    ) + tuple(
+        (RowBasis.REQUEST, rule, *_request_rows(layout, rule, keep, prompt_of))
+        for rule in sorted(request_rules, key=str)
     )
     structure = _structure(
         selection,
@@ -263,8 +278,12 @@ def make_plan(
         strip=strip,
         alignment=alignment,
     )
+    captured_prompts = None
+    if prompt_of is not None:
+        captured_prompts = tuple(p for i, p in enumerate(prompt_of)
+                                 if keep is None or i in keep)
     return CommitPlan(captured, padded, strip, alignment, structure,
-                      None if keep is None else layout)
+                      None if keep is None else layout, captured_prompts)
 
 
 _EVERY_POSITION = Positions()
@@ -283,15 +302,40 @@ def _kept(request_ids: tuple[str, ...], skip: frozenset[str]) -> tuple[
     return kept, frozenset(kept), tuple(request_ids[i] for i in kept)
 
 
-def _rule_rows(layout: BatchLayout, rule: Positions,
-               keep: frozenset[int] | None = None) -> tuple[tuple[int, ...] | None, int]:
+@functools.lru_cache(maxsize=64)
+def _rules_by_basis(selection: Selection) -> tuple[frozenset[Positions], frozenset[Positions]]:
+    """The position rules of the selection's token-row and request-row captures."""
+    token: set[Positions] = set()
+    request: set[Positions] = set()
+    for name, _, rule in selection.rules:
+        by_request = hook_by_name(name).row_basis is RowBasis.REQUEST
+        (request if by_request else token).add(rule)
+    return frozenset(token), frozenset(request)
+
+
+def _prompt_lengths(layout: BatchLayout, keep: frozenset[int] | None,
+                    prompts: Callable[[str], int | None] | None) -> tuple[int, ...]:
+    """Prompt lengths of the batch's requests (0 for those left out, never read)."""
+    out = []
+    for i, rid in enumerate(layout.request_ids):
+        length = prompts(rid) if prompts is not None and (keep is None or i in keep) else None
+        if length is None and (keep is None or i in keep):
+            msg = f"a last_prompt rule needs the prompt length of request {rid!r}"
+            raise CommitError(msg)
+        out.append(length or 0)
+    return tuple(out)
+
+
+def _rule_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | None = None,
+               prompt_of: Sequence[int] | None = None) -> tuple[tuple[int, ...] | None, int]:
     """The token rows of ``layout`` that ``rule`` keeps of the requests in ``keep``
     (None: every request), as an index (None: all rows) and a count."""
     index: list[int] = []
     row = 0
     for i, (start, n) in enumerate(zip(layout.starts, layout.counts, strict=True)):
         if keep is None or i in keep:
-            lo, hi = rule.span(start, start + n)
+            prompt = prompt_of[i] if prompt_of is not None else None
+            lo, hi = rule.span(start, start + n, prompt=prompt)
             index.extend(range(row + lo - start, row + hi - start))
         row += n
     if len(index) == layout.token_rows:
@@ -299,20 +343,42 @@ def _rule_rows(layout: BatchLayout, rule: Positions,
     return tuple(index), len(index)
 
 
-def _slices(layout: BatchLayout, basis: RowBasis,
-            rule: Positions | None = None) -> tuple[RecordSlice, ...]:
-    rows = zip(layout.request_ids, layout.starts, layout.counts, layout.emits, strict=True)
-    if basis is RowBasis.TOKEN:
-        out: list[RecordSlice] = []
-        at = 0
-        for rid, start, n, _ in rows:
-            lo, hi = (start, start + n) if rule is None else rule.span(start, start + n)
+def _request_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | None,
+                  prompt_of: Sequence[int] | None) -> tuple[tuple[int, ...] | None, int]:
+    """The request rows (one per request, at its last position, for those that emit a
+    token) that ``rule`` keeps of the requests in ``keep``: an index and a count."""
+    index = []
+    for i, (start, n, emits) in enumerate(zip(layout.starts, layout.counts, layout.emits,
+                                              strict=True)):
+        if emits and n > 0 and (keep is None or i in keep):
+            prompt = prompt_of[i] if prompt_of is not None else None
+            lo, hi = rule.span(start + n - 1, start + n, prompt=prompt)
             if hi > lo:
-                out.append(RecordSlice(rid, at, hi - lo, lo, hi))
-                at += hi - lo
-        return tuple(out)
-    kept = [(rid, start + n) for rid, start, n, emits in rows if emits and n > 0]
-    return tuple(RecordSlice(rid, j, 1, end - 1, end) for j, (rid, end) in enumerate(kept))
+                index.append(i)
+    if index == list(range(layout.raw_batch_size)):
+        return None, len(index)
+    return tuple(index), len(index)
+
+
+def _slices(layout: BatchLayout, basis: RowBasis, rule: Positions | None = None,
+            prompts: tuple[int, ...] | None = None) -> tuple[RecordSlice, ...]:
+    rows = zip(layout.request_ids, layout.starts, layout.counts, layout.emits, strict=True)
+    out: list[RecordSlice] = []
+    at = 0
+    for i, (rid, start, n, emits) in enumerate(rows):
+        prompt = prompts[i] if prompts is not None else None
+        if basis is RowBasis.TOKEN:
+            lo, hi = (start, start + n) if rule is None else rule.span(start, start + n,
+                                                                       prompt=prompt)
+        elif emits and n > 0:
+            lo, hi = ((start + n - 1, start + n) if rule is None
+                      else rule.span(start + n - 1, start + n, prompt=prompt))
+        else:
+            continue
+        if hi > lo:
+            out.append(RecordSlice(rid, at, hi - lo, lo, hi))
+            at += hi - lo
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,7 +386,7 @@ def _structure(
     selection: Selection,
     shape: ModelShape,
     *,
-    ruled: tuple[tuple[Positions, tuple[int, ...] | None, int], ...],
+    ruled: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...],
     token_rows: int,
     raw_batch: int,
     padding: int,
@@ -331,17 +397,19 @@ def _structure(
     alignment: int,
 ) -> _Structure:
     segments: list[Segment] = []
-    rows_of = {rule: (index, kept) for rule, index, kept in ruled}
+    rows_of = {(basis, rule): (index, kept) for basis, rule, index, kept in ruled}
     for hook, layer_no in selection.captures():
         row = shape.row(hook)
         rule = selection.positions_of(hook.name, layer_no)
-        if hook.row_basis is RowBasis.REQUEST:
-            source, kept, index = raw_batch + padding, logit_rows, logit_index
-        elif rule.is_all and rule not in rows_of:
-            source, kept, index = token_rows + padding, token_rows, None
-        else:
+        basis = hook.row_basis
+        if basis is RowBasis.REQUEST:
+            source = raw_batch + padding
+            index, kept = rows_of.get((basis, rule), (logit_index, logit_rows))
+        elif (basis, rule) in rows_of:
             source = token_rows + padding
-            index, kept = rows_of[rule]
+            index, kept = rows_of[(basis, rule)]
+        else:
+            source, kept, index = token_rows + padding, token_rows, None
         if kept == 0:
             continue
         ring_rows = kept if strip or not padded else source

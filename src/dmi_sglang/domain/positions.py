@@ -124,19 +124,29 @@ class Positions:
             return position % self.k == 0
         return self.first <= position <= self.last
 
-    def span(self, start: int, end: int) -> tuple[int, int]:
+    @property
+    def needs_prompt(self) -> bool:
+        """True when :meth:`span` needs the request's prompt length."""
+        return self.rule is PositionRule.LAST_PROMPT
+
+    def span(self, start: int, end: int, *, prompt: int | None = None) -> tuple[int, int]:
         """The kept positions of ``[start, end)`` as one span ``[lo, hi)`` (empty when
-        ``hi <= lo``), for the rules whose kept positions are contiguous without knowing
-        the request's lengths: ``all`` and ``positions(A-B)``.
+        ``hi <= lo``), for the rules whose kept positions are one span that is known
+        while the request still runs: ``all``, ``positions(A-B)`` and ``last_prompt``
+        (which needs ``prompt``, the request's prompt length).
 
         Raises:
-            ValueError: another rule.
+            ValueError: another rule, or ``last_prompt`` without ``prompt``.
         """
         if self.rule is PositionRule.ALL:
             return start, end
         if self.rule is PositionRule.RANGE:
             return max(start, self.first), min(end, self.last + 1)
+        if self.rule is PositionRule.LAST_PROMPT and prompt is not None:
+            return max(start, prompt - 1), min(end, prompt)
         msg = f"{self} keeps no span of positions that is known while capturing"
+        if self.rule is PositionRule.LAST_PROMPT:
+            msg = f"{self} needs the request's prompt length"
         raise ValueError(msg)
 
     def rows(self, start: int, end: int, *, prompt: int, completion: int) -> int:

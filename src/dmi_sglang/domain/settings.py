@@ -20,7 +20,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
 
-from dmi_sglang.domain.hooks import PRESETS, HookSelection, RowBasis, hook_by_name, parse_selection
+from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
@@ -89,24 +89,19 @@ def _conv(
     return convert
 
 
+_CAPTURED_RULES = (PositionRule.ALL, PositionRule.RANGE, PositionRule.LAST_PROMPT)
+
+
 def _capturable(text: str) -> HookSelection:
-    """A selection a capture can run: of the position rules, ``positions(A-B)`` on
-    token-row hooks is captured; the others (``:last`` ...) are planned by ``dmi-sglang
-    plan`` and not captured yet."""
+    """A selection a capture can run: of the position rules, ``positions(A-B)`` and
+    ``last_prompt`` are captured; the others (``:last`` ...) are planned by
+    ``dmi-sglang plan`` and not captured yet."""
     selection = parse_selection(text)
-    refused = []
-    for item in selection.items:
-        if item.positions.is_all:
-            continue
-        names = PRESETS[item.name] if item.is_preset else (item.name,)
-        per_request = [n for n in names if hook_by_name(n).row_basis is RowBasis.REQUEST]
-        if item.positions.rule is not PositionRule.RANGE or per_request:
-            refused.append(str(item))
+    refused = [str(i) for i in selection.items if i.positions.rule not in _CAPTURED_RULES]
     if refused:
         msg = (f"position rules ({', '.join(refused)}) are understood by dmi-sglang plan "
-               "but not captured yet: captures take positions(A-B) on hooks with a row "
-               "per token (not final_logits); capture every position otherwise (no "
-               "':rule')")
+               "but not captured yet: captures take positions(A-B) and last_prompt; "
+               "capture every position otherwise (no ':rule')")
         raise ConfigurationError(msg)
     return selection
 

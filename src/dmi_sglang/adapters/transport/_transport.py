@@ -54,7 +54,7 @@ def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: Transp
     """Ring bytes of the longest eager forward the engine may run (one request)."""
     rows = max(opts.max_prefill_tokens, max_graph_batch)
     return make_plan(BatchLayout.extend(["-"], [0], [rows]), selection, shape,
-                     padded=False).total_bytes
+                     padded=False, prompts=lambda _request_id: rows).total_bytes
 
 
 class TorchCaptureTransport:
