@@ -263,3 +263,20 @@ def test_back_to_back_payloads_are_found_and_anything_else_is_refused() -> None:
     assert back_to_back([rec(own[0:10]), rec(own[20:30])]) is None  # a gap
     assert back_to_back([rec(own[0:10]), rec(copy_row(chunk.array[10:20]))]) is None
     assert back_to_back([rec(bytes(10))]) is None
+
+
+def test_a_held_row_that_waits_past_the_next_flush_gets_memory_of_its_own(make_driver):
+    # resid_pre + final_logits (40 B) for 3 requests: 264 B a step, 2 steps a window.
+    d, sink = make_driver("resid_pre,final_logits", coalesce_max_bytes=264 * 2)
+    d.forward(BatchLayout.decode(["a", "b", "c"], [5, 9, 3]))
+    d.forward(BatchLayout.decode(["a", "b", "c"], [6, 10, 4]))  # a flush holds 3 rows
+    for n in range(6):  # b was retracted: its held row is never confirmed by a flush
+        d.forward(BatchLayout.decode(["a", "c"], [7 + n, 5 + n]))
+    deadline = time.monotonic() + 5
+    while d.t.drain_counters()["window_flushes"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (row,) = d.t._drain.held._rows["b"]
+    assert len(row.payload.obj) == 40  # its own 40 bytes, not the flush's pooled slab
+    d.t.finish_request("b", None)
+    d.t.stop()
+    d.verify(sink.records)

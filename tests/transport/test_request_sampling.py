@@ -110,3 +110,36 @@ def test_the_monitor_captures_the_requests_that_ask_or_are_sampled(make_driver) 
     resid = sorted((r.layer_no, p) for r in sink.records if "resid_pre" in r.act_name
                    for p in range(r.start_token_idx, r.end_token_idx))
     assert resid == [(layer, p) for layer in range(3) for p in range(5)]
+
+
+def test_a_left_out_request_forwarded_after_it_finished_stays_left_out(make_driver) -> None:
+    from dmi_sglang.adapters.sglang_v0519.batch import capture_param
+    from dmi_sglang.app.session import SchedulerMonitor
+    from dmi_sglang.domain.records import RunInfo
+
+    from .conftest import SHAPE
+
+    d, sink = make_driver("resid_pre,final_logits")
+    mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True,
+                           asked=capture_param)
+    a, b = _Req("a", 3, asked=False), _Req("b", 2)
+    a.done = False
+    a.finished = lambda: a.done  # type: ignore[method-assign]
+
+    def forward(layout: BatchLayout) -> None:
+        mon.add_requests([a, b], frozenset())
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+
+    forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 2]))
+    forward(BatchLayout.decode(["a", "b"], [4, 3]))
+    a.done = True  # reported finished at the next forward, which still names it
+    forward(BatchLayout.decode(["a", "b"], [5, 4]))
+    forward(BatchLayout.decode(["b"], [5]))
+    forward(BatchLayout.decode(["b"], [6]))
+    assert mon.requests.skipped == frozenset()  # let go once it can no longer come back
+    d.t.stop()
+    assert {r.request_id for r in sink.records} == {"b"}

@@ -27,6 +27,7 @@ stops (unfinished ones keep everything).
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -67,6 +68,11 @@ def _not_asked(_req: TrackedRequest) -> object:
     return None
 
 
+_LEAVING_ROUNDS = 2
+"""Rounds (forwards that start with finished requests reported) a left-out request stays
+left out after it was seen finished."""
+
+
 def logits_end(req: TrackedRequest) -> int:
     """One past the last position whose ``final_logits`` row decided a generated token:
     ``prompt + completion - 1`` (the row at position p decides token p + 1)."""
@@ -89,6 +95,11 @@ class RequestTracker:
         self._asked = asked
         self._skipped: set[str] = set()
         self._skip: frozenset[str] = frozenset()
+        self._leaving: collections.deque[tuple[int, str]] = collections.deque()
+        """Left-out requests reported finished, with the round they were: they stay left
+        out for :data:`_LEAVING_ROUNDS` more rounds (a batch built before a request
+        finished may still forward it)."""
+        self._round = 0
         self.seen_requests = 0
         """Requests seen so far."""
         self.captured_requests = 0
@@ -159,6 +170,11 @@ class RequestTracker:
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
         reported once. O(live requests): one ``finished()`` call each."""
+        self._round += 1
+        if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
+            while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
+                self._skipped.discard(self._leaving.popleft()[1])
+            self._skip = frozenset(self._skipped)
         done = [(rid, seen.req) for rid, seen in self._live.items()
                 if seen.req is not None and seen.req.finished()]
         out = []
@@ -171,8 +187,7 @@ class RequestTracker:
             if seen.captured:
                 out.append((rid, logits_end(req)))
             else:
-                self._skipped.discard(rid)
-                self._skip = frozenset(self._skipped)
+                self._leaving.append((self._round, rid))
         return out
 
     def take_all(self) -> list[tuple[str, int | None]]:

@@ -170,6 +170,14 @@ class CommitPlan:
         return len(self._structure.segments)
 
     @property
+    def cacheable(self) -> bool:
+        """False for a plan whose row selections index many rows (a long prefill under a
+        position rule or with requests left out): a structure cache keyed by it would
+        hold big keys that are unlikely to come back."""
+        indexed = sum(len(r[2]) for r in self._structure.ruled_rows if r[2] is not None)
+        return indexed <= _CACHED_INDEX_ROWS
+
+    @property
     def ruled_rows(self) -> tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...]:
         """Per row basis and position rule of the selection: the source rows it keeps
         this step (``None``: all of them) and how many; empty without rules. With
@@ -265,7 +273,11 @@ def make_plan(
         (RowBasis.REQUEST, rule, *_request_rows(layout, rule, keep, prompt_of))
         for rule in sorted(request_rules, key=str)
     )
-    structure = _structure(
+    indexed = sum(len(r[2]) for r in ruled if r[2] is not None) + len(logit_index or ())
+    # Row indices are part of the cache key: a long prefill's would fill the cache with
+    # big keys that never come back, so those plans are built without it.
+    build = _structure if indexed <= _CACHED_INDEX_ROWS else _structure.__wrapped__
+    structure = build(
         selection,
         shape,
         ruled=ruled,
@@ -287,6 +299,9 @@ def make_plan(
 
 
 _EVERY_POSITION = Positions()
+_CACHED_INDEX_ROWS = 2048
+"""Plans whose row selections index more rows than this are not cached (see
+:attr:`CommitPlan.cacheable`)."""
 
 
 @functools.lru_cache(maxsize=16)

@@ -23,6 +23,7 @@ reader keeps, per position, the row of the latest step. See docs/storage.md.
 from __future__ import annotations
 
 import enum
+import functools
 
 import attrs
 
@@ -217,6 +218,23 @@ _NAME_OF = {h.act_name: h.name for h in CATALOG}
 _ACT_OF = {h.name: h.act_name for h in CATALOG}
 
 
+@functools.lru_cache(maxsize=64)
+def _stored_rules(text: str, captures: tuple[tuple[str, int], ...]) -> tuple[
+        tuple[tuple[str, int], Positions], ...]:
+    """The position rules of a stored selection, resolved against the run's captures.
+    A selection that does not resolve against them has no rules here: every capture is
+    then judged against all its positions, so the reader reports gaps rather than call
+    an incomplete capture complete."""
+    names = {_NAME_OF[a] for a, _ in captures if a in _NAME_OF}
+    layers = max((n for _, n in captures), default=-1) + 1
+    try:
+        selection = parse_selection(text).resolve(
+            ModelHooks("stored", frozenset(names), max(layers, 1)))
+    except SelectionError:
+        return ()
+    return tuple(((_ACT_OF[name], layer), rule) for name, layer, rule in selection.rules)
+
+
 SOURCE_KEY = "dmi.source"
 """The key of the runs table's ``settings`` entry naming the run's :class:`RunSource`;
 runs without it come from SGLang."""
@@ -263,14 +281,7 @@ class RunInfo:
         text = next((v for k, v in self.settings if k == SELECTION_KEY), "")
         if not text or ":" not in text:
             return {}
-        names = {_NAME_OF[a] for a, _ in self.captures if a in _NAME_OF}
-        layers = max((n for _, n in self.captures), default=-1) + 1
-        try:
-            selection = parse_selection(text).resolve(
-                ModelHooks("stored", frozenset(names), max(layers, 1)))
-        except SelectionError:
-            return {}
-        return {(_ACT_OF[name], layer): rule for name, layer, rule in selection.rules}
+        return dict(_stored_rules(text, self.captures))
 
     @property
     def source(self) -> str:

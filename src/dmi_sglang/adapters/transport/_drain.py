@@ -310,6 +310,7 @@ class Drain:
                 return self._queue.get(timeout=timeout)
             except queue.Empty:
                 assert self._window is not None
+                self.gil.restart()  # the wait released the GIL
                 out = Emitted()
                 t0 = time.thread_time()
                 self._window.flush(out)

@@ -188,19 +188,20 @@ class Program:
 def plan_key(plan: CommitPlan) -> Hashable:
     """What determines the structure of a plan made by ``make_plan`` (not its slices).
 
-    ``make_plan`` gives every token-row segment of one position rule the same row
-    counts and every request-row segment (final_logits, which fires last) the same
-    counts and row selection, so the first and the last segment and the rows each rule
-    keeps (``plan.ruled_rows``) describe them all: the key costs O(1) per step instead of
-    O(segments). Plans from anything else must not share a transport's cache (pieces are
-    never cached).
+    ``make_plan`` gives every token-row segment of one position rule the same rows and
+    every request-row segment of one rule the same rows, so the forward's row counts,
+    the first and the last segment and the rows each rule keeps (``plan.ruled_rows``)
+    describe them all: the key costs O(1) per step instead of O(segments). Plans from
+    anything else must not share a transport's cache (pieces are never cached).
     """
     segs = plan.segments
     if not segs:
         return (plan.padded, plan.strip, plan.alignment, 0)
     first, last = segs[0], segs[-1]
+    batch = plan.batch
     return (
-        plan.padded, plan.strip, plan.alignment, len(segs), plan.layout.padded_batch_size,
+        plan.padded, plan.strip, plan.alignment, len(segs), batch.padded_batch_size,
+        batch.raw_batch_size, batch.token_rows,
         first.hook.name, first.layer_no, first.source_rows, first.kept_rows, first.ring_rows,
         first.source_index, last.hook.name, last.layer_no, last.source_rows, last.kept_rows,
         last.ring_rows, last.source_index, plan.ruled_rows,

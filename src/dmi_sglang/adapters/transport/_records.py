@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -137,8 +138,11 @@ class HeldRows:
 
     def __init__(self) -> None:
         self._rows: dict[str, list[CaptureRecord]] = {}
+        self._pinned: set[str] = set()
+        """Requests whose held rows are views of shared pooled memory."""
         self.copied = 0
-        """Payload bytes copied out to be held (each held row is copied once here)."""
+        """Payload bytes copied out to be held (each held row is copied once here, and
+        once more if it waits past the next flush: :meth:`detach_pinned`)."""
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -146,20 +150,38 @@ class HeldRows:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._rows
 
-    def hold(self, record: CaptureRecord) -> None:
-        """Hold ``record`` (call :meth:`confirm` for its request first)."""
+    def hold(self, record: CaptureRecord, *, pinned: bool = False) -> None:
+        """Hold ``record`` (call :meth:`confirm` for its request first); ``pinned``: its
+        payload is a view of memory it shares with other rows (see
+        :meth:`detach_pinned`)."""
         self.copied += len(record.payload)
         self._rows.setdefault(record.request_id, []).append(record)
+        if pinned:
+            self._pinned.add(record.request_id)
+
+    def detach_pinned(self) -> None:
+        """Give the rows that still share memory memory of their own: they waited past
+        the flush that should have confirmed them (a retracted request), and must not
+        keep a whole pooled slab for one row."""
+        for request_id in self._pinned:
+            rows = self._rows.get(request_id)
+            if rows:
+                self._rows[request_id] = [attrs.evolve(r, payload=copy_row(np.frombuffer(
+                    r.payload, dtype=np.uint8))) for r in rows]
+                self.copied += sum(len(r.payload) for r in rows)
+        self._pinned.clear()
 
     def confirm(self, request_id: str, out: Emitted) -> None:
         """A later row of the request arrived: its held row decided a real token."""
         rows = self._rows.pop(request_id, None)
+        self._pinned.discard(request_id)
         if rows:
             for r in rows:
                 out.add(r)
 
     def finish(self, request_id: str, logits_end: int | None, out: Emitted) -> None:
         """The request finished: keep held rows before ``logits_end`` (all when None)."""
+        self._pinned.discard(request_id)
         for r in self._rows.pop(request_id, ()):
             if logits_end is not None and r.start_token_idx >= logits_end:
                 out.discarded += r.end_token_idx - r.start_token_idx

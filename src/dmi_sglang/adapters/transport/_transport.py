@@ -337,10 +337,10 @@ class TorchCaptureTransport:
         last_plan, last_program = self._last
         if plan is last_plan and last_program is not None:
             return last_program
-        key = plan_key(plan)
-        program = self._programs.get(key)
-        if program is None:
-            program = build_program(plan, self._arena)
+        key = plan_key(plan) if plan.cacheable else None  # a long prefill's: not cached
+        cached = self._programs.get(key) if key is not None else None
+        program = cached if cached is not None else build_program(plan, self._arena)
+        if key is not None and cached is None:
             self._programs[key] = program
             if len(self._programs) > _PROGRAM_CACHE:
                 del self._programs[next(iter(self._programs))]

@@ -351,6 +351,7 @@ class DecodeWindow:
         if any(g.request_rows for g in groups):
             self._gil.check()
             keep, holds = self._resolve(runs, out, final=final)
+            self._held.detach_pinned()  # rows the flush did not confirm: still waiting
         plans = []
         for g, labels in zip(groups, self._labels, strict=True):
             self._gil.check()
@@ -498,5 +499,5 @@ class DecodeWindow:
             for meta in g.metas:
                 self._held.hold(CaptureRecord(
                     self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq))
+                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq), pinned=True)
                 at += rb

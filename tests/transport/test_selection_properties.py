@@ -1,0 +1,124 @@
+"""Property: a selective capture (position rules, requests left out) stores exactly the
+rows a full capture of the same forwards stores, filtered by the rules and the sample,
+each once, over random prefills (chunked or not), decodes, finishes, padded replays with
+padding strip on or off, windows on or off, and rings small enough to go piecewise."""
+
+from __future__ import annotations
+
+import collections
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.positions import Positions
+from dmi_sglang.testing import MemorySink
+
+from .conftest import SHAPE, Driver, select
+
+FULL = "resid_pre,resid_mid,final_ln,final_logits"
+
+
+def _driver(text: str, payload: int = 1 << 16, **options: object) -> tuple[Driver, MemorySink]:
+    sink, selection, holder = MemorySink(), select(text), []
+    transport = TorchCaptureTransport(
+        capacity=RingCapacity(payload, payload, 1024), selection=selection, shape=SHAPE,
+        max_graph_batch=8, sink=sink, run_id="run-1", device="cpu",
+        options=TransportOptions(**options),  # type: ignore[arg-type]
+        capture_probe=lambda: holder[0].capturing)
+    driver = Driver(transport, selection)
+    holder.append(driver)
+    return driver, sink
+
+
+def _rows(records) -> collections.Counter:
+    out: collections.Counter = collections.Counter()
+    for r in records:
+        width = len(r.payload) // r.rows
+        for i in range(r.rows):
+            out[(r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
+                 bytes(r.payload[i * width : (i + 1) * width]))] += 1
+    return out
+
+
+@st.composite
+def scenarios(draw: st.DrawFn):
+    n = draw(st.integers(1, 5))
+    rids = [f"r{i}" for i in range(n)]
+    prompts = [draw(st.integers(1, 9)) for _ in rids]
+    steps: list[tuple] = []
+    if draw(st.booleans()):  # prompts in two chunks
+        first = [max(1, p // 2) for p in prompts]
+        steps.append(("extend", rids, [0] * n, first, prompts))
+        rest = [i for i in range(n) if prompts[i] > first[i]]
+        if rest:
+            steps.append(("extend", [rids[i] for i in rest], [first[i] for i in rest],
+                          [prompts[i] - first[i] for i in rest], [prompts[i] for i in rest]))
+    else:
+        steps.append(("extend", rids, [0] * n, prompts, prompts))
+    pos, live = list(prompts), list(range(n))
+    for _ in range(draw(st.integers(0, 8))):
+        if len(live) > 1 and draw(st.integers(0, 4)) == 0:
+            gone = live.pop(draw(st.integers(0, len(live) - 1)))
+            steps.append(("finish", rids[gone], pos[gone] - draw(st.integers(0, 1))))
+        steps.append(("decode", [rids[i] for i in live], [pos[i] + 1 for i in live]))
+        for i in live:
+            pos[i] += 1
+    skip = frozenset(r for r in rids if draw(st.booleans()))
+    a = draw(st.integers(0, 12))
+    rule = draw(st.sampled_from([f"positions({a}-{draw(st.integers(a, 14))})",
+                                 "last_prompt"]))
+    ruled = draw(st.sampled_from([("resid_pre",), ("final_ln",), ("resid_pre", "final_ln"),
+                                  ("final_logits",)]))
+    return (steps, dict(zip(rids, prompts, strict=True)), skip, rule, ruled,
+            draw(st.booleans()), draw(st.booleans()), draw(st.booleans()),
+            draw(st.sampled_from([0, 768, 1024])))
+
+
+def _run(d: Driver, steps: list[tuple], padded: bool, strip: bool) -> None:
+    for step in steps:
+        if step[0] == "extend":
+            _, rids, prefix, extend, ends = step
+            d.forward(BatchLayout.extend(rids, prefix, extend, seq_lens=ends))
+        elif step[0] == "finish":
+            if step[1] not in d.skip:
+                d.t.finish_request(step[1], step[2])
+        elif step[1]:
+            _, rids, seq_lens = step
+            if padded:
+                d.forward(BatchLayout.decode(rids, seq_lens, padded_batch_size=8),
+                          padded=True, strip=strip)
+            else:
+                d.forward(BatchLayout.decode(rids, seq_lens))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(scenarios())
+def test_a_selective_capture_stores_the_selected_rows_of_a_full_capture(scenario) -> None:
+    steps, prompts, skip, rule, ruled, padded, strip, coalesce, small = scenario
+    text = ",".join(f"{h}:{rule}" if h in ruled else h for h in FULL.split(","))
+    full, full_sink = _driver(FULL, coalesce_decode=coalesce)
+    some, some_sink = _driver(text, payload=small or 1 << 16, coalesce_decode=coalesce)
+    some.skip, some.prompts = skip, prompts
+    for d in (full, some):
+        if padded:
+            d.graph_capture(8)
+        _run(d, steps, padded, strip)
+    full.t.stop()
+    some.t.stop()
+    keeps = Positions.parse(rule)
+    want: collections.Counter = collections.Counter()
+    for key, count in _rows(full_sink.records).items():
+        rid, act, _, position, _ = key
+        if rid in skip:
+            continue
+        if any(act.endswith(h) for h in ruled):
+            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid])
+            if hi <= lo:
+                continue
+        want[key] = count
+    got = _rows(some_sink.records)
+    assert got == want, (sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3])
+    assert all(c == 1 for c in got.values())
