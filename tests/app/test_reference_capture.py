@@ -198,6 +198,32 @@ def test_a_given_model_and_selection(captured: dict[str, Any], tmp_path: Path,
     assert err.count("\n") == 0
 
 
+def test_a_selection_with_position_rules_is_captured_and_read_as_it_says(
+        captured: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dmi_sglang.app.composition import write_demo_checkpoint
+
+    model_dir = write_demo_checkpoint(tmp_path / "ruled", layers=2)
+    url = captured["url"]
+    hooks = "resid_pre@0:last_prompt,final_ln:positions(1-3),final_logits:last_prompt"
+    assert main(["reference-capture", "--db", url, "--model", str(model_dir), "--hooks",
+                 hooks, "--max-new-tokens", "4", "--prompt", "w1 w2 w3"]) == 0
+    out = capsys.readouterr().out
+    run_id = next(ln.split()[-1] for ln in out.splitlines() if ln.startswith("run id"))
+    store = _store(url)
+    handle = store.handle(run_id, "req-0")
+    prompt = store.manifest(run_id, "req-0").prompt_tokens
+    assert handle.missing == ()
+    assert handle.positions("resid_pre", 0) == range(prompt - 1, prompt)
+    assert handle.positions("final_ln") == range(1, 4)
+    assert handle.get("resid_pre", 0).shape[0] == 1
+    assert handle.get("final_ln").shape[0] == 3
+    assert handle.logits.shape[0] == 1  # the row that decided the first token
+    assert main(["show", run_id, "req-0", "--db", url]) == 0
+    shown = capsys.readouterr().out
+    assert f"blocks.hook_resid_pre.0              {prompt - 1}-{prompt - 1} " in shown
+    assert "hook_final_ln                        1-3 " in shown
+
+
 def _config_dir(tmp_path: Path, architecture: str) -> Path:
     where = tmp_path / architecture
     where.mkdir()

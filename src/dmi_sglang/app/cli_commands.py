@@ -77,9 +77,9 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
 
 
 def _tensors(store: StoreConfig, run_id: str, request_id: str,
-             partial: bool = False) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of every capture of a request, in the run's capture order.
-    ``partial``: what was stored, each hook up to its first missing position."""
+             partial: bool = False) -> Iterator[tuple[str, range, Any]]:
+    """``(name, positions, tensor)`` of every capture of a request, in the run's capture
+    order. ``partial``: what was stored, each hook up to its first missing position."""
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
@@ -96,7 +96,8 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
             )
         for act, layer in handle.captures:
             name = act if layer < 0 else f"{act}.{layer}"
-            yield name, handle.get(act, None if layer < 0 else layer)
+            which = None if layer < 0 else layer
+            yield name, handle.positions(act, which), handle.get(act, which)
 
 
 def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
@@ -113,7 +114,7 @@ def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
 
 
 def _partial_tensors(captures: CaptureStore, run_id: str,
-                     request_id: str) -> Iterator[tuple[str, Any]]:
+                     request_id: str) -> Iterator[tuple[str, range, Any]]:
     handle = captures.handle(run_id, request_id, partial=True)
     for act, layer in handle.captures:
         layer_arg = None if layer < 0 else layer
@@ -122,22 +123,23 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
         except IncompleteCaptureError:
             continue  # nothing of it was stored
         name = act if layer < 0 else f"{act}.{layer}"
-        yield f"{name}@{lo}-{hi}", handle.get(act, layer_arg)
+        yield f"{name}@{lo}-{hi}", range(lo, hi), handle.get(act, layer_arg)
 
 
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
     header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
               + ("  (partial: stored positions only)" if partial else ""),
-              f"{'capture':<36} {'shape':<22} {'dtype':<16} {'norm':>12}"]
-    for name, tensor in _tensors(store, run_id, request_id, partial):
+              f"{'capture':<36} {'positions':<12} {'shape':<22} {'dtype':<16} {'norm':>12}"]
+    for name, span, tensor in _tensors(store, run_id, request_id, partial):
         for line in header:  # only once the request resolved
             _out(line)
         header = []
         norm = f"{float(tensor.float().norm()):>12.4f}" if tensor.is_floating_point() else (
             f"{'-':>12}")
         shape = "x".join(str(d) for d in tensor.shape)
-        _out(f"{name:<36} {shape:<22} {tensor.dtype!s:<16} {norm}")
+        where = f"{span.start}-{span.stop - 1}" if len(span) else "-"
+        _out(f"{name:<36} {where:<12} {shape:<22} {tensor.dtype!s:<16} {norm}")
     return 0
 
 
@@ -152,7 +154,8 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     target = _export_target(out, force=force)
     from safetensors.torch import save
 
-    tensors = {name: t.contiguous() for name, t in _tensors(store, run_id, request_id, partial)}
+    tensors = {name: t.contiguous() for name, _, t in _tensors(store, run_id, request_id,
+                                                                 partial)}
     data = save(tensors, metadata={"run_id": run_id, "request_id": request_id})
     if target is None:
         sys.stdout.buffer.write(data)

@@ -138,6 +138,17 @@ class CaptureHandle:
 
     # -- data ------------------------------------------------------------------------
 
+    def positions(self, hook: str, layer: int | None = None) -> range:
+        """The positions :meth:`get` returns by default for one hook (a range: the
+        request's coverage, narrowed by the run's position rule for that capture).
+
+        Raises:
+            IncompleteCaptureError: as :meth:`get`.
+            ValueError: a layer missing for a per-layer hook.
+        """
+        _, _, lo, hi = self._key(hook, layer, None, None)
+        return range(lo, hi)
+
     def get(
         self,
         hook: str,
@@ -151,7 +162,8 @@ class CaptureHandle:
         Args:
             hook: short name (``resid_pre``) or stored act_name.
             layer: the layer of a per-layer hook (None for global hooks).
-            start / end: absolute positions ``[start, end)``; default the whole coverage.
+            start / end: absolute positions ``[start, end)``; default every position
+                the capture holds (:meth:`positions`).
 
         Raises:
             IncompleteCaptureError: the capture is incomplete, or the hook / layer was

@@ -19,7 +19,7 @@ request's last generated token is forwarded (``overlap_extra_forward`` is False)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 
 import attrs
@@ -135,6 +135,7 @@ def capture_reference(
     started = time.perf_counter()
     sink.start_run(run)
     manifests: list[RequestManifest] = []
+    selected = {(hook.name, layer) for hook, layer in selection.captures()}
     seq = records = rows = nbytes = 0
     try:
         for request in requests:
@@ -147,7 +148,8 @@ def capture_reference(
                 seq += 1
                 plan = make_plan(layout, selection, model.shape, padded=False,
                                  prompts=_prompt_of(len(request.prompt_ids)))
-                out = forward_records(plan, fwd.payloads, run_id=run.run_id, seq=seq)
+                out = forward_records(plan, fwd.payloads, run_id=run.run_id, seq=seq,
+                                      selected=selected)
                 if out:
                     sink.put(RecordBatch.from_records(out))
                 records += len(out)
@@ -198,16 +200,19 @@ def _layout(rid: str, request: ReferenceRequest, fwd: ReferenceForward, *, first
 
 
 def forward_records(plan: CommitPlan, payloads: Mapping[tuple[str, int], bytes], *,
-                    run_id: str, seq: int) -> list[CaptureRecord]:
+                    run_id: str, seq: int,
+                    selected: Collection[tuple[str, int]] = ()) -> list[CaptureRecord]:
     """The records of one forward: each segment of ``plan`` cut from the rows its capture
     point saw (``payloads``), kept rows and per-request slices as the plan says.
+    Payloads of ``selected`` captures the plan leaves out (a position rule that keeps no
+    row of this forward) are ignored.
 
     Raises:
         CaptureError: a payload the plan needs is missing, has the wrong size, or the
-            model handed over a capture the plan does not hold.
+            model handed over a capture the selection does not hold.
     """
     wanted = {(seg.hook.name, seg.layer_no) for seg in plan.segments}
-    extra = sorted(set(payloads) - wanted)
+    extra = sorted(set(payloads) - wanted - set(selected))
     if extra:
         msg = f"the model handed over captures the plan does not hold: {extra[:4]}"
         raise CaptureError(msg)
