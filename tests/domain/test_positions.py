@@ -49,7 +49,10 @@ def test_rows_counts_the_positions_the_rule_keeps(text: str, prompt: int, comple
     rule = Positions.parse(text)
     kept = [p for p in range(full.start, full.end)
             if rule.keeps(p, prompt=prompt, completion=completion)]
-    assert rule.rows(full.start, full.end, prompt=prompt, completion=completion) == len(kept)
+    # a generated capture of token rows also stores the extra forward (never read)
+    stored = int(rule.rule is PositionRule.GENERATED and extra and not request_rows)
+    assert rule.rows(full.start, full.end, prompt=prompt, completion=completion) == \
+        len(kept) + stored
     if rule.rule in (PositionRule.LAST_PROMPT, PositionRule.LAST):
         assert len(kept) == 1
     if rule.rule is PositionRule.GENERATED:
@@ -99,7 +102,7 @@ def test_the_plan_counts_only_kept_rows() -> None:
 
 
 @pytest.mark.parametrize("text", ["resid_pre:last", "final_ln:every(4)",
-                                  "final_logits:generated", "hf-only:last"])
+                                  "final_logits:last", "hf-only:last"])
 def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
     item = text.replace("(", r"\(").replace(")", r"\)")
     with pytest.raises(ConfigurationError, match=rf"position rules \({item}\) are "
@@ -109,7 +112,8 @@ def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
 
 @pytest.mark.parametrize("text", [
     "resid_pre@0-3:positions(0-127),final_ln:positions(5),final_logits",
-    "hf-only:last_prompt", "final_logits:positions(0-9),resid_pre"])
+    "hf-only:last_prompt", "final_logits:positions(0-9),resid_pre",
+    "resid_pre:generated,final_logits:generated"])
 def test_a_capture_takes_position_ranges_and_the_last_prompt_position(text: str) -> None:
     assert Settings.from_env({"DMX_HOOK_SELECTION": text}).hook_selection == text
 
@@ -147,3 +151,12 @@ def test_a_runs_rules_come_from_the_selection_it_stored() -> None:
                                     ("blocks.hook_resid_pre", 3): ranged}
     plain = RunInfo("r", "m", ((SELECTION_KEY, "hidden-states"),), captures, "t")
     assert plain.position_rules() == {}
+
+
+def test_generated_keeps_from_the_last_prompt_position_and_reads_to_the_last_decision() -> None:
+    rule = Positions.parse("generated")
+    assert rule.span(0, 12, prompt=5) == (4, 12)  # capturing: the completion is unknown
+    assert rule.span(0, 12, prompt=5, completion=3) == (4, 7)  # reading: 5 + 3 - 1
+    # what a capture stores: the extra forward's position 7 of token rows too
+    assert rule.rows(0, 8, prompt=5, completion=3) == 4
+    assert rule.rows(4, 7, prompt=5, completion=3) == 3  # request rows: [4, 7)

@@ -205,3 +205,22 @@ def test_a_last_prompt_capture_is_complete_with_one_row_per_hook(
     assert h.missing == ()
     assert h.get("resid_pre", 1).shape == (1, 5)
     assert h.logits.shape == (1, 5)
+
+
+def test_a_generated_capture_reads_the_positions_that_decided_the_tokens(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = attrs.evolve(run_info("gen", CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", "resid_pre:generated,final_logits"),))
+    sink.start_run(run)
+    for act, layer in CAPTURES:  # resid_pre from 3, the extra forward's 6 included
+        first, stop = (3, 6) if act == "final_logits" else (3, 7)
+        recs = records_of("gen", "r", act, layer, torch.randn(stop - first, 5),
+                          [first, stop], base=first)
+        sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest("gen", "r", PROMPT, COMPLETION, overlap_extra_forward=True)])
+    h = handle(store, "gen", "r")
+    assert h.missing == ()
+    assert h.positions("resid_pre", 0) == range(3, 6)  # never the extra forward's 6
+    assert h.get("resid_pre", 0).shape == (3, 5)

@@ -69,7 +69,7 @@ def scenarios(draw: st.DrawFn):
     skip = frozenset(r for r in rids if draw(st.booleans()))
     a = draw(st.integers(0, 12))
     rule = draw(st.sampled_from([f"positions({a}-{draw(st.integers(a, 14))})",
-                                 "last_prompt"]))
+                                 "last_prompt", "generated"]))
     ruled = draw(st.sampled_from([("resid_pre",), ("final_ln",), ("resid_pre", "final_ln"),
                                   ("final_logits",)]))
     return (steps, dict(zip(rids, prompts, strict=True)), skip, rule, ruled,

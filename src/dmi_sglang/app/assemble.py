@@ -82,7 +82,8 @@ def selected_span(manifest: RequestManifest, act: str,
     cov = manifest.coverage(hook_for(act))
     if rule is None:
         return cov.start, cov.end
-    return rule.span(cov.start, cov.end, prompt=manifest.prompt_tokens)
+    return rule.span(cov.start, cov.end, prompt=manifest.prompt_tokens,
+                     completion=manifest.completion_tokens)
 
 
 def _uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -25,6 +25,12 @@ The rules keep, of those:
 
 A kept position is stored as one record per run of consecutive kept positions (a stride
 of ``every(K)`` with ``K > 1`` is one record per position), in DMI's columns.
+
+Stored beyond the rule: ``generated`` on a token-row hook also stores the overlap
+scheduler's extra forward (position ``prompt + completion - 1``, one row a request, as
+``all`` does): while the request runs nobody knows that forward is the extra one. A reader
+never returns it (:meth:`Positions.span` with the completion), and :meth:`Positions.rows`
+counts it, as it counts what a capture stores.
 """
 
 from __future__ import annotations
@@ -127,31 +133,42 @@ class Positions:
     @property
     def needs_prompt(self) -> bool:
         """True when :meth:`span` needs the request's prompt length."""
-        return self.rule is PositionRule.LAST_PROMPT
+        return self.rule in (PositionRule.LAST_PROMPT, PositionRule.GENERATED)
 
-    def span(self, start: int, end: int, *, prompt: int | None = None) -> tuple[int, int]:
+    def span(self, start: int, end: int, *, prompt: int | None = None,
+             completion: int | None = None) -> tuple[int, int]:
         """The kept positions of ``[start, end)`` as one span ``[lo, hi)`` (empty when
-        ``hi <= lo``), for the rules whose kept positions are one span that is known
-        while the request still runs: ``all``, ``positions(A-B)`` and ``last_prompt``
-        (which needs ``prompt``, the request's prompt length).
+        ``hi <= lo``), for the rules whose kept positions are one span: ``all``,
+        ``positions(A-B)``, ``last_prompt`` and ``generated`` (these two need
+        ``prompt``, the request's prompt length).
+
+        ``generated`` ends at ``prompt + completion - 1``; while the request runs its
+        ``completion`` is unknown (None), and the span runs to ``end``: a capture then
+        keeps the overlap scheduler's extra forward too (one row a request, never read).
 
         Raises:
-            ValueError: another rule, or ``last_prompt`` without ``prompt``.
+            ValueError: another rule, or a rule that needs ``prompt`` without it.
         """
-        if self.rule is PositionRule.ALL:
+        rule = self.rule
+        if rule is PositionRule.ALL:
             return start, end
-        if self.rule is PositionRule.RANGE:
+        if rule is PositionRule.RANGE:
             return max(start, self.first), min(end, self.last + 1)
-        if self.rule is PositionRule.LAST_PROMPT and prompt is not None:
-            return max(start, prompt - 1), min(end, prompt)
-        msg = f"{self} keeps no span of positions that is known while capturing"
-        if self.rule is PositionRule.LAST_PROMPT:
+        if self.needs_prompt and prompt is None:
             msg = f"{self} needs the request's prompt length"
+            raise ValueError(msg)
+        if rule is PositionRule.LAST_PROMPT and prompt is not None:
+            return max(start, prompt - 1), min(end, prompt)
+        if rule is PositionRule.GENERATED and prompt is not None:
+            stop = end if completion is None else min(end, prompt + completion - 1)
+            return max(start, prompt - 1), stop
+        msg = f"{self} keeps no span of positions that is known while capturing"
         raise ValueError(msg)
 
     def rows(self, start: int, end: int, *, prompt: int, completion: int) -> int:
         """How many positions of ``[start, end)`` (what a complete capture of the request
-        holds for one hook) the rule keeps."""
+        holds for one hook) a capture under the rule stores (see the module docstring for
+        ``generated``)."""
         rule = self.rule
         if end <= start:
             return 0
@@ -161,8 +178,7 @@ class Positions:
             return -(-end // self.k) - -(-start // self.k)
         if rule is PositionRule.RANGE:
             return max(0, min(end, self.last + 1) - max(start, self.first))
-        if rule is PositionRule.GENERATED:
-            lo, hi = prompt - 1, prompt + completion - 1
-            return max(0, min(end, hi) - max(start, lo))
+        if rule is PositionRule.GENERATED:  # to ``end``: the extra forward is stored
+            return max(0, end - max(start, prompt - 1))
         one = prompt - 1 if rule is PositionRule.LAST_PROMPT else prompt + completion - 2
         return 1 if start <= one < end else 0

@@ -89,18 +89,20 @@ def _conv(
     return convert
 
 
-_CAPTURED_RULES = (PositionRule.ALL, PositionRule.RANGE, PositionRule.LAST_PROMPT)
+_CAPTURED_RULES = (PositionRule.ALL, PositionRule.RANGE, PositionRule.LAST_PROMPT,
+                   PositionRule.GENERATED)
 
 
 def _capturable(text: str) -> HookSelection:
-    """A selection a capture can run: of the position rules, ``positions(A-B)`` and
-    ``last_prompt`` are captured; the others (``:last`` ...) are planned by
-    ``dmi-sglang plan`` and not captured yet."""
+    """A selection a capture can run: of the position rules, ``positions(A-B)``,
+    ``last_prompt`` and ``generated`` are captured; ``last`` and ``every(K)`` are planned
+    by ``dmi-sglang plan`` and not captured yet."""
     selection = parse_selection(text)
     refused = [str(i) for i in selection.items if i.positions.rule not in _CAPTURED_RULES]
     if refused:
         msg = (f"position rules ({', '.join(refused)}) are understood by dmi-sglang plan "
-               "but not captured yet: captures take positions(A-B) and last_prompt; "
+               "but not captured yet: captures take positions(A-B), last_prompt and "
+               "generated; "
                "capture every position otherwise (no ':rule')")
         raise ConfigurationError(msg)
     return selection
