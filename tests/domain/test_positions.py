@@ -160,3 +160,18 @@ def test_generated_keeps_from_the_last_prompt_position_and_reads_to_the_last_dec
     # what a capture stores: the extra forward's position 7 of token rows too
     assert rule.rows(0, 8, prompt=5, completion=3) == 4
     assert rule.rows(4, 7, prompt=5, completion=3) == 3  # request rows: [4, 7)
+
+
+@pytest.mark.parametrize(("text", "kept"), [
+    ("resid_pre@0-27:last_prompt,final_logits:generated", True),
+    ("hf-only:generated", True),
+    ("resid_pre:last_prompt,final_ln", False),  # final_ln keeps every prompt position
+    ("resid_pre:positions(100-200)", False),
+    ("sglang-full", False),
+])
+def test_the_radix_cache_stays_on_for_selections_from_the_last_prompt_position(
+        text: str, kept: bool) -> None:
+    settings = Settings.from_env({"DMX_HOOK_SELECTION": text})
+    assert settings.prefix_cache_allowed is kept
+    assert Settings.from_env({"DMX_HOOK_SELECTION": text,
+                              "DMX_ALLOW_PREFIX_CACHE": "1"}).prefix_cache_allowed

@@ -266,3 +266,25 @@ def test_fault_the_heartbeat_keeps_a_flushing_run_alive(tmp_path: Path) -> None:
     final = open_store(f"chdb://{config.path}").run("beating")
     assert final is not None
     assert final.status is RunStatus.COMMITTED
+
+
+def test_a_selection_from_the_last_prompt_position_keeps_the_radix_cache(
+        request: pytest.FixtureRequest) -> None:
+    """Monitoring forces the radix cache off, unless nothing selected needs a prompt
+    position before the last one (SGLang always computes that one)."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    saved = dict(os.environ)
+    request.addfinalizer(lambda: (os.environ.clear(), os.environ.update(saved)))
+    for key in [k for k in os.environ if k.startswith("DMX_")]:
+        del os.environ[key]
+    os.environ["DMX_DB_URL"] = "none"
+    kept = []
+    for selection in ("resid_pre:last_prompt,final_logits:generated", "resid_pre"):
+        os.environ["DMX_HOOK_SELECTION"] = selection
+        os.environ.pop("DMX_MODEL_ID", None)
+        args = SimpleNamespace(model_path="/models/toy", disable_prefill_cuda_graph=True,
+                               disable_radix_cache=False)
+        runtime_hooks.before_resolve_once(args)
+        kept.append(not args.disable_radix_cache)
+    assert kept == [True, False]

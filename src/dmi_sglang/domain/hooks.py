@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from dmi_sglang.domain.positions import Positions
+from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.errors import SelectionError
 
 __all__ = [
@@ -214,6 +214,9 @@ class SelectionItem:
         return text if self.positions.is_all else f"{text}:{self.positions}"
 
 
+_FROM_LAST_PROMPT = (PositionRule.LAST_PROMPT, PositionRule.GENERATED)
+
+
 @attrs.frozen
 class HookSelection:
     """A parsed selection, independent of any model. Resolve it with :meth:`resolve`."""
@@ -227,6 +230,14 @@ class HookSelection:
     def selects_positions(self) -> bool:
         """True when an item keeps only some positions (a ``:rule`` other than ``all``)."""
         return any(not item.positions.is_all for item in self.items)
+
+    @property
+    def needs_prompt_positions(self) -> bool:
+        """True unless every item keeps only positions from the last prompt position on
+        (``last_prompt``, ``generated``): SGLang's radix cache always computes the last
+        prompt position of a request (it matches at most ``prompt - 1`` cached
+        positions), so such a selection captures all it asks for with the cache on."""
+        return not all(item.positions.rule in _FROM_LAST_PROMPT for item in self.items)
 
     def resolve(self, model: ModelHooks) -> Selection:
         """Bind the selection to a model: which hooks, which layers.

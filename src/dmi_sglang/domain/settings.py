@@ -458,6 +458,13 @@ class Settings:
         return parse_selection(self.hook_selection)
 
     @property
+    def prefix_cache_allowed(self) -> bool:
+        """SGLang's radix cache may stay on: ``DMX_ALLOW_PREFIX_CACHE=1``, or a selection
+        that needs no prompt position before the last one
+        (:attr:`~dmi_sglang.domain.hooks.HookSelection.needs_prompt_positions`)."""
+        return self.allow_prefix_cache or not self.selection.needs_prompt_positions
+
+    @property
     def resolved(self) -> bool:
         """True once :meth:`resolve` filled the run id and the store URL."""
         return self.model_id is not None and self.db_url is not None

@@ -261,7 +261,8 @@ def check_support(facts: EngineFacts, *, allow_prefix_cache: bool = False) -> Su
     if facts.decode_graph_backend == "disabled":
         notes.append("decode CUDA graphs are disabled: every forward runs eagerly")
     if facts.radix_cache_enabled and allow_prefix_cache:
-        notes.append("prefix cache kept (DMX_ALLOW_PREFIX_CACHE=1): cached positions are absent")
+        notes.append("prefix cache kept (DMX_ALLOW_PREFIX_CACHE=1, or a selection of positions "
+                     "from the last prompt position on): cached positions are not computed")
     return SupportReport(rejections, forced, tuple(notes))
 
 

@@ -74,7 +74,7 @@ def prepare(runner: Any) -> Prepared:
     hf_config = runner.model_config.hf_config
     settings = Settings.from_env().resolve(model_path=str(server_args.model_path))
     facts = engine_facts(server_args, hf_config=hf_config)
-    report = check_support(facts, allow_prefix_cache=settings.allow_prefix_cache)
+    report = check_support(facts, allow_prefix_cache=settings.prefix_cache_allowed)
     problems += report.rejections
     if problems:
         raise UnsupportedConfigurationError(tuple(problems))

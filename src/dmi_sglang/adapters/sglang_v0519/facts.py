@@ -90,7 +90,7 @@ def main_process_check(server_args: Any) -> SupportReport | None:
         return None
     settings = Settings.from_env()
     collected = _collect(server_args, None)
-    report = check_support(collected.facts, allow_prefix_cache=settings.allow_prefix_cache)
+    report = check_support(collected.facts, allow_prefix_cache=settings.prefix_cache_allowed)
     if collected.undecided:
         skipped = {
             r.reason(collected.facts) for r in REJECTIONS if r.name in collected.undecided

@@ -72,11 +72,16 @@ def before_resolve_once(server_args: Any) -> None:
         server_args.disable_prefill_cuda_graph = True
         log.warning("dmi.forced", setting="disable_prefill_cuda_graph=True",
                     why="per-layer capture points do not run at prefill graph replay")
-    if not settings.allow_prefix_cache and not server_args.disable_radix_cache:
-        server_args.disable_radix_cache = True
-        log.warning("dmi.forced", setting="disable_radix_cache=True",
-                    why="cached prefix tokens are never recomputed, so never captured; "
-                    "DMX_ALLOW_PREFIX_CACHE=1 keeps the cache")
+    if not server_args.disable_radix_cache:
+        if not settings.prefix_cache_allowed:
+            server_args.disable_radix_cache = True
+            log.warning("dmi.forced", setting="disable_radix_cache=True",
+                        why="cached prefix tokens are never recomputed, so never captured; "
+                        "DMX_ALLOW_PREFIX_CACHE=1 keeps the cache")
+        elif not settings.allow_prefix_cache:
+            log.info("dmi.radix_cache_kept",
+                     why="the selection keeps only positions from the last prompt position "
+                     "on, which SGLang always computes")
     factory = _state.STATE.factory
     if factory is not None:
         factory.claim_run(settings)
