@@ -197,14 +197,19 @@ def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path
 
 
 @pytest.mark.torch
-def test_docs_never_show_a_profiled_run(transport_run: Ran, tmp_path: Path) -> None:
+def test_docs_never_show_a_profiled_run_or_a_cpu_rehearsal(transport_run: Ran,
+                                                            tmp_path: Path) -> None:
     from harness import docs
 
-    data, _ = transport_run
+    ran, _ = transport_run  # on this machine's CPU: made to look like a GPU run here
+    data = {**ran, "settings": {**ran["settings"], "device": "cuda"}}
     profiled = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
                 "settings": {**data["settings"], "profile": True},
                 "figures": {**data["figures"], "table": [{"test": "profiled"}]}}
-    for name, result in (("transport", data), ("transport-profile", profiled)):
+    rehearsal = {**ran, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+                 "figures": {**ran["figures"], "table": [{"test": "rehearsal"}]}}
+    for name, result in (("transport", data), ("transport-profile", profiled),
+                         ("transport-cpu", rehearsal)):
         path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
@@ -215,3 +220,4 @@ def test_docs_never_show_a_profiled_run(transport_run: Ran, tmp_path: Path) -> N
     text = doc.read_text()
     assert "](evidence/2026-12-02-cpu/transport.json)" in text
     assert "profiled" not in text
+    assert "rehearsal" not in text
