@@ -76,9 +76,10 @@ def engine_kwargs(model_dir: Path | str, *, graphs: bool, overlap: bool = True,
                   seed: int = SEED) -> dict[str, Any]:
     """ServerArgs shared by the stock and monitored engines of one comparison.
 
-    The two settings monitoring forces (prefill CUDA graphs off, radix cache off) are
-    passed to both, and the KV pool is fixed (:data:`~harness.constants.MAX_TOTAL_TOKENS`)
-    so that two engines sharing the GPU get the same pool whichever started first.
+    The two settings monitoring forces for the harness's selections (prefill CUDA graphs
+    off, radix cache off) are passed to both, and the KV pool is fixed
+    (:data:`~harness.constants.MAX_TOTAL_TOKENS`) so that two engines sharing the GPU get
+    the same pool whichever started first.
     ``chunked_prefill_size`` 0 keeps SGLang's default.
     """
     kwargs: dict[str, Any] = {

@@ -220,8 +220,8 @@ def test_a_selection_with_position_rules_is_captured_and_read_as_it_says(
     assert handle.logits.shape[0] == 1  # the row that decided the first token
     assert main(["show", run_id, "req-0", "--db", url]) == 0
     shown = capsys.readouterr().out
-    assert f"blocks.hook_resid_pre.0              {prompt - 1}-{prompt - 1} " in shown
-    assert "hook_final_ln                        1-3 " in shown
+    assert f"blocks.hook_resid_pre.0              [{prompt - 1}, {prompt}) " in shown
+    assert "hook_final_ln                        [1, 4) " in shown
 
 
 def _config_dir(tmp_path: Path, architecture: str) -> Path:

@@ -224,3 +224,24 @@ def test_a_generated_capture_reads_the_positions_that_decided_the_tokens(
     assert h.missing == ()
     assert h.positions("resid_pre", 0) == range(3, 6)  # never the extra forward's 6
     assert h.get("resid_pre", 0).shape == (3, 5)
+
+
+def test_a_partial_read_keeps_to_what_the_rule_keeps(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
+
+    sink = open_sink()
+    run = attrs.evolve(run_info("genp", CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", "resid_pre:generated,final_logits"),))
+    sink.start_run(run)
+    for act, layer in CAPTURES:
+        first, stop = (3, 6) if act == "final_logits" else (3, 7)  # 6: the extra forward
+        recs = records_of("genp", "r", act, layer, torch.randn(stop - first, 5),
+                          [first, stop], base=first)
+        sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest("genp", "r", PROMPT, COMPLETION, overlap_extra_forward=True)])
+    partial = CaptureHandle("genp", "r", lambda: ClickHouseReader(store), partial=True)
+    assert partial.partial_positions("resid_pre", 0) == (3, 6)  # never the extra forward
+    assert partial.get("resid_pre", 0).shape == (3, 5)

@@ -130,3 +130,19 @@ def test_the_monitor_gives_the_plans_each_requests_prompt_length(make_driver) ->
     assert sorted((r.request_id, r.layer_no, r.start_token_idx, r.end_token_idx)
                   for r in sink.records) == [
         (rid, layer, p, p + 1) for rid, p in (("a", 2), ("b", 4)) for layer in range(3)]
+
+
+def test_a_last_prompt_logits_row_is_stored_without_waiting_for_its_request(make_driver):
+    import time
+
+    d, sink = make_driver("final_logits:last_prompt", flush_timeout_s=0.01)
+    d.prompts = {"a": 4}
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    for n in range(3):
+        d.forward(BatchLayout.decode(["a"], [5 + n]))
+    deadline = time.monotonic() + 5
+    while not sink.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(r.start_token_idx, r.end_token_idx) for r in sink.records] == [(3, 4)]
+    assert len(d.t._drain.held) == 0  # nothing waits for a later row of the request
+    d.t.stop()

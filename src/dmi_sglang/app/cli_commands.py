@@ -138,7 +138,7 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
         norm = f"{float(tensor.float().norm()):>12.4f}" if tensor.is_floating_point() else (
             f"{'-':>12}")
         shape = "x".join(str(d) for d in tensor.shape)
-        where = f"{span.start}-{span.stop - 1}" if len(span) else "-"
+        where = f"[{span.start}, {span.stop})"  # as get(start=, end=) takes them
         _out(f"{name:<36} {where:<12} {shape:<22} {tensor.dtype!s:<16} {norm}")
     return 0
 

@@ -297,6 +297,15 @@ class CaptureHandle:
             if start > hi:
                 break
             hi = max(hi, end)
+        manifest = reader.manifest(self.run_id, self.request_id)
+        rule = run.position_rules().get((h.act_name, layer_no))
+        if manifest is not None and rule is not None:  # what the rule keeps, no more
+            first, stop = selected_span(manifest, h.act_name, rule)
+            lo, hi = max(lo, first), min(hi, stop)
+            if hi <= lo:
+                msg = (f"nothing of {h.act_name} layer {layer_no} that its rule {rule} keeps "
+                       f"was stored for request {self.request_id!r}")
+                raise IncompleteCaptureError(msg)
         return (h.act_name, layer_no, lo, hi)
 
     def _partial_get(self, hook: str, layer: int | None) -> torch.Tensor:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 
 from dmi_sglang.domain.hooks import Hook, RowBasis, Selection, hook_by_name
-from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.positions import Positions
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CommitError
 
@@ -77,8 +77,8 @@ class Segment:
         offset: aligned byte offset inside the step's ring region. Segments are placed
             grouped by row size (then in firing order), so equal-width segments are
             adjacent and equally spaced.
-        positions: the capture's position rule (token-row hooks: ``positions(A-B)``
-            keeps the rows of those positions, in ``source_index``).
+        positions: the capture's position rule as it applies to this forward (the rows
+            of the positions it keeps are in ``source_index``).
     """
 
     hook: Hook
@@ -115,6 +115,8 @@ class _Structure:
     total_bytes: int
     kept_bytes: int
     ruled_rows: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...] = ()
+    indexed: int = 0
+    """Rows the row selections index (rules, requests left out, emitting rows)."""
 
 
 @attrs.frozen
@@ -174,8 +176,7 @@ class CommitPlan:
         """False for a plan whose row selections index many rows (a long prefill under a
         position rule or with requests left out): a structure cache keyed by it would
         hold big keys that are unlikely to come back."""
-        indexed = sum(len(r[2]) for r in self._structure.ruled_rows if r[2] is not None)
-        return indexed <= _CACHED_INDEX_ROWS
+        return self._structure.indexed <= _CACHED_INDEX_ROWS
 
     @property
     def ruled_rows(self) -> tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...]:
@@ -237,11 +238,12 @@ def make_plan(
             device like padding, and the plan's :attr:`~CommitPlan.layout` holds the
             other requests only.
         prompts: a request's prompt length from its id (None: unknown); asked (for the
-            captured requests) only when the selection has a ``last_prompt`` rule.
+            captured requests) only when a ``last_prompt`` or ``generated`` rule applies
+            to a forward other than a decode.
 
     Raises:
-        CommitError: a ``last_prompt`` rule and a captured request without a prompt
-            length.
+        CommitError: a ``last_prompt`` or ``generated`` rule and a captured request
+            without a prompt length.
     """
     padding = layout.padded_batch_size - layout.raw_batch_size if padded else 0
     keep: frozenset[int] | None = None
@@ -260,7 +262,8 @@ def make_plan(
         )
         logit_rows = len(emitting)
         logit_index = None if emitting == tuple(range(logit_rows)) else emitting
-    token_rules, request_rules = _rules_by_basis(selection)
+    decode = layout.kind is ForwardKind.DECODE
+    token_rules, request_rules = _rules_by_basis(selection, decode)
     prompt_of = _prompt_lengths(layout, keep, prompts) if any(
         r.needs_prompt for r in token_rules | request_rules) else None
     if keep is not None:
@@ -280,6 +283,7 @@ def make_plan(
     structure = build(
         selection,
         shape,
+        decode=decode,
         ruled=ruled,
         token_rows=layout.token_rows,
         raw_batch=layout.raw_batch_size,
@@ -317,14 +321,33 @@ def _kept(request_ids: tuple[str, ...], skip: frozenset[str]) -> tuple[
     return kept, frozenset(kept), tuple(request_ids[i] for i in kept)
 
 
+_NO_POSITION = Positions(PositionRule.RANGE, first=1, last=0)
+"""An empty range: what ``last_prompt`` keeps of a decode forward."""
+
+
+def _effective(rule: Positions, decode: bool) -> Positions:
+    """The rule as it applies to a forward: in a decode forward every position lies after
+    the prompt (the first decode forward computes position ``prompt``), so ``generated``
+    keeps every row and ``last_prompt`` none, without asking for prompt lengths."""
+    if decode and rule.rule is PositionRule.GENERATED:
+        return _EVERY_POSITION
+    if decode and rule.rule is PositionRule.LAST_PROMPT:
+        return _NO_POSITION
+    return rule
+
+
 @functools.lru_cache(maxsize=64)
-def _rules_by_basis(selection: Selection) -> tuple[frozenset[Positions], frozenset[Positions]]:
-    """The position rules of the selection's token-row and request-row captures."""
+def _rules_by_basis(selection: Selection, decode: bool = False) -> tuple[
+        frozenset[Positions], frozenset[Positions]]:
+    """The position rules of the selection's token-row and request-row captures, as they
+    apply to a decode forward or another one (rules that keep every row left out)."""
     token: set[Positions] = set()
     request: set[Positions] = set()
     for name, _, rule in selection.rules:
         by_request = hook_by_name(name).row_basis is RowBasis.REQUEST
-        (request if by_request else token).add(rule)
+        applied = _effective(rule, decode)
+        if not applied.is_all:
+            (request if by_request else token).add(applied)
     return frozenset(token), frozenset(request)
 
 
@@ -335,7 +358,8 @@ def _prompt_lengths(layout: BatchLayout, keep: frozenset[int] | None,
     for i, rid in enumerate(layout.request_ids):
         length = prompts(rid) if prompts is not None and (keep is None or i in keep) else None
         if length is None and (keep is None or i in keep):
-            msg = f"a last_prompt rule needs the prompt length of request {rid!r}"
+            msg = (f"a last_prompt or generated rule needs the prompt length of request "
+                   f"{rid!r}")
             raise CommitError(msg)
         out.append(length or 0)
     return tuple(out)
@@ -345,6 +369,13 @@ def _rule_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | None
                prompt_of: Sequence[int] | None = None) -> tuple[tuple[int, ...] | None, int]:
     """The token rows of ``layout`` that ``rule`` keeps of the requests in ``keep``
     (None: every request), as an index (None: all rows) and a count."""
+    if layout.kind is ForwardKind.DECODE and rule.rule is PositionRule.RANGE:  # row i: req i
+        lo, hi = rule.first, rule.last
+        if hi < lo:
+            return (), 0
+        kept = tuple(i for i, p in enumerate(layout.starts)
+                     if lo <= p <= hi and (keep is None or i in keep))
+        return (None if len(kept) == layout.token_rows else kept), len(kept)
     index: list[int] = []
     row = 0
     for i, (start, n) in enumerate(zip(layout.starts, layout.counts, strict=True)):
@@ -362,6 +393,8 @@ def _request_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | N
                   prompt_of: Sequence[int] | None) -> tuple[tuple[int, ...] | None, int]:
     """The request rows (one per request, at its last position, for those that emit a
     token) that ``rule`` keeps of the requests in ``keep``: an index and a count."""
+    if layout.kind is ForwardKind.DECODE and rule.rule is PositionRule.RANGE:
+        return _rule_rows(layout, rule, keep)  # one row per request, at its position
     index = []
     for i, (start, n, emits) in enumerate(zip(layout.starts, layout.counts, layout.emits,
                                               strict=True)):
@@ -401,6 +434,7 @@ def _structure(
     selection: Selection,
     shape: ModelShape,
     *,
+    decode: bool,
     ruled: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...],
     token_rows: int,
     raw_batch: int,
@@ -415,7 +449,7 @@ def _structure(
     rows_of = {(basis, rule): (index, kept) for basis, rule, index, kept in ruled}
     for hook, layer_no in selection.captures():
         row = shape.row(hook)
-        rule = selection.positions_of(hook.name, layer_no)
+        rule = _effective(selection.positions_of(hook.name, layer_no), decode)
         basis = hook.row_basis
         if basis is RowBasis.REQUEST:
             source = raw_batch + padding
@@ -438,8 +472,9 @@ def _structure(
         offset += segments[i].aligned_bytes(alignment)
     ordered = tuple(placed[i] for i in range(len(segments)))
     index_by_key = {(seg.hook.name, seg.layer_no): seg for seg in ordered}
+    indexed = sum(len(r[2]) for r in ruled if r[2] is not None) + len(logit_index or ())
     return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
-                      ruled)
+                      ruled, indexed)
 
 
 class StepState(enum.Enum):

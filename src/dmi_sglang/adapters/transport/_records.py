@@ -30,6 +30,7 @@ from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program, host
 from dmi_sglang.columns import CaptureKey as RecordKey
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.plan import CommitPlan, RecordSlice
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import CaptureRecord
 
 Bytes3D = npt.NDArray[np.uint8]
@@ -317,20 +318,21 @@ def hold_request_rows(  # noqa: PLR0917 - the step's whole context
     out: Emitted,
 ) -> None:
     """Hold the request rows of ``groups`` (read from ``staging``), releasing the rows
-    they confirm."""
-    per_group = [(g, host_rows(staging, base, g), plan.slices(plan.segments[g.positions[0]]))
+    they confirm. Rows kept by ``last_prompt`` go out at once: the last prompt position's
+    row decides the first generated token, never the overlap scheduler's extra forward,
+    and no later row of the request would ever confirm it."""
+    per_group = [(g, host_rows(staging, base, g), plan.segments[g.positions[0]])
                  for g in groups]
-    for _, _, slices in per_group:
-        for sl in slices:
+    for _, _, seg in per_group:
+        for sl in plan.slices(seg):
             held.confirm(sl.request_id, out)
-    for group, rows, slices in per_group:
+    for group, rows, seg in per_group:
+        keep = out.add if seg.positions.rule is PositionRule.LAST_PROMPT else held.hold
         for s, meta in enumerate(group.metas):
             seg_rows = rows[s]
-            for sl in slices:  # request rows: one row per slice
+            for sl in plan.slices(seg):  # request rows: one row per slice
                 payload = copy_row(np.ravel(seg_rows[sl.row_offset]))
-                held.hold(
-                    CaptureRecord(
-                        run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
-                        sl.end, meta.dtype, (1, *meta.dims), payload, seq,
-                    )
-                )
+                keep(CaptureRecord(
+                    run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
+                    sl.end, meta.dtype, (1, *meta.dims), payload, seq,
+                ))

@@ -53,8 +53,9 @@ def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: Transp
                            max_graph_batch: int) -> int:
     """Ring bytes of the longest eager forward the engine may run (one request)."""
     rows = max(opts.max_prefill_tokens, max_graph_batch)
+    # A prompt of one token: generated then keeps every row (the most a rule keeps).
     return make_plan(BatchLayout.extend(["-"], [0], [rows]), selection, shape,
-                     padded=False, prompts=lambda _request_id: rows).total_bytes
+                     padded=False, prompts=lambda _request_id: 1).total_bytes
 
 
 class TorchCaptureTransport:
