@@ -11,12 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.app.assemble import selected_span
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.positions import Positions
+from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.testing import MemorySink
 
 from .conftest import SHAPE, Driver, select
+from .scheduler_sim import layout_of, script
 
 FULL = "resid_pre,resid_mid,final_ln,final_logits"
 
@@ -122,3 +125,86 @@ def test_a_selective_capture_stores_the_selected_rows_of_a_full_capture(scenario
     got = _rows(some_sink.records)
     assert got == want, (sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3])
     assert all(c == 1 for c in got.values())
+
+
+def _latest(records) -> dict[tuple, bytes]:
+    """(request, hook, layer, position) -> the row of the newest step that holds it (what
+    a reader returns after a retraction recomputed positions)."""
+    best: dict[tuple, tuple[int, bytes]] = {}
+    for r in records:
+        width = len(r.payload) // r.rows
+        for i in range(r.rows):
+            key = (r.request_id, r.act_name, r.layer_no, r.start_token_idx + i)
+            if key not in best or best[key][0] < r.seq:
+                best[key] = (r.seq, bytes(r.payload[i * width : (i + 1) * width]))
+    return {k: v for k, (_, v) in best.items()}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(script(), st.sampled_from(["last_prompt", "generated", "positions(2-6)"]),
+       st.sampled_from([("resid_pre",), ("final_logits",), ("resid_pre", "final_logits"),
+                        ("final_ln", "final_logits")]),
+       st.booleans(), st.booleans(), st.booleans())
+def test_under_a_scheduler_a_selective_capture_reads_what_a_full_one_does(
+        scenario, rule: str, ruled: tuple[str, ...], padded: bool, strip: bool,
+        coalesce: bool) -> None:
+    """Chunked prefills, MIXED batches, retractions and extra forwards from a toy
+    scheduler: the selective capture stores the filtered rows of the full capture, and
+    for every finished request the reader's span of each capture holds the same rows."""
+    steps, reqs, skip = scenario
+    prompts = {r.rid: r.prompt for r in reqs}
+    text = ",".join(f"{h}:{rule}" if h in ruled else h for h in FULL.split(","))
+    full, full_sink = _driver(FULL, coalesce_decode=coalesce)
+    some, some_sink = _driver(text, coalesce_decode=coalesce)
+    some.skip, some.prompts = skip, prompts
+    for d in (full, some):
+        _replay(d, steps, padded, strip)
+    full.t.stop()
+    some.t.stop()
+    keeps = Positions.parse(rule)
+    want: collections.Counter = collections.Counter()
+    for (rid, act, layer, position, data), count in _rows(full_sink.records).items():
+        if rid in skip:
+            continue
+        if any(act.endswith(h) for h in ruled):
+            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid])
+            if hi <= lo:
+                continue
+        want[(rid, act, layer, position, data)] = count
+    assert _rows(some_sink.records) == want
+    got, whole = _latest(some_sink.records), _latest(full_sink.records)
+    for manifest in _manifests(steps, reqs, skip):
+        for act, layer in {(k[1], k[2]) for k in whole}:
+            rule_of = keeps if any(act.endswith(h) for h in ruled) else None
+            lo, hi = selected_span(manifest, act, rule_of)
+            for position in range(lo, hi):
+                key = (manifest.request_id, act, layer, position)
+                assert got.get(key) == whole[key], (key, (lo, hi))
+
+
+def _replay(d: Driver, steps: list[tuple], padded: bool, strip: bool) -> None:
+    if padded:
+        d.graph_capture(8)
+    for step in steps:
+        if step[0] == "finish":
+            if step[1] not in d.skip:
+                d.t.finish_request(step[1], step[2])
+        elif step[1] == "decode" and padded:
+            d.forward(layout_of(step, 8), padded=True, strip=strip)
+        else:
+            d.forward(layout_of(step))
+
+
+def _manifests(steps: list[tuple], reqs, skip: frozenset[str]) -> list[RequestManifest]:
+    """The manifests the session would write for the finished, captured requests."""
+    computed = collections.defaultdict(list)
+    for step in steps:
+        if step[0] == "fwd":
+            lay = layout_of(step)
+            for rid, start, n in zip(lay.request_ids, lay.starts, lay.counts, strict=True):
+                computed[rid].append((start, start + n))
+    return [RequestManifest(
+        "run-1", r.rid, r.prompt, r.completion,
+        computed_from=min([a for a, _ in computed[r.rid]] + [r.prompt]),
+        overlap_extra_forward=max(b for _, b in computed[r.rid]) >= r.prompt + r.completion)
+        for r in reqs if r.rid not in skip and r.noticed]
