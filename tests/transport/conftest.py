@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -58,6 +58,19 @@ def rows_tensor(
     values = (codes[:, None] + torch.arange(width)[None, :]) % 199
     values[len(rows) :] = PAD
     return values.to(TORCH_DTYPES[spec.dtype]).reshape(len(codes), *spec.dims)
+
+
+def each_row(records: Sequence[CaptureRecord]) -> Iterator[tuple[CaptureRecord, int, bytes]]:
+    """Every stored row, whatever the record boundaries: its record, position and bytes."""
+    for r in records:
+        width = len(r.payload) // r.rows
+        for i in range(r.rows):
+            yield r, r.start_token_idx + i, bytes(r.payload[i * width : (i + 1) * width])
+
+
+def stored_rows(records: Sequence[CaptureRecord]) -> Counter[tuple[str, str, int, int, bytes]]:
+    """``(request, hook, layer, position, row bytes)`` of every stored row, counted."""
+    return Counter((r.request_id, r.act_name, r.layer_no, p, b) for r, p, b in each_row(records))
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

@@ -10,6 +10,8 @@ import pytest
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.testing import MemorySink
 
+from .conftest import stored_rows
+
 
 def test_flush_timeout_bounds_how_long_rows_wait(make_driver):
     d, sink = make_driver("resid_pre", flush_timeout_s=0.05)
@@ -160,12 +162,7 @@ def _burst(make_driver, linger_s: float, pause_s: float = 0.0,
         time.sleep(pause_s)
     d.t.stop()
     d.verify(sink.records)
-    rows = []  # (request, capture, position, row bytes): independent of record boundaries
-    for r in sink.records:
-        width = len(r.payload) // r.rows
-        rows += [(r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
-                  bytes(r.payload[i * width : (i + 1) * width])) for i in range(r.rows)]
-    return sorted(rows), d.t.drain_counters()
+    return sorted(stored_rows(sink.records).elements()), d.t.drain_counters()
 
 
 def test_a_lingering_drain_moves_several_steps_per_copy_with_the_same_rows(make_driver):

@@ -8,6 +8,8 @@ import pytest
 
 from dmi_sglang.domain.layout import BatchLayout
 
+from .conftest import stored_rows
+
 
 def _forwards(d, *, padded: bool) -> None:
     d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
@@ -30,22 +32,12 @@ def test_a_position_range_stores_those_rows_of_a_full_capture(make_driver, padde
     full_stats, ruled_stats = full.t.stop(), ruled.t.stop()
     ruled.verify(ruled_sink.records)  # every row once, with the bytes of its position
 
-    def rows(records):
-        """(request, hook, layer, position, row bytes) of every stored row."""
-        out = set()
-        for r in records:
-            width = len(r.payload) // r.rows
-            for i in range(r.rows):
-                out.add((r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
-                         bytes(r.payload[i * width : (i + 1) * width])))
-        return out
-
-    everything = rows(full_sink.records)
+    everything = set(stored_rows(full_sink.records))
     resid = {row for row in everything if "resid_pre" in row[1]}
     kept = {row for row in resid if 3 <= row[3] <= 6}
     assert kept  # the full capture holds rows inside the range
     assert resid - kept  # and outside it
-    assert rows(ruled_sink.records) == (everything - resid) | kept
+    assert set(stored_rows(ruled_sink.records)) == (everything - resid) | kept
     resid_row_bytes = len(next(iter(resid))[4])
     left_out = len(resid - kept)
     assert full_stats.bytes - ruled_stats.bytes == left_out * resid_row_bytes  # never moved
@@ -81,19 +73,10 @@ def test_the_last_prompt_position_is_what_a_full_capture_holds_there(make_driver
     some.t.stop()
     some.verify(some_sink.records)
 
-    def rows(records):
-        out = set()
-        for r in records:
-            width = len(r.payload) // r.rows
-            for i in range(r.rows):
-                out.add((r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
-                         bytes(r.payload[i * width : (i + 1) * width])))
-        return out
-
     last_prompt = {"a": 4, "b": 6}
-    want = {row for row in rows(full_sink.records)
+    want = {row for row in stored_rows(full_sink.records)
             if "final_ln" in row[1] or row[3] == last_prompt[row[0]]}
-    assert rows(some_sink.records) == want
+    assert set(stored_rows(some_sink.records)) == want
     logits = sorted((row[0], row[3]) for row in want if "logits" in row[1])
     assert logits == [("a", 4), ("b", 6)]  # the rows that decided the first tokens
 

@@ -10,6 +10,8 @@ import pytest
 
 from dmi_sglang.domain.layout import BatchLayout
 
+from .conftest import stored_rows
+
 
 def _forwards(d, *, padded: bool) -> None:
     d.forward(BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [5, 3, 4]))
@@ -19,16 +21,6 @@ def _forwards(d, *, padded: bool) -> None:
         d.forward(BatchLayout.decode(["a", "b", "c"], [6 + n, 4 + n, 5 + n],
                                      padded_batch_size=4 if padded else None), padded=padded)
     d.forward(BatchLayout.decode(["a", "c"], [11, 10]))  # b finished
-
-
-def _rows(records) -> set[tuple]:
-    out = set()
-    for r in records:
-        width = len(r.payload) // r.rows
-        for i in range(r.rows):
-            out.add((r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
-                     bytes(r.payload[i * width : (i + 1) * width])))
-    return out
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
@@ -43,10 +35,10 @@ def test_a_left_out_request_stores_nothing_and_the_others_all_they_would(
         _forwards(d, padded=padded)
     full_stats, some_stats = full.t.stop(), some.t.stop()
     some.verify(some_sink.records)  # every planned row once, with its position's bytes
-    everything = _rows(full_sink.records)
+    everything = set(stored_rows(full_sink.records))
     of_b = {row for row in everything if row[0] == "b"}
     assert of_b
-    assert _rows(some_sink.records) == everything - of_b
+    assert set(stored_rows(some_sink.records)) == everything - of_b
     assert full_stats.bytes - some_stats.bytes == sum(len(row[4]) for row in of_b)
 
 

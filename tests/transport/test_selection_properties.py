@@ -18,7 +18,7 @@ from dmi_sglang.domain.positions import Positions
 from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.testing import MemorySink
 
-from .conftest import SHAPE, Driver, select
+from .conftest import SHAPE, Driver, each_row, select, stored_rows
 from .scheduler_sim import layout_of, script
 
 FULL = "resid_pre,resid_mid,final_ln,final_logits"
@@ -34,16 +34,6 @@ def _driver(text: str, payload: int = 1 << 16, **options: object) -> tuple[Drive
     driver = Driver(transport, selection)
     holder.append(driver)
     return driver, sink
-
-
-def _rows(records) -> collections.Counter:
-    out: collections.Counter = collections.Counter()
-    for r in records:
-        width = len(r.payload) // r.rows
-        for i in range(r.rows):
-            out[(r.request_id, r.act_name, r.layer_no, r.start_token_idx + i,
-                 bytes(r.payload[i * width : (i + 1) * width]))] += 1
-    return out
 
 
 @st.composite
@@ -111,9 +101,18 @@ def test_a_selective_capture_stores_the_selected_rows_of_a_full_capture(scenario
         _run(d, steps, padded, strip)
     full.t.stop()
     some.t.stop()
-    keeps = Positions.parse(rule)
+    want = _selected(full_sink.records, Positions.parse(rule), ruled, skip, prompts)
+    got = stored_rows(some_sink.records)
+    assert got == want, (sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3])
+    assert all(c == 1 for c in got.values())
+
+
+def _selected(records, keeps: Positions, ruled: tuple[str, ...], skip: frozenset[str],
+              prompts: dict[str, int]) -> collections.Counter:
+    """The rows of a full capture a selective one must store: of the captured requests,
+    and of the ruled hooks only the positions the rule keeps while capturing."""
     want: collections.Counter = collections.Counter()
-    for key, count in _rows(full_sink.records).items():
+    for key, count in stored_rows(records).items():
         rid, act, _, position, _ = key
         if rid in skip:
             continue
@@ -122,21 +121,17 @@ def test_a_selective_capture_stores_the_selected_rows_of_a_full_capture(scenario
             if hi <= lo:
                 continue
         want[key] = count
-    got = _rows(some_sink.records)
-    assert got == want, (sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3])
-    assert all(c == 1 for c in got.values())
+    return want
 
 
 def _latest(records) -> dict[tuple, bytes]:
     """(request, hook, layer, position) -> the row of the newest step that holds it (what
     a reader returns after a retraction recomputed positions)."""
     best: dict[tuple, tuple[int, bytes]] = {}
-    for r in records:
-        width = len(r.payload) // r.rows
-        for i in range(r.rows):
-            key = (r.request_id, r.act_name, r.layer_no, r.start_token_idx + i)
-            if key not in best or best[key][0] < r.seq:
-                best[key] = (r.seq, bytes(r.payload[i * width : (i + 1) * width]))
+    for r, position, data in each_row(records):
+        key = (r.request_id, r.act_name, r.layer_no, position)
+        if key not in best or best[key][0] < r.seq:
+            best[key] = (r.seq, data)
     return {k: v for k, (_, v) in best.items()}
 
 
@@ -162,16 +157,8 @@ def test_under_a_scheduler_a_selective_capture_reads_what_a_full_one_does(
     full.t.stop()
     some.t.stop()
     keeps = Positions.parse(rule)
-    want: collections.Counter = collections.Counter()
-    for (rid, act, layer, position, data), count in _rows(full_sink.records).items():
-        if rid in skip:
-            continue
-        if any(act.endswith(h) for h in ruled):
-            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid])
-            if hi <= lo:
-                continue
-        want[(rid, act, layer, position, data)] = count
-    assert _rows(some_sink.records) == want
+    assert stored_rows(some_sink.records) == _selected(full_sink.records, keeps, ruled, skip,
+                                                       prompts)
     got, whole = _latest(some_sink.records), _latest(full_sink.records)
     for manifest in _manifests(steps, reqs, skip):
         for act, layer in {(k[1], k[2]) for k in whole}:

@@ -198,24 +198,32 @@ def test_direct_copies_into_page_locked_payloads_equal_reference():
     assert t._drain.direct_pool._buffer(64).is_pinned()  # page-locked: async DMA into them
 
 
+def _record_graph(model: ToyModel, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Ref]:
+    """The model's decode graph for ``bucket`` rows, as SGLang records one: two warm-up
+    passes on a side stream (no step committed, nothing stored), then the capture. Returns
+    the graph, its static input ids and the reference clones it refreshes at each replay."""
+    static_ids = torch.zeros(bucket, dtype=torch.long, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            model(static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.ref = {}
+    with torch.cuda.graph(graph), torch.no_grad():
+        model(static_ids)
+    ref, model.ref = model.ref, None
+    return graph, static_ids, ref
+
+
 def test_graph_replay_with_padding_stores_only_real_rows():
     for strip in (True, False):
         sink = MemorySink()
         t = _transport(sink, strip=strip)
         model = _model(t)
         bucket = 8
-        static_ids = torch.zeros(bucket, dtype=torch.long, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):  # SGLang's warm-up passes: no step committed, nothing stored
-                model(static_ids)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        model.ref = {}
-        with torch.cuda.graph(graph), torch.no_grad():
-            model(static_ids)
-        ref, model.ref = model.ref, None
+        graph, static_ids, ref = _record_graph(model, bucket)
         expected = Expected()
         for step, raw in enumerate((3, 4, 5, 6, 7, 8, 3, 8), start=1):
             rids = [f"r{i}" for i in range(raw)]
@@ -314,18 +322,7 @@ def test_graph_replay_drops_left_out_requests_and_positions_on_the_device():
     t = _transport(sink, selection=RULED)
     model = _model(t)
     bucket = 8
-    static_ids = torch.zeros(bucket, dtype=torch.long, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            model(static_ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    model.ref = {}
-    with torch.cuda.graph(graph), torch.no_grad():
-        model(static_ids)
-    ref, model.ref = model.ref, None
+    graph, static_ids, ref = _record_graph(model, bucket)
     expected = Expected()
     skip = frozenset({"r1", "r4"})
     for step, raw in enumerate((3, 5, 8, 8, 6, 8), start=1):

@@ -285,6 +285,7 @@ def make_plan(
         shape,
         decode=decode,
         ruled=ruled,
+        indexed=indexed,
         token_rows=layout.token_rows,
         raw_batch=layout.raw_batch_size,
         padding=padding,
@@ -356,8 +357,9 @@ def _prompt_lengths(layout: BatchLayout, keep: frozenset[int] | None,
     """Prompt lengths of the batch's requests (0 for those left out, never read)."""
     out = []
     for i, rid in enumerate(layout.request_ids):
-        length = prompts(rid) if prompts is not None and (keep is None or i in keep) else None
-        if length is None and (keep is None or i in keep):
+        captured = keep is None or i in keep
+        length = prompts(rid) if prompts is not None and captured else None
+        if length is None and captured:
             msg = (f"a last_prompt or generated rule needs the prompt length of request "
                    f"{rid!r}")
             raise CommitError(msg)
@@ -436,6 +438,7 @@ def _structure(
     *,
     decode: bool,
     ruled: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...],
+    indexed: int,
     token_rows: int,
     raw_batch: int,
     padding: int,
@@ -472,7 +475,6 @@ def _structure(
         offset += segments[i].aligned_bytes(alignment)
     ordered = tuple(placed[i] for i in range(len(segments)))
     index_by_key = {(seg.hook.name, seg.layer_no): seg for seg in ordered}
-    indexed = sum(len(r[2]) for r in ruled if r[2] is not None) + len(logit_index or ())
     return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
                       ruled, indexed)
 
