@@ -280,7 +280,7 @@ def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
                                     probe=lambda: recording[0])
     recording[0] = True  # fill the arena once, as capturing the decode graph would
     for hook, layer in sel.captures():
-        row = shape.row(hook)
+        row = shape.capture_row(sel, hook, layer)
         dtype: torch.dtype = getattr(torch, row.dtype.value.removeprefix("torch."))
         filled = torch.randint(0, 100, (bs, math.prod(row.dims)), device=dev).to(dtype)
         transport.capturer.capture(hook.name, layer, filled)

@@ -328,3 +328,34 @@ def test_a_run_without_the_source_key_is_an_sglang_run() -> None:
     assert plain.source == RunSource.SGLANG.value == "sglang"
     labelled = RunInfo("r", "/m", ((SOURCE_KEY, "cpu-reference"),), (), "t")
     assert labelled.source == RunSource.CPU_REFERENCE.value
+
+
+@pytest.mark.torch
+def test_payload_modifiers_store_the_cast_rows_and_the_top_logits(
+        captured: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    url = captured["url"]
+    assert main(["reference-capture", "--db", url, "--layers", "2", "--hooks",
+                 "resid_pre@1:fp16,final_logits:topk(5)", "--max-new-tokens",
+                 str(NEW_TOKENS), "--prompt", PROMPTS[0]]) == 0
+    out = capsys.readouterr().out
+    run_id = next(ln.split()[-1] for ln in out.splitlines() if ln.startswith("run id"))
+    store = _store(url)
+    with store.session():
+        full, some = store.handle(RUN, "req-0"), store.handle(run_id, "req-0")
+        assert some.missing == ()
+        assert store.require_run(run_id).captures == (
+            ("blocks.hook_resid_pre", 1), ("logits_topk_values", -1), ("logits_topk_ids", -1))
+        resid = some.get("resid_pre", 1)
+        assert resid.dtype == torch.float16
+        assert torch.equal(resid, full.get("resid_pre", 1).to(torch.float16))
+        values, ids = some.logits_topk
+        want = torch.topk(full.logits, 5)
+        assert ids.dtype == torch.int32
+        assert torch.equal(values, want.values)
+        assert torch.equal(ids, want.indices.to(torch.int32))
+    assert main(["show", run_id, "req-0", "--db", url]) == 0
+    shown = capsys.readouterr().out
+    assert "logits_topk_ids" in shown
+    assert "torch.float16" in shown

@@ -73,3 +73,14 @@ def test_throughput_bound() -> None:
     assert throughput_bound(None, 5.0) is None
     assert throughput_bound(10.0, 5.0) == 0.5
     assert throughput_bound(10.0, 50.0) == 1.0
+
+
+def test_payload_modifiers_shrink_the_planned_bytes() -> None:
+    def per_token(text: str) -> int:
+        return plan_bandwidth(captures(text), QWEN3_06B, prompt_tokens=10,
+                              completion_tokens=4, stored=False).bytes_per_generated_token
+
+    assert per_token("final_logits:topk(64)") == 64 * 4 + 64 * 4  # fp32 values, int32 ids
+    assert per_token("final_logits:topk(64):bf16") == 64 * 2 + 64 * 4
+    assert per_token("final_logits:fp16") == 151936 * 2
+    assert per_token("hidden-states:fp16") == per_token("hidden-states")  # bf16 -> fp16

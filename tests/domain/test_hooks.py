@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +17,8 @@ from dmi_sglang.domain.hooks import (
     hook_by_name,
     parse_selection,
 )
+from dmi_sglang.domain.payloads import Payload, StorageDType
+from dmi_sglang.domain.positions import Positions
 from dmi_sglang.errors import SelectionError
 
 QWEN3_HOOKS = frozenset(PRESETS["sglang-full"]) - {
@@ -27,9 +31,11 @@ QWEN3 = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, 4)
 
 
 def test_catalog_matches_dmi_ids_and_act_names() -> None:
-    ids = {h.name: h.id for h in CATALOG}
+    ids = {h.name: h.id for h in CATALOG if not h.derived}
     assert 10 not in ids.values()
     assert sorted(ids.values()) == [i for i in range(24) if i != 10]
+    assert {h.name: h.id for h in CATALOG if h.derived} == {
+        "logits_topk_values": 24, "logits_topk_ids": 25}
     assert hook_by_name("resid_pre").act_name == "blocks.hook_resid_pre"
     assert hook_by_name("q").act_name == "blocks.attn.hook_q"
     assert hook_by_name("mlp_post").act_name == "blocks.hook_mlp_post"
@@ -37,12 +43,13 @@ def test_catalog_matches_dmi_ids_and_act_names() -> None:
     assert hook_by_name("token_ids").act_name == "token_ids"
     assert hook_by_name("final_logits").act_name == "final_logits"
     assert hook_by_name("final_logits").row_basis is RowBasis.REQUEST
-    assert all(h.row_basis is RowBasis.TOKEN for h in CATALOG if h.name != "final_logits")
+    request_rows = {"final_logits", "logits_topk_values", "logits_topk_ids"}
+    assert all(h.row_basis is RowBasis.TOKEN for h in CATALOG if h.name not in request_rows)
     assert set(FIRING_ORDER) == {h.name for h in CATALOG}
 
 
 def test_presets() -> None:
-    assert set(PRESETS["full"]) == {h.name for h in CATALOG}
+    assert set(PRESETS["full"]) == {h.name for h in CATALOG if not h.derived}
     assert set(PRESETS["full"]) - set(PRESETS["sglang-full"]) == {"attn_scores", "pattern"}
     assert PRESETS["hidden-states"] == ("resid_pre",)
     assert PRESETS["logits"] == ("final_logits",)
@@ -133,3 +140,64 @@ def test_round_trip_and_captures_in_firing_order(items: list[tuple[str, object]]
     assert len(caps) == len(set(caps))
     per_layer_caps = [(layer, FIRING_ORDER.index(h.name)) for h, layer in caps if layer >= 0]
     assert per_layer_caps == sorted(per_layer_caps)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("resid_pre:fp8", "fp8 storage is not offered"),
+     ("resid_pre:int8", "unknown position rule 'int8'"),
+     ("resid_pre:topk(4)", "applies to final_logits only, not 'resid_pre'"),
+     ("hf-only:topk(4)", "applies to final_logits only"),
+     ("final_logits:topk(0)", "K must be at least 1"),
+     ("token_ids:bf16", "'token_ids' holds integers"),
+     ("resid_pre:fp16:bf16", "two storage dtypes"),
+     ("final_logits:topk(2):topk(3)", "two topk modifiers"),
+     ("resid_pre:generated:last_prompt", "two position rules"),
+     ("logits_topk_values", "made by final_logits:topk(K)"),
+     ("final_logits:topk(2),final_logits:topk(3)", "two payloads, topk(2) and topk(3)"),
+     ("resid_pre@1,resid_pre@1:fp16", "two payloads, as computed and fp16")],
+)
+def test_payload_modifier_errors_name_the_bad_token(text: str, message: str) -> None:
+    with pytest.raises(SelectionError, match=re.escape(message)):
+        parse_selection(text).resolve(QWEN3)
+
+
+def test_payload_modifiers_resolve_per_capture() -> None:
+    sel = parse_selection(
+        "resid_pre@1-2:last_prompt:fp16,sglang-full@0:bf16,final_logits:generated:topk(8)"
+    ).resolve(QWEN3)
+    assert sel.payload_of("resid_pre", 1) == Payload(StorageDType.FP16)
+    assert sel.payload_of("resid_pre", 0) == Payload(StorageDType.BF16)  # via the preset
+    assert sel.payload_of("token_ids", -1) == Payload()  # integers keep their type
+    assert sel.payload_of("final_logits", -1) == Payload(StorageDType.BF16)
+    assert sel.payload_of("logits_topk_ids", -1) == Payload(topk=8)
+    assert sel.positions_of("logits_topk_values", -1) == Positions.parse("generated")
+    assert [h.name for h, _ in sel.captures()][-3:] == [
+        "final_logits", "logits_topk_values", "logits_topk_ids"]
+    # the model must offer final_logits for its top K
+    no_logits = ModelHooks("Toy", frozenset({"resid_pre"}), 2)
+    with pytest.raises(SelectionError, match="hook 'final_logits' is not available"):
+        parse_selection("final_logits:topk(3)").resolve(no_logits)
+
+
+@given(st.sampled_from(["", ":fp16", ":bf16"]), st.sampled_from(["", ":last_prompt"]),
+       st.integers(1, 99))
+def test_payload_modifiers_round_trip(dtype: str, rule: str, k: int) -> None:
+    for text in (f"resid_pre@1{rule}{dtype}", f"final_logits{dtype}:topk({k}){rule}"):
+        parsed = parse_selection(text)
+        assert parse_selection(str(parsed)) == parsed
+
+
+def test_stored_rows_follow_the_payload() -> None:
+    from dmi_sglang.domain.shapes import DType, ModelShape, RowSpec
+    from dmi_sglang.errors import ConfigurationError
+
+    shape = ModelShape(2, 8, 2, 1, 4, 12, vocab=10)
+    values, ids = hook_by_name("logits_topk_values"), hook_by_name("logits_topk_ids")
+    assert shape.row(values, Payload(topk=3)) == RowSpec((3,), DType.FLOAT32)
+    assert shape.row(values, Payload(StorageDType.FP16, 3)) == RowSpec((3,), DType.FLOAT16)
+    assert shape.row(ids, Payload(StorageDType.FP16, 3)) == RowSpec((3,), DType.INT32)
+    assert shape.row(hook_by_name("final_logits"), Payload(StorageDType.BF16)) == RowSpec(
+        (10,), DType.BFLOAT16)
+    with pytest.raises(ConfigurationError, match=r"topk\(11\) needs 1 <= K <= the vocabulary"):
+        shape.row(values, Payload(topk=11))

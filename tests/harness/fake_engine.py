@@ -136,7 +136,8 @@ class FakeEngine:
 
         m = self.model
         hooks = ModelHooks("Qwen3ForCausalLM", QWEN3_HOOKS, m.layers)
-        captures = parse_selection(os.environ["DMX_HOOK_SELECTION"]).resolve(hooks).captures()
+        selection = parse_selection(os.environ["DMX_HOOK_SELECTION"]).resolve(hooks)
+        captures = selection.captures()
         shape = ModelShape(m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim,
                            m.intermediate, m.vocab)
         run_id = os.environ["DMX_MODEL_ID"]
@@ -150,7 +151,7 @@ class FakeEngine:
                 cover = expected_coverage(hook, prompt_tokens=prompt,
                                           completion_tokens=completion,
                                           overlap_extra_forward=False)
-                row = shape.row(hook)
+                row = shape.capture_row(selection, hook, layer)
                 payload = bytes(cover.rows * row.nbytes)
                 stored += len(payload)
                 sink.put(RecordBatch.from_records([CaptureRecord(

@@ -19,7 +19,15 @@ import torch
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES
 from dmi_sglang.domain.capacity import Decision, RingCapacity
-from dmi_sglang.domain.hooks import CATALOG, Hook, ModelHooks, RowBasis, Selection, parse_selection
+from dmi_sglang.domain.hooks import (
+    CATALOG,
+    Hook,
+    ModelHooks,
+    RowBasis,
+    Selection,
+    hook_by_name,
+    parse_selection,
+)
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
 from dmi_sglang.domain.records import CaptureRecord
@@ -58,6 +66,33 @@ def rows_tensor(
     values = (codes[:, None] + torch.arange(width)[None, :]) % 199
     values[len(rows) :] = PAD
     return values.to(TORCH_DTYPES[spec.dtype]).reshape(len(codes), *spec.dims)
+
+
+def stored_tensor(selection: Selection, hook: Hook, layer: int,
+                  rows: Sequence[tuple[str, int]]) -> torch.Tensor:
+    """What a capture of ``selection`` stores for ``rows``: the capture point's tensor
+    (:func:`rows_tensor`, of ``final_logits`` for the topk captures) with the capture's
+    payload applied."""
+    payload = selection.payload_of(hook.name, layer)
+    spec = SHAPE.capture_row(selection, hook, layer)
+    if hook.derived:
+        values, ids = torch.topk(rows_tensor(hook_by_name("final_logits"), -1, rows),
+                                 payload.topk, dim=-1)
+        out = ids if hook.is_integer else values
+    else:
+        out = rows_tensor(hook, layer, rows)
+    return out.to(TORCH_DTYPES[spec.dtype])
+
+
+def capture_points(selection: Selection) -> list[tuple[Hook, int]]:
+    """The capture points a model fires for ``selection`` (``final_logits`` for the topk
+    captures), in firing order."""
+    points: list[tuple[Hook, int]] = []
+    for hook, layer in selection.captures():
+        point = (hook_by_name("final_logits"), -1) if hook.derived else (hook, layer)
+        if point not in points:
+            points.append(point)
+    return points
 
 
 def each_row(records: Sequence[CaptureRecord]) -> Iterator[tuple[CaptureRecord, int, bytes]]:
@@ -100,7 +135,7 @@ class Driver:
         self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None
     ) -> None:
         """Call every capture point as a forward over ``layout`` would."""
-        for hook, layer in self.selection.captures():
+        for hook, layer in capture_points(self.selection):
             if skip and (hook.name, layer) in skip:
                 continue
             if hook.row_basis is RowBasis.REQUEST:
@@ -148,13 +183,13 @@ class Driver:
             key = (rec.request_id, rec.act_name, rec.layer_no)
             got[key].append((rec.start_token_idx, rec.end_token_idx))
             hook = by_name[rec.act_name]
-            spec = SHAPE.row(hook)
+            spec = SHAPE.capture_row(self.selection, hook, rec.layer_no)
             assert rec.model_id == self.t.run_id
             assert rec.shard_rank == 0
             assert rec.dtype == spec.dtype.value
             assert rec.shape == (rec.rows, *spec.dims)
-            want = rows_tensor(
-                hook, rec.layer_no,
+            want = stored_tensor(
+                self.selection, hook, rec.layer_no,
                 [(rec.request_id, p) for p in range(rec.start_token_idx, rec.end_token_idx)],
             )
             assert rec.payload == raw_bytes(want), key

@@ -11,7 +11,8 @@ from dmi_sglang.domain.layout import BatchLayout
 from .conftest import SHAPE, select
 
 SELECTIONS = ("resid_pre", "resid_pre,final_logits", "token_ids,final_logits,mlp_out@1",
-              "sglang-full")
+              "sglang-full", "resid_pre:fp16,final_logits:topk(3)",
+              "sglang-full:bf16,final_logits:topk(7):fp16")
 
 
 @st.composite

@@ -342,3 +342,52 @@ def test_graph_replay_drops_left_out_requests_and_positions_on_the_device():
              if r.act_name.endswith("resid_pre")}
     assert resid
     assert all(a >= 12 and b <= 15 for a, b in resid)
+
+
+MODIFIED: Selection = parse_selection(
+    "resid_pre:fp16,mlp_out@1:bf16,final_ln:bf16,final_logits:generated:topk(5)").resolve(
+    ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
+
+
+def _as_stored(ref: Ref, selection: Selection) -> Ref:
+    """The reference clones with the selection's payloads applied (casts, top K)."""
+    out: Ref = {}
+    for hook, layer in selection.captures():
+        payload = selection.payload_of(hook.name, layer)
+        if hook.derived:
+            top = torch.topk(ref[("final_logits", -1)], payload.topk, dim=-1)
+            out[(hook.name, layer)] = (top.indices.to(torch.int32) if hook.is_integer
+                                       else top.values)
+            continue
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            payload.dtype.value if payload.dtype else "", ref[(hook.name, layer)].dtype)
+        out[(hook.name, layer)] = ref[(hook.name, layer)].to(dtype)
+    return out
+
+
+def test_graph_replay_stores_cast_rows_and_the_top_logits():
+    sink = MemorySink()
+    t = _transport(sink, selection=MODIFIED)
+    model = _model(t)
+    bucket = 8
+    graph, static_ids, ref = _record_graph(model, bucket)
+    expected = Expected()
+    prompts = {f"r{i}": 10 for i in range(bucket)}
+    for step, raw in enumerate((3, 5, 8, 8, 6, 8), start=1):
+        rids = [f"r{i}" for i in range(raw)]
+        static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
+        layout = BatchLayout.decode(rids, [10 + step] * raw, padded_batch_size=bucket)
+        plan = make_plan(layout, MODIFIED, SHAPE, padded=True, prompts=prompts.get)
+        t.commit(plan, step=step)
+        graph.replay()
+        t.seal()
+        expected.add(plan, _as_stored(ref, MODIFIED))
+    stats = t.stop()
+    assert expected.verify(sink.records) == stats.rows
+    dtypes = {r.act_name: r.dtype for r in sink.records}
+    assert dtypes == {"blocks.hook_resid_pre": "torch.float16",
+                      "blocks.hook_mlp_out": "torch.bfloat16",
+                      "hook_final_ln": "torch.bfloat16",
+                      "logits_topk_values": "torch.float32",
+                      "logits_topk_ids": "torch.int32"}
+    assert stats.fp16_overflows == 0

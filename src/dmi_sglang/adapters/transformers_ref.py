@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 
 from dmi_sglang.domain.hooks import ModelHooks, Selection
+from dmi_sglang.domain.payloads import TOPK_HOOKS
 from dmi_sglang.domain.ports import ReferenceForward
 from dmi_sglang.domain.shapes import DType, ModelShape, RowSpec
 from dmi_sglang.errors import CaptureError, ConfigurationError
@@ -79,6 +80,8 @@ _GLOBAL_POINTS: Mapping[str, tuple[str, bool]] = {
 }
 """Global hook -> (module, True: its input, False: its output)."""
 
+_FROM_LOGITS = frozenset({"token_ids", "final_logits", *TOPK_HOOKS})
+"""Hooks the reference fills from the forward's inputs and outputs, not module hooks."""
 REFERENCE_HOOKS: frozenset[str] = frozenset(
     {*_LAYER_POINTS, *_GLOBAL_POINTS, "token_ids", "final_logits"})
 """The hooks the reference offers: those of the hooked SGLang Qwen3 (sglang-full without
@@ -233,17 +236,18 @@ class TransformersReference:
             msg = "a prompt without tokens cannot be forwarded"
             raise CaptureError(msg)
         wanted = [(h.name, layer) for h, layer in selection.captures()]
-        unknown = sorted({name for name, _ in wanted} - REFERENCE_HOOKS)
+        unknown = sorted({name for name, _ in wanted} - REFERENCE_HOOKS - set(TOPK_HOOKS))
         if unknown:
             msg = f"hooks {unknown} are not offered by the reference model"
             raise CaptureError(msg)
-        specs = {(h.name, layer): self._shape.row(h) for h, layer in selection.captures()}
+        specs = {(h.name, layer): self._shape.capture_row(selection, h, layer)
+                 for h, layer in selection.captures()}
         seen: dict[tuple[str, int], bytes] = {}
         rows = [0]
         handles = [
             self._module(name, layer).register_forward_hook(
                 _keeper(seen, (name, layer), specs[name, layer], rows, self._input(name)))
-            for name, layer in wanted if name not in ("token_ids", "final_logits")
+            for name, layer in wanted if name not in _FROM_LOGITS
         ]
         try:
             tokens, start, past = tuple(int(t) for t in prompt_ids), 0, None
@@ -261,6 +265,12 @@ class TransformersReference:
                                                      specs["token_ids", -1])
                 if ("final_logits", -1) in specs:
                     seen["final_logits", -1] = _payload(logits, 1, specs["final_logits", -1])
+                topk = specs.get(("logits_topk_values", -1))
+                if topk is not None:
+                    values, ids = torch.topk(logits, topk.dims[0], dim=-1)
+                    seen["logits_topk_values", -1] = _payload(values, 1, topk)
+                    seen["logits_topk_ids", -1] = _payload(ids, 1,
+                                                           specs["logits_topk_ids", -1])
                 absent = [k for k in wanted if k not in seen]
                 if absent:
                     msg = f"hooked modules did not fire in a forward: {absent[:4]}"

@@ -263,6 +263,12 @@ class CaptureHandle:
         """``final_logits``: one row per generated token."""
         return self.get("final_logits")
 
+    @property
+    def logits_topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``final_logits:topk(K)``: per generated token the K largest logits, highest
+        first, and their token ids (int32), each ``[tokens, K]``."""
+        return self.get("logits_topk_values"), self.get("logits_topk_ids")
+
     def partial_positions(self, hook: str, layer: int | None = None) -> tuple[int, int]:
         """For a handle made with ``partial=True``: the positions ``[start, end)`` that
         :meth:`get` returns for a hook: from the first stored position up to the first

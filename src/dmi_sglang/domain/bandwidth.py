@@ -65,16 +65,17 @@ def capture_bytes(
     """Rows and bytes a complete capture of ``selection`` holds for ``requests`` given as
     ``(prompt, completion, overlap_extra_forward)``: every capture's coverage
     (:func:`expected_coverage`), less what its position rule leaves out."""
-    todo = [(hook, selection.positions_of(hook.name, layer))
+    todo = [(hook, selection.positions_of(hook.name, layer),
+             shape.capture_row(selection, hook, layer).nbytes)
             for hook, layer in selection.captures()]
     rows = nbytes = 0
     by_act: dict[str, tuple[int, int]] = {}
     for prompt, completion, extra in requests:
-        for hook, rule in todo:
+        for hook, rule, row_nbytes in todo:
             full = expected_coverage(hook, prompt_tokens=prompt, completion_tokens=completion,
                                      overlap_extra_forward=extra)
             n = rule.rows(full.start, full.end, prompt=prompt, completion=completion)
-            b = n * shape.row(hook).nbytes
+            b = n * row_nbytes
             rows += n
             nbytes += b
             r0, b0 = by_act.get(hook.act_name, (0, 0))

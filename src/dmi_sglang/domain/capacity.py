@@ -156,9 +156,9 @@ def largest_capture_bytes(
         max_request_rows: most requests one forward can hold.
     """
     best = (0, "")
-    for hook, _ in selection.hooks:
+    for hook, layer_no in selection.captures():
         rows = max_request_rows if hook.row_basis is RowBasis.REQUEST else max_token_rows
-        size = align_up(rows * shape.row(hook).nbytes, alignment)
+        size = align_up(rows * shape.capture_row(selection, hook, layer_no).nbytes, alignment)
         best = max(best, (size, hook.name))
     return best
 
@@ -201,8 +201,8 @@ def arena_bytes(
     """GPU bytes of the graph-replay arena: every capture at the largest decode batch."""
     total = 0
     for hook, layer_no in selection.captures():
-        del layer_no
-        total += align_up(max_graph_batch * shape.row(hook).nbytes, alignment)
+        row = shape.capture_row(selection, hook, layer_no)
+        total += align_up(max_graph_batch * row.nbytes, alignment)
     return total
 
 

@@ -8,26 +8,33 @@ act names with the layer in ``layer_no``; global hooks store their bare name wit
 Selection syntax (``DMX_HOOK_SELECTION``)::
 
     selection := item ("," item)*
-    item      := name ["@" layers] [":" rule]
+    item      := name ["@" layers] (":" modifier)*
     layers    := N | N "-" M            (inclusive, 0-based)
     name      := a hook short name | a preset | an alias
+    modifier  := rule | dtype | topk(K)  (at most one of each)
     rule      := all | last_prompt | last | generated | every(K) | positions(A-B)
+    dtype     := bf16 | fp16
 
 A preset expands to its members; members a model lacks are omitted (reported in
 :attr:`Selection.omitted` so the caller can log them). A hook named explicitly that the
 model lacks is an error. A layer range applies to the per-layer members of its item; a
 range on a global hook is an error. A rule keeps only some positions of each request
 (:mod:`~dmi_sglang.domain.positions`, which defines them); the same hook and layer
-selected twice with different rules is an error.
+selected twice with different rules is an error. A payload modifier
+(:mod:`~dmi_sglang.domain.payloads`) changes how rows are stored: a storage dtype for
+the item's float hooks, or ``topk(K)`` on ``final_logits``, which selects the two
+captures ``logits_topk_values`` and ``logits_topk_ids`` instead of the full row.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import TypeVar
 
 import attrs
 
+from dmi_sglang.domain.payloads import TOPK_HOOKS, Payload, is_payload_modifier
 from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.errors import SelectionError
 
@@ -84,13 +91,28 @@ class Hook:
         """``layer_no`` a global hook is stored with."""
         return -1
 
+    @property
+    def is_integer(self) -> bool:
+        """True for hooks whose rows are integers (token ids, routing ids): a storage
+        dtype never applies to them."""
+        return self.name in _INTEGER
+
+    @property
+    def derived(self) -> bool:
+        """True for captures another hook's payload modifier makes (``topk(K)``); they
+        are selected through that hook, never by name or preset."""
+        return self.name in TOPK_HOOKS
+
 
 def _layer(hid: int, name: str, act: str, *, sharded: bool = False, attn: bool = False) -> Hook:
     return Hook(hid, name, act, per_layer=True, tp_sharded=sharded, attention_matrix=attn)
 
 
+_INTEGER = frozenset({"token_ids", "topk_ids", "logits_topk_ids"})
+
+
 def _global(hid: int, name: str, basis: RowBasis = RowBasis.TOKEN) -> Hook:
-    act = name if name in {"token_ids", "final_logits"} else f"hook_{name}"
+    act = name if name in {"token_ids", "final_logits", *TOPK_HOOKS} else f"hook_{name}"
     return Hook(hid, name, act, per_layer=False, row_basis=basis)
 
 
@@ -118,8 +140,11 @@ CATALOG: tuple[Hook, ...] = (
     _layer(21, "router_logits", "blocks.mlp.hook_router_logits"),
     _layer(22, "topk_ids", "blocks.mlp.hook_topk_ids"),
     _layer(23, "topk_weights", "blocks.mlp.hook_topk_weights"),
+    # Not DMI's: the two captures of ``final_logits:topk(K)``.
+    _global(24, "logits_topk_values", RowBasis.REQUEST),
+    _global(25, "logits_topk_ids", RowBasis.REQUEST),
 )
-"""Every hook, in DMI id order."""
+"""Every hook, in DMI id order (24 and 25 are this project's)."""
 
 _BY_NAME: dict[str, Hook] = {h.name: h for h in CATALOG}
 
@@ -148,11 +173,13 @@ FIRING_ORDER: tuple[str, ...] = (
     "resid_final",
     "final_ln",
     "final_logits",
+    "logits_topk_values",
+    "logits_topk_ids",
 )
 
 PRESETS: Mapping[str, tuple[str, ...]] = {
-    "full": tuple(h.name for h in CATALOG),
-    "sglang-full": tuple(h.name for h in CATALOG if not h.attention_matrix),
+    "full": tuple(h.name for h in CATALOG if not h.derived),
+    "sglang-full": tuple(h.name for h in CATALOG if not h.attention_matrix and not h.derived),
     "hidden-states": ("resid_pre",),
     "logits": ("final_logits",),
     # For SGLang: attention patterns are never materialised by its attention kernels.
@@ -208,12 +235,17 @@ class SelectionItem:
     is_preset: bool
     positions: Positions = attrs.field(factory=Positions)
     """Which positions of each request it keeps (default: all)."""
+    payload: Payload = attrs.field(factory=Payload)
+    """How its rows are stored (default: as computed)."""
 
     def __str__(self) -> str:
         text = self.name if self.layers is None else f"{self.name}@{self.layers}"
-        return text if self.positions.is_all else f"{text}:{self.positions}"
+        if not self.positions.is_all:
+            text = f"{text}:{self.positions}"
+        return text if self.payload.is_default else f"{text}:{self.payload}"
 
 
+_T = TypeVar("_T")
 _FROM_LAST_PROMPT = (PositionRule.LAST_PROMPT, PositionRule.GENERATED)
 
 
@@ -225,6 +257,12 @@ class HookSelection:
 
     def __str__(self) -> str:
         return ",".join(str(i) for i in self.items)
+
+    @property
+    def changes_payloads(self) -> bool:
+        """True when an item stores rows otherwise than computed (a storage dtype or
+        ``topk(K)``)."""
+        return any(not item.payload.is_default for item in self.items)
 
     @property
     def selects_positions(self) -> bool:
@@ -248,6 +286,7 @@ class HookSelection:
         """
         layers_by_hook: dict[str, set[int]] = {}
         rules: dict[tuple[str, int], Positions] = {}
+        payloads: dict[tuple[str, int], Payload] = {}
         omitted: list[str] = []
         for item in self.items:
             if item.layers is not None and item.layers.last >= model.num_layers:
@@ -256,26 +295,27 @@ class HookSelection:
                     f"layers 0-{model.num_layers - 1}"
                 )
                 raise SelectionError(msg)
-            names = PRESETS[item.name] if item.is_preset else (item.name,)
-            for name in names:
+            for name, payload in _targets(item):
                 hook = _BY_NAME[name]
-                if name not in model.hooks:
+                available = "final_logits" if hook.derived else name
+                if available not in model.hooks and name not in model.hooks:
                     if item.is_preset:
                         omitted.append(name)
                         continue
                     msg = (
-                        f"hook {name!r} is not available for {model.architecture}; "
+                        f"hook {available!r} is not available for {model.architecture}; "
                         f"it has: {', '.join(sorted(model.hooks, key=_firing_index))}"
                     )
                     raise SelectionError(msg)
-                if not hook.per_layer:
-                    layers_by_hook.setdefault(name, set())
-                    _rule(rules, name, -1, item)
-                    continue
-                wanted = range(model.num_layers) if item.layers is None else item.layers.indices
-                layers_by_hook.setdefault(name, set()).update(wanted)
+                wanted: range | tuple[int, ...] = (-1,)
+                if hook.per_layer:
+                    wanted = (range(model.num_layers) if item.layers is None
+                              else item.layers.indices)
+                layers_by_hook.setdefault(name, set()).update(n for n in wanted if n >= 0)
                 for layer in wanted:
-                    _rule(rules, name, layer, item)
+                    _once(rules, (name, layer), item.positions, item=item,
+                          what="position rules")
+                    _once(payloads, (name, layer), payload, item=item, what="payloads")
         ordered = sorted(layers_by_hook, key=_firing_index)
         return Selection(
             hooks=tuple(
@@ -284,18 +324,52 @@ class HookSelection:
             omitted=tuple(sorted(set(omitted) - set(layers_by_hook), key=_firing_index)),
             rules=tuple(sorted((n, layer, p) for (n, layer), p in rules.items()
                                if not p.is_all)),
+            payloads=tuple(sorted(((n, layer, p) for (n, layer), p in payloads.items()
+                                   if not p.is_default), key=lambda t: (t[0], t[1]))),
         )
 
 
-def _rule(rules: dict[tuple[str, int], Positions], name: str, layer: int,
-          item: SelectionItem) -> None:
-    """Record ``item``'s rule for one capture; the same capture with another rule is an
-    error."""
-    known = rules.setdefault((name, layer), item.positions)
-    if known != item.positions:
+def _targets(item: SelectionItem) -> list[tuple[str, Payload]]:
+    """The hooks an item selects, each with the payload it is stored with.
+
+    Raises:
+        SelectionError: ``topk(K)`` on anything but ``final_logits``, or a storage dtype
+            on an explicitly named integer hook.
+    """
+    names = PRESETS[item.name] if item.is_preset else (item.name,)
+    payload = item.payload
+    out: list[tuple[str, Payload]] = []
+    for name in names:
+        hook = _BY_NAME[name]
+        if payload.topk:
+            if name != "final_logits":
+                msg = (f"topk({payload.topk}) in {str(item)!r} applies to final_logits only, "
+                       f"not {name!r}")
+                raise SelectionError(msg)
+            out.extend((derived, payload) for derived in TOPK_HOOKS)
+            continue
+        if payload.dtype is not None and hook.is_integer:
+            if not item.is_preset:
+                msg = (f"{payload.dtype.value} in {str(item)!r}: {name!r} holds integers; "
+                       f"a storage dtype applies to float hooks only")
+                raise SelectionError(msg)
+            out.append((name, Payload()))
+            continue
+        out.append((name, payload))
+    return out
+
+
+def _once(known: dict[tuple[str, int], _T], key: tuple[str, int], value: _T, *,
+          item: SelectionItem, what: str) -> None:
+    """Record ``item``'s value for one capture; the same capture with another value is
+    an error."""
+    first = known.setdefault(key, value)
+    if first != value:
+        name, layer = key
         where = name if layer < 0 else f"{name}@{layer}"
-        msg = (f"{where} is selected with two position rules, {known} and "
-               f"{item.positions} ({str(item)!r}); select each hook and layer once")
+        msg = (f"{where} is selected with two {what}, {str(first) or 'as computed'} and "
+               f"{str(value) or 'as computed'} ({str(item)!r}); select each hook and layer "
+               f"once")
         raise SelectionError(msg)
 
 
@@ -326,6 +400,15 @@ class Selection:
     rules: tuple[tuple[str, int, Positions], ...] = ()
     """``(hook, layer_no, rule)`` of the captures that keep only some positions (every
     other capture keeps all)."""
+    payloads: tuple[tuple[str, int, Payload], ...] = ()
+    """``(hook, layer_no, payload)`` of the captures stored otherwise than computed."""
+
+    def payload_of(self, name: str, layer_no: int) -> Payload:
+        """How one capture's rows are stored (``layer_no = -1`` for a global hook)."""
+        for hook, layer, payload in self.payloads:
+            if hook == name and layer == layer_no:
+                return payload
+        return _AS_COMPUTED
 
     def positions_of(self, name: str, layer_no: int) -> Positions:
         """The position rule of one capture (``layer_no = -1`` for a global hook)."""
@@ -364,10 +447,11 @@ class Selection:
 
 
 _ALL = Positions()
+_AS_COMPUTED = Payload()
 
 
 def _after_layers(hook: Hook) -> bool:
-    return hook.name in {"resid_final", "final_ln", "final_logits"}
+    return hook.name in {"resid_final", "final_ln", "final_logits", *TOPK_HOOKS}
 
 
 def parse_selection(text: str) -> HookSelection:
@@ -385,21 +469,40 @@ def parse_selection(text: str) -> HookSelection:
         if not token:
             msg = f"empty item in hook selection {text!r}; {_accepted()}"
             raise SelectionError(msg)
-        head, colon, rule_text = token.partition(":")
-        positions = Positions.parse(rule_text, token) if colon else Positions()
+        head, *modifiers = token.split(":")
+        positions, payload = _modifiers(modifiers, token)
         name, _, layer_text = head.partition("@")
         name = ALIASES.get(name.strip(), name.strip())
         is_preset = name in PRESETS
         if not is_preset and name not in _BY_NAME:
             msg = f"unknown hook or preset {name!r} in {token!r}; {_accepted()}"
             raise SelectionError(msg)
+        if _BY_NAME.get(name) is not None and _BY_NAME[name].derived:
+            msg = (f"{name!r} in {token!r} is made by final_logits:topk(K); select "
+                   f"that instead (e.g. final_logits:topk(64))")
+            raise SelectionError(msg)
         layers = _parse_layers(layer_text, token) if "@" in head else None
         if layers is not None and not is_preset and not _BY_NAME[name].per_layer:
             msg = f"{name!r} in {token!r} is a global hook and takes no layer range"
             raise SelectionError(msg)
         items.append(SelectionItem(name=name, layers=layers, is_preset=is_preset,
-                                   positions=positions))
+                                   positions=positions, payload=payload))
     return HookSelection(tuple(items))
+
+
+def _modifiers(parts: list[str], token: str) -> tuple[Positions, Payload]:
+    """The position rule and the payload of an item's ``:`` parts (at most one rule)."""
+    positions: Positions | None = None
+    payload = Payload()
+    for part in parts:
+        if is_payload_modifier(part):
+            payload = payload.with_modifier(part, token)
+            continue
+        if positions is not None:
+            msg = f"two position rules in {token!r}; give one"
+            raise SelectionError(msg)
+        positions = Positions.parse(part, token)
+    return positions or Positions(), payload
 
 
 def _parse_layers(text: str, token: str) -> LayerRange:
@@ -418,6 +521,7 @@ def _parse_layers(text: str, token: str) -> LayerRange:
 
 def _accepted() -> str:
     return (
-        f"accepted hooks: {', '.join(_BY_NAME)}; presets: {', '.join(PRESETS)}; "
+        f"accepted hooks: {', '.join(n for n, h in _BY_NAME.items() if not h.derived)}; "
+        f"presets: {', '.join(PRESETS)}; "
         f"aliases: {', '.join(ALIASES)}"
     )

@@ -451,7 +451,7 @@ def _structure(
     segments: list[Segment] = []
     rows_of = {(basis, rule): (index, kept) for basis, rule, index, kept in ruled}
     for hook, layer_no in selection.captures():
-        row = shape.row(hook)
+        row = shape.capture_row(selection, hook, layer_no)
         rule = _effective(selection.positions_of(hook.name, layer_no), decode)
         basis = hook.row_basis
         if basis is RowBasis.REQUEST:

@@ -163,6 +163,8 @@ class TransportStats:
         piecewise_steps: eager steps committed tensor by tensor.
         discarded_logit_rows: ``final_logits`` rows not stored because they decided no
             generated token (the overlap scheduler's extra forward of a finished request).
+        fp16_overflows: values a ``fp16`` storage dtype turned infinite (beyond
+            +-65504), counted on the device at the capture points (known at stop).
     """
 
     steps: int = 0
@@ -175,6 +177,7 @@ class TransportStats:
     forced_eager: int = 0
     piecewise_steps: int = 0
     discarded_logit_rows: int = 0
+    fp16_overflows: int = 0
 
 
 @runtime_checkable

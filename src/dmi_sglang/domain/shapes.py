@@ -11,7 +11,8 @@ import math
 
 import attrs
 
-from dmi_sglang.domain.hooks import Hook
+from dmi_sglang.domain.hooks import Hook, Selection
+from dmi_sglang.domain.payloads import Payload, StorageDType
 from dmi_sglang.errors import ConfigurationError
 
 __all__ = ["DType", "ModelShape", "RowSpec"]
@@ -115,13 +116,32 @@ class ModelShape:
     logits_dtype: DType = DType.FLOAT32
     token_dtype: DType = DType.INT64
 
-    def row(self, hook: Hook) -> RowSpec:
-        """Row shape of ``hook`` for this model.
+    def capture_row(self, selection: Selection, hook: Hook, layer_no: int) -> RowSpec:
+        """Row shape of one capture of ``selection`` as stored (its payload applied)."""
+        return self.row(hook, selection.payload_of(hook.name, layer_no))
+
+    def row(self, hook: Hook, payload: Payload | None = None) -> RowSpec:
+        """Row shape of ``hook`` for this model, stored with ``payload`` (default: as
+        computed).
 
         Raises:
             ConfigurationError: the hook has no fixed row shape here (attention matrices,
-                MoE routing hooks on a dense model).
+                MoE routing hooks on a dense model), or ``topk(K)`` with ``K`` beyond the
+                vocabulary.
         """
+        computed = self._computed(hook, payload or _AS_COMPUTED)
+        if payload is None or payload.dtype is None or hook.is_integer:
+            return computed
+        return RowSpec(computed.dims, _STORED[payload.dtype])
+
+    def _computed(self, hook: Hook, payload: Payload) -> RowSpec:
+        if hook.derived:
+            if not 1 <= payload.topk <= self.vocab:
+                msg = (f"{hook.name}: topk({payload.topk}) needs 1 <= K <= the vocabulary "
+                       f"({self.vocab})")
+                raise ConfigurationError(msg)
+            dtype = DType.INT32 if hook.is_integer else self.logits_dtype
+            return RowSpec((payload.topk,), dtype)
         act = self.activation_dtype
         match hook.name:
             case (
@@ -144,3 +164,7 @@ class ModelShape:
             case _:
                 msg = f"hook {hook.name!r} has no row shape for this model"
                 raise ConfigurationError(msg)
+
+
+_AS_COMPUTED = Payload()
+_STORED = {StorageDType.BF16: DType.BFLOAT16, StorageDType.FP16: DType.FLOAT16}

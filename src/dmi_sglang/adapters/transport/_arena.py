@@ -70,7 +70,8 @@ class Arena:
         alignment: int = 16,
     ) -> None:
         captures = selection.captures()
-        order = sorted(range(len(captures)), key=lambda i: shape.row(captures[i][0]).nbytes)
+        rows = [shape.capture_row(selection, hook, layer_no) for hook, layer_no in captures]
+        order = sorted(range(len(captures)), key=lambda i: rows[i].nbytes)
         self.max_rows = max_rows
         self.rows_spec: dict[CaptureKey, RowSpec] = {}
         self.offsets: dict[CaptureKey, int] = {}
@@ -78,7 +79,7 @@ class Arena:
         for i in order:
             hook, layer_no = captures[i]
             key = (hook.name, layer_no)
-            row = shape.row(hook)
+            row = rows[i]
             self.rows_spec[key] = row
             self.offsets[key] = offset
             offset += align_up(max_rows * row.nbytes, alignment)

@@ -2,13 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey
 
-__all__ = ["Capturer"]
+__all__ = ["Capturer", "Payloads"]
+
+LOGITS: CaptureKey = ("final_logits", -1)
+TOPK_VALUES: CaptureKey = ("logits_topk_values", -1)
+TOPK_IDS: CaptureKey = ("logits_topk_ids", -1)
+
+
+class Payloads:
+    """What the capture points do to rows before they are stored (the selection's
+    payload modifiers, :mod:`dmi_sglang.domain.payloads`), on the device.
+
+    Args:
+        casts: captures stored in another float dtype than computed.
+        topk: ``K`` of ``final_logits:topk(K)``, 0 for none.
+        device: where the fp16 overflow counter lives.
+    """
+
+    __slots__ = ("casts", "overflows", "topk")
+
+    def __init__(self, casts: Mapping[CaptureKey, torch.dtype], topk: int,
+                 device: torch.device) -> None:
+        self.casts = dict(casts)
+        self.topk = topk
+        counts = any(d is torch.float16 for d in self.casts.values())
+        self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
+        """Values cast to fp16 that became infinite (beyond +-65504), counted on the
+        device over every row a capture point cast (a replay's padding rows
+        included); None when nothing is cast to fp16."""
+
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``tensor`` in ``dtype``; values fp16 cannot hold are counted."""
+        out = tensor.to(dtype)
+        if self.overflows is not None and dtype is torch.float16 and out is not tensor:
+            self.overflows.add_((out.isinf() & ~tensor.isinf()).sum())
+        return out
+
+    def overflow_count(self) -> int:
+        """Values cast to fp16 that overflowed so far (synchronises with the device)."""
+        return 0 if self.overflows is None else int(self.overflows.item())
 
 
 class Capturer:
@@ -24,17 +62,31 @@ class Capturer:
     * eagerly with a committed padded plan: the rows go to the arena, as a replay would;
     * eagerly with no committed step (SGLang's warm-up and dummy forwards): nothing.
 
+    A capture with a payload modifier (a storage dtype, ``final_logits:topk(K)``) is
+    transformed on the device first, and only when ``live`` says its rows are used
+    (under graph capture the transform is recorded into the graph).
+
     Capture points that :meth:`wants` declines are never installed; calling them anyway
     does nothing.
     """
 
-    __slots__ = ("_keys", "_sink")
+    __slots__ = ("_keys", "_live", "_payloads", "_sink")
 
     def __init__(
-        self, keys: Iterable[CaptureKey], sink: Callable[[CaptureKey, torch.Tensor], None]
+        self,
+        keys: Iterable[CaptureKey],
+        sink: Callable[[CaptureKey, torch.Tensor], None],
+        *,
+        payloads: Payloads | None = None,
+        live: Callable[[CaptureKey], bool] | None = None,
     ) -> None:
-        self._keys = frozenset(keys)
+        keys = frozenset(keys)
+        self._payloads = payloads
+        if payloads is not None and payloads.topk and (TOPK_VALUES in keys or TOPK_IDS in keys):
+            keys |= {LOGITS}
+        self._keys = keys
         self._sink = sink
+        self._live = live if live is not None else _always
 
     def wants(self, hook_name: str, layer_no: int) -> bool:
         """True when ``(hook_name, layer_no)`` is selected (``layer_no = -1``: global)."""
@@ -47,4 +99,30 @@ class Capturer:
             CaptureError: the transport stopped or failed, or the tensor does not match
                 the planned dtype, row width or row count.
         """
-        self._sink((hook_name, layer_no), tensor)
+        key = (hook_name, layer_no)
+        payloads = self._payloads
+        if payloads is None:
+            self._sink(key, tensor)
+            return
+        dtype = payloads.casts.get(key)
+        if dtype is None:
+            self._sink(key, tensor)
+        elif self._live(key):
+            self._sink(key, payloads.cast(tensor, dtype))
+        if payloads.topk and key == LOGITS:
+            self._topk(tensor, payloads)
+
+    def _topk(self, logits: torch.Tensor, payloads: Payloads) -> None:
+        values_live, ids_live = self._live(TOPK_VALUES), self._live(TOPK_IDS)
+        if not (values_live or ids_live):
+            return
+        values, ids = torch.topk(logits, payloads.topk, dim=-1)
+        if values_live:
+            dtype = payloads.casts.get(TOPK_VALUES)
+            self._sink(TOPK_VALUES, values if dtype is None else payloads.cast(values, dtype))
+        if ids_live:
+            self._sink(TOPK_IDS, ids.to(torch.int32))
+
+
+def _always(_key: CaptureKey) -> bool:
+    return True

@@ -79,6 +79,17 @@ class StepWriter:
         self._enqueue = enqueue
         self.open: OpenStep | None = None
 
+    def live(self, key: CaptureKey) -> bool:
+        """True when a capture of ``key`` now would be used: a graph is being captured,
+        or the open step stores rows of it (so a transform is worth its device work)."""
+        if key not in self._arena:
+            return False
+        if self._ops.capturing():
+            return True
+        step = self.open
+        return (step is not None and step.mode is not Mode.EMPTY
+                and step.plan.segment_for(*key) is not None)
+
     def capture(self, key: CaptureKey, tensor: torch.Tensor) -> None:
         """Route one capture point's tensor (see :class:`~._capturer.Capturer`)."""
         if key not in self._arena:

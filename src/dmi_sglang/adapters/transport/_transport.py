@@ -18,8 +18,8 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
-from dmi_sglang.adapters.transport._capturer import Capturer
-from dmi_sglang.adapters.transport._device import DeviceOps, tune_host_malloc
+from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
@@ -33,7 +33,7 @@ from dmi_sglang.domain.capacity import (
     check_ring_fits,
     preflight,
 )
-from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.hooks import Selection, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
 from dmi_sglang.domain.ports import TransportStats
@@ -56,6 +56,23 @@ def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: Transp
     # A prompt of one token: generated then keeps every row (the most a rule keeps).
     return make_plan(BatchLayout.extend(["-"], [0], [rows]), selection, shape,
                      padded=False, prompts=lambda _request_id: 1).total_bytes
+
+
+def _payloads(selection: Selection, shape: ModelShape, arena: Arena,
+              ops: DeviceOps) -> Payloads | None:
+    """The on-device transforms the selection's payload modifiers ask for (None: none)."""
+    if not selection.payloads:
+        return None
+    casts: dict[CaptureKey, torch.dtype] = {}
+    topk = 0
+    for name, layer_no, payload in selection.payloads:
+        key = (name, layer_no)
+        topk = max(topk, payload.topk)
+        stored = TORCH_DTYPES[arena.rows_spec[key].dtype]
+        computed = shape.row(hook_by_name(name), attrs.evolve(payload, dtype=None))
+        if stored != TORCH_DTYPES[computed.dtype]:
+            casts[key] = stored
+    return Payloads(casts, topk, ops.device)
 
 
 class TorchCaptureTransport:
@@ -143,7 +160,9 @@ class TorchCaptureTransport:
         )
         self._drain.start()
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
-        self.capturer = Capturer(arena.offsets, self._capture)
+        self._payloads = _payloads(selection, shape, arena, ops)
+        self.capturer = Capturer(arena.offsets, self._capture, payloads=self._payloads,
+                                 live=self._writer.live)
         """The object the hooked model calls (``wants`` / ``capture``)."""
         tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
@@ -304,6 +323,8 @@ class TorchCaptureTransport:
             stalls=self._stalls, stall_seconds=self._stall_seconds,
             forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
             discarded_logit_rows=self._drain.discarded,
+            fp16_overflows=(self._payloads.overflow_count()
+                            if self._payloads is not None and self._stopped else 0),
         )
 
     def drain_counters(self) -> dict[str, float]:
