@@ -153,5 +153,5 @@ def bytes_stored_equal_captured(events: Json, totals: dict[str, list[int]]) -> J
     captured = (events.get("dmi.stopped") or {}).get("bytes")
     inserted = (events.get("store.closed") or {}).get("bytes_stored")
     held = sum(v[1] for v in totals.values())
-    return {"ok": bool(captured) and captured == inserted == held, "required": True,
+    return {"ok": captured is not None and captured == inserted == held, "required": True,
             "captured": captured, "inserted": inserted, "held": held}

@@ -203,6 +203,30 @@ def test_the_stored_mode_reads_back_and_states_the_disk_bound(tmp_path: Path) ->
     assert unit["figures"]["on_disk_bytes"] > 0
 
 
+def test_a_store_run_that_samples_no_request_passes_with_nothing_stored(
+        tmp_path: Path) -> None:
+    code, data = serve(tmp_path, "store:hidden-states", repeats=1, batch=4, prompt=8,
+                       output=4, env=("DMX_REQUEST_SAMPLE=0",))
+    unit = data["units"][0]
+    assert code == 0, unit["checks"]
+    assert unit["figures"]["requests"]["captured"] == 0
+    assert unit["checks"]["rows_accounted"]["rows"] == 0
+    stored = unit["checks"]["bytes_stored_equal_captured"]
+    assert stored["ok"]
+    assert stored["captured"] == stored["inserted"] == stored["held"] == 0
+
+
+def test_topk_logits_are_a_mode_of_their_own(tmp_path: Path) -> None:
+    code, data = serve(tmp_path, "store:final_logits:topk(8)", repeats=1, batch=4, prompt=8,
+                       output=4)
+    unit = data["units"][0]
+    assert code == 0, unit["checks"]
+    per_token = 8 * 4 + 8 * 4  # fp32 values, int32 ids
+    held = unit["checks"]["bytes_stored_equal_captured"]["held"]
+    assert held > 0
+    assert held % per_token == 0  # whole rows of K values and K ids, nothing else
+
+
 def test_the_profile_command_summarizes_each_modes_trace(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
