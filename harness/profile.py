@@ -26,7 +26,7 @@ from pathlib import Path
 from harness.engine import EngineError, EngineProcess, kill_leftovers
 from harness.models import MODELS, STOCK_ENV, engine_kwargs, monitored_env, write_model_dir
 from harness.results import Deadline, Json, finish, result, state_dir, write_json
-from harness.serving import parse_modes, workloads
+from harness.serving import parse_modes, slug, workloads
 
 __all__ = ["main"]
 
@@ -54,10 +54,10 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
     if mode is None:
         spec: Json = {"engine": kwargs, "env": STOCK_ENV, "factory": args.engine_class}
     else:
-        store = work / "stores" / key.replace(":", "-")
+        store = work / "stores" / slug(key)
         spec = {"engine": kwargs, "factory": args.engine_class,
                 "env": monitored_env(str(mode.preset), store if mode.kind == "store" else None,
-                                     f"profile-{key.replace(':', '-')}")}
+                                     f"profile-{slug(key)}")}
     engine = EngineProcess(f"profile-{key.replace(':', '-')}", spec, work / "engines", pgids)
     out: Json = {"mode": key}
     try:
@@ -67,7 +67,7 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
                            workload={**wl.spec(prefix), "min_seconds": 0, "max_waves": 1})
         profiled = engine.request("profile", deadline.timeout(), workload=main.spec("p-"),
                                   steps=args.steps,
-                                  dir=str(work / "traces" / key.replace(":", "-")))
+                                  dir=str(work / "traces" / slug(key)))
         out.update(profiled)
         if mode is not None:
             engine.request("stop", deadline.timeout())

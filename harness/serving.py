@@ -89,6 +89,17 @@ class Mode:
         """``store:hidden-states``."""
         return f"{self.kind}:{self.preset}" if self.preset else self.kind
 
+    @property
+    def slug(self) -> str:
+        """The key as a file and run-id part (``store-final_logits-topk-64``)."""
+        return slug(self.key)
+
+
+def slug(key: str) -> str:
+    """``key`` with every run of characters a run id or file name should not hold
+    (``:``, ``(``, ``)``, ``,``, spaces) replaced by ``-``."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", key).strip("-")
+
 
 def parse_modes(text: str) -> list[Mode]:
     """``store:hidden-states,transport:sglang-full,...``; a clear error for anything else."""
@@ -299,7 +310,7 @@ class ServingRun:
 
     def unit(self, mode: Mode, rep: int) -> Json:
         """One unit: saved, skipped (it would not fit) or measured now."""
-        name = f"{mode.key.replace(':', '-')}-r{rep}"
+        name = f"{mode.slug}-r{rep}"
         unit_settings = self.config | {"mode": mode.key, "repeat": rep}
         identity = stable_hash(unit_settings)
         saved = self.saved.get(name, identity)

@@ -35,6 +35,10 @@ class FakeEngine:
         self.requests: list[tuple[str, int, int]] = []
         if os.environ.get("FAKE_FAIL_START"):
             raise RuntimeError("fake engine refused to start")
+        if "DMX_HOOK_SELECTION" in os.environ:  # the plugin reads its settings at start
+            from dmi_sglang.domain.settings import Settings
+
+            Settings.from_env()
 
     def get_server_info(self) -> dict[str, Any]:
         return {"max_total_num_tokens": self.kwargs.get("max_total_tokens")}
