@@ -101,8 +101,7 @@ def test_the_plan_counts_only_kept_rows() -> None:
     assert plan.bytes_per_prompt_token == 0
 
 
-@pytest.mark.parametrize("text", ["resid_pre:last", "final_ln:every(4)",
-                                  "final_logits:last", "hf-only:last"])
+@pytest.mark.parametrize("text", ["final_ln:every(4)", "hf-only:every(2)"])
 def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
     item = text.replace("(", r"\(").replace(")", r"\)")
     with pytest.raises(ConfigurationError, match=rf"position rules \({item}\) are "
@@ -175,3 +174,53 @@ def test_the_radix_cache_stays_on_for_selections_from_the_last_prompt_position(
     assert settings.prefix_cache_allowed is kept
     assert Settings.from_env({"DMX_HOOK_SELECTION": text,
                               "DMX_ALLOW_PREFIX_CACHE": "1"}).prefix_cache_allowed
+
+
+@given(st.integers(1, 20), st.integers(0, 20), st.integers(0, 3), st.integers(0, 45))
+def test_last_spans_the_position_that_decided_the_last_token(prompt: int, completion: int,
+                                                              start: int, end: int) -> None:
+    rule = Positions.parse("last")
+    lo, hi = rule.span(start, end, prompt=prompt, completion=completion)
+    kept = [p for p in range(start, end)
+            if completion >= 1 and rule.keeps(p, prompt=prompt, completion=completion)]
+    assert list(range(lo, hi)) == kept
+    assert rule.rows(start, end, prompt=prompt, completion=completion) == len(kept)
+    with pytest.raises(ValueError, match="needs the request's prompt length"):
+        rule.span(start, end)
+
+
+def test_a_read_plan_holds_one_final_row_per_request_of_each_last_capture() -> None:
+    from dmi_sglang.domain.layout import BatchLayout
+    from dmi_sglang.domain.plan import emitting_rows, make_read_plan
+
+    sel = parse_selection("resid_pre@1-2:last,final_ln,final_logits:last").resolve(HOOKS)
+    plan = make_read_plan([("a", 6), ("b", 2)], sel, SHAPE)
+    assert [(s.hook.name, s.layer_no, s.kept_rows) for s in plan.segments] == [
+        ("resid_pre", 1, 2), ("resid_pre", 2, 2), ("final_logits", -1, 2)]
+    for seg in plan.segments:
+        assert [(s.request_id, s.row_offset, s.start, s.end) for s in plan.slices(seg)] == [
+            ("a", 0, 6, 7), ("b", 1, 2, 3)]
+        assert seg.positions.rule is PositionRule.LAST
+    assert plan.total_bytes == 2 * (2 * 8 * 2) + 2 * 10 * 4  # bf16 and fp32 rows, aligned
+    with pytest.raises(ValueError, match="needs reads and captures with the last rule"):
+        make_read_plan([("a", 1)], parse_selection("final_ln").resolve(HOOKS), SHAPE)
+    # which rows of a forward decide a token: a chunk that ends the prompt, every decode row
+    lay = BatchLayout.extend(["x", "y", "z"], [0, 0, 4], [3, 2, 1], seq_lens=[3, 4, 5])
+    assert emitting_rows(lay) == ((2, 0, "x", 2), (5, 2, "z", 4))
+    # a forward plan keeps no row of a last capture: they wait in the device slots
+    from dmi_sglang.domain.plan import make_plan
+
+    forward = make_plan(lay, sel, SHAPE, padded=False)
+    assert [s.hook.name for s in forward.segments] == ["final_ln"]
+
+
+def test_last_slots_are_counted_per_request_and_capture() -> None:
+    from dmi_sglang.domain.capacity import last_slot_bytes, last_slot_requests
+
+    sel = parse_selection("resid_pre:last,final_logits:last:topk(4),final_ln").resolve(HOOKS)
+    requests = last_slot_requests(max_requests=3, max_graph_batch=8)
+    assert requests == 16
+    per_row = 4 * 8 * 2 + (4 * 4 + 4 * 4)  # 4 bf16 resid_pre layers, topk values and ids
+    assert last_slot_bytes(sel, SHAPE, requests=requests) == (2 * 16 + 1) * per_row
+    assert last_slot_bytes(parse_selection("final_ln").resolve(HOOKS), SHAPE,
+                           requests=16) == 0

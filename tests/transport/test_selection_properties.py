@@ -14,7 +14,7 @@ from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOption
 from dmi_sglang.app.assemble import selected_span
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.positions import Positions
+from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.testing import MemorySink
 
@@ -62,7 +62,7 @@ def scenarios(draw: st.DrawFn):
     skip = frozenset(r for r in rids if draw(st.booleans()))
     a = draw(st.integers(0, 12))
     rule = draw(st.sampled_from([f"positions({a}-{draw(st.integers(a, 14))})",
-                                 "last_prompt", "generated"]))
+                                 "last_prompt", "generated", "last"]))
     ruled = draw(st.sampled_from([("resid_pre",), ("final_ln",), ("resid_pre", "final_ln"),
                                   ("final_logits",)]))
     return (steps, dict(zip(rids, prompts, strict=True)), skip, rule, ruled,
@@ -101,23 +101,33 @@ def test_a_selective_capture_stores_the_selected_rows_of_a_full_capture(scenario
         _run(d, steps, padded, strip)
     full.t.stop()
     some.t.stop()
-    want = _selected(full_sink.records, Positions.parse(rule), ruled, skip, prompts)
+    ends = {s[1]: s[2] for s in steps if s[0] == "finish"}
+    want = _selected(full_sink.records, Positions.parse(rule), ruled, skip, prompts, ends)
     got = stored_rows(some_sink.records)
     assert got == want, (sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3])
     assert all(c == 1 for c in got.values())
 
 
 def _selected(records, keeps: Positions, ruled: tuple[str, ...], skip: frozenset[str],
-              prompts: dict[str, int]) -> collections.Counter:
+              prompts: dict[str, int], ends: dict[str, int]) -> collections.Counter:
     """The rows of a full capture a selective one must store: of the captured requests,
-    and of the ruled hooks only the positions the rule keeps while capturing."""
+    and of the ruled hooks only the positions the rule keeps while capturing; ``last``
+    keeps one row of each finished request (``ends``: its ``logits_end``), once, however
+    often a retraction recomputed it."""
     want: collections.Counter = collections.Counter()
-    for key, count in stored_rows(records).items():
+    for key, stored in stored_rows(records).items():
         rid, act, _, position, _ = key
         if rid in skip:
             continue
+        count = stored
         if any(act.endswith(h) for h in ruled):
-            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid])
+            completion = None  # while capturing: a rule's span runs to the end
+            if keeps.rule is PositionRule.LAST:
+                if rid not in ends:
+                    continue
+                count, completion = 1, ends[rid] - prompts[rid] + 1
+            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid],
+                                completion=completion)
             if hi <= lo:
                 continue
         want[key] = count
@@ -136,7 +146,7 @@ def _latest(records) -> dict[tuple, bytes]:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(script(), st.sampled_from(["last_prompt", "generated", "positions(2-6)"]),
+@given(script(), st.sampled_from(["last_prompt", "generated", "positions(2-6)", "last"]),
        st.sampled_from([("resid_pre",), ("final_logits",), ("resid_pre", "final_logits"),
                         ("final_ln", "final_logits")]),
        st.booleans(), st.booleans(), st.booleans())
@@ -157,8 +167,9 @@ def test_under_a_scheduler_a_selective_capture_reads_what_a_full_one_does(
     full.t.stop()
     some.t.stop()
     keeps = Positions.parse(rule)
+    ends = {s[1]: s[2] for s in steps if s[0] == "finish"}
     assert stored_rows(some_sink.records) == _selected(full_sink.records, keeps, ruled, skip,
-                                                       prompts)
+                                                       prompts, ends)
     got, whole = _latest(some_sink.records), _latest(full_sink.records)
     for manifest in _manifests(steps, reqs, skip):
         for act, layer in {(k[1], k[2]) for k in whole}:

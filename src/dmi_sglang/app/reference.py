@@ -28,8 +28,9 @@ import structlog
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.plan import CommitPlan, make_plan, make_read_plan
 from dmi_sglang.domain.ports import ReferenceForward, ReferenceModel
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import (
     SOURCE_KEY,
     CaptureRecord,
@@ -136,14 +137,21 @@ def capture_reference(
     sink.start_run(run)
     manifests: list[RequestManifest] = []
     selected = {(hook.name, layer) for hook, layer in selection.captures()}
+    last = [(hook, layer) for hook, layer in selection.captures()
+            if selection.positions_of(hook.name, layer).rule is PositionRule.LAST]
     seq = records = rows = nbytes = 0
     try:
         for request in requests:
             rid = storable_request_id(request.request_id)
             completion = 0
             end = 0
+            newest: dict[tuple[str, int], bytes] = {}
             for fwd in model.generate(request.prompt_ids, max_new_tokens=max_new_tokens,
                                       selection=selection):
+                for hook, layer in last:  # the forward's last row decided its token
+                    data = fwd.payloads[(hook.name, layer)]
+                    size = model.shape.capture_row(selection, hook, layer).nbytes
+                    newest[(hook.name, layer)] = data[len(data) - size:]
                 layout = _layout(rid, request, fwd, first=completion == 0, end=end)
                 seq += 1
                 plan = make_plan(layout, selection, model.shape, padded=False,
@@ -160,6 +168,15 @@ def capture_reference(
             if completion == 0:
                 msg = f"request {request.request_id!r}: the model ran no forward"
                 raise CaptureError(msg)
+            if last:  # the row that decided the last token, as a capture reads it out
+                seq += 1
+                read = make_read_plan([(rid, len(request.prompt_ids) + completion - 2)],
+                                      selection, model.shape)
+                out = forward_records(read, newest, run_id=run.run_id, seq=seq)
+                sink.put(RecordBatch.from_records(out))
+                records += len(out)
+                rows += len(out)
+                nbytes += sum(len(r.payload) for r in out)
             manifests.append(RequestManifest(
                 model_id=run.run_id, request_id=rid, prompt_tokens=len(request.prompt_ids),
                 completion_tokens=completion, committed=True))

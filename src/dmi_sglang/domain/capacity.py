@@ -30,6 +30,7 @@ import attrs
 
 from dmi_sglang.domain.hooks import RowBasis, Selection
 from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError
 
@@ -42,6 +43,8 @@ __all__ = [
     "arena_bytes",
     "check_ring_fits",
     "largest_capture_bytes",
+    "last_slot_bytes",
+    "last_slot_requests",
     "preflight",
 ]
 
@@ -203,6 +206,23 @@ def arena_bytes(
     for hook, layer_no in selection.captures():
         row = shape.capture_row(selection, hook, layer_no)
         total += align_up(max_graph_batch * row.nbytes, alignment)
+    return total
+
+
+def last_slot_requests(*, max_requests: int, max_graph_batch: int) -> int:
+    """Requests that may hold ``last`` slots at once: twice the most running requests
+    (a retracted request keeps its slot while it waits to run again)."""
+    return 2 * max(max_requests, max_graph_batch, 1)
+
+
+def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int) -> int:
+    """GPU bytes of the ``last`` rule's slots: per capture with that rule, two rows per
+    request (by position parity: the overlap scheduler's extra forward writes the other)
+    and one spare row."""
+    total = 0
+    for hook, layer_no in selection.captures():
+        if selection.positions_of(hook.name, layer_no).rule is PositionRule.LAST:
+            total += (2 * requests + 1) * shape.capture_row(selection, hook, layer_no).nbytes
     return total
 
 

@@ -246,7 +246,7 @@ class SelectionItem:
 
 
 _T = TypeVar("_T")
-_FROM_LAST_PROMPT = (PositionRule.LAST_PROMPT, PositionRule.GENERATED)
+_FROM_LAST_PROMPT = (PositionRule.LAST_PROMPT, PositionRule.GENERATED, PositionRule.LAST)
 
 
 @attrs.frozen
@@ -272,7 +272,7 @@ class HookSelection:
     @property
     def needs_prompt_positions(self) -> bool:
         """True unless every item keeps only positions from the last prompt position on
-        (``last_prompt``, ``generated``): SGLang's radix cache always computes the last
+        (``last_prompt``, ``generated``, ``last``): SGLang's radix cache always computes the last
         prompt position of a request (it matches at most ``prompt - 1`` cached
         positions), so such a selection captures all it asks for with the cache on."""
         return not all(item.positions.rule in _FROM_LAST_PROMPT for item in self.items)

@@ -34,7 +34,9 @@ __all__ = [
     "StepProtocol",
     "StepState",
     "align_up",
+    "emitting_rows",
     "make_plan",
+    "make_read_plan",
 ]
 
 DEFAULT_ALIGNMENT = 16
@@ -303,6 +305,68 @@ def make_plan(
                       None if keep is None else layout, captured_prompts)
 
 
+def emitting_rows(layout: BatchLayout) -> tuple[tuple[int, int, str, int], ...]:
+    """Per request of a forward whose rows decide a generated token, the row that does:
+    ``(token row, request row, request id, position)``; the token row is the request's
+    last row in the forward, the request row its index (its ``final_logits`` row). These
+    are the rows a ``last`` rule may keep (the newest such row of a request is its
+    ``last`` position once it finished)."""
+    out = []
+    row = 0
+    for i, (rid, start, n, emits) in enumerate(zip(layout.request_ids, layout.starts,
+                                                   layout.counts, layout.emits,
+                                                   strict=True)):
+        row += n
+        if emits and n > 0:
+            out.append((row - 1, i, rid, start + n - 1))
+    return tuple(out)
+
+
+_LAST = Positions(PositionRule.LAST)
+
+
+def make_read_plan(reads: Sequence[tuple[str, int]], selection: Selection,
+                   shape: ModelShape, *, alignment: int = DEFAULT_ALIGNMENT) -> CommitPlan:
+    """The plan of reading finished requests' ``last`` rows out of the device slots: one
+    row per ``(request id, position)`` of ``reads`` in every capture whose rule is
+    ``last``, laid out like a forward's plan (equal row sizes adjacent). Its rows are
+    final: a request row (``final_logits:last``) is stored at once, never held back.
+
+    Raises:
+        ValueError: no reads, or no capture of the selection has the ``last`` rule.
+    """
+    captures = [(hook, layer) for hook, layer in selection.captures()
+                if selection.positions_of(hook.name, layer).rule is PositionRule.LAST]
+    if not reads or not captures:
+        msg = "a read plan needs reads and captures with the last rule"
+        raise ValueError(msg)
+    n = len(reads)
+    segments = [Segment(hook, layer, shape.capture_row(selection, hook, layer), n, n, n,
+                        None, 0, _LAST) for hook, layer in captures]
+    placed, total = _place(segments, alignment)
+    index = {(seg.hook.name, seg.layer_no): seg for seg in placed}
+    structure = _Structure(placed, index, total, sum(s.kept_bytes for s in placed))
+    rids = [rid for rid, _ in reads]
+    layout = BatchLayout.extend(rids, [p for _, p in reads], [1] * n)
+    plan = CommitPlan(layout, False, True, alignment, structure)
+    slices = tuple(RecordSlice(rid, j, 1, p, p + 1) for j, (rid, p) in enumerate(reads))
+    for basis in RowBasis:
+        plan._slices[(basis, _LAST)] = slices  # the plan's own cache
+    return plan
+
+
+def _place(segments: Sequence[Segment], alignment: int) -> tuple[tuple[Segment, ...], int]:
+    """``segments`` with their ring offsets: grouped by row size (stable in firing order),
+    so a transport can move each group between arena, ring and host with one strided
+    copy; and the bytes they reserve."""
+    placed: dict[int, Segment] = {}
+    offset = 0
+    for i in sorted(range(len(segments)), key=lambda i: segments[i].row.nbytes):
+        placed[i] = attrs.evolve(segments[i], offset=offset)
+        offset += segments[i].aligned_bytes(alignment)
+    return tuple(placed[i] for i in range(len(segments))), offset
+
+
 _EVERY_POSITION = Positions()
 _CACHED_INDEX_ROWS = 2048
 """Plans whose row selections index more rows than this are not cached (see
@@ -329,7 +393,12 @@ _NO_POSITION = Positions(PositionRule.RANGE, first=1, last=0)
 def _effective(rule: Positions, decode: bool) -> Positions:
     """The rule as it applies to a forward: in a decode forward every position lies after
     the prompt (the first decode forward computes position ``prompt``), so ``generated``
-    keeps every row and ``last_prompt`` none, without asking for prompt lengths."""
+    keeps every row and ``last_prompt`` none, without asking for prompt lengths. ``last``
+    keeps no row of any forward: which position it keeps is known only when the request
+    finished, so its rows wait in device slots (the transport's) and leave the device by
+    a read plan (:func:`make_read_plan`)."""
+    if rule.rule is PositionRule.LAST:
+        return _NO_POSITION
     if decode and rule.rule is PositionRule.GENERATED:
         return _EVERY_POSITION
     if decode and rule.rule is PositionRule.LAST_PROMPT:
@@ -466,14 +535,7 @@ def _structure(
             continue
         ring_rows = kept if strip or not padded else source
         segments.append(Segment(hook, layer_no, row, source, kept, ring_rows, index, 0, rule))
-    # Offsets group segments of equal row size (stable in firing order): a transport can
-    # then move each group between arena, ring and host with one strided copy.
-    placed: dict[int, Segment] = {}
-    offset = 0
-    for i in sorted(range(len(segments)), key=lambda i: segments[i].row.nbytes):
-        placed[i] = attrs.evolve(segments[i], offset=offset)
-        offset += segments[i].aligned_bytes(alignment)
-    ordered = tuple(placed[i] for i in range(len(segments)))
+    ordered, offset = _place(segments, alignment)
     index_by_key = {(seg.hook.name, seg.layer_no): seg for seg in ordered}
     return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
                       ruled, indexed)

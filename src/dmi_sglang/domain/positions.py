@@ -133,14 +133,16 @@ class Positions:
     @property
     def needs_prompt(self) -> bool:
         """True when :meth:`span` needs the request's prompt length."""
-        return self.rule in (PositionRule.LAST_PROMPT, PositionRule.GENERATED)
+        return self.rule in (PositionRule.LAST_PROMPT, PositionRule.GENERATED,
+                             PositionRule.LAST)
 
     def span(self, start: int, end: int, *, prompt: int | None = None,
              completion: int | None = None) -> tuple[int, int]:
         """The kept positions of ``[start, end)`` as one span ``[lo, hi)`` (empty when
         ``hi <= lo``), for the rules whose kept positions are one span: ``all``,
-        ``positions(A-B)``, ``last_prompt`` and ``generated`` (these two need
-        ``prompt``, the request's prompt length).
+        ``positions(A-B)``, ``last_prompt``, ``generated`` (these two need ``prompt``,
+        the request's prompt length) and ``last`` (it needs ``prompt`` and
+        ``completion``: known once the request finished).
 
         ``generated`` ends at ``prompt + completion - 1``; while the request runs its
         ``completion`` is unknown (None), and the span runs to ``end``: a capture then
@@ -162,6 +164,11 @@ class Positions:
         if rule is PositionRule.GENERATED and prompt is not None:
             stop = end if completion is None else min(end, prompt + completion - 1)
             return max(start, prompt - 1), stop
+        if rule is PositionRule.LAST and prompt is not None and completion is not None:
+            if completion < 1:  # no token was generated: no position decided one
+                return start, start
+            one = prompt + completion - 2
+            return max(start, one), min(end, one + 1)
         msg = f"{self} keeps no span of positions that is known while capturing"
         raise ValueError(msg)
 
@@ -180,5 +187,7 @@ class Positions:
             return max(0, min(end, self.last + 1) - max(start, self.first))
         if rule is PositionRule.GENERATED:  # to ``end``: the extra forward is stored
             return max(0, end - max(start, prompt - 1))
+        if rule is PositionRule.LAST and completion < 1:
+            return 0
         one = prompt - 1 if rule is PositionRule.LAST_PROMPT else prompt + completion - 2
         return 1 if start <= one < end else 0

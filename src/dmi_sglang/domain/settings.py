@@ -90,19 +90,19 @@ def _conv(
 
 
 _CAPTURED_RULES = (PositionRule.ALL, PositionRule.RANGE, PositionRule.LAST_PROMPT,
-                   PositionRule.GENERATED)
+                   PositionRule.GENERATED, PositionRule.LAST)
 
 
 def _capturable(text: str) -> HookSelection:
     """A selection a capture can run: of the position rules, ``positions(A-B)``,
-    ``last_prompt`` and ``generated`` are captured; ``last`` and ``every(K)`` are planned
-    by ``dmi-sglang plan`` and not captured yet."""
+    ``last_prompt``, ``generated`` and ``last`` are captured; ``every(K)`` is planned by
+    ``dmi-sglang plan`` and not captured yet."""
     selection = parse_selection(text)
     refused = [str(i) for i in selection.items if i.positions.rule not in _CAPTURED_RULES]
     if refused:
         msg = (f"position rules ({', '.join(refused)}) are understood by dmi-sglang plan "
-               "but not captured yet: captures take positions(A-B), last_prompt and "
-               "generated; "
+               "but not captured yet: captures take positions(A-B), last_prompt, "
+               "generated and last; "
                "capture every position otherwise (no ':rule')")
         raise ConfigurationError(msg)
     return selection

@@ -307,6 +307,9 @@ def build_records(
         hold_request_rows(run_id, seq, plan, request_groups, staging, base, held, out)
 
 
+_FINAL = (PositionRule.LAST_PROMPT, PositionRule.LAST)
+
+
 def hold_request_rows(  # noqa: PLR0917 - the step's whole context
     run_id: str,
     seq: int,
@@ -320,14 +323,16 @@ def hold_request_rows(  # noqa: PLR0917 - the step's whole context
     """Hold the request rows of ``groups`` (read from ``staging``), releasing the rows
     they confirm. Rows kept by ``last_prompt`` go out at once: the last prompt position's
     row decides the first generated token, never the overlap scheduler's extra forward,
-    and no later row of the request would ever confirm it."""
+    and no later row of the request would ever confirm it. So do ``last`` rows (a read
+    plan's, of finished requests): they are final, and confirm nothing."""
     per_group = [(g, host_rows(staging, base, g), plan.segments[g.positions[0]])
                  for g in groups]
     for _, _, seg in per_group:
-        for sl in plan.slices(seg):
-            held.confirm(sl.request_id, out)
+        if seg.positions.rule is not PositionRule.LAST:
+            for sl in plan.slices(seg):
+                held.confirm(sl.request_id, out)
     for group, rows, seg in per_group:
-        keep = out.add if seg.positions.rule is PositionRule.LAST_PROMPT else held.hold
+        keep = out.add if seg.positions.rule in _FINAL else held.hold
         for s, meta in enumerate(group.metas):
             seg_rows = rows[s]
             for sl in plan.slices(seg):  # request rows: one row per slice

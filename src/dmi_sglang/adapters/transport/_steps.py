@@ -22,6 +22,7 @@ import torch
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.adapters.transport._drain import DrainItem
+from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._program import Program, build_program
 from dmi_sglang.domain.plan import CommitPlan, Segment
 from dmi_sglang.errors import CaptureError
@@ -69,6 +70,8 @@ class StepWriter:
         ring: torch.Tensor,
         reserve: Reserve,
         enqueue: Callable[[DrainItem], None],
+        *,
+        last: LastSlots,
     ) -> None:
         self._ops = ops
         self._arena = arena
@@ -77,11 +80,14 @@ class StepWriter:
         self._arena_wide = ops.wide(arena.buffer)
         self._reserve = reserve
         self._enqueue = enqueue
+        self._last = last
         self.open: OpenStep | None = None
 
     def live(self, key: CaptureKey) -> bool:
         """True when a capture of ``key`` now would be used: a graph is being captured,
         or the open step stores rows of it (so a transform is worth its device work)."""
+        if key in self._last:
+            return self._ops.capturing() or self._last.active
         if key not in self._arena:
             return False
         if self._ops.capturing():
@@ -92,6 +98,9 @@ class StepWriter:
 
     def capture(self, key: CaptureKey, tensor: torch.Tensor) -> None:
         """Route one capture point's tensor (see :class:`~._capturer.Capturer`)."""
+        if key in self._last:
+            self._last.capture(key, tensor, capturing=self._ops.capturing())
+            return
         if key not in self._arena:
             return
         if self._ops.capturing():

@@ -21,6 +21,7 @@ from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
+from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
@@ -31,11 +32,12 @@ from dmi_sglang.domain.capacity import (
     RingAllocator,
     RingCapacity,
     check_ring_fits,
+    last_slot_requests,
     preflight,
 )
 from dmi_sglang.domain.hooks import Selection, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.plan import CommitPlan, make_plan, make_read_plan
 from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError
@@ -159,7 +161,16 @@ class TorchCaptureTransport:
                                                              max_graph_batch)),
         )
         self._drain.start()
-        self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put)
+        self._selection = selection
+        self._shape = shape
+        self._last_seq = 0
+        self._last_slots = LastSlots(
+            selection, shape,
+            requests=last_slot_requests(max_requests=opts.max_requests,
+                                        max_graph_batch=max_graph_batch),
+            max_graph_batch=max_graph_batch, ops=ops)
+        self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
+                                  last=self._last_slots)
         self._payloads = _payloads(selection, shape, arena, ops)
         self.capturer = Capturer(arena.offsets, self._capture, payloads=self._payloads,
                                  live=self._writer.live)
@@ -169,7 +180,7 @@ class TorchCaptureTransport:
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
             max_graph_batch=max_graph_batch, strip=opts.strip, malloc_tuned=tuned,
-            window_bytes=self._drain.device_bytes,
+            window_bytes=self._drain.device_bytes, last_slot_bytes=self._last_slots.nbytes,
         )
 
     @property
@@ -177,7 +188,7 @@ class TorchCaptureTransport:
         """Device memory the transport holds (ring, arena and decode window): count it in
         capacity."""
         return (int(self._ring.numel()) + int(self._arena.buffer.numel())
-                + self._drain.device_bytes)
+                + self._drain.device_bytes + self._last_slots.nbytes)
 
     def preflight(self, plan: CommitPlan,
                   eager_plan: Callable[[], CommitPlan] | None = None) -> Preflight:
@@ -214,6 +225,14 @@ class TorchCaptureTransport:
         if self._writer.open is not None:
             msg = f"step {step} committed while step {self._writer.open.seq} is not sealed"
             raise CommitError(msg)
+        self._last_seq = step
+        if self._last_slots:
+            try:
+                self._read_finished(step)
+                self._last_slots.begin(plan)
+            except CaptureError as exc:
+                self._fail(exc, "commit")
+                raise
         if not plan.segments:
             self._writer.open = OpenStep(step, plan, None, Mode.EMPTY, -1)
             return
@@ -253,6 +272,7 @@ class TorchCaptureTransport:
             msg = "seal() without a committed step"
             raise CommitError(msg)
         self._writer.open = None
+        self._last_slots.end()
         try:
             self._writer.seal(step)
         except CaptureError as exc:
@@ -265,6 +285,7 @@ class TorchCaptureTransport:
         Pieces of a piecewise step that were already handed to the drain are stored.
         """
         step, self._writer.open = self._writer.open, None
+        self._last_slots.end()
         if step is None or step.mode is Mode.EMPTY:
             return
         log.warning("capture step aborted; its rows are not stored", step=step.seq)
@@ -285,10 +306,17 @@ class TorchCaptureTransport:
         unfinished request at stop). Ordered after every step sealed so far; call it
         before the request's id could be reused, never while a step is open.
 
+        With captures under the ``last`` rule the notice waits for the next commit (or
+        stop), which first reads the finished requests' rows out of their slots (at
+        position ``logits_end - 1``; an unfinished request at stop has none).
+
         Raises:
             CaptureError: the transport stopped or failed (sticky).
         """
         self._check_usable()
+        if self._last_slots:
+            self._last_slots.finished(request_id, logits_end)
+            return
         self._drain.finish(request_id, logits_end)
 
     def stop(self) -> TransportStats:
@@ -301,9 +329,14 @@ class TorchCaptureTransport:
                 same error on every later call.
         """
         if not self._stopped:
+            step = self._writer.open
+            if self._last_slots and not self._unusable and step is None:
+                try:  # the finish notices still waiting for a commit
+                    self._read_finished(self._last_seq)
+                except CaptureError as exc:
+                    self._fail(exc, "stop")
             self._stopped = True
             self._unusable = True
-            step = self._writer.open
             if step is not None and step.mode is not Mode.EMPTY:
                 self._fail(CaptureError(f"step {step.seq} was committed, never sealed"), "stop")
             self._drain.close()
@@ -354,6 +387,27 @@ class TorchCaptureTransport:
         }
 
     # -- internals -------------------------------------------------------------------------
+
+    def _read_finished(self, seq: int) -> None:
+        """Queue the reads of the finished requests' ``last`` rows on the current stream
+        (before any later forward can write their slots again), then their notices."""
+        reads, notices = self._last_slots.take_reads()
+        if reads:
+            plan = make_read_plan([(rid, p) for rid, p, _ in reads], self._selection,
+                                  self._shape)
+            program = build_program(plan, self._arena)
+            base = self._reserve(program.reserve_bytes, program.entries, seq)
+            rows = self._last_slots.upload([row for _, _, row in reads])
+            for seg in plan.segments:
+                start = base + seg.offset
+                out = self._ring[start : start + seg.nbytes].view(TORCH_DTYPES[seg.row.dtype])
+                self._last_slots.read((seg.hook.name, seg.layer_no), rows,
+                                      out.view(seg.ring_rows, -1))
+            self._drain.put(DrainItem(seq, plan, program, base, self._ops.mark()))
+            self._steps += 1
+            self._tensors += program.entries
+        for rid, end in notices:
+            self._drain.finish(rid, end)
 
     def _program(self, plan: CommitPlan) -> Program:
         last_plan, last_program = self._last

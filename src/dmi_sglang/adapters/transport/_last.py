@@ -1,0 +1,222 @@
+"""Device slots for the ``last`` position rule.
+
+``last`` keeps the position that decided a request's last generated token; which one that
+is becomes known only when the request finished, a forward or two after the row was
+computed. So every forward writes the rows that decide a token (:func:`emitting_rows`)
+of the captures with that rule into per-request slots on the device, and when the
+request finished, one read plan (:func:`make_read_plan`) copies its row out: one row per
+request and capture leaves the device, never the others.
+
+Each request holds two slot rows, by the parity of the position: with SGLang's overlap
+scheduler the request's extra forward (position ``last + 1``) runs before the scheduler
+learns the request finished, and writes the other row. A slot is given back after the
+read was queued on the current stream, so a request that reuses it writes after the
+read. One more row takes what no slot wants (padding rows, requests left out).
+
+A decode graph records ``index_copy_`` with a static index tensor that each padded
+commit fills (and each seal resets to the spare row, so a replay nobody committed writes
+nowhere that matters); eager forwards use index tensors made for the step. Index lists
+reach the device through page-locked staging without synchronising the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.domain.capacity import last_slot_bytes
+from dmi_sglang.domain.hooks import RowBasis, Selection
+from dmi_sglang.domain.plan import CommitPlan, emitting_rows
+from dmi_sglang.domain.positions import PositionRule
+from dmi_sglang.domain.shapes import ModelShape, RowSpec
+from dmi_sglang.errors import CaptureError
+
+__all__ = ["LastSlots", "last_captures"]
+
+_UPLOAD_BUFFERS = 8
+
+
+def last_captures(selection: Selection) -> tuple[tuple[str, int], ...]:
+    """The captures of ``selection`` whose position rule is ``last``."""
+    return tuple((hook.name, layer) for hook, layer in selection.captures()
+                 if selection.positions_of(hook.name, layer).rule is PositionRule.LAST)
+
+
+class _Uploader:
+    """Small int64 index lists to the device, on the current stream, without a host
+    synchronisation: each list goes through one of a few page-locked buffers, reused
+    once the copy that read it completed."""
+
+    def __init__(self, ops: DeviceOps, capacity: int) -> None:
+        self._ops = ops
+        self._capacity = capacity
+        self._buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=ops.is_cuda)
+                         for _ in range(_UPLOAD_BUFFERS if ops.is_cuda else 1)]
+        self._events: list[torch.cuda.Event | None] = [None] * len(self._buffers)
+        self._next = 0
+
+    def __call__(self, values: Sequence[int]) -> torch.Tensor:
+        n = len(values)
+        if n > self._capacity:
+            msg = f"{n} index rows exceed the {self._capacity} the last slots were made for"
+            raise CaptureError(msg)
+        if not self._ops.is_cuda:
+            return torch.tensor(values, dtype=torch.int64)
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        staged = self._buffers[i]
+        staged.numpy()[:n] = values
+        out = torch.empty(n, dtype=torch.int64, device=self._ops.device)
+        out.copy_(staged[:n], non_blocking=True)
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return out
+
+
+class LastSlots:
+    """The ``last`` slots of one transport (see the module docstring).
+
+    Args:
+        selection / shape: the captures with the ``last`` rule and their stored rows.
+        requests: requests that may hold a slot at once (running ones, and retracted
+            ones waiting to run again).
+        max_graph_batch: rows of the largest decode graph (its static index).
+        ops: the device primitives.
+    """
+
+    def __init__(self, selection: Selection, shape: ModelShape, *, requests: int,
+                 max_graph_batch: int, ops: DeviceOps) -> None:
+        self._keys: dict[CaptureKey, tuple[RowSpec, RowBasis]] = {}
+        for name, layer in last_captures(selection):
+            hook = next(h for h, n in selection.captures() if h.name == name and n == layer)
+            self._keys[(name, layer)] = (shape.capture_row(selection, hook, layer),
+                                         hook.row_basis)
+        self.requests = requests
+        self.spare = 2 * requests
+        """The row that takes what no slot wants."""
+        self._buffers = {
+            key: torch.zeros((self.spare + 1, math.prod(row.dims)), dtype=TORCH_DTYPES[row.dtype],
+                             device=ops.device)
+            for key, (row, _) in self._keys.items()}
+        self.nbytes = last_slot_bytes(selection, shape, requests=requests)
+        self._static = torch.full((max(max_graph_batch, 1),), self.spare, dtype=torch.int64,
+                                  device=ops.device)
+        self._upload = _Uploader(ops, max(requests, max_graph_batch, 1))
+        self._slot_of: dict[str, int] = {}
+        self._written = [-1] * (self.spare + 1)
+        """Per slot row, the position the queued device work leaves in it."""
+        self._free = list(range(requests - 1, -1, -1))
+        self._padded = False
+        self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pending: list[tuple[str, int | None]] = []
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    @property
+    def active(self) -> bool:
+        """True while a committed step writes the slots."""
+        return self._padded or self._eager is not None
+
+    def begin(self, plan: CommitPlan) -> None:
+        """A step is committed: where its emitting rows go (slots are taken here)."""
+        batch = plan.batch
+        captured = None if batch is plan.layout else frozenset(plan.layout.request_ids)
+        token_src: list[int] = []
+        request_src: list[int] = []
+        dst: list[int] = []
+        for token_row, request_row, rid, position in emitting_rows(batch):
+            if captured is not None and rid not in captured:
+                continue
+            row = 2 * self._slot(rid) + position % 2
+            token_src.append(token_row)
+            request_src.append(request_row)
+            dst.append(row)
+            self._written[row] = position
+        if plan.padded:  # a decode graph: row i is request i, padding rows go spare
+            index = [self.spare] * batch.padded_batch_size
+            for row, d in zip(request_src, dst, strict=True):
+                index[row] = d
+            self._static[: len(index)].copy_(self._upload(index))
+            self._padded = True
+        elif dst:
+            self._eager = (self._upload(token_src), self._upload(request_src),
+                           self._upload(dst))
+
+    def capture(self, key: CaptureKey, tensor: torch.Tensor, *, capturing: bool) -> None:
+        """Write ``tensor``'s emitting rows into the slots (recorded while capturing a
+        graph; nothing outside a committed step)."""
+        row, basis = self._keys[key]
+        buffer = self._buffers[key]
+        if capturing or self._padded:
+            src = as_rows(tensor, key, row)
+            buffer.index_copy_(0, self._static[: src.shape[0]], src)
+            return
+        if self._eager is None:
+            return
+        token_src, request_src, dst = self._eager
+        src = as_rows(tensor, key, row)
+        buffer.index_copy_(0, dst, src.index_select(
+            0, token_src if basis is RowBasis.TOKEN else request_src))
+
+    def end(self) -> None:
+        """The step is sealed or aborted: a replay nobody commits writes the spare row."""
+        if self._padded:
+            self._static.fill_(self.spare)
+        self._padded = False
+        self._eager = None
+
+    def finished(self, request_id: str, logits_end: int | None) -> None:
+        """A finish notice, held until :meth:`take_reads` (the transport orders it after
+        the read of the request's row)."""
+        self._pending.append((request_id, logits_end))
+
+    def take_reads(self) -> tuple[list[tuple[str, int, int]], list[tuple[str, int | None]]]:
+        """The finish notices so far, and of them the reads to queue: ``(request id,
+        position, slot row)`` of each finished request whose slot holds the row of
+        position ``logits_end - 1`` (the one that decided its last token; a request that
+        generated nothing has none). Their slots are free again once the caller queued
+        the reads."""
+        notices, self._pending = self._pending, []
+        reads = []
+        for rid, end in notices:
+            slot = self._slot_of.pop(rid, None)
+            if slot is None:
+                continue
+            self._free.append(slot)
+            if end is not None and end > 0:
+                row = 2 * slot + (end - 1) % 2
+                if self._written[row] == end - 1:
+                    reads.append((rid, end - 1, row))
+            self._written[2 * slot] = self._written[2 * slot + 1] = -1
+        return reads, notices
+
+    def read(self, key: CaptureKey, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy slot ``rows`` of ``key`` into ``out`` (``[len(rows), elements]``)."""
+        torch.index_select(self._buffers[key], 0, rows, out=out)
+
+    def upload(self, values: Sequence[int]) -> torch.Tensor:
+        """An index list on the device (see :class:`_Uploader`)."""
+        return self._upload(values)
+
+    def _slot(self, request_id: str) -> int:
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            if not self._free:
+                msg = (f"more than {self.requests} requests hold 'last' slots at once (the "
+                       f"largest number of running requests, twice); start the engine with "
+                       f"a larger --max-running-requests")
+                raise CaptureError(msg)
+            slot = self._slot_of[request_id] = self._free.pop()
+        return slot

@@ -1,0 +1,142 @@
+"""The ``last`` rule on the capture path: every forward writes the rows that decide a
+token into per-request device slots, and a finished request's row of the position that
+decided its last token is read out once; the overlap scheduler's extra forward, earlier
+positions and requests left out never leave the device."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import CaptureError
+
+from .conftest import stored_rows
+
+
+def _serve(d, *, padded: bool) -> None:
+    """a (prompt 5) generates 3 tokens, b (prompt 3) 5, c (prompt 2) 2 and reuses a's slot;
+    each finishes after the overlap scheduler's extra forward."""
+    pad = 4 if padded else None
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))  # decides a's token 1 (pos 4)
+    if padded:
+        d.graph_capture(4)
+    for n in range(3):  # a: positions 5, 6 decide tokens 2, 3; position 7 is the extra one
+        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n], padded_batch_size=pad),
+                  padded=padded)
+    d.t.finish_request("a", 5 + 3 - 1)
+    d.forward(BatchLayout.extend(["c"], [0], [2]))
+    for n in range(2):
+        d.forward(BatchLayout.decode(["b", "c"], [7 + n, 3 + n], padded_batch_size=pad),
+                  padded=padded)
+    d.t.finish_request("b", 3 + 5 - 1)  # b's position 7 was its extra forward
+    d.t.finish_request("c", 2 + 2 - 1)  # c's position 3 too
+
+
+LAST = {"a": 6, "b": 6, "c": 2}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("coalesce", [True, False], ids=["window", "per-step"])
+def test_last_stores_the_row_of_a_full_capture_that_decided_the_last_token(
+        make_driver, padded: bool, coalesce: bool) -> None:
+    full, full_sink = make_driver("resid_pre,final_ln,final_logits", coalesce_decode=coalesce)
+    some, some_sink = make_driver("resid_pre:last,final_ln,final_logits:last",
+                                  coalesce_decode=coalesce)
+    for d in (full, some):
+        _serve(d, padded=padded)
+    full_stats, some_stats = full.t.stop(), some.t.stop()
+
+    everything = stored_rows(full_sink.records)
+    want = {row for row in everything
+            if "final_ln" in row[1] or row[3] == LAST[row[0]]}
+    got = stored_rows(some_sink.records)
+    assert set(got) == want
+    assert all(n == 1 for n in got.values())
+    last = {(r[0], r[1], r[2]) for r in want if "final_ln" not in r[1]}
+    assert len(last) == 3 * (3 + 1)  # every request: each resid_pre layer and final_logits
+    moved_less = sum(len(r[4]) * n for r, n in everything.items()
+                     if r not in want)
+    assert full_stats.bytes - some_stats.bytes == moved_less  # never copied to the host
+
+
+def test_a_selection_of_last_alone_reads_rows_out_with_empty_forward_plans(make_driver):
+    d, sink = make_driver("resid_pre@1:last")
+    _serve(d, padded=True)
+    d.t.stop()
+    assert sorted((r.request_id, r.start_token_idx, r.end_token_idx) for r in sink.records) == [
+        ("a", 6, 7), ("b", 6, 7), ("c", 2, 3)]
+
+
+def test_finish_notices_wait_for_the_next_commit_or_stop(make_driver) -> None:
+    d, sink = make_driver("resid_pre@0:last,final_logits", flush_timeout_s=0.01)
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.forward(BatchLayout.decode(["a"], [4]))  # decides token 2 from position 3
+    d.forward(BatchLayout.decode(["a"], [5]))  # the extra forward
+    d.t.finish_request("a", 3 + 2 - 1)
+    d.t.stop()  # no commit after the notice: stop reads it
+    rows = sorted((r.act_name, r.start_token_idx) for r in sink.records)
+    assert rows == [("blocks.hook_resid_pre", 3), ("final_logits", 2), ("final_logits", 3)]
+
+
+def test_requests_left_out_or_unfinished_or_without_a_token_store_no_last_row(make_driver):
+    d, sink = make_driver("resid_pre@0:last")
+    d.skip = frozenset({"x"})
+    d.forward(BatchLayout.extend(["x", "u", "z"], [0, 0, 0], [3, 2, 4], seq_lens=[3, 2, 5]))
+    d.forward(BatchLayout.decode(["x", "u"], [4, 3]))
+    d.t.finish_request("z", 4 - 1)  # z's prompt was cut short: it generated no token
+    d.forward(BatchLayout.decode(["u"], [4]))
+    d.t.stop()  # u never finished
+    assert sink.records == []
+    assert d.t._last_slots._slot_of == {"u": d.t._last_slots._slot_of["u"]}  # x has none
+
+
+def test_more_live_requests_than_slots_is_a_clear_error(make_driver) -> None:
+    d, _ = make_driver("resid_pre@0:last", max_graph_batch=2, max_requests=1)
+    # 2 * max(1 request, batch 2) = 4 slots: a fifth live request has none
+    d.forward(BatchLayout.extend([f"r{i}" for i in range(4)], [0] * 4, [2] * 4))
+    with pytest.raises(CaptureError, match="more than 4 requests hold 'last' slots"):
+        d.forward(BatchLayout.extend(["r4"], [0], [2]))
+
+
+def test_slots_are_given_back_when_requests_finish(make_driver) -> None:
+    d, sink = make_driver("resid_pre@0:last", max_graph_batch=1, max_requests=1)
+    for i in range(10):  # 2 slots serve 10 requests one after the other
+        d.forward(BatchLayout.extend([f"r{i}"], [0], [3]))
+        d.t.finish_request(f"r{i}", 3)
+    d.t.stop()
+    assert sorted(r.request_id for r in sink.records) == sorted(f"r{i}" for i in range(10))
+    assert {r.start_token_idx for r in sink.records} == {2}
+
+
+def test_last_with_a_storage_dtype_reads_the_cast_row(make_driver) -> None:
+    import torch
+
+    from dmi_sglang.domain.hooks import hook_by_name
+
+    from .conftest import raw_bytes, rows_tensor
+
+    d, sink = make_driver("resid_pre@2:last:fp16")
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    d.forward(BatchLayout.decode(["a"], [5]))
+    d.t.finish_request("a", 4 + 2 - 1)
+    d.t.stop()
+    (rec,) = sink.records
+    assert (rec.dtype, rec.start_token_idx) == ("torch.float16", 4)
+    want = rows_tensor(hook_by_name("resid_pre"), 2, [("a", 4)]).to(torch.float16)
+    assert rec.payload == raw_bytes(want)
+
+
+def test_a_last_read_confirms_no_held_row_of_another_capture(make_driver) -> None:
+    d, sink = make_driver("final_logits:last,final_logits:topk(2)")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.forward(BatchLayout.decode(["a"], [4]))  # position 3 decides token 2
+    d.forward(BatchLayout.decode(["a"], [5]))  # the extra forward: its topk row is held
+    d.t.finish_request("a", 3 + 2 - 1)
+    d.forward(BatchLayout.extend(["b"], [0], [2]))  # the read happens at this commit
+    stats = d.t.stop()
+    rows = sorted((r.request_id, r.act_name, r.start_token_idx) for r in sink.records)
+    assert rows == [("a", "final_logits", 3),
+                    ("a", "logits_topk_ids", 2), ("a", "logits_topk_ids", 3),
+                    ("a", "logits_topk_values", 2), ("a", "logits_topk_values", 3),
+                    ("b", "logits_topk_ids", 1), ("b", "logits_topk_values", 1)]
+    assert stats.discarded_logit_rows == 2  # the extra forward's two topk rows
