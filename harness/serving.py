@@ -145,7 +145,8 @@ def estimate_s(args: argparse.Namespace, mode: Mode) -> float:
     timed = max(float(args.min_seconds), wave) + wave
     tail = 20.0 if mode.kind == "store" else 5.0
     if mode.kind == "store" and mode.preset:
-        timed = max(timed, wave_bytes(args, mode.preset) * timed / wave / STORE_INGEST_BPS)
+        stored = wave_bytes(args, mode.preset) * float(args.env.get("DMX_REQUEST_SAMPLE", 1.0))
+        timed = max(timed, stored * timed / wave / STORE_INGEST_BPS)
     return model.startup_s + 2 * timed + tail + ENGINE_OVERHEAD_S
 
 
@@ -389,9 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _validate(p, args)
     if args.dry_run:
         for mode in args.mode_list:
-            gb = wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
+            share = float(args.env.get("DMX_REQUEST_SAMPLE", 1.0))
+            gb = share * wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
             print(f"  {mode.key:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
-                  f"{args.repeats}, {gb:.2f} GB captured per wave")
+                  f"{args.repeats}, {gb:.3f} GB captured per wave")
         return 0
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))

@@ -55,7 +55,10 @@ def scenarios(draw: st.DrawFn):
     for _ in range(draw(st.integers(0, 8))):
         if len(live) > 1 and draw(st.integers(0, 4)) == 0:
             gone = live.pop(draw(st.integers(0, len(live) - 1)))
-            steps.append(("finish", rids[gone], pos[gone] - draw(st.integers(0, 1))))
+            # a finished request generated a token (logits_end >= prompt): a
+            # last_prompt logits row is stored at once, before any notice could drop it
+            end = max(prompts[gone], pos[gone] - draw(st.integers(0, 1)))
+            steps.append(("finish", rids[gone], end))
         steps.append(("decode", [rids[i] for i in live], [pos[i] + 1 for i in live]))
         for i in live:
             pos[i] += 1

@@ -391,3 +391,48 @@ def test_graph_replay_stores_cast_rows_and_the_top_logits():
                       "logits_topk_values": "torch.float32",
                       "logits_topk_ids": "torch.int32"}
     assert stats.fp16_overflows == 0
+
+
+LASTING: Selection = parse_selection(
+    "resid_pre:last,mlp_out@2,final_logits:last:topk(4)").resolve(
+    ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
+
+
+def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish():
+    sink = MemorySink()
+    t = _transport(sink, selection=LASTING)
+    model = _model(t)
+    bucket = 8
+    graph, static_ids, ref = _record_graph(model, bucket)
+    seen: dict[tuple[str, str, int, int], bytes] = {}
+    live = {f"r{i}": 20 + i for i in range(6)}  # request -> its next position
+    finished: dict[str, int] = {}
+    for step in range(1, 9):
+        rids = sorted(live)
+        static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
+        layout = BatchLayout.decode(rids, [live[r] + 1 for r in rids], padded_batch_size=bucket)
+        plan = make_plan(layout, LASTING, SHAPE, padded=True)
+        t.commit(plan, step=step)
+        graph.replay()
+        t.seal()
+        stored = _as_stored(ref, LASTING)
+        for i, rid in enumerate(rids):
+            for hook, layer in LASTING.captures():
+                seen[(rid, hook.act_name, layer, live[rid])] = _bytes(
+                    stored[(hook.name, layer)][i])
+        for rid in rids:
+            live[rid] += 1
+        if step in (3, 5, 7):  # one request finishes; this step was its extra forward
+            rid = sorted(live)[0]
+            end = live.pop(rid) - 1
+            t.finish_request(rid, end)
+            finished[rid] = end
+            live[f"n{step}"] = 40  # a new request takes its slot
+    stats = t.stop()
+    last_rows = {(r.request_id, r.act_name, r.layer_no, r.start_token_idx): r.payload
+                 for r in sink.records if not r.act_name.endswith("mlp_out")}
+    want = {(rid, hook.act_name, layer, end - 1): seen[(rid, hook.act_name, layer, end - 1)]
+            for rid, end in finished.items() for hook, layer in LASTING.captures()
+            if hook.name != "mlp_out"}
+    assert last_rows == want
+    assert stats.fp16_overflows == 0
