@@ -231,12 +231,22 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     return out
 
 
+def cell(mode: str, env: Json | None) -> str:
+    """A measured cell's name: the mode, and the ``--env`` settings it ran with
+    (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
+    extra = " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+    return f"{mode} [{extra}]" if extra else mode
+
+
 def summarize(units: Sequence[Json]) -> list[Json]:
-    """One row per mode over its units: the median ratio to stock, the spread of those
-    ratios and of every stock run around them, the bound, the status."""
+    """One row per cell (mode and ``--env``) over its units: the median ratio to stock,
+    the spread of those ratios and of every stock run around them, the bound, the
+    status."""
     rows = []
-    for key in dict.fromkeys(u["settings"]["mode"] for u in units):
-        mine = [u for u in units if u["settings"]["mode"] == key and u["status"] != "skipped"]
+    for key in dict.fromkeys(cell(u["settings"]["mode"], u["settings"].get("env"))
+                             for u in units):
+        mine = [u for u in units if cell(u["settings"]["mode"], u["settings"].get("env")) == key
+                and u["status"] != "skipped"]
         ratios = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
             "ratios", [])]
         stock = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(

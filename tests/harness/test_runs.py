@@ -271,3 +271,22 @@ def test_the_profile_command_refuses_more_steps_than_a_wave_runs(
         profile.main(["--steps", "40", "--output-len", "41"])
     assert exited.value.code == 2
     assert "--steps 40: at most --output-len - 2 = 39" in capsys.readouterr().err
+
+
+def test_cells_are_named_by_mode_and_env_and_carry_their_own_targets() -> None:
+    from harness.serving import cell, summarize
+
+    assert cell("store:hidden-states", {}) == "store:hidden-states"
+    assert cell("store:hidden-states", {"DMX_REQUEST_SAMPLE": "0.1"}) == (
+        "store:hidden-states [DMX_REQUEST_SAMPLE=0.1]")
+    units = [{"settings": {"mode": "store:hidden-states", "env": env, "model": "0.6b",
+                           "batch": 64, "prompt_len": 256, "output_len": 128,
+                           "min_seconds": 30},
+              "status": "passed", "bound": {"ratio": 1.0},
+              "figures": {"throughput": {"ratios": [ratio], "stock_rates": [20000.0]}}}
+             for env, ratio in (({}, 0.5), ({"DMX_REQUEST_SAMPLE": "0.1"}, 0.92))]
+    rows = {r["mode"]: r for r in summarize(units)}
+    assert rows["store:hidden-states"]["target"] == "bound_share >= 0.85"
+    assert rows["store:hidden-states"]["verdict"] == "FAIL"
+    sampled = rows["store:hidden-states [DMX_REQUEST_SAMPLE=0.1]"]
+    assert (sampled["target"], sampled["verdict"]) == ("ratio >= 0.9", "PASS")
