@@ -61,7 +61,10 @@ from harness.results import Json, run_benchmark
 Q06 = MODELS["0.6b"]
 
 SEVEN = ("resid_pre", "ln1", "attn_out", "resid_mid", "ln2", "mlp_in", "mlp_out")
-OVERHEAD_PRESETS = {"hidden-states": "hidden-states", "7-hooks": ",".join(SEVEN)}
+OVERHEAD_PRESETS = {"hidden-states": "hidden-states", "7-hooks": ",".join(SEVEN),
+                    "last": "resid_pre:last"}
+"""Selections of the overhead benchmark (``last``: every layer's residual stream kept in
+device slots; no request finishes there, so it measures the per-step slot index)."""
 DRAIN_PRESETS = ("hidden-states", "sglang-full")
 DRAIN_BATCH = 64
 ROWS = {True: "delivered", False: "LOST"}
@@ -225,7 +228,7 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         capture_steps(args.steps)
         profile.disable()
     stats = transport.stop()
-    expected = done * bs * len(sel.captures())
+    expected = done * sum(seg.kept_rows for seg in plans[0].segments)
     return {"preset": preset, "batch": bs, "captures": len(sel.captures()),
         "step_bytes": plans[0].total_bytes, "base_us": statistics.median(bases),
         "base_spread": spread_of(bases), "capture_us": statistics.median(caps),

@@ -179,7 +179,7 @@ def test_docs_render_both_tables(transport_run: Ran, store_run: Ran, tmp_path: P
 @pytest.mark.torch
 @pytest.mark.parametrize(("module", "argv", "says"), [
     ("micro_transport", ["--presets", "bogus"],
-     "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks"),
+     "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks, last"),
     ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
     ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
