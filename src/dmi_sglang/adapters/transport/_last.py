@@ -81,6 +81,32 @@ class _Uploader:
         return out
 
 
+class _Run:
+    """Consecutive decode graph steps of one batch, each request one position further:
+    the index of the newest step (on the device) and which of its rows flip parity."""
+
+    __slots__ = ("captured", "current", "flip", "padded", "request_ids", "starts")
+
+    def __init__(self, plan: CommitPlan, current: torch.Tensor, flip: torch.Tensor) -> None:
+        batch = plan.batch
+        self.request_ids = batch.request_ids
+        self.padded = batch.padded_batch_size
+        self.captured = plan.layout.request_ids
+        self.starts = batch.starts
+        self.current = current
+        self.flip = flip
+
+    def follows(self, plan: CommitPlan) -> bool:
+        """True when ``plan`` is the next step of the run (same requests, same padding,
+        same requests captured, every request one position further)."""
+        batch = plan.batch
+        return (batch.request_ids == self.request_ids
+                and batch.padded_batch_size == self.padded
+                and plan.layout.request_ids == self.captured
+                and batch.is_uniform_decode
+                and all(b == a + 1 for a, b in zip(self.starts, batch.starts, strict=True)))
+
+
 class LastSlots:
     """The ``last`` slots of one transport (see the module docstring).
 
@@ -111,8 +137,11 @@ class LastSlots:
                                   device=ops.device)
         self._upload = _Uploader(ops, max(requests, max_graph_batch, 1))
         self._slot_of: dict[str, int] = {}
-        self._written = [-1] * (self.spare + 1)
-        """Per slot row, the position the queued device work leaves in it."""
+        self._first: dict[str, int] = {}
+        """Per request, the first position whose row went to its slot."""
+        self._newest: dict[str, int] = {}
+        """Per request, the newest such position (for those outside :attr:`_run`)."""
+        self._run: _Run | None = None
         self._free = list(range(requests - 1, -1, -1))
         self._padded = False
         self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -130,8 +159,20 @@ class LastSlots:
         return self._padded or self._eager is not None
 
     def begin(self, plan: CommitPlan) -> None:
-        """A step is committed: where its emitting rows go (slots are taken here)."""
+        """A step is committed: where its emitting rows go (slots are taken here).
+
+        A decode graph step whose batch is the previous one's, each request one position
+        further, only flips the parity bit of the previous index on the device: no pass
+        over the batch, no upload."""
         batch = plan.batch
+        run = self._run
+        if plan.padded and run is not None and run.follows(plan):
+            run.current.bitwise_xor_(run.flip)
+            self._static[: run.current.shape[0]].copy_(run.current)
+            run.starts = batch.starts
+            self._padded = True
+            return
+        self._end_run()
         captured = None if batch is plan.layout else frozenset(plan.layout.request_ids)
         token_src: list[int] = []
         request_src: list[int] = []
@@ -139,17 +180,21 @@ class LastSlots:
         for token_row, request_row, rid, position in emitting_rows(batch):
             if captured is not None and rid not in captured:
                 continue
-            row = 2 * self._slot(rid) + position % 2
             token_src.append(token_row)
             request_src.append(request_row)
-            dst.append(row)
-            self._written[row] = position
+            dst.append(2 * self._slot(rid) + position % 2)
+            self._first.setdefault(rid, position)
+            self._newest[rid] = position
         if plan.padded:  # a decode graph: row i is request i, padding rows go spare
             index = [self.spare] * batch.padded_batch_size
             for row, d in zip(request_src, dst, strict=True):
                 index[row] = d
-            self._static[: len(index)].copy_(self._upload(index))
+            current = self._upload(index)
+            self._static[: len(index)].copy_(current)
             self._padded = True
+            if batch.is_uniform_decode:
+                flip = (current != self.spare).to(torch.int64)
+                self._run = _Run(plan, current, flip)
         elif dst:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
@@ -189,17 +234,20 @@ class LastSlots:
         generated nothing has none). Their slots are free again once the caller queued
         the reads."""
         notices, self._pending = self._pending, []
+        if notices:
+            self._end_run()  # a slot the run's index holds may be given back
         reads = []
         for rid, end in notices:
             slot = self._slot_of.pop(rid, None)
-            if slot is None:
+            first, newest = self._first.pop(rid, None), self._newest.pop(rid, None)
+            if slot is None or first is None or newest is None:
                 continue
             self._free.append(slot)
-            if end is not None and end > 0:
-                row = 2 * slot + (end - 1) % 2
-                if self._written[row] == end - 1:
-                    reads.append((rid, end - 1, row))
-            self._written[2 * slot] = self._written[2 * slot + 1] = -1
+            # A request's rows that decide tokens have consecutive positions; the row of
+            # end - 1 is in its slot if it was written and not overwritten (only the
+            # extra forward, at end, came after it).
+            if end is not None and first <= end - 1 and end - 1 <= newest <= end:
+                reads.append((rid, end - 1, 2 * slot + (end - 1) % 2))
         return reads, notices
 
     def read(self, key: CaptureKey, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -209,6 +257,16 @@ class LastSlots:
     def upload(self, values: Sequence[int]) -> torch.Tensor:
         """An index list on the device (see :class:`_Uploader`)."""
         return self._upload(values)
+
+    def _end_run(self) -> None:
+        """Leave the run of unchanged decode steps: its requests' newest positions go
+        back to the per-request record."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        for i, rid in enumerate(run.request_ids):
+            if rid in self._newest:
+                self._newest[rid] = run.starts[i]
 
     def _slot(self, request_id: str) -> int:
         slot = self._slot_of.get(request_id)
