@@ -90,12 +90,19 @@ def test_requests_left_out_or_unfinished_or_without_a_token_store_no_last_row(ma
     assert d.t._last_slots._slot_of == {"u": d.t._last_slots._slot_of["u"]}  # x has none
 
 
-def test_more_live_requests_than_slots_is_a_clear_error(make_driver) -> None:
-    d, _ = make_driver("resid_pre@0:last", max_graph_batch=2, max_requests=1)
+def test_a_request_that_finds_no_free_slot_gets_no_last_row_and_is_counted(make_driver):
+    d, sink = make_driver("resid_pre@0:last", max_graph_batch=2, max_requests=1)
     # 2 * max(1 request, batch 2) = 4 slots: a fifth live request has none
     d.forward(BatchLayout.extend([f"r{i}" for i in range(4)], [0] * 4, [2] * 4))
-    with pytest.raises(CaptureError, match="more than 4 requests hold 'last' slots"):
-        d.forward(BatchLayout.extend(["r4"], [0], [2]))
+    d.forward(BatchLayout.extend(["r4"], [0], [2]))
+    d.forward(BatchLayout.decode(["r0", "r4"], [3, 3]))
+    assert d.t._last_slots.slotless == 1
+    d.t.finish_request("r0", 3)  # its decode (position 2) decided its second token
+    for i in range(1, 5):
+        d.t.finish_request(f"r{i}", 2)  # one token each, decided by position 1
+    d.t.stop()  # the run goes on; r4 reads as incomplete (no last row)
+    assert sorted((r.request_id, r.start_token_idx) for r in sink.records) == [
+        ("r0", 2), ("r1", 1), ("r2", 1), ("r3", 1)]
 
 
 def test_slots_are_given_back_when_requests_finish(make_driver) -> None:
@@ -140,3 +147,73 @@ def test_a_last_read_confirms_no_held_row_of_another_capture(make_driver) -> Non
                     ("a", "logits_topk_values", 2), ("a", "logits_topk_values", 3),
                     ("b", "logits_topk_ids", 1), ("b", "logits_topk_values", 1)]
     assert stats.discarded_logit_rows == 2  # the extra forward's two topk rows
+
+
+def test_a_request_forwarded_after_its_finish_notice_takes_no_slot(make_driver) -> None:
+    # SGLang still prefills a request aborted from its grammar queue once, after the
+    # session reported it finished
+    d, _ = make_driver("resid_pre@0:last", max_graph_batch=1, max_requests=1)  # 2 slots
+    for i in range(3):
+        d.t.finish_request(f"g{i}", 0)
+        d.forward(BatchLayout.extend([f"g{i}"], [0], [1]))
+    assert d.t._last_slots._slot_of == {}
+    assert d.t._last_slots.slotless == 0
+
+
+def test_reads_of_many_finished_requests_are_cut_to_fit_the_ring(make_driver) -> None:
+    # 64 requests x 3 layers x 16 bytes = 3,072 bytes to read, the ring holds 2,048
+    d, sink = make_driver("resid_pre:last", payload_bytes=2048, max_graph_batch=64,
+                          max_requests=64, max_prefill_tokens=128)
+    rids = [f"r{i}" for i in range(64)]
+    d.forward(BatchLayout.extend(rids, [0] * 64, [2] * 64))
+    for rid in rids:
+        d.t.finish_request(rid, 2)
+    d.forward(BatchLayout.extend(["next"], [0], [2]))
+    d.t.stop()
+    assert sorted((r.request_id, r.layer_no) for r in sink.records) == sorted(
+        (rid, layer) for rid in rids for layer in range(3))
+
+
+def test_one_requests_last_rows_larger_than_the_ring_are_refused_at_creation(make_driver):
+    from dmi_sglang.errors import CapacityError
+
+    with pytest.raises(CapacityError, match="rows under the last rule take 48 bytes"):
+        make_driver("resid_pre:last", payload_bytes=32, max_graph_batch=1, max_requests=1,
+                    max_prefill_tokens=1)
+
+
+def test_a_last_capture_point_that_never_ran_fails_the_step(make_driver) -> None:
+    d, _ = make_driver("resid_pre@0:last,final_ln")
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    d.t.finish_request("a", 4)
+    step = BatchLayout.extend(["b"], [0], [2])  # b would reuse a's slot row
+    d.step += 1
+    d.t.commit(d.plan(step), step=d.step)
+    d.fire(step, skip={("resid_pre", 0)})
+    with pytest.raises(CaptureError, match=r"last capture points never ran.*resid_pre"):
+        d.t.seal()
+    with pytest.raises(CaptureError):
+        d.t.stop()  # the run failed: nothing of b is called complete
+
+
+def test_an_aborted_forward_leaves_no_row_to_read(make_driver) -> None:
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    d.t.finish_request("a", 4)
+    step = BatchLayout.extend(["b"], [0], [2])  # b would reuse a's slot row
+    d.step += 1
+    d.t.commit(d.plan(step), step=d.step)
+    d.t.abort()  # the forward raised before any capture point ran
+    d.t.finish_request("b", 2)
+    d.t.stop()
+    assert [r.request_id for r in sink.records] == ["a"]
+
+
+def test_stop_with_an_open_step_of_last_rows_fails_the_run(make_driver) -> None:
+    d, _ = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [4]))
+    d.step += 1
+    d.t.commit(d.plan(BatchLayout.extend(["b"], [0], [2])), step=d.step)  # never sealed
+    d.t.finish_request("a", 4)
+    with pytest.raises(CaptureError, match="never sealed"):
+        d.t.stop()

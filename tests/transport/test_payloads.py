@@ -107,3 +107,18 @@ def _rows_by_key(sink) -> dict[tuple[str, str, int, int], bytes]:
 def _dtype(sink, act: str) -> torch.dtype:
     name = next(r.dtype for r in sink.records if r.act_name == act)
     return getattr(torch, name.removeprefix("torch."))
+
+
+def test_a_cast_capture_still_refuses_a_tensor_of_another_dtype(make_driver) -> None:
+    from dmi_sglang.domain.hooks import hook_by_name
+    from dmi_sglang.errors import CaptureError
+
+    d, _ = make_driver("final_ln:fp16,final_logits:topk(2)")
+    layout = BatchLayout.extend(["a"], [0], [2])
+    d.t.commit(d.plan(layout), step=1)
+    wrong = rows_tensor(hook_by_name("final_ln"), -1, layout.positions()).to(torch.float64)
+    with pytest.raises(CaptureError, match="dtype torch.float64 differs"):
+        d.t.capturer.capture("final_ln", -1, wrong)
+    logits = rows_tensor(hook_by_name("final_logits"), -1, [("a", 1)]).to(torch.float16)
+    with pytest.raises(CaptureError, match="dtype torch.float16 differs"):
+        d.t.capturer.capture("final_logits", -1, logits)

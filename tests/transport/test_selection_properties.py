@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.app.assemble import selected_span
 from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.testing import MemorySink
 
-from .conftest import SHAPE, Driver, each_row, select, stored_rows
+from .conftest import SHAPE, Driver, each_row, raw_bytes, rows_tensor, select, stored_rows
 from .scheduler_sim import layout_of, script
 
 FULL = "resid_pre,resid_mid,final_ln,final_logits"
@@ -55,10 +56,7 @@ def scenarios(draw: st.DrawFn):
     for _ in range(draw(st.integers(0, 8))):
         if len(live) > 1 and draw(st.integers(0, 4)) == 0:
             gone = live.pop(draw(st.integers(0, len(live) - 1)))
-            # a finished request generated a token (logits_end >= prompt): a
-            # last_prompt logits row is stored at once, before any notice could drop it
-            end = max(prompts[gone], pos[gone] - draw(st.integers(0, 1)))
-            steps.append(("finish", rids[gone], end))
+            steps.append(("finish", rids[gone], pos[gone] - draw(st.integers(0, 1))))
         steps.append(("decode", [rids[i] for i in live], [pos[i] + 1 for i in live]))
         for i in live:
             pos[i] += 1
@@ -134,6 +132,13 @@ def _selected(records, keeps: Positions, ruled: tuple[str, ...], skip: frozenset
             if hi <= lo:
                 continue
         want[key] = count
+    if keeps.rule is PositionRule.LAST_PROMPT and "final_logits" in ruled:
+        # the row of the last prompt position is stored as soon as it is copied, also
+        # for a request that then ends without a token (a full capture drops it then)
+        for rid, end in ends.items():
+            if rid not in skip and end == prompts[rid] - 1:
+                row = rows_tensor(hook_by_name("final_logits"), -1, [(rid, end)])
+                want[(rid, "final_logits", -1, end, raw_bytes(row))] = 1
     return want
 
 

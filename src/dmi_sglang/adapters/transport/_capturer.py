@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey
+from dmi_sglang.errors import CaptureError
 
 __all__ = ["Capturer", "Payloads"]
 
@@ -20,25 +21,36 @@ class Payloads:
     payload modifiers, :mod:`dmi_sglang.domain.payloads`), on the device.
 
     Args:
-        casts: captures stored in another float dtype than computed.
+        casts: captures stored in another float dtype than computed: ``(computed,
+            stored)`` dtypes.
         topk: ``K`` of ``final_logits:topk(K)``, 0 for none.
+        logits_dtype: the dtype ``final_logits`` rows are computed in.
         device: where the fp16 overflow counter lives.
     """
 
-    __slots__ = ("casts", "overflows", "topk")
+    __slots__ = ("casts", "logits_dtype", "overflows", "topk")
 
-    def __init__(self, casts: Mapping[CaptureKey, torch.dtype], topk: int,
-                 device: torch.device) -> None:
+    def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
+                 topk: int, logits_dtype: torch.dtype, device: torch.device) -> None:
         self.casts = dict(casts)
         self.topk = topk
-        counts = any(d is torch.float16 for d in self.casts.values())
+        self.logits_dtype = logits_dtype
+        counts = any(stored is torch.float16 for _, stored in self.casts.values())
         self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
         """Values cast to fp16 that became infinite (beyond +-65504), counted on the
         device over every row a capture point cast (a replay's padding rows
         included); None when nothing is cast to fp16."""
 
-    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``tensor`` in ``dtype``; values fp16 cannot hold are counted."""
+    def cast(self, key: CaptureKey, tensor: torch.Tensor,
+             dtypes: tuple[torch.dtype, torch.dtype]) -> torch.Tensor:
+        """``tensor`` (computed in ``dtypes[0]``) in ``dtypes[1]``; values fp16 cannot
+        hold are counted.
+
+        Raises:
+            CaptureError: the tensor is not in the dtype the capture is computed in.
+        """
+        computed, dtype = dtypes
+        check_dtype(key, tensor, computed)
         out = tensor.to(dtype)
         if self.overflows is not None and dtype is torch.float16 and out is not tensor:
             self.overflows.add_((out.isinf() & ~tensor.isinf()).sum())
@@ -104,11 +116,11 @@ class Capturer:
         if payloads is None:
             self._sink(key, tensor)
             return
-        dtype = payloads.casts.get(key)
-        if dtype is None:
+        dtypes = payloads.casts.get(key)
+        if dtypes is None:
             self._sink(key, tensor)
         elif self._live(key):
-            self._sink(key, payloads.cast(tensor, dtype))
+            self._sink(key, payloads.cast(key, tensor, dtypes))
         if payloads.topk and key == LOGITS:
             self._topk(tensor, payloads)
 
@@ -116,13 +128,27 @@ class Capturer:
         values_live, ids_live = self._live(TOPK_VALUES), self._live(TOPK_IDS)
         if not (values_live or ids_live):
             return
+        check_dtype(LOGITS, logits, payloads.logits_dtype)
         values, ids = torch.topk(logits, payloads.topk, dim=-1)
         if values_live:
-            dtype = payloads.casts.get(TOPK_VALUES)
-            self._sink(TOPK_VALUES, values if dtype is None else payloads.cast(values, dtype))
+            dtypes = payloads.casts.get(TOPK_VALUES)
+            self._sink(TOPK_VALUES, values if dtypes is None
+                       else payloads.cast(TOPK_VALUES, values, dtypes))
         if ids_live:
             self._sink(TOPK_IDS, ids.to(torch.int32))
 
 
 def _always(_key: CaptureKey) -> bool:
     return True
+
+
+def check_dtype(key: CaptureKey, tensor: torch.Tensor, computed: torch.dtype) -> None:
+    """Raise unless ``tensor`` is in the dtype the capture is computed in (a transform
+    would otherwise hide the mismatch the stored row check catches).
+
+    Raises:
+        CaptureError: another dtype.
+    """
+    if tensor.dtype != computed:
+        msg = f"capture {key}: tensor dtype {tensor.dtype} differs from the planned {computed}"
+        raise CaptureError(msg)

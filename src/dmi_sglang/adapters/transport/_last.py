@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import structlog
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
@@ -38,6 +39,8 @@ from dmi_sglang.errors import CaptureError
 __all__ = ["LastSlots", "last_captures"]
 
 _UPLOAD_BUFFERS = 8
+
+log = structlog.get_logger("dmi_sglang.transport")
 
 
 def last_captures(selection: Selection) -> tuple[tuple[str, int], ...]:
@@ -146,6 +149,17 @@ class LastSlots:
         self._padded = False
         self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._pending: list[tuple[str, int | None]] = []
+        self._notified: dict[str, None] = {}
+        """Requests notified lately (oldest first): a forward after the notice (an abort
+        SGLang still prefills once) writes them nowhere."""
+        self._slotless: set[str] = set()
+        self.slotless = 0
+        """Requests that found no free slot: they get no ``last`` row (read as
+        incomplete), counted and logged instead of failing the run."""
+        self._recorded: set[CaptureKey] = set()
+        self._fired: set[CaptureKey] = set()
+        self._undo: list[tuple[str, int | None, int | None]] = []
+        self._flipped: tuple[_Run, tuple[int, ...]] | None = None
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
@@ -163,10 +177,23 @@ class LastSlots:
 
         A decode graph step whose batch is the previous one's, each request one position
         further, only flips the parity bit of the previous index on the device: no pass
-        over the batch, no upload."""
+        over the batch, no upload.
+
+        Raises:
+            CaptureError: a decode graph step whose graph never recorded a ``last``
+                capture point (its slots would never be written).
+        """
         batch = plan.batch
+        self._fired.clear()
+        self._undo.clear()
+        self._flipped = None
+        if plan.padded and not self._recorded >= self._keys.keys():
+            missing = sorted(set(self._keys) - self._recorded)
+            msg = f"last capture points {missing[:4]} were not recorded in the decode graph"
+            raise CaptureError(msg)
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
+            self._flipped = (run, run.starts)
             run.current.bitwise_xor_(run.flip)
             self._static[: run.current.shape[0]].copy_(run.current)
             run.starts = batch.starts
@@ -180,9 +207,13 @@ class LastSlots:
         for token_row, request_row, rid, position in emitting_rows(batch):
             if captured is not None and rid not in captured:
                 continue
+            slot = self._slot(rid)
+            if slot is None:
+                continue
             token_src.append(token_row)
             request_src.append(request_row)
-            dst.append(2 * self._slot(rid) + position % 2)
+            dst.append(2 * slot + position % 2)
+            self._undo.append((rid, self._first.get(rid), self._newest.get(rid)))
             self._first.setdefault(rid, position)
             self._newest[rid] = position
         if plan.padded:  # a decode graph: row i is request i, padding rows go spare
@@ -207,20 +238,52 @@ class LastSlots:
         if capturing or self._padded:
             src = as_rows(tensor, key, row)
             buffer.index_copy_(0, self._static[: src.shape[0]], src)
+            (self._recorded if capturing else self._fired).add(key)
             return
         if self._eager is None:
             return
+        self._fired.add(key)
         token_src, request_src, dst = self._eager
         src = as_rows(tensor, key, row)
         buffer.index_copy_(0, dst, src.index_select(
             0, token_src if basis is RowBasis.TOKEN else request_src))
 
     def end(self) -> None:
-        """The step is sealed or aborted: a replay nobody commits writes the spare row."""
+        """The step is sealed: a replay nobody commits writes the spare row.
+
+        Raises:
+            CaptureError: an eager step whose ``last`` capture points did not all run
+                (the slots would hold another request's rows).
+        """
+        eager = self._eager is not None
+        self._reset()
+        if eager and self._fired != self._keys.keys():
+            missing = sorted(set(self._keys) - self._fired)
+            msg = f"last capture points never ran in a committed step: {missing[:4]}"
+            raise CaptureError(msg)
+
+    def abort(self) -> None:
+        """The step's forward raised: what it may have written is not known, so the
+        requests' newest positions go back to what the steps before left."""
+        if self._flipped is not None:
+            run, starts = self._flipped
+            run.current.bitwise_xor_(run.flip)
+            run.starts = starts
+        for rid, first, newest in reversed(self._undo):
+            for table, value in ((self._first, first), (self._newest, newest)):
+                if value is None:
+                    table.pop(rid, None)
+                else:
+                    table[rid] = value
+        self._reset()
+
+    def _reset(self) -> None:
         if self._padded:
             self._static.fill_(self.spare)
         self._padded = False
         self._eager = None
+        self._undo.clear()
+        self._flipped = None
 
     def finished(self, request_id: str, logits_end: int | None) -> None:
         """A finish notice, held until :meth:`take_reads` (the transport orders it after
@@ -238,16 +301,21 @@ class LastSlots:
             self._end_run()  # a slot the run's index holds may be given back
         reads = []
         for rid, end in notices:
+            self._notified[rid] = None
+            self._slotless.discard(rid)
             slot = self._slot_of.pop(rid, None)
             first, newest = self._first.pop(rid, None), self._newest.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
             if slot is None or first is None or newest is None:
                 continue
-            self._free.append(slot)
             # A request's rows that decide tokens have consecutive positions; the row of
             # end - 1 is in its slot if it was written and not overwritten (only the
             # extra forward, at end, came after it).
             if end is not None and first <= end - 1 and end - 1 <= newest <= end:
                 reads.append((rid, end - 1, 2 * slot + (end - 1) % 2))
+        while len(self._notified) > 4 * self.requests:
+            del self._notified[next(iter(self._notified))]
         return reads, notices
 
     def read(self, key: CaptureKey, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -268,13 +336,21 @@ class LastSlots:
             if rid in self._newest:
                 self._newest[rid] = run.starts[i]
 
-    def _slot(self, request_id: str) -> int:
+    def _slot(self, request_id: str) -> int | None:
+        """The request's slot; None for a request notified already, or when none is
+        free (counted, logged once per request)."""
         slot = self._slot_of.get(request_id)
-        if slot is None:
-            if not self._free:
-                msg = (f"more than {self.requests} requests hold 'last' slots at once (the "
-                       f"largest number of running requests, twice); start the engine with "
-                       f"a larger --max-running-requests")
-                raise CaptureError(msg)
-            slot = self._slot_of[request_id] = self._free.pop()
+        if slot is not None:
+            return slot
+        if request_id in self._notified or request_id in self._slotless:
+            return None
+        if not self._free:
+            self._slotless.add(request_id)
+            self.slotless += 1
+            log.warning("dmi.last_slots_full", request_id=request_id, slots=self.requests,
+                        requests_without=self.slotless,
+                        hint="its last rows are not captured (it reads as incomplete); "
+                             "start the engine with --max-running-requests set")
+            return None
+        slot = self._slot_of[request_id] = self._free.pop()
         return slot

@@ -21,7 +21,7 @@ from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
-from dmi_sglang.adapters.transport._last import LastSlots
+from dmi_sglang.adapters.transport._last import LastSlots, last_captures
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
@@ -60,21 +60,40 @@ def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: Transp
                      padded=False, prompts=lambda _request_id: 1).total_bytes
 
 
+def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapacity) -> int:
+    """How many finished requests one read of ``last`` rows takes: a quarter of the ring
+    at most (1 without ``last`` captures).
+
+    Raises:
+        CapacityError: one request's ``last`` rows do not fit the ring.
+    """
+    if not last_captures(selection):
+        return 1
+    one = make_read_plan([("-", 0)], selection, shape).total_bytes
+    if one > capacity.effective_bytes:
+        msg = (f"one request's rows under the last rule take {one} bytes, more than the "
+               f"ring's {capacity.effective_bytes}; raise DMX_RING_PAYLOAD_MB and "
+               f"DMX_RING_PINNED_MB")
+        raise CapacityError(msg)
+    return max(1, capacity.effective_bytes // 4 // one)
+
+
 def _payloads(selection: Selection, shape: ModelShape, arena: Arena,
               ops: DeviceOps) -> Payloads | None:
     """The on-device transforms the selection's payload modifiers ask for (None: none)."""
     if not selection.payloads:
         return None
-    casts: dict[CaptureKey, torch.dtype] = {}
+    casts: dict[CaptureKey, tuple[torch.dtype, torch.dtype]] = {}
     topk = 0
     for name, layer_no, payload in selection.payloads:
         key = (name, layer_no)
         topk = max(topk, payload.topk)
         stored = TORCH_DTYPES[arena.rows_spec[key].dtype]
-        computed = shape.row(hook_by_name(name), attrs.evolve(payload, dtype=None))
-        if stored != TORCH_DTYPES[computed.dtype]:
-            casts[key] = stored
-    return Payloads(casts, topk, ops.device)
+        computed = TORCH_DTYPES[shape.row(hook_by_name(name),
+                                          attrs.evolve(payload, dtype=None)).dtype]
+        if stored != computed:
+            casts[key] = (computed, stored)
+    return Payloads(casts, topk, TORCH_DTYPES[shape.logits_dtype], ops.device)
 
 
 class TorchCaptureTransport:
@@ -126,6 +145,7 @@ class TorchCaptureTransport:
             max_token_rows=max(opts.max_prefill_tokens, max_graph_batch),
             max_request_rows=max(opts.max_requests, max_graph_batch),
         )
+        reads_per_plan = _reads_per_plan(selection, shape, capacity)
         self.options = opts
         self.capacity = capacity
         self.run_id = run_id
@@ -164,6 +184,9 @@ class TorchCaptureTransport:
         self._selection = selection
         self._shape = shape
         self._last_seq = 0
+        self._fp16_overflows = 0
+        self._read_programs: dict[int, Program] = {}
+        self._reads_per_plan = reads_per_plan
         self._last_slots = LastSlots(
             selection, shape,
             requests=last_slot_requests(max_requests=opts.max_requests,
@@ -272,8 +295,9 @@ class TorchCaptureTransport:
             msg = "seal() without a committed step"
             raise CommitError(msg)
         self._writer.open = None
-        self._last_slots.end()
         try:
+            if self._last_slots:
+                self._last_slots.end()
             self._writer.seal(step)
         except CaptureError as exc:
             self._fail(exc, "seal")
@@ -285,7 +309,8 @@ class TorchCaptureTransport:
         Pieces of a piecewise step that were already handed to the drain are stored.
         """
         step, self._writer.open = self._writer.open, None
-        self._last_slots.end()
+        if self._last_slots:
+            self._last_slots.abort()
         if step is None or step.mode is Mode.EMPTY:
             return
         log.warning("capture step aborted; its rows are not stored", step=step.seq)
@@ -333,13 +358,18 @@ class TorchCaptureTransport:
             if self._last_slots and not self._unusable and step is None:
                 try:  # the finish notices still waiting for a commit
                     self._read_finished(self._last_seq)
-                except CaptureError as exc:
+                except Exception as exc:  # any failure here is the run's failure
                     self._fail(exc, "stop")
             self._stopped = True
             self._unusable = True
-            if step is not None and step.mode is not Mode.EMPTY:
+            if step is not None and (step.mode is not Mode.EMPTY or self._last_slots.active):
                 self._fail(CaptureError(f"step {step.seq} was committed, never sealed"), "stop")
             self._drain.close()
+            if self._payloads is not None and self._failure is None:
+                try:
+                    self._fp16_overflows = self._payloads.overflow_count()
+                except Exception as exc:  # the device failed: the run's failure
+                    self._fail(exc, "stop")
             try:
                 self._sink.flush()
             except Exception as exc:  # any sink failure is the run's failure
@@ -356,8 +386,7 @@ class TorchCaptureTransport:
             stalls=self._stalls, stall_seconds=self._stall_seconds,
             forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
             discarded_logit_rows=self._drain.discarded,
-            fp16_overflows=(self._payloads.overflow_count()
-                            if self._payloads is not None and self._stopped else 0),
+            fp16_overflows=self._fp16_overflows,
         )
 
     def drain_counters(self) -> dict[str, float]:
@@ -392,12 +421,16 @@ class TorchCaptureTransport:
         """Queue the reads of the finished requests' ``last`` rows on the current stream
         (before any later forward can write their slots again), then their notices."""
         reads, notices = self._last_slots.take_reads()
-        if reads:
-            plan = make_read_plan([(rid, p) for rid, p, _ in reads], self._selection,
+        step = self._reads_per_plan
+        for at in range(0, len(reads), step):  # pieces of at most a quarter of the ring
+            chunk = reads[at : at + step]
+            plan = make_read_plan([(rid, p) for rid, p, _ in chunk], self._selection,
                                   self._shape)
-            program = build_program(plan, self._arena)
+            program = self._read_programs.get(len(chunk))
+            if program is None:  # the same for every read of as many requests
+                program = self._read_programs[len(chunk)] = build_program(plan, self._arena)
             base = self._reserve(program.reserve_bytes, program.entries, seq)
-            rows = self._last_slots.upload([row for _, _, row in reads])
+            rows = self._last_slots.upload([row for _, _, row in chunk])
             for seg in plan.segments:
                 start = base + seg.offset
                 out = self._ring[start : start + seg.nbytes].view(TORCH_DTYPES[seg.row.dtype])
