@@ -117,8 +117,8 @@ def test_a_cast_capture_still_refuses_a_tensor_of_another_dtype(make_driver) -> 
     layout = BatchLayout.extend(["a"], [0], [2])
     d.t.commit(d.plan(layout), step=1)
     wrong = rows_tensor(hook_by_name("final_ln"), -1, layout.positions()).to(torch.float64)
-    with pytest.raises(CaptureError, match="dtype torch.float64 differs"):
+    with pytest.raises(CaptureError, match=r"dtype torch\.float64 differs"):
         d.t.capturer.capture("final_ln", -1, wrong)
     logits = rows_tensor(hook_by_name("final_logits"), -1, [("a", 1)]).to(torch.float16)
-    with pytest.raises(CaptureError, match="dtype torch.float16 differs"):
+    with pytest.raises(CaptureError, match=r"dtype torch\.float16 differs"):
         d.t.capturer.capture("final_logits", -1, logits)
