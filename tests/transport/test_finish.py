@@ -306,3 +306,22 @@ def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatc
     moved = timing["drain_d2h_bytes"] + timing["drain_window_bytes"]
     assert moved >= stats.bytes > 0
     assert timing["drain_window_bytes"] > 0
+
+
+def test_a_forward_that_raised_after_its_commit_leaves_the_next_one_capturable(make_driver):
+    d, sink = make_driver("resid_pre@0:last,final_ln")
+    run = RunInfo("run-4", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    first = BatchLayout.extend(["a"], [0], [3])
+    mon.begin_forward()
+    mon.commit_eager(first)
+    mon.abort_forward()  # the forward raised after load_batch committed its plan
+    mon.begin_forward()
+    mon.commit_eager(first)  # no "committed while step 1 is not sealed"
+    d.fire(first)
+    mon.end_forward()
+    d.t.finish_request("a", 3)
+    d.t.stop()
+    assert sorted((r.act_name, r.start_token_idx, r.end_token_idx) for r in sink.records) == [
+        ("blocks.hook_resid_pre", 2, 3), ("hook_final_ln", 0, 3)]

@@ -217,3 +217,33 @@ def test_stop_with_an_open_step_of_last_rows_fails_the_run(make_driver) -> None:
     d.t.finish_request("a", 4)
     with pytest.raises(CaptureError, match="never sealed"):
         d.t.stop()
+
+
+def test_a_request_without_a_slot_takes_one_freed_later(make_driver) -> None:
+    d, sink = make_driver("resid_pre@0:last", max_graph_batch=2, max_requests=1)  # 4 slots
+    d.forward(BatchLayout.extend([f"r{i}" for i in range(4)], [0] * 4, [2] * 4))
+    d.forward(BatchLayout.extend(["late"], [0], [2]))  # no free slot: position 1 lost
+    for i in range(4):
+        d.t.finish_request(f"r{i}", 2)
+    for n in range(5):  # positions 2..6: the slot freed by the notices is taken at once
+        d.forward(BatchLayout.decode(["late"], [3 + n]))
+    d.t.finish_request("late", 2 + 6 - 1)  # six tokens, the last decided by position 6
+    d.t.stop()
+    assert ("late", 6) in {(r.request_id, r.start_token_idx) for r in sink.records}
+    assert d.t._last_slots.slotless == 1
+
+
+def test_an_aborted_step_that_started_a_run_leaves_no_position_behind(make_driver) -> None:
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.graph_capture(4)
+    step = BatchLayout.decode(["a"], [4], padded_batch_size=4)  # would write position 3
+    d.step += 1
+    d.t.commit(d.plan(step, padded=True), step=d.step)
+    d.t.abort()
+    slots = d.t._last_slots
+    slots._end_run()  # what the next commit or notice does first
+    assert slots._newest == {"a": 2}  # not the aborted step's position 3
+    d.t.finish_request("a", 3)  # one token, decided by position 2
+    d.t.stop()
+    assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 2)]

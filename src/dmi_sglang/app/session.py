@@ -377,8 +377,10 @@ class SchedulerMonitor:
         self.transport.seal()
 
     def abort_forward(self) -> None:
-        """The forward raised: forget the step (the exception propagates)."""
+        """The forward raised: forget the step, and free what the transport reserved for
+        it (the exception propagates)."""
         self.protocol.abort()
+        self.transport.abort()
 
     # -- stop --------------------------------------------------------------------------
     def stop(self) -> TransportStats:

@@ -149,9 +149,9 @@ class LastSlots:
         self._padded = False
         self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._pending: list[tuple[str, int | None]] = []
-        self._notified: dict[str, None] = {}
-        """Requests notified lately (oldest first): a forward after the notice (an abort
-        SGLang still prefills once) writes them nowhere."""
+        self._notified: set[str] = set()
+        """Requests notified (kept for the run, as the session keeps every request id): a
+        forward after the notice (an abort SGLang still prefills once) writes nowhere."""
         self._slotless: set[str] = set()
         self.slotless = 0
         """Requests that found no free slot: they get no ``last`` row (read as
@@ -269,6 +269,8 @@ class LastSlots:
             run, starts = self._flipped
             run.current.bitwise_xor_(run.flip)
             run.starts = starts
+        else:  # a run this step started holds its positions: forget it
+            self._run = None
         for rid, first, newest in reversed(self._undo):
             for table, value in ((self._first, first), (self._newest, newest)):
                 if value is None:
@@ -301,7 +303,7 @@ class LastSlots:
             self._end_run()  # a slot the run's index holds may be given back
         reads = []
         for rid, end in notices:
-            self._notified[rid] = None
+            self._notified.add(rid)
             self._slotless.discard(rid)
             slot = self._slot_of.pop(rid, None)
             first, newest = self._first.pop(rid, None), self._newest.pop(rid, None)
@@ -314,8 +316,6 @@ class LastSlots:
             # extra forward, at end, came after it).
             if end is not None and first <= end - 1 and end - 1 <= newest <= end:
                 reads.append((rid, end - 1, 2 * slot + (end - 1) % 2))
-        while len(self._notified) > 4 * self.requests:
-            del self._notified[next(iter(self._notified))]
         return reads, notices
 
     def read(self, key: CaptureKey, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -337,14 +337,17 @@ class LastSlots:
                 self._newest[rid] = run.starts[i]
 
     def _slot(self, request_id: str) -> int | None:
-        """The request's slot; None for a request notified already, or when none is
-        free (counted, logged once per request)."""
+        """The request's slot; None for a request notified already, or while none is
+        free (counted and logged once per request; a slot freed later is taken at the
+        request's next forward, and its ``last`` row is read if it came that late)."""
         slot = self._slot_of.get(request_id)
         if slot is not None:
             return slot
-        if request_id in self._notified or request_id in self._slotless:
+        if request_id in self._notified:
             return None
-        if not self._free:
+        if not self._free:  # it tries again at its next forward (its rows from then on)
+            if request_id in self._slotless:
+                return None
             self._slotless.add(request_id)
             self.slotless += 1
             log.warning("dmi.last_slots_full", request_id=request_id, slots=self.requests,
