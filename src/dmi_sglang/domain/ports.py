@@ -208,6 +208,11 @@ class CaptureTransport(Protocol):
         """The forward finished: hand the step to the drain."""
         ...
 
+    def abort(self) -> None:
+        """The forward raised: free the open step without storing it (none open: a
+        no-op)."""
+        ...
+
     def stop(self) -> TransportStats:
         """Terminal, idempotent: drain everything, flush the sink, raise any failure."""
         ...
