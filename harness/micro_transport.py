@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=Q06.hidden)
     p.add_argument("--vocab", type=int, default=Q06.vocab, help="final_logits width (drain)")
     p.add_argument("--batches", type=_ints, default="1,8,64", help="positive, e.g. 1,8,64")
-    p.add_argument("--presets", type=_presets, default=",".join(OVERHEAD_PRESETS),
-                   help=f"of {', '.join(OVERHEAD_PRESETS)} (default: both)")
+    p.add_argument("--presets", type=_presets, default="hidden-states,7-hooks",
+                   help=f"of {', '.join(OVERHEAD_PRESETS)} (default: hidden-states,7-hooks)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each block")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median and spread)")

@@ -177,20 +177,11 @@ class LastSlots:
 
         A decode graph step whose batch is the previous one's, each request one position
         further, only flips the parity bit of the previous index on the device: no pass
-        over the batch, no upload.
-
-        Raises:
-            CaptureError: a decode graph step whose graph never recorded a ``last``
-                capture point (its slots would never be written).
-        """
+        over the batch, no upload."""
         batch = plan.batch
         self._fired.clear()
         self._undo.clear()
         self._flipped = None
-        if plan.padded and not self._recorded >= self._keys.keys():
-            missing = sorted(set(self._keys) - self._recorded)
-            msg = f"last capture points {missing[:4]} were not recorded in the decode graph"
-            raise CaptureError(msg)
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
             self._flipped = (run, run.starts)
@@ -252,13 +243,15 @@ class LastSlots:
         """The step is sealed: a replay nobody commits writes the spare row.
 
         Raises:
-            CaptureError: an eager step whose ``last`` capture points did not all run
-                (the slots would hold another request's rows).
+            CaptureError: a step whose ``last`` capture points did not all run, eagerly
+                or recorded in the decode graph it replayed (the slots would hold another
+                request's rows).
         """
-        eager = self._eager is not None
+        eager, padded = self._eager is not None, self._padded
         self._reset()
-        if eager and self._fired != self._keys.keys():
-            missing = sorted(set(self._keys) - self._fired)
+        ran = self._fired | self._recorded if padded else self._fired
+        if (eager or padded) and not ran >= self._keys.keys():
+            missing = sorted(set(self._keys) - ran)
             msg = f"last capture points never ran in a committed step: {missing[:4]}"
             raise CaptureError(msg)
 
