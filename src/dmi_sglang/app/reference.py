@@ -137,8 +137,7 @@ def capture_reference(
     sink.start_run(run)
     manifests: list[RequestManifest] = []
     selected = {(hook.name, layer) for hook, layer in selection.captures()}
-    last = [(hook, layer) for hook, layer in selection.captures()
-            if selection.positions_of(hook.name, layer).rule is PositionRule.LAST]
+    last = selection.captures_kept_by(PositionRule.LAST)
     seq = records = rows = nbytes = 0
     try:
         for request in requests:

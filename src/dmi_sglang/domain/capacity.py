@@ -219,11 +219,8 @@ def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int) -
     """GPU bytes of the ``last`` rule's slots: per capture with that rule, two rows per
     request (by position parity: the overlap scheduler's extra forward writes the other)
     and one spare row."""
-    total = 0
-    for hook, layer_no in selection.captures():
-        if selection.positions_of(hook.name, layer_no).rule is PositionRule.LAST:
-            total += (2 * requests + 1) * shape.capture_row(selection, hook, layer_no).nbytes
-    return total
+    return sum((2 * requests + 1) * shape.capture_row(selection, hook, layer_no).nbytes
+               for hook, layer_no in selection.captures_kept_by(PositionRule.LAST))
 
 
 class RingAllocator:

@@ -403,6 +403,12 @@ class Selection:
     payloads: tuple[tuple[str, int, Payload], ...] = ()
     """``(hook, layer_no, payload)`` of the captures stored otherwise than computed."""
 
+    def captures_kept_by(self, rule: PositionRule) -> tuple[tuple[Hook, int], ...]:
+        """The captures (:meth:`captures` order) whose position rule is of kind
+        ``rule``."""
+        return tuple((hook, layer) for hook, layer in self.captures()
+                     if self.positions_of(hook.name, layer).rule is rule)
+
     def payload_of(self, name: str, layer_no: int) -> Payload:
         """How one capture's rows are stored (``layer_no = -1`` for a global hook)."""
         for hook, layer, payload in self.payloads:

@@ -335,8 +335,7 @@ def make_read_plan(reads: Sequence[tuple[str, int]], selection: Selection,
     Raises:
         ValueError: no reads, or no capture of the selection has the ``last`` rule.
     """
-    captures = [(hook, layer) for hook, layer in selection.captures()
-                if selection.positions_of(hook.name, layer).rule is PositionRule.LAST]
+    captures = selection.captures_kept_by(PositionRule.LAST)
     if not reads or not captures:
         msg = "a read plan needs reads and captures with the last rule"
         raise ValueError(msg)

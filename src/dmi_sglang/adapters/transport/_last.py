@@ -36,17 +36,11 @@ from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["LastSlots", "last_captures"]
+__all__ = ["LastSlots"]
 
 _UPLOAD_BUFFERS = 8
 
 log = structlog.get_logger("dmi_sglang.transport")
-
-
-def last_captures(selection: Selection) -> tuple[tuple[str, int], ...]:
-    """The captures of ``selection`` whose position rule is ``last``."""
-    return tuple((hook.name, layer) for hook, layer in selection.captures()
-                 if selection.positions_of(hook.name, layer).rule is PositionRule.LAST)
 
 
 class _Uploader:
@@ -123,11 +117,9 @@ class LastSlots:
 
     def __init__(self, selection: Selection, shape: ModelShape, *, requests: int,
                  max_graph_batch: int, ops: DeviceOps) -> None:
-        self._keys: dict[CaptureKey, tuple[RowSpec, RowBasis]] = {}
-        for name, layer in last_captures(selection):
-            hook = next(h for h, n in selection.captures() if h.name == name and n == layer)
-            self._keys[(name, layer)] = (shape.capture_row(selection, hook, layer),
-                                         hook.row_basis)
+        self._keys: dict[CaptureKey, tuple[RowSpec, RowBasis]] = {
+            (hook.name, layer): (shape.capture_row(selection, hook, layer), hook.row_basis)
+            for hook, layer in selection.captures_kept_by(PositionRule.LAST)}
         self.requests = requests
         self.spare = 2 * requests
         """The row that takes what no slot wants."""

@@ -21,7 +21,7 @@ from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
-from dmi_sglang.adapters.transport._last import LastSlots, last_captures
+from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
@@ -39,6 +39,7 @@ from dmi_sglang.domain.hooks import Selection, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan, make_read_plan
 from dmi_sglang.domain.ports import TransportStats
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError
 
@@ -67,7 +68,7 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
     Raises:
         CapacityError: one request's ``last`` rows do not fit the ring.
     """
-    if not last_captures(selection):
+    if not selection.captures_kept_by(PositionRule.LAST):
         return 1
     one = make_read_plan([("-", 0)], selection, shape).total_bytes
     if one > capacity.effective_bytes:
