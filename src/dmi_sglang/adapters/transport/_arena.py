@@ -23,7 +23,7 @@ from dmi_sglang.domain.plan import align_up
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["Arena", "CaptureKey", "as_rows"]
+__all__ = ["Arena", "CaptureKey", "as_rows", "check_dtype"]
 
 CaptureKey = tuple[str, int]
 """``(hook short name, layer_no)``; ``layer_no = -1`` for global hooks."""
@@ -35,10 +35,7 @@ def as_rows(tensor: torch.Tensor, key: CaptureKey, row: RowSpec) -> torch.Tensor
     Raises:
         CaptureError: the dtype or the row width differs from what the plan stores.
     """
-    expected = TORCH_DTYPES[row.dtype]
-    if tensor.dtype != expected:
-        msg = f"capture {key}: tensor dtype {tensor.dtype} differs from the planned {expected}"
-        raise CaptureError(msg)
+    check_dtype(key, tensor, TORCH_DTYPES[row.dtype])
     rows = tensor.shape[0] if tensor.dim() else 1
     width = math.prod(row.dims)
     if tensor.numel() != rows * width:
@@ -48,6 +45,18 @@ def as_rows(tensor: torch.Tensor, key: CaptureKey, row: RowSpec) -> torch.Tensor
         )
         raise CaptureError(msg)
     return tensor.reshape(rows, width)
+
+
+def check_dtype(key: CaptureKey, tensor: torch.Tensor, expected: torch.dtype) -> None:
+    """Raise unless ``tensor`` is in the planned dtype (before a payload cast, the dtype
+    the capture is computed in).
+
+    Raises:
+        CaptureError: another dtype.
+    """
+    if tensor.dtype != expected:
+        msg = f"capture {key}: tensor dtype {tensor.dtype} differs from the planned {expected}"
+        raise CaptureError(msg)
 
 
 class Arena:

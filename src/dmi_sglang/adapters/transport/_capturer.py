@@ -6,8 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from dmi_sglang.adapters.transport._arena import CaptureKey
-from dmi_sglang.errors import CaptureError
+from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
 
 __all__ = ["Capturer", "Payloads"]
 
@@ -141,14 +140,3 @@ class Capturer:
 def _always(_key: CaptureKey) -> bool:
     return True
 
-
-def check_dtype(key: CaptureKey, tensor: torch.Tensor, computed: torch.dtype) -> None:
-    """Raise unless ``tensor`` is in the dtype the capture is computed in (a transform
-    would otherwise hide the mismatch the stored row check catches).
-
-    Raises:
-        CaptureError: another dtype.
-    """
-    if tensor.dtype != computed:
-        msg = f"capture {key}: tensor dtype {tensor.dtype} differs from the planned {computed}"
-        raise CaptureError(msg)
