@@ -200,6 +200,17 @@ class Driver:
             assert got_positions == want_positions, key
 
 
+def two_requests(d: Driver, *, padded: bool) -> None:
+    """A prefill of requests a (5 tokens) and b (3), then 4 decode steps of both (padded
+    replays of a recorded bucket of 4 when ``padded``)."""
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    if padded:
+        d.graph_capture(4)
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n],
+                                     padded_batch_size=4 if padded else None), padded=padded)
+
+
 @pytest.fixture
 def make_driver() -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
     """Factory: ``make_driver(selection_text, payload_bytes=..., ...) -> (driver, sink)``."""

@@ -182,13 +182,20 @@ def test_one_requests_last_rows_larger_than_the_ring_are_refused_at_creation(mak
                     max_prefill_tokens=1)
 
 
-def test_a_last_capture_point_that_never_ran_fails_the_step(make_driver) -> None:
-    d, _ = make_driver("resid_pre@0:last,final_ln")
+def _commit_b_after_a_finished(d) -> BatchLayout:
+    """a (4 tokens) finishes; the prefill of b, which would reuse a's slot row, is
+    committed, not fired."""
     d.forward(BatchLayout.extend(["a"], [0], [4]))
     d.t.finish_request("a", 4)
-    step = BatchLayout.extend(["b"], [0], [2])  # b would reuse a's slot row
+    step = BatchLayout.extend(["b"], [0], [2])
     d.step += 1
     d.t.commit(d.plan(step), step=d.step)
+    return step
+
+
+def test_a_last_capture_point_that_never_ran_fails_the_step(make_driver) -> None:
+    d, _ = make_driver("resid_pre@0:last,final_ln")
+    step = _commit_b_after_a_finished(d)
     d.fire(step, skip={("resid_pre", 0)})
     with pytest.raises(CaptureError, match=r"last capture points never ran.*resid_pre"):
         d.t.seal()
@@ -198,11 +205,7 @@ def test_a_last_capture_point_that_never_ran_fails_the_step(make_driver) -> None
 
 def test_an_aborted_forward_leaves_no_row_to_read(make_driver) -> None:
     d, sink = make_driver("resid_pre@0:last")
-    d.forward(BatchLayout.extend(["a"], [0], [4]))
-    d.t.finish_request("a", 4)
-    step = BatchLayout.extend(["b"], [0], [2])  # b would reuse a's slot row
-    d.step += 1
-    d.t.commit(d.plan(step), step=d.step)
+    _commit_b_after_a_finished(d)
     d.t.abort()  # the forward raised before any capture point ran
     d.t.finish_request("b", 2)
     d.t.stop()

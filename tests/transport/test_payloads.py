@@ -9,16 +9,7 @@ import torch
 
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import raw_bytes, rows_tensor, stored_rows
-
-
-def _forwards(d, *, padded: bool) -> None:
-    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
-    if padded:
-        d.graph_capture(4)
-    for n in range(4):
-        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n],
-                                     padded_batch_size=4 if padded else None), padded=padded)
+from .conftest import raw_bytes, rows_tensor, stored_rows, two_requests
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
@@ -29,7 +20,7 @@ def test_modified_captures_store_the_transformed_rows_of_a_full_capture(
     some, some_sink = make_driver("resid_pre:fp16,q:bf16,final_logits:topk(3)",
                                   coalesce_decode=coalesce)
     for d in (full, some):
-        _forwards(d, padded=padded)
+        two_requests(d, padded=padded)
     full_stats, some_stats = full.t.stop(), some.t.stop()
     some.verify(some_sink.records)  # every row once, its bytes the transformed rows
 
@@ -56,7 +47,7 @@ def test_topk_logits_alone_install_the_logits_point_and_store_no_full_row(make_d
     d, sink = make_driver("final_logits:generated:topk(2)")
     assert d.t.capturer.wants("final_logits", -1)
     d.prompts = {"a": 5, "b": 3}
-    _forwards(d, padded=True)
+    two_requests(d, padded=True)
     d.t.stop()
     d.verify(sink.records)
     assert {r.act_name for r in sink.records} == {"logits_topk_values", "logits_topk_ids"}

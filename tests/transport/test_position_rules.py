@@ -8,16 +8,7 @@ import pytest
 
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import stored_rows
-
-
-def _forwards(d, *, padded: bool) -> None:
-    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
-    if padded:
-        d.graph_capture(4)
-    for n in range(4):
-        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n], padded_batch_size=4 if padded
-                                     else None), padded=padded)
+from .conftest import stored_rows, two_requests
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
@@ -28,7 +19,7 @@ def test_a_position_range_stores_those_rows_of_a_full_capture(make_driver, padde
     ruled, ruled_sink = make_driver("resid_pre:positions(3-6),final_ln,final_logits",
                                     coalesce_decode=coalesce)
     for d in (full, ruled):
-        _forwards(d, padded=padded)
+        two_requests(d, padded=padded)
     full_stats, ruled_stats = full.t.stop(), ruled.t.stop()
     ruled.verify(ruled_sink.records)  # every row once, with the bytes of its position
 
@@ -45,7 +36,7 @@ def test_a_position_range_stores_those_rows_of_a_full_capture(make_driver, padde
 
 def test_a_range_outside_every_computed_position_captures_nothing_of_that_hook(make_driver):
     d, sink = make_driver("resid_pre:positions(100-200),final_ln")
-    _forwards(d, padded=False)
+    two_requests(d, padded=False)
     d.t.stop()
     d.verify(sink.records)
     assert sink.records

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -317,24 +319,34 @@ RULED: Selection = parse_selection(
     ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
 
 
-def test_graph_replay_drops_left_out_requests_and_positions_on_the_device():
-    sink = MemorySink()
-    t = _transport(sink, selection=RULED)
-    model = _model(t)
+def _replays(t: TorchCaptureTransport, selection: Selection,
+             seq_lens: Callable[[int, int], list[int]],
+             stored: Callable[[Ref], Ref] = lambda ref: ref, **plan_args: Any) -> Expected:
+    """Decode graph replays of 3, 5, 8, 8, 6 and 8 requests in a bucket of 8 (random ids
+    in the padding rows), ``seq_lens(step, requests)`` long; what the records must hold,
+    from the reference clones each replay refreshes (``stored``: as the capture stores
+    them)."""
     bucket = 8
-    graph, static_ids, ref = _record_graph(model, bucket)
+    graph, static_ids, ref = _record_graph(_model(t), bucket)
     expected = Expected()
-    skip = frozenset({"r1", "r4"})
     for step, raw in enumerate((3, 5, 8, 8, 6, 8), start=1):
-        rids = [f"r{i}" for i in range(raw)]
         static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
-        layout = BatchLayout.decode(rids, [10 + step + i for i in range(raw)],
+        layout = BatchLayout.decode([f"r{i}" for i in range(raw)], seq_lens(step, raw),
                                     padded_batch_size=bucket)
-        plan = make_plan(layout, RULED, SHAPE, padded=True, skip=skip)
+        plan = make_plan(layout, selection, SHAPE, padded=True, **plan_args)
         t.commit(plan, step=step)
         graph.replay()
         t.seal()
-        expected.add(plan, ref)
+        expected.add(plan, stored(ref))  # reads the clones before the next replay
+    return expected
+
+
+def test_graph_replay_drops_left_out_requests_and_positions_on_the_device():
+    sink = MemorySink()
+    t = _transport(sink, selection=RULED)
+    skip = frozenset({"r1", "r4"})
+    expected = _replays(t, RULED, lambda step, raw: [10 + step + i for i in range(raw)],
+                        skip=skip)
     stats = t.stop()
     assert expected.verify(sink.records) == stats.rows
     assert not skip & {r.request_id for r in sink.records}
@@ -368,20 +380,9 @@ def _as_stored(ref: Ref, selection: Selection) -> Ref:
 def test_graph_replay_stores_cast_rows_and_the_top_logits():
     sink = MemorySink()
     t = _transport(sink, selection=MODIFIED)
-    model = _model(t)
-    bucket = 8
-    graph, static_ids, ref = _record_graph(model, bucket)
-    expected = Expected()
-    prompts = {f"r{i}": 10 for i in range(bucket)}
-    for step, raw in enumerate((3, 5, 8, 8, 6, 8), start=1):
-        rids = [f"r{i}" for i in range(raw)]
-        static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
-        layout = BatchLayout.decode(rids, [10 + step] * raw, padded_batch_size=bucket)
-        plan = make_plan(layout, MODIFIED, SHAPE, padded=True, prompts=prompts.get)
-        t.commit(plan, step=step)
-        graph.replay()
-        t.seal()
-        expected.add(plan, _as_stored(ref, MODIFIED))
+    prompts = {f"r{i}": 10 for i in range(8)}
+    expected = _replays(t, MODIFIED, lambda step, raw: [10 + step] * raw,
+                        lambda ref: _as_stored(ref, MODIFIED), prompts=prompts.get)
     stats = t.stop()
     assert expected.verify(sink.records) == stats.rows
     dtypes = {r.act_name: r.dtype for r in sink.records}
