@@ -137,7 +137,8 @@ def capture_reference(
     sink.start_run(run)
     manifests: list[RequestManifest] = []
     selected = {(hook.name, layer) for hook, layer in selection.captures()}
-    last = selection.captures_kept_by(PositionRule.LAST)
+    last = {(hook.name, layer): model.shape.capture_row(selection, hook, layer).nbytes
+            for hook, layer in selection.captures_kept_by(PositionRule.LAST)}
     seq = records = rows = nbytes = 0
     try:
         for request in requests:
@@ -147,10 +148,9 @@ def capture_reference(
             newest: dict[tuple[str, int], bytes] = {}
             for fwd in model.generate(request.prompt_ids, max_new_tokens=max_new_tokens,
                                       selection=selection):
-                for hook, layer in last:  # the forward's last row decided its token
-                    data = fwd.payloads[(hook.name, layer)]
-                    size = model.shape.capture_row(selection, hook, layer).nbytes
-                    newest[(hook.name, layer)] = data[len(data) - size:]
+                for key, size in last.items():  # the forward's last row decided its token
+                    data = fwd.payloads[key]
+                    newest[key] = data[len(data) - size:]
                 layout = _layout(rid, request, fwd, first=completion == 0, end=end)
                 seq += 1
                 plan = make_plan(layout, selection, model.shape, padded=False,
