@@ -359,3 +359,25 @@ def test_payload_modifiers_store_the_cast_rows_and_the_top_logits(
     shown = capsys.readouterr().out
     assert "logits_topk_ids" in shown
     assert "torch.float16" in shown
+
+
+@pytest.mark.torch
+def test_the_last_rule_stores_the_row_that_decided_the_last_token(
+        captured: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    url = captured["url"]
+    assert main(["reference-capture", "--db", url, "--layers", "2", "--hooks",
+                 "resid_pre@1:last,final_logits:last", "--max-new-tokens", str(NEW_TOKENS),
+                 "--prompt", PROMPTS[0]]) == 0
+    out = capsys.readouterr().out
+    run_id = next(ln.split()[-1] for ln in out.splitlines() if ln.startswith("run id"))
+    store = _store(url)
+    with store.session():
+        full, some = store.handle(RUN, "req-0"), store.handle(run_id, "req-0")
+        manifest = store.manifest(run_id, "req-0")
+        last = manifest.prompt_tokens + manifest.completion_tokens - 2
+        assert some.missing == ()
+        assert some.positions("resid_pre", 1) == range(last, last + 1)
+        assert torch.equal(some.get("resid_pre", 1), full.get("resid_pre", 1)[last:last + 1])
+        assert torch.equal(some.logits, full.logits[-1:])
