@@ -250,3 +250,18 @@ def test_an_aborted_step_that_started_a_run_leaves_no_position_behind(make_drive
     d.t.finish_request("a", 3)  # one token, decided by position 2
     d.t.stop()
     assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 2)]
+
+
+def test_an_abort_before_the_step_committed_keeps_the_decode_runs_positions(make_driver):
+    """A forward that raised before its commit (SGLang code before ``load_batch``) undoes
+    nothing of the steps before it: the run of decode graph steps keeps its positions, so
+    the finished request's row is read."""
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))  # decides token 1 (position 2)
+    d.graph_capture(4)
+    for n in range(3):  # positions 3, 4 decide tokens 2, 3; 5 is the extra forward
+        d.forward(BatchLayout.decode(["a"], [4 + n], padded_batch_size=4), padded=True)
+    d.t.abort()
+    d.t.finish_request("a", 3 + 3 - 1)
+    d.t.stop()
+    assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 4)]

@@ -152,6 +152,8 @@ class LastSlots:
         self._fired: set[CaptureKey] = set()
         self._undo: list[tuple[str, int | None, int | None]] = []
         self._flipped: tuple[_Run, tuple[int, ...]] | None = None
+        self._began = False
+        """A step began (and did not end or abort yet): what :meth:`abort` may undo."""
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
@@ -174,6 +176,7 @@ class LastSlots:
         self._fired.clear()
         self._undo.clear()
         self._flipped = None
+        self._began = True
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
             self._flipped = (run, run.starts)
@@ -254,7 +257,7 @@ class LastSlots:
             run, starts = self._flipped
             run.current.bitwise_xor_(run.flip)
             run.starts = starts
-        else:  # a run this step started holds its positions: forget it
+        elif self._began:  # a run this step started holds its positions: forget it
             self._run = None
         for rid, first, newest in reversed(self._undo):
             for table, value in ((self._first, first), (self._newest, newest)):
@@ -271,6 +274,7 @@ class LastSlots:
         self._eager = None
         self._undo.clear()
         self._flipped = None
+        self._began = False
 
     def finished(self, request_id: str, logits_end: int | None) -> None:
         """A finish notice, held until :meth:`take_reads` (the transport orders it after
