@@ -48,6 +48,7 @@ class Group:
 
     Attributes:
         positions: indices into ``plan.segments``, in ring order.
+        source_rows: rows each segment's capture has (the arena's, for padded plans).
         ring_rows / kept_rows: rows in the ring per segment / rows kept in records.
         host_index: rows of the ring copy the host keeps when they are not the first
             ``kept_rows`` (padding strip off with a row selection), else None.
@@ -62,6 +63,7 @@ class Group:
     positions: tuple[int, ...]
     metas: tuple[SegmentMeta, ...]
     row_nbytes: int
+    source_rows: int
     ring_rows: int
     kept_rows: int
     host_index: tuple[int, ...] | None
@@ -118,7 +120,7 @@ class Program:
         them from the device straight into payload memory (request rows, held back one
         step, still go through staging)."""
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
-        self._arena_views: list[torch.Tensor | None] | None = None
+        self._arena_views: list[torch.Tensor] | None = None
         """Per group without a gather, its rows in the arena (fixed: made once)."""
         self.arena_checked = False
 
@@ -131,41 +133,29 @@ class Program:
         return cached
 
     def copy_from_arena(
-        self,
-        plan: CommitPlan,
-        base: int,
-        *,
-        arena: Arena,
-        arena_wide: dict[int, torch.Tensor],
-        ring: torch.Tensor,
+        self, base: int, *, arena_wide: dict[int, torch.Tensor],
         ring_wide: dict[int, torch.Tensor],
     ) -> None:
         """Queue the arena -> ring copies of a replayed step on the current stream."""
         views = self._arena_views
         if views is None:
-            views = self._arena_views = [
-                None if g.gather is not None else arena_wide[g.elem].as_strided(
-                    (g.count, g.ring_rows * g.row_nbytes // g.elem),
-                    (g.arena_stride // g.elem, 1), g.arena_offset // g.elem)
-                for g in self.groups]
+            views = self._arena_views = [_arena_view(g, arena_wide) for g in self.groups]
         for g, src in zip(self.groups, views, strict=True):
-            if src is not None:
-                e = g.elem
+            e = g.elem
+            if g.gather is None:
                 width = g.ring_rows * g.row_nbytes // e
                 dst = ring_wide[e].as_strided(
                     (g.count, width), (g.ring_stride // e, 1), (base + g.ring_offset) // e
                 )
                 dst.copy_(src)
                 continue
-            assert g.gather is not None
-            index = self.index(g.gather, arena.buffer.device)
-            for pos, meta in zip(g.positions, g.metas, strict=True):
-                seg = plan.segments[pos]
-                start = base + seg.offset
-                out = ring[start : start + seg.nbytes].view(arena.view(meta.key).dtype)
-                torch.index_select(
-                    arena.view(meta.key), 0, index, out=out.view(g.ring_rows, -1)
-                )
+            # every segment of the group keeps the same rows: one gather for all of them
+            row = g.row_nbytes // e
+            dst = ring_wide[e].as_strided(
+                (g.count, g.ring_rows, row), (g.ring_stride // e, row, 1),
+                (base + g.ring_offset) // e,
+            )
+            torch.index_select(src, 1, self.index(g.gather, src.device), out=dst)
 
     def check_arena(self, plan: CommitPlan, arena: Arena) -> None:
         """Raise unless every segment's slot was recorded with enough rows.
@@ -183,6 +173,20 @@ class Program:
                         f"{need} rows (installed after graph capture?); its slot is stale"
                     )
                     raise CaptureError(msg)
+
+
+def _arena_view(group: Group, arena_wide: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A group's slots in the arena: ``[segments, row elements]`` when every row is copied,
+    ``[segments, source rows, row elements]`` when the device gathers some of them."""
+    e = group.elem
+    stride = group.arena_stride // e
+    if group.gather is None:
+        return arena_wide[e].as_strided(
+            (group.count, group.ring_rows * group.row_nbytes // e), (stride, 1),
+            group.arena_offset // e)
+    row = group.row_nbytes // e
+    return arena_wide[e].as_strided(
+        (group.count, group.source_rows, row), (stride, row, 1), group.arena_offset // e)
 
 
 def plan_key(plan: CommitPlan) -> Hashable:
@@ -219,7 +223,8 @@ def _same_kind(a: Segment, b: Segment) -> bool:
     # Only the bytes matter for moving rows; each segment keeps its own dtype and dims.
     return (
         a.row.nbytes == b.row.nbytes and a.kept_rows == b.kept_rows and a.ring_rows == b.ring_rows
-        and a.source_index == b.source_index and a.hook.row_basis is b.hook.row_basis
+        and a.source_rows == b.source_rows and a.source_index == b.source_index
+        and a.hook.row_basis is b.hook.row_basis
     )
 
 
@@ -275,6 +280,7 @@ def _group(plan: CommitPlan, run: list[int], arena: Arena) -> Group:
         positions=tuple(run),
         metas=tuple(_meta(segs[i]) for i in run),
         row_nbytes=first.row.nbytes,
+        source_rows=first.source_rows,
         ring_rows=first.ring_rows,
         kept_rows=first.kept_rows,
         host_index=host_index,

@@ -177,9 +177,6 @@ class StepWriter:
             self._from_arena(step.seq, piece, piece_program, base)
 
     def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int) -> None:
-        program.copy_from_arena(
-            plan, base, arena=self._arena, arena_wide=self._arena_wide, ring=self._ring,
-            ring_wide=self._ring_wide,
-        )
+        program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide)
         self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
 
