@@ -1,4 +1,4 @@
-"""``python -m harness COMMAND ...``: qualify, serving, transport, store, profile or docs."""
+"""``python -m harness COMMAND ...``: qualify, serving, hooks, transport, store, profile, docs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import sys
 
 COMMANDS = {"qualify": "harness.qualify", "serving": "harness.serving",
-            "transport": "harness.micro_transport", "store": "harness.micro_store",
-            "profile": "harness.profile", "docs": "harness.docs"}
+            "hooks": "harness.micro_hooks", "transport": "harness.micro_transport",
+            "store": "harness.micro_store", "profile": "harness.profile", "docs": "harness.docs"}
 
 
 LEGACY = {

@@ -1,4 +1,5 @@
-"""The component benchmarks (``python -m harness transport`` / ``store``) on CPU, tiny sizes:
+"""The component benchmarks (``python -m harness transport`` / ``store`` / ``hooks``) on CPU,
+tiny sizes:
 one result of the one schema, every row delivered, the bound and the spreads present, the
 tables ``python -m harness docs`` renders, and bad arguments refused before any work."""
 
@@ -174,6 +175,36 @@ def test_docs_render_both_tables(transport_run: Ran, store_run: Ran, tmp_path: P
     assert "](evidence/2026-12-02-cpu/store.json); 2 MB a run" in text
     assert "](evidence/2026-12-02-cpu/transport.json); D2H none" in text
     assert docs.main(["--docs", str(tmp_path), "--check"]) == 0
+
+
+@pytest.mark.torch
+def test_hooks_on_cpu(tmp_path: Path) -> None:
+    """Every selection's waves reach the sink; the parts add up to the decode figure;
+    a sample of 0 captures no request and stores nothing, the others capture all or some."""
+    _needs_torch()
+    from harness.micro_hooks import PARTS, main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--device", "cpu", "--layers", "2", "--hidden", "16", "--vocab", "128",
+                     "--batch", "8", "--prompt-len", "4", "--output-len", "5", "--waves", "2",
+                     "--step-ms", "0", "--ring-mb", "8", "--out", str(tmp_path / "h.json")]) == 0
+    data = _result(tmp_path / "h.json", "hooks")
+    rows = {r["preset"]: r for r in data["figures"]["hooks"]}
+    assert list(rows) == ["hidden-states", "last", "topk64", "sample0.1", "sample0"]
+    for r in rows.values():
+        assert r["delivered"]
+        assert r["decode_forwards"] == 2 * 5
+        assert set(r["parts_us"]) == set(PARTS)
+        assert r["decode_us"] == pytest.approx(sum(r["parts_us"].values()))
+    # 3 waves of 8 (the warm-up's included); a wave of hidden-states stores 2 layers x
+    # (4 + 5) positions of each request, and the last rule 2 rows of each
+    assert rows["hidden-states"]["rows"] == 3 * 8 * 2 * 9
+    assert rows["last"]["rows"] == 3 * 8 * 2
+    assert rows["topk64"]["rows"] == 3 * 8 * 2 * 5  # values and ids, a row per token
+    assert (rows["sample0"]["rows"], rows["sample0"]["captured_requests"]) == (0, 0)
+    assert 0 < rows["sample0.1"]["captured_requests"] < 24
+    assert printed.getvalue().count("delivered") == 5
 
 
 @pytest.mark.torch

@@ -1,0 +1,316 @@
+"""``python -m harness hooks``: the scheduler thread's time in the capture hooks, per forward.
+
+A monitored SGLang engine runs its scheduler on one Python thread, and at batch 64 on
+Qwen3-0.6B that thread is the bottleneck: every microsecond the runtime hooks spend per
+forward is a microsecond of serving time. This benchmark drives the library's capture
+session (:class:`~dmi_sglang.app.session.SchedulerMonitor`) and its transport the way
+the SGLang adapter's hooks do, without SGLang and without a model: waves of ``--batch``
+requests, each an eager prefill of ``--prompt-len`` tokens (every capture point fired
+with a tensor of its real shape) and ``--output-len`` decode forwards as decode-graph
+replays (the capture points were recorded once; a replay fires none), the requests
+finishing after the last one. Between forwards the thread sleeps until ``--step-ms``
+has passed since the forward began (a stand-in for the GPU step and SGLang's own
+Python, during which the drain thread runs), so the drain sees the capture rate of a
+real run.
+
+It reports, per selection, the scheduler-thread microseconds per decode forward of
+each hook (``requests``: the worker's batch hook; ``begin``: the forward starting,
+finish notices; ``layout``: the ForwardBatch read into a layout; ``preflight``: the
+padded plan checked against the ring; ``commit``: the plan committed; ``end``: the step
+sealed), their sum, the same sum per prefill forward, the drain thread's CPU per
+forward, and the lateness of a thread that asks to wake every millisecond (the drain's
+hold on the GIL). Every row must reach the sink (``rows``).
+
+``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
+launches: compare selections with each other there, not with a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.hooks import (
+    ModelHooks,
+    RowBasis,
+    Selection,
+    hook_by_name,
+    parse_selection,
+)
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.records import RunInfo
+from dmi_sglang.domain.sampling import RequestSample
+from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.testing import MemorySink
+from harness.docs import table_lines
+from harness.micro_transport import DENSE, Q06, LatenessProbe, model_shape
+from harness.results import Json, run_benchmark
+
+PRESETS: dict[str, tuple[str, float]] = {
+    "hidden-states": ("hidden-states", 1.0),
+    "last": ("resid_pre:last", 1.0),
+    "topk64": ("final_logits:topk(64)", 1.0),
+    "sample0.1": ("hidden-states", 0.1),
+    "sample0": ("hidden-states", 0.0),
+    "sglang-full": ("sglang-full", 1.0),
+}
+"""Selections measured (``--presets``): a name, the hook selection and the request
+sample rate, as in the serving benchmark's selective cells."""
+PARTS = ("requests", "begin", "layout", "preflight", "commit", "end")
+"""The hooks' parts, in the order a forward runs them."""
+
+
+class _Mode:
+    """A ``ForwardMode`` as the adapter reads it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _ForwardBatch:
+    """The fields of SGLang's ``ForwardBatch`` the adapter reads."""
+
+    def __init__(self, mode: str, rids: list[str], seq_lens: torch.Tensor,
+                 prefix: list[int] | None = None, extend: list[int] | None = None) -> None:
+        self.forward_mode = _Mode(mode)
+        self.rids = rids
+        self.seq_lens_cpu = seq_lens
+        self.seq_lens = None
+        self.extend_prefix_lens_cpu = prefix
+        self.extend_prefix_lens = None
+        self.extend_seq_lens_cpu = extend
+        self.extend_seq_lens = None
+
+
+class _Req:
+    """A request as the session reads SGLang's ``Req``."""
+
+    sampling_params = None
+
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.rid = rid
+        self.origin_input_ids = [0] * prompt
+        self.output_ids: list[int] = []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def _points(selection: Selection) -> list[tuple[str, int]]:
+    """The capture points a model fires for ``selection`` (``final_logits`` for the topk
+    captures)."""
+    points: list[tuple[str, int]] = []
+    for hook, layer in selection.captures():
+        point = ("final_logits", -1) if hook.derived else (hook.name, layer)
+        if point not in points:
+            points.append(point)
+    return points
+
+
+class _Model:
+    """Fires the capture points of a forward with tensors of their computed shapes."""
+
+    def __init__(self, transport: TorchCaptureTransport, selection: Selection,
+                 shape: ModelShape, *, token_rows: int, request_rows: int,
+                 device: torch.device) -> None:
+        self.capturer = transport.capturer
+        self.tensors: dict[tuple[str, int], tuple[torch.Tensor, bool]] = {}
+        for name, layer in _points(selection):
+            hook = hook_by_name(name)
+            spec = shape.row(hook)
+            by_token = hook.row_basis is RowBasis.TOKEN
+            dtype = getattr(torch, spec.dtype.value.removeprefix("torch."))
+            rows = token_rows if by_token else request_rows
+            self.tensors[(name, layer)] = (
+                torch.zeros((rows, *spec.dims), dtype=dtype, device=device), by_token)
+
+    def fire(self, token_rows: int, request_rows: int) -> None:
+        """Call every capture point as a forward of these rows would."""
+        for (name, layer), (t, by_token) in self.tensors.items():
+            self.capturer.capture(name, layer, t[: token_rows if by_token else request_rows])
+
+
+class _Waves:
+    """One selection's session, transport and model, driven wave by wave."""
+
+    def __init__(self, args: argparse.Namespace, preset: str) -> None:
+        dev = torch.device(args.device)
+        shape = model_shape(args.layers, args.hidden, args.vocab)
+        text, rate = PRESETS[preset]
+        sel = parse_selection(text).resolve(ModelHooks("Qwen3ForCausalLM", DENSE, args.layers))
+        capturing = [False]
+        self.args, self.preset, self.bs = args, preset, args.batch
+        self.sink = MemorySink(keep_records=False)
+        self.transport = TorchCaptureTransport(
+            capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20),
+            selection=sel, shape=shape, max_graph_batch=self.bs, sink=self.sink,
+            run_id=f"hooks-{preset}", device=dev,
+            options=TransportOptions(max_prefill_tokens=self.bs * args.prompt_len),
+            capture_probe=lambda: capturing[0])
+        self.monitor = SchedulerMonitor(
+            run=RunInfo(f"hooks-{preset}", "bench", (), (), "t"), selection=sel, shape=shape,
+            transport=self.transport, sink=self.sink, strip=True, sample=RequestSample(rate))
+        self.model = _Model(self.transport, sel, shape, token_rows=self.bs * args.prompt_len,
+                            request_rows=self.bs, device=dev)
+        capturing[0] = True  # the decode graph's recording: every point writes the arena
+        self.model.fire(self.bs, self.bs)
+        capturing[0] = False
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.prefill_us: list[float] = []
+        self.decode_forwards = 0
+
+    def wave(self, number: int) -> None:
+        """A prefill forward and ``--output-len`` decode forwards of new requests."""
+        args, bs, monitor = self.args, self.bs, self.monitor
+        reqs = [_Req(f"wave{number:03d}-req{i:03d}-{self.preset}", args.prompt_len)
+                for i in range(bs)]
+        rids = [r.rid for r in reqs]
+        started = time.perf_counter()
+        monitor.add_requests(reqs, frozenset())
+        monitor.begin_forward()
+        fb = _ForwardBatch("EXTEND", rids, torch.full((bs,), args.prompt_len),
+                           [0] * bs, [args.prompt_len] * bs)
+        monitor.commit_eager(layout_from_forward_batch(fb))
+        self.model.fire(bs * args.prompt_len, bs)
+        monitor.end_forward()
+        self.prefill_us.append((time.perf_counter() - started) * 1e6)
+        _pace(started, args.step_ms * 4e-3)
+        for s in range(args.output_len):
+            for r in reqs:
+                r.output_ids.append(1)
+            self.decode(reqs, _ForwardBatch("DECODE", rids,
+                                            torch.full((bs,), args.prompt_len + 1 + s)))
+        for r in reqs:
+            r.done = True
+
+    def decode(self, reqs: list[_Req], fb: _ForwardBatch) -> None:
+        """One decode forward's hooks, each part timed, then the rest of the period."""
+        monitor, bs, clock = self.monitor, self.bs, time.perf_counter
+        marks = [clock()]
+        monitor.add_requests(reqs, frozenset())
+        marks.append(clock())
+        monitor.begin_forward()
+        marks.append(clock())
+        layout = layout_from_forward_batch(fb)
+        marks.append(clock())
+        monitor.graph_allowed(layout, bs)
+        marks.append(clock())
+        monitor.commit_graph(monitor.graph_plan(bs, functools.partial(_same, layout)))
+        marks.append(clock())
+        monitor.end_forward()
+        marks.append(clock())
+        for part, t0, t1 in zip(PARTS, marks, marks[1:], strict=False):
+            self.spent[part] += t1 - t0
+        self.decode_forwards += 1
+        _pace(marks[0], self.args.step_ms * 1e-3)
+
+    def reset(self) -> None:
+        """Forget the warm-up's times."""
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.prefill_us.clear()
+        self.decode_forwards = 0
+
+
+def measure(args: argparse.Namespace, preset: str) -> Json:
+    """One selection: a warm-up wave, then ``--waves`` timed ones; per forward figures."""
+    bench = _Waves(args, preset)
+    bench.wave(0)
+    bench.reset()
+    transport, monitor = bench.transport, bench.monitor
+    cpu0 = transport.drain_counters()["build_cpu_seconds"]
+    with LatenessProbe() as probe:
+        for w in range(1, args.waves + 1):
+            bench.wave(w)
+        monitor.begin_forward()  # the last wave's finish notices
+        monitor.abort_forward()
+    drain_cpu = transport.drain_counters()["build_cpu_seconds"] - cpu0
+    stats = monitor.stop()
+    n = max(bench.decode_forwards, 1)
+    per = {k: v / n * 1e6 for k, v in bench.spent.items()}
+    text, rate = PRESETS[preset]
+    return {"preset": preset, "selection": text, "sample": rate, "batch": bench.bs,
+            "decode_forwards": bench.decode_forwards, "parts_us": per,
+            "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
+            "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
+            "sink_rows": bench.sink.rows, "delivered": stats.rows == bench.sink.rows,
+            "captured_requests": monitor.requests.captured_requests,
+            "lateness": probe.summary()}
+
+
+def _same(layout: BatchLayout) -> BatchLayout:
+    return layout
+
+
+def _pace(started: float, period: float) -> None:
+    left = started + period - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def run(args: argparse.Namespace, data: Json) -> None:
+    """Every preset into ``data``; prints the table."""
+    rows = [measure(args, p) for p in args.presets]
+    table = [{"selection": r["preset"], **{f"{k} µs": r["parts_us"][k] for k in PARTS},
+              "decode µs": r["decode_us"], "prefill µs": r["prefill_us"],
+              "drain CPU µs": r["drain_cpu_us"], "late p99 ms": r["lateness"]["p99_ms"],
+              "rows": "delivered" if r["delivered"] else "LOST"} for r in rows]
+    note = (f"{args.layers} x {args.hidden}, batch {args.batch}, {args.prompt_len} + "
+            f"{args.output_len} tokens, {args.waves} timed waves, a forward every "
+            f"{args.step_ms} ms; µs of the scheduler thread per decode forward (prefill: "
+            "per prefill forward); drain CPU: per forward")
+    print("\n".join(table_lines(table)) + f"\n{note}")
+    data["figures"] = {"hooks": rows, "table": table, "note": note}
+    data["checks"]["rows_delivered"] = {"ok": all(r["delivered"] for r in rows),
+                                        "required": True}
+
+
+def _presets(text: str) -> tuple[str, ...]:
+    if unknown := [n for n in text.split(",") if n not in PRESETS]:
+        msg = (f"unknown preset {', '.join(map(repr, unknown))}: accepted "
+               f"{', '.join(PRESETS)} (one or more, separated by commas)")
+        raise argparse.ArgumentTypeError(msg)
+    return tuple(text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the hooks benchmark; 0 when every row was delivered."""
+    p = argparse.ArgumentParser(prog="python -m harness hooks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--presets", type=_presets,
+                   default="hidden-states,last,topk64,sample0.1,sample0",
+                   help=f"of {', '.join(PRESETS)}")
+    p.add_argument("--layers", type=int, default=Q06.layers)
+    p.add_argument("--hidden", type=int, default=Q06.hidden)
+    p.add_argument("--vocab", type=int, default=Q06.vocab)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--waves", type=int, default=3, help="timed waves (one more untimed)")
+    p.add_argument("--step-ms", type=float, default=3.0,
+                   help="a decode forward's period (stock's step at batch 64: about 3 ms)")
+    p.add_argument("--ring-mb", type=int, default=1024)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default $OUT/hooks.json, else ./hooks.json)")
+    args = p.parse_args(argv)
+    if min(args.layers, args.hidden, args.vocab, args.batch, args.prompt_len,
+           args.output_len, args.waves, args.ring_mb) <= 0 or args.step_ms < 0:
+        p.error("sizes, --waves and --ring-mb must be positive, --step-ms at least 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
+        return 2
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    settings = {**vars(args), "out": str(args.out), "device_name": device,
+                "torch": torch.__version__, "python": sys.version.split()[0]}
+    return run_benchmark("hooks", settings, lambda data: run(args, data), args.out)
