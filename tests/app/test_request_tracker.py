@@ -70,3 +70,43 @@ def test_a_finished_request_is_kept_as_two_lengths_not_as_its_req() -> None:
     assert (m.prompt_tokens, m.completion_tokens, m.committed) == (4, 2, True)
     assert m.overlap_extra_forward  # position 5 = 4 + 2 - 1 was forwarded
     assert tracker.take_all() == []  # reported once
+
+
+class _Counted:
+    """A Req whose ``finished()`` calls are counted."""
+
+    calls = 0
+
+    def __init__(self, rid: str) -> None:
+        self.rid, self.origin_input_ids, self.output_ids = rid, [1] * 3, [2]
+        self.done = False
+
+    def finished(self) -> bool:
+        _Counted.calls += 1
+        return self.done
+
+
+def test_an_unchanged_batch_skips_the_scan_and_a_changed_one_reports_the_finish() -> None:
+    tracker = RequestTracker()
+    a, b = _Counted("a"), _Counted("b")
+    tracker.add_reqs([a, b])
+    assert tracker.take_finished() == []
+    _Counted.calls = 0
+    tracker.add_reqs([a, b])  # the same running batch: nothing can have finished since
+    assert tracker.take_finished() == []
+    assert _Counted.calls == 0
+    a.done = True  # a's last token came with the forward just launched (the overlap
+    tracker.add_reqs([a, b])  # scheduler's extra forward still holds a)
+    assert tracker.take_finished() == []
+    tracker.add_reqs([b])  # the engine dropped a: the batch changed, the scan finds it
+    assert tracker.take_finished() == [("a", 3 + 1 - 1)]
+    assert _Counted.calls == 2
+
+
+def test_without_batches_every_call_scans() -> None:
+    tracker = RequestTracker()
+    a = _Counted("a")
+    tracker.add_reqs([a])
+    assert tracker.take_finished() == []
+    a.done = True
+    assert tracker.take_finished() == [("a", 3)]

@@ -159,3 +159,50 @@ def test_a_plan_without_some_requests_keeps_the_others_rows_and_ids() -> None:
     nobody = make_plan(BatchLayout.decode(rids, [5, 6, 7, 8]), sel, SHAPE, padded=False,
                        skip=frozenset(rids))
     assert nobody.segments == ()
+
+
+_RULED = ["", ":last", ":generated", ":last_prompt", ":positions(0-300)", ":positions(5-7)"]
+
+
+@given(decode_layouts(), selections(), st.sampled_from(_RULED), st.booleans(),
+       st.integers(1, 3), st.booleans())
+def test_a_decode_plan_made_from_the_previous_one_equals_one_made_afresh(
+        layout: BatchLayout, sel: Selection, rule: str, strip: bool, moves: int,
+        leave_out: bool) -> None:
+    """``previous`` never changes a plan: the next decode steps of the same requests get
+    the plan ``make_plan`` makes from scratch (reusing the structure only where positions
+    cannot matter), and any other change (new requests, left-out set, padding) is planned
+    afresh."""
+    sel = parse_selection(f"resid_pre@0{rule},final_logits{rule}").resolve(MODEL) if rule else sel
+    skip = frozenset(layout.request_ids[:1]) if leave_out else frozenset()
+    plan = make_plan(layout, sel, SHAPE, padded=True, strip=strip, skip=skip)
+    for step in range(1, moves + 1):
+        ahead = BatchLayout.decode(layout.request_ids, [s + 1 + step for s in layout.starts],
+                                   padded_batch_size=layout.padded_batch_size)
+        ahead = BatchLayout(ahead.kind, layout.request_ids, ahead.starts, ahead.counts,
+                            ahead.emits, ahead.padded_batch_size, ahead.token_rows)
+        fresh = make_plan(ahead, sel, SHAPE, padded=True, strip=strip, skip=skip)
+        reused = make_plan(ahead, sel, SHAPE, padded=True, strip=strip, skip=skip,
+                           previous=plan)
+        assert reused == fresh
+        assert reused.segments == fresh.segments
+        assert reused.batch == fresh.batch
+        assert [reused.slices(s) for s in reused.segments] == [
+            fresh.slices(s) for s in fresh.segments]
+        plan = reused
+    other = BatchLayout.decode([*layout.request_ids, "new"], [9] * (layout.raw_batch_size + 1))
+    assert make_plan(other, sel, SHAPE, padded=True, previous=plan) == make_plan(
+        other, sel, SHAPE, padded=True)
+
+
+def test_a_steady_decode_batch_reuses_the_structure_unless_positions_matter() -> None:
+    rids = ("a", "b")  # positions 10, 20 (row a kept by positions(0-10)), then 11, 21 (none)
+    one = BatchLayout.decode(rids, [11, 21], padded_batch_size=4)
+    two = BatchLayout.decode(rids, [12, 22], padded_batch_size=4)
+    two = BatchLayout(two.kind, rids, two.starts, two.counts, two.emits, 4, 2)
+    for text, reused in (("resid_pre,final_logits:last", True), ("resid_pre:positions(0-10)",
+                                                                  False)):
+        sel = parse_selection(text).resolve(MODEL)
+        first = make_plan(one, sel, SHAPE, padded=True)
+        assert make_plan(two, sel, SHAPE, padded=True, previous=first).shares_structure(
+            first) is reused

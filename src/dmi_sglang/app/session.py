@@ -112,20 +112,31 @@ class RequestTracker:
         forwards of the same requests (the same ``request_ids`` tuple, which the adapter
         reuses while the batch is unchanged) only move one position further, so only the
         newest one's ends matter (the run's first was folded)."""
+        self._batch: tuple[TrackedRequest, ...] = ()
+        """The Req objects of the batch :meth:`add_reqs` was given last."""
+        self._unchanged = False
+        """:meth:`add_reqs` was given the same batch twice since :meth:`take_finished`."""
         self._known: dict[int, TrackedRequest] = {}
         """Req objects already remembered and not finished, by ``id`` (each is held here,
         so its id is not reused while it is): a batch's known requests cost one lookup."""
 
     def add_reqs(self, reqs: Iterable[TrackedRequest]) -> None:
-        """Remember the scheduler's Req objects of a batch about to run."""
-        known = self._known
-        if not isinstance(reqs, list):
-            reqs = list(reqs)
-        # Every Req already known (a running batch): one pass in C. ``known`` holds each
-        # of its Req objects alive, so an id found there is that same object's.
-        if known.keys() >= set(map(id, reqs)):
+        """Remember the scheduler's Req objects of a batch about to run.
+
+        The batch of the forward before, again (a running decode batch), costs one
+        comparison in C; it also tells :meth:`take_finished` that no request finished
+        since (see there)."""
+        batch = tuple(reqs)
+        if batch == self._batch:  # identity first: the same Req objects
+            self._unchanged = True
             return
-        for req in reqs:
+        self._batch, self._unchanged = batch, False
+        known = self._known
+        # Every Req already known (a batch that lost some): one pass in C. ``known`` holds
+        # each of its Req objects alive, so an id found there is that same object's.
+        if known.keys() >= set(map(id, batch)):
+            return
+        for req in batch:
             if known.get(id(req)) is req:
                 continue
             rid = storable_request_id(req.rid)
@@ -133,6 +144,7 @@ class RequestTracker:
             if seen is None:
                 seen = self._seen[rid] = _Seen(req, 1 << 62, 0)
             elif seen.notified:  # finished (the overlap scheduler's extra forward): known
+                self._batch = ()  # hold no finished Req
                 continue
             else:
                 seen.req = req
@@ -169,14 +181,23 @@ class RequestTracker:
 
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
-        reported once. O(live requests): one ``finished()`` call each."""
+        reported once. O(live requests): one ``finished()`` call each, skipped when
+        :meth:`add_reqs` was last given the same batch as the time before: a request
+        finishes only by a forward it is in, and the engine drops a finished request
+        from its batch (SGLang's ``filter_batch``) before the batch runs again, so an
+        unchanged batch means the finishes it brought were taken already."""
         self._round += 1
         if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
             while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
                 self._skipped.discard(self._leaving.popleft()[1])
             self._skip = frozenset(self._skipped)
+        if self._unchanged:
+            self._unchanged = False
+            return []
         done = [(rid, seen.req) for rid, seen in self._live.items()
                 if seen.req is not None and seen.req.finished()]
+        if done:
+            self._batch = ()  # hold no finished Req
         out = []
         for rid, req in done:
             seen = self._live.pop(rid)
@@ -289,6 +310,8 @@ class SchedulerMonitor:
         self._failure: BaseException | None = None
         self._preflighted: CommitPlan | None = None
         """The padded plan the preflight of this step built, reused by its commit."""
+        self._previous_plan: CommitPlan | None = None
+        """The plan made last: a decode step of the same requests reuses its structure."""
         self.unfinished: frozenset[str] = frozenset()
         """Requests of the batch about to run whose prompt chunk does not finish it."""
         self.host_seconds = 0.0
@@ -362,9 +385,11 @@ class SchedulerMonitor:
     def _plan(self, layout: BatchLayout, *, padded: bool) -> CommitPlan:
         """The plan of a forward (padded: its decode graph replay): the captured
         requests' rows of the selected captures."""
-        return make_plan(layout, self.selection, self.shape, padded=padded,
-                         strip=self.strip if padded else True, skip=self.requests.skipped,
-                         prompts=self._prompts)
+        plan = self._previous_plan = make_plan(
+            layout, self.selection, self.shape, padded=padded,
+            strip=self.strip if padded else True, skip=self.requests.skipped,
+            prompts=self._prompts, previous=self._previous_plan)
+        return plan
 
     def _commit(self, plan: CommitPlan) -> None:
         self.requests.add_layout(plan.layout)

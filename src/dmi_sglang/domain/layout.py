@@ -133,7 +133,7 @@ class BatchLayout:
             msg = f"decode seq_len {seq_lens[bad]} of request {request_ids[bad]!r} must be >= 1"
             raise CommitError(msg)
         return cls._build(ForwardKind.DECODE, tuple(request_ids),
-                          tuple(map((-1).__add__, seq_lens)), (1,) * n, (True,) * n, n,
+                          tuple([v - 1 for v in seq_lens]), (1,) * n, (True,) * n, n,
                           padded_batch_size)
 
     @classmethod

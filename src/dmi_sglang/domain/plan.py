@@ -119,6 +119,9 @@ class _Structure:
     ruled_rows: tuple[tuple[RowBasis, Positions, tuple[int, ...] | None, int], ...] = ()
     indexed: int = 0
     """Rows the row selections index (rules, requests left out, emitting rows)."""
+    positions_free: bool = False
+    """A decode structure whose rows kept do not depend on the requests' positions: the
+    next decode step of the same requests has the same structure."""
 
 
 @attrs.frozen
@@ -144,6 +147,8 @@ class CommitPlan:
     _full: BatchLayout | None = attrs.field(default=None, repr=False)
     _prompts: tuple[int, ...] | None = attrs.field(default=None, repr=False)
     """Prompt lengths of :attr:`layout`'s requests (given when a rule needs them)."""
+    _skip: frozenset[str] = attrs.field(default=frozenset(), repr=False)
+    """The requests left out when it was made (see :func:`make_plan`)."""
     _slices: dict[tuple[RowBasis, Positions], tuple[RecordSlice, ...]] = attrs.field(
         init=False, factory=dict, eq=False, hash=False, repr=False
     )
@@ -199,6 +204,11 @@ class CommitPlan:
         """The segment a capture point fills, or None when nothing of it is kept."""
         return self._structure.index.get((hook_name, layer_no))
 
+    def shares_structure(self, other: CommitPlan) -> bool:
+        """True when both plans have the same structure (segments, offsets, row
+        selections) by construction: a copy program made for one fits the other."""
+        return self._structure is other._structure
+
     def piece(self, segment: Segment) -> CommitPlan:
         """A one-segment plan (offset 0) of this step, for a piecewise commit."""
         one = attrs.evolve(segment, offset=0)
@@ -222,6 +232,7 @@ def make_plan(
     alignment: int = DEFAULT_ALIGNMENT,
     skip: frozenset[str] = frozenset(),
     prompts: Callable[[str], int | None] | None = None,
+    previous: CommitPlan | None = None,
 ) -> CommitPlan:
     """Plan one forward.
 
@@ -242,11 +253,24 @@ def make_plan(
         prompts: a request's prompt length from its id (None: unknown); asked (for the
             captured requests) only when a ``last_prompt`` or ``generated`` rule applies
             to a forward other than a decode.
+        previous: the plan of the forward before, made by this function with the same
+            selection and shape: when both are decode forwards of the same requests (the
+            same ``request_ids`` tuple object, as adapters pass an unchanged batch) and
+            its rows kept do not depend on positions, its structure is reused without
+            being looked up (the per-step cost of a steady decode batch).
 
     Raises:
         CommitError: a ``last_prompt`` or ``generated`` rule and a captured request
             without a prompt length.
     """
+    if previous is not None and _continues(previous, layout, padded=padded, strip=strip,
+                                           alignment=alignment, skip=skip):
+        if previous._full is None:
+            return CommitPlan(layout, padded, strip, alignment, previous._structure,
+                              skip=skip)
+        kept, _, rids = _kept(layout.request_ids, skip)
+        return CommitPlan(layout.subset(kept, rids), padded, strip, alignment,
+                          previous._structure, layout, skip=skip)
     padding = layout.padded_batch_size - layout.raw_batch_size if padded else 0
     keep: frozenset[int] | None = None
     captured = layout
@@ -302,7 +326,19 @@ def make_plan(
         captured_prompts = tuple(p for i, p in enumerate(prompt_of)
                                  if keep is None or i in keep)
     return CommitPlan(captured, padded, strip, alignment, structure,
-                      None if keep is None else layout, captured_prompts)
+                      None if keep is None else layout, captured_prompts, skip)
+
+
+def _continues(previous: CommitPlan, layout: BatchLayout, *, padded: bool, strip: bool,
+               alignment: int, skip: frozenset[str]) -> bool:
+    """``layout`` is the decode forward after ``previous``'s, of the same requests, and
+    nothing else that decides the structure changed (see :func:`make_plan`)."""
+    batch = previous.batch
+    return (previous._structure.positions_free and layout.kind is ForwardKind.DECODE
+            and layout.request_ids is batch.request_ids
+            and layout.padded_batch_size == batch.padded_batch_size
+            and previous.padded is padded and previous.strip is strip
+            and previous.alignment == alignment and previous._skip is skip)
 
 
 def emitting_rows(layout: BatchLayout) -> tuple[tuple[int, int, str, int], ...]:
@@ -536,8 +572,10 @@ def _structure(
         segments.append(Segment(hook, layer_no, row, source, kept, ring_rows, index, 0, rule))
     ordered, offset = _place(segments, alignment)
     index_by_key = {(seg.hook.name, seg.layer_no): seg for seg in ordered}
+    positions_free = decode and all(rule.is_all or rule.last < rule.first
+                                    for _, rule, _, _ in ruled)
     return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
-                      ruled, indexed)
+                      ruled, indexed, positions_free)
 
 
 class StepState(enum.Enum):

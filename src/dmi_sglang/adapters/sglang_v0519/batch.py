@@ -116,8 +116,8 @@ def _ints(cpu: Any, device: Any) -> list[int]:
         return []
     if isinstance(values, Sequence):
         return [int(v) for v in values]
-    listed = values.tolist()  # a tensor or an array of integers: Python ints already
-    return listed if all(type(v) is int for v in listed) else [int(v) for v in listed]
+    listed = values.tolist()  # a tensor's or an array's elements share one Python type
+    return listed if not listed or type(listed[0]) is int else [int(v) for v in listed]
 
 
 def capture_param(req: Any) -> object:

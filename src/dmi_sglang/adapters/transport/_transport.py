@@ -445,7 +445,9 @@ class TorchCaptureTransport:
 
     def _program(self, plan: CommitPlan) -> Program:
         last_plan, last_program = self._last
-        if plan is last_plan and last_program is not None:
+        if last_plan is not None and last_program is not None and (
+                plan is last_plan or plan.shares_structure(last_plan)):
+            self._last = (plan, last_program)
             return last_program
         key = plan_key(plan) if plan.cacheable else None  # a long prefill's: not cached
         cached = self._programs.get(key) if key is not None else None
