@@ -1,8 +1,8 @@
 """The GPU harness of dmi-sglang: qualification cells and benchmarks, one package.
 
 ``python -m harness qualify RESULTS`` runs the qualification cells, ``python -m harness
-serving`` the serving benchmark, ``python -m harness transport`` / ``store`` the component
-benchmarks, ``python -m harness profile`` a profiler summary of serving steps (a
+serving`` the serving benchmark, ``python -m harness hooks`` / ``transport`` / ``store`` the
+component benchmarks, ``python -m harness profile`` a profiler summary of serving steps (a
 diagnostic) and ``python -m harness docs`` regenerates the result tables of ``docs/``.
 Engines run in child processes (:mod:`harness.engine`), stock and monitored side by side,
 so every comparison is bracketed in one run; every result is one JSON object of one schema

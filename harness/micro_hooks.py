@@ -28,6 +28,7 @@ launches: compare selections with each other there, not with a GPU).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import statistics
 import sys
@@ -53,7 +54,7 @@ from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
-from harness.micro_transport import DENSE, Q06, LatenessProbe, model_shape
+from harness.micro_transport import DENSE, Q06, LatenessProbe, model_shape, top_functions
 from harness.results import Json, run_benchmark
 
 PRESETS: dict[str, tuple[str, float]] = {
@@ -235,6 +236,12 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
         monitor.begin_forward()  # the last wave's finish notices
         monitor.abort_forward()
     drain_cpu = transport.drain_counters()["build_cpu_seconds"] - cpu0
+    profile = None
+    if args.profile:  # one more wave of its own: the profiler slows what it watches
+        profile = cProfile.Profile()
+        profile.enable()
+        bench.wave(args.waves + 1)
+        profile.disable()
     stats = monitor.stop()
     n = max(bench.decode_forwards, 1)
     per = {k: v / n * 1e6 for k, v in bench.spent.items()}
@@ -245,7 +252,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
             "sink_rows": bench.sink.rows, "delivered": stats.rows == bench.sink.rows,
             "captured_requests": monitor.requests.captured_requests,
-            "lateness": probe.summary()}
+            "lateness": probe.summary(), "profile": top_functions(profile) if profile else None}
 
 
 def _same(layout: BatchLayout) -> BatchLayout:
@@ -270,6 +277,9 @@ def run(args: argparse.Namespace, data: Json) -> None:
             f"{args.step_ms} ms; µs of the scheduler thread per decode forward (prefill: "
             "per prefill forward); drain CPU: per forward")
     print("\n".join(table_lines(table)) + f"\n{note}")
+    for r in rows:
+        if r["profile"]:
+            print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
     data["figures"] = {"hooks": rows, "table": table, "note": note}
     data["checks"]["rows_delivered"] = {"ok": all(r["delivered"] for r in rows),
                                         "required": True}
@@ -301,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=3.0,
                    help="a decode forward's period (stock's step at batch 64: about 3 ms)")
     p.add_argument("--ring-mb", type=int, default=1024)
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more wave per selection (cProfile of the scheduler "
+                        "thread's calls; printed, and in the JSON), untimed")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/hooks.json, else ./hooks.json)")
     args = p.parse_args(argv)

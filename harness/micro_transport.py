@@ -235,7 +235,7 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         "overhead_us": statistics.median(overheads),
         "overhead_spread_us": max(overheads) - min(overheads), "overheads_us": overheads,
         "make_plan_us": plan_us, "host_cpu_us": statistics.median(host_cpu) * 1e6,
-        "profile": _top(profile) if profile is not None else None, "steps": done,
+        "profile": top_functions(profile) if profile is not None else None, "steps": done,
         "rows": stats.rows, "rows_expected": expected,
         "delivered": stats.rows == expected == sink.rows, "stalls": stats.stalls,
         "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
         "required": dev.type == "cuda" and bool(target), "overhead_us": target}
 
 
-def _top(profile: cProfile.Profile, n: int = 25) -> str:
+def top_functions(profile: cProfile.Profile, n: int = 25) -> str:
     """The ``n`` functions with the most own time, as ``pstats`` prints them."""
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(n)

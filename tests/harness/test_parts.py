@@ -208,7 +208,7 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     from harness.__main__ import main
 
     assert main(["--help"]) == 0
-    assert "qualify,serving,transport,store,profile,docs" in capsys.readouterr().out
+    assert "qualify,serving,hooks,transport,store,profile,docs" in capsys.readouterr().out
     assert main(["bogus"]) == 2
 
 
