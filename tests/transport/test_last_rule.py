@@ -265,3 +265,42 @@ def test_an_abort_before_the_step_committed_keeps_the_decode_runs_positions(make
     d.t.finish_request("a", 3 + 3 - 1)
     d.t.stop()
     assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 4)]
+
+
+def test_a_steady_decode_batch_costs_one_device_operation_a_step(make_driver) -> None:
+    """Consecutive decode graph steps of the same requests flip the graph's static slot
+    index in place: committing and sealing such a step runs exactly one device op."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 3]))
+    d.graph_capture(4)
+    for n in range(2):  # the run's first step uploads its index
+        d.forward(BatchLayout.decode(["a", "b"], [4 + n, 4 + n], padded_batch_size=4),
+                  padded=True)
+    rids = d.t._last_slots._run.request_ids  # the adapter passes an unchanged tuple
+    layout = BatchLayout.decode(rids, [6, 6], padded_batch_size=4)
+    d.step += 1
+    with Ops() as ops:
+        d.t.commit(d.plan(layout, padded=True), step=d.step)
+    d.fire(layout, 2)  # what the replay writes (not counted: the graph's work)
+    with ops:
+        d.t.seal()
+    assert ops.names == ["aten.bitwise_xor_.Tensor"]
+    d.t.finish_request("a", 3 + 4 - 1)  # positions 3, 4, 5 decided tokens 2, 3, 4
+    d.t.finish_request("b", 3 + 4 - 1)
+    d.t.stop()
+    assert sorted((r.request_id, r.start_token_idx) for r in sink.records) == [
+        ("a", 5), ("b", 5)]
+    static = d.t._last_slots._static  # the run ended: a replay now writes the spare row
+    assert torch.equal(static, torch.full_like(static, d.t._last_slots.spare))

@@ -22,6 +22,7 @@ reach the device through page-locked staging without synchronising the scheduler
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import structlog
@@ -80,9 +81,10 @@ class _Uploader:
 
 class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
-    the index of the newest step (on the device) and which of its rows flip parity."""
+    the index of the newest step (the graph's static index itself, on the device) and
+    which of its rows flip parity."""
 
-    __slots__ = ("captured", "current", "flip", "padded", "request_ids", "starts")
+    __slots__ = ("captured", "current", "flip", "ones", "padded", "request_ids", "starts")
 
     def __init__(self, plan: CommitPlan, current: torch.Tensor, flip: torch.Tensor) -> None:
         batch = plan.batch
@@ -90,6 +92,7 @@ class _Run:
         self.padded = batch.padded_batch_size
         self.captured = plan.layout.request_ids
         self.starts = batch.starts
+        self.ones = [1] * len(batch.starts)
         self.current = current
         self.flip = flip
 
@@ -101,7 +104,7 @@ class _Run:
                 and batch.padded_batch_size == self.padded
                 and plan.layout.request_ids == self.captured
                 and batch.is_uniform_decode
-                and all(b == a + 1 for a, b in zip(self.starts, batch.starts, strict=True)))
+                and list(map(operator.sub, batch.starts, self.starts)) == self.ones)
 
 
 class LastSlots:
@@ -180,8 +183,7 @@ class LastSlots:
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
             self._flipped = (run, run.starts)
-            run.current.bitwise_xor_(run.flip)
-            self._static[: run.current.shape[0]].copy_(run.current)
+            run.current.bitwise_xor_(run.flip)  # the static index: one device op a step
             run.starts = batch.starts
             self._padded = True
             return
@@ -206,8 +208,8 @@ class LastSlots:
             index = [self.spare] * batch.padded_batch_size
             for row, d in zip(request_src, dst, strict=True):
                 index[row] = d
-            current = self._upload(index)
-            self._static[: len(index)].copy_(current)
+            current = self._static[: len(index)]
+            current.copy_(self._upload(index))
             self._padded = True
             if batch.is_uniform_decode:
                 flip = (current != self.spare).to(torch.int64)
@@ -268,7 +270,7 @@ class LastSlots:
         self._reset()
 
     def _reset(self) -> None:
-        if self._padded:
+        if self._padded and self._run is None:  # a run's next step flips the index again
             self._static.fill_(self.spare)
         self._padded = False
         self._eager = None
@@ -321,6 +323,7 @@ class LastSlots:
         run, self._run = self._run, None
         if run is None:
             return
+        self._static.fill_(self.spare)  # until a step writes its index: the spare row
         for i, rid in enumerate(run.request_ids):
             if rid in self._newest:
                 self._newest[rid] = run.starts[i]
