@@ -2,8 +2,9 @@
 
 Rewrites the blocks between ``<!-- BEGIN GENERATED: NAME ... -->`` and ``<!-- END
 GENERATED: NAME -->``: ``qualified-cells`` (latest result per cell), ``serving-bench``
-(latest serving benchmark) and ``transport-bench`` / ``store-bench`` (latest component
-benchmark: its ``figures["table"]``, a list of flat rows, and ``figures["note"]``). A block
+(latest serving benchmark) and ``hooks-bench`` / ``transport-bench`` / ``store-bench``
+(latest component benchmark: its ``figures["table"]``, a list of flat rows, and
+``figures["note"]``). A block
 with no result of the current schema is left as it is.
 
     python -m harness docs            # rewrite the docs
@@ -157,7 +158,8 @@ def _cell(value: Any) -> str:
 
 BLOCKS: dict[str, Callable[[Found, Path], str]] = {
     "qualified-cells": cells_table, "serving-bench": serving_table,
-    "transport-bench": rows_table("transport"), "store-bench": rows_table("store")}
+    "hooks-bench": rows_table("hooks"), "transport-bench": rows_table("transport"),
+    "store-bench": rows_table("store")}
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED: ([\w-]+)[^>]*-->\n)(.*?)(<!-- END GENERATED: \2 -->)",
                     re.S)
 
