@@ -19,7 +19,8 @@ finish notices; ``layout``: the ForwardBatch read into a layout; ``preflight``: 
 padded plan checked against the ring; ``commit``: the plan committed; ``end``: the step
 sealed), their sum, the same sum per prefill forward, the drain thread's CPU per
 forward, and the lateness of a thread that asks to wake every millisecond (the drain's
-hold on the GIL). Every row must reach the sink (``rows``).
+hold on the GIL). Every row a complete capture of the captured requests holds must reach
+the sink (``rows``: the domain's count, :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
 launches: compare selections with each other there, not with a GPU).
@@ -40,6 +41,7 @@ import torch
 from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.bandwidth import capture_bytes
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import (
     ModelHooks,
@@ -246,12 +248,18 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     n = max(bench.decode_forwards, 1)
     per = {k: v / n * 1e6 for k, v in bench.spent.items()}
     text, rate = PRESETS[preset]
+    captured = monitor.requests.captured_requests
+    # each request: the prompt, then output_len decode forwards, the last one the overlap
+    # scheduler's extra forward (its tokens: output_len)
+    expected = capture_bytes(monitor.selection, monitor.shape,
+                             [(args.prompt_len, args.output_len, True)] * captured).rows
     return {"preset": preset, "selection": text, "sample": rate, "batch": bench.bs,
             "decode_forwards": bench.decode_forwards, "parts_us": per,
             "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
             "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
-            "sink_rows": bench.sink.rows, "delivered": stats.rows == bench.sink.rows,
-            "captured_requests": monitor.requests.captured_requests,
+            "rows_expected": expected, "sink_rows": bench.sink.rows,
+            "delivered": stats.rows == expected == bench.sink.rows,
+            "captured_requests": captured,
             "lateness": probe.summary(), "profile": top_functions(profile) if profile else None}
 
 

@@ -110,3 +110,15 @@ def test_without_batches_every_call_scans() -> None:
     assert tracker.take_finished() == []
     a.done = True
     assert tracker.take_finished() == [("a", 3)]
+
+
+def test_a_changed_batch_given_twice_before_a_scan_still_scans() -> None:
+    tracker = RequestTracker()
+    a, b = _Counted("a"), _Counted("b")
+    tracker.add_reqs([a, b])
+    assert tracker.take_finished() == []
+    a.done = True
+    tracker.add_reqs([b])  # the engine dropped a: changed
+    tracker.add_reqs([b])  # given again before the forward began: still a change to scan
+    assert tracker.take_finished() == [("a", 3)]
+

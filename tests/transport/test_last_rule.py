@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import CaptureError
 
-from .conftest import stored_rows
+from .conftest import raw_bytes, stored_rows, stored_tensor
 
 
 def _serve(d, *, padded: bool) -> None:
@@ -267,9 +268,11 @@ def test_an_abort_before_the_step_committed_keeps_the_decode_runs_positions(make
     assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 4)]
 
 
-def test_a_steady_decode_batch_costs_one_device_operation_a_step(make_driver) -> None:
-    """Consecutive decode graph steps of the same requests flip the graph's static slot
-    index in place: committing and sealing such a step runs exactly one device op."""
+def test_a_steady_decode_batch_costs_two_device_operations_a_step(make_driver) -> None:
+    """Consecutive decode graph steps of the same requests take the graph's static slot
+    index from the two the run made at its start: committing and sealing such a step
+    runs one copy in and one fill of the spare row out, no pass over the batch, no
+    upload."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -296,11 +299,28 @@ def test_a_steady_decode_batch_costs_one_device_operation_a_step(make_driver) ->
     d.fire(layout, 2)  # what the replay writes (not counted: the graph's work)
     with ops:
         d.t.seal()
-    assert ops.names == ["aten.bitwise_xor_.Tensor"]
+    assert ops.names == ["aten.copy_.default", "aten.fill_.Scalar"]
     d.t.finish_request("a", 3 + 4 - 1)  # positions 3, 4, 5 decided tokens 2, 3, 4
     d.t.finish_request("b", 3 + 4 - 1)
     d.t.stop()
     assert sorted((r.request_id, r.start_token_idx) for r in sink.records) == [
         ("a", 5), ("b", 5)]
-    static = d.t._last_slots._static  # the run ended: a replay now writes the spare row
+    static = d.t._last_slots._static  # between steps a replay writes the spare row
     assert torch.equal(static, torch.full_like(static, d.t._last_slots.spare))
+
+
+def test_capture_points_run_between_steps_write_no_slot_of_a_run(make_driver) -> None:
+    """A recording (or a replay nobody committed) between two steps of a decode run
+    writes the spare row, not the run's slots."""
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.graph_capture(4)
+    for n in range(2):  # positions 3, 4
+        d.forward(BatchLayout.decode(["a"], [4 + n], padded_batch_size=4), padded=True)
+    d.graph_capture(4)  # dummy rows through every capture point, no step committed
+    d.t.finish_request("a", 3 + 3 - 1)  # the last token was decided by position 4
+    d.t.stop()
+    (rec,) = sink.records
+    assert (rec.request_id, rec.start_token_idx) == ("a", 4)
+    want = stored_tensor(d.selection, hook_by_name("resid_pre"), 0, [("a", 4)])
+    assert rec.payload == raw_bytes(want)  # a's own row, not a dummy's

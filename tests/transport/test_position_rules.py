@@ -120,3 +120,20 @@ def test_a_last_prompt_logits_row_is_stored_without_waiting_for_its_request(make
     assert [(r.start_token_idx, r.end_token_idx) for r in sink.records] == [(3, 4)]
     assert len(d.t._drain.held) == 0  # nothing waits for a later row of the request
     d.t.stop()
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 5])
+def test_gathered_rows_narrower_than_the_copy_element_arrive_whole(make_driver, k) -> None:
+    """``topk(K)`` rows of 4 K bytes, one request left out of decode graph replays: the
+    device gathers the kept rows of every segment at once, in elements no wider than a
+    row (a 20-byte row is not 8-byte elements)."""
+    d, sink = make_driver(f"final_logits:topk({k})")
+    d.skip = frozenset({"b"})
+    d.forward(BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [5, 3, 4]))
+    d.graph_capture(4)
+    for n in range(3):
+        d.forward(BatchLayout.decode(["a", "b", "c"], [6 + n, 4 + n, 5 + n],
+                                     padded_batch_size=4), padded=True)
+    d.t.stop()
+    d.verify(sink.records)
+    assert {r.request_id for r in sink.records} == {"a", "c"}

@@ -114,8 +114,10 @@ class RequestTracker:
         newest one's ends matter (the run's first was folded)."""
         self._batch: tuple[TrackedRequest, ...] = ()
         """The Req objects of the batch :meth:`add_reqs` was given last."""
-        self._unchanged = False
-        """:meth:`add_reqs` was given the same batch twice since :meth:`take_finished`."""
+        self._given = False
+        """:meth:`add_reqs` was called since the last :meth:`take_finished`."""
+        self._changed = False
+        """... with a batch other than the one before, at least once."""
         self._known: dict[int, TrackedRequest] = {}
         """Req objects already remembered and not finished, by ``id`` (each is held here,
         so its id is not reused while it is): a batch's known requests cost one lookup."""
@@ -125,12 +127,14 @@ class RequestTracker:
 
         The batch of the forward before, again (a running decode batch), costs one
         comparison in C; it also tells :meth:`take_finished` that no request finished
-        since (see there)."""
+        since (see there). ``reqs`` must be exactly the batch about to run: a caller
+        that passes every live request instead never changes its batch, so it would get
+        no finishes before stop."""
         batch = tuple(reqs)
+        self._given = True
         if batch == self._batch:  # identity first: the same Req objects
-            self._unchanged = True
             return
-        self._batch, self._unchanged = batch, False
+        self._batch, self._changed = batch, True
         known = self._known
         # Every Req already known (a batch that lost some): one pass in C. ``known`` holds
         # each of its Req objects alive, so an id found there is that same object's.
@@ -182,7 +186,7 @@ class RequestTracker:
     def take_finished(self) -> list[tuple[str, int]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
         reported once. O(live requests): one ``finished()`` call each, skipped when
-        :meth:`add_reqs` was last given the same batch as the time before: a request
+        :meth:`add_reqs` was given only the batch it had before since the last call: a request
         finishes only by a forward it is in, and the engine drops a finished request
         from its batch (SGLang's ``filter_batch``) before the batch runs again, so an
         unchanged batch means the finishes it brought were taken already."""
@@ -191,8 +195,9 @@ class RequestTracker:
             while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
                 self._skipped.discard(self._leaving.popleft()[1])
             self._skip = frozenset(self._skipped)
-        if self._unchanged:
-            self._unchanged = False
+        given, changed = self._given, self._changed
+        self._given = self._changed = False
+        if given and not changed:
             return []
         done = [(rid, seen.req) for rid, seen in self._live.items()
                 if seen.req is not None and seen.req.finished()]
@@ -223,6 +228,7 @@ class RequestTracker:
             out.append((rid, logits_end(req) if req is not None and req.finished() else None))
         self._live.clear()
         self._known.clear()
+        self._batch = ()
         return out
 
     def add_layout(self, layout: BatchLayout) -> None:

@@ -15,7 +15,9 @@ read. One more row takes what no slot wants (padding rows, requests left out).
 
 A decode graph records ``index_copy_`` with a static index tensor that each padded
 commit fills (and each seal resets to the spare row, so a replay nobody committed writes
-nowhere that matters); eager forwards use index tensors made for the step. Index lists
+nowhere that matters): consecutive steps of an unchanged batch copy in one of two indexes
+their run made at its start, one device op; eager forwards use index tensors made for the
+step. Index lists
 reach the device through page-locked staging without synchronising the scheduler.
 """
 
@@ -81,20 +83,25 @@ class _Uploader:
 
 class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
-    the index of the newest step (the graph's static index itself, on the device) and
-    which of its rows flip parity."""
+    the graph's static index of the run's first step and of the next one (every request
+    a position further flips its slot row's parity), used in turn."""
 
-    __slots__ = ("captured", "current", "flip", "ones", "padded", "request_ids", "starts")
+    __slots__ = ("captured", "flips", "indexes", "ones", "padded", "request_ids", "starts",
+                 "view")
 
-    def __init__(self, plan: CommitPlan, current: torch.Tensor, flip: torch.Tensor) -> None:
+    def __init__(self, plan: CommitPlan, first: torch.Tensor, flip: torch.Tensor,
+                 view: torch.Tensor) -> None:
         batch = plan.batch
         self.request_ids = batch.request_ids
         self.padded = batch.padded_batch_size
         self.captured = plan.layout.request_ids
         self.starts = batch.starts
         self.ones = [1] * len(batch.starts)
-        self.current = current
-        self.flip = flip
+        self.indexes = (first, first ^ flip)
+        self.flips = 0
+        """Which of :attr:`indexes` the newest step used."""
+        self.view = view
+        """The rows of the graph's static index the run's steps write."""
 
     def follows(self, plan: CommitPlan) -> bool:
         """True when ``plan`` is the next step of the run (same requests, same padding,
@@ -183,7 +190,8 @@ class LastSlots:
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
             self._flipped = (run, run.starts)
-            run.current.bitwise_xor_(run.flip)  # the static index: one device op a step
+            run.flips ^= 1
+            run.view.copy_(run.indexes[run.flips])  # one device op, no pass, no upload
             run.starts = batch.starts
             self._padded = True
             return
@@ -208,12 +216,13 @@ class LastSlots:
             index = [self.spare] * batch.padded_batch_size
             for row, d in zip(request_src, dst, strict=True):
                 index[row] = d
-            current = self._static[: len(index)]
-            current.copy_(self._upload(index))
+            current = self._upload(index)
+            view = self._static[: len(index)]
+            view.copy_(current)
             self._padded = True
             if batch.is_uniform_decode:
                 flip = (current != self.spare).to(torch.int64)
-                self._run = _Run(plan, current, flip)
+                self._run = _Run(plan, current, flip, view)
         elif dst:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
@@ -257,7 +266,7 @@ class LastSlots:
         requests' newest positions go back to what the steps before left."""
         if self._flipped is not None:
             run, starts = self._flipped
-            run.current.bitwise_xor_(run.flip)
+            run.flips ^= 1
             run.starts = starts
         elif self._began:  # a run this step started holds its positions: forget it
             self._run = None
@@ -270,7 +279,7 @@ class LastSlots:
         self._reset()
 
     def _reset(self) -> None:
-        if self._padded and self._run is None:  # a run's next step flips the index again
+        if self._padded:  # between steps a replay (or a recording) writes the spare row
             self._static.fill_(self.spare)
         self._padded = False
         self._eager = None
@@ -323,7 +332,6 @@ class LastSlots:
         run, self._run = self._run, None
         if run is None:
             return
-        self._static.fill_(self.spare)  # until a step writes its index: the spare row
         for i, rid in enumerate(run.request_ids):
             if rid in self._newest:
                 self._newest[rid] = run.starts[i]

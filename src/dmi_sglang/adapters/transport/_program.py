@@ -275,7 +275,10 @@ def _group(plan: CommitPlan, run: list[int], arena: Arena) -> Group:
     host_index = selected if not stripped and selected is not None else None
     arena_offset = arena.offsets[key] if plan.padded else -1
     nbytes = first.ring_rows * first.row.nbytes
-    align = math.gcd(nbytes, ring_stride, arena_stride, first.offset, max(arena_offset, 0), 8)
+    # a gather moves single rows: their width must be whole elements too
+    row = first.row.nbytes if gather is not None else 0
+    align = math.gcd(nbytes, row, ring_stride, arena_stride, first.offset,
+                     max(arena_offset, 0), 8)
     return Group(
         positions=tuple(run),
         metas=tuple(_meta(segs[i]) for i in run),
