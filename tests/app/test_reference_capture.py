@@ -204,7 +204,8 @@ def test_a_selection_with_position_rules_is_captured_and_read_as_it_says(
 
     model_dir = write_demo_checkpoint(tmp_path / "ruled", layers=2)
     url = captured["url"]
-    hooks = "resid_pre@0:last_prompt,final_ln:positions(1-3),final_logits:last_prompt"
+    hooks = ("resid_pre@0:last_prompt,final_ln:positions(1-3),final_logits:last_prompt,"
+             "mlp_out@1:every(2)")
     assert main(["reference-capture", "--db", url, "--model", str(model_dir), "--hooks",
                  hooks, "--max-new-tokens", "4", "--prompt", "w1 w2 w3"]) == 0
     out = capsys.readouterr().out
@@ -218,8 +219,12 @@ def test_a_selection_with_position_rules_is_captured_and_read_as_it_says(
     assert handle.get("resid_pre", 0).shape[0] == 1
     assert handle.get("final_ln").shape[0] == 3
     assert handle.logits.shape[0] == 1  # the row that decided the first token
+    total = prompt + store.manifest(run_id, "req-0").completion_tokens - 1
+    assert handle.positions("mlp_out", 1) == range(0, total, 2)
+    assert handle.get("mlp_out", 1).shape[0] == len(range(0, total, 2))
     assert main(["show", run_id, "req-0", "--db", url]) == 0
     shown = capsys.readouterr().out
+    assert f"{'blocks.hook_mlp_out.1':<36} [0, {total}) every 2 " in shown
     assert f"blocks.hook_resid_pre.0              [{prompt - 1}, {prompt}) " in shown
     assert "hook_final_ln                        [1, 4) " in shown
 

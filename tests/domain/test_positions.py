@@ -12,7 +12,7 @@ from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.domain.records import expected_coverage
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
-from dmi_sglang.errors import ConfigurationError, SelectionError
+from dmi_sglang.errors import SelectionError
 
 SHAPE = ModelShape(4, 8, 2, 1, 4, 12, 10)
 HOOKS = ModelHooks("Toy", frozenset(h.name for h in CATALOG), 4)
@@ -101,19 +101,11 @@ def test_the_plan_counts_only_kept_rows() -> None:
     assert plan.bytes_per_prompt_token == 0
 
 
-@pytest.mark.parametrize("text", ["final_ln:every(4)", "hf-only:every(2)"])
-def test_a_capture_refuses_rules_it_cannot_capture_yet(text: str) -> None:
-    item = text.replace("(", r"\(").replace(")", r"\)")
-    with pytest.raises(ConfigurationError, match=rf"position rules \({item}\) are "
-                       "understood by dmi-sglang plan but not captured yet"):
-        Settings.from_env({"DMX_HOOK_SELECTION": text})
-
-
 @pytest.mark.parametrize("text", [
     "resid_pre@0-3:positions(0-127),final_ln:positions(5),final_logits",
     "hf-only:last_prompt", "final_logits:positions(0-9),resid_pre",
-    "resid_pre:generated,final_logits:generated"])
-def test_a_capture_takes_position_ranges_and_the_last_prompt_position(text: str) -> None:
+    "resid_pre:generated,final_logits:generated", "final_ln:every(4)", "hf-only:every(2)"])
+def test_a_capture_takes_every_position_rule(text: str) -> None:
     assert Settings.from_env({"DMX_HOOK_SELECTION": text}).hook_selection == text
 
 

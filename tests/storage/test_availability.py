@@ -245,3 +245,57 @@ def test_a_partial_read_keeps_to_what_the_rule_keeps(
     partial = CaptureHandle("genp", "r", lambda: ClickHouseReader(store), partial=True)
     assert partial.partial_positions("resid_pre", 0) == (3, 6)  # never the extra forward
     assert partial.get("resid_pre", 0).shape == (3, 5)
+
+
+def _strided_run(open_sink: Callable[..., ClickHouseSink], *, skip: int | None = None):
+    """Run "strided" captured ``resid_pre:every(2)`` and final_logits for request "r"
+    (prompt 4, completion 3: resid_pre computed at [0, 6)): positions 0, 2 and 4 of
+    resid_pre, one record each holding the position's number (``skip``: left out)."""
+    sink = open_sink()
+    run = attrs.evolve(run_info("strided", CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", "resid_pre:every(2),final_logits"),))
+    sink.start_run(run)
+    for act, layer in CAPTURES:
+        logits = act == "final_logits"
+        kept = range(PROMPT - 1, PROMPT + COMPLETION - 1) if logits else range(0, 6, 2)
+        for p in kept:
+            if p == skip and not logits:
+                continue
+            recs = records_of("strided", "r", act, layer, torch.full((1, 5), float(p)),
+                              [p, p + 1], base=p)
+            sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest("strided", "r", PROMPT, COMPLETION)])
+
+
+def test_every_k_positions_read_back_in_order_with_their_positions(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    _strided_run(open_sink)
+    h = handle(store, "strided", "r")
+    assert h.missing == ()
+    assert h.positions("resid_pre", 0) == range(0, 6, 2)
+    rows = h.get("resid_pre", 1)
+    assert rows[:, 0].tolist() == [0.0, 2.0, 4.0]
+    assert h.get("resid_pre", 0, start=1, end=5)[:, 0].tolist() == [2.0, 4.0]
+    assert h.get("resid_pre", 0, start=3, end=4).numel() == 0  # no kept position there
+    assert h.logits.shape == (3, 5)
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
+
+    partial = CaptureHandle("strided", "r", lambda: ClickHouseReader(store), partial=True)
+    assert partial.partial_positions("resid_pre", 0) == (0, 6)
+    assert partial.get("resid_pre", 0)[:, 0].tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_missing_position_of_every_k_is_reported(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    _strided_run(open_sink, skip=2)
+    h = handle(store, "strided", "r")
+    assert h.missing == ("blocks.hook_resid_pre layer 0: positions 2 missing",
+                         "blocks.hook_resid_pre layer 1: positions 2 missing")
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
+
+    partial = CaptureHandle("strided", "r", lambda: ClickHouseReader(store), partial=True)
+    assert partial.get("resid_pre", 0)[:, 0].tolist() == [0.0]  # up to the first gap

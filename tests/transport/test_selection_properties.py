@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
-from dmi_sglang.app.assemble import selected_span
+from dmi_sglang.app.assemble import selected_positions
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
@@ -63,7 +63,8 @@ def scenarios(draw: st.DrawFn):
     skip = frozenset(r for r in rids if draw(st.booleans()))
     a = draw(st.integers(0, 12))
     rule = draw(st.sampled_from([f"positions({a}-{draw(st.integers(a, 14))})",
-                                 "last_prompt", "generated", "last"]))
+                                 "last_prompt", "generated", "last",
+                                 f"every({draw(st.integers(1, 4))})"]))
     ruled = draw(st.sampled_from([("resid_pre",), ("final_ln",), ("resid_pre", "final_ln"),
                                   ("final_logits",)]))
     return (steps, dict(zip(rids, prompts, strict=True)), skip, rule, ruled,
@@ -127,9 +128,8 @@ def _selected(records, keeps: Positions, ruled: tuple[str, ...], skip: frozenset
                 if rid not in ends:
                     continue
                 count, completion = 1, ends[rid] - prompts[rid] + 1
-            lo, hi = keeps.span(position, position + 1, prompt=prompts[rid],
-                                completion=completion)
-            if hi <= lo:
+            if not keeps.kept(position, position + 1, prompt=prompts[rid],
+                              completion=completion):
                 continue
         want[key] = count
     if keeps.rule is PositionRule.LAST_PROMPT and "final_logits" in ruled:
@@ -154,7 +154,8 @@ def _latest(records) -> dict[tuple, bytes]:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(script(), st.sampled_from(["last_prompt", "generated", "positions(2-6)", "last"]),
+@given(script(), st.sampled_from(["last_prompt", "generated", "positions(2-6)", "last",
+                                  "every(3)"]),
        st.sampled_from([("resid_pre",), ("final_logits",), ("resid_pre", "final_logits"),
                         ("final_ln", "final_logits")]),
        st.booleans(), st.booleans(), st.booleans())
@@ -182,10 +183,10 @@ def test_under_a_scheduler_a_selective_capture_reads_what_a_full_one_does(
     for manifest in _manifests(steps, reqs, skip):
         for act, layer in {(k[1], k[2]) for k in whole}:
             rule_of = keeps if any(act.endswith(h) for h in ruled) else None
-            lo, hi = selected_span(manifest, act, rule_of)
-            for position in range(lo, hi):
+            kept = selected_positions(manifest, act, rule_of)
+            for position in kept:
                 key = (manifest.request_id, act, layer, position)
-                assert got.get(key) == whole[key], (key, (lo, hi))
+                assert got.get(key) == whole[key], (key, kept)
 
 
 def _replay(d: Driver, steps: list[tuple], padded: bool, strip: bool) -> None:

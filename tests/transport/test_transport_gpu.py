@@ -315,7 +315,7 @@ def test_prefill_larger_than_the_free_ring_is_committed_piecewise():
 
 
 RULED: Selection = parse_selection(
-    "resid_pre:positions(12-14),mlp_out,final_ln:positions(0-13),final_logits").resolve(
+    "resid_pre:positions(12-14),mlp_out:every(2),final_ln:positions(0-13),final_logits").resolve(
     ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
 
 

@@ -8,6 +8,7 @@ then sliced out of their records and concatenated in position order.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import attrs
@@ -17,7 +18,15 @@ from dmi_sglang.domain.positions import Positions
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
 
-__all__ = ["Slice", "hook_for", "missing", "select_rows", "selected_span"]
+__all__ = [
+    "Slice",
+    "covered_prefix",
+    "hook_for",
+    "missing",
+    "narrowed",
+    "select_rows",
+    "selected_positions",
+]
 
 _BY_ACT = {h.act_name: h for h in CATALOG}
 _BY_NAME = {h.name: h for h in CATALOG}
@@ -47,7 +56,7 @@ def missing(
 
     Complete means: the run is committed, the request's manifest is committed, and for
     every ``(act_name, layer)`` of ``run.captures`` the stored ranges cover every
-    position of :func:`selected_span`.
+    position of :func:`selected_positions`.
     """
     if run is None:
         return (f"run {run_id!r} is not in the store",)
@@ -65,25 +74,71 @@ def missing(
     reasons = []
     rules = run.position_rules()
     for act, layer in run.captures:
-        lo, hi = selected_span(manifest, act, rules.get((act, layer)))
-        gaps = _uncovered(lo, hi, by_key.get((act, layer), [])) if hi > lo else []
+        kept = selected_positions(manifest, act, rules.get((act, layer)))
+        spans = by_key.get((act, layer), [])
+        if kept.step == 1:
+            gaps = [f"[{a}, {b})" for a, b in _uncovered(kept.start, kept.stop, spans)]
+        else:
+            gaps = [str(p) for p in _uncovered_positions(kept, spans)]
         if gaps:
-            shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:4])
             more = f" and {len(gaps) - 4} more" if len(gaps) > 4 else ""
-            reasons.append(f"{act} layer {layer}: positions {shown}{more} missing")
+            reasons.append(f"{act} layer {layer}: positions {', '.join(gaps[:4])}{more} "
+                           "missing")
     return tuple(reasons)
 
 
-def selected_span(manifest: RequestManifest, act: str,
-                  rule: Positions | None) -> tuple[int, int]:
-    """The positions ``[lo, hi)`` of a request a capture of hook ``act`` holds: the
+def selected_positions(manifest: RequestManifest, act: str, rule: Positions | None) -> range:
+    """The positions of a request a capture of hook ``act`` holds, in order: the
     manifest's coverage, narrowed by the capture's position rule (None: every position;
-    empty when ``hi <= lo``)."""
+    a step above 1 for ``every(K)``)."""
     cov = manifest.coverage(hook_for(act))
     if rule is None:
-        return cov.start, cov.end
-    return rule.span(cov.start, cov.end, prompt=manifest.prompt_tokens,
+        return range(cov.start, max(cov.start, cov.end))
+    return rule.kept(cov.start, cov.end, prompt=manifest.prompt_tokens,
                      completion=manifest.completion_tokens)
+
+
+def narrowed(kept: range, start: int | None, end: int | None) -> range:
+    """The positions of ``kept`` in ``[start, end)`` (None: no bound on that side)."""
+    lo = 0 if start is None else max(0, -(-(start - kept.start) // kept.step))
+    hi = len(kept) if end is None else max(0, -(-(end - kept.start) // kept.step))
+    return kept[lo:hi]
+
+
+def covered_prefix(spans: Sequence[tuple[int, int]], first: int, step: int) -> range:
+    """The positions ``first, first + step, ...`` that the spans ``[start, end)`` hold,
+    up to the first one they miss."""
+    merged = _merged(spans)
+    starts = [a for a, _ in merged]
+    p = first
+    while True:
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p >= merged[i][1]:
+            return range(first, p, step)
+        p += step
+
+
+def _merged(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Spans ``[start, end)`` merged into sorted, disjoint ones."""
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _uncovered_positions(kept: range, spans: list[tuple[int, int]]) -> list[int]:
+    """The positions of ``kept`` no span ``[start, end)`` holds."""
+    merged = _merged(spans)
+    starts = [a for a, _ in merged]
+    gaps = []
+    for p in kept:
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p >= merged[i][1]:
+            gaps.append(p)
+    return gaps
 
 
 def _uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -109,8 +164,9 @@ class Slice:
     row_to: int
 
 
-def select_rows(records: Sequence[CaptureRecord], lo: int, hi: int) -> list[Slice]:
-    """For each position in ``[lo, hi)`` the row of the highest-``seq`` record holding it.
+def select_rows(records: Sequence[CaptureRecord], positions: range) -> list[Slice]:
+    """For each of ``positions`` (in order) the row of the highest-``seq`` record holding
+    it, as runs of consecutive rows of one record.
 
     Raises:
         IncompleteCaptureError: a position no record holds.
@@ -123,25 +179,31 @@ def select_rows(records: Sequence[CaptureRecord], lo: int, hi: int) -> list[Slic
                 f"{r.end_token_idx}) has shape {list(r.shape)}: rows do not match positions"
             )
             raise StoreError(msg)
-    owner = [-1] * max(0, hi - lo)
+    owner = [-1] * len(positions)
     by_seq = sorted(range(len(records)), key=lambda i: records[i].seq, reverse=True)
     for i in by_seq:
         r = records[i]
-        for pos in range(max(r.start_token_idx, lo), min(r.end_token_idx, hi)):
-            if owner[pos - lo] < 0:
-                owner[pos - lo] = i
+        held = narrowed(positions, r.start_token_idx, r.end_token_idx)
+        first = (held.start - positions.start) // positions.step if held else 0
+        for k in range(first, first + len(held)):
+            if owner[k] < 0:
+                owner[k] = i
     if -1 in owner:
-        pos = lo + owner.index(-1)
-        msg = f"position {pos} is missing from the stored rows [{lo}, {hi})"
+        pos = positions[owner.index(-1)]
+        shown = (f"[{positions.start}, {positions.stop})" if positions.step == 1
+                 else f"{positions.start}, {positions.start + positions.step}, ... "
+                      f"below {positions.stop}")
+        msg = f"position {pos} is missing from the stored rows of positions {shown}"
         raise IncompleteCaptureError(msg)
     slices: list[Slice] = []
-    offset = 0
-    while offset < len(owner):
-        i = owner[offset]
-        end = offset + 1
-        while end < len(owner) and owner[end] == i:
+    k = 0
+    while k < len(owner):
+        i = owner[k]
+        row = positions[k] - records[i].start_token_idx
+        end = k + 1
+        while (end < len(owner) and owner[end] == i
+               and positions[end] - records[i].start_token_idx == row + end - k):
             end += 1
-        first_row = lo + offset - records[i].start_token_idx
-        slices.append(Slice(i, first_row, first_row + end - offset))
-        offset = end
+        slices.append(Slice(i, row, row + end - k))
+        k = end
     return slices

@@ -139,6 +139,7 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
             f"{'-':>12}")
         shape = "x".join(str(d) for d in tensor.shape)
         where = f"[{span.start}, {span.stop})"  # as get(start=, end=) takes them
+        where += f" every {span.step}" if span.step > 1 else ""
         _out(f"{name:<36} {where:<12} {shape:<22} {tensor.dtype!s:<16} {norm}")
     return 0
 

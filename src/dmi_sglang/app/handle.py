@@ -17,8 +17,16 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from dmi_sglang.app.assemble import hook_for, missing, select_rows, selected_span
+from dmi_sglang.app.assemble import (
+    covered_prefix,
+    hook_for,
+    missing,
+    narrowed,
+    select_rows,
+    selected_positions,
+)
 from dmi_sglang.domain.ports import RecordReader
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
@@ -49,7 +57,7 @@ DMI_GLOBAL_FIELDS: dict[str, str] = {
 }
 """DMI's global readback fields -> our hook names."""
 
-_Key = tuple[str, int, int, int]
+_Key = tuple[str, int, range]
 
 
 class CaptureHandle:
@@ -146,8 +154,7 @@ class CaptureHandle:
             IncompleteCaptureError: as :meth:`get`.
             ValueError: a layer missing for a per-layer hook.
         """
-        _, _, lo, hi = self._key(hook, layer, None, None)
-        return range(lo, hi)
+        return self._key(hook, layer, None, None)[2]
 
     def get(
         self,
@@ -181,16 +188,16 @@ class CaptureHandle:
             with self._reader() as reader:
                 key = self._key(hook, layer, start, end, reader)
                 if key not in self._tensors:
-                    act, layer_no, lo, hi = key
+                    act, layer_no, kept = key
                     recs = reader.records(
                         self.run_id,
                         self.request_id,
                         act_name=act,
                         layer_no=layer_no,
-                        start=lo,
-                        end=hi,
+                        start=kept.start,
+                        end=kept.stop,
                     )
-                    self._tensors[key] = _decode(recs, lo, hi)
+                    self._tensors[key] = _decode(recs, kept)
                 return self._tensors[key]
 
     @property
@@ -205,17 +212,16 @@ class CaptureHandle:
             with self._reader() as reader:
                 self._complete(reader)
                 keys = self._resid_keys()
-                _, _, lo, hi = keys[0]
                 recs = reader.records(
                     self.run_id,
                     self.request_id,
                     act_name="blocks.hook_resid_pre",
-                    start=lo,
-                    end=hi,
+                    start=min(k[2].start for k in keys),
+                    end=max(k[2].stop for k in keys),
                 )
             for key in keys:
                 mine = [r for r in recs if r.layer_no == key[1]]
-                self._tensors[key] = _decode(mine, lo, hi)
+                self._tensors[key] = _decode(mine, key[2])
             return tuple(self._tensors[k] for k in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
@@ -272,15 +278,16 @@ class CaptureHandle:
     def partial_positions(self, hook: str, layer: int | None = None) -> tuple[int, int]:
         """For a handle made with ``partial=True``: the positions ``[start, end)`` that
         :meth:`get` returns for a hook: from the first stored position up to the first
-        one missing (what an interrupted or failed run stored before it stopped).
+        one missing (what an interrupted or failed run stored before it stopped); under
+        ``every(K)`` every K-th position of that span.
 
         Raises:
             IncompleteCaptureError: no such run, the hook was not captured, or nothing
                 of it was stored.
         """
         with self._reader() as reader:
-            _, _, lo, hi = self._partial_key(reader, hook, layer)
-        return lo, hi
+            kept = self._partial_key(reader, hook, layer)[2]
+        return kept.start, kept.stop
 
     def _partial_key(self, reader: RecordReader, hook: str, layer: int | None) -> _Key:
         run = reader.run(self.run_id)
@@ -298,28 +305,25 @@ class CaptureHandle:
             msg = (f"nothing of {h.act_name} layer {layer_no} was stored for request "
                    f"{self.request_id!r}")
             raise IncompleteCaptureError(msg)
-        lo = hi = spans[0][0]
-        for start, end in spans:
-            if start > hi:
-                break
-            hi = max(hi, end)
         manifest = reader.manifest(self.run_id, self.request_id)
         rule = run.position_rules().get((h.act_name, layer_no))
+        step = rule.k if rule is not None and rule.rule is PositionRule.EVERY else 1
+        kept = covered_prefix(spans, spans[0][0], step)
         if manifest is not None and rule is not None:  # what the rule keeps, no more
-            first, stop = selected_span(manifest, h.act_name, rule)
-            lo, hi = max(lo, first), min(hi, stop)
-            if hi <= lo:
+            selected = selected_positions(manifest, h.act_name, rule)
+            kept = narrowed(selected, kept.start, kept.stop)
+            if not kept:
                 msg = (f"nothing of {h.act_name} layer {layer_no} that its rule {rule} keeps "
                        f"was stored for request {self.request_id!r}")
                 raise IncompleteCaptureError(msg)
-        return (h.act_name, layer_no, lo, hi)
+        return (h.act_name, layer_no, kept)
 
     def _partial_get(self, hook: str, layer: int | None) -> torch.Tensor:
         with self._lock, self._reader() as reader:
-            act, layer_no, lo, hi = self._partial_key(reader, hook, layer)
+            act, layer_no, kept = self._partial_key(reader, hook, layer)
             recs = reader.records(self.run_id, self.request_id, act_name=act,
-                                  layer_no=layer_no, start=lo, end=hi)
-            return _decode(recs, lo, hi)
+                                  layer_no=layer_no, start=kept.start, end=kept.stop)
+            return _decode(recs, kept)
 
     # -- internals -------------------------------------------------------------------
 
@@ -343,15 +347,15 @@ class CaptureHandle:
                 f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}"
             )
             raise IncompleteCaptureError(msg)
-        first, stop = selected_span(manifest, h.act_name,
-                                    run.position_rules().get((h.act_name, layer_no)))
-        stop = max(first, stop)
+        kept = selected_positions(manifest, h.act_name,
+                                  run.position_rules().get((h.act_name, layer_no)))
+        first, stop = kept.start, kept.stop
         lo = first if start is None else start
         hi = stop if end is None else end
         if lo < first or hi > stop or hi < lo:
             msg = f"positions [{lo}, {hi}) are outside {h.name}'s captured [{first}, {stop})"
             raise ValueError(msg)
-        return (h.act_name, layer_no, lo, hi)
+        return (h.act_name, layer_no, narrowed(kept, lo, hi))
 
     @contextlib.contextmanager
     def _reader(self) -> Iterator[RecordReader]:
@@ -387,13 +391,13 @@ class NoStoreHandle:
         raise IncompleteCaptureError(msg)
 
 
-def _decode(records: Sequence[CaptureRecord], lo: int, hi: int) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of ``records`` as one tensor that owns its memory."""
+def _decode(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:
+    """The rows of ``positions`` in ``records`` as one tensor that owns its memory."""
     import torch
 
-    if hi <= lo:
+    if not positions:
         return torch.empty((0,))
-    slices = select_rows(records, lo, hi)
+    slices = select_rows(records, positions)
     first = records[slices[0].index]
     trailing, dtype_name = first.shape[1:], first.dtype
     itemsize = DType.parse(dtype_name).itemsize
@@ -417,4 +421,4 @@ def _decode(records: Sequence[CaptureRecord], lo: int, hi: int) -> torch.Tensor:
         buf += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
     dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
-    return flat.reshape(hi - lo, *trailing).clone()
+    return flat.reshape(len(positions), *trailing).clone()

@@ -487,8 +487,8 @@ def _rule_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | None
     for i, (start, n) in enumerate(zip(layout.starts, layout.counts, strict=True)):
         if keep is None or i in keep:
             prompt = prompt_of[i] if prompt_of is not None else None
-            lo, hi = rule.span(start, start + n, prompt=prompt)
-            index.extend(range(row + lo - start, row + hi - start))
+            held = rule.kept(start, start + n, prompt=prompt)
+            index.extend(range(row + held.start - start, row + held.stop - start, held.step))
         row += n
     if len(index) == layout.token_rows:
         return None, len(index)
@@ -506,8 +506,7 @@ def _request_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | N
                                               strict=True)):
         if emits and n > 0 and (keep is None or i in keep):
             prompt = prompt_of[i] if prompt_of is not None else None
-            lo, hi = rule.span(start + n - 1, start + n, prompt=prompt)
-            if hi > lo:
+            if rule.kept(start + n - 1, start + n, prompt=prompt):
                 index.append(i)
     if index == list(range(layout.raw_batch_size)):
         return None, len(index)
@@ -522,16 +521,21 @@ def _slices(layout: BatchLayout, basis: RowBasis, rule: Positions | None = None,
     for i, (rid, start, n, emits) in enumerate(rows):
         prompt = prompts[i] if prompts is not None else None
         if basis is RowBasis.TOKEN:
-            lo, hi = (start, start + n) if rule is None else rule.span(start, start + n,
-                                                                       prompt=prompt)
+            kept = range(start, start + n) if rule is None else rule.kept(
+                start, start + n, prompt=prompt)
         elif emits and n > 0:
-            lo, hi = ((start + n - 1, start + n) if rule is None
-                      else rule.span(start + n - 1, start + n, prompt=prompt))
+            kept = range(start + n - 1, start + n) if rule is None else rule.kept(
+                start + n - 1, start + n, prompt=prompt)
         else:
             continue
-        if hi > lo:
-            out.append(RecordSlice(rid, at, hi - lo, lo, hi))
-            at += hi - lo
+        if kept.step == 1:  # one record per run of consecutive positions
+            if kept:
+                out.append(RecordSlice(rid, at, len(kept), kept.start, kept.stop))
+                at += len(kept)
+            continue
+        for p in kept:  # a stride: one record per position
+            out.append(RecordSlice(rid, at, 1, p, p + 1))
+            at += 1
     return tuple(out)
 
 

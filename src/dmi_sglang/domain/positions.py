@@ -172,6 +172,21 @@ class Positions:
         msg = f"{self} keeps no span of positions that is known while capturing"
         raise ValueError(msg)
 
+    def kept(self, start: int, end: int, *, prompt: int | None = None,
+             completion: int | None = None) -> range:
+        """The kept positions of ``[start, end)``, in order, for every rule: ``every(K)``
+        as a range with step ``K``, the others as :meth:`span` gives them (step 1, the
+        same arguments needed).
+
+        Raises:
+            ValueError: as :meth:`span`.
+        """
+        if self.rule is PositionRule.EVERY:
+            first = -(-start // self.k) * self.k
+            return range(first, max(first, end), self.k)
+        lo, hi = self.span(start, end, prompt=prompt, completion=completion)
+        return range(lo, max(lo, hi))
+
     def rows(self, start: int, end: int, *, prompt: int, completion: int) -> int:
         """How many positions of ``[start, end)`` (what a complete capture of the request
         holds for one hook) a capture under the rule stores (see the module docstring for

@@ -21,7 +21,6 @@ from urllib.parse import SplitResult, unquote, urlsplit
 import attrs
 
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
-from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
@@ -87,25 +86,6 @@ def _conv(
             raise ConfigurationError(msg) from None
 
     return convert
-
-
-_CAPTURED_RULES = (PositionRule.ALL, PositionRule.RANGE, PositionRule.LAST_PROMPT,
-                   PositionRule.GENERATED, PositionRule.LAST)
-
-
-def _capturable(text: str) -> HookSelection:
-    """A selection a capture can run: of the position rules, ``positions(A-B)``,
-    ``last_prompt``, ``generated`` and ``last`` are captured; ``every(K)`` is planned by
-    ``dmi-sglang plan`` and not captured yet."""
-    selection = parse_selection(text)
-    refused = [str(i) for i in selection.items if i.positions.rule not in _CAPTURED_RULES]
-    if refused:
-        msg = (f"position rules ({', '.join(refused)}) are understood by dmi-sglang plan "
-               "but not captured yet: captures take positions(A-B), last_prompt, "
-               "generated and last; "
-               "capture every position otherwise (no ':rule')")
-        raise ConfigurationError(msg)
-    return selection
 
 
 def _fraction(text: str) -> float:
@@ -319,7 +299,7 @@ _VARS: dict[str, _Var] = {
         "hook_selection",
         "sglang-full",
         _conv(
-            lambda t: str(_capturable(t)),
+            lambda t: str(parse_selection(t)),
             "hook names, presets and name@N-M layer ranges, comma-separated",
         ),
     ),
