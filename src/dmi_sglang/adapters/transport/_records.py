@@ -142,8 +142,9 @@ class HeldRows:
         self._pinned: set[str] = set()
         """Requests whose held rows are views of shared pooled memory."""
         self.copied = 0
-        """Payload bytes copied out to be held (each held row is copied once here, and
-        once more if it waits past the next flush: :meth:`detach_pinned`)."""
+        """Payload bytes the host copied to keep held rows: those that waited past the
+        next flush (:meth:`detach_pinned`; held rows arrive in memory of their own by
+        device copy)."""
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -155,7 +156,6 @@ class HeldRows:
         """Hold ``record`` (call :meth:`confirm` for its request first); ``pinned``: its
         payload is a view of memory it shares with other rows (see
         :meth:`detach_pinned`)."""
-        self.copied += len(record.payload)
         self._rows.setdefault(record.request_id, []).append(record)
         if pinned:
             self._pinned.add(record.request_id)

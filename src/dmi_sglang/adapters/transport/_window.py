@@ -158,8 +158,10 @@ class DecodeWindow:
                                 buffer=ops.host_buffer)
         """Page-locked memory the flushes copy into (the batches' payloads)."""
         self.host.reserve(_SPARE_OUTPUTS)
-        self._held_pool = PayloadPool(slab_bytes=_HELD_SLAB_BYTES, max_free_slabs=4)
-        """Pageable memory the held request rows of a flush are copied into."""
+        self._held_pool = PayloadPool(slab_bytes=_HELD_SLAB_BYTES, max_free_slabs=4,
+                                      buffer=ops.host_buffer)
+        """Page-locked memory the held request rows of a flush are copied into from the
+        device (allocated on first use: only selections with request rows hold)."""
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
         self._labels: tuple[tuple[RecordKey, ...], ...] = ()
@@ -427,16 +429,22 @@ class DecodeWindow:
         return _GroupOut(g, labels, jobs, counts[jobs], index, held)
 
     def _gather(self, plans: list[_GroupOut], runs: _Runs, out: Emitted) -> None:
-        """Gather every group's rows on the device, copy them to the host once, and
-        make the batches (and the held rows) over that memory."""
-        places, at = [], 0
+        """Gather every group's rows on the device and copy them to the host once (a
+        page-locked flush buffer: the batches' payloads); the held request rows also go
+        by device copy straight into the held rows' own page-locked memory, so the host
+        copies no byte of them. Then make the batches and hold the held rows."""
+        places, held_places, at, held_at = [], [], 0, 0
         for p in plans:
+            rb = p.group.row_nbytes
             places.append(at)
-            at += _align(len(p.index) * p.group.row_nbytes)
-        total = at
+            held_places.append(held_at)
+            at += _align(len(p.index) * rb)
+            held_at += _align(len(p.held) * p.group.count * rb)
+        total, held_total = at, held_at
         if not total:
             return
         chunk = self.host.alloc(total)
+        held_chunk = self._held_pool.alloc(held_total) if held_total else None
         cells, slots, steps = self._cells, self._slots, self._steps
         device, gather = self._ops.device, self._gather_wide
 
@@ -451,14 +459,23 @@ class DecodeWindow:
                 dst = gather[e][place // e : place // e + len(p.index) * w]
                 torch.index_select(flat, 0, torch.from_numpy(p.index).to(device),
                                    out=dst.view(len(p.index), w))
-            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=self._ops.is_cuda)
+            blocking = self._ops.is_cuda
+            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=blocking)
+            if held_chunk is None:
+                return
+            for p, place, held_place in zip(plans, places, held_places, strict=True):
+                nbytes = len(p.held) * p.group.count * p.group.row_nbytes
+                if nbytes:  # the held rows: the tail of the group's gathered rows
+                    tail = place + len(p.index) * p.group.row_nbytes - nbytes
+                    held_chunk.tensor[held_place : held_place + nbytes].copy_(
+                        self._gather_buf[tail : tail + nbytes], non_blocking=blocking)
 
         self._ops.on_drain_stream([], work)
         self._ops.settle()
         self.gathered_bytes += total
         host = chunk.array
         rids = tuple(self._rids)
-        for p, place in zip(plans, places, strict=True):
+        for p, place, held_place in zip(plans, places, held_places, strict=True):
             self._gil.check()
             rb, nseg = p.group.row_nbytes, p.group.count
             kept = int(p.rows.sum()) * nseg * rb
@@ -474,22 +491,21 @@ class DecodeWindow:
                     np.repeat(runs.seq[p.jobs], nseg), offsets, host[place : place + kept],
                 ))
             if len(p.held):
-                self._hold(p.group, runs, p.held, host[place + kept :
-                                                       place + len(p.index) * rb])
+                assert held_chunk is not None
+                at = held_chunk.offset + held_place
+                self._hold(p.group, runs, p.held,
+                           held_chunk.view[at : at + len(p.held) * nseg * rb])
 
-    def _hold(self, g: Group, runs: _Runs, held: Ints, rows: np.ndarray) -> None:
+    def _hold(self, g: Group, runs: _Runs, held: Ints, own: memoryview) -> None:
         """Hold the newest request row of the live requests of the ``held`` runs (their
-        rows in ``rows``, run by run, segment by segment).
+        rows in ``own``, run by run, segment by segment: memory of the held rows' pool,
+        filled by the device copy).
 
-        The rows are copied out of the flush's page-locked buffer (a held row may wait
-        long; it must not keep that buffer) with one bulk copy into pooled memory, in
-        the order they are held: released together at the next flush, in the same order,
-        they become one batch over that memory without another copy
-        (:func:`~._records.back_to_back`)."""
+        Released together at the next flush, in the same order, they become one batch
+        over that memory without a copy (:func:`~._records.back_to_back`); a row still
+        waiting then gets memory of its own (:meth:`~._records.HeldRows.detach_pinned`),
+        so no waiting row keeps a slab."""
         rb = g.row_nbytes
-        chunk = self._held_pool.alloc(rows.nbytes)
-        chunk.array[:] = rows
-        own = chunk.view[chunk.offset : chunk.offset + rows.nbytes]
         at = 0
         for j in held.tolist():
             rid = self._rids[int(runs.slot[j])]
