@@ -84,3 +84,10 @@ def test_payload_modifiers_shrink_the_planned_bytes() -> None:
     assert per_token("final_logits:topk(64):bf16") == 64 * 2 + 64 * 4
     assert per_token("final_logits:fp16") == 151936 * 2
     assert per_token("hidden-states:fp16") == per_token("hidden-states")  # bf16 -> fp16
+
+
+@pytest.mark.parametrize("prompt", [255, 256, 257])
+def test_every_k_adds_a_kth_of_a_row_per_prompt_token_whatever_the_prompt(prompt: int) -> None:
+    plan = plan_bandwidth(captures("resid_pre@0:every(8)"), QWEN3_06B, prompt_tokens=prompt,
+                          completion_tokens=10)
+    assert plan.bytes_per_prompt_token == 1024 * 2 / 8  # one bf16 row every 8 positions

@@ -16,7 +16,7 @@ from dmi_sglang.errors import SelectionError
 
 SHAPE = ModelShape(4, 8, 2, 1, 4, 12, 10)
 HOOKS = ModelHooks("Toy", frozenset(h.name for h in CATALOG), 4)
-RULES = ("all", "last_prompt", "last", "generated", "every(1)", "every(3)", "positions(2-5)",
+RULES = ("all", "last_prompt", "last", "generated", "every(2)", "every(3)", "positions(2-5)",
          "positions(7)")
 
 
@@ -216,3 +216,8 @@ def test_last_slots_are_counted_per_request_and_capture() -> None:
     assert last_slot_bytes(sel, SHAPE, requests=requests) == (2 * 16 + 1) * per_row
     assert last_slot_bytes(parse_selection("final_ln").resolve(HOOKS), SHAPE,
                            requests=16) == 0
+
+
+def test_every_one_is_every_position() -> None:
+    assert Positions.parse("every(1)") == Positions.parse("all")
+    assert Positions.parse("every(1)").is_all

@@ -243,7 +243,7 @@ def test_a_partial_read_keeps_to_what_the_rule_keeps(
         sink.put(RecordBatch.from_records(recs))
     commit(sink, run, [manifest("genp", "r", PROMPT, COMPLETION, overlap_extra_forward=True)])
     partial = CaptureHandle("genp", "r", lambda: ClickHouseReader(store), partial=True)
-    assert partial.partial_positions("resid_pre", 0) == (3, 6)  # never the extra forward
+    assert partial.partial_positions("resid_pre", 0) == range(3, 6)  # never the extra one
     assert partial.get("resid_pre", 0).shape == (3, 5)
 
 
@@ -283,7 +283,7 @@ def test_every_k_positions_read_back_in_order_with_their_positions(
     from dmi_sglang.app.handle import CaptureHandle
 
     partial = CaptureHandle("strided", "r", lambda: ClickHouseReader(store), partial=True)
-    assert partial.partial_positions("resid_pre", 0) == (0, 6)
+    assert partial.partial_positions("resid_pre", 0) == range(0, 6, 2)
     assert partial.get("resid_pre", 0)[:, 0].tolist() == [0.0, 2.0, 4.0]
 
 
@@ -299,3 +299,40 @@ def test_a_missing_position_of_every_k_is_reported(
 
     partial = CaptureHandle("strided", "r", lambda: ClickHouseReader(store), partial=True)
     assert partial.get("resid_pre", 0)[:, 0].tolist() == [0.0]  # up to the first gap
+
+
+
+def _logits_every(open_sink: Callable[..., ClickHouseSink], run_id: str, k: int,
+                  kept: list[int]) -> None:
+    """Run ``run_id`` captured ``final_logits:every(k)`` of request "r" (prompt 4, 3
+    tokens: logits rows cover [3, 6)), the rows of ``kept`` stored."""
+    sink = open_sink()
+    captures = (("final_logits", -1),)
+    run = attrs.evolve(run_info(run_id, captures), settings=(
+        ("DMX_HOOK_SELECTION", f"final_logits:every({k})"),))
+    sink.start_run(run)
+    for p in kept:
+        recs = records_of(run_id, "r", "final_logits", -1, torch.full((1, 5), float(p)),
+                          [p, p + 1], base=p)
+        sink.put(RecordBatch.from_records(recs))
+    commit(sink, run, [manifest(run_id, "r", PROMPT, COMPLETION)])
+
+
+def test_every_k_on_the_logits_takes_any_bounds_inside_their_coverage(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    """every(2) keeps position 4 of [3, 6): get(start=3) is inside the coverage and
+    returns the kept row; every(8) keeps nothing, and says so inside the coverage."""
+    _logits_every(open_sink, "lk2", 2, [4])
+    h = handle(store, "lk2", "r")
+    assert h.missing == ()
+    assert h.positions("final_logits") == range(4, 6, 2)
+    assert h.get("final_logits", start=3)[:, 0].tolist() == [4.0]
+    assert h.get("final_logits", start=5).numel() == 0
+    _logits_every(open_sink, "lk8", 8, [])
+    h = handle(store, "lk8", "r")
+    assert h.missing == ()
+    kept = h.positions("final_logits")
+    assert not kept
+    assert 3 <= kept.start <= 6
+    assert h.get("final_logits").numel() == 0

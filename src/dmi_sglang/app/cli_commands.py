@@ -119,18 +119,18 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
     for act, layer in handle.captures:
         layer_arg = None if layer < 0 else layer
         try:
-            lo, hi = handle.partial_positions(act, layer_arg)
+            kept = handle.partial_positions(act, layer_arg)
         except IncompleteCaptureError:
             continue  # nothing of it was stored
         name = act if layer < 0 else f"{act}.{layer}"
-        yield f"{name}@{lo}-{hi}", range(lo, hi), handle.get(act, layer_arg)
+        yield f"{name}@{kept.start}-{kept.stop}", kept, handle.get(act, layer_arg)
 
 
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
     header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
               + ("  (partial: stored positions only)" if partial else ""),
-              f"{'capture':<36} {'positions':<12} {'shape':<22} {'dtype':<16} {'norm':>12}"]
+              f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
     for name, span, tensor in _tensors(store, run_id, request_id, partial):
         for line in header:  # only once the request resolved
             _out(line)
@@ -140,7 +140,7 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
         shape = "x".join(str(d) for d in tensor.shape)
         where = f"[{span.start}, {span.stop})"  # as get(start=, end=) takes them
         where += f" every {span.step}" if span.step > 1 else ""
-        _out(f"{name:<36} {where:<12} {shape:<22} {tensor.dtype!s:<16} {norm}")
+        _out(f"{name:<36} {where:<18} {shape:<22} {tensor.dtype!s:<16} {norm}")
     return 0
 
 

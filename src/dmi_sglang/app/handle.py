@@ -275,19 +275,18 @@ class CaptureHandle:
         first, and their token ids (int32), each ``[tokens, K]``."""
         return self.get("logits_topk_values"), self.get("logits_topk_ids")
 
-    def partial_positions(self, hook: str, layer: int | None = None) -> tuple[int, int]:
-        """For a handle made with ``partial=True``: the positions ``[start, end)`` that
-        :meth:`get` returns for a hook: from the first stored position up to the first
-        one missing (what an interrupted or failed run stored before it stopped); under
-        ``every(K)`` every K-th position of that span.
+    def partial_positions(self, hook: str, layer: int | None = None) -> range:
+        """For a handle made with ``partial=True``: the positions :meth:`get` returns for
+        a hook, from the first stored position up to the first one missing (what an
+        interrupted or failed run stored before it stopped); a range with step K under
+        ``every(K)``.
 
         Raises:
             IncompleteCaptureError: no such run, the hook was not captured, or nothing
                 of it was stored.
         """
         with self._reader() as reader:
-            kept = self._partial_key(reader, hook, layer)[2]
-        return kept.start, kept.stop
+            return self._partial_key(reader, hook, layer)[2]
 
     def _partial_key(self, reader: RecordReader, hook: str, layer: int | None) -> _Key:
         run = reader.run(self.run_id)
@@ -347,9 +346,12 @@ class CaptureHandle:
                 f"captured: {', '.join(f'{a}@{n}' for a, n in run.captures)}"
             )
             raise IncompleteCaptureError(msg)
-        kept = selected_positions(manifest, h.act_name,
-                                  run.position_rules().get((h.act_name, layer_no)))
+        rule = run.position_rules().get((h.act_name, layer_no))
+        kept = selected_positions(manifest, h.act_name, rule)
         first, stop = kept.start, kept.stop
+        if rule is not None and rule.rule is PositionRule.EVERY:  # any bounds inside
+            cov = manifest.coverage(h)
+            first, stop = cov.start, max(cov.start, cov.end)
         lo = first if start is None else start
         hi = stop if end is None else end
         if lo < first or hi > stop or hi < lo:

@@ -21,11 +21,13 @@ rule the readers judge completeness by, and each capture's position rule
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
 
 from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import expected_coverage
 from dmi_sglang.domain.shapes import ModelShape
 
@@ -193,8 +195,11 @@ def plan_bandwidth(
         msg = f"tokens per second {tok_s}: must be positive"
         raise ValueError(msg)
     one = capture_bytes(selection, shape, [(prompt_tokens, completion_tokens, True)]).bytes
+    # every(K) keeps a row every K positions: the mean over a whole number of strides
+    stride = math.lcm(1, *(rule.k for _, _, rule in selection.rules
+                           if rule.rule is PositionRule.EVERY))
     longer = capture_bytes(selection, shape,
-                           [(prompt_tokens + 1, completion_tokens, True)]).bytes
+                           [(prompt_tokens + stride, completion_tokens, True)]).bytes
     per_token = one / completion_tokens
     needed = per_token * tok_s if tok_s is not None else None
     limits = [("d2h", rates.d2h_bps)]
@@ -204,5 +209,5 @@ def plan_bandwidth(
         StageBound(name, limit, limit / per_token if per_token else None,
                    throughput_bound(needed, limit) if needed is not None else None)
         for name, limit in limits)
-    return BandwidthPlan(prompt_tokens, completion_tokens, one, float(longer - one),
+    return BandwidthPlan(prompt_tokens, completion_tokens, one, (longer - one) / stride,
                          per_token, tok_s, needed, stages)

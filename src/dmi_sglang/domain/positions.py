@@ -94,7 +94,7 @@ class Positions:
             if a < 1:
                 msg = f"every({a}){where}: K must be at least 1"
                 raise SelectionError(msg)
-            return cls(PositionRule.EVERY, k=a)
+            return cls(PositionRule.EVERY, k=a) if a > 1 else cls()  # every(1): all
         b = int(match.group(3)) if match.group(3) is not None else a
         if b < a:
             msg = f"positions({a}-{b}){where}: need A <= B"
@@ -182,7 +182,7 @@ class Positions:
             ValueError: as :meth:`span`.
         """
         if self.rule is PositionRule.EVERY:
-            first = -(-start // self.k) * self.k
+            first = min(-(-start // self.k) * self.k, max(start, end))
             return range(first, max(first, end), self.k)
         lo, hi = self.span(start, end, prompt=prompt, completion=completion)
         return range(lo, max(lo, hi))
