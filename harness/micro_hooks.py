@@ -29,11 +29,15 @@ launches: compare selections with each other there, not with a GPU).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
 import functools
 import statistics
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -225,6 +229,58 @@ class _Waves:
         self.decode_forwards = 0
 
 
+class StackSampler:
+    """Where the library's threads are: every ``period_s`` the innermost frames of each
+    thread named ``dmi-*`` (the drain, the sink writers) are counted, as
+    ``function (file:line)`` of the top frame under its two callers. A sampler, not a
+    tracer: it only wakes while it can take the GIL, so a thread that holds the GIL
+    long is seen less often than it runs; compare functions, not threads."""
+
+    def __init__(self, period_s: float = 0.0005) -> None:
+        self._period = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self.counts: dict[str, collections.Counter[str]] = {}
+        self.samples = 0
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        names: dict[int, str] = {}
+        while not self._stop.wait(self._period):
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident)
+                if name is None:
+                    thread = next((t for t in threading.enumerate() if t.ident == ident), None)
+                    name = names[ident] = thread.name if thread is not None else "?"
+                if not name.startswith("dmi-"):
+                    continue
+                chain: list[str] = []
+                f: types.FrameType | None = frame
+                while f is not None and len(chain) < 3:
+                    code = f.f_code
+                    chain.append(f"{code.co_name} ({Path(code.co_filename).name}:{f.f_lineno})")
+                    f = f.f_back
+                self.counts.setdefault(name.rstrip("0123456789"), collections.Counter())[
+                    " < ".join(chain)] += 1
+
+    def top(self, n: int = 12) -> dict[str, list[tuple[str, float]]]:
+        """Per thread (sink writers together), its ``n`` most seen stacks and their share
+        of that thread's samples."""
+        out = {}
+        for name, counter in sorted(self.counts.items()):
+            total = sum(counter.values())
+            out[name] = [(stack, c / total) for stack, c in counter.most_common(n)]
+        return out
+
+
 def measure(args: argparse.Namespace, preset: str) -> Json:
     """One selection: a warm-up wave, then ``--waves`` timed ones; per forward figures."""
     bench = _Waves(args, preset)
@@ -232,7 +288,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
     cpu0 = transport.drain_counters()["build_cpu_seconds"]
-    with LatenessProbe() as probe:
+    sampler = StackSampler() if args.sample else contextlib.nullcontext()
+    with LatenessProbe() as probe, sampler:
         for w in range(1, args.waves + 1):
             bench.wave(w)
         monitor.begin_forward()  # the last wave's finish notices
@@ -260,7 +317,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
             "captured_requests": captured,
-            "lateness": probe.summary(), "profile": top_functions(profile) if profile else None}
+            "lateness": probe.summary(), "profile": top_functions(profile) if profile else None,
+            "stacks": sampler.top() if isinstance(sampler, StackSampler) else None}
 
 
 def _same(layout: BatchLayout) -> BatchLayout:
@@ -288,6 +346,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
     for r in rows:
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
+        for thread, stacks in (r["stacks"] or {}).items():
+            print(f"-- where {thread} was ({r['preset']}, share of its samples)")
+            for stack, share in stacks:
+                print(f"  {share:6.1%}  {stack}")
     data["figures"] = {"hooks": rows, "table": table, "note": note}
     data["checks"]["rows_delivered"] = {"ok": all(r["delivered"] for r in rows),
                                         "required": True}
@@ -322,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "
                         "thread's calls; printed, and in the JSON), untimed")
+    p.add_argument("--sample", action="store_true",
+                   help="sample where the library's threads (drain, sink writers) are "
+                        "during the timed waves (printed, and in the JSON)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/hooks.json, else ./hooks.json)")
     args = p.parse_args(argv)

@@ -188,7 +188,8 @@ def test_hooks_on_cpu(tmp_path: Path) -> None:
     with contextlib.redirect_stdout(printed):
         assert main(["--device", "cpu", "--layers", "2", "--hidden", "16", "--vocab", "128",
                      "--batch", "8", "--prompt-len", "4", "--output-len", "5", "--waves", "2",
-                     "--step-ms", "0", "--ring-mb", "8", "--out", str(tmp_path / "h.json")]) == 0
+                     "--step-ms", "1", "--ring-mb", "8", "--sample",
+                     "--out", str(tmp_path / "h.json")]) == 0
     data = _result(tmp_path / "h.json", "hooks")
     rows = {r["preset"]: r for r in data["figures"]["hooks"]}
     assert list(rows) == ["hidden-states", "last", "topk64", "sample0.1", "sample0"]
@@ -205,6 +206,10 @@ def test_hooks_on_cpu(tmp_path: Path) -> None:
     assert (rows["sample0"]["rows"], rows["sample0"]["captured_requests"]) == (0, 0)
     assert 0 < rows["sample0.1"]["captured_requests"] < 24
     assert printed.getvalue().count("delivered") == 5
+    drain = rows["hidden-states"]["stacks"]["dmi-capture-drain"]  # where the drain was seen
+    assert drain and all(0 < share <= 1 for _, share in drain)
+    assert sum(share for _, share in drain) <= 1.0 + 1e-9
+    assert "where dmi-capture-drain was (hidden-states" in printed.getvalue()
 
 
 @pytest.mark.torch
