@@ -459,8 +459,8 @@ class DecodeWindow:
                 dst = gather[e][place // e : place // e + len(p.index) * w]
                 torch.index_select(flat, 0, torch.from_numpy(p.index).to(device),
                                    out=dst.view(len(p.index), w))
-            blocking = self._ops.is_cuda
-            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=blocking)
+            overlap = self._ops.is_cuda  # the copies return at once; settle() waits
+            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=overlap)
             if held_chunk is None:
                 return
             for p, place, held_place in zip(plans, places, held_places, strict=True):
@@ -468,7 +468,7 @@ class DecodeWindow:
                 if nbytes:  # the held rows: the tail of the group's gathered rows
                     tail = place + len(p.index) * p.group.row_nbytes - nbytes
                     held_chunk.tensor[held_place : held_place + nbytes].copy_(
-                        self._gather_buf[tail : tail + nbytes], non_blocking=blocking)
+                        self._gather_buf[tail : tail + nbytes], non_blocking=overlap)
 
         self._ops.on_drain_stream([], work)
         self._ops.settle()
