@@ -22,6 +22,10 @@ forward, and the lateness of a thread that asks to wake every millisecond (the d
 hold on the GIL). Every row a complete capture of the captured requests holds must reach
 the sink (``rows``: the domain's count, :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
+The drain runs with the engine's ``DMX_DRAIN_*`` and ``DMX_GPU_PADDING_STRIP`` settings
+from the environment (``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in
+the result's ``settings.env``.
+
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
 launches: compare selections with each other there, not with a GPU).
 """
@@ -33,6 +37,7 @@ import collections
 import contextlib
 import cProfile
 import functools
+import os
 import statistics
 import sys
 import threading
@@ -57,6 +62,7 @@ from dmi_sglang.domain.hooks import (
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.records import RunInfo
 from dmi_sglang.domain.sampling import RequestSample
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
@@ -159,11 +165,15 @@ class _Waves:
         capturing = [False]
         self.args, self.preset, self.bs = args, preset, args.batch
         self.sink = MemorySink(keep_records=False)
+        env = Settings.from_env()  # the drain's DMX_* tuning, as an engine reads it
+        options = TransportOptions.from_settings(
+            strip=env.gpu_padding_strip, flush_timeout_us=env.drain_flush_timeout_us,
+            max_prefill_tokens=self.bs * args.prompt_len, linger_us=env.drain_linger_us,
+            gil_slice_us=env.drain_gil_slice_us)
         self.transport = TorchCaptureTransport(
             capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20),
             selection=sel, shape=shape, max_graph_batch=self.bs, sink=self.sink,
-            run_id=f"hooks-{preset}", device=dev,
-            options=TransportOptions(max_prefill_tokens=self.bs * args.prompt_len),
+            run_id=f"hooks-{preset}", device=dev, options=options,
             capture_probe=lambda: capturing[0])
         self.monitor = SchedulerMonitor(
             run=RunInfo(f"hooks-{preset}", "bench", (), (), "t"), selection=sel, shape=shape,
@@ -397,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    settings = {**vars(args), "out": str(args.out), "device_name": device,
+    env = {k: v for k, v in os.environ.items()  # only what the benchmark reads
+           if k.startswith("DMX_DRAIN_") or k == "DMX_GPU_PADDING_STRIP"}
+    settings = {**vars(args), "out": str(args.out), "device_name": device, "env": env,
                 "torch": torch.__version__, "python": sys.version.split()[0]}
     return run_benchmark("hooks", settings, lambda data: run(args, data), args.out)
