@@ -178,12 +178,15 @@ def test_docs_render_both_tables(transport_run: Ran, store_run: Ran, tmp_path: P
 
 
 @pytest.mark.torch
-def test_hooks_on_cpu(tmp_path: Path) -> None:
+def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every selection's waves reach the sink; the parts add up to the decode figure;
-    a sample of 0 captures no request and stores nothing, the others capture all or some."""
+    a sample of 0 captures no request and stores nothing, the others capture all or some;
+    the drain's settings come from the environment (a secret never reaches the result)."""
     _needs_torch()
     from harness.micro_hooks import PARTS, main
 
+    monkeypatch.setenv("DMX_DRAIN_LINGER_US", "2000")
+    monkeypatch.setenv("DMX_CH_PASSWORD", "hunter2")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["--device", "cpu", "--layers", "2", "--hidden", "16", "--vocab", "128",
@@ -191,6 +194,8 @@ def test_hooks_on_cpu(tmp_path: Path) -> None:
                      "--step-ms", "1", "--ring-mb", "8", "--sample",
                      "--out", str(tmp_path / "h.json")]) == 0
     data = _result(tmp_path / "h.json", "hooks")
+    assert data["settings"]["env"] == {"DMX_DRAIN_LINGER_US": "2000"}
+    assert "hunter2" not in (tmp_path / "h.json").read_text() + printed.getvalue()
     rows = {r["preset"]: r for r in data["figures"]["hooks"]}
     assert list(rows) == ["hidden-states", "last", "topk64", "sample0.1", "sample0"]
     for r in rows.values():
