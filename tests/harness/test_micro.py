@@ -212,7 +212,8 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert 0 < rows["sample0.1"]["captured_requests"] < 24
     assert printed.getvalue().count("delivered") == 5
     drain = rows["hidden-states"]["stacks"]["dmi-capture-drain"]  # where the drain was seen
-    assert drain and all(0 < share <= 1 for _, share in drain)
+    assert drain
+    assert all(0 < share <= 1 for _, share in drain)
     assert sum(share for _, share in drain) <= 1.0 + 1e-9
     assert "where dmi-capture-drain was (hidden-states" in printed.getvalue()
 
