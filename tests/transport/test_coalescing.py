@@ -279,3 +279,15 @@ def test_a_held_row_that_waits_past_the_next_flush_gets_memory_of_its_own(make_d
     d.t.finish_request("b", None)
     d.t.stop()
     d.verify(sink.records)
+
+
+def test_held_rows_of_staged_steps_count_their_host_copies(make_driver) -> None:
+    # coalescing off: every decode step is staged (its resid_pre rows go to payload
+    # memory by device copy); each step holds a, b and c's 40-byte logits row, copied out
+    # of staging to be held, and copied again when released (rows of separate memory)
+    d, sink = make_driver("resid_pre,final_logits", coalesce_decode=False)
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a", "b", "c"], [5 + n, 9 + n, 3 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    assert d.t.drain_counters()["host_copied_bytes"] == 2 * 4 * 3 * 40

@@ -142,9 +142,8 @@ class HeldRows:
         self._pinned: set[str] = set()
         """Requests whose held rows are views of shared pooled memory."""
         self.copied = 0
-        """Payload bytes the host copied to keep held rows: those that waited past the
-        next flush (:meth:`detach_pinned`; held rows arrive in memory of their own by
-        device copy)."""
+        """Payload bytes the host copied to hold rows (a prefill's, see :meth:`hold`) and
+        to keep those that waited past the next flush (:meth:`detach_pinned`)."""
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -152,10 +151,14 @@ class HeldRows:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._rows
 
-    def hold(self, record: CaptureRecord, *, pinned: bool = False) -> None:
+    def hold(self, record: CaptureRecord, *, pinned: bool = False,
+             copied: bool = True) -> None:
         """Hold ``record`` (call :meth:`confirm` for its request first); ``pinned``: its
         payload is a view of memory it shares with other rows (see
-        :meth:`detach_pinned`)."""
+        :meth:`detach_pinned`); ``copied``: the host copied its payload to hold it (a
+        window flush's held rows arrive by device copy)."""
+        if copied:
+            self.copied += len(record.payload)
         self._rows.setdefault(record.request_id, []).append(record)
         if pinned:
             self._pinned.add(record.request_id)

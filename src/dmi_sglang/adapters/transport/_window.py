@@ -24,8 +24,8 @@ only lose requests (a joining request had a prefill first, which flushed the win
 the slots are the first step's requests; a step with a new request flushes and reopens.
 
 Request rows (``final_logits``) follow the hold-back rule of ``_records``: each live
-request's newest row is gathered after the others and copied out to be held until it is
-confirmed or its request finishes.
+request's newest row is gathered after the others and copied by the device into memory
+of its own, held until it is confirmed or its request finishes.
 
 Flushed when all its steps are used, when its oldest step is older than the flush
 timeout and the drain has nothing else queued (behind a backlog the rows wait for the
@@ -515,5 +515,6 @@ class DecodeWindow:
             for meta in g.metas:
                 self._held.hold(CaptureRecord(
                     self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq), pinned=True)
+                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq), pinned=True,
+                    copied=False)
                 at += rb
