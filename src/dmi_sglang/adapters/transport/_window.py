@@ -54,6 +54,7 @@ from dmi_sglang.columns import CaptureKey as RecordKey
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.errors import CaptureError
 
 __all__ = ["DecodeWindow"]
 
@@ -65,6 +66,11 @@ _ALIGN = 16
 _SPARE_OUTPUTS = 2
 """Page-locked flush buffers kept for reuse (one more is made while the sink holds
 both)."""
+_GATHER_SLACK = 64 << 10
+"""Gather buffer bytes beyond the window's: a flush aligns each group's kept rows and its
+held rows apart (16 bytes at most each, so up to 2,048 groups)."""
+_HELD_SLABS = 2
+"""Page-locked held-row slabs made when the first window with request rows opens."""
 _HELD_SLAB_BYTES = 64 << 20
 """Slab of the held rows' pool: one flush's held rows of ``final_logits`` at batch 64 of
 a 152k vocabulary (39 MB) fit one; larger ones get memory of their own."""
@@ -79,6 +85,21 @@ def _align(n: int) -> int:
 def _elem(group: Group) -> int:
     """Bytes per element of the group's device copies (divides rows and offsets)."""
     return math.gcd(group.elem, group.row_nbytes)
+
+
+def _places(plans: Sequence[_GroupOut]) -> tuple[list[int], int, list[int], int]:
+    """Where each group's kept rows and held rows go in a flush's gather buffer: the kept
+    rows' offsets and their total, the held rows' offsets (after the kept rows) and
+    their total, each group's part aligned."""
+    places, held_places, at, held_at = [], [], 0, 0
+    for p in plans:
+        rb = p.group.row_nbytes
+        held_bytes = len(p.held) * p.group.count * rb
+        places.append(at)
+        held_places.append(held_at)
+        at += _align(len(p.index) * rb - held_bytes)
+        held_at += _align(held_bytes)
+    return places, at, held_places, held_at
 
 
 def _concat_ranges(starts: Ints, lengths: Ints) -> Ints:
@@ -151,7 +172,7 @@ class DecodeWindow:
         self._held = held if held is not None else HeldRows()
         self._ring = ops.wide(ring)
         self._cells_buf = ops.device_buffer(_align(max_bytes))
-        self._gather_buf = ops.device_buffer(_align(max_bytes))
+        self._gather_buf = ops.device_buffer(_align(max_bytes) + _GATHER_SLACK)
         self._cells_wide = ops.wide(self._cells_buf)
         self._gather_wide = ops.wide(self._gather_buf)
         self.host = PayloadPool(slab_bytes=_align(max_bytes), max_free_slabs=_SPARE_OUTPUTS,
@@ -161,7 +182,7 @@ class DecodeWindow:
         self._held_pool = PayloadPool(slab_bytes=_HELD_SLAB_BYTES, max_free_slabs=4,
                                       buffer=ops.host_buffer)
         """Page-locked memory the held request rows of a flush are copied into from the
-        device (allocated on first use: only selections with request rows hold)."""
+        device (made when the first window with request rows opens)."""
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
         self._labels: tuple[tuple[RecordKey, ...], ...] = ()
@@ -324,6 +345,8 @@ class DecodeWindow:
                 (g.count, slots, steps, w), (slots * steps * w, steps * w, w, 1), at // e))
             at += _align(g.count * slots * steps * g.row_nbytes)
         self._cells = cells
+        if any(g.request_rows for g in program.groups):
+            self._held_pool.reserve(_HELD_SLABS)  # once: the pool keeps its free slabs
         self._key, self._groups, self._labels = program.host_key, program.groups, program.labels
         self._slots, self._steps = slots, steps
         self._slot = {r: i for i, r in enumerate(rids)}
@@ -429,51 +452,50 @@ class DecodeWindow:
         return _GroupOut(g, labels, jobs, counts[jobs], index, held)
 
     def _gather(self, plans: list[_GroupOut], runs: _Runs, out: Emitted) -> None:
-        """Gather every group's rows on the device and copy them to the host once (a
-        page-locked flush buffer: the batches' payloads); the held request rows also go
-        by device copy straight into the held rows' own page-locked memory, so the host
-        copies no byte of them. Then make the batches and hold the held rows."""
-        places, held_places, at, held_at = [], [], 0, 0
-        for p in plans:
-            rb = p.group.row_nbytes
-            places.append(at)
-            held_places.append(held_at)
-            at += _align(len(p.index) * rb)
-            held_at += _align(len(p.held) * p.group.count * rb)
-        total, held_total = at, held_at
+        """Gather every group's rows on the device, the kept rows of all groups first and
+        the held request rows after them, then copy each part to the host once: the kept
+        rows into a page-locked flush buffer (the batches' payloads), the held rows
+        straight into the held rows' own page-locked memory (the host copies none of
+        their bytes). Then make the batches and hold the held rows."""
+        places, kept_total, held_places, held_total = _places(plans)
+        total = kept_total + held_total
         if not total:
             return
-        chunk = self.host.alloc(total)
+        if total > self._gather_buf.numel():
+            msg = f"a flush gathers {total} bytes, its buffer holds {self._gather_buf.numel()}"
+            raise CaptureError(msg)
+        chunk = self.host.alloc(kept_total) if kept_total else None
         held_chunk = self._held_pool.alloc(held_total) if held_total else None
         cells, slots, steps = self._cells, self._slots, self._steps
         device, gather = self._ops.device, self._gather_wide
 
         def work() -> None:
-            for p, place, src in zip(plans, places, cells, strict=True):
+            for p, place, held_place, src in zip(plans, places, held_places, cells,
+                                                 strict=True):
                 if not len(p.index):
                     continue
                 e = _elem(p.group)
                 w = p.group.row_nbytes // e
                 flat = src.as_strided((p.group.count * slots * steps, w), (w, 1),
                                       src.storage_offset())
-                dst = gather[e][place // e : place // e + len(p.index) * w]
-                torch.index_select(flat, 0, torch.from_numpy(p.index).to(device),
-                                   out=dst.view(len(p.index), w))
+                index = torch.from_numpy(p.index).to(device)
+                kept_rows = len(p.index) - len(p.held) * p.group.count
+                for rows, at_byte in ((index[:kept_rows], place),
+                                      (index[kept_rows:], kept_total + held_place)):
+                    if len(rows):
+                        dst = gather[e][at_byte // e : at_byte // e + len(rows) * w]
+                        torch.index_select(flat, 0, rows, out=dst.view(len(rows), w))
             overlap = self._ops.is_cuda  # the copies return at once; settle() waits
-            chunk.tensor.copy_(self._gather_buf[:total], non_blocking=overlap)
-            if held_chunk is None:
-                return
-            for p, place, held_place in zip(plans, places, held_places, strict=True):
-                nbytes = len(p.held) * p.group.count * p.group.row_nbytes
-                if nbytes:  # the held rows: the tail of the group's gathered rows
-                    tail = place + len(p.index) * p.group.row_nbytes - nbytes
-                    held_chunk.tensor[held_place : held_place + nbytes].copy_(
-                        self._gather_buf[tail : tail + nbytes], non_blocking=overlap)
+            if chunk is not None:
+                chunk.tensor.copy_(self._gather_buf[:kept_total], non_blocking=overlap)
+            if held_chunk is not None:
+                held_chunk.tensor.copy_(self._gather_buf[kept_total:total],
+                                        non_blocking=overlap)
 
         self._ops.on_drain_stream([], work)
         self._ops.settle()
         self.gathered_bytes += total
-        host = chunk.array
+        host = chunk.array if chunk is not None else np.zeros(0, dtype=np.uint8)
         rids = tuple(self._rids)
         for p, place, held_place in zip(plans, places, held_places, strict=True):
             self._gil.check()
