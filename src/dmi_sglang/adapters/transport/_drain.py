@@ -212,8 +212,9 @@ class Drain:
     @property
     def host_copied_bytes(self) -> int:
         """Payload bytes the host's CPU copied between the device and the sink: staged
-        items (staging to payload memory), held request rows (copied out, then into
-        their batch). Decode windows and direct items arrive by DMA: none."""
+        items (staging to payload memory), held request rows of staged items, rows held
+        past the next flush, and released rows that are not back to back. Decode windows
+        (their held rows included) and direct items arrive by DMA: none."""
         return self.staged_copied_bytes + self.held.copied + self.loose_copied_bytes
 
     @property
