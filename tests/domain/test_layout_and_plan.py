@@ -161,7 +161,8 @@ def test_a_plan_without_some_requests_keeps_the_others_rows_and_ids() -> None:
     assert nobody.segments == ()
 
 
-_RULED = ["", ":last", ":generated", ":last_prompt", ":positions(0-300)", ":positions(5-7)"]
+_RULED = ["", ":last", ":generated", ":last_prompt", ":positions(0-300)", ":positions(5-7)",
+          ":every(3)"]
 
 
 @given(decode_layouts(), selections(), st.sampled_from(_RULED), st.booleans(),
@@ -206,3 +207,23 @@ def test_a_steady_decode_batch_reuses_the_structure_unless_positions_matter() ->
         first = make_plan(one, sel, SHAPE, padded=True)
         assert make_plan(two, sel, SHAPE, padded=True, previous=first).shares_structure(
             first) is reused
+
+
+@given(decode_layouts(), st.integers(2, 9), st.booleans())
+def test_every_k_keeps_the_decode_rows_at_multiples_of_k(layout: BatchLayout, k: int,
+                                                          leave_out: bool) -> None:
+    """A decode forward's rows under every(K), token and request rows alike: those of
+    the captured requests whose position is a multiple of K."""
+    sel = parse_selection(f"resid_pre@0:every({k}),final_logits:every({k})").resolve(MODEL)
+    skip = frozenset(layout.request_ids[:1]) if leave_out else frozenset()
+    plan = make_plan(layout, sel, SHAPE, padded=True, skip=skip)
+    want = [i for i, (rid, p) in enumerate(zip(layout.request_ids, layout.starts,
+                                               strict=True))
+            if p % k == 0 and rid not in skip]
+    for seg in plan.segments:
+        rows = list(range(layout.raw_batch_size)) if seg.source_index is None else list(
+            seg.source_index)
+        assert rows == want, seg.hook.name
+        assert [(s.start, s.end) for s in plan.slices(seg)] == [
+            (layout.starts[i], layout.starts[i] + 1) for i in want]
+    assert len(plan.segments) == (2 if want else 0)

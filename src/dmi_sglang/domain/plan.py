@@ -482,6 +482,11 @@ def _rule_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | None
         kept = tuple(i for i, p in enumerate(layout.starts)
                      if lo <= p <= hi and (keep is None or i in keep))
         return (None if len(kept) == layout.token_rows else kept), len(kept)
+    if layout.kind is ForwardKind.DECODE and rule.rule is PositionRule.EVERY:
+        k = rule.k
+        kept = tuple(i for i, p in enumerate(layout.starts)
+                     if not p % k and (keep is None or i in keep))
+        return (None if len(kept) == layout.token_rows else kept), len(kept)
     index: list[int] = []
     row = 0
     for i, (start, n) in enumerate(zip(layout.starts, layout.counts, strict=True)):
@@ -499,7 +504,8 @@ def _request_rows(layout: BatchLayout, rule: Positions, keep: frozenset[int] | N
                   prompt_of: Sequence[int] | None) -> tuple[tuple[int, ...] | None, int]:
     """The request rows (one per request, at its last position, for those that emit a
     token) that ``rule`` keeps of the requests in ``keep``: an index and a count."""
-    if layout.kind is ForwardKind.DECODE and rule.rule is PositionRule.RANGE:
+    if layout.kind is ForwardKind.DECODE and rule.rule in (PositionRule.RANGE,
+                                                            PositionRule.EVERY):
         return _rule_rows(layout, rule, keep)  # one row per request, at its position
     index = []
     for i, (start, n, emits) in enumerate(zip(layout.starts, layout.counts, layout.emits,
