@@ -66,7 +66,14 @@ from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
-from harness.micro_transport import DENSE, Q06, LatenessProbe, model_shape, top_functions
+from harness.micro_transport import (
+    DENSE,
+    Q06,
+    BackgroundThread,
+    LatenessProbe,
+    model_shape,
+    top_functions,
+)
 from harness.results import Json, run_benchmark
 
 PRESETS: dict[str, tuple[str, float]] = {
@@ -239,7 +246,7 @@ class _Waves:
         self.decode_forwards = 0
 
 
-class StackSampler:
+class StackSampler(BackgroundThread):
     """Where the library's threads are: every ``period_s`` the innermost frames of each
     thread named ``dmi-*`` (the drain, the sink writers) are counted, as
     ``function (file:line)`` of the top frame under its two callers. A sampler, not a
@@ -247,19 +254,9 @@ class StackSampler:
     long is seen less often than it runs; compare functions, not threads."""
 
     def __init__(self, period_s: float = 0.0005) -> None:
-        self._period = period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        super().__init__("stack-sampler", period_s)
         self.counts: dict[str, collections.Counter[str]] = {}
         self.samples = 0
-
-    def __enter__(self) -> StackSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def _run(self) -> None:
         names: dict[int, str] = {}

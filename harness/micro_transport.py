@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -241,23 +242,34 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
 
 
-class LatenessProbe:
-    """A Python thread that sleeps ``period_s`` in a loop and records how late it wakes:
-    beside a thread that holds the GIL, the lateness is what that costs the others."""
+class BackgroundThread:
+    """A daemon thread running :meth:`_run` for the length of a ``with`` block (``_run``
+    returns once ``_stop`` is set)."""
 
-    def __init__(self, period_s: float = 0.001) -> None:
+    def __init__(self, name: str, period_s: float) -> None:
         self._period = period_s
         self._stop = threading.Event()
-        self.late_s: list[float] = []
-        self._thread = threading.Thread(target=self._run, name="lateness-probe", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def __enter__(self) -> LatenessProbe:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class LatenessProbe(BackgroundThread):
+    """A Python thread that sleeps ``period_s`` in a loop and records how late it wakes:
+    beside a thread that holds the GIL, the lateness is what that costs the others."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        super().__init__("lateness-probe", period_s)
+        self.late_s: list[float] = []
 
     def _run(self) -> None:
         while not self._stop.is_set():
