@@ -148,24 +148,30 @@ def test_the_handle_does_no_io_until_used(store: StoreConfig) -> None:
     assert calls == []
 
 
-def _ranged_run(open_sink: Callable[..., ClickHouseSink], *, skip: int | None = None):
-    """Run "ranged" captured ``resid_pre:positions(2-4)`` and final_logits for request
-    "r" (prompt 4, completion 3: resid_pre computed at [0, 6)): only positions 2, 3 and 4
-    of resid_pre are stored, one record each (``skip``: that one left out)."""
+def _ruled_run(open_sink: Callable[..., ClickHouseSink], run_id: str, rule: str,
+               kept: range, *, skip: int | None = None) -> None:
+    """Run ``run_id`` captured ``resid_pre:<rule>`` and final_logits for request "r"
+    (prompt 4, completion 3: resid_pre computed at [0, 6)): the ``kept`` positions of
+    resid_pre are stored, one record each holding the position's number (``skip``: that
+    one left out)."""
     sink = open_sink()
-    run = attrs.evolve(run_info("ranged", CAPTURES), settings=(
-        ("DMX_HOOK_SELECTION", "resid_pre:positions(2-4),final_logits"),))
+    run = attrs.evolve(run_info(run_id, CAPTURES), settings=(
+        ("DMX_HOOK_SELECTION", f"resid_pre:{rule},final_logits"),))
     sink.start_run(run)
     for act, layer in CAPTURES:
         logits = act == "final_logits"
-        kept = range(PROMPT - 1, PROMPT + COMPLETION - 1) if logits else range(2, 5)
-        for p in kept:
+        for p in range(PROMPT - 1, PROMPT + COMPLETION - 1) if logits else kept:
             if p == skip and not logits:
                 continue
-            recs = records_of("ranged", "r", act, layer, torch.randn(1, 5), [p, p + 1], base=p)
+            recs = records_of(run_id, "r", act, layer, torch.full((1, 5), float(p)),
+                              [p, p + 1], base=p)
             sink.put(RecordBatch.from_records(recs))
-    commit(sink, run, [manifest("ranged", "r", PROMPT, COMPLETION)])
+    commit(sink, run, [manifest(run_id, "r", PROMPT, COMPLETION)])
 
+
+def _ranged_run(open_sink: Callable[..., ClickHouseSink], *, skip: int | None = None):
+    """Run "ranged": ``resid_pre:positions(2-4)``, positions 2, 3 and 4 stored."""
+    _ruled_run(open_sink, "ranged", "positions(2-4)", range(2, 5), skip=skip)
 
 def test_a_position_range_is_complete_with_the_rows_of_the_range(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
@@ -248,24 +254,8 @@ def test_a_partial_read_keeps_to_what_the_rule_keeps(
 
 
 def _strided_run(open_sink: Callable[..., ClickHouseSink], *, skip: int | None = None):
-    """Run "strided" captured ``resid_pre:every(2)`` and final_logits for request "r"
-    (prompt 4, completion 3: resid_pre computed at [0, 6)): positions 0, 2 and 4 of
-    resid_pre, one record each holding the position's number (``skip``: left out)."""
-    sink = open_sink()
-    run = attrs.evolve(run_info("strided", CAPTURES), settings=(
-        ("DMX_HOOK_SELECTION", "resid_pre:every(2),final_logits"),))
-    sink.start_run(run)
-    for act, layer in CAPTURES:
-        logits = act == "final_logits"
-        kept = range(PROMPT - 1, PROMPT + COMPLETION - 1) if logits else range(0, 6, 2)
-        for p in kept:
-            if p == skip and not logits:
-                continue
-            recs = records_of("strided", "r", act, layer, torch.full((1, 5), float(p)),
-                              [p, p + 1], base=p)
-            sink.put(RecordBatch.from_records(recs))
-    commit(sink, run, [manifest("strided", "r", PROMPT, COMPLETION)])
-
+    """Run "strided": ``resid_pre:every(2)``, positions 0, 2 and 4 stored."""
+    _ruled_run(open_sink, "strided", "every(2)", range(0, 6, 2), skip=skip)
 
 def test_every_k_positions_read_back_in_order_with_their_positions(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
