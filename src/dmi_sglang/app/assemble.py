@@ -9,7 +9,7 @@ then sliced out of their records and concatenated in position order.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -108,37 +108,34 @@ def narrowed(kept: range, start: int | None, end: int | None) -> range:
 def covered_prefix(spans: Sequence[tuple[int, int]], first: int, step: int) -> range:
     """The positions ``first, first + step, ...`` that the spans ``[start, end)`` hold,
     up to the first one they miss."""
-    merged = _merged(spans)
-    starts = [a for a, _ in merged]
+    holds = _holder(spans)
     p = first
-    while True:
-        i = bisect.bisect_right(starts, p) - 1
-        if i < 0 or p >= merged[i][1]:
-            return range(first, p, step)
+    while holds(p):
         p += step
+    return range(first, p, step)
 
 
-def _merged(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """Spans ``[start, end)`` merged into sorted, disjoint ones."""
-    merged: list[list[int]] = []
+def _holder(spans: Sequence[tuple[int, int]]) -> Callable[[int], bool]:
+    """Whether a position lies in one of the spans ``[start, end)``."""
+    merged: list[list[int]] = []  # sorted and disjoint
     for a, b in sorted(spans):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    return merged
+    starts = [a for a, _ in merged]
+
+    def holds(position: int) -> bool:
+        i = bisect.bisect_right(starts, position) - 1
+        return i >= 0 and position < merged[i][1]
+
+    return holds
 
 
 def _uncovered_positions(kept: range, spans: list[tuple[int, int]]) -> list[int]:
     """The positions of ``kept`` no span ``[start, end)`` holds."""
-    merged = _merged(spans)
-    starts = [a for a, _ in merged]
-    gaps = []
-    for p in kept:
-        i = bisect.bisect_right(starts, p) - 1
-        if i < 0 or p >= merged[i][1]:
-            gaps.append(p)
-    return gaps
+    holds = _holder(spans)
+    return [p for p in kept if not holds(p)]
 
 
 def _uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
