@@ -180,7 +180,7 @@ class LastSlots:
         """A step is committed: where its emitting rows go (slots are taken here).
 
         A decode graph step whose batch is the previous one's, each request one position
-        further, only flips the parity bit of the previous index on the device: no pass
+        further, copies in the other of its run's two indexes (one device op): no pass
         over the batch, no upload."""
         batch = plan.batch
         self._fired.clear()
