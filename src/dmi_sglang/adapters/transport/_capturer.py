@@ -139,4 +139,3 @@ class Capturer:
 
 def _always(_key: CaptureKey) -> bool:
     return True
-
