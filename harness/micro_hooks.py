@@ -56,7 +56,6 @@ from dmi_sglang.domain.hooks import (
     ModelHooks,
     RowBasis,
     Selection,
-    hook_by_name,
     parse_selection,
 )
 from dmi_sglang.domain.layout import BatchLayout
@@ -127,17 +126,6 @@ class _Req:
         return self.done
 
 
-def _points(selection: Selection) -> list[tuple[str, int]]:
-    """The capture points a model fires for ``selection`` (``final_logits`` for the topk
-    captures)."""
-    points: list[tuple[str, int]] = []
-    for hook, layer in selection.captures():
-        point = ("final_logits", -1) if hook.derived else (hook.name, layer)
-        if point not in points:
-            points.append(point)
-    return points
-
-
 class _Model:
     """Fires the capture points of a forward with tensors of their computed shapes."""
 
@@ -146,8 +134,8 @@ class _Model:
                  device: torch.device) -> None:
         self.capturer = transport.capturer
         self.tensors: dict[tuple[str, int], tuple[torch.Tensor, bool]] = {}
-        for name, layer in _points(selection):
-            hook = hook_by_name(name)
+        for hook, layer in selection.capture_points():
+            name = hook.name
             spec = shape.row(hook)
             by_token = hook.row_basis is RowBasis.TOKEN
             dtype = getattr(torch, spec.dtype.value.removeprefix("torch."))

@@ -201,3 +201,11 @@ def test_stored_rows_follow_the_payload() -> None:
         (10,), DType.BFLOAT16)
     with pytest.raises(ConfigurationError, match=r"topk\(11\) needs 1 <= K <= the vocabulary"):
         shape.row(values, Payload(topk=11))
+
+
+def test_capture_points_fire_final_logits_once_for_its_derived_captures() -> None:
+    sel = parse_selection("final_ln,final_logits:topk(8),resid_pre@1").resolve(QWEN3)
+    assert [(h.name, n) for h, n in sel.capture_points()] == [
+        ("resid_pre", 1), ("final_ln", -1), ("final_logits", -1)]
+    plain = parse_selection("final_logits,final_logits:topk(8)").resolve(QWEN3)
+    assert [(h.name, n) for h, n in plain.capture_points()] == [("final_logits", -1)]

@@ -84,17 +84,6 @@ def stored_tensor(selection: Selection, hook: Hook, layer: int,
     return out.to(TORCH_DTYPES[spec.dtype])
 
 
-def capture_points(selection: Selection) -> list[tuple[Hook, int]]:
-    """The capture points a model fires for ``selection`` (``final_logits`` for the topk
-    captures), in firing order."""
-    points: list[tuple[Hook, int]] = []
-    for hook, layer in selection.captures():
-        point = (hook_by_name("final_logits"), -1) if hook.derived else (hook, layer)
-        if point not in points:
-            points.append(point)
-    return points
-
-
 def each_row(records: Sequence[CaptureRecord]) -> Iterator[tuple[CaptureRecord, int, bytes]]:
     """Every stored row, whatever the record boundaries: its record, position and bytes."""
     for r in records:
@@ -135,7 +124,7 @@ class Driver:
         self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None
     ) -> None:
         """Call every capture point as a forward over ``layout`` would."""
-        for hook, layer in capture_points(self.selection):
+        for hook, layer in self.selection.capture_points():
             if skip and (hook.name, layer) in skip:
                 continue
             if hook.row_basis is RowBasis.REQUEST:

@@ -438,6 +438,17 @@ class Selection:
     def __contains__(self, name: object) -> bool:
         return name in self.names
 
+    def capture_points(self) -> tuple[tuple[Hook, int], ...]:
+        """The capture points a model fires for the selection, in firing order: its
+        captures, with ``final_logits`` in place of the captures derived from it (the
+        top-K ones), once."""
+        points: list[tuple[Hook, int]] = []
+        for hook, layer in self.captures():
+            point = (hook_by_name("final_logits"), -1) if hook.derived else (hook, layer)
+            if point not in points:
+                points.append(point)
+        return tuple(points)
+
     def captures(self) -> tuple[tuple[Hook, int], ...]:
         """Every captured tensor of one forward, ``(hook, layer_no)``, in firing order.
 
