@@ -71,6 +71,7 @@ from harness.micro_transport import (
     BackgroundThread,
     LatenessProbe,
     model_shape,
+    preset_names,
     top_functions,
 )
 from harness.results import Json, run_benchmark
@@ -350,20 +351,12 @@ def run(args: argparse.Namespace, data: Json) -> None:
                                         "required": True}
 
 
-def _presets(text: str) -> tuple[str, ...]:
-    if unknown := [n for n in text.split(",") if n not in PRESETS]:
-        msg = (f"unknown preset {', '.join(map(repr, unknown))}: accepted "
-               f"{', '.join(PRESETS)} (one or more, separated by commas)")
-        raise argparse.ArgumentTypeError(msg)
-    return tuple(text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the hooks benchmark; 0 when every row was delivered."""
     p = argparse.ArgumentParser(prog="python -m harness hooks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--presets", type=_presets,
+    p.add_argument("--presets", type=preset_names(PRESETS),
                    default="hidden-states,last,topk64,sample0.1,sample0",
                    help=f"of {', '.join(PRESETS)}")
     p.add_argument("--layers", type=int, default=Q06.layers)

@@ -40,7 +40,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Self
 
@@ -92,13 +92,18 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _presets(text: str) -> tuple[str, ...]:
-    """``--presets``: names of :data:`OVERHEAD_PRESETS` separated by commas."""
-    if unknown := [n for n in text.split(",") if n not in OVERHEAD_PRESETS]:
-        msg = (f"unknown preset {', '.join(map(repr, unknown))}: accepted "
-               f"{', '.join(OVERHEAD_PRESETS)} (one or more, separated by commas)")
-        raise argparse.ArgumentTypeError(msg)
-    return tuple(text.split(","))
+def preset_names(accepted: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type for ``--presets``: names of ``accepted`` separated by commas."""
+    names = tuple(accepted)
+
+    def parse(text: str) -> tuple[str, ...]:
+        if unknown := [n for n in text.split(",") if n not in names]:
+            msg = (f"unknown preset {', '.join(map(repr, unknown))}: accepted "
+                   f"{', '.join(names)} (one or more, separated by commas)")
+            raise argparse.ArgumentTypeError(msg)
+        return tuple(text.split(","))
+
+    return parse
 
 
 def _sync(dev: torch.device) -> None:
@@ -417,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=Q06.hidden)
     p.add_argument("--vocab", type=int, default=Q06.vocab, help="final_logits width (drain)")
     p.add_argument("--batches", type=_ints, default="1,8,64", help="positive, e.g. 1,8,64")
-    p.add_argument("--presets", type=_presets, default="hidden-states,7-hooks",
+    p.add_argument("--presets", type=preset_names(OVERHEAD_PRESETS),
+                   default="hidden-states,7-hooks",
                    help=f"of {', '.join(OVERHEAD_PRESETS)} (default: hidden-states,7-hooks)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each block")

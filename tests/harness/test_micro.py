@@ -223,6 +223,8 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ("micro_transport", ["--presets", "bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks, last"),
     ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
+    ("micro_hooks", ["--presets", "last,bogus"],
+     "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
     ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
 ])
