@@ -325,3 +325,31 @@ def test_a_forward_that_raised_after_its_commit_leaves_the_next_one_capturable(m
     d.t.stop()
     assert sorted((r.act_name, r.start_token_idx, r.end_token_idx) for r in sink.records) == [
         ("blocks.hook_resid_pre", 2, 3), ("hook_final_ln", 0, 3)]
+
+
+def test_a_graph_load_batch_outside_a_captured_forward_guards_the_replay(make_driver,
+                                                                          monkeypatch):
+    """The decode graph runner's ``load_batch`` outside a forward the session captures
+    (nothing committed) points the ``last`` slot index at the spare row before the replay;
+    the same call for another runner, or inside a captured forward, does not."""
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    d, sink = make_driver("resid_pre@0:last")
+    run = RunInfo("run-5", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.forward(BatchLayout.decode(["a"], [4], padded_batch_size=4), padded=True)
+    slots = d.t._last_slots
+    armed = slots._control.clone()
+    assert not torch.equal(armed, slots._idle)
+    other = SimpleNamespace(model_runner=SimpleNamespace(_dmi_monitor=None), bs=4, raw_bs=1)
+    runtime_hooks.after_decode_load_batch(None, other, SimpleNamespace())
+    assert torch.equal(slots._control, armed)  # not this session's runner
+    ours = SimpleNamespace(model_runner=SimpleNamespace(_dmi_monitor=mon), bs=4, raw_bs=1)
+    runtime_hooks.after_decode_load_batch(None, ours, SimpleNamespace())
+    assert torch.equal(slots._control, slots._idle)
+    mon.stop()

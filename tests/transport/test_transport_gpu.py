@@ -433,6 +433,10 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
                     stored[(hook.name, layer)][i])
         for rid in rids:
             live[rid] += 1
+        if step in (2, 6):  # a replay nobody committed, within a run: writes the spare row
+            t.uncommitted_replay()
+            static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
+            graph.replay()
         if step in (3, 5, 7):  # one request finishes; this step was its extra forward
             rid = sorted(live)[0]
             end = live.pop(rid) - 1

@@ -413,6 +413,12 @@ class SchedulerMonitor:
         self.protocol.abort()
         self.transport.abort()
 
+    def uncommitted_replay(self) -> None:
+        """A decode graph is about to replay outside a captured forward (SGLang ran a
+        forward the session does not capture): its recorded capture writes go nowhere
+        that matters."""
+        self.transport.uncommitted_replay()
+
     # -- stop --------------------------------------------------------------------------
     def stop(self) -> TransportStats:
         """Drain, flush, write manifests and the run status; terminal and idempotent.

@@ -213,6 +213,10 @@ class CaptureTransport(Protocol):
         no-op)."""
         ...
 
+    def uncommitted_replay(self) -> None:
+        """A decode graph is about to replay with no committed step (between steps)."""
+        ...
+
     def stop(self) -> TransportStats:
         """Terminal, idempotent: drain everything, flush the sink, raise any failure."""
         ...
@@ -342,6 +346,11 @@ class CaptureSession(Protocol):
 
     def abort_forward(self) -> None:
         """The forward raised: forget the step."""
+        ...
+
+    def uncommitted_replay(self) -> None:
+        """A decode graph is about to replay outside a captured forward: what its
+        recorded capture writes must land nowhere that matters."""
         ...
 
     def stop(self) -> TransportStats:

@@ -148,9 +148,14 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
 
 def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
                             **kw: Any) -> None:
-    """The graph runner fixed the padded batch: commit the padded plan."""
+    """The graph runner fixed the padded batch: commit the padded plan (outside a
+    captured forward: guard the replay that follows)."""
     mon = _forwarding()
     if mon is None:
+        idle = _MONITOR
+        owner: object = getattr(graph_runner.model_runner, "_dmi_monitor", None)
+        if idle is not None and owner is idle:
+            idle.uncommitted_replay()
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 

@@ -13,12 +13,17 @@ learns the request finished, and writes the other row. A slot is given back afte
 read was queued on the current stream, so a request that reuses it writes after the
 read. One more row takes what no slot wants (padding rows, requests left out).
 
-A decode graph records ``index_copy_`` with a static index tensor that each padded
-commit fills (and each seal resets to the spare row, so a replay nobody committed writes
-nowhere that matters): consecutive steps of an unchanged batch copy in one of two indexes
-their run made at its start, one device op; eager forwards use index tensors made for the
-step. Index lists
-reach the device through page-locked staging without synchronising the scheduler.
+A decode graph records ``index_copy_`` through a static index tensor and, after its last
+``last`` capture point, one ``bitwise_xor_`` of that index with a static flip tensor (1
+for a request's row, 0 for padding and requests left out): each replay moves every
+request to its other slot row, which is where its next position goes. So a run of
+decode graph steps of an unchanged batch, each request one position further, costs the
+scheduler no device operation at all; the first step of a run uploads the index and the
+flip together (one copy). A replay nobody committed (SGLang forwarding a batch the
+session does not capture) is announced by :meth:`LastSlots.guard_replay`, which points
+the index at the spare row with a zero flip first, so such a replay writes nowhere that
+matters. Eager forwards use index tensors made for the step. Index lists reach the device
+through page-locked staging without synchronising the scheduler.
 """
 
 from __future__ import annotations
@@ -59,13 +64,16 @@ class _Uploader:
         self._events: list[torch.cuda.Event | None] = [None] * len(self._buffers)
         self._next = 0
 
-    def __call__(self, values: Sequence[int]) -> torch.Tensor:
+    def __call__(self, values: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
+        """``values`` on the device: in a new tensor, or copied into ``into`` (contiguous,
+        exactly ``len(values)`` elements)."""
         n = len(values)
         if n > self._capacity:
             msg = f"{n} index rows exceed the {self._capacity} the last slots were made for"
             raise CaptureError(msg)
         if not self._ops.is_cuda:
-            return torch.tensor(values, dtype=torch.int64)
+            made = torch.tensor(values, dtype=torch.int64)
+            return made if into is None else into.copy_(made)
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         event = self._events[i]
@@ -73,7 +81,7 @@ class _Uploader:
             event.synchronize()
         staged = self._buffers[i]
         staged.numpy()[:n] = values
-        out = torch.empty(n, dtype=torch.int64, device=self._ops.device)
+        out = torch.empty(n, dtype=torch.int64, device=self._ops.device) if into is None else into
         out.copy_(staged[:n], non_blocking=True)
         if event is None:
             event = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -83,25 +91,17 @@ class _Uploader:
 
 class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
-    the graph's static index of the run's first step and of the next one (every request
-    a position further flips its slot row's parity), used in turn."""
+    every replay of the run flips the device index to the next step's rows by itself."""
 
-    __slots__ = ("captured", "flips", "indexes", "ones", "padded", "request_ids", "starts",
-                 "view")
+    __slots__ = ("captured", "ones", "padded", "request_ids", "starts")
 
-    def __init__(self, plan: CommitPlan, first: torch.Tensor, flip: torch.Tensor,
-                 view: torch.Tensor) -> None:
+    def __init__(self, plan: CommitPlan) -> None:
         batch = plan.batch
         self.request_ids = batch.request_ids
         self.padded = batch.padded_batch_size
         self.captured = plan.layout.request_ids
         self.starts = batch.starts
         self.ones = [1] * len(batch.starts)
-        self.indexes = (first, first ^ flip)
-        self.flips = 0
-        """Which of :attr:`indexes` the newest step used."""
-        self.view = view
-        """The rows of the graph's static index the run's steps write."""
 
     def follows(self, plan: CommitPlan) -> bool:
         """True when ``plan`` is the next step of the run (same requests, same padding,
@@ -138,9 +138,15 @@ class LastSlots:
                              device=ops.device)
             for key, (row, _) in self._keys.items()}
         self.nbytes = last_slot_bytes(selection, shape, requests=requests)
-        self._static = torch.full((max(max_graph_batch, 1),), self.spare, dtype=torch.int64,
+        width = max(max_graph_batch, 1)
+        self._idle = torch.tensor([[self.spare] * width, [0] * width], dtype=torch.int64,
                                   device=ops.device)
-        self._upload = _Uploader(ops, max(requests, max_graph_batch, 1))
+        self._control = self._idle.clone()
+        """The decode graphs' static slot index (row 0) and its flip (row 1); a bucket of
+        ``bs`` rows uses the first ``bs`` columns."""
+        self._armed = False
+        """True when :attr:`_control` holds a committed step's index, not the idle one."""
+        self._upload = _Uploader(ops, max(requests, 2 * width, 1))
         self._slot_of: dict[str, int] = {}
         self._first: dict[str, int] = {}
         """Per request, the first position whose row went to its slot."""
@@ -159,7 +165,11 @@ class LastSlots:
         """Requests that found no free slot: they get no ``last`` row (read as
         incomplete), counted and logged instead of failing the run."""
         self._recorded: set[CaptureKey] = set()
+        self._recording: set[CaptureKey] = set()
+        """Captures recorded into the graph being captured (its flip follows the last)."""
         self._fired: set[CaptureKey] = set()
+        self._stepped = False
+        """The committed padded step run eagerly flipped the index already."""
         self._undo: list[tuple[str, int | None, int | None]] = []
         self._flipped: tuple[_Run, tuple[int, ...]] | None = None
         self._began = False
@@ -180,18 +190,17 @@ class LastSlots:
         """A step is committed: where its emitting rows go (slots are taken here).
 
         A decode graph step whose batch is the previous one's, each request one position
-        further, copies in the other of its run's two indexes (one device op): no pass
-        over the batch, no upload."""
+        further, finds its index on the device already (the previous replay flipped it):
+        no device op, no pass over the batch, no upload."""
         batch = plan.batch
         self._fired.clear()
+        self._stepped = False
         self._undo.clear()
         self._flipped = None
         self._began = True
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
             self._flipped = (run, run.starts)
-            run.flips ^= 1
-            run.view.copy_(run.indexes[run.flips])  # one device op, no pass, no upload
             run.starts = batch.starts
             self._padded = True
             return
@@ -213,16 +222,16 @@ class LastSlots:
             self._first.setdefault(rid, position)
             self._newest[rid] = position
         if plan.padded:  # a decode graph: row i is request i, padding rows go spare
-            index = [self.spare] * batch.padded_batch_size
+            width = self._control.shape[1]
+            index, flip = [self.spare] * width, [0] * width
+            uniform = batch.is_uniform_decode
             for row, d in zip(request_src, dst, strict=True):
                 index[row] = d
-            current = self._upload(index)
-            view = self._static[: len(index)]
-            view.copy_(current)
-            self._padded = True
-            if batch.is_uniform_decode:
-                flip = (current != self.spare).to(torch.int64)
-                self._run = _Run(plan, current, flip, view)
+                flip[row] = int(uniform)  # its next position is the other parity
+            self._upload(index + flip, into=self._control.view(-1))  # one device op
+            self._armed = self._padded = True
+            if uniform:
+                self._run = _Run(plan)
         elif dst:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
@@ -234,8 +243,17 @@ class LastSlots:
         buffer = self._buffers[key]
         if capturing or self._padded:
             src = as_rows(tensor, key, row)
-            buffer.index_copy_(0, self._static[: src.shape[0]], src)
-            (self._recorded if capturing else self._fired).add(key)
+            n = src.shape[0]
+            buffer.index_copy_(0, self._control[0, :n], src)
+            seen = self._recording if capturing else self._fired
+            seen.add(key)
+            if capturing:
+                self._recorded.add(key)
+            if len(seen) == len(self._keys) and (capturing or not self._stepped):
+                # after the last capture point: every request to its next slot row
+                self._control[0, :n].bitwise_xor_(self._control[1, :n])
+                self._recording.clear()
+                self._stepped = not capturing
             return
         if self._eager is None:
             return
@@ -246,7 +264,7 @@ class LastSlots:
             0, token_src if basis is RowBasis.TOKEN else request_src))
 
     def end(self) -> None:
-        """The step is sealed: a replay nobody commits writes the spare row.
+        """The step is sealed.
 
         Raises:
             CaptureError: a step whose ``last`` capture points did not all run, eagerly
@@ -264,10 +282,10 @@ class LastSlots:
     def abort(self) -> None:
         """The step's forward raised: what it may have written is not known, so the
         requests' newest positions go back to what the steps before left."""
-        if self._flipped is not None:
+        if self._flipped is not None:  # whether the replay flipped the index is not known
             run, starts = self._flipped
-            run.flips ^= 1
             run.starts = starts
+            self._end_run()  # the next graph step uploads its index again
         elif self._began:  # a run this step started holds its positions: forget it
             self._run = None
         for rid, first, newest in reversed(self._undo):
@@ -278,9 +296,16 @@ class LastSlots:
                     table[rid] = value
         self._reset()
 
+    def guard_replay(self) -> None:
+        """A decode graph is about to replay with no committed step: point its slot index
+        at the spare row, with a zero flip, so the replay writes nowhere that matters
+        (one device op, only when a committed step's index is there)."""
+        self._end_run()
+        if self._armed:
+            self._control.copy_(self._idle)
+            self._armed = False
+
     def _reset(self) -> None:
-        if self._padded:  # between steps a replay (or a recording) writes the spare row
-            self._static.fill_(self.spare)
         self._padded = False
         self._eager = None
         self._undo.clear()

@@ -321,6 +321,14 @@ class TorchCaptureTransport:
                           discard=True)
             )
 
+    def uncommitted_replay(self) -> None:
+        """A decode graph is about to replay with no committed step: what the graph
+        records into the ``last`` slots goes to their spare row (see
+        :meth:`LastSlots.guard_replay`); the arena it refreshes is read only by a
+        committed step's seal, so nothing else needs guarding."""
+        if self._last_slots and self._writer.open is None:
+            self._last_slots.guard_replay()
+
     def finish_request(self, request_id: str, logits_end: int | None) -> None:
         """The scheduler saw ``request_id`` finish (or the run is stopping): between steps.
 
