@@ -7,8 +7,9 @@ session (:class:`~dmi_sglang.app.session.SchedulerMonitor`) and its transport th
 the SGLang adapter's hooks do, without SGLang and without a model: waves of ``--batch``
 requests, each an eager prefill of ``--prompt-len`` tokens (every capture point fired
 with a tensor of its real shape) and ``--output-len`` decode forwards as decode-graph
-replays (the capture points were recorded once; a replay fires none), the requests
-finishing after the last one. Between forwards the thread sleeps until ``--step-ms``
+replays (the capture points were recorded once, into a real CUDA graph on a GPU, which
+each decode forward replays between its commit and its seal, as SGLang does), the
+requests finishing after the last one. Between forwards the thread sleeps until ``--step-ms``
 has passed since the forward began (a stand-in for the GPU step and SGLang's own
 Python, during which the drain thread runs), so the drain sees the capture rate of a
 real run.
@@ -17,10 +18,13 @@ It reports, per selection, the scheduler-thread microseconds per decode forward 
 each hook (``requests``: the worker's batch hook; ``begin``: the forward starting,
 finish notices; ``layout``: the ForwardBatch read into a layout; ``preflight``: the
 padded plan checked against the ring; ``commit``: the plan committed; ``end``: the step
-sealed), their sum, the same sum per prefill forward, the drain thread's CPU per
-forward, and the lateness of a thread that asks to wake every millisecond (the drain's
-hold on the GIL). Every row a complete capture of the captured requests holds must reach
-the sink (``rows``: the domain's count, :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
+sealed), their sum, the same sum per prefill forward, the GPU time of one decode
+graph replay (``replay GPU µs``: what the capture adds to each decode step on the GPU,
+CUDA events around the replay; the graph holds nothing but the capture's own work), the
+drain thread's CPU per forward, and the lateness of a thread that asks to wake every
+millisecond (the drain's hold on the GIL). Every row a complete capture of the captured
+requests holds must reach the sink (``rows``: the domain's count,
+:func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
 The drain runs with the engine's ``DMX_DRAIN_*`` and ``DMX_GPU_PADDING_STRIP`` settings
 from the environment (``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in
@@ -177,8 +181,19 @@ class _Waves:
         self.model = _Model(self.transport, sel, shape, token_rows=self.bs * args.prompt_len,
                             request_rows=self.bs, device=dev)
         capturing[0] = True  # the decode graph's recording: every point writes the arena
-        self.model.fire(self.bs, self.bs)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if dev.type == "cuda":
+            self.model.fire(self.bs, self.bs)  # a warm-up run of the recorded work
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.model.fire(self.bs, self.bs)
+        else:
+            self.model.fire(self.bs, self.bs)  # a CPU "recording" runs its ops at once
         capturing[0] = False
+        self.replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        """CUDA events around each timed decode replay (read after the wave)."""
+        self.replay_us: list[float] = []
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us: list[float] = []
         self.decode_forwards = 0
@@ -206,6 +221,10 @@ class _Waves:
                                             torch.full((bs,), args.prompt_len + 1 + s)))
         for r in reqs:
             r.done = True
+        if self.replays:
+            self.replays[-1][1].synchronize()
+            self.replay_us += [a.elapsed_time(b) * 1e3 for a, b in self.replays]
+            self.replays.clear()
 
     def decode(self, reqs: list[_Req], fb: _ForwardBatch) -> None:
         """One decode forward's hooks, each part timed, then the rest of the period."""
@@ -221,6 +240,14 @@ class _Waves:
         marks.append(clock())
         monitor.commit_graph(monitor.graph_plan(bs, functools.partial(_same, layout)))
         marks.append(clock())
+        if self.graph is not None:  # the replay: not the hooks' time
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            self.graph.replay()
+            end.record()
+            self.replays.append((start, end))
+            marks[-1] = clock()
         monitor.end_forward()
         marks.append(clock())
         for part, t0, t1 in zip(PARTS, marks, marks[1:], strict=False):
@@ -232,6 +259,7 @@ class _Waves:
         """Forget the warm-up's times."""
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us.clear()
+        self.replay_us.clear()
         self.decode_forwards = 0
 
 
@@ -309,6 +337,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     return {"preset": preset, "selection": text, "sample": rate, "batch": bench.bs,
             "decode_forwards": bench.decode_forwards, "parts_us": per,
             "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
+            "replay_gpu_us": statistics.median(bench.replay_us) if bench.replay_us else None,
             "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
@@ -332,12 +361,14 @@ def run(args: argparse.Namespace, data: Json) -> None:
     rows = [measure(args, p) for p in args.presets]
     table = [{"selection": r["preset"], **{f"{k} µs": r["parts_us"][k] for k in PARTS},
               "decode µs": r["decode_us"], "prefill µs": r["prefill_us"],
-              "drain CPU µs": r["drain_cpu_us"], "late p99 ms": r["lateness"]["p99_ms"],
+              "replay GPU µs": r["replay_gpu_us"], "drain CPU µs": r["drain_cpu_us"],
+              "late p99 ms": r["lateness"]["p99_ms"],
               "rows": "delivered" if r["delivered"] else "LOST"} for r in rows]
     note = (f"{args.layers} x {args.hidden}, batch {args.batch}, {args.prompt_len} + "
             f"{args.output_len} tokens, {args.waves} timed waves, a forward every "
             f"{args.step_ms} ms; µs of the scheduler thread per decode forward (prefill: "
-            "per prefill forward); drain CPU: per forward")
+            "per prefill forward); replay GPU: one decode graph replay (median; GPU only); "
+            "drain CPU: per forward")
     print("\n".join(table_lines(table)) + f"\n{note}")
     for r in rows:
         if r["profile"]:

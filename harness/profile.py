@@ -101,7 +101,40 @@ def render(rows: Sequence[Json]) -> str:
                       for f in s["dmi"]]
             lines.append("  torch operators inside them, ms per forward")
             lines += [f"  {o['seconds'] / fwd * 1e3:8.3f}  {o['op']}" for o in s["dmi_ops"][:10]]
+    lines += _kernels_over_stock(rows)
     return "\n".join(lines)
+
+
+def _per_forward(summary: Json) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (µs, count) per forward of one mode's window."""
+    fwd = max(int(summary.get("forwards") or 0), 1)
+    return {k["kernel"]: (k["seconds"] / fwd * 1e6, k["count"] / fwd)
+            for k in summary.get("kernels") or []}
+
+
+def _kernels_over_stock(rows: Sequence[Json]) -> list[str]:
+    """Per monitored mode: GPU µs per forward against stock's, and the kernels whose
+    time per forward grew most (what the capture adds to the GPU)."""
+    stock = next((r.get("summary") for r in rows if r["mode"] == "stock"), None)
+    if not stock:
+        return []
+    base = _per_forward(stock)
+    lines: list[str] = []
+    for r in rows:
+        s = r.get("summary") or {}
+        if r["mode"] == "stock" or not s:
+            continue
+        mine = _per_forward(s)
+        gpu = s["gpu_s"] / max(int(s.get("forwards") or 0), 1) * 1e6
+        gpu0 = stock["gpu_s"] / max(int(stock.get("forwards") or 0), 1) * 1e6
+        lines.append(f"\n{r['mode']}: GPU µs per forward {gpu:,.0f} (stock {gpu0:,.0f}); "
+                     "kernels that grew most, µs and count per forward (stock's)")
+        grew = sorted(mine, key=lambda k: -(mine[k][0] - base.get(k, (0.0, 0.0))[0]))
+        for k in grew[:10]:
+            us, n = mine[k]
+            us0, n0 = base.get(k, (0.0, 0.0))
+            lines.append(f"  {us - us0:+9.1f}  {us:9.1f} x{n:6.1f}  ({us0:9.1f} x{n0:6.1f})  {k}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,10 @@ answers where a step's time goes:
   inside dmi_sglang's functions (nested calls counted once);
 * ``dmi``: dmi_sglang's functions, each with its inclusive seconds (a recursive call
   counted once, the threads' seconds added), the most first;
-* ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds.
+* ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds;
+* ``gpu_s``: seconds with a kernel or copy running; ``kernels``: the GPU work by kernel
+  (or copy) name, its seconds and count, the most first (compare a monitored mode's with
+  stock's to see what capture adds to the GPU's time).
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     """
     names: dict[Any, str] = {}
     gpu: list[Interval] = []
+    kernel_s: dict[str, float] = defaultdict(float)
+    kernel_n: dict[str, int] = defaultdict(int)
     python: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     ops: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     first, last, forwards = float("inf"), float("-inf"), 0
@@ -142,6 +147,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         cat, name, tid = e.get("cat"), str(e.get("name", "")), e.get("tid")
         if cat in GPU_CATEGORIES:
             gpu.append((a, b))
+            kernel_s[_kernel(name)] += b - a
+            kernel_n[_kernel(name)] += 1
         elif cat == "python_function":
             python[tid].append((name, a, b))
             if f"{FORWARD[0]}(" in name and name.endswith(FORWARD[1]):
@@ -161,6 +168,9 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     return {
         "window_s": window / 1e6,
         "gpu_busy": _union(gpu) / window if window else None,
+        "gpu_s": _union(gpu) / 1e6,
+        "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
+                    sorted(kernel_s.items(), key=lambda kv: -kv[1])[:top]],
         "forwards": forwards,
         "threads": threads,
         "dmi": [{"function": f, "seconds": s, "calls": calls.get(f, 0)}
@@ -193,6 +203,15 @@ def _thread(evs: Sequence[tuple[str, float, float]], ops: Sequence[tuple[str, fl
     return {"entry": _short(entry.name) if entry is not None else "",
             "python_s": _union((f.a, f.b) for f in frames) / 1e6, "dmi_s": work,
             "dmi_wait_s": wait}
+
+
+def _kernel(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list (``void
+    at::native::f<float, 4>(int)`` -> ``at::native::f``), at most 90 characters."""
+    name = name.removeprefix("void ")
+    for stop in ("<", "("):
+        name = name.split(stop, 1)[0]
+    return name[:90]
 
 
 def _short(name: str) -> str:

@@ -65,3 +65,26 @@ def test_an_empty_trace_has_no_busy_share() -> None:
     assert s["gpu_busy"] is None
     assert s["forwards"] == 0
     assert s["threads"] == []
+
+
+def test_kernels_are_summed_by_name_and_compared_with_stock() -> None:
+    from harness.profile import render
+
+    forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
+    stock = [_x(forward, 0, 100), _x("void at::native::mm<float, 4>(int)", 0, 30, cat="kernel")]
+    ours = [*stock, _x(forward, 200, 100),
+            _x("void at::native::mm<float, 4>(int)", 200, 30, cat="kernel"),
+            _x("void at::native::index_copy_kernel<bf16>(int)", 240, 8, cat="kernel"),
+            _x("void at::native::index_copy_kernel<bf16>(int)", 250, 6, cat="kernel")]
+    s0, s1 = summarize_events(stock), summarize_events(ours)
+    assert s1["kernels"] == [
+        {"kernel": "at::native::mm", "seconds": pytest.approx(60e-6), "count": 2},
+        {"kernel": "at::native::index_copy_kernel", "seconds": pytest.approx(14e-6),
+         "count": 2}]
+    assert s1["gpu_s"] == pytest.approx(74e-6)
+    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
+    # per forward: mm 30 us either way; index_copy 7 us over stock's 0
+    assert "last: GPU µs per forward 37 (stock 30)" in text
+    first = text.split("(stock's)\n", 1)[1].splitlines()[0]
+    assert first.split() == ["+7.0", "7.0", "x", "1.0", "(", "0.0", "x", "0.0)",
+                             "at::native::index_copy_kernel"]
