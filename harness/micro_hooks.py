@@ -20,7 +20,10 @@ finish notices; ``layout``: the ForwardBatch read into a layout; ``preflight``: 
 padded plan checked against the ring; ``commit``: the plan committed; ``end``: the step
 sealed), their sum, the same sum per prefill forward, the GPU time of one decode
 graph replay (``replay GPU µs``: what the capture adds to each decode step on the GPU,
-CUDA events around the replay; the graph holds nothing but the capture's own work), the
+CUDA events around the replay; the graph holds nothing but the capture's own work) and
+the thread's time launching it (``replay launch µs``, not counted in the hooks' sum: in
+SGLang these nodes are part of the decode graph, so this bounds what they add to its
+launch), the
 drain thread's CPU per forward, and the lateness of a thread that asks to wake every
 millisecond (the drain's hold on the GIL). Every row a complete capture of the captured
 requests holds must reach the sink (``rows``: the domain's count,
@@ -194,6 +197,8 @@ class _Waves:
         self.replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         """CUDA events around each timed decode replay (read after the wave)."""
         self.replay_us: list[float] = []
+        self.launch_s = 0.0
+        """The scheduler thread's time launching the replays (not a hook's time)."""
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us: list[float] = []
         self.decode_forwards = 0
@@ -247,9 +252,10 @@ class _Waves:
             self.graph.replay()
             end.record()
             self.replays.append((start, end))
-            marks[-1] = clock()
+        resumed = clock()
+        self.launch_s += resumed - marks[-1]
         monitor.end_forward()
-        marks.append(clock())
+        marks.append(clock() - (resumed - marks[-1]))  # the seal's own time
         for part, t0, t1 in zip(PARTS, marks, marks[1:], strict=False):
             self.spent[part] += t1 - t0
         self.decode_forwards += 1
@@ -260,6 +266,7 @@ class _Waves:
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us.clear()
         self.replay_us.clear()
+        self.launch_s = 0.0
         self.decode_forwards = 0
 
 
@@ -338,6 +345,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "decode_forwards": bench.decode_forwards, "parts_us": per,
             "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
             "replay_gpu_us": statistics.median(bench.replay_us) if bench.replay_us else None,
+            "replay_launch_us": bench.launch_s / n * 1e6 if bench.replay_us else None,
             "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
@@ -361,13 +369,15 @@ def run(args: argparse.Namespace, data: Json) -> None:
     rows = [measure(args, p) for p in args.presets]
     table = [{"selection": r["preset"], **{f"{k} µs": r["parts_us"][k] for k in PARTS},
               "decode µs": r["decode_us"], "prefill µs": r["prefill_us"],
-              "replay GPU µs": r["replay_gpu_us"], "drain CPU µs": r["drain_cpu_us"],
+              "replay launch µs": r["replay_launch_us"], "replay GPU µs": r["replay_gpu_us"],
+              "drain CPU µs": r["drain_cpu_us"],
               "late p99 ms": r["lateness"]["p99_ms"],
               "rows": "delivered" if r["delivered"] else "LOST"} for r in rows]
     note = (f"{args.layers} x {args.hidden}, batch {args.batch}, {args.prompt_len} + "
             f"{args.output_len} tokens, {args.waves} timed waves, a forward every "
             f"{args.step_ms} ms; µs of the scheduler thread per decode forward (prefill: "
-            "per prefill forward); replay GPU: one decode graph replay (median; GPU only); "
+            "per prefill forward); replay launch / GPU: the thread's time launching a graph of "
+            "the capture's own work alone / its GPU time (median); "
             "drain CPU: per forward")
     print("\n".join(table_lines(table)) + f"\n{note}")
     for r in rows:

@@ -46,6 +46,35 @@ def test_decode_one_row_per_request_at_seq_len_minus_one() -> None:
         3, 4, 4)
 
 
+def test_a_steady_decode_batch_moves_on_and_any_other_is_read_afresh() -> None:
+    """Consecutive decode forwards of the same requests, each one token further, reuse
+    the previous layout moved on by a position; a seq_len that does not follow (a
+    request recomputed after a retraction) or another batch is read from the batch."""
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.domain.layout import BatchLayout
+
+    rids = ["a", "b", "c"]
+    first = layout_from_forward_batch(_fb("DECODE", rids, [7, 3, 12]))
+    moved = layout_from_forward_batch(_fb("DECODE", list(rids), [8, 4, 13]))
+    assert moved == BatchLayout.decode(("a", "b", "c"), [8, 4, 13])
+    assert moved.request_ids is first.request_ids  # the same stored tuple
+    jumped = layout_from_forward_batch(_fb("DECODE", rids, [9, 4, 14]))
+    assert jumped.positions() == [("a", 8), ("b", 3), ("c", 13)]
+    other = layout_from_forward_batch(_fb("DECODE", ["a", "c"], [10, 15]))
+    assert other.positions() == [("a", 9), ("c", 14)]
+    padded = layout_from_forward_batch(_fb("DECODE", ["a", "c"], [11, 16]), padded_batch_size=4)
+    assert (padded.positions(), padded.padded_batch_size) == ([("a", 10), ("c", 15)], 4)
+
+
+def test_only_a_decode_layout_moves_on() -> None:
+    from dmi_sglang.domain.layout import BatchLayout
+    from dmi_sglang.errors import CommitError
+
+    assert BatchLayout.decode(["a"], [3]).moved_on().positions() == [("a", 3)]
+    with pytest.raises(CommitError, match="only a decode layout moves on"):
+        BatchLayout.extend(["a"], [0], [3]).moved_on()
+
+
 def test_extend_rows_follow_prefix_and_extend_lists() -> None:
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
     from dmi_sglang.domain.layout import ForwardKind

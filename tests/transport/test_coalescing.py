@@ -209,7 +209,7 @@ def test_the_linger_and_gil_slice_settings_reach_the_drain() -> None:
     settings = Settings.from_env({"DMX_DRAIN_LINGER_US": "0", "DMX_DRAIN_GIL_SLICE_US": "50"})
     assert (settings.drain_linger_us, settings.drain_gil_slice_us) == (0, 50)
     defaults = Settings.from_env({})
-    assert (defaults.drain_linger_us, defaults.drain_gil_slice_us) == (8_000, 200)
+    assert (defaults.drain_linger_us, defaults.drain_gil_slice_us) == (30_000, 200)
     transport = create_transport(
         payload_mb=1, pinned_mb=1, task_entries=64, padding_strip=True, flush_timeout_us=1000,
         selection=select("resid_pre"), shape=SHAPE, max_graph_batch=2, sink=MemorySink(),

@@ -136,6 +136,19 @@ class BatchLayout:
                           tuple([v - 1 for v in seq_lens]), (1,) * n, (True,) * n, n,
                           padded_batch_size)
 
+    def moved_on(self) -> BatchLayout:
+        """The next decode forward of the same requests, each one position further (what
+        a steady decode batch becomes every step; nothing is checked again).
+
+        Raises:
+            CommitError: not a decode layout.
+        """
+        if self.kind is not ForwardKind.DECODE:
+            msg = f"only a decode layout moves on by a position, not a {self.kind.value} one"
+            raise CommitError(msg)
+        return BatchLayout(self.kind, self.request_ids, tuple(map(_ONE_MORE, self.starts)),
+                           self.counts, self.emits, self.padded_batch_size, self.token_rows)
+
     @classmethod
     def extend(
         cls,
@@ -208,6 +221,9 @@ class BatchLayout:
         """The same layout padded to another batch size."""
         return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,
                            self.token_rows, padded_batch_size)
+
+
+_ONE_MORE = (1).__add__
 
 
 def _same_length(**columns: Sequence[object]) -> None:

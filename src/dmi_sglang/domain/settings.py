@@ -330,7 +330,7 @@ _VARS: dict[str, _Var] = {
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
         "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
     ),
-    "DRAIN_LINGER_US": _Var("drain_linger_us", 8_000, _conv(*_bounded(0, 1_000_000))),
+    "DRAIN_LINGER_US": _Var("drain_linger_us", 30_000, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
@@ -375,7 +375,7 @@ class Settings:
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
     drain_flush_timeout_us: int = 100_000
-    drain_linger_us: int = 8_000
+    drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     plan_tok_s: int | None = None
     request_sample: float = 1.0

@@ -18,6 +18,7 @@ receives it before building the ForwardBatch) and passes it here.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ def layout_from_forward_batch(
     rids = _storable_rids(fb.rids)
     seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if mode == "DECODE":
-        return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded_batch_size)
+        return _decode(rids, seq_lens, padded_batch_size)
     if padded_batch_size not in (None, len(rids)):
         msg = f"{mode} forward of {len(rids)} requests padded to {padded_batch_size}"
         raise CommitError(msg)
@@ -96,6 +97,29 @@ def _storable_rids(raw: list[str]) -> tuple[str, ...]:
         stored = tuple(storable_request_id(r) for r in raw)
         _last_rids = (list(raw), stored)
     return stored
+
+
+_last_decode: tuple[tuple[str, ...], list[int], BatchLayout, list[int]] | None = None
+"""The previous unpadded decode forward's stored rids, seq_lens and layout, and a list of
+as many ones."""
+
+
+def _decode(rids: tuple[str, ...], seq_lens: list[int], padded: int | None) -> BatchLayout:
+    """The decode layout; for the same requests as the previous decode forward, each one
+    token further (a steady batch: the same rids tuple, every seq_len one more), that
+    layout moved on instead of built and checked again."""
+    global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
+    last = _last_decode
+    if (padded is None and last is not None and rids is last[0]
+            and list(map(operator.sub, seq_lens, last[1])) == last[3]):
+        layout = last[2].moved_on()
+    else:
+        layout = BatchLayout.decode(rids, seq_lens, padded_batch_size=padded)
+        if padded is not None:
+            return layout
+    _last_decode = (rids, seq_lens, layout, last[3] if last is not None and
+                    len(last[3]) == len(rids) else [1] * len(rids))
+    return layout
 
 
 def unfinished_rids(schedule_batch: Any) -> frozenset[str]:

@@ -57,7 +57,7 @@ class TransportOptions:
     max_requests: int = 0
     tune_host_malloc: bool = True
     direct_copies: bool = True
-    linger_s: float = attrs.field(default=0.008, validator=attrs.validators.ge(0.0))
+    linger_s: float = attrs.field(default=0.03, validator=attrs.validators.ge(0.0))
     gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
 
     @classmethod
@@ -68,7 +68,7 @@ class TransportOptions:
         flush_timeout_us: int = 100_000,
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
-        linger_us: int = 8_000,
+        linger_us: int = 30_000,
         gil_slice_us: int = 200,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
