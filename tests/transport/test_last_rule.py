@@ -330,3 +330,46 @@ def test_a_replay_nobody_committed_writes_no_slot_of_a_run(make_driver) -> None:
     assert (rec.request_id, rec.start_token_idx) == ("a", 4)
     want = stored_tensor(d.selection, hook_by_name("resid_pre"), 0, [("a", 4)])
     assert rec.payload == raw_bytes(want)  # a's own row, not a dummy's
+
+
+def test_a_decode_graph_recorded_without_a_last_capture_point_fails_loudly(make_driver):
+    """A graph missing a ``last`` capture point holds no flip (its replays would write the
+    wrong slot rows): the next recording, or the first graph step, raises."""
+    d, _ = make_driver("resid_pre@0:last,final_logits:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.capturing = True
+    try:
+        dummy = BatchLayout.decode(["x"], [1])
+        d.fire(dummy, skip={("final_logits", -1)})  # this bucket's graph lacks one point
+        with pytest.raises(CaptureError, match="recorded without the last capture points"):
+            d.fire(dummy)  # the next recording begins
+    finally:
+        d.capturing = False
+    d2, _ = make_driver("resid_pre@0:last,final_logits:last")
+    d2.forward(BatchLayout.extend(["a"], [0], [3]))
+    d2.capturing = True
+    d2.fire(BatchLayout.decode(["x"], [1]), skip={("final_logits", -1)})
+    d2.capturing = False
+    with pytest.raises(CaptureError, match="recorded without the last capture points"):
+        d2.forward(BatchLayout.decode(["a"], [4], padded_batch_size=4), padded=True)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+def test_a_position_never_written_is_not_read_under_its_label(make_driver, padded: bool):
+    """A step aborted before its capture points ran leaves a hole in the positions its
+    slot received: the row of a position in the hole is not read (it would be the row of
+    the position two before, by parity)."""
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    if padded:
+        d.graph_capture(4)
+    pad = 4 if padded else None
+    d.forward(BatchLayout.decode(["a"], [4], padded_batch_size=pad), padded=padded)  # 3
+    hole = BatchLayout.decode(["a"], [5], padded_batch_size=pad)  # 4: aborted unrun
+    d.step += 1
+    d.t.commit(d.plan(hole, padded=padded), step=d.step)
+    d.t.abort()
+    d.forward(BatchLayout.decode(["a"], [6], padded_batch_size=pad), padded=padded)  # 5
+    d.t.finish_request("a", 5)  # its last token was decided by position 4: never written
+    d.t.stop()
+    assert sink.records == []

@@ -215,6 +215,9 @@ class LastSlots:
             slot = self._slot(rid)
             if slot is None:
                 continue
+            newest = self._newest.get(rid)
+            if newest is not None and position > newest + 1:  # positions never written:
+                self._first[rid] = position  # the slot's rows before are not theirs
             token_src.append(token_row)
             request_src.append(request_row)
             dst.append(2 * slot + position % 2)
@@ -222,6 +225,7 @@ class LastSlots:
             self._first.setdefault(rid, position)
             self._newest[rid] = position
         if plan.padded:  # a decode graph: row i is request i, padding rows go spare
+            self._check_recorded()
             width = self._control.shape[1]
             index, flip = [self.spare] * width, [0] * width
             uniform = batch.is_uniform_decode
@@ -246,6 +250,8 @@ class LastSlots:
             n = src.shape[0]
             buffer.index_copy_(0, self._control[0, :n], src)
             seen = self._recording if capturing else self._fired
+            if capturing and key in seen:  # a recording began: the one before missed keys
+                self._check_recorded()
             seen.add(key)
             if capturing:
                 self._recorded.add(key)
@@ -295,6 +301,15 @@ class LastSlots:
                 else:
                     table[rid] = value
         self._reset()
+
+    def _check_recorded(self) -> None:
+        """Raise when a decode graph was recorded without every ``last`` capture point:
+        it holds no flip, so its replays would write the wrong slot rows."""
+        if self._recording:
+            missing = sorted(set(self._keys) - self._recording)
+            self._recording.clear()
+            msg = f"a decode graph was recorded without the last capture points {missing[:4]}"
+            raise CaptureError(msg)
 
     def guard_replay(self) -> None:
         """A decode graph is about to replay with no committed step: point its slot index

@@ -324,8 +324,9 @@ class TorchCaptureTransport:
     def uncommitted_replay(self) -> None:
         """A decode graph is about to replay with no committed step: what the graph
         records into the ``last`` slots goes to their spare row (see
-        :meth:`LastSlots.guard_replay`); the arena it refreshes is read only by a
-        committed step's seal, so nothing else needs guarding."""
+        :meth:`LastSlots.guard_replay`). The arena it refreshes is read only by a
+        committed step's seal; a cast's fp16 overflow counter counts what every replay
+        casts, as documented."""
         if self._last_slots and self._writer.open is None:
             self._last_slots.guard_replay()
 
