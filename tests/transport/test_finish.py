@@ -353,3 +353,38 @@ def test_a_graph_load_batch_outside_a_captured_forward_guards_the_replay(make_dr
     runtime_hooks.after_decode_load_batch(None, ours, SimpleNamespace())
     assert torch.equal(slots._control, slots._idle)
     mon.stop()
+
+
+def test_the_scheduler_shutdown_makes_the_run_durable_once(make_driver, monkeypatch):
+    """SGLang's server asks each scheduler to shut down after SIGTERM drained its
+    requests (``Scheduler.handle_shutdown``): the hook stops the monitor first, so the
+    run is finished (flushed, its status written) before the process exits; a monitor stopped
+    already (the engine's own stop) is left alone, and a failing stop is logged, never
+    raised into SGLang's shutdown."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    d, sink = make_driver("resid_pre")
+    run = RunInfo("run-6", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace()))
+    mon.begin_forward()
+    layout = BatchLayout.extend(["a"], [0], [3])
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    runtime_hooks.before_scheduler_shutdown(scheduler, object())
+    assert not mon.active
+    assert [r.status.value for r, _ in sink.finished] == ["committed"]
+    assert {(r.request_id, r.start_token_idx, r.end_token_idx) for r in sink.records} == {
+        ("a", 0, 3)}
+    runtime_hooks.before_scheduler_shutdown(scheduler, object())  # stopped already
+    assert len(sink.finished) == 1
+
+    broken = SchedulerMonitor(run=RunInfo("run-7", "toy", (), (), "t"),
+                              selection=d.selection, shape=SHAPE, transport=d.t,
+                              sink=sink, strip=True)
+    monkeypatch.setattr(broken, "stop", lambda: (_ for _ in ()).throw(RuntimeError("disk")))
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", broken)
+    runtime_hooks.before_scheduler_shutdown(scheduler, object())  # logged, not raised

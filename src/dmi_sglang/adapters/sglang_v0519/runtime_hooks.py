@@ -206,6 +206,21 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     return original(worker, batch, *args, **kw)
 
 
+def before_scheduler_shutdown(scheduler: Any, *args: Any, **kw: Any) -> None:
+    """BEFORE ``Scheduler.handle_shutdown``: SGLang's server asks each scheduler to shut
+    down once SIGTERM drained its requests; the run is made durable and marked stopped
+    first (a stop that fails records the run failed and is logged: shutdown goes on)."""
+    del args, kw
+    mon = _MONITOR
+    if mon is None or not mon.active:
+        return
+    try:
+        dmi_stop_monitoring(scheduler)
+        log.info("dmi.stopped_at_shutdown", run_id=mon.run.run_id)
+    except Exception as exc:  # the server shuts down regardless
+        log.error("dmi.stop_at_shutdown_failed", run_id=mon.run.run_id, error=repr(exc))
+
+
 # -- RPC methods added to Scheduler ----------------------------------------------------
 def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
     """RPC: raise unless this scheduler monitors (for ``run_id`` when given)."""
@@ -251,5 +266,7 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_EAGER}.load_batch", "AFTER", after_eager_load_batch),
     (f"{_PREFILL}.can_run_graph", "AROUND", around_prefill_can_run_graph),
     (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
+    ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
+     before_scheduler_shutdown),
 )
 """``(target, hook type, function)`` registered with SGLang's HookRegistry."""
