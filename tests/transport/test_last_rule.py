@@ -373,3 +373,18 @@ def test_a_position_never_written_is_not_read_under_its_label(make_driver, padde
     d.t.finish_request("a", 5)  # its last token was decided by position 4: never written
     d.t.stop()
     assert sink.records == []
+
+
+def test_an_aborted_step_after_a_hole_gives_back_the_positions_before_it(make_driver):
+    """A step that finds a hole in a request's positions, then raises, puts back what
+    the steps before it left: the row of the newest position written is still read."""
+    d, sink = make_driver("resid_pre@0:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))  # position 2
+    d.forward(BatchLayout.decode(["a"], [4]))  # 3
+    jumped = BatchLayout.decode(["a"], [6])  # 5: position 4 never forwarded
+    d.step += 1
+    d.t.commit(d.plan(jumped), step=d.step)
+    d.t.abort()
+    d.t.finish_request("a", 4)  # its last token was decided by position 3
+    d.t.stop()
+    assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 3)]

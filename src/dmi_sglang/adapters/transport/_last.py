@@ -215,14 +215,15 @@ class LastSlots:
             slot = self._slot(rid)
             if slot is None:
                 continue
-            newest = self._newest.get(rid)
-            if newest is not None and position > newest + 1:  # positions never written:
-                self._first[rid] = position  # the slot's rows before are not theirs
             token_src.append(token_row)
             request_src.append(request_row)
             dst.append(2 * slot + position % 2)
-            self._undo.append((rid, self._first.get(rid), self._newest.get(rid)))
-            self._first.setdefault(rid, position)
+            newest = self._newest.get(rid)
+            self._undo.append((rid, self._first.get(rid), newest))
+            if newest is not None and position > newest + 1:  # positions never written:
+                self._first[rid] = position  # the slot's rows before are not theirs
+            else:
+                self._first.setdefault(rid, position)
             self._newest[rid] = position
         if plan.padded:  # a decode graph: row i is request i, padding rows go spare
             self._check_recorded()
