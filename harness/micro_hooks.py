@@ -252,10 +252,10 @@ class _Waves:
             self.graph.replay()
             end.record()
             self.replays.append((start, end))
-        resumed = clock()
-        self.launch_s += resumed - marks[-1]
+        launch = clock() - marks[-1]
+        self.launch_s += launch
         monitor.end_forward()
-        marks.append(clock() - (resumed - marks[-1]))  # the seal's own time
+        marks.append(clock() - launch)  # the seal's own time
         for part, t0, t1 in zip(PARTS, marks, marks[1:], strict=False):
             self.spent[part] += t1 - t0
         self.decode_forwards += 1

@@ -119,6 +119,7 @@ def _kernels_over_stock(rows: Sequence[Json]) -> list[str]:
     if not stock:
         return []
     base = _per_forward(stock)
+    gpu0 = stock["gpu_s"] / max(int(stock.get("forwards") or 0), 1) * 1e6
     lines: list[str] = []
     for r in rows:
         s = r.get("summary") or {}
@@ -126,7 +127,6 @@ def _kernels_over_stock(rows: Sequence[Json]) -> list[str]:
             continue
         mine = _per_forward(s)
         gpu = s["gpu_s"] / max(int(s.get("forwards") or 0), 1) * 1e6
-        gpu0 = stock["gpu_s"] / max(int(stock.get("forwards") or 0), 1) * 1e6
         lines.append(f"\n{r['mode']}: GPU µs per forward {gpu:,.0f} (stock {gpu0:,.0f}); "
                      "kernels that grew most, µs and count per forward (stock's)")
         grew = sorted(mine, key=lambda k: -(mine[k][0] - base.get(k, (0.0, 0.0))[0]))

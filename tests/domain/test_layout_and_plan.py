@@ -227,3 +227,13 @@ def test_every_k_keeps_the_decode_rows_at_multiples_of_k(layout: BatchLayout, k:
         assert [(s.start, s.end) for s in plan.slices(seg)] == [
             (layout.starts[i], layout.starts[i] + 1) for i in want]
     assert len(plan.segments) == (2 if want else 0)
+
+
+def test_one_further_means_every_value_exactly_one_more_in_order() -> None:
+    from dmi_sglang.domain.layout import one_further
+
+    assert one_further([5, 8, 2], (4, 7, 1))
+    assert one_further([], ())
+    assert not one_further([5, 9, 2], [4, 7, 1])  # one of them two further
+    assert not one_further([5, 8], [4, 7, 1])  # a request left
+    assert not one_further([4, 7, 1], [4, 7, 1])  # not moved

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from collections.abc import Sequence
 
 import attrs
 
 from dmi_sglang.errors import CommitError
 
-__all__ = ["BatchLayout", "ForwardKind", "RequestRows"]
+__all__ = ["BatchLayout", "ForwardKind", "RequestRows", "one_further"]
 
 
 class ForwardKind(enum.Enum):
@@ -224,6 +225,12 @@ class BatchLayout:
 
 
 _ONE_MORE = (1).__add__
+
+
+def one_further(now: Sequence[int], before: Sequence[int]) -> bool:
+    """True when ``now`` is ``before`` with every value one more, in order (a steady
+    decode batch's positions or lengths, a step later)."""
+    return len(now) == len(before) and all(map(operator.eq, now, map(_ONE_MORE, before)))
 
 
 def _same_length(**columns: Sequence[object]) -> None:

@@ -18,11 +18,10 @@ receives it before building the ForwardBatch) and passes it here.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from dmi_sglang.domain.layout import BatchLayout, ForwardKind
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind, one_further
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
 from dmi_sglang.errors import CommitError
@@ -99,9 +98,8 @@ def _storable_rids(raw: list[str]) -> tuple[str, ...]:
     return stored
 
 
-_last_decode: tuple[tuple[str, ...], list[int], BatchLayout, list[int]] | None = None
-"""The previous unpadded decode forward's stored rids, seq_lens and layout, and a list of
-as many ones."""
+_last_decode: tuple[tuple[str, ...], list[int], BatchLayout] | None = None
+"""The previous unpadded decode forward's stored rids, seq_lens and layout."""
 
 
 def _decode(rids: tuple[str, ...], seq_lens: list[int], padded: int | None) -> BatchLayout:
@@ -109,16 +107,14 @@ def _decode(rids: tuple[str, ...], seq_lens: list[int], padded: int | None) -> B
     token further (a steady batch: the same rids tuple, every seq_len one more), that
     layout moved on instead of built and checked again."""
     global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
+    if padded is not None:
+        return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded)
     last = _last_decode
-    if (padded is None and last is not None and rids is last[0]
-            and list(map(operator.sub, seq_lens, last[1])) == last[3]):
+    if last is not None and rids is last[0] and one_further(seq_lens, last[1]):
         layout = last[2].moved_on()
     else:
-        layout = BatchLayout.decode(rids, seq_lens, padded_batch_size=padded)
-        if padded is not None:
-            return layout
-    _last_decode = (rids, seq_lens, layout, last[3] if last is not None and
-                    len(last[3]) == len(rids) else [1] * len(rids))
+        layout = BatchLayout.decode(rids, seq_lens)
+    _last_decode = (rids, seq_lens, layout)
     return layout
 
 

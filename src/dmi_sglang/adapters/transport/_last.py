@@ -29,7 +29,6 @@ through page-locked staging without synchronising the scheduler.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 
 import structlog
@@ -39,6 +38,7 @@ from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.domain.capacity import last_slot_bytes
 from dmi_sglang.domain.hooks import RowBasis, Selection
+from dmi_sglang.domain.layout import one_further
 from dmi_sglang.domain.plan import CommitPlan, emitting_rows
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
@@ -93,7 +93,7 @@ class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
     every replay of the run flips the device index to the next step's rows by itself."""
 
-    __slots__ = ("captured", "ones", "padded", "request_ids", "starts")
+    __slots__ = ("captured", "padded", "request_ids", "starts")
 
     def __init__(self, plan: CommitPlan) -> None:
         batch = plan.batch
@@ -101,7 +101,6 @@ class _Run:
         self.padded = batch.padded_batch_size
         self.captured = plan.layout.request_ids
         self.starts = batch.starts
-        self.ones = [1] * len(batch.starts)
 
     def follows(self, plan: CommitPlan) -> bool:
         """True when ``plan`` is the next step of the run (same requests, same padding,
@@ -111,7 +110,7 @@ class _Run:
                 and batch.padded_batch_size == self.padded
                 and plan.layout.request_ids == self.captured
                 and batch.is_uniform_decode
-                and list(map(operator.sub, batch.starts, self.starts)) == self.ones)
+                and one_further(batch.starts, self.starts))
 
 
 class LastSlots:
