@@ -388,3 +388,44 @@ def test_the_scheduler_shutdown_makes_the_run_durable_once(make_driver, monkeypa
     monkeypatch.setattr(broken, "stop", lambda: (_ for _ in ()).throw(RuntimeError("disk")))
     monkeypatch.setattr(runtime_hooks, "_MONITOR", broken)
     runtime_hooks.before_scheduler_shutdown(scheduler, object())  # logged, not raised
+
+
+@pytest.mark.sglang
+def test_after_a_stop_the_scheduler_goes_on_serving_as_stock(make_driver, monkeypatch):
+    """A server's stop (``POST /dmi/stop``) ends the run while SGLang keeps serving:
+    later forwards pass through (no step begins, nothing raises, nothing is stored), the
+    capture points leave the model, requests of later batches are not tracked, and a
+    decode graph's load_batch guards nothing."""
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519 import _points, runtime_hooks
+
+    d, sink = make_driver("resid_pre")
+    mon = SchedulerMonitor(run=RunInfo("run-8", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    model = torch.nn.Linear(2, 2)
+    patches: list[_points.Patch] = []
+    _points.wrap(patches, model, lambda forward: lambda x: forward(x) * 0)
+    object.__setattr__(model, "_dmi_capture_points", tuple(patches))
+    runner = SimpleNamespace(model=model, _dmi_monitor=mon)
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
+    x = torch.ones(1, 2)
+    assert torch.equal(model(x), torch.zeros(1, 2))  # the capture point is in place
+
+    runtime_hooks.dmi_stop_monitoring(scheduler)
+    assert not mon.active
+    assert torch.equal(model(x), model.weight.sum(1, keepdim=True).T + model.bias)
+    assert not hasattr(model, "_dmi_capture_points")
+
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
+    assert runtime_hooks.around_forward(lambda r, f: "stock", runner, fb) == "stock"
+    seen = mon.requests.seen_requests
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="late")])
+    assert runtime_hooks.around_forward_batch_generation(
+        lambda w, b: "ran", SimpleNamespace(), batch) == "ran"
+    assert mon.requests.seen_requests == seen
+    monkeypatch.setattr(mon, "uncommitted_replay", lambda: pytest.fail("guarded a replay"))
+    runtime_hooks.after_decode_load_batch(
+        None, SimpleNamespace(model_runner=runner, bs=1, raw_bs=1), fb)
+    assert [r.status.value for r, _ in sink.finished] == ["committed"]

@@ -5,6 +5,7 @@
     dmi-sglang reference-capture          # no GPU: transformers on CPU, demo checkpoint
     dmi-sglang demo-model ./qwen3-demo
     dmi-sglang capture --model ./qwen3-demo --prompt "w1 w2 w3" --max-new-tokens 8
+    dmi-sglang serve --model-path ./qwen3-demo --port 30000   # SGLang's HTTP server
     dmi-sglang ls [RUN]
     dmi-sglang show RUN REQUEST
     dmi-sglang export RUN REQUEST --out capture.safetensors   # or --out - (stdout)
@@ -13,8 +14,8 @@
 
 Every command takes ``--db URL`` (default: ``$DMX_DB_URL``, else the embedded store
 ``./dmi-captures``). ``rm`` asks on a terminal and needs ``--yes`` elsewhere. Any
-other ``--option`` of ``capture`` is passed to SGLang's ServerArgs unchanged. Errors are
-one line on stderr and a non-zero exit status.
+other ``--option`` of ``capture`` is passed to SGLang's ServerArgs unchanged, and of
+``serve`` to SGLang's server. Errors are one line on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     from dmi_sglang.app.cli_plan import add_plan_parser
 
     add_plan_parser(sub, _positive)
+    from dmi_sglang.app.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     demo = sub.add_parser("demo-model", help="write a small random-weight Qwen3 checkpoint")
     demo.add_argument("dir", type=Path)
     demo.add_argument("--layers", type=_positive, default=4)
@@ -139,7 +143,7 @@ def _positive(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmi-sglang`` command."""
     args, extra = _parser().parse_known_args(argv)
-    if extra and args.command != "capture":
+    if extra and args.command not in ("capture", "serve"):
         print(f"dmi-sglang {args.command}: unknown arguments {' '.join(extra)}",
               file=sys.stderr)
         return EXIT_ERROR
@@ -148,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "capture":
             return cmd.capture(args, extra)
+        if args.command == "serve":
+            from dmi_sglang.app.cli_serve import serve
+
+            return serve(args, extra, gpu_problem=cmd.gpu_problem)
         if args.command == "demo-model":
             return cmd.demo_model(args.dir, layers=args.layers)
         if args.command == "plan":

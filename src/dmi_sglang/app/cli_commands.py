@@ -20,7 +20,8 @@ from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import ConfigurationError, IncompleteCaptureError, UsageError
 
-__all__ = ["capture", "demo_model", "export", "ls", "reference_capture", "rm", "show"]
+__all__ = ["capture", "demo_model", "export", "gpu_problem", "ls", "reference_capture", "rm",
+           "show"]
 
 
 def _out(line: str = "") -> None:
@@ -231,16 +232,17 @@ def demo_model(path: Path, *, layers: int) -> int:
     return 0
 
 
-def _gpu_problem() -> str | None:
+def gpu_problem() -> str | None:
+    """Why SGLang cannot run here (no SGLang, no CUDA device), or None."""
     try:
         import torch
 
         import sglang  # noqa: F401
     except ImportError as exc:
-        return (f"capture needs SGLang 0.5.19 and an NVIDIA GPU; {exc.name} is not installed "
+        return (f"needs SGLang 0.5.19 and an NVIDIA GPU; {exc.name} is not installed "
                 "(pip install 'dmi-sglang[sglang]')")
     if not torch.cuda.is_available():
-        return "capture needs an NVIDIA GPU with CUDA; none is visible on this machine"
+        return "needs an NVIDIA GPU with CUDA; none is visible on this machine"
     return None
 
 
@@ -258,7 +260,7 @@ def _sglang_kwargs(model: str, extra: Sequence[str]) -> dict[str, Any]:
 def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """Run a monitored generation into the store and print a summary."""
     _validate_capture(args)
-    problem = _gpu_problem()
+    problem = gpu_problem()
     if problem is not None:
         print(f"dmi-sglang capture: {problem}", file=sys.stderr)
         return 3

@@ -1,9 +1,11 @@
 """The monitoring RPCs of a started SGLang 0.5.19 ``Engine``: the EngineTap port.
 
 SGLang's ``Engine.collective_rpc`` reports a failed RPC only through ``assert``, which
-``python -O`` strips: a failed attach or stop would pass silently. :class:`EngineRpcTap`
-sends the same request over the engine's RPC socket and checks the scheduler's answer
-itself, raising :class:`~dmi_sglang.errors.CaptureError` when it says no.
+``python -O`` strips: a failed attach or stop would pass silently. :func:`rpc_call` sends
+the same request over an RPC socket (a DEALER at ``PortArgs.rpc_ipc_name``) and checks the
+scheduler's answer itself, raising :class:`~dmi_sglang.errors.CaptureError` when it says
+no or does not answer in time. :class:`EngineRpcTap` uses the engine's socket; SGLang's
+HTTP server has none, so the server side binds its own (``server.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,38 @@ from typing import Any
 
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["EngineRpcTap"]
+__all__ = ["EngineRpcTap", "rpc_call"]
+
+
+def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
+    """Call the ``Scheduler`` method ``method`` over ``socket`` and check its answer.
+
+    The wait is bounded by the socket's ``RCVTIMEO`` (unbounded when unset).
+
+    Raises:
+        CaptureError: the scheduler said no (with its reason), answered something else,
+            or did not answer within the socket's timeout.
+    """
+    import zmq
+    from sglang.srt.managers.io_struct import (
+        RpcReqInput,
+        RpcReqOutput,
+        sock_recv,
+        sock_send,
+    )
+
+    sock_send(socket, RpcReqInput(method=method, parameters=parameters))
+    try:
+        answer = sock_recv(socket, flags=0)
+    except zmq.Again:
+        timeout_s = socket.getsockopt(zmq.RCVTIMEO) / 1000
+        msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
+        raise CaptureError(msg) from None
+    if not isinstance(answer, RpcReqOutput):
+        msg = f"{method}: the scheduler answered {type(answer).__name__}, not RpcReqOutput"
+        raise CaptureError(msg)
+    if not answer.success:
+        raise CaptureError(f"{method} failed in the scheduler: {answer.message}")
 
 
 class EngineRpcTap:
@@ -31,7 +64,7 @@ class EngineRpcTap:
         Raises:
             CaptureError: with the scheduler's reason.
         """
-        self._call("dmi_assert_active", run_id=run_id)
+        rpc_call(self._engine.send_to_rpc, "dmi_assert_active", run_id=run_id)
 
     def stop_monitoring(self) -> None:
         """The authoritative flush in every scheduler (terminal).
@@ -39,22 +72,4 @@ class EngineRpcTap:
         Raises:
             CaptureError: with the scheduler's reason.
         """
-        self._call("dmi_stop_monitoring")
-
-    def _call(self, method: str, **parameters: Any) -> None:
-        import zmq
-        from sglang.srt.managers.io_struct import (
-            RpcReqInput,
-            RpcReqOutput,
-            sock_recv,
-            sock_send,
-        )
-
-        socket = self._engine.send_to_rpc
-        sock_send(socket, RpcReqInput(method=method, parameters=parameters))
-        answer = sock_recv(socket, flags=zmq.BLOCKY)
-        if not isinstance(answer, RpcReqOutput):
-            msg = f"{method}: the scheduler answered {type(answer).__name__}, not RpcReqOutput"
-            raise CaptureError(msg)
-        if not answer.success:
-            raise CaptureError(f"{method} failed in the scheduler: {answer.message}")
+        rpc_call(self._engine.send_to_rpc, "dmi_stop_monitoring")

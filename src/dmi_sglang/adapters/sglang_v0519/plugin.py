@@ -6,6 +6,8 @@ every scheduler, before the model loads), logs and swallows anything it raises, 
 then applies the registered hooks (``sglang/srt/plugins/__init__.py``). Hence:
 
 * it is cheap (no SGLang model code, no torch import) and idempotent;
+* in the main process of SGLang's HTTP server it also wraps the server's start
+  (``server.py``: the ``/dmi`` endpoints and the stop at exit);
 * it never raises: problems found here (an SGLang other than 0.5.19, a bad
   ``DMX_SGLANG_ENABLE``) are recorded in ``_state.STATE`` and raised later, by the
   main-process check and by the scheduler's ``load_model`` hook, when capture was requested;
@@ -86,8 +88,10 @@ def _register(state: _state.PluginState) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from dmi_sglang.adapters.sglang_v0519.runtime_hooks import HOOKS, SCHEDULER_RPCS
+    from dmi_sglang.adapters.sglang_v0519.server import SERVER_HOOKS, serving_process
 
-    for target, kind, hook in (*MAIN_PROCESS_HOOKS, *HOOKS):
+    server = SERVER_HOOKS if serving_process() else ()
+    for target, kind, hook in (*MAIN_PROCESS_HOOKS, *HOOKS, *server):
         HookRegistry.register(target, hook, HookType[kind])
         state.hooks.append(target)
     from sglang.srt.managers.scheduler import Scheduler

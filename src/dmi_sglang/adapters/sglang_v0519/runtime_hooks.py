@@ -103,14 +103,28 @@ def around_load_model(original: Callable[..., Any], runner: Any, *args: Any, **k
     result = original(runner, *args, **kw)
     _MONITOR = attach(runner, prepared)
     runner._dmi_monitor = _MONITOR
+    _leave_interrupts_to_the_main_process()
     return result
+
+
+def _leave_interrupts_to_the_main_process() -> None:
+    """Ignore SIGINT in a monitoring scheduler: Ctrl-C reaches every process of the
+    terminal's group, and the run can only be stopped durably while its scheduler lives.
+    The main process decides (the server stops the run when its HTTP server returns, an
+    engine's caller calls ``dmi_stop_monitoring``); SGLang's own teardown, and the
+    parent-death signal SGLang sets, still end the scheduler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: Any,
                    **kw: Any) -> Any:
     """One forward = one step: begin, (commit in load_batch), end and seal."""
     mon = _MONITOR
-    if mon is None:
+    if mon is None or not mon.active:  # after the stop the model runs as stock
         return original(runner, fb, *args, **kw)
     owner: object = getattr(runner, "_dmi_monitor", None)
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
@@ -154,7 +168,7 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
     if mon is None:
         idle = _MONITOR
         owner: object = getattr(graph_runner.model_runner, "_dmi_monitor", None)
-        if idle is not None and owner is idle:
+        if idle is not None and owner is idle and idle.active:
             idle.uncommitted_replay()
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
@@ -197,7 +211,7 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
                                     *args: Any, **kw: Any) -> Any:
     """Remember the batch's Req objects (prompt/output lengths for the manifest)."""
     mon = _MONITOR
-    if mon is not None and batch is not None:
+    if mon is not None and batch is not None and mon.active:
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
         t0 = perf_counter()
@@ -239,7 +253,12 @@ def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
 
 
 def dmi_stop_monitoring(scheduler: Any) -> None:
-    """RPC: the authoritative flush. Terminal; a failure stays failed."""
+    """RPC: the authoritative flush. Terminal; a failure stays failed.
+
+    Stopped or failed, the capture points leave the model, so the scheduler goes on
+    serving as stock (a server's stop endpoint); decode graphs keep replaying their
+    recorded copies into buffers the stopped transport keeps allocated.
+    """
     mon = _MONITOR
     if mon is None:
         dmi_assert_active(scheduler)
@@ -248,7 +267,14 @@ def dmi_stop_monitoring(scheduler: Any) -> None:
     stream = getattr(runner, "forward_stream", None)
     if stream is not None:
         stream.synchronize()  # under overlap the last forward may still be running
-    mon.stop()
+    try:
+        mon.stop()
+    finally:
+        model = getattr(runner, "model", None)
+        if model is not None:
+            from dmi_sglang.adapters.sglang_v0519.qwen3 import remove_capture_points
+
+            remove_capture_points(model)
 
 
 SCHEDULER_RPCS: dict[str, Callable[..., None]] = {

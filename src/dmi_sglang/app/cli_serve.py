@@ -1,0 +1,117 @@
+"""``dmi-sglang serve``: SGLang's HTTP server, with capture.
+
+Runs ``python -m sglang.launch_server`` with every SGLang argument it was given, after
+checking its own arguments, resolving the run (its id and store) and exporting them as
+``DMX_*`` variables: the server that starts is exactly the one ``python -m
+sglang.launch_server`` starts with those variables set, and the plugin does the rest
+(``adapters/sglang_v0519/server.py``). By default it captures only the requests that ask
+(``custom_params: {"dmi_capture": true}``), with every layer's residual stream at each
+request's last position, which the bandwidth plan shows keeps up at full serving speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dmi_sglang.domain.sampling import CAPTURE_PARAM
+from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.errors import ConfigurationError, UsageError
+
+__all__ = ["SERVE_HOOKS", "SERVE_REQUEST_SAMPLE", "add_serve_parser", "serve"]
+
+SERVE_HOOKS = "resid_pre:last"
+"""The hook selection ``serve`` captures unless told (``--hooks`` / ``DMX_HOOK_SELECTION``)."""
+SERVE_REQUEST_SAMPLE = 0.0
+"""The request sample ``serve`` uses unless told: only requests that ask are captured."""
+
+EXIT_NO_GPU = 3
+_SERVER_MODULE = "sglang.launch_server"
+
+
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``serve`` subcommand's own arguments (every other one goes to SGLang)."""
+    p = sub.add_parser(
+        "serve", help="serve a model over HTTP with SGLang, capturing what requests ask for",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start SGLang's HTTP server (python -m sglang.launch_server) with capture. "
+        "A request is captured when it asks, with custom_params {\"dmi_capture\": true} in "
+        "/generate's sampling_params or in the body of /v1/completions and "
+        "/v1/chat/completions, or when --request-sample picks it. GET /dmi/status reports "
+        "the run; POST /dmi/stop, Ctrl-C or SIGTERM make it durable. Each start is a new run.",
+        epilog="Every other --option is passed to SGLang's server unchanged "
+        "(e.g. --port 30000 --attention-backend triton --api-key KEY).")
+    p.add_argument("--model-path", required=True,
+                   help="model directory (a Qwen3 checkpoint); passed on to SGLang")
+    p.add_argument("--hooks", default=None,
+                   help=f"hook selection; unset: $DMX_HOOK_SELECTION, else {SERVE_HOOKS}")
+    p.add_argument("--request-sample", default=None,
+                   help="fraction of all requests captured without asking, chosen by request "
+                   f"id; unset: $DMX_REQUEST_SAMPLE, else {SERVE_REQUEST_SAMPLE:g} (only "
+                   "requests that ask)")
+    p.add_argument("--run-id", default=None, help="capture run id (default: generated)")
+    p.add_argument("--db", help="store URL: chdb:///abs/path or http(s)://host:port/db "
+                   "(default: $DMX_DB_URL, else embedded ./dmi-captures)")
+
+
+def serve(args: argparse.Namespace, extra: Sequence[str], *,
+          gpu_problem: Callable[[], str | None],
+          execv: Callable[[str, list[str]], object] = os.execv) -> int:
+    """Check, resolve the run, say where it goes, and become SGLang's server.
+
+    Returns only when it cannot start (exit status); otherwise ``execv`` replaces the
+    process.
+
+    Raises:
+        UsageError: a bad argument, named, before anything else is looked at.
+    """
+    settings = _settings(args)
+    problem = gpu_problem()
+    if problem is not None:
+        print(f"dmi-sglang serve: {problem}", file=sys.stderr)
+        return EXIT_NO_GPU
+    store = settings.store()
+    run_id = settings.model_id or ""
+    os.environ.update({**settings.to_env(), PREFIX + "SGLANG_ENABLE": "1"})
+    who = (f"requests that ask (custom_params {{\"{CAPTURE_PARAM}\": true}})"
+           if settings.request_sample == 0 else
+           f"{settings.request_sample:g} of requests, and those that ask")
+    print(f"dmi-sglang serve: run {run_id} captures {settings.hook_selection} of {who} "
+          f"into {store.url}", flush=True)
+    print("  GET /dmi/status reports it; POST /dmi/stop, Ctrl-C or SIGTERM make it durable",
+          flush=True)
+    print(f"  then read it: dmi-sglang ls {run_id} --db {store.url}   "
+          f"(or dmi_sglang.open_store({store.url!r}))", flush=True)
+    argv = [sys.executable, "-m", _SERVER_MODULE, "--model-path", str(args.model_path), *extra]
+    execv(sys.executable, argv)
+    return 0  # only when execv is not the real one
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The run's settings: flags over ``DMX_*`` variables over serve's defaults; resolved."""
+    model = Path(args.model_path)
+    if not (model / "config.json").is_file():
+        what = "does not exist" if not model.exists() else "holds no config.json"
+        msg = f"--model-path {args.model_path} {what}; give a Hugging Face model directory"
+        raise UsageError(msg)
+    flags = {"dmx_hook_selection": args.hooks, "dmx_request_sample": args.request_sample,
+             "dmx_model_id": args.run_id, "dmx_db_url": args.db}
+    defaults = {PREFIX + "HOOK_SELECTION": SERVE_HOOKS,
+                PREFIX + "REQUEST_SAMPLE": f"{SERVE_REQUEST_SAMPLE:g}"}
+    env = {**defaults, **{k: v for k, v in os.environ.items() if k.startswith(PREFIX) and v}}
+    for flag, key in (("--hooks", "dmx_hook_selection"),
+                      ("--request-sample", "dmx_request_sample"),
+                      ("--run-id", "dmx_model_id"), ("--db", "dmx_db_url")):
+        value = flags[key]
+        if value is None:
+            continue
+        try:
+            Settings.from_kwargs({key: value}, env={})
+        except ConfigurationError as exc:
+            msg = f"{flag} {value!r}: {exc}"
+            raise UsageError(msg) from None
+    settings = Settings.from_kwargs({k: v for k, v in flags.items() if v is not None}, env=env)
+    return settings.resolve(model_path=str(model))

@@ -1,0 +1,238 @@
+"""On the GPU: ``dmi-sglang serve`` as a user runs it, driven over HTTP.
+
+Run on the H200 machine with the GPU kit::
+
+    python -m pytest tests/gpu/test_serving.py -m gpu -q -s
+
+One server (``--api-key``, decode CUDA graphs, a generated Qwen3 checkpoint) serves
+native ``/generate`` (plain and streamed) and OpenAI ``/v1/completions`` and
+``/v1/chat/completions`` requests, some asking to be captured through
+``custom_params``; then ``POST /dmi/stop``, more requests (served, not captured), and
+SIGINT. A second server is stopped by SIGTERM (SGLang's drain, then its shutdown request
+to the schedulers). Checks: every response names the run; the endpoints refuse a
+request without the key; tokens of a captured request equal those of the same prompt
+uncaptured; each captured request is complete in the store and nothing else is stored;
+both runs end committed. A JSON summary (timings included) goes to ``$DMI_EVIDENCE_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+KEY = "serve-test-key"
+PROMPT = "w1 w2 w3 w4 w5"
+NEW_TOKENS = 8
+START_S = 600
+EXIT_S = 90  # SGLang's SIGTERM drain polls every 5 s, then waits 15 s for the schedulers
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w7{% endif %}")
+
+
+class Server:
+    """One ``dmi-sglang serve`` child, its log, and HTTP calls to it."""
+
+    def __init__(self, workdir: Path, name: str, model: Path, run_id: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.run_id = run_id
+        self.log = workdir / f"{name}.log"
+        template = workdir / "chat.jinja"
+        template.write_text(CHAT_TEMPLATE)
+        argv = [sys.executable, "-m", "dmi_sglang", "serve", "--model-path", str(model),
+                "--run-id", run_id, "--db", f"chdb://{workdir / 'store'}",
+                "--port", str(self.port), "--host", "127.0.0.1", "--api-key", KEY,
+                "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                "--mem-fraction-static", "0.3", "--cuda-graph-max-bs-decode", "16",
+                "--chat-template", str(template), "--log-level", "warning"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                if self.call("GET", "/v1/models")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > START_S:
+                pytest.fail(f"server not up after {START_S} s: {self.tail()}")
+            time.sleep(2)
+        self.start_s = time.monotonic() - t0
+        self.model_name = self.call("GET", "/v1/models")[1]["data"][0]["id"]
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+             key: str | None = KEY) -> tuple[int, Any, dict[str, str]]:
+        """``(status, parsed JSON or text, headers)``."""
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json",
+                     **({"Authorization": f"Bearer {key}"} if key else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                status, raw, headers = resp.status, resp.read().decode(), dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            status, raw, headers = exc.code, exc.read().decode(), dict(exc.headers)
+        try:
+            return status, json.loads(raw), headers
+        except json.JSONDecodeError:
+            return status, raw, headers
+
+    def generate(self, rid: str, *, capture: bool | None, stream: bool = False,
+                 prompt: str = PROMPT) -> tuple[list[int], dict[str, str]]:
+        params: dict[str, Any] = {"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                  "ignore_eos": True}
+        if capture is not None:
+            params["custom_params"] = {"dmi_capture": capture}
+        status, out, headers = self.call("POST", "/generate", {
+            "text": prompt, "rid": rid, "sampling_params": params, "stream": stream})
+        assert status == 200, out
+        if stream:  # server-sent events: the last data line holds every output id
+            events = [json.loads(line.removeprefix("data: ")) for line in out.splitlines()
+                      if line.startswith("data: {")]
+            assert len(events) > 1
+            out = events[-1]
+        assert out["meta_info"]["id"] == rid
+        return list(out["output_ids"]), headers
+
+    def stop_with(self, sig: int) -> float:
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"server still running {EXIT_S} s after signal {sig}: {self.tail()}")
+        return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workdir: Path) -> Path:
+    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
+
+    return Path(write_demo_checkpoint(workdir / "qwen3-demo", layers=4))
+
+
+def _evidence(name: str, data: dict[str, Any], workdir: Path) -> None:
+    out = Path(os.environ.get("DMI_EVIDENCE_DIR", str(workdir)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def _complete(store: Path, run_id: str) -> dict[str, Any]:
+    """The run's status, and per stored request its missing captures and resid_pre rows."""
+    from dmi_sglang import open_store
+
+    captures = open_store(f"chdb://{store}")
+    with captures.session():
+        run = captures.require_run(run_id)
+        out: dict[str, Any] = {"status": run.status.value, "requests": {}}
+        for summary in captures.requests(run_id):
+            handle = captures.handle(run_id, summary.request_id)
+            out["requests"][summary.request_id] = {
+                "missing": list(handle.missing),
+                "resid_pre_rows": [int(handle.get("resid_pre", layer).shape[0])
+                                   for layer in range(4)],
+            }
+    return out
+
+
+def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
+                                                           checkpoint: Path) -> None:
+    server = Server(workdir, "serve-sigint", checkpoint, "serve-sigint")
+    report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
+    try:
+        captured_ids, headers = server.generate("cap-native", capture=True)
+        assert headers.get("x-dmi-run-id") == server.run_id
+        plain_ids, _ = server.generate("plain-native", capture=None)
+        assert plain_ids == captured_ids  # capture changes no token
+        streamed_ids, headers = server.generate("cap-stream", capture=True, stream=True)
+        assert streamed_ids == captured_ids
+        assert headers.get("x-dmi-run-id") == server.run_id
+        status, out, headers = server.call("POST", "/v1/completions", {
+            "model": server.model_name, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True, "rid": "cap-openai",
+            "custom_params": {"dmi_capture": True}})
+        assert status == 200, out
+        assert out["id"] == "cap-openai"
+        assert headers.get("x-dmi-run-id") == server.run_id
+        status, out, _ = server.call("POST", "/v1/chat/completions", {
+            "model": server.model_name, "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "rid": "cap-chat", "custom_params": {"dmi_capture": True}})
+        assert status == 200, out
+        assert out["id"] == "cap-chat"
+
+        assert server.call("GET", "/dmi/status", key=None)[0] == 401
+        assert server.call("POST", "/dmi/stop", key="wrong")[0] == 401
+        status, out, _ = server.call("GET", "/dmi/status")
+        assert (status, out["state"], out["run_id"]) == (200, "capturing", server.run_id)
+        t0 = time.monotonic()
+        status, out, _ = server.call("POST", "/dmi/stop")
+        report["stop_endpoint_s"] = round(time.monotonic() - t0, 3)
+        assert (status, out["state"]) == (200, "stopped"), out
+        assert server.call("GET", "/dmi/status")[1]["state"] == "stopped"
+
+        after_ids, _ = server.generate("after-stop", capture=True)  # served, not captured
+        assert after_ids == captured_ids
+        after_stream, _ = server.generate("after-stop-stream", capture=True, stream=True)
+        assert after_stream == captured_ids
+    finally:
+        report["sigint_exit_s"] = round(server.stop_with(signal.SIGINT), 1)
+        report["log_tail"] = server.tail()[-1500:]
+        _evidence("serve-sigint", report, workdir)
+    stored = _complete(workdir / "store", server.run_id)
+    report["store"] = stored
+    _evidence("serve-sigint", report, workdir)
+    assert stored["status"] == "committed"
+    assert set(stored["requests"]) == {"cap-native", "cap-stream", "cap-openai", "cap-chat"}
+    for rid, got in stored["requests"].items():
+        assert got["missing"] == [], (rid, got)
+        assert got["resid_pre_rows"] == [1, 1, 1, 1], (rid, got)  # serve's default: last
+
+
+def test_sigterm_makes_the_run_durable(workdir: Path, checkpoint: Path) -> None:
+    server = Server(workdir, "serve-sigterm", checkpoint, "serve-sigterm")
+    report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
+    try:
+        server.generate("cap-term", capture=True)
+        server.generate("plain-term", capture=False)
+    finally:
+        report["sigterm_exit_s"] = round(server.stop_with(signal.SIGTERM), 1)
+        report["log_tail"] = server.tail()[-1500:]
+    stored = _complete(workdir / "store", server.run_id)
+    report["store"] = stored
+    _evidence("serve-sigterm", report, workdir)
+    assert stored["status"] == "committed"
+    assert set(stored["requests"]) == {"cap-term"}
+    assert stored["requests"]["cap-term"]["missing"] == []

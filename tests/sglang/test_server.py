@@ -1,0 +1,298 @@
+"""The HTTP server's capture side (``adapters/sglang_v0519/server.py``) on CPU.
+
+The schedulers' end of the RPC line is a thread with a real zmq DEALER connected where the
+server binds (as SGLang's schedulers connect to ``PortArgs.rpc_ipc_name``), answering
+with SGLang's own ``RpcReqOutput``; the endpoints run on a FastAPI app behind SGLang's own
+API-key middleware.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+Answer = tuple[bool, str] | None  # None: never answer
+
+
+class FakeSchedulers:
+    """A thread that answers each RPC with the next scripted answer and records calls."""
+
+    def __init__(self, address: str, answers: list[Answer]) -> None:
+        import zmq
+
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self._answers = list(answers)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVTIMEO, 100)
+        self._socket.connect(address)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import zmq
+        from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
+
+        while not self._done.is_set():
+            try:
+                req = sock_recv(self._socket)
+            except zmq.Again:
+                continue
+            self.calls.append((req.method, dict(req.parameters or {})))
+            answer = self._answers.pop(0) if self._answers else (True, "")
+            if answer is not None:
+                sock_send(self._socket, RpcReqOutput(success=answer[0], message=answer[1]))
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        self._socket.close(0)
+
+
+@pytest.fixture
+def line(tmp_path: Path) -> Iterator[Callable[[list[Answer]], Any]]:
+    """``line(answers)`` -> ``(RunControl, FakeSchedulers)`` on a fresh ipc address."""
+    from dmi_sglang.adapters.sglang_v0519.server import RunControl
+
+    made: list[tuple[Any, FakeSchedulers]] = []
+
+    def make(answers: list[Answer]) -> tuple[Any, FakeSchedulers]:
+        address = f"ipc://{tmp_path}/rpc-{len(made)}"
+        control = RunControl.bind(address, "run-s", "chdb:///tmp/store")
+        made.append((control, FakeSchedulers(address, answers)))
+        return made[-1]
+
+    yield make
+    for control, fake in made:
+        fake.close()
+        control.close()
+
+
+def test_only_the_http_servers_main_process_gets_the_server_hooks() -> None:
+    """``python -m sglang.launch_server`` and ``sglang serve`` are the server; an
+    Engine's script, pytest and ``sglang`` with another command are not."""
+    from dmi_sglang.adapters.sglang_v0519.server import serving_process
+
+    assert serving_process(["/x/sglang/launch_server.py"], "sglang.launch_server")
+    assert serving_process(["/usr/bin/sglang", "serve", "--model-path", "m"], "")
+    assert not serving_process(["/usr/bin/sglang", "version"], "")
+    assert not serving_process(["my_script.py"], "")
+    assert not serving_process(["/x/pytest"], "pytest")
+    assert not serving_process()  # this test process
+
+
+def test_the_plugin_registers_the_server_hook_only_in_the_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dmi_sglang.adapters.sglang_v0519 import _state, plugin, server
+    from dmi_sglang.app.composition import PipelineFactory
+
+    calls: list[str] = []
+    monkeypatch.setattr(HookRegistry, "register",
+                        classmethod(lambda cls, target, *a, **k: calls.append(target)))
+    monkeypatch.setenv("DMX_SGLANG_ENABLE", "1")
+    target = server.SERVER_HOOKS[0][0]
+    for in_server in (False, True):
+        calls.clear()
+        monkeypatch.setattr(_state, "STATE", _state.PluginState())
+        monkeypatch.setattr(server, "serving_process", lambda in_server=in_server: in_server)
+        plugin.register(PipelineFactory())
+        assert (target in calls) is in_server
+        assert _state.STATE.problems == []
+
+
+def test_the_run_control_checks_stops_once_and_reports(line) -> None:
+    """The check names the run; the stop is terminal (a second stop is not sent, it
+    answers what the first found); the status after it says stopped."""
+    control, fake = line([(True, ""), (True, "")])
+    control.check()
+    assert control.status()["state"] == "capturing"
+    first = control.stop()
+    assert first["state"] == "stopped"
+    assert first["reason"] is None
+    assert control.stop() == first
+    assert control.status() == first
+    assert fake.calls == [("dmi_assert_active", {"run_id": "run-s"}),
+                          ("dmi_assert_active", {"run_id": "run-s"}),
+                          ("dmi_stop_monitoring", {})]
+
+
+def test_a_failed_stop_is_reported_failed_with_the_schedulers_reason(line) -> None:
+    control, _ = line([(False, "flush failed: disk full")])
+    out = control.stop()
+    assert out["state"] == "failed"
+    assert "flush failed: disk full" in out["reason"]
+    assert control.status()["state"] == "failed"
+
+
+def test_schedulers_that_do_not_answer_break_the_line_for_good(line, monkeypatch) -> None:
+    """No answer within the wait: the call fails naming the wait, and later calls fail
+    at once (a late answer would otherwise be taken for the next call's)."""
+    from dmi_sglang.adapters.sglang_v0519 import server
+    from dmi_sglang.errors import CaptureError
+
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
+    control, fake = line([None])
+    with pytest.raises(CaptureError, match=r"did not answer within 0\.3 s"):
+        control.check()
+    out = control.stop()
+    assert out["state"] == "failed"
+    assert "stopped answering" in out["reason"]
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
+
+
+def _app(control: Any, api_key: str | None) -> Any:
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    from dmi_sglang.adapters.sglang_v0519.server import mount
+
+    app = FastAPI()
+
+    async def tokens() -> Any:
+        async def chunks() -> Any:
+            for word in ("a", "b"):
+                yield f"data: {word}\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app.add_api_route("/generate", tokens, methods=["POST"])
+    mount(app, control)
+    if api_key is not None:  # what SGLang's server does after the hook mounted
+        add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
+    return app
+
+
+def test_endpoints_report_stop_and_name_the_run_on_every_response(line) -> None:
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import RUN_HEADER, STATUS_PATH, STOP_PATH
+
+    control, fake = line([(True, ""), (True, ""), (False, "never sent")])
+    client = TestClient(_app(control, None))
+    status = client.get(STATUS_PATH)
+    assert status.status_code == 200
+    assert status.json() == {"run_id": "run-s", "store": "chdb:///tmp/store",
+                             "state": "capturing", "reason": None}
+    streamed = client.post("/generate")
+    assert streamed.text == "data: a\n\ndata: b\n\n"
+    assert streamed.headers[RUN_HEADER] == "run-s"
+    stop = client.post(STOP_PATH)
+    assert stop.status_code == 200
+    assert stop.json()["state"] == "stopped"
+    assert stop.headers[RUN_HEADER] == "run-s"
+    assert client.post(STOP_PATH).json() == stop.json()
+    assert client.get(STATUS_PATH).json()["state"] == "stopped"
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_stop_monitoring"]
+
+
+def test_a_failed_stop_answers_500(line) -> None:
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import STOP_PATH
+
+    control, _ = line([(False, "store down")])
+    stop = TestClient(_app(control, None)).post(STOP_PATH)
+    assert stop.status_code == 500
+    assert stop.json()["state"] == "failed"
+    assert "store down" in stop.json()["reason"]
+
+
+def test_the_endpoints_are_protected_like_the_servers_api(line) -> None:
+    """With ``--api-key``, neither endpoint answers without the key (nothing is sent to
+    the schedulers), and both answer with it."""
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import STATUS_PATH, STOP_PATH
+
+    control, fake = line([(True, ""), (True, "")])
+    client = TestClient(_app(control, "sekret"))
+    assert client.get(STATUS_PATH).status_code == 401
+    assert client.post(STOP_PATH).status_code == 401
+    assert client.post(STOP_PATH, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert fake.calls == []
+    key = {"Authorization": "Bearer sekret"}
+    assert client.get(STATUS_PATH, headers=key).json()["state"] == "capturing"
+    assert client.post(STOP_PATH, headers=key).json()["state"] == "stopped"
+
+
+def _around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[Answer],
+            serve: Callable[[], Any], children: bool = True) -> tuple[Any, FakeSchedulers]:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    address = f"ipc://{tmp_path}/rpc"
+    fake = FakeSchedulers(address, answers)
+    app = FastAPI()
+    monkeypatch.setattr(server, "_sglang_app", lambda: app)
+    monkeypatch.setattr(server.multiprocessing, "active_children",
+                        lambda: [object()] if children else [])
+    monkeypatch.setenv("DMX_MODEL_ID", "run-a")
+    monkeypatch.setenv("DMX_DB_URL", f"chdb://{tmp_path}/store")
+    seen: list[Any] = []
+
+    def original(server_args: Any, tm: Any, template: Any, port_args: Any, *rest: Any,
+                 **kw: Any) -> Any:
+        seen.append(([r.path for r in app.routes], fake.calls[:], rest, kw))
+        return serve()
+
+    port_args = SimpleNamespace(rpc_ipc_name=address)
+    try:
+        out = server.around_http_server(original, "sa", "tm", "tpl", port_args, ["infos"],
+                                        None, launch_callback=None)
+    except BaseException as exc:
+        out = exc
+    finally:
+        fake.close()
+    return (out, seen), fake
+
+
+def test_the_server_is_checked_then_served_then_stopped(tmp_path, monkeypatch) -> None:
+    """Before SGLang serves: the schedulers monitor this run and the endpoints are
+    mounted; when the HTTP server returns (SIGINT), the run is stopped before SGLang
+    kills the schedulers; SGLang's arguments pass through unchanged."""
+    from dmi_sglang.adapters.sglang_v0519.server import STATUS_PATH, STOP_PATH
+
+    (out, seen), fake = _around(tmp_path, monkeypatch, [(True, ""), (True, "")],
+                                lambda: "served")
+    assert out == "served"
+    paths, calls_before, rest, kw = seen[0]
+    assert {STATUS_PATH, STOP_PATH} <= set(paths)
+    assert calls_before == [("dmi_assert_active", {"run_id": "run-a"})]
+    assert (rest, kw) == ((["infos"], None), {"launch_callback": None})
+    assert fake.calls[1:] == [("dmi_stop_monitoring", {})]
+
+
+def test_a_server_whose_schedulers_do_not_monitor_does_not_serve(tmp_path,
+                                                                 monkeypatch) -> None:
+    from dmi_sglang.errors import CaptureError
+
+    (out, seen), _ = _around(tmp_path, monkeypatch, [(False, "DMI monitoring is not active")],
+                             lambda: "served")
+    assert isinstance(out, CaptureError)
+    assert "DMI monitoring is not active" in str(out)
+    assert seen == []
+
+
+def test_a_server_that_fails_still_stops_the_run_and_without_schedulers_does_not_wait(
+        tmp_path, monkeypatch) -> None:
+    def boom() -> Any:
+        raise RuntimeError("uvicorn failed")
+
+    (out, _), fake = _around(tmp_path, monkeypatch, [(True, ""), (True, "")], boom)
+    assert isinstance(out, RuntimeError)
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_stop_monitoring"]
+    (out, _), fake = _around(tmp_path, monkeypatch, [(True, "")], lambda: "served",
+                             children=False)
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
