@@ -9,6 +9,7 @@ API-key middleware.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -236,8 +237,7 @@ def _around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[Answe
     fake = FakeSchedulers(address, answers)
     app = FastAPI()
     monkeypatch.setattr(server, "_sglang_app", lambda: app)
-    monkeypatch.setattr(server.multiprocessing, "active_children",
-                        lambda: [object()] if children else [])
+    monkeypatch.setattr(server, "_children_running", lambda: children)
     monkeypatch.setenv("DMX_MODEL_ID", "run-a")
     monkeypatch.setenv("DMX_DB_URL", f"chdb://{tmp_path}/store")
     seen: list[Any] = []
@@ -296,3 +296,46 @@ def test_a_server_that_fails_still_stops_the_run_and_without_schedulers_does_not
     (out, _), fake = _around(tmp_path, monkeypatch, [(True, "")], lambda: "served",
                              children=False)
     assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
+
+
+def test_a_call_no_scheduler_takes_fails_in_its_time(tmp_path, monkeypatch) -> None:
+    """Nothing connected (the schedulers are gone): the call fails within its wait
+    instead of blocking the server's exit for good."""
+    from dmi_sglang.adapters.sglang_v0519 import server
+    from dmi_sglang.errors import CaptureError
+
+    monkeypatch.setattr(server, "STOP_WAIT_S", 0.3)
+    control = server.RunControl.bind(f"ipc://{tmp_path}/nobody", "run-n", "chdb:///x")
+    try:
+        t0 = time.monotonic()
+        out = control.stop()
+        assert time.monotonic() - t0 < 5
+        assert out["state"] == "failed"
+        assert "no scheduler took the request within 0.3 s" in out["reason"]
+        with pytest.raises(CaptureError, match="stopped answering"):
+            control.check()
+    finally:
+        control.close()
+
+
+def test_children_are_running_until_they_exit_and_are_reaped_by_anyone() -> None:
+    """The check the exit relies on: a live child counts; once it has exited and was
+    reaped by something other than multiprocessing (as SGLang's kill_process_tree does),
+    it does not, although multiprocessing still lists it."""
+    import multiprocessing
+    import os
+    import signal
+
+    from dmi_sglang.adapters.sglang_v0519.server import _children_running
+
+    assert not _children_running()
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        assert _children_running()
+        os.kill(child.pid, signal.SIGKILL)
+        os.waitpid(child.pid, 0)  # reaped behind multiprocessing's back
+        assert child in multiprocessing.active_children()
+        assert not _children_running()
+    finally:
+        child.kill()

@@ -14,17 +14,22 @@ from typing import Any
 
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["EngineRpcTap", "rpc_call"]
+__all__ = ["EngineRpcTap", "SchedulerSilentError", "rpc_call"]
+
+
+class SchedulerSilentError(CaptureError):
+    """No scheduler took the request, or none answered, within the socket's timeouts."""
 
 
 def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
     """Call the ``Scheduler`` method ``method`` over ``socket`` and check its answer.
 
-    The wait is bounded by the socket's ``RCVTIMEO`` (unbounded when unset).
+    The wait is bounded by the socket's ``SNDTIMEO`` (no scheduler connected) and
+    ``RCVTIMEO`` (no answer); unbounded where they are unset.
 
     Raises:
-        CaptureError: the scheduler said no (with its reason), answered something else,
-            or did not answer within the socket's timeout.
+        SchedulerSilentError: a timeout ran out.
+        CaptureError: the scheduler said no (with its reason) or answered something else.
     """
     import zmq
     from sglang.srt.managers.io_struct import (
@@ -34,13 +39,18 @@ def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
         sock_send,
     )
 
-    sock_send(socket, RpcReqInput(method=method, parameters=parameters))
+    try:
+        sock_send(socket, RpcReqInput(method=method, parameters=parameters))
+    except zmq.Again:
+        timeout_s = socket.getsockopt(zmq.SNDTIMEO) / 1000
+        msg = f"{method}: no scheduler took the request within {timeout_s:g} s"
+        raise SchedulerSilentError(msg) from None
     try:
         answer = sock_recv(socket, flags=0)
     except zmq.Again:
         timeout_s = socket.getsockopt(zmq.RCVTIMEO) / 1000
         msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
-        raise CaptureError(msg) from None
+        raise SchedulerSilentError(msg) from None
     if not isinstance(answer, RpcReqOutput):
         msg = f"{method}: the scheduler answered {type(answer).__name__}, not RpcReqOutput"
         raise CaptureError(msg)

@@ -13,9 +13,10 @@ model and before the HTTP server starts. The wrapper:
 * adds ``GET /dmi/status`` and ``POST /dmi/stop`` to SGLang's FastAPI app before SGLang
   adds its API-key middleware, so both are protected like the server's own API (the stop
   as an admin endpoint), and the header ``X-DMI-Run-Id`` to every response;
-* stops the run when the HTTP server returns (SIGINT, or SIGTERM where uvicorn handles
-  it), before SGLang kills the schedulers: the stop is durable or the run is marked
-  failed, within :data:`STOP_WAIT_S`.
+* stops the run when the HTTP server returns (SIGINT) while the schedulers still run,
+  before SGLang kills them: the stop is durable or the run is marked failed, within
+  :data:`STOP_WAIT_S`; a call that no scheduler takes or answers in its time fails, and
+  every later one at once.
 
 SGLang's own SIGTERM path (drain the requests, then ``ShutdownReq`` to the schedulers) is
 covered in the scheduler (``runtime_hooks.before_scheduler_shutdown``). After a stop the
@@ -35,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from dmi_sglang.adapters.sglang_v0519.engine import rpc_call
+from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, rpc_call
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
@@ -161,12 +162,12 @@ class RunControl:
 
         if self._broken is not None:  # a late answer would be taken for the next call's
             raise CaptureError(self._broken)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         try:
             rpc_call(self._socket, method, **parameters)
-        except CaptureError as exc:
-            if "did not answer" in str(exc):
-                self._broken = f"the schedulers stopped answering ({exc})"
+        except SchedulerSilentError as exc:
+            self._broken = f"the schedulers stopped answering ({exc})"
             raise
 
 
@@ -232,9 +233,24 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         return original(server_args, tokenizer_manager, template_manager, port_args,
                         *args, **kw)
     finally:
-        if multiprocessing.active_children():  # the schedulers still run: stop first
+        if _children_running():  # SGLang has not ended them (its SIGTERM path does)
             control.stop()
         control.close()
+
+
+def _children_running() -> bool:
+    """True while a process this one started with ``multiprocessing`` (SGLang's
+    schedulers and detokenizer) still runs. ``multiprocessing`` cannot tell once SGLang
+    killed and reaped them itself (``kill_process_tree``), so ask the OS."""
+    import psutil
+
+    for child in multiprocessing.active_children():
+        try:
+            if psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            continue
+    return False
 
 
 def _sglang_app() -> Any:
