@@ -122,3 +122,36 @@ def test_a_changed_batch_given_twice_before_a_scan_still_scans() -> None:
     tracker.add_reqs([b])  # given again before the forward began: still a change to scan
     assert tracker.take_finished() == [("a", 3)]
 
+
+
+def test_a_cancelled_request_is_never_complete_whenever_its_finish_is_seen() -> None:
+    """A request the engine ended by an abort (a client that cancelled or went away)
+    keeps what was captured, but its manifest is never committed: whether its finish was
+    taken while serving (its Req let go) or only at stop. A request that finished
+    normally beside it is complete."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+    from dmi_sglang.adapters.sglang_v0519.batch import request_cancelled
+
+    def req(rid: str, reason: object) -> SimpleNamespace:
+        r = _req(rid, 4, 2)
+        r.finished_reason = reason
+        r.finished = lambda: r.finished_reason is not None
+        return r
+
+    for taken_while_serving in (True, False):
+        tracker = RequestTracker(cancelled=request_cancelled)
+        done, gone = req("done", FINISH_LENGTH(length=2)), req("gone", None)
+        tracker.add_reqs([done, gone])
+        tracker.add_layout(BatchLayout.extend(["done", "gone"], [0, 0], [4, 4]))
+        gone.finished_reason = FINISH_ABORT("client disconnected")
+        if taken_while_serving:
+            assert sorted(r for r, _ in tracker.take_finished()) == ["done", "gone"]
+        else:
+            assert sorted(r for r, _ in tracker.take_all()) == ["done", "gone"]
+        by = {m.request_id: m for m in tracker.manifests("run", committed=True)}
+        assert by["done"].committed
+        assert not by["gone"].committed
+        assert tracker.cancelled_requests == 1
+    assert not request_cancelled(SimpleNamespace(finished_reason=None))
+    assert not request_cancelled(SimpleNamespace())

@@ -67,7 +67,8 @@ def missing(
         return (f"request {request_id!r} of run {run_id!r} has no manifest: the run never "
                 "saw it, or left it out (DMX_REQUEST_SAMPLE, or dmi_capture=False)",)
     if not manifest.committed:
-        return (f"the manifest of request {request_id!r} is not committed",)
+        return (f"the manifest of request {request_id!r} is not committed: the request was "
+                "cancelled (aborted) or had not finished when the run stopped",)
     by_key: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for act, layer, start, end in ranges:
         by_key.setdefault((act, layer), []).append((start, end))

@@ -245,7 +245,7 @@ class PipelineFactory:
             )
             sink.start_run(spec.run)  # only once the transport exists: no orphan run row
             started = True
-            from dmi_sglang.adapters.sglang_v0519.batch import capture_param
+            from dmi_sglang.adapters.sglang_v0519.batch import capture_param, request_cancelled
 
             session = SchedulerMonitor(
                 run=spec.run,
@@ -256,6 +256,7 @@ class PipelineFactory:
                 strip=settings.gpu_padding_strip,
                 sample=RequestSample(settings.request_sample),
                 asked=capture_param,
+                cancelled=request_cancelled,
             )
         except BaseException:
             for release in ((transport.stop,) if transport is not None else ()) + (sink.close,):

@@ -62,10 +62,16 @@ class _Seen:
     captured: bool = True
     """False for a request the capture leaves out (request sampling, or its own ask)."""
     decided: bool = False
+    cancelled: bool = False
+    """The engine ended it by an abort (kept when its Req is let go)."""
 
 
 def _not_asked(_req: TrackedRequest) -> object:
     return None
+
+
+def _never_cancelled(_req: TrackedRequest) -> bool:
+    return False
 
 
 _LEAVING_ROUNDS = 2
@@ -90,9 +96,13 @@ class RequestTracker:
     """
 
     def __init__(self, sample: RequestSample | None = None,
-                 asked: Callable[[TrackedRequest], object] = _not_asked) -> None:
+                 asked: Callable[[TrackedRequest], object] = _not_asked,
+                 cancelled: Callable[[TrackedRequest], bool] = _never_cancelled) -> None:
         self._sample = sample if sample is not None else RequestSample()
         self._asked = asked
+        self._cancelled = cancelled
+        self.cancelled_requests = 0
+        """Captured requests the engine ended by an abort: never complete."""
         self._skipped: set[str] = set()
         self._skip: frozenset[str] = frozenset()
         self._leaving: collections.deque[tuple[int, str]] = collections.deque()
@@ -208,6 +218,7 @@ class RequestTracker:
             seen = self._live.pop(rid)
             seen.notified = True
             seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
+            self._note_cancelled(seen, req)
             seen.req = None
             self._known.pop(id(req), None)
             if seen.captured:
@@ -225,11 +236,18 @@ class RequestTracker:
                 continue
             seen.notified = True
             req = seen.req
+            if req is not None and req.finished():
+                self._note_cancelled(seen, req)
             out.append((rid, logits_end(req) if req is not None and req.finished() else None))
         self._live.clear()
         self._known.clear()
         self._batch = ()
         return out
+
+    def _note_cancelled(self, seen: _Seen, req: TrackedRequest) -> None:
+        if seen.captured and not seen.cancelled and self._cancelled(req):
+            seen.cancelled = True
+            self.cancelled_requests += 1
 
     def add_layout(self, layout: BatchLayout) -> None:
         """Record the positions a forward computes."""
@@ -256,7 +274,8 @@ class RequestTracker:
                 seen.last_end = start + count
 
     def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
-        """One manifest per request seen; finished requests only count as complete."""
+        """One manifest per request seen; finished requests only count as complete, and
+        a cancelled one (ended by an abort) never does: its manifest is not committed."""
         if self._decoding is not None:
             self._fold(self._decoding)
             self._decoding = None
@@ -267,9 +286,9 @@ class RequestTracker:
                 continue
             if req is not None:
                 prompt, completion = len(req.origin_input_ids), len(req.output_ids)
-                finished = bool(req.finished())
+                finished = bool(req.finished()) and not self._cancelled(req)
             elif seen.lengths is not None:
-                (prompt, completion), finished = seen.lengths, True
+                (prompt, completion), finished = seen.lengths, not seen.cancelled
             else:
                 continue
             out.append(
@@ -300,6 +319,7 @@ class SchedulerMonitor:
         strip: bool,
         sample: RequestSample | None = None,
         asked: Callable[[TrackedRequest], object] = _not_asked,
+        cancelled: Callable[[TrackedRequest], bool] = _never_cancelled,
     ) -> None:
         self._run = run
         self.selection = selection
@@ -308,7 +328,7 @@ class SchedulerMonitor:
         self.sink = sink
         self.strip = strip
         self.protocol = StepProtocol()
-        self.requests = RequestTracker(sample, asked)
+        self.requests = RequestTracker(sample, asked, cancelled)
         self._prompts = self.requests.prompt_length if any(
             rule.needs_prompt for _, _, rule in selection.rules) else None
         self._lock = threading.Lock()
@@ -450,6 +470,7 @@ class SchedulerMonitor:
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
             seen, captured = self.requests.seen_requests, self.requests.captured_requests
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
+                     cancelled=self.requests.cancelled_requests,
                      fraction=round(captured / seen, 4) if seen else None)
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats

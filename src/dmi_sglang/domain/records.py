@@ -161,7 +161,8 @@ class RequestManifest:
         prompt_tokens / completion_tokens: from the scheduler's view of the request.
         computed_from: first position a forward computed (prefix cache, see above).
         overlap_extra_forward: whether the overlap scheduler's extra forward was stored.
-        committed: True only when the run stopped cleanly and everything was flushed.
+        committed: True only when the run stopped cleanly, everything was flushed, and
+            the request finished (a request the engine aborted never is).
     """
 
     model_id: str

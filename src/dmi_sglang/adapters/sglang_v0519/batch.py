@@ -26,7 +26,8 @@ from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
 from dmi_sglang.errors import CommitError
 
-__all__ = ["CAPTURED_MODES", "capture_param", "layout_from_forward_batch", "unfinished_rids"]
+__all__ = ["CAPTURED_MODES", "capture_param", "layout_from_forward_batch", "request_cancelled",
+           "unfinished_rids"]
 
 CAPTURED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
 """``ForwardMode`` names a monitored engine runs (the others need rejected features)."""
@@ -146,3 +147,15 @@ def capture_param(req: Any) -> object:
     None when it asked nothing."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     return params.get(CAPTURE_PARAM) if isinstance(params, dict) else None
+
+
+def request_cancelled(req: Any) -> bool:
+    """Whether SGLang ended a finished ``Req`` by an abort (the client went away or
+    cancelled, or the scheduler aborted it): its finish reason reports type ``abort``
+    (``FINISH_ABORT``). Its capture is never complete."""
+    reason = getattr(req, "finished_reason", None)
+    to_json = getattr(reason, "to_json", None)
+    if to_json is None:
+        return False
+    info = to_json()
+    return isinstance(info, dict) and info.get("type") == "abort"
