@@ -7,12 +7,13 @@ Run on the H200 machine with the GPU kit::
 One server (``--api-key``, decode CUDA graphs, a generated Qwen3 checkpoint) serves
 native ``/generate`` (plain and streamed) and OpenAI ``/v1/completions`` and
 ``/v1/chat/completions`` requests, some asking to be captured through
-``custom_params``; then ``POST /dmi/stop``, more requests (served, not captured), and
-SIGINT. A second server is stopped by SIGTERM (SGLang's drain, then its shutdown request
-to the schedulers). Checks: every response names the run; the endpoints refuse a
-request without the key; tokens of a captured request equal those of the same prompt
-uncaptured; each captured request is complete in the store and nothing else is stored;
-both runs end committed. A JSON summary (timings included) goes to ``$DMI_EVIDENCE_DIR``.
+``custom_params``, one streamed and cancelled by its client; then ``POST /dmi/stop``,
+more requests (served, not captured), and SIGINT. A second server is stopped by SIGTERM
+(SGLang's drain, then its shutdown request to the schedulers). Checks: every response
+names the run; the endpoints refuse a request without the key; tokens of a captured
+request equal those of the same prompt uncaptured; each captured request is complete in
+the store, the cancelled one is not, and nothing else is stored; both runs end committed.
+A JSON summary (timings included) goes to ``$DMI_EVIDENCE_DIR``.
 """
 
 from __future__ import annotations
@@ -120,6 +121,22 @@ class Server:
         assert out["meta_info"]["id"] == rid
         return list(out["output_ids"]), headers
 
+    def cancel_stream(self, rid: str) -> None:
+        """A captured streamed request whose client goes away after two events (SGLang
+        aborts it): its capture must never read as complete."""
+        body = {"text": PROMPT, "rid": rid, "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 3000, "ignore_eos": True,
+            "custom_params": {"dmi_capture": True}}}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/generate", method="POST",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            events = 0
+            while events < 2:
+                events += resp.readline().startswith(b"data: {")
+        time.sleep(1)  # the server notices the closed connection and aborts the request
+
     def stop_with(self, sig: int) -> float:
         t0 = time.monotonic()
         self.proc.send_signal(sig)
@@ -159,10 +176,11 @@ def _complete(store: Path, run_id: str) -> dict[str, Any]:
         out: dict[str, Any] = {"status": run.status.value, "requests": {}}
         for summary in captures.requests(run_id):
             handle = captures.handle(run_id, summary.request_id)
+            missing = list(handle.missing)
             out["requests"][summary.request_id] = {
-                "missing": list(handle.missing),
-                "resid_pre_rows": [int(handle.get("resid_pre", layer).shape[0])
-                                   for layer in range(4)],
+                "missing": missing,
+                "resid_pre_rows": None if missing else [
+                    int(handle.get("resid_pre", layer).shape[0]) for layer in range(4)],
             }
     return out
 
@@ -193,6 +211,8 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
         assert status == 200, out
         assert out["id"] == "cap-chat"
 
+        server.cancel_stream("cancel-stream")
+
         assert server.call("GET", "/dmi/status", key=None)[0] == 401
         assert server.call("POST", "/dmi/stop", key="wrong")[0] == 401
         status, out, _ = server.call("GET", "/dmi/status")
@@ -215,6 +235,8 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
     report["store"] = stored
     _evidence("serve-sigint", report, workdir)
     assert stored["status"] == "committed"
+    cancelled = stored["requests"].pop("cancel-stream")
+    assert "not committed" in cancelled["missing"][0], cancelled
     assert set(stored["requests"]) == {"cap-native", "cap-stream", "cap-openai", "cap-chat"}
     for rid, got in stored["requests"].items():
         assert got["missing"] == [], (rid, got)
