@@ -143,3 +143,25 @@ def test_the_serve_default_keeps_up_by_the_bandwidth_plan() -> None:
                           prompt_tokens=256, completion_tokens=128, tok_s=21_000)
     assert full.bound is not None
     assert full.bound < 1.0  # the check can fail
+
+
+def test_serve_refuses_a_server_that_would_not_load_the_plugin(
+        model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLANG_PLUGINS leaving out ``dmi``, or no ``dmi`` entry point installed: one line
+    saying so, and no server (it would serve while capturing nothing)."""
+    import importlib.metadata
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for value in ("none", ",", "other"):
+        os.environ["SGLANG_PLUGINS"] = value
+        assert main(["serve", "--model-path", str(model)]) != 0
+        err = capsys.readouterr().err
+        assert f"SGLANG_PLUGINS={value!r} leaves out the 'dmi' plugin" in err
+        assert err.count("\n") == 1
+    os.environ["SGLANG_PLUGINS"] = "other, dmi"
+    assert _serve(["--model-path", str(model)])[0] == 0
+    del os.environ["SGLANG_PLUGINS"]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert main(["serve", "--model-path", str(model)]) != 0
+    assert "entry point 'dmi' is not installed" in capsys.readouterr().err

@@ -9,10 +9,11 @@ native ``/generate`` (plain and streamed) and OpenAI ``/v1/completions`` and
 ``/v1/chat/completions`` requests, some asking to be captured through
 ``custom_params``, one streamed and cancelled by its client; then ``POST /dmi/stop``,
 more requests (served, not captured), and SIGINT. A second server is stopped by SIGTERM
-(SGLang's drain, then its shutdown request to the schedulers). Checks: every response
+(SGLang's drain, then its shutdown request to the schedulers), a third by SIGINT to its
+whole process group (a terminal's Ctrl-C) with no stop before. Checks: every response
 names the run; the endpoints refuse a request without the key; tokens of a captured
 request equal those of the same prompt uncaptured; each captured request is complete in
-the store, the cancelled one is not, and nothing else is stored; both runs end committed.
+the store, the cancelled one is not, and nothing else is stored; every run ends committed.
 A JSON summary (timings included) goes to ``$DMI_EVIDENCE_DIR``.
 """
 
@@ -67,7 +68,8 @@ class Server:
                 "--chat-template", str(template), "--log-level", "warning"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)  # its own process group
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
@@ -137,9 +139,14 @@ class Server:
                 events += resp.readline().startswith(b"data: {")
         time.sleep(1)  # the server notices the closed connection and aborts the request
 
-    def stop_with(self, sig: int) -> float:
+    def stop_with(self, sig: int, *, group: bool = False) -> float:
+        """Send ``sig`` to the server (``group``: to its whole process group, as a
+        terminal's Ctrl-C does) and wait for it to exit."""
         t0 = time.monotonic()
-        self.proc.send_signal(sig)
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
         try:
             self.proc.wait(EXIT_S)
         except subprocess.TimeoutExpired:
@@ -258,3 +265,22 @@ def test_sigterm_makes_the_run_durable(workdir: Path, checkpoint: Path) -> None:
     assert stored["status"] == "committed"
     assert set(stored["requests"]) == {"cap-term"}
     assert stored["requests"]["cap-term"]["missing"] == []
+
+
+def test_ctrl_c_to_the_process_group_makes_the_run_durable(workdir: Path,
+                                                          checkpoint: Path) -> None:
+    """SIGINT to every process of the server (a terminal's Ctrl-C), with no stop before:
+    the run still ends committed with the captured request complete."""
+    server = Server(workdir, "serve-ctrl-c", checkpoint, "serve-ctrl-c")
+    report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
+    try:
+        server.generate("cap-ctrl-c", capture=True)
+    finally:
+        report["group_sigint_exit_s"] = round(server.stop_with(signal.SIGINT, group=True), 1)
+        report["log_tail"] = server.tail()[-1500:]
+    stored = _complete(workdir / "store", server.run_id)
+    report["store"] = stored
+    _evidence("serve-ctrl-c", report, workdir)
+    assert stored["status"] == "committed"
+    assert set(stored["requests"]) == {"cap-ctrl-c"}
+    assert stored["requests"]["cap-ctrl-c"]["missing"] == []

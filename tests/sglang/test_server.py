@@ -8,6 +8,7 @@ API-key middleware.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.sglang
 
-Answer = tuple[bool, str] | None  # None: never answer
+Answer = tuple[bool, str] | tuple[bool, str, float] | None  # None: never; 3rd: delay (s)
 
 
 class FakeSchedulers:
@@ -49,6 +50,8 @@ class FakeSchedulers:
             self.calls.append((req.method, dict(req.parameters or {})))
             answer = self._answers.pop(0) if self._answers else (True, "")
             if answer is not None:
+                if len(answer) > 2:
+                    time.sleep(answer[2])  # type: ignore[misc]
                 sock_send(self._socket, RpcReqOutput(success=answer[0], message=answer[1]))
 
     def close(self) -> None:
@@ -112,13 +115,13 @@ def test_the_plugin_registers_the_server_hook_only_in_the_server(
 
 def test_the_run_control_checks_stops_once_and_reports(line) -> None:
     """The check names the run; the stop is terminal (a second stop is not sent, it
-    answers what the first found); the status after it says stopped."""
+    answers what the first found); the status after it says stopped, without asking."""
     control, fake = line([(True, ""), (True, "")])
     control.check()
-    assert control.status()["state"] == "capturing"
+    assert control.status().state == "capturing"
     first = control.stop()
-    assert first["state"] == "stopped"
-    assert first["reason"] is None
+    assert (first.state, first.reason, first.run_id) == ("stopped", None, "run-s")
+    assert first.seconds is not None
     assert control.stop() == first
     assert control.status() == first
     assert fake.calls == [("dmi_assert_active", {"run_id": "run-s"}),
@@ -129,28 +132,53 @@ def test_the_run_control_checks_stops_once_and_reports(line) -> None:
 def test_a_failed_stop_is_reported_failed_with_the_schedulers_reason(line) -> None:
     control, _ = line([(False, "flush failed: disk full")])
     out = control.stop()
-    assert out["state"] == "failed"
-    assert "flush failed: disk full" in out["reason"]
-    assert control.status()["state"] == "failed"
+    assert out.state == "failed"
+    assert "flush failed: disk full" in out.reason
+    assert control.status().state == "failed"
 
 
-def test_schedulers_that_do_not_answer_break_the_line_for_good(line, monkeypatch) -> None:
-    """No answer within the wait: the call fails naming the wait, and later calls fail
-    at once (a late answer would otherwise be taken for the next call's)."""
+def test_a_long_stop_answers_stopping_then_its_outcome(line) -> None:
+    """A stop that writes out more than the endpoint waits for is ``stopping`` (not
+    failed), status says so without asking the busy schedulers, and the outcome
+    arrives when the schedulers answer."""
+    control, fake = line([(True, "", 1.5)])
+    assert control.stop(wait_s=0.2).state == "stopping"
+    assert control.status().state == "stopping"
+    final = control.stop(wait_s=10)
+    assert final.state == "stopped"
+    assert control.status() == final
+    assert [m for m, _ in fake.calls] == ["dmi_stop_monitoring"]
+
+
+def test_a_late_answer_is_never_taken_for_the_next_calls(line, monkeypatch) -> None:
+    """A check that gave up waiting leaves its answer in flight; the next call sets it
+    aside and reads its own (here: the late answer says yes, the next one no)."""
     from dmi_sglang.adapters.sglang_v0519 import server
     from dmi_sglang.errors import CaptureError
 
     monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
-    control, fake = line([None])
+    control, fake = line([(True, "", 1.0), (False, "not monitoring")])
     with pytest.raises(CaptureError, match=r"did not answer within 0\.3 s"):
         control.check()
-    out = control.stop()
-    assert out["state"] == "failed"
-    assert "stopped answering" in out["reason"]
-    assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 5)
+    with pytest.raises(CaptureError, match="not monitoring"):
+        control.check()
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"] * 2
 
 
-def _app(control: Any, api_key: str | None) -> Any:
+def test_a_late_stop_answer_settles_the_stop(line, monkeypatch) -> None:
+    """A stop given up as failed (no answer in its time) becomes stopped when the
+    schedulers' answer arrives after all, read by the next exchange."""
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    monkeypatch.setattr(server, "STOP_ANSWER_S", 0.3)
+    control, _ = line([(True, "", 0.8), (True, "")])
+    assert control.stop(wait_s=5).state == "failed"
+    control.check()  # reads the stop's late answer first
+    assert control.status().state == "stopped"
+
+
+def _app(control: Any, api_key: str | None, admin: str | None = None) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
     from sglang.srt.utils.auth import add_api_key_middleware
@@ -168,7 +196,7 @@ def _app(control: Any, api_key: str | None) -> Any:
     app.add_api_route("/generate", tokens, methods=["POST"])
     mount(app, control)
     if api_key is not None:  # what SGLang's server does after the hook mounted
-        add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
+        add_api_key_middleware(app, api_key=api_key, admin_api_key=admin)
     return app
 
 
@@ -182,7 +210,7 @@ def test_endpoints_report_stop_and_name_the_run_on_every_response(line) -> None:
     status = client.get(STATUS_PATH)
     assert status.status_code == 200
     assert status.json() == {"run_id": "run-s", "store": "chdb:///tmp/store",
-                             "state": "capturing", "reason": None}
+                             "state": "capturing", "reason": None, "seconds": None}
     streamed = client.post("/generate")
     assert streamed.text == "data: a\n\ndata: b\n\n"
     assert streamed.headers[RUN_HEADER] == "run-s"
@@ -223,6 +251,21 @@ def test_the_endpoints_are_protected_like_the_servers_api(line) -> None:
     key = {"Authorization": "Bearer sekret"}
     assert client.get(STATUS_PATH, headers=key).json()["state"] == "capturing"
     assert client.post(STOP_PATH, headers=key).json()["state"] == "stopped"
+
+
+def test_the_stop_is_an_admin_endpoint(line) -> None:
+    """With an admin key too, the stop needs the admin key (as SGLang's own admin
+    endpoints), while the status takes the API key like ``/generate``."""
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import STATUS_PATH, STOP_PATH
+
+    control, _ = line([(True, ""), (True, "")])
+    client = TestClient(_app(control, "user-key", admin="admin-key"))
+    user, admin = ({"Authorization": f"Bearer {k}"} for k in ("user-key", "admin-key"))
+    assert client.post(STOP_PATH, headers=user).status_code == 401
+    assert client.get(STATUS_PATH, headers=user).json()["state"] == "capturing"
+    assert client.post(STOP_PATH, headers=admin).json()["state"] == "stopped"
 
 
 def _around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[Answer],
@@ -278,11 +321,12 @@ def test_a_server_whose_schedulers_do_not_monitor_does_not_serve(tmp_path,
                                                                  monkeypatch) -> None:
     from dmi_sglang.errors import CaptureError
 
-    (out, seen), _ = _around(tmp_path, monkeypatch, [(False, "DMI monitoring is not active")],
-                             lambda: "served")
+    (out, seen), fake = _around(tmp_path, monkeypatch,
+                                [(False, "DMI monitoring is not active")], lambda: "served")
     assert isinstance(out, CaptureError)
     assert "DMI monitoring is not active" in str(out)
     assert seen == []
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"]  # no stop of another run
 
 
 def test_a_server_that_fails_still_stops_the_run_and_without_schedulers_does_not_wait(
@@ -304,15 +348,16 @@ def test_a_call_no_scheduler_takes_fails_in_its_time(tmp_path, monkeypatch) -> N
     from dmi_sglang.adapters.sglang_v0519 import server
     from dmi_sglang.errors import CaptureError
 
-    monkeypatch.setattr(server, "STOP_WAIT_S", 0.3)
+    monkeypatch.setattr(server, "STOP_ANSWER_S", 0.3)
     control = server.RunControl.bind(f"ipc://{tmp_path}/nobody", "run-n", "chdb:///x")
     try:
         t0 = time.monotonic()
-        out = control.stop()
+        out = control.stop(wait_s=10)
         assert time.monotonic() - t0 < 5
-        assert out["state"] == "failed"
-        assert "no scheduler took the request within 0.3 s" in out["reason"]
-        with pytest.raises(CaptureError, match="stopped answering"):
+        assert out.state == "failed"
+        assert "no scheduler took the request within 0.3 s" in out.reason
+        monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
+        with pytest.raises(CaptureError, match="no scheduler took the request"):
             control.check()
     finally:
         control.close()
@@ -339,3 +384,85 @@ def test_children_are_running_until_they_exit_and_are_reaped_by_anyone() -> None
         assert not _children_running()
     finally:
         child.kill()
+
+
+def test_before_launch_the_server_marks_its_schedulers_and_shields_its_detokenizer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detokenizer target SGLang would start (its default, or one given by keyword
+    or position) is wrapped to ignore SIGINT; the schedulers' environment carries the
+    server mark; the other arguments pass unchanged."""
+    import functools
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
+
+    monkeypatch.delenv(SERVER_MARK, raising=False)
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    args = SimpleNamespace(tokenizer_worker_num=1, detokenizer_worker_num=1)
+    (sa, *rest), kw = server.before_launch_server(args, launch_callback="cb")
+    assert sa is args
+    assert rest == []
+    wrapped = kw.pop("run_detokenizer_process_func")
+    assert kw == {"launch_callback": "cb"}
+    assert isinstance(wrapped, functools.partial)
+    assert wrapped.func is server._without_sigint
+    assert wrapped.args == (run_detokenizer_process,)
+    assert os.environ[SERVER_MARK] == "1"
+    (_, *rest), kw = server.before_launch_server(args, "init", "sched", "detok", "warm")
+    assert rest[:2] == ["init", "sched"]
+    assert rest[3:] == ["warm"]
+    assert rest[2].args == ("detok",)
+    assert kw == {}
+
+
+@pytest.mark.parametrize(("attrs_", "env", "words"), [
+    ({"tokenizer_worker_num": 2}, {}, "--tokenizer-worker-num 2"),
+    ({"detokenizer_worker_num": 3}, {}, "--detokenizer-worker-num 3"),
+    ({}, {"SGLANG_RUST_SERVER": "1"}, "SGLANG_RUST_SERVER"),
+], ids=["tokenizer-workers", "detokenizer-workers", "rust-server"])
+def test_server_modes_the_capture_cannot_follow_are_refused_before_any_process(
+        attrs_, env, words, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    monkeypatch.delenv(SERVER_MARK, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = SimpleNamespace(**{"tokenizer_worker_num": 1, "detokenizer_worker_num": 1,
+                              **attrs_})
+    with pytest.raises(UnsupportedConfigurationError, match=words):
+        server.before_launch_server(args)
+    assert SERVER_MARK not in os.environ
+
+
+_SIGINT_PROBE = """
+import functools, signal, sys
+from dmi_sglang.adapters.sglang_v0519 import runtime_hooks, server
+which = sys.argv[1]
+if which == "detokenizer":
+    got = functools.partial(server._without_sigint, lambda: signal.getsignal(signal.SIGINT))()
+else:
+    runtime_hooks._leave_interrupts_to_the_main_process()
+    got = signal.getsignal(signal.SIGINT)
+print("IGNORED" if got is signal.SIG_IGN else f"NOT IGNORED: {got!r}")
+"""
+
+
+@pytest.mark.parametrize("process", ["detokenizer", "scheduler"])
+def test_a_servers_children_ignore_sigint(process: str) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: the detokenizer (wrapped
+    target) and a monitoring scheduler (after attach) ignore it, so the main process can
+    stop the run first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SIGINT_PROBE, process], text=True,
+                         capture_output=True, timeout=120, check=False)
+    assert out.stdout.strip().endswith("IGNORED"), out.stdout + out.stderr
+    assert "NOT" not in out.stdout

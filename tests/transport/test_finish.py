@@ -429,3 +429,90 @@ def test_after_a_stop_the_scheduler_goes_on_serving_as_stock(make_driver, monkey
     runtime_hooks.after_decode_load_batch(
         None, SimpleNamespace(model_runner=runner, bs=1, raw_bs=1), fb)
     assert [r.status.value for r, _ in sink.finished] == ["committed"]
+
+
+def _failing_setup(make_driver, monkeypatch, run_id: str):
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519 import _points, runtime_hooks
+
+    d, sink = make_driver("resid_pre")
+    mon = SchedulerMonitor(run=RunInfo(run_id, "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    model = torch.nn.Linear(2, 2)
+    patches: list[_points.Patch] = []
+    _points.wrap(patches, model, lambda forward: forward)
+    object.__setattr__(model, "_dmi_capture_points", tuple(patches))
+    runner = SimpleNamespace(model=model, _dmi_monitor=mon)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
+    layout = BatchLayout.extend(["a"], [0], [3])
+    req = SimpleNamespace(rid="a", origin_input_ids=[1, 2, 3], output_ids=[4],
+                          finished=lambda: True)
+    mon.add_requests([req], frozenset())
+    mon.begin_forward()  # one forward captured before the failure
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    return mon, sink, runner, fb
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("where", ["begin", "inside", "end"])
+def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
+        make_driver, monkeypatch, where):
+    """In a server's scheduler (the server mark set) a capture failure, before, inside
+    or after the model's forward, ends the capture: the forward is served uncaptured
+    (the failed one run again as stock when the failure interrupted it), the run is
+    recorded failed with no request complete, the capture points leave the model, later
+    forwards pass through, and the status RPC reports why."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+    from dmi_sglang.errors import CaptureError
+
+    monkeypatch.setenv(runtime_hooks.SERVER_MARK, "1")
+    mon, sink, runner, fb = _failing_setup(make_driver, monkeypatch, f"run-{where}")
+    calls: list[str] = []
+    boom = CaptureError("sink failed: store down")
+
+    def original(_runner, _fb):
+        calls.append("forward")
+        if where == "inside" and len(calls) == 1:
+            raise boom
+        return "logits"
+
+    if where != "inside":
+        monkeypatch.setattr(mon, f"{where}_forward", lambda: (_ for _ in ()).throw(boom))
+    assert runtime_hooks.around_forward(original, runner, fb) == "logits"
+    assert calls == (["forward", "forward"] if where == "inside" else ["forward"])
+    assert not mon.active
+    assert not hasattr(runner.model, "_dmi_capture_points")
+    (run, manifests), = sink.finished
+    assert run.status.value == "failed"
+    assert "store down" in run.error
+    assert [m.committed for m in manifests] == [False]
+    assert runtime_hooks.around_forward(original, runner, fb) == "logits"  # as stock
+    with pytest.raises(CaptureError, match=r"failed and was ended .* store down"):
+        runtime_hooks.dmi_assert_active(SimpleNamespace())
+    with pytest.raises(CaptureError, match="store down"):
+        runtime_hooks.dmi_stop_monitoring(
+            SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner)))
+
+
+@pytest.mark.sglang
+def test_outside_a_server_a_capture_failure_still_raises(make_driver, monkeypatch):
+    """An engine's scheduler (no server mark) keeps failing loudly."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+    from dmi_sglang.errors import CaptureError
+
+    monkeypatch.delenv(runtime_hooks.SERVER_MARK, raising=False)
+    mon, _sink, runner, fb = _failing_setup(make_driver, monkeypatch, "run-engine")
+
+    def original(_runner, _fb):
+        raise CaptureError("sink failed")
+
+    with pytest.raises(CaptureError, match="sink failed"):
+        runtime_hooks.around_forward(original, runner, fb)
+    assert mon.active
+    assert hasattr(runner.model, "_dmi_capture_points")
+    mon.stop()

@@ -29,6 +29,8 @@ SERVE_REQUEST_SAMPLE = 0.0
 """The request sample ``serve`` uses unless told: only requests that ask are captured."""
 
 EXIT_NO_GPU = 3
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN = "dmi"
 _SERVER_MODULE = "sglang.launch_server"
 
 
@@ -69,6 +71,7 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
         UsageError: a bad argument, named, before anything else is looked at.
     """
     settings = _settings(args)
+    _plugin_will_load()
     problem = gpu_problem()
     if problem is not None:
         print(f"dmi-sglang serve: {problem}", file=sys.stderr)
@@ -88,6 +91,28 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
     argv = [sys.executable, "-m", _SERVER_MODULE, "--model-path", str(args.model_path), *extra]
     execv(sys.executable, argv)
     return 0  # only when execv is not the real one
+
+
+def _plugin_will_load() -> None:
+    """Refuse a start whose server would not load the plugin (it would serve, capturing
+    nothing, after this command said it captures).
+
+    Raises:
+        UsageError: no ``dmi`` entry point in ``sglang.srt.plugins`` (the package is not
+            installed as a distribution), or ``SGLANG_PLUGINS`` leaves it out.
+    """
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == PLUGIN for ep in entry_points(group=PLUGIN_GROUP)):
+        msg = (f"the {PLUGIN_GROUP} entry point {PLUGIN!r} is not installed, so SGLang would "
+               "not load the capture: install dmi-sglang as a package (pip install), not "
+               "through PYTHONPATH")
+        raise UsageError(msg)
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed and PLUGIN not in [name.strip() for name in allowed.split(",")]:
+        msg = (f"SGLANG_PLUGINS={allowed!r} leaves out the {PLUGIN!r} plugin: add it, or "
+               "unset SGLANG_PLUGINS")
+        raise UsageError(msg)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -475,6 +475,26 @@ class SchedulerMonitor:
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats
 
+    def fail(self, error: BaseException) -> None:
+        """End the capture as failed (see the port): a server's scheduler does this
+        when a capture fails and serving goes on uncaptured."""
+        with self._lock:
+            if self._failure is not None or self._stopped:
+                return
+            self._stopped = True
+            self._failure = error
+            stopped_at = datetime.now(UTC).isoformat()
+            try:
+                self.transport.stop()  # flush what the drain holds; its own failure is moot
+            except BaseException as exc:  # the run fails with ``error`` whatever this is
+                log.warning("dmi.fail_flush", run_id=self.run.run_id, error=repr(exc))
+            self._record_failure(error, stopped_at)
+            try:
+                self.sink.close()
+            except BaseException as exc:  # the run fails with ``error`` whatever this is
+                log.warning("dmi.fail_close", run_id=self.run.run_id, error=repr(exc))
+            log.error("dmi.failed", run_id=self.run.run_id, error=repr(error))
+
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and
         their waits for the drain), and the drain's own counters where the transport has

@@ -357,6 +357,12 @@ class CaptureSession(Protocol):
         """Drain, flush, write manifests and the run status; terminal and idempotent."""
         ...
 
+    def fail(self, error: BaseException) -> None:
+        """End the capture as failed with ``error``: what was captured is flushed where
+        the store still takes it, the run is recorded failed and no request complete.
+        Terminal; a later :meth:`stop` raises ``error``; never raises itself."""
+        ...
+
     def timing(self, stats: TransportStats) -> Mapping[str, float]:
         """Where the run's time went (for the stop log and benchmarks)."""
         ...

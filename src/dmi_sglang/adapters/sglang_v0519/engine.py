@@ -14,7 +14,7 @@ from typing import Any
 
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["EngineRpcTap", "SchedulerSilentError", "rpc_call"]
+__all__ = ["EngineRpcTap", "SchedulerSilentError", "check_answer", "rpc_call"]
 
 
 class SchedulerSilentError(CaptureError):
@@ -32,12 +32,7 @@ def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
         CaptureError: the scheduler said no (with its reason) or answered something else.
     """
     import zmq
-    from sglang.srt.managers.io_struct import (
-        RpcReqInput,
-        RpcReqOutput,
-        sock_recv,
-        sock_send,
-    )
+    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
 
     try:
         sock_send(socket, RpcReqInput(method=method, parameters=parameters))
@@ -51,6 +46,17 @@ def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
         timeout_s = socket.getsockopt(zmq.RCVTIMEO) / 1000
         msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
         raise SchedulerSilentError(msg) from None
+    check_answer(method, answer)
+
+
+def check_answer(method: str, answer: Any) -> None:
+    """Raise unless ``answer`` is the scheduler's ``RpcReqOutput`` saying ``method`` worked.
+
+    Raises:
+        CaptureError: the scheduler said no (with its reason) or answered something else.
+    """
+    from sglang.srt.managers.io_struct import RpcReqOutput
+
     if not isinstance(answer, RpcReqOutput):
         msg = f"{method}: the scheduler answered {type(answer).__name__}, not RpcReqOutput"
         raise CaptureError(msg)

@@ -25,11 +25,17 @@ from dmi_sglang.domain.settings import (
 )
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["HOOKS", "SCHEDULER_RPCS", "current_monitor"]
+__all__ = ["HOOKS", "SCHEDULER_RPCS", "SERVER_MARK", "current_monitor"]
 
 log = structlog.get_logger(__name__)
 
+SERVER_MARK = "DMI_SGLANG_SERVER"
+"""Set to ``1`` by the HTTP server's main process for the schedulers it starts: there a
+capture failure ends the capture, not the serving (see :func:`around_forward`)."""
+
 _MONITOR: CaptureSession | None = None
+_FAILED: str | None = None
+"""Why the capture of this serving scheduler failed and was detached (None: it did not)."""
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -130,17 +136,60 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
         return original(runner, fb, *args, **kw)
     t0 = perf_counter()
-    mon.begin_forward()
+    try:
+        mon.begin_forward()
+    except CaptureError as exc:
+        _serve_on_or_raise(runner, mon, exc)
+        return original(runner, fb, *args, **kw)
     t1 = perf_counter()
     try:
         out = original(runner, fb, *args, **kw)
+    except CaptureError as exc:
+        mon.abort_forward()
+        _serve_on_or_raise(runner, mon, exc)
+        return original(runner, fb, *args, **kw)  # the same forward again, uncaptured
     except BaseException:
         mon.abort_forward()
         raise
     t2 = perf_counter()
-    mon.end_forward()
+    try:
+        mon.end_forward()
+    except CaptureError as exc:
+        _serve_on_or_raise(runner, mon, exc)
+        return out
     mon.add_host_seconds(perf_counter() - t2 + t1 - t0)
     return out
+
+
+def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: CaptureError) -> None:
+    """A capture failed. An engine's scheduler raises it (the engine fails loudly). A
+    server's scheduler (:data:`SERVER_MARK`) ends the capture instead: the run is
+    recorded failed where the store still takes it, the capture points leave the model,
+    and serving goes on uncaptured; ``/dmi/status`` reports why.
+
+    Raises:
+        CaptureError: ``exc``, outside a server.
+    """
+    global _FAILED  # noqa: PLW0603 - one monitor per scheduler process, by design
+    if os.environ.get(SERVER_MARK) != "1":
+        raise exc
+    _FAILED = str(exc)
+    log.error("dmi.capture_failed_serving_on", run_id=mon.run.run_id, error=_FAILED)
+    try:
+        mon.fail(exc)  # the run recorded failed where the store still takes it
+    finally:
+        _detach(runner)
+
+
+def _detach(runner: Any) -> None:
+    """Take the capture points out of the model: it runs as stock from now on (decode
+    graphs keep replaying their recorded copies into buffers the stopped transport keeps
+    allocated)."""
+    model = getattr(runner, "model", None)
+    if model is not None:
+        from dmi_sglang.adapters.sglang_v0519.qwen3 import remove_capture_points
+
+        remove_capture_points(model)
 
 
 def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any, fb: Any,
@@ -247,6 +296,10 @@ def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
     if run_id and mon.run.run_id != run_id:
         msg = f"this scheduler monitors run {mon.run.run_id!r}, not {run_id!r}"
         raise CaptureError(msg)
+    if _FAILED is not None:
+        msg = (f"the capture of run {mon.run.run_id!r} failed and was ended (the server "
+               f"goes on serving, uncaptured): {_FAILED}")
+        raise CaptureError(msg)
     if not mon.active:
         msg = f"monitoring of run {mon.run.run_id!r} was already stopped"
         raise CaptureError(msg)
@@ -270,11 +323,7 @@ def dmi_stop_monitoring(scheduler: Any) -> None:
     try:
         mon.stop()
     finally:
-        model = getattr(runner, "model", None)
-        if model is not None:
-            from dmi_sglang.adapters.sglang_v0519.qwen3 import remove_capture_points
-
-            remove_capture_points(model)
+        _detach(runner)
 
 
 SCHEDULER_RPCS: dict[str, Callable[..., None]] = {

@@ -26,6 +26,7 @@ server keeps serving, uncaptured.
 from __future__ import annotations
 
 import asyncio
+import collections
 import multiprocessing
 import os
 import sys
@@ -34,19 +35,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import structlog
 
-from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, rpc_call
+from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, check_answer
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
     "RUN_HEADER",
     "SERVER_HOOKS",
     "STATUS_PATH",
+    "STOP_ANSWER_S",
     "STOP_PATH",
     "STOP_WAIT_S",
     "RunControl",
+    "RunState",
     "around_http_server",
+    "before_launch_server",
     "mount",
     "serving_process",
 ]
@@ -60,7 +65,10 @@ STOP_PATH = "/dmi/stop"
 RUN_HEADER = "X-DMI-Run-Id"
 """The response header that names the run every response of the server belongs to."""
 STOP_WAIT_S = 30.0
-"""How long a stop (the endpoint, or the server's exit) waits for the schedulers' answer."""
+"""How long ``POST /dmi/stop`` waits for the stop's outcome before answering ``stopping``."""
+STOP_ANSWER_S = 600.0
+"""How long a stop may take in the schedulers (writing out what was captured) before the
+server gives it up as failed; the server's exit waits for it this long."""
 CHECK_WAIT_S = 60.0
 """How long the start-up check and the status endpoint wait for the schedulers."""
 
@@ -82,8 +90,34 @@ def serving_process(argv: list[str] | None = None, main_module: str | None = Non
     return bool(argv) and os.path.basename(argv[0]) == "sglang" and argv[1:2] == ["serve"]
 
 
+@attrs.frozen
+class RunState:
+    """What the server knows of its run: the body of ``/dmi/status`` and ``/dmi/stop``.
+
+    Attributes:
+        state: ``capturing``; ``stopping`` (the stop is writing what was captured);
+            ``stopped`` (durable); ``failed`` (the reason says why; the run is not
+            complete); ``unresponsive`` (the schedulers did not answer in time).
+        seconds: how long the stop took (stopped / failed by the stop).
+    """
+
+    run_id: str
+    store: str
+    state: str
+    reason: str | None = None
+    seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body."""
+        return attrs.asdict(self)
+
+
 class RunControl:
-    """The server's line to its schedulers' capture session, one call at a time.
+    """The server's line to its schedulers' capture session.
+
+    One exchange on the socket at a time. An answer that comes after its call gave up
+    waiting is read and set aside by the next exchange (the scheduler answers in order),
+    so it is never taken for another call's. The stop runs on its own thread, once.
 
     Args:
         socket: a DEALER bound where the schedulers' RPC sockets connect.
@@ -95,8 +129,10 @@ class RunControl:
         self.store_url = store_url
         self._socket = socket
         self._lock = threading.Lock()
-        self._stopped: dict[str, Any] | None = None
-        self._broken: str | None = None
+        self._pending: collections.deque[str] = collections.deque()
+        self._start_stop = threading.Lock()
+        self._stopper: threading.Thread | None = None
+        self._stopped: RunState | None = None
 
     @classmethod
     def bind(cls, address: str, run_id: str, store_url: str) -> RunControl:
@@ -112,63 +148,122 @@ class RunControl:
         """Raise unless the schedulers monitor this run.
 
         Raises:
-            CaptureError: with the schedulers' reason.
-        """
-        self._call(CHECK_WAIT_S, "dmi_assert_active", run_id=self.run_id)
-
-    def status(self) -> dict[str, Any]:
-        """``{"run_id", "store", "state", "reason"}``; state is ``capturing``, ``stopped``
-        or ``failed`` (the reason says why, and whether the stop was durable)."""
-        out: dict[str, Any] = {"run_id": self.run_id, "store": self.store_url}
-        if self._stopped is not None:
-            return {**out, **self._stopped}
-        try:
-            self.check()
-        except CaptureError as exc:
-            return {**out, "state": "failed", "reason": str(exc)}
-        return {**out, "state": "capturing", "reason": None}
-
-    def stop(self) -> dict[str, Any]:
-        """Stop the run in the schedulers: durable when it returns. Terminal and
-        idempotent: later calls answer what the first one found.
-
-        Returns:
-            ``{"run_id", "store", "state": "stopped" | "failed", "reason", "seconds"}``.
+            CaptureError: with the schedulers' reason (SchedulerSilentError: no answer).
         """
         with self._lock:
-            if self._stopped is None:
-                t0 = time.monotonic()
-                try:
-                    self._call_locked(STOP_WAIT_S, "dmi_stop_monitoring")
-                    state, reason = "stopped", None
-                except CaptureError as exc:
-                    state, reason = "failed", str(exc)
-                self._stopped = {"state": state, "reason": reason,
-                                 "seconds": round(time.monotonic() - t0, 3)}
-                level = log.info if state == "stopped" else log.error
-                level("dmi.server_stop", run_id=self.run_id, **self._stopped)
-            return {"run_id": self.run_id, "store": self.store_url, **self._stopped}
+            self._exchange(CHECK_WAIT_S, "dmi_assert_active", run_id=self.run_id)
+
+    def status(self) -> RunState:
+        """The run's state; asks the schedulers only while neither stopping nor stopped."""
+        known = self._stop_state()
+        if known is not None:
+            return known
+        if not self._lock.acquire(timeout=CHECK_WAIT_S):
+            return self._stop_state() or self._state(
+                "unresponsive", f"the schedulers' line was busy for {CHECK_WAIT_S:g} s")
+        try:
+            known = self._stop_state()
+            if known is not None:
+                return known
+            self._exchange(CHECK_WAIT_S, "dmi_assert_active", run_id=self.run_id)
+        except SchedulerSilentError as exc:
+            return self._state("unresponsive", str(exc))
+        except CaptureError as exc:
+            return self._state("failed", str(exc))
+        finally:
+            self._lock.release()
+        return self._state("capturing")
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> RunState:
+        """Start the stop (the first call only) and wait up to ``wait_s`` for its outcome.
+
+        Returns:
+            ``stopped`` (durable), ``failed``, or ``stopping`` while it still runs.
+        """
+        with self._start_stop:
+            if self._stopper is None:
+                self._stopper = threading.Thread(target=self._run_stop, name="dmi-stop",
+                                                 daemon=True)
+                self._stopper.start()
+        self._stopper.join(wait_s)
+        return self._stop_state() or self._state("stopping")
 
     def close(self) -> None:
         """Close the socket (the schedulers' sockets reconnect to nothing)."""
         self._socket.close(0)
 
-    def _call(self, timeout_s: float, method: str, **parameters: Any) -> None:
-        with self._lock:
-            self._call_locked(timeout_s, method, **parameters)
-
-    def _call_locked(self, timeout_s: float, method: str, **parameters: Any) -> None:
-        import zmq
-
-        if self._broken is not None:  # a late answer would be taken for the next call's
-            raise CaptureError(self._broken)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    def _run_stop(self) -> None:
+        t0 = time.monotonic()
         try:
-            rpc_call(self._socket, method, **parameters)
-        except SchedulerSilentError as exc:
-            self._broken = f"the schedulers stopped answering ({exc})"
-            raise
+            with self._lock:
+                self._exchange(STOP_ANSWER_S, "dmi_stop_monitoring")
+            state, reason = "stopped", None
+        except CaptureError as exc:
+            state, reason = "failed", str(exc)
+        self._settle(state, reason, time.monotonic() - t0)
+
+    def _settle(self, state: str, reason: str | None, seconds: float | None) -> None:
+        if self._stopped is not None and self._stopped.state == "stopped":
+            return
+        self._stopped = self._state(state, reason, seconds)
+        level = log.info if state == "stopped" else log.error
+        level("dmi.server_stop", **self._stopped.to_json())
+
+    def _stop_state(self) -> RunState | None:
+        if self._stopped is not None:
+            return self._stopped
+        return self._state("stopping") if self._stopper is not None else None
+
+    def _state(self, state: str, reason: str | None = None,
+               seconds: float | None = None) -> RunState:
+        return RunState(self.run_id, self.store_url, state, reason,
+                        None if seconds is None else round(seconds, 3))
+
+    def _exchange(self, timeout_s: float, method: str, **parameters: Any) -> None:
+        """Send ``method`` and wait for its answer (under ``_lock``), setting aside the
+        late answers of earlier calls first.
+
+        Raises:
+            SchedulerSilentError: no scheduler took the call, or no answer in time.
+            CaptureError: the scheduler said no.
+        """
+        import zmq
+        from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+        deadline = time.monotonic() + timeout_s
+        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        try:
+            sock_send(self._socket, RpcReqInput(method=method, parameters=parameters))
+        except zmq.Again:
+            msg = f"{method}: no scheduler took the request within {timeout_s:g} s"
+            raise SchedulerSilentError(msg) from None
+        self._pending.append(method)
+        while True:
+            left = deadline - time.monotonic()
+            if left > 0:
+                self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
+                try:
+                    answer = sock_recv(self._socket)
+                except zmq.Again:
+                    left = 0
+            if left <= 0:
+                msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
+                raise SchedulerSilentError(msg)
+            answered = self._pending.popleft()
+            if self._pending:  # the late answer of an earlier call
+                self._late(answered, answer)
+                continue
+            check_answer(method, answer)
+            return
+
+    def _late(self, method: str, answer: Any) -> None:
+        log.info("dmi.late_answer", method=method)
+        if method == "dmi_stop_monitoring":  # a stop that gave up waiting: its outcome
+            try:
+                check_answer(method, answer)
+                self._settle("stopped", None, None)
+            except CaptureError as exc:
+                self._settle("failed", str(exc), None)
 
 
 def mount(app: Any, control: RunControl) -> None:
@@ -178,12 +273,13 @@ def mount(app: Any, control: RunControl) -> None:
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     async def dmi_status() -> JSONResponse:
-        body = await asyncio.to_thread(control.status)
-        return JSONResponse(body, status_code=200)
+        state = await asyncio.to_thread(control.status)
+        return JSONResponse(state.to_json(), status_code=200)
 
     async def dmi_stop() -> JSONResponse:
-        body = await asyncio.to_thread(control.stop)
-        return JSONResponse(body, status_code=200 if body["state"] == "stopped" else 500)
+        state = await asyncio.to_thread(control.stop, STOP_WAIT_S)
+        code = {"stopped": 200, "stopping": 202}.get(state.state, 500)
+        return JSONResponse(state.to_json(), status_code=code)
 
     auth_level(AuthLevel.ADMIN_OPTIONAL)(dmi_stop)  # an admin endpoint, as SGLang's own
 
@@ -225,16 +321,18 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
     settings = Settings.from_env()
     control = RunControl.bind(port_args.rpc_ipc_name, settings.model_id or "",
                               settings.store().url)
+    checked = False
     try:
         control.check()
+        checked = True
         mount(_sglang_app(), control)
         log.info("dmi.serving", run_id=control.run_id, store=control.store_url,
                  status=STATUS_PATH, stop=STOP_PATH)
         return original(server_args, tokenizer_manager, template_manager, port_args,
                         *args, **kw)
     finally:
-        if _children_running():  # SGLang has not ended them (its SIGTERM path does)
-            control.stop()
+        if checked and _children_running():  # SGLang's SIGTERM path ended them itself
+            control.stop(STOP_ANSWER_S)
         control.close()
 
 
@@ -242,15 +340,74 @@ def _children_running() -> bool:
     """True while a process this one started with ``multiprocessing`` (SGLang's
     schedulers and detokenizer) still runs. ``multiprocessing`` cannot tell once SGLang
     killed and reaped them itself (``kill_process_tree``), so ask the OS."""
-    import psutil
-
     for child in multiprocessing.active_children():
         try:
-            if psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)  # type: ignore[arg-type]
+        except ChildProcessError:  # reaped already: gone
             continue
+        if pid == 0:
+            return True
     return False
+
+
+def before_launch_server(server_args: Any, *args: Any,
+                         **kw: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """BEFORE ``http_server.launch_server``, before any process is started: refuse the
+    server modes the capture cannot follow, mark the schedulers as a server's
+    (:data:`~.runtime_hooks.SERVER_MARK`: a capture failure ends the capture, not the
+    serving), and start the detokenizer ignoring SIGINT.
+
+    Ctrl-C reaches every process of the terminal's group; a detokenizer that died of it
+    would make SGLang tear the server down before the run is stopped (the schedulers
+    already ignore SIGINT while they capture). The main process stops the run, then
+    SGLang ends them all.
+
+    Raises:
+        UnsupportedConfigurationError: ``--tokenizer-worker-num`` above 1 (its HTTP
+            workers are fresh processes without the ``/dmi`` endpoints or the stop),
+            ``--detokenizer-worker-num`` above 1, or ``SGLANG_RUST_SERVER`` (SGLang's
+            HTTP server is not started at all).
+    """
+    import functools
+
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    problems = []
+    workers = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
+    if workers > 1:
+        problems.append(f"--tokenizer-worker-num {workers}: serving with capture needs 1 "
+                        "(the other HTTP workers have no /dmi endpoints and no stop)")
+    detokenizers = int(getattr(server_args, "detokenizer_worker_num", 1) or 1)
+    if detokenizers > 1:
+        problems.append(f"--detokenizer-worker-num {detokenizers}: serving with capture "
+                        "needs 1 (its router process would end the server on Ctrl-C "
+                        "before the run is stopped)")
+    if os.environ.get("SGLANG_RUST_SERVER", "").strip().lower() in ("1", "true", "yes", "on"):
+        problems.append("SGLANG_RUST_SERVER is set: serving with capture needs SGLang's "
+                        "Python HTTP server (unset it)")
+    if problems:
+        raise UnsupportedConfigurationError(tuple(problems))
+    os.environ[SERVER_MARK] = "1"
+    slot = 2  # run_detokenizer_process_func, after server_args and two more functions
+    if len(args) > slot:
+        target = args[slot]
+        args = (*args[:slot], functools.partial(_without_sigint, target), *args[slot + 1:])
+    else:
+        from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+        target = kw.get("run_detokenizer_process_func", run_detokenizer_process)
+        kw["run_detokenizer_process_func"] = functools.partial(_without_sigint, target)
+    return (server_args, *args), kw
+
+
+def _without_sigint(target: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Run a child process's ``target`` with SIGINT ignored (picklable: it crosses to a
+    spawned process)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return target(*args, **kw)
 
 
 def _sglang_app() -> Any:
@@ -261,6 +418,7 @@ def _sglang_app() -> Any:
 
 
 SERVER_HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("sglang.srt.entrypoints.http_server.launch_server", "BEFORE", before_launch_server),
     ("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "AROUND",
      around_http_server),
 )
