@@ -2,21 +2,22 @@
 
 ``python -m sglang.launch_server`` (and ``sglang serve``, and ``dmi-sglang serve``, which
 runs the former) loads the plugin in its main process before it parses its arguments. In
-that process, and only there, :data:`SERVER_HOOKS` wraps
-``http_server._setup_and_run_http_server``, which runs after the schedulers loaded the
-model and before the HTTP server starts. The wrapper:
+that process, and only there, :data:`SERVER_HOOKS` adds two hooks:
 
-* opens the RPC line to the schedulers that SGLang's ``Engine`` has and its server lacks (a
+* before ``http_server.launch_server`` starts any process (:func:`before_launch_server`):
+  refuse the server modes the capture cannot follow, mark the schedulers as a server's
+  (a capture failure there ends the capture, not the serving), and start the
+  detokenizer ignoring SIGINT, as monitoring schedulers do;
+* around ``http_server._setup_and_run_http_server``, which runs after the schedulers
+  loaded the model and before the HTTP server starts (:func:`around_http_server`): open
+  the RPC line to the schedulers that SGLang's ``Engine`` has and its server lacks (a
   DEALER bound at ``PortArgs.rpc_ipc_name``; the schedulers already connect to it) and
-  asks them whether they monitor the run: a server asked to capture that cannot starts no
-  HTTP server;
-* adds ``GET /dmi/status`` and ``POST /dmi/stop`` to SGLang's FastAPI app before SGLang
-  adds its API-key middleware, so both are protected like the server's own API (the stop
-  as an admin endpoint), and the header ``X-DMI-Run-Id`` to every response;
-* stops the run when the HTTP server returns (SIGINT) while the schedulers still run,
-  before SGLang kills them: the stop is durable or the run is marked failed, within
-  :data:`STOP_WAIT_S`; a call that no scheduler takes or answers in its time fails, and
-  every later one at once.
+  ask them whether they monitor the run (a server asked to capture that cannot starts no
+  HTTP server); add ``GET /dmi/status`` and ``POST /dmi/stop`` to SGLang's FastAPI app
+  before SGLang adds its API-key middleware, so both are protected like the server's own
+  API (the stop as an admin endpoint), and the header ``X-DMI-Run-Id`` to the responses
+  the app gives; when the HTTP server returns (SIGINT) while the schedulers still run,
+  stop the run before SGLang ends them (waiting up to :data:`STOP_ANSWER_S`).
 
 SGLang's own SIGTERM path (drain the requests, then ``ShutdownReq`` to the schedulers) is
 covered in the scheduler (``runtime_hooks.before_scheduler_shutdown``). After a stop the
