@@ -165,3 +165,16 @@ def test_serve_refuses_a_server_that_would_not_load_the_plugin(
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
     assert main(["serve", "--model-path", str(model)]) != 0
     assert "entry point 'dmi' is not installed" in capsys.readouterr().err
+
+
+def test_serve_never_prints_the_stores_password(
+        model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    code, _ = _serve(["--model-path", str(model),
+                      "--db", "http://reader:s3kr1t-pw@db.example:8123/captures"])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "s3kr1t-pw" not in out.out + out.err
+    assert "with the store's password, which is not printed" in out.out
+    assert "s3kr1t-pw" in os.environ["DMX_DB_URL"] + os.environ.get("DMX_DB_PASSWORD", "")

@@ -86,7 +86,8 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
           f"into {store.url}", flush=True)
     print("  GET /dmi/status reports it; POST /dmi/stop, Ctrl-C or SIGTERM make it durable",
           flush=True)
-    print(f"  then read it: dmi-sglang ls {run_id} --db {store.url}   "
+    secret = " (with the store's password, which is not printed)" if store.password else ""
+    print(f"  then read it: dmi-sglang ls {run_id} --db {store.url}{secret}   "
           f"(or dmi_sglang.open_store({store.url!r}))", flush=True)
     argv = [sys.executable, "-m", _SERVER_MODULE, "--model-path", str(args.model_path), *extra]
     execv(sys.executable, argv)

@@ -130,7 +130,7 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
                    **kw: Any) -> Any:
     """One forward = one step: begin, (commit in load_batch), end and seal."""
     mon = _MONITOR
-    if mon is None or not mon.active:  # after the stop the model runs as stock
+    if mon is None or not mon.active:  # after the stop: uncaptured
         return original(runner, fb, *args, **kw)
     owner: object = getattr(runner, "_dmi_monitor", None)
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
@@ -182,9 +182,10 @@ def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: CaptureError) -> N
 
 
 def _detach(runner: Any) -> None:
-    """Take the capture points out of the model: it runs as stock from now on (decode
-    graphs keep replaying their recorded copies into buffers the stopped transport keeps
-    allocated)."""
+    """Take the capture points out of the model: its forwards capture nothing from now on.
+    Not quite stock: decode graphs keep replaying their recorded copies into buffers the
+    stopped transport keeps allocated (never freed while the process lives), and what was
+    forced at start (prefill graphs off, the radix cache off) stays forced."""
     model = getattr(runner, "model", None)
     if model is not None:
         from dmi_sglang.adapters.sglang_v0519.qwen3 import remove_capture_points
@@ -309,7 +310,7 @@ def dmi_stop_monitoring(scheduler: Any) -> None:
     """RPC: the authoritative flush. Terminal; a failure stays failed.
 
     Stopped or failed, the capture points leave the model, so the scheduler goes on
-    serving as stock (a server's stop endpoint); decode graphs keep replaying their
+    serving uncaptured (a server's stop endpoint); decode graphs keep replaying their
     recorded copies into buffers the stopped transport keeps allocated.
     """
     mon = _MONITOR
