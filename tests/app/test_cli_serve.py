@@ -176,5 +176,13 @@ def test_serve_never_prints_the_stores_password(
     assert code == 0
     out = capsys.readouterr()
     assert "s3kr1t-pw" not in out.out + out.err
-    assert "with the store's password, which is not printed" in out.out
+    assert "with the store's user and password in the URL, which are not printed" in out.out
     assert "s3kr1t-pw" in os.environ["DMX_DB_URL"] + os.environ.get("DMX_DB_PASSWORD", "")
+
+
+def test_serve_names_no_credentials_for_an_embedded_store(
+        model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    assert _serve(["--model-path", str(model)])[0] == 0
+    assert "password" not in capsys.readouterr().out

@@ -156,26 +156,30 @@ def test_a_late_answer_is_never_taken_for_the_next_calls(line, monkeypatch) -> N
     from dmi_sglang.adapters.sglang_v0519 import server
     from dmi_sglang.errors import CaptureError
 
-    monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
-    control, fake = line([(True, "", 1.0), (False, "not monitoring")])
-    with pytest.raises(CaptureError, match=r"did not answer within 0\.3 s"):
+    control, fake = line([(True, ""), (True, "", 1.5), (False, "not monitoring")])
+    control.check()  # the line is up
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 0.5)
+    with pytest.raises(CaptureError, match=r"did not answer within 0\.5 s"):
         control.check()
-    monkeypatch.setattr(server, "CHECK_WAIT_S", 5)
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 10)
     with pytest.raises(CaptureError, match="not monitoring"):
         control.check()
-    assert [m for m, _ in fake.calls] == ["dmi_assert_active"] * 2
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"] * 3
 
 
-def test_a_late_stop_answer_settles_the_stop(line, monkeypatch) -> None:
-    """A stop given up as failed (no answer in its time) becomes stopped when the
-    schedulers' answer arrives after all, read by the next exchange."""
+def test_a_stop_after_a_check_that_gave_up_reads_its_own_answer(line, monkeypatch) -> None:
+    """The stop sets aside the late answer of a status check that gave up (here: yes)
+    and reports its own (here: no)."""
     from dmi_sglang.adapters.sglang_v0519 import server
 
-    monkeypatch.setattr(server, "STOP_ANSWER_S", 0.3)
-    control, _ = line([(True, "", 0.8), (True, "")])
-    assert control.stop(wait_s=5).state == "failed"
-    control.check()  # reads the stop's late answer first
-    assert control.status().state == "stopped"
+    control, _ = line([(True, ""), (True, "", 1.5), (False, "flush failed")])
+    control.check()
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 0.5)
+    assert control.status().state == "unresponsive"
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 10)
+    out = control.stop(wait_s=10)
+    assert out.state == "failed"
+    assert "flush failed" in out.reason
 
 
 def _app(control: Any, api_key: str | None, admin: str | None = None) -> Any:
@@ -348,7 +352,7 @@ def test_a_call_no_scheduler_takes_fails_in_its_time(tmp_path, monkeypatch) -> N
     from dmi_sglang.adapters.sglang_v0519 import server
     from dmi_sglang.errors import CaptureError
 
-    monkeypatch.setattr(server, "STOP_ANSWER_S", 0.3)
+    monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
     control = server.RunControl.bind(f"ipc://{tmp_path}/nobody", "run-n", "chdb:///x")
     try:
         t0 = time.monotonic()
@@ -356,7 +360,6 @@ def test_a_call_no_scheduler_takes_fails_in_its_time(tmp_path, monkeypatch) -> N
         assert time.monotonic() - t0 < 5
         assert out.state == "failed"
         assert "no scheduler took the request within 0.3 s" in out.reason
-        monkeypatch.setattr(server, "CHECK_WAIT_S", 0.3)
         with pytest.raises(CaptureError, match="no scheduler took the request"):
             control.check()
     finally:
@@ -373,15 +376,14 @@ def test_children_are_running_until_they_exit_and_are_reaped_by_anyone() -> None
 
     from dmi_sglang.adapters.sglang_v0519.server import _children_running
 
-    assert not _children_running()
     child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
     child.start()
     try:
-        assert _children_running()
+        assert _children_running([child])
         os.kill(child.pid, signal.SIGKILL)
         os.waitpid(child.pid, 0)  # reaped behind multiprocessing's back
         assert child in multiprocessing.active_children()
-        assert not _children_running()
+        assert not _children_running([child])
     finally:
         child.kill()
 
@@ -466,3 +468,58 @@ def test_a_servers_children_ignore_sigint(process: str) -> None:
                          capture_output=True, timeout=120, check=False)
     assert out.stdout.strip().endswith("IGNORED"), out.stdout + out.stderr
     assert "NOT" not in out.stdout
+
+
+def test_errors_of_the_captures_own_work_inside_the_forward_are_capture_errors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit (here: a KeyError in planning) or a capture point (here: the copy fails)
+    that fails inside SGLang's forward raises CaptureError, which a server's scheduler
+    contains; the cause is kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519 import batch, runtime_hooks
+    from dmi_sglang.adapters.transport._capturer import Capturer
+    from dmi_sglang.errors import CaptureError
+
+    def broken(_layout: object) -> None:
+        raise KeyError("rid-7")
+
+    mon = SimpleNamespace(in_forward=lambda: True, unfinished=frozenset(),
+                          commit_eager=broken, add_host_seconds=lambda s: None)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(batch, "layout_from_forward_batch", lambda fb, **kw: "layout")
+    with pytest.raises(CaptureError, match=r"the eager commit: KeyError\('rid-7'\)") as info:
+        runtime_hooks.after_eager_load_batch(None, SimpleNamespace(), SimpleNamespace())
+    assert isinstance(info.value.__cause__, KeyError)
+
+    def no_memory(_key: object, _tensor: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    capturer = Capturer([("resid_pre", 0)], no_memory)
+    with pytest.raises(CaptureError, match=r"capture of resid_pre@0 failed: .*out of memory"):
+        capturer.capture("resid_pre", 0, torch.zeros(2, 4))
+
+
+def test_the_hooked_server_functions_take_the_arguments_the_hooks_expect() -> None:
+    """SGLang 0.5.19's source (its http_server module does not import without a GPU
+    stack): ``launch_server(server_args, init_tokenizer_manager_func,
+    run_scheduler_process_func, run_detokenizer_process_func, ...)`` (the detokenizer
+    target at position 2 after server_args, as ``before_launch_server`` assumes) and
+    ``_setup_and_run_http_server(server_args, tokenizer_manager, template_manager,
+    port_args, ...)`` (as ``around_http_server`` takes them)."""
+    import ast
+    from pathlib import Path
+
+    import sglang
+
+    source = Path(sglang.__file__).parent / "srt" / "entrypoints" / "http_server.py"
+    functions = {node.name: [a.arg for a in node.args.args]
+                 for node in ast.parse(source.read_text()).body
+                 if isinstance(node, ast.FunctionDef)}
+    assert functions["launch_server"][:4] == [
+        "server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
+        "run_detokenizer_process_func"]
+    assert functions["_setup_and_run_http_server"][:4] == [
+        "server_args", "tokenizer_manager", "template_manager", "port_args"]

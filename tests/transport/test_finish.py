@@ -459,21 +459,25 @@ def _failing_setup(make_driver, monkeypatch, run_id: str):
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("where", ["begin", "inside", "end"])
+@pytest.mark.parametrize("where", ["begin", "inside", "end", "end-bug"])
 def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
         make_driver, monkeypatch, where):
     """In a server's scheduler (the server mark set) a capture failure, before, inside
-    or after the model's forward, ends the capture: the forward is served uncaptured
-    (the failed one run again as stock when the failure interrupted it), the run is
-    recorded failed with no request complete, the capture points leave the model, later
-    forwards pass through, and the status RPC reports why."""
+    or after the model's forward (a CaptureError, or any error of the capture's own code
+    around it), ends the capture: the forward is served uncaptured (the failed one run
+    again when the failure interrupted it), the run is recorded failed with no request
+    complete (on a side thread), the capture points leave the model, later forwards pass
+    through, and the status and stop RPCs report why."""
+    import threading
+
     from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
     from dmi_sglang.errors import CaptureError
 
     monkeypatch.setenv(runtime_hooks.SERVER_MARK, "1")
     mon, sink, runner, fb = _failing_setup(make_driver, monkeypatch, f"run-{where}")
     calls: list[str] = []
-    boom = CaptureError("sink failed: store down")
+    boom = KeyError("store down") if where == "end-bug" else CaptureError(
+        "sink failed: store down")
 
     def original(_runner, _fb):
         calls.append("forward")
@@ -482,9 +486,13 @@ def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
         return "logits"
 
     if where != "inside":
-        monkeypatch.setattr(mon, f"{where}_forward", lambda: (_ for _ in ()).throw(boom))
+        phase = where.removesuffix("-bug")
+        monkeypatch.setattr(mon, f"{phase}_forward", lambda: (_ for _ in ()).throw(boom))
     assert runtime_hooks.around_forward(original, runner, fb) == "logits"
     assert calls == (["forward", "forward"] if where == "inside" else ["forward"])
+    for thread in threading.enumerate():
+        if thread.name == "dmi-fail":
+            thread.join(30)
     assert not mon.active
     assert not hasattr(runner.model, "_dmi_capture_points")
     (run, manifests), = sink.finished
@@ -492,7 +500,7 @@ def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
     assert "store down" in run.error
     assert [m.committed for m in manifests] == [False]
     assert runtime_hooks.around_forward(original, runner, fb) == "logits"  # as stock
-    with pytest.raises(CaptureError, match=r"failed and was ended .* store down"):
+    with pytest.raises(CaptureError, match=r"failed and was ended .*store down"):
         runtime_hooks.dmi_assert_active(SimpleNamespace())
     with pytest.raises(CaptureError, match="store down"):
         runtime_hooks.dmi_stop_monitoring(

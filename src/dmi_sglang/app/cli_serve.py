@@ -86,7 +86,9 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
           f"into {store.url}", flush=True)
     print("  GET /dmi/status reports it; POST /dmi/stop, Ctrl-C or SIGTERM make it durable",
           flush=True)
-    secret = " (with the store's password, which is not printed)" if store.password else ""
+    credentials = store.kind.value != "embedded" and (store.password or store.user != "default")
+    secret = (" (with the store's user and password in the URL, which are not printed)"
+              if credentials else "")
     print(f"  then read it: dmi-sglang ls {run_id} --db {store.url}{secret}   "
           f"(or dmi_sglang.open_store({store.url!r}))", flush=True)
     argv = [sys.executable, "-m", _SERVER_MODULE, "--model-path", str(args.model_path), *extra]

@@ -126,11 +126,25 @@ def _leave_interrupts_to_the_main_process() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _capturing() -> CaptureSession | None:
+    """This process's session while it captures (not stopped, no failure ended it)."""
+    mon = _MONITOR
+    return mon if mon is not None and mon.active and _FAILED is None else None
+
+
 def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: Any,
                    **kw: Any) -> Any:
-    """One forward = one step: begin, (commit in load_batch), end and seal."""
-    mon = _MONITOR
-    if mon is None or not mon.active:  # after the stop: uncaptured
+    """One forward = one step: begin, (commit in load_batch), end and seal.
+
+    In a server's scheduler a capture failure ends the capture, not the forward
+    (:func:`_serve_on_or_raise`): a failure before or after the model's forward leaves it
+    served uncaptured, and one inside it (a commit, a capture point: raised as
+    :class:`CaptureError`) runs the same forward again, uncaptured. Safe for what the
+    support rules admit (one rank, no speculative decoding): a failing commit comes
+    before the graph replays, and an eager forward writes the same KV cache rows again.
+    """
+    mon = _capturing()
+    if mon is None:  # never monitored, stopped, or ended by a failure: uncaptured
         return original(runner, fb, *args, **kw)
     owner: object = getattr(runner, "_dmi_monitor", None)
     if owner is not mon or fb.forward_mode.is_idle():  # another runner, or no tokens
@@ -138,47 +152,59 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
     t0 = perf_counter()
     try:
         mon.begin_forward()
-    except CaptureError as exc:
+    except Exception as exc:  # the capture's own code: any failure is the capture's
         _serve_on_or_raise(runner, mon, exc)
         return original(runner, fb, *args, **kw)
     t1 = perf_counter()
     try:
         out = original(runner, fb, *args, **kw)
     except CaptureError as exc:
-        mon.abort_forward()
+        _abort(mon)
         _serve_on_or_raise(runner, mon, exc)
         return original(runner, fb, *args, **kw)  # the same forward again, uncaptured
     except BaseException:
-        mon.abort_forward()
+        _abort(mon)
         raise
     t2 = perf_counter()
     try:
         mon.end_forward()
-    except CaptureError as exc:
+    except Exception as exc:  # the capture's own code: any failure is the capture's
         _serve_on_or_raise(runner, mon, exc)
         return out
     mon.add_host_seconds(perf_counter() - t2 + t1 - t0)
     return out
 
 
-def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: CaptureError) -> None:
+def _abort(mon: CaptureSession) -> None:
+    """Forget the step a failed forward left open; a failure here is logged (the
+    forward's own exception is the one that matters)."""
+    try:
+        mon.abort_forward()
+    except Exception as exc:  # reported; never hides the forward's own error
+        log.error("dmi.abort_failed", error=repr(exc))
+
+
+def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: Exception) -> None:
     """A capture failed. An engine's scheduler raises it (the engine fails loudly). A
-    server's scheduler (:data:`SERVER_MARK`) ends the capture instead: the run is
-    recorded failed where the store still takes it, the capture points leave the model,
-    and serving goes on uncaptured; ``/dmi/status`` reports why.
+    server's scheduler (:data:`SERVER_MARK`) ends the capture instead: the capture points
+    leave the model, serving goes on uncaptured, ``/dmi/status`` reports why, and the run
+    is recorded failed (where the store still takes it) on a side thread, so a hung
+    store cannot hold up serving.
 
     Raises:
-        CaptureError: ``exc``, outside a server.
+        Exception: ``exc``, outside a server.
     """
     global _FAILED  # noqa: PLW0603 - one monitor per scheduler process, by design
     if os.environ.get(SERVER_MARK) != "1":
         raise exc
-    _FAILED = str(exc)
+    _FAILED = str(exc) if isinstance(exc, CaptureError) else repr(exc)
     log.error("dmi.capture_failed_serving_on", run_id=mon.run.run_id, error=_FAILED)
     try:
-        mon.fail(exc)  # the run recorded failed where the store still takes it
-    finally:
         _detach(runner)
+    finally:
+        import threading
+
+        threading.Thread(target=mon.fail, args=(exc,), name="dmi-fail", daemon=True).start()
 
 
 def _detach(runner: Any) -> None:
@@ -203,11 +229,22 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
     t0 = perf_counter()
-    layout = layout_from_forward_batch(fb)
-    padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
-    allowed = mon.graph_allowed(layout, padded)
+    try:
+        layout = layout_from_forward_batch(fb)
+        padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
+        allowed = mon.graph_allowed(layout, padded)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise _capture_failure("the decode graph preflight", exc) from exc
     mon.add_host_seconds(perf_counter() - t0)
     return allowed
+
+
+def _capture_failure(where: str, exc: Exception) -> CaptureError:
+    """The capture's own work failed inside SGLang's forward: a :class:`CaptureError`,
+    so a server ends the capture instead of the serving (:func:`around_forward`)."""
+    return CaptureError(f"capture failed in {where}: {exc!r}")
 
 
 def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
@@ -216,20 +253,25 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
     captured forward: guard the replay that follows)."""
     mon = _forwarding()
     if mon is None:
-        idle = _MONITOR
+        idle = _capturing()
         owner: object = getattr(graph_runner.model_runner, "_dmi_monitor", None)
-        if idle is not None and owner is idle and idle.active:
+        if idle is not None and owner is idle:
             idle.uncommitted_replay()
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
     t0 = perf_counter()
-    plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
-    if plan.batch.raw_batch_size != int(graph_runner.raw_bs):
-        msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
-               f"{plan.batch.raw_batch_size}")
-        raise CaptureError(msg)
-    mon.commit_graph(plan)
+    try:
+        plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
+        if plan.batch.raw_batch_size != int(graph_runner.raw_bs):
+            msg = (f"decode batch of {graph_runner.raw_bs} requests, layout has "
+                   f"{plan.batch.raw_batch_size}")
+            raise CaptureError(msg)
+        mon.commit_graph(plan)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise _capture_failure("the decode graph commit", exc) from exc
     mon.add_host_seconds(perf_counter() - t0)
     del result
 
@@ -243,9 +285,14 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
     t0 = perf_counter()
-    layout = layout_from_forward_batch(result if result is not None else fb,
-                                       unfinished_rids=mon.unfinished)
-    mon.commit_eager(layout)
+    try:
+        layout = layout_from_forward_batch(result if result is not None else fb,
+                                           unfinished_rids=mon.unfinished)
+        mon.commit_eager(layout)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise _capture_failure("the eager commit", exc) from exc
     mon.add_host_seconds(perf_counter() - t0)
 
 
@@ -260,8 +307,8 @@ def around_prefill_can_run_graph(original: Callable[..., Any], graph_runner: Any
 def around_forward_batch_generation(original: Callable[..., Any], worker: Any, batch: Any,
                                     *args: Any, **kw: Any) -> Any:
     """Remember the batch's Req objects (prompt/output lengths for the manifest)."""
-    mon = _MONITOR
-    if mon is not None and batch is not None and mon.active:
+    mon = _capturing()
+    if mon is not None and batch is not None:
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
         t0 = perf_counter()
@@ -314,8 +361,8 @@ def dmi_stop_monitoring(scheduler: Any) -> None:
     recorded copies into buffers the stopped transport keeps allocated.
     """
     mon = _MONITOR
-    if mon is None:
-        dmi_assert_active(scheduler)
+    if mon is None or _FAILED is not None:
+        dmi_assert_active(scheduler)  # raises why
         return
     runner = scheduler.tp_worker.model_runner
     stream = getattr(runner, "forward_stream", None)

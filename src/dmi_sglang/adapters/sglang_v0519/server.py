@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -67,9 +67,9 @@ RUN_HEADER = "X-DMI-Run-Id"
 """The response header that names the run every response of the server belongs to."""
 STOP_WAIT_S = 30.0
 """How long ``POST /dmi/stop`` waits for the stop's outcome before answering ``stopping``."""
-STOP_ANSWER_S = 600.0
-"""How long a stop may take in the schedulers (writing out what was captured) before the
-server gives it up as failed; the server's exit waits for it this long."""
+STOP_ANSWER_S = 300.0
+"""How long the server's exit waits for the stop (SGLang's own scheduler watchdog,
+``--watchdog-timeout``, ends a scheduler busy this long by default)."""
 CHECK_WAIT_S = 60.0
 """How long the start-up check and the status endpoint wait for the schedulers."""
 
@@ -159,6 +159,7 @@ class RunControl:
         known = self._stop_state()
         if known is not None:
             return known
+        deadline = time.monotonic() + CHECK_WAIT_S
         if not self._lock.acquire(timeout=CHECK_WAIT_S):
             return self._stop_state() or self._state(
                 "unresponsive", f"the schedulers' line was busy for {CHECK_WAIT_S:g} s")
@@ -166,7 +167,8 @@ class RunControl:
             known = self._stop_state()
             if known is not None:
                 return known
-            self._exchange(CHECK_WAIT_S, "dmi_assert_active", run_id=self.run_id)
+            left = max(0.05, deadline - time.monotonic())
+            self._exchange(left, "dmi_assert_active", run_id=self.run_id)
         except SchedulerSilentError as exc:
             return self._state("unresponsive", str(exc))
         except CaptureError as exc:
@@ -190,23 +192,24 @@ class RunControl:
         return self._stop_state() or self._state("stopping")
 
     def close(self) -> None:
-        """Close the socket (the schedulers' sockets reconnect to nothing)."""
+        """Close the socket, unless a stop still waits on it (closing a zmq socket
+        another thread uses is unsafe; the process is ending anyway)."""
+        if self._stopper is not None and self._stopper.is_alive():
+            log.warning("dmi.stop_unanswered", run_id=self.run_id)
+            return
         self._socket.close(0)
 
     def _run_stop(self) -> None:
+        """The stop, sent once; it waits for the schedulers' answer however long the
+        writing out takes (a scheduler that never answers is a dead server)."""
         t0 = time.monotonic()
         try:
             with self._lock:
-                self._exchange(STOP_ANSWER_S, "dmi_stop_monitoring")
+                self._exchange(None, "dmi_stop_monitoring")
             state, reason = "stopped", None
-        except CaptureError as exc:
+        except Exception as exc:  # any failure is the stop's outcome
             state, reason = "failed", str(exc)
-        self._settle(state, reason, time.monotonic() - t0)
-
-    def _settle(self, state: str, reason: str | None, seconds: float | None) -> None:
-        if self._stopped is not None and self._stopped.state == "stopped":
-            return
-        self._stopped = self._state(state, reason, seconds)
+        self._stopped = self._state(state, reason, time.monotonic() - t0)
         level = log.info if state == "stopped" else log.error
         level("dmi.server_stop", **self._stopped.to_json())
 
@@ -220,9 +223,11 @@ class RunControl:
         return RunState(self.run_id, self.store_url, state, reason,
                         None if seconds is None else round(seconds, 3))
 
-    def _exchange(self, timeout_s: float, method: str, **parameters: Any) -> None:
+    def _exchange(self, timeout_s: float | None, method: str, **parameters: Any) -> None:
         """Send ``method`` and wait for its answer (under ``_lock``), setting aside the
-        late answers of earlier calls first.
+        late answers of earlier calls first (the scheduler answers in order).
+        ``timeout_s``: the most the answer may take (None: no limit); a scheduler must
+        take the call within :data:`CHECK_WAIT_S` in any case.
 
         Raises:
             SchedulerSilentError: no scheduler took the call, or no answer in time.
@@ -231,40 +236,32 @@ class RunControl:
         import zmq
         from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
 
-        deadline = time.monotonic() + timeout_s
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        take_s = CHECK_WAIT_S if timeout_s is None else min(timeout_s, CHECK_WAIT_S)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(take_s * 1000))
         try:
             sock_send(self._socket, RpcReqInput(method=method, parameters=parameters))
         except zmq.Again:
-            msg = f"{method}: no scheduler took the request within {timeout_s:g} s"
+            msg = f"{method}: no scheduler took the request within {take_s:g} s"
             raise SchedulerSilentError(msg) from None
         self._pending.append(method)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left > 0:
+            if deadline is None:
+                self._socket.setsockopt(zmq.RCVTIMEO, -1)
+            else:
+                left = deadline - time.monotonic()
                 self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
-                try:
-                    answer = sock_recv(self._socket)
-                except zmq.Again:
-                    left = 0
-            if left <= 0:
+            try:
+                answer = sock_recv(self._socket)
+            except zmq.Again:
                 msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
-                raise SchedulerSilentError(msg)
+                raise SchedulerSilentError(msg) from None
             answered = self._pending.popleft()
-            if self._pending:  # the late answer of an earlier call
-                self._late(answered, answer)
+            if self._pending:  # the late answer of an earlier call: not this one's
+                log.info("dmi.late_answer", method=answered)
                 continue
             check_answer(method, answer)
             return
-
-    def _late(self, method: str, answer: Any) -> None:
-        log.info("dmi.late_answer", method=method)
-        if method == "dmi_stop_monitoring":  # a stop that gave up waiting: its outcome
-            try:
-                check_answer(method, answer)
-                self._settle("stopped", None, None)
-            except CaptureError as exc:
-                self._settle("failed", str(exc), None)
 
 
 def mount(app: Any, control: RunControl) -> None:
@@ -337,11 +334,12 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         control.close()
 
 
-def _children_running() -> bool:
+def _children_running(children: Iterable[Any] | None = None) -> bool:
     """True while a process this one started with ``multiprocessing`` (SGLang's
-    schedulers and detokenizer) still runs. ``multiprocessing`` cannot tell once SGLang
-    killed and reaped them itself (``kill_process_tree``), so ask the OS."""
-    for child in multiprocessing.active_children():
+    schedulers and detokenizer; ``children``, default all) still runs. ``multiprocessing``
+    cannot tell once SGLang killed and reaped them itself (``kill_process_tree``), so ask
+    the OS (which reaps an exited one: the process is ending)."""
+    for child in multiprocessing.active_children() if children is None else children:
         try:
             pid, _ = os.waitpid(child.pid, os.WNOHANG)  # type: ignore[arg-type]
         except ChildProcessError:  # reaped already: gone
@@ -379,12 +377,16 @@ def before_launch_server(server_args: Any, *args: Any,
     if workers > 1:
         problems.append(f"--tokenizer-worker-num {workers}: serving with capture needs 1 "
                         "(the other HTTP workers have no /dmi endpoints and no stop)")
-    detokenizers = int(getattr(server_args, "detokenizer_worker_num", 1) or 1)
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    detokenizers = int(resolution_result(server_args, "detokenizer_worker_num") or 1)
     if detokenizers > 1:
         problems.append(f"--detokenizer-worker-num {detokenizers}: serving with capture "
                         "needs 1 (its router process would end the server on Ctrl-C "
                         "before the run is stopped)")
-    if os.environ.get("SGLANG_RUST_SERVER", "").strip().lower() in ("1", "true", "yes", "on"):
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_RUST_SERVER.get():
         problems.append("SGLANG_RUST_SERVER is set: serving with capture needs SGLang's "
                         "Python HTTP server (unset it)")
     if problems:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
+from dmi_sglang.errors import CaptureError
 
 __all__ = ["Capturer", "Payloads"]
 
@@ -107,21 +108,27 @@ class Capturer:
         """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``.
 
         Raises:
-            CaptureError: the transport stopped or failed, or the tensor does not match
-                the planned dtype, row width or row count.
+            CaptureError: the transport stopped or failed, the tensor does not match
+                the planned dtype, row width or row count, or the copy itself failed.
         """
         key = (hook_name, layer_no)
-        payloads = self._payloads
-        if payloads is None:
-            self._sink(key, tensor)
-            return
-        dtypes = payloads.casts.get(key)
-        if dtypes is None:
-            self._sink(key, tensor)
-        elif self._live(key):
-            self._sink(key, payloads.cast(key, tensor, dtypes))
-        if payloads.topk and key == LOGITS:
-            self._topk(tensor, payloads)
+        try:
+            payloads = self._payloads
+            if payloads is None:
+                self._sink(key, tensor)
+                return
+            dtypes = payloads.casts.get(key)
+            if dtypes is None:
+                self._sink(key, tensor)
+            elif self._live(key):
+                self._sink(key, payloads.cast(key, tensor, dtypes))
+            if payloads.topk and key == LOGITS:
+                self._topk(tensor, payloads)
+        except CaptureError:
+            raise
+        except Exception as exc:  # e.g. out of device memory: the capture's failure
+            msg = f"capture of {hook_name}@{layer_no} failed: {exc!r}"
+            raise CaptureError(msg) from exc
 
     def _topk(self, logits: torch.Tensor, payloads: Payloads) -> None:
         values_live, ids_live = self._live(TOPK_VALUES), self._live(TOPK_IDS)
