@@ -51,7 +51,7 @@ def current_monitor() -> CaptureSession | None:
 
 def _forwarding() -> CaptureSession | None:
     mon = _MONITOR
-    return mon if mon is not None and mon.in_forward() else None
+    return mon if mon is not None and mon.in_forward() and _FAILED is None else None
 
 
 # -- main process ----------------------------------------------------------------------
