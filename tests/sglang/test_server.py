@@ -143,7 +143,9 @@ def test_a_long_stop_answers_stopping_then_its_outcome(line) -> None:
     arrives when the schedulers answer."""
     control, fake = line([(True, "", 1.5)])
     assert control.stop(wait_s=0.2).state == "stopping"
-    assert control.status().state == "stopping"
+    during = control.status()
+    assert during.state == "stopping"
+    assert during.seconds is not None
     final = control.stop(wait_s=10)
     assert final.state == "stopped"
     assert control.status() == final

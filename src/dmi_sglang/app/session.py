@@ -74,6 +74,10 @@ def _never_cancelled(_req: TrackedRequest) -> bool:
     return False
 
 
+FAIL_RECORD_WAIT_S = 10.0
+"""How long :meth:`SchedulerMonitor.stop` waits for a failed run's record before raising
+(under the 15 s SGLang's server gives its schedulers to shut down)."""
+
 _LEAVING_ROUNDS = 2
 """Rounds (forwards that start with finished requests reported) a left-out request stays
 left out after it was seen finished."""
@@ -334,6 +338,8 @@ class SchedulerMonitor:
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: BaseException | None = None
+        self._failing: threading.Thread | None = None
+        """Writes a failed run's record (:meth:`fail`)."""
         self._preflighted: CommitPlan | None = None
         """The padded plan the preflight of this step built, reused by its commit."""
         self._previous_plan: CommitPlan | None = None
@@ -446,6 +452,9 @@ class SchedulerMonitor:
         Raises:
             CaptureError: the first failure, again on every later call.
         """
+        failing = self._failing
+        if failing is not None:  # a failure's record is being written: give it a while
+            failing.join(FAIL_RECORD_WAIT_S)
         with self._lock:
             if self._failure is not None:
                 raise CaptureError(str(self._failure)) from self._failure
@@ -483,17 +492,26 @@ class SchedulerMonitor:
                 return
             self._stopped = True
             self._failure = error
-            stopped_at = datetime.now(UTC).isoformat()
             try:
-                self.transport.stop()  # flush what the drain holds; its own failure is moot
-            except BaseException as exc:  # the run fails with ``error`` whatever this is
-                log.warning("dmi.fail_flush", run_id=self.run.run_id, error=repr(exc))
-            self._record_failure(error, stopped_at)
-            try:
-                self.sink.close()
-            except BaseException as exc:  # the run fails with ``error`` whatever this is
-                log.warning("dmi.fail_close", run_id=self.run.run_id, error=repr(exc))
-            log.error("dmi.failed", run_id=self.run.run_id, error=repr(error))
+                self.transport.abandon()
+            except Exception as exc:  # the run fails with ``error`` whatever this is
+                log.warning("dmi.fail_abandon", run_id=self.run.run_id, error=repr(exc))
+            self._failing = threading.Thread(target=self._fail_flush, args=(error,),
+                                             name="dmi-fail", daemon=True)
+            self._failing.start()
+
+    def _fail_flush(self, error: BaseException) -> None:
+        stopped_at = datetime.now(UTC).isoformat()
+        try:
+            self.transport.stop()  # what the drain holds goes out; its own failure is moot
+        except BaseException as exc:  # the run fails with ``error`` whatever this is
+            log.warning("dmi.fail_flush", run_id=self.run.run_id, error=repr(exc))
+        self._record_failure(error, stopped_at)
+        try:
+            self.sink.close()
+        except BaseException as exc:  # the run fails with ``error`` whatever this is
+            log.warning("dmi.fail_close", run_id=self.run.run_id, error=repr(exc))
+        log.error("dmi.failed", run_id=self.run.run_id, error=repr(error))
 
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and

@@ -217,6 +217,12 @@ class CaptureTransport(Protocol):
         """A decode graph is about to replay with no committed step (between steps)."""
         ...
 
+    def abandon(self) -> None:
+        """The run failed (between steps, on the scheduler's thread): read nothing more
+        from the device (later replays may write what a read would race with); a later
+        :meth:`stop` still hands the sink what the drain holds."""
+        ...
+
     def stop(self) -> TransportStats:
         """Terminal, idempotent: drain everything, flush the sink, raise any failure."""
         ...
@@ -358,9 +364,11 @@ class CaptureSession(Protocol):
         ...
 
     def fail(self, error: BaseException) -> None:
-        """End the capture as failed with ``error``: what was captured is flushed where
-        the store still takes it, the run is recorded failed and no request complete.
-        Terminal; a later :meth:`stop` raises ``error``; never raises itself."""
+        """End the capture as failed with ``error`` (between steps, on the scheduler's
+        thread, which it does not hold up): what was captured is flushed where the store
+        still takes it, and the run recorded failed with no request complete, on a side
+        thread. Terminal; a later :meth:`stop` waits a while for that record, then raises
+        ``error``. Never raises itself."""
         ...
 
     def timing(self, stats: TransportStats) -> Mapping[str, float]:

@@ -189,7 +189,7 @@ def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: Exception) -> None
     server's scheduler (:data:`SERVER_MARK`) ends the capture instead: the capture points
     leave the model, serving goes on uncaptured, ``/dmi/status`` reports why, and the run
     is recorded failed (where the store still takes it) on a side thread, so a hung
-    store cannot hold up serving.
+    store holds up no forward once the failure is declared.
 
     Raises:
         Exception: ``exc``, outside a server.
@@ -199,12 +199,11 @@ def _serve_on_or_raise(runner: Any, mon: CaptureSession, exc: Exception) -> None
         raise exc
     _FAILED = str(exc) if isinstance(exc, CaptureError) else repr(exc)
     log.error("dmi.capture_failed_serving_on", run_id=mon.run.run_id, error=_FAILED)
+    mon.fail(exc)  # no device read after this; the record is written on a side thread
     try:
         _detach(runner)
-    finally:
-        import threading
-
-        threading.Thread(target=mon.fail, args=(exc,), name="dmi-fail", daemon=True).start()
+    except Exception as again:  # serving goes on; the points left behind are no-ops
+        log.error("dmi.detach_failed", run_id=mon.run.run_id, error=repr(again))
 
 
 def _detach(runner: Any) -> None:
@@ -256,7 +255,10 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
         idle = _capturing()
         owner: object = getattr(graph_runner.model_runner, "_dmi_monitor", None)
         if idle is not None and owner is idle:
-            idle.uncommitted_replay()
+            try:
+                idle.uncommitted_replay()
+            except Exception as exc:  # the capture's own code: any failure is the capture's
+                _serve_on_or_raise(graph_runner.model_runner, idle, exc)
         return
     from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
 
@@ -312,7 +314,10 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
         from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
 
         t0 = perf_counter()
-        mon.add_requests(batch.reqs, unfinished_rids(batch))
+        try:
+            mon.add_requests(batch.reqs, unfinished_rids(batch))
+        except Exception as exc:  # the capture's own code: any failure is the capture's
+            _serve_on_or_raise(worker.model_runner, mon, exc)
         mon.add_host_seconds(perf_counter() - t0)
     return original(worker, batch, *args, **kw)
 
@@ -323,13 +328,16 @@ def before_scheduler_shutdown(scheduler: Any, *args: Any, **kw: Any) -> None:
     first (a stop that fails records the run failed and is logged: shutdown goes on)."""
     del args, kw
     mon = _MONITOR
-    if mon is None or not mon.active:
+    if mon is None or (not mon.active and _FAILED is None):
         return
     try:
         dmi_stop_monitoring(scheduler)
         log.info("dmi.stopped_at_shutdown", run_id=mon.run.run_id)
     except Exception as exc:  # the server shuts down regardless
-        log.error("dmi.stop_at_shutdown_failed", run_id=mon.run.run_id, error=repr(exc))
+        if _FAILED is not None:  # the failed run's record had its time to be written
+            log.info("dmi.failed_run_at_shutdown", run_id=mon.run.run_id, error=_FAILED)
+        else:
+            log.error("dmi.stop_at_shutdown_failed", run_id=mon.run.run_id, error=repr(exc))
 
 
 # -- RPC methods added to Scheduler ----------------------------------------------------
@@ -354,19 +362,20 @@ def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
 
 
 def dmi_stop_monitoring(scheduler: Any) -> None:
-    """RPC: the authoritative flush. Terminal; a failure stays failed.
+    """RPC: the authoritative flush. Terminal; a failure stays failed (after a capture
+    failure in a server it waits a while for the failed run's record, then raises).
 
     Stopped or failed, the capture points leave the model, so the scheduler goes on
     serving uncaptured (a server's stop endpoint); decode graphs keep replaying their
     recorded copies into buffers the stopped transport keeps allocated.
     """
     mon = _MONITOR
-    if mon is None or _FAILED is not None:
+    if mon is None:
         dmi_assert_active(scheduler)  # raises why
         return
     runner = scheduler.tp_worker.model_runner
     stream = getattr(runner, "forward_stream", None)
-    if stream is not None:
+    if stream is not None and _FAILED is None:
         stream.synchronize()  # under overlap the last forward may still be running
     try:
         mon.stop()

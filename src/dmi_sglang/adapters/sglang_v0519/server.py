@@ -17,7 +17,7 @@ that process, and only there, :data:`SERVER_HOOKS` adds two hooks:
   before SGLang adds its API-key middleware, so both are protected like the server's own
   API (the stop as an admin endpoint), and the header ``X-DMI-Run-Id`` to the responses
   the app gives; when the HTTP server returns (SIGINT) while the schedulers still run,
-  stop the run before SGLang ends them (waiting up to :data:`STOP_ANSWER_S`).
+  stop the run before SGLang ends them (waiting up to SGLang's ``--watchdog-timeout``).
 
 SGLang's own SIGTERM path (drain the requests, then ``ShutdownReq`` to the schedulers) is
 covered in the scheduler (``runtime_hooks.before_scheduler_shutdown``). After a stop the
@@ -68,8 +68,9 @@ RUN_HEADER = "X-DMI-Run-Id"
 STOP_WAIT_S = 30.0
 """How long ``POST /dmi/stop`` waits for the stop's outcome before answering ``stopping``."""
 STOP_ANSWER_S = 300.0
-"""How long the server's exit waits for the stop (SGLang's own scheduler watchdog,
-``--watchdog-timeout``, ends a scheduler busy this long by default)."""
+"""How long the server's exit waits for the stop where SGLang's ``--watchdog-timeout``
+(300 s by default: it takes a server down whose scheduler is stuck in a batch that long)
+resolved to nothing."""
 CHECK_WAIT_S = 60.0
 """How long the start-up check and the status endpoint wait for the schedulers."""
 
@@ -99,7 +100,8 @@ class RunState:
         state: ``capturing``; ``stopping`` (the stop is writing what was captured);
             ``stopped`` (durable); ``failed`` (the reason says why; the run is not
             complete); ``unresponsive`` (the schedulers did not answer in time).
-        seconds: how long the stop took (stopped / failed by the stop).
+        seconds: how long the stop took (stopped / failed by the stop), or has taken so
+            far (stopping).
     """
 
     run_id: str
@@ -133,6 +135,7 @@ class RunControl:
         self._pending: collections.deque[str] = collections.deque()
         self._start_stop = threading.Lock()
         self._stopper: threading.Thread | None = None
+        self._stop_began = 0.0
         self._stopped: RunState | None = None
 
     @classmethod
@@ -155,27 +158,31 @@ class RunControl:
             self._exchange(CHECK_WAIT_S, "dmi_assert_active", run_id=self.run_id)
 
     def status(self) -> RunState:
-        """The run's state; asks the schedulers only while neither stopping nor stopped."""
-        known = self._stop_state()
-        if known is not None:
-            return known
+        """The run's state; asks the schedulers only while neither stopping nor stopped,
+        and answers ``stopping`` as soon as a stop begins."""
         deadline = time.monotonic() + CHECK_WAIT_S
-        if not self._lock.acquire(timeout=CHECK_WAIT_S):
-            return self._stop_state() or self._state(
-                "unresponsive", f"the schedulers' line was busy for {CHECK_WAIT_S:g} s")
+        while True:
+            known = self._stop_state()
+            if known is not None:
+                return known
+            if self._lock.acquire(timeout=0.2):
+                break
+            if time.monotonic() >= deadline:
+                return self._state("unresponsive",
+                                   f"the schedulers' line was busy for {CHECK_WAIT_S:g} s")
         try:
             known = self._stop_state()
             if known is not None:
                 return known
-            left = max(0.05, deadline - time.monotonic())
-            self._exchange(left, "dmi_assert_active", run_id=self.run_id)
+            self._exchange(max(0.05, deadline - time.monotonic()), "dmi_assert_active",
+                           run_id=self.run_id)
         except SchedulerSilentError as exc:
-            return self._state("unresponsive", str(exc))
+            return self._stop_state() or self._state("unresponsive", str(exc))
         except CaptureError as exc:
-            return self._state("failed", str(exc))
+            return self._stop_state() or self._state("failed", str(exc))
         finally:
             self._lock.release()
-        return self._state("capturing")
+        return self._stop_state() or self._state("capturing")
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> RunState:
         """Start the stop (the first call only) and wait up to ``wait_s`` for its outcome.
@@ -185,6 +192,7 @@ class RunControl:
         """
         with self._start_stop:
             if self._stopper is None:
+                self._stop_began = time.monotonic()
                 self._stopper = threading.Thread(target=self._run_stop, name="dmi-stop",
                                                  daemon=True)
                 self._stopper.start()
@@ -216,7 +224,9 @@ class RunControl:
     def _stop_state(self) -> RunState | None:
         if self._stopped is not None:
             return self._stopped
-        return self._state("stopping") if self._stopper is not None else None
+        if self._stopper is None:
+            return None
+        return self._state("stopping", None, time.monotonic() - self._stop_began)
 
     def _state(self, state: str, reason: str | None = None,
                seconds: float | None = None) -> RunState:
@@ -330,7 +340,10 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
                         *args, **kw)
     finally:
         if checked and _children_running():  # SGLang's SIGTERM path ended them itself
-            control.stop(STOP_ANSWER_S)
+            from sglang.srt.arg_groups.overrides import resolution_result
+
+            watchdog = resolution_result(server_args, "watchdog_timeout")
+            control.stop(float(watchdog) if watchdog else STOP_ANSWER_S)
         control.close()
 
 

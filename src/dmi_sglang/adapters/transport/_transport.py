@@ -330,6 +330,13 @@ class TorchCaptureTransport:
         if self._last_slots and self._writer.open is None:
             self._last_slots.guard_replay()
 
+    def abandon(self) -> None:
+        """The run failed: no more device reads (the ``last`` slots' finish notices are
+        not read at stop; later graph replays keep writing the slots)."""
+        with self._cond:
+            self._unusable = True
+            self._cond.notify_all()
+
     def finish_request(self, request_id: str, logits_end: int | None) -> None:
         """The scheduler saw ``request_id`` finish (or the run is stopping): between steps.
 
