@@ -20,8 +20,8 @@ from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import ConfigurationError, IncompleteCaptureError, UsageError
 
-__all__ = ["capture", "demo_model", "export", "gpu_problem", "ls", "reference_capture", "rm",
-           "show"]
+__all__ = ["capture", "demo_model", "export", "gpu_problem", "ls", "reference_capture",
+           "require_model_dir", "rm", "show"]
 
 
 def _out(line: str = "") -> None:
@@ -291,13 +291,24 @@ def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
-def _validate_capture(args: argparse.Namespace) -> None:
-    """Refuse bad capture arguments before looking for a GPU or starting anything."""
-    model = Path(args.model)
+def require_model_dir(flag: str, value: str | Path) -> Path:
+    """The model directory ``flag`` names, refused (naming the flag) unless it holds a
+    ``config.json``.
+
+    Raises:
+        UsageError: the directory does not exist or holds no config.json.
+    """
+    model = Path(value)
     if not (model / "config.json").is_file():
         what = "does not exist" if not model.exists() else "holds no config.json"
-        msg = f"--model {args.model} {what}; give a Hugging Face model directory"
+        msg = f"{flag} {value} {what}; give a Hugging Face model directory"
         raise UsageError(msg)
+    return model
+
+
+def _validate_capture(args: argparse.Namespace) -> None:
+    """Refuse bad capture arguments before looking for a GPU or starting anything."""
+    require_model_dir("--model", args.model)
     if args.prompts is not None:
         _read_prompts(args)
     from dmi_sglang.domain.hooks import parse_selection

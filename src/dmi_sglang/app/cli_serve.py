@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
 from dmi_sglang.domain.settings import PREFIX, Settings
@@ -120,11 +119,9 @@ def _plugin_will_load() -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The run's settings: flags over ``DMX_*`` variables over serve's defaults; resolved."""
-    model = Path(args.model_path)
-    if not (model / "config.json").is_file():
-        what = "does not exist" if not model.exists() else "holds no config.json"
-        msg = f"--model-path {args.model_path} {what}; give a Hugging Face model directory"
-        raise UsageError(msg)
+    from dmi_sglang.app.cli_commands import require_model_dir
+
+    model = require_model_dir("--model-path", args.model_path)
     flags = {"dmx_hook_selection": args.hooks, "dmx_request_sample": args.request_sample,
              "dmx_model_id": args.run_id, "dmx_db_url": args.db}
     defaults = {PREFIX + "HOOK_SELECTION": SERVE_HOOKS,
