@@ -2,10 +2,10 @@
 
 SGLang's ``Engine.collective_rpc`` reports a failed RPC only through ``assert``, which
 ``python -O`` strips: a failed attach or stop would pass silently. :func:`rpc_call` sends
-the same request over an RPC socket (a DEALER at ``PortArgs.rpc_ipc_name``) and checks the
-scheduler's answer itself, raising :class:`~dmi_sglang.errors.CaptureError` when it says
-no or does not answer in time. :class:`EngineRpcTap` uses the engine's socket; SGLang's
-HTTP server has none, so the server side binds its own (``server.py``).
+the same request over the engine's RPC socket (a DEALER at ``PortArgs.rpc_ipc_name``) and
+checks the scheduler's answer itself (:func:`check_answer`), raising
+:class:`~dmi_sglang.errors.CaptureError` when it says no. SGLang's HTTP server has no such
+socket, so the server side binds its own and bounds its waits (``server.py``).
 """
 
 from __future__ import annotations
@@ -24,29 +24,13 @@ class SchedulerSilentError(CaptureError):
 def rpc_call(socket: Any, method: str, **parameters: Any) -> None:
     """Call the ``Scheduler`` method ``method`` over ``socket`` and check its answer.
 
-    The wait is bounded by the socket's ``SNDTIMEO`` (no scheduler connected) and
-    ``RCVTIMEO`` (no answer); unbounded where they are unset.
-
     Raises:
-        SchedulerSilentError: a timeout ran out.
         CaptureError: the scheduler said no (with its reason) or answered something else.
     """
-    import zmq
     from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
 
-    try:
-        sock_send(socket, RpcReqInput(method=method, parameters=parameters))
-    except zmq.Again:
-        timeout_s = socket.getsockopt(zmq.SNDTIMEO) / 1000
-        msg = f"{method}: no scheduler took the request within {timeout_s:g} s"
-        raise SchedulerSilentError(msg) from None
-    try:
-        answer = sock_recv(socket, flags=0)
-    except zmq.Again:
-        timeout_s = socket.getsockopt(zmq.RCVTIMEO) / 1000
-        msg = f"{method}: the scheduler did not answer within {timeout_s:g} s"
-        raise SchedulerSilentError(msg) from None
-    check_answer(method, answer)
+    sock_send(socket, RpcReqInput(method=method, parameters=parameters))
+    check_answer(method, sock_recv(socket, flags=0))
 
 
 def check_answer(method: str, answer: Any) -> None:
