@@ -16,13 +16,14 @@ configurations refused at startup with every reason. A JSON summary goes to
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness.engine import EngineError, EngineProcess
+
+from .conftest import Evidence  # type: ignore[import-not-found]
 
 torch = pytest.importorskip("torch")
 
@@ -82,13 +83,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(workdir: Path) -> Path:
-    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
-
-    return Path(write_demo_checkpoint(workdir / "qwen3-demo", layers=4))
-
-
-@pytest.fixture(scope="module")
 def runs(workdir: Path, checkpoint: Path) -> dict[str, Any]:
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     store = workdir / "store"
@@ -109,17 +103,11 @@ def runs(workdir: Path, checkpoint: Path) -> dict[str, Any]:
     return {"stock": stock, "monitored": monitored, "store": store}
 
 
-def _evidence(name: str, data: dict[str, Any], workdir: Path) -> None:
-    out = Path(os.environ.get("DMI_EVIDENCE_DIR", str(workdir)))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
-
-
-def test_tokens_identical_to_stock(runs: dict[str, Any], workdir: Path) -> None:
+def test_tokens_identical_to_stock(runs: dict[str, Any], evidence: Evidence) -> None:
     stock = {o["id"]: o["output_ids"] for o in runs["stock"]["outputs"]}
     mon = {o["id"]: o["output_ids"] for o in runs["monitored"]["outputs"]}
     diverged = {rid: (stock[rid], mon[rid]) for rid in stock if stock[rid] != mon[rid]}
-    _evidence("e2e-tokens", {"requests": len(stock), "diverged": diverged}, workdir)
+    evidence("e2e-tokens", {"requests": len(stock), "diverged": diverged})
     assert not diverged
 
 
@@ -130,7 +118,7 @@ def _reader(store: Path) -> Any:
     return ClickHouseReader(StoreConfig(kind=StoreKind.EMBEDDED, path=str(store)))
 
 
-def test_rows_complete_for_every_hook(runs: dict[str, Any], workdir: Path) -> None:
+def test_rows_complete_for_every_hook(runs: dict[str, Any], evidence: Evidence) -> None:
     from dmi_sglang.app.handle import CaptureHandle
 
     run_id = runs["monitored"]["run_id"]
@@ -156,8 +144,7 @@ def test_rows_complete_for_every_hook(runs: dict[str, Any], workdir: Path) -> No
             summary[out["id"]]["stored_positions"] = _stored_extent(reader, run_id, out["id"])
             assert manifest.prompt_tokens == out["prompt_tokens"]
             assert manifest.completion_tokens == out["completion_tokens"]
-    _evidence("e2e-rows", {"run": str(run), "requests": summary, "problems": problems},
-              workdir)
+    evidence("e2e-rows", {"run": str(run), "requests": summary, "problems": problems})
     assert len(run.captures) == 4 * 12 + 5  # 12 per-layer hooks x 4 layers + 5 global
     assert not problems
 
@@ -188,7 +175,7 @@ def _rows_outside_coverage(reader: Any, run: Any, manifest: Any) -> list[str]:
 
 
 def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
-                                     workdir: Path) -> None:
+                                     evidence: Evidence) -> None:
     from transformers import AutoModelForCausalLM
 
     from dmi_sglang.app.handle import CaptureHandle
@@ -214,7 +201,7 @@ def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
             start = out["prompt_tokens"] - 1
             _cmp(worst, "final_logits", logits,
                  ref.logits[0][start: start + logits.shape[0]].float())
-    _evidence("e2e-parity", {"max_rel_err": worst, "tolerance": REL_TOL}, workdir)
+    evidence("e2e-parity", {"max_rel_err": worst, "tolerance": REL_TOL})
     assert max(worst.values()) <= REL_TOL, worst
 
 
@@ -239,7 +226,8 @@ def _cmp(worst: dict[str, float], name: str, got: Any, ref: Any) -> None:
     worst[name] = max(worst.get(name, 0.0), err)
 
 
-def test_unsupported_configurations_fail_at_startup(workdir: Path, checkpoint: Path) -> None:
+def test_unsupported_configurations_fail_at_startup(workdir: Path, checkpoint: Path,
+                                                     evidence: Evidence) -> None:
     moe = workdir / "qwen3-moe"
     moe.mkdir(exist_ok=True)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -254,7 +242,7 @@ def test_unsupported_configurations_fail_at_startup(workdir: Path, checkpoint: P
     compile_run = _run(workdir, "compile", {"env": env, "engine": {
         **_engine_kwargs(checkpoint), "enable_torch_compile": True,
         "num_continuous_decode_steps": 2}}, ["w1"], params)
-    _evidence("e2e-rejections", {"moe": moe_run, "compile": compile_run}, workdir)
+    evidence("e2e-rejections", {"moe": moe_run, "compile": compile_run})
     assert not moe_run["ok"]
     assert "Qwen3MoeForCausalLM is not supported" in moe_run["error"]
     assert not compile_run["ok"]

@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from .conftest import Evidence  # type: ignore[import-not-found]
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -160,19 +162,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(workdir: Path) -> Path:
-    from dmi_sglang.adapters.demo_model import write_demo_checkpoint
-
-    return Path(write_demo_checkpoint(workdir / "qwen3-demo", layers=4))
-
-
-def _evidence(name: str, data: dict[str, Any], workdir: Path) -> None:
-    out = Path(os.environ.get("DMI_EVIDENCE_DIR", str(workdir)))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
-
-
 def _complete(store: Path, run_id: str) -> dict[str, Any]:
     """The run's status, and per stored request its missing captures and resid_pre rows."""
     from dmi_sglang import open_store
@@ -192,8 +181,8 @@ def _complete(store: Path, run_id: str) -> dict[str, Any]:
     return out
 
 
-def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
-                                                           checkpoint: Path) -> None:
+def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, checkpoint: Path,
+                                                           evidence: Evidence) -> None:
     server = Server(workdir, "serve-sigint", checkpoint, "serve-sigint")
     report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     try:
@@ -237,10 +226,10 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
     finally:
         report["sigint_exit_s"] = round(server.stop_with(signal.SIGINT), 1)
         report["log_tail"] = server.tail()[-1500:]
-        _evidence("serve-sigint", report, workdir)
+        evidence("serve-sigint", report)
     stored = _complete(workdir / "store", server.run_id)
     report["store"] = stored
-    _evidence("serve-sigint", report, workdir)
+    evidence("serve-sigint", report)
     assert stored["status"] == "committed"
     cancelled = stored["requests"].pop("cancel-stream")
     assert "not committed" in cancelled["missing"][0], cancelled
@@ -250,37 +239,36 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path,
         assert got["resid_pre_rows"] == [1, 1, 1, 1], (rid, got)  # serve's default: last
 
 
-def test_sigterm_makes_the_run_durable(workdir: Path, checkpoint: Path) -> None:
-    server = Server(workdir, "serve-sigterm", checkpoint, "serve-sigterm")
+def _one_request_then_signal(workdir: Path, checkpoint: Path, evidence: Evidence, name: str,
+                             sig: int, *, group: bool = False) -> None:
+    """A server that captures one request, then gets ``sig`` (``group``: its whole
+    process group); its run must end committed with that request complete."""
+    server = Server(workdir, name, checkpoint, name)
     report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     try:
-        server.generate("cap-term", capture=True)
-        server.generate("plain-term", capture=False)
+        server.generate(f"cap-{name}", capture=True)
+        server.generate(f"plain-{name}", capture=False)
     finally:
-        report["sigterm_exit_s"] = round(server.stop_with(signal.SIGTERM), 1)
+        report["exit_after_signal_s"] = round(server.stop_with(sig, group=group), 1)
         report["log_tail"] = server.tail()[-1500:]
     stored = _complete(workdir / "store", server.run_id)
     report["store"] = stored
-    _evidence("serve-sigterm", report, workdir)
+    evidence(name, report)
     assert stored["status"] == "committed"
-    assert set(stored["requests"]) == {"cap-term"}
-    assert stored["requests"]["cap-term"]["missing"] == []
+    assert set(stored["requests"]) == {f"cap-{name}"}
+    assert stored["requests"][f"cap-{name}"]["missing"] == []
 
 
-def test_ctrl_c_to_the_process_group_makes_the_run_durable(workdir: Path,
-                                                          checkpoint: Path) -> None:
+def test_sigterm_makes_the_run_durable(workdir: Path, checkpoint: Path,
+                                       evidence: Evidence) -> None:
+    """SIGTERM: SGLang drains, then asks its schedulers to shut down; the run ends
+    committed and the server exits."""
+    _one_request_then_signal(workdir, checkpoint, evidence, "serve-sigterm", signal.SIGTERM)
+
+
+def test_ctrl_c_to_the_process_group_makes_the_run_durable(workdir: Path, checkpoint: Path,
+                                                          evidence: Evidence) -> None:
     """SIGINT to every process of the server (a terminal's Ctrl-C), with no stop before:
     the run still ends committed with the captured request complete."""
-    server = Server(workdir, "serve-ctrl-c", checkpoint, "serve-ctrl-c")
-    report: dict[str, Any] = {"start_s": round(server.start_s, 1)}
-    try:
-        server.generate("cap-ctrl-c", capture=True)
-    finally:
-        report["group_sigint_exit_s"] = round(server.stop_with(signal.SIGINT, group=True), 1)
-        report["log_tail"] = server.tail()[-1500:]
-    stored = _complete(workdir / "store", server.run_id)
-    report["store"] = stored
-    _evidence("serve-ctrl-c", report, workdir)
-    assert stored["status"] == "committed"
-    assert set(stored["requests"]) == {"cap-ctrl-c"}
-    assert stored["requests"]["cap-ctrl-c"]["missing"] == []
+    _one_request_then_signal(workdir, checkpoint, evidence, "serve-ctrl-c", signal.SIGINT,
+                             group=True)
