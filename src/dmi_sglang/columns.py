@@ -225,8 +225,15 @@ class RecordSink(Protocol):
         the batch (and its payload memory) until it is stored."""
         ...
 
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        """Store these committed manifests once every batch put before this call is
+        stored (never earlier: a committed manifest says the request's rows are all
+        there). Does not block; ``flush`` waits for them too."""
+        ...
+
     def flush(self) -> None:
-        """Block until everything queued is stored; raise the sticky failure if any."""
+        """Block until everything queued is stored, manifests of ``commit_requests``
+        included; raise the sticky failure if any."""
         ...
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:

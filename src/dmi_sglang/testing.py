@@ -11,9 +11,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+import attrs
+
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.ports import HookTotal, RequestSummary
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
 __all__ = ["MemoryReader", "MemorySink"]
@@ -37,6 +39,8 @@ class MemorySink:
         rows / payload_bytes: rows and payload bytes stored.
         puts: batches put (each ``put`` call, empty batches included); flushes: calls.
         runs / finished: ``start_run`` and ``finish_run`` arguments.
+        manifests: every manifest stored, in order (those of ``commit_requests``, then
+            those of ``finish_run``, committed only when the run is).
         closed: ``close`` was called.
     """
 
@@ -59,6 +63,7 @@ class MemorySink:
         self.flushes = 0
         self.runs: list[RunInfo] = []
         self.finished: list[tuple[RunInfo, tuple[RequestManifest, ...]]] = []
+        self.manifests: list[RequestManifest] = []
         self.closed = False
         self.failure: StoreError | None = None
         self._lock = threading.Lock()
@@ -97,11 +102,21 @@ class MemorySink:
                 self.failure = StoreError("injected failure on flush")
                 raise self.failure
 
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        """Store committed manifests (every batch put before is stored already)."""
+        with self._lock:
+            self._raise_if_failed()
+            self.manifests.extend(manifests)
+
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """Flush, then remember the run's end and manifests."""
+        """Flush, then remember the run's end and manifests (a manifest is stored as
+        committed only when the run is, as the ClickHouse sink does)."""
         self.flush()
+        committed = run.status is RunStatus.COMMITTED
         with self._lock:
             self.finished.append((run, tuple(manifests)))
+            self.manifests.extend(attrs.evolve(m, committed=m.committed and committed)
+                                  for m in manifests)
 
     def forget_run(self, run_id: str) -> int:
         """Drop a run's records, run states and manifests; returns the records dropped."""
@@ -110,6 +125,7 @@ class MemorySink:
             self.records = [r for r in self.records if r.model_id != run_id]
             self.runs = [r for r in self.runs if r.run_id != run_id]
             self.finished = [(r, m) for r, m in self.finished if r.run_id != run_id]
+            self.manifests = [m for m in self.manifests if m.model_id != run_id]
         return doomed
 
     def close(self) -> None:
@@ -164,8 +180,8 @@ class MemoryReader:
 
     def manifest(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The request's latest manifest, or None."""
-        found = [m for run, manifests in self._sink.finished if run.run_id == run_id
-                 for m in manifests if m.request_id == request_id]
+        found = [m for m in self._sink.manifests
+                 if m.model_id == run_id and m.request_id == request_id]
         return found[-1] if found else None
 
     def records(

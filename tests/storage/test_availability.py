@@ -74,7 +74,8 @@ def test_a_run_that_is_not_committed_is_not_available(
     sink.flush()
     h = handle(store, "run", "r")  # every row is there, but the run is still running
     assert not h.available
-    assert h.missing == ("run 'run' is running, not committed",)
+    assert h.missing[0].startswith("run 'run' is running, not committed, and request 'r' "
+                                   "is not committed yet")
     with pytest.raises(IncompleteCaptureError, match="running, not committed"):
         _ = h.logits
     sink.close()  # the process went away without finish_run

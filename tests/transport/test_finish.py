@@ -241,10 +241,12 @@ def test_monitor_reports_finished_requests_one_step_later_and_all_at_stop(make_d
     assert _coverage(sink.records, "a", LOGITS, -1) == [2, 3]
     assert _coverage(sink.records, "b", LOGITS, -1) == [1, 2, 3, 4]
     assert d.t.stats().discarded_logit_rows == 1
-    (_, manifests), = sink.finished
-    by_rid = {m.request_id: m for m in manifests}
+    (_, manifests), = sink.finished  # a was committed when it finished, not at stop
+    assert [(m.request_id, m.committed) for m in manifests] == [("b", False)]
+    by_rid = {m.request_id: m for m in sink.manifests}
     assert by_rid["a"].committed
     assert by_rid["a"].overlap_extra_forward
+    assert (by_rid["a"].prompt_tokens, by_rid["a"].completion_tokens) == (3, 2)
     assert not by_rid["b"].committed
 
 
@@ -448,13 +450,15 @@ def _failing_setup(make_driver, monkeypatch, run_id: str):
     runner = SimpleNamespace(model=model, _dmi_monitor=mon)
     fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
     layout = BatchLayout.extend(["a"], [0], [3])
+    done = [False]
     req = SimpleNamespace(rid="a", origin_input_ids=[1, 2, 3], output_ids=[4],
-                          finished=lambda: True)
+                          finished=lambda: done[0])
     mon.add_requests([req], frozenset())
     mon.begin_forward()  # one forward captured before the failure
     mon.commit_eager(layout)
     d.fire(layout)
     mon.end_forward()
+    done[0] = True  # that forward finished it
     return mon, sink, runner, fb
 
 
@@ -466,7 +470,8 @@ def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
     or after the model's forward (a CaptureError, or any error of the capture's own code
     around it), ends the capture: the forward is served uncaptured (the failed one run
     again when the failure interrupted it), the run is recorded failed with no request
-    complete (on a side thread), the capture points leave the model, later forwards pass
+    complete but one that finished before the failure (on a side thread), the capture
+    points leave the model, later forwards pass
     through, and the status and stop RPCs report why."""
     import threading
 
@@ -498,7 +503,12 @@ def test_a_capture_failure_in_a_server_ends_the_capture_not_the_serving(
     (run, manifests), = sink.finished
     assert run.status.value == "failed"
     assert "store down" in run.error
-    assert [m.committed for m in manifests] == [False]
+    # "a" finished before the failure: a forward that began normally committed it, and
+    # the run's failure leaves that commit alone (its rows were all stored before it);
+    # when the failure came first, the failed run's manifest of it is not committed
+    stored = {m.request_id: m.committed for m in sink.manifests}
+    assert stored == {"a": where != "begin"}
+    assert [m.committed for m in manifests] == ([False] if where == "begin" else [])
     assert runtime_hooks.around_forward(original, runner, fb) == "logits"  # as stock
     with pytest.raises(CaptureError, match=r"failed and was ended .*store down"):
         runtime_hooks.dmi_assert_active(SimpleNamespace())

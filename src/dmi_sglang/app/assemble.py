@@ -54,21 +54,17 @@ def missing(
 ) -> tuple[str, ...]:
     """Why a request's capture is not complete; empty when it is.
 
-    Complete means: the run is committed, the request's manifest is committed, and for
-    every ``(act_name, layer)`` of ``run.captures`` the stored ranges cover every
-    position of :func:`selected_positions`.
+    Complete means: the request's manifest is committed, and for every
+    ``(act_name, layer)`` of ``run.captures`` the stored ranges cover every position of
+    :func:`selected_positions`. A manifest is committed when its request finished
+    cleanly and every row of it was stored (while the run goes on, see
+    ``RecordSink.commit_requests``), or when the run stopped cleanly; so a committed
+    request stays complete whatever becomes of its run later.
     """
     if run is None:
         return (f"run {run_id!r} is not in the store",)
-    if run.status is not RunStatus.COMMITTED:
-        error = f": {run.error}" if run.error else ""
-        return (f"run {run_id!r} is {run.status.value}, not committed{error}",)
-    if manifest is None:
-        return (f"request {request_id!r} of run {run_id!r} has no manifest: the run never "
-                "saw it, or left it out (DMX_REQUEST_SAMPLE, or dmi_capture=False)",)
-    if not manifest.committed:
-        return (f"the manifest of request {request_id!r} is not committed: the request was "
-                "cancelled (aborted) or had not finished when the run stopped",)
+    if manifest is None or not manifest.committed:
+        return (_not_committed(run, request_id, manifest),)
     by_key: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for act, layer, start, end in ranges:
         by_key.setdefault((act, layer), []).append((start, end))
@@ -86,6 +82,23 @@ def missing(
             reasons.append(f"{act} layer {layer}: positions {', '.join(gaps[:4])}{more} "
                            "missing")
     return tuple(reasons)
+
+
+def _not_committed(run: RunInfo, request_id: str, manifest: RequestManifest | None) -> str:
+    """Why a request has no committed manifest, from the run's state."""
+    run_id, status = run.run_id, run.status
+    if status is RunStatus.RUNNING:
+        return (f"run {run_id!r} is running, not committed, and request {request_id!r} is "
+                "not committed yet: it has not finished (or was cancelled), or the run "
+                "leaves it out (DMX_REQUEST_SAMPLE, or dmi_capture=False)")
+    if status is not RunStatus.COMMITTED:
+        error = f": {run.error}" if run.error else ""
+        return f"run {run_id!r} is {status.value}, not committed{error}"
+    if manifest is None:
+        return (f"request {request_id!r} of run {run_id!r} has no manifest: the run never "
+                "saw it, or left it out (DMX_REQUEST_SAMPLE, or dmi_capture=False)")
+    return (f"the manifest of request {request_id!r} is not committed: the request was "
+            "cancelled (aborted) or had not finished when the run stopped")
 
 
 def selected_positions(manifest: RequestManifest, act: str, rule: Positions | None) -> range:

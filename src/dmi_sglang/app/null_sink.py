@@ -21,6 +21,7 @@ class NullSink:
         records_put / bytes_put / batches_put: records, payload bytes and non-empty
             batches handed to ``put``.
         runs_started / runs_finished: ``start_run`` and ``finish_run`` arguments.
+        requests_committed: manifests given to ``commit_requests``.
     """
 
     def __init__(self) -> None:
@@ -30,6 +31,7 @@ class NullSink:
         self.batches_put = 0
         self.runs_started: list[RunInfo] = []
         self.runs_finished: list[RunInfo] = []
+        self.requests_committed = 0
 
     def start_run(self, run: RunInfo) -> None:
         """Remember the run (nothing is stored)."""
@@ -43,6 +45,11 @@ class NullSink:
             self.records_put += len(batch)
             self.bytes_put += batch.nbytes
             self.batches_put += 1
+
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        """Count the manifests (nothing is stored)."""
+        with self._lock:
+            self.requests_committed += len(manifests)
 
     def flush(self) -> None:
         """Nothing to flush."""

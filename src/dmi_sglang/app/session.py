@@ -64,6 +64,9 @@ class _Seen:
     decided: bool = False
     cancelled: bool = False
     """The engine ended it by an abort (kept when its Req is let go)."""
+    committed: bool = False
+    """Its committed manifest went to the transport when it finished (see
+    :meth:`RequestTracker.commit`): the stop writes no other."""
 
 
 def _not_asked(_req: TrackedRequest) -> object:
@@ -277,16 +280,42 @@ class RequestTracker:
             if start + count > seen.last_end:  # noqa: PLR1730
                 seen.last_end = start + count
 
+    def commit(self, run_id: str, request_id: str) -> RequestManifest | None:
+        """The committed manifest of a captured request :meth:`take_finished` just
+        reported, when it finished cleanly (None: cancelled, or not captured); the
+        request's manifest is then left out of :meth:`manifests`."""
+        seen = self._seen.get(request_id)
+        if seen is None or not seen.captured or seen.lengths is None or seen.cancelled:
+            return None
+        if self._decoding is not None:  # its last decode step may be pending (kept)
+            self._fold(self._decoding)
+        seen.committed = True
+        prompt, completion = seen.lengths
+        return self._manifest(run_id, request_id, seen, prompt, completion, committed=True)
+
+    def _manifest(self, run_id: str, rid: str, seen: _Seen, prompt: int, completion: int,
+                  *, committed: bool) -> RequestManifest:
+        return RequestManifest(
+            model_id=run_id,
+            request_id=rid,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            computed_from=min(seen.first_start, prompt),
+            overlap_extra_forward=seen.last_end >= prompt + completion,
+            committed=committed,
+        )
+
     def manifests(self, run_id: str, *, committed: bool) -> list[RequestManifest]:
-        """One manifest per request seen; finished requests only count as complete, and
-        a cancelled one (ended by an abort) never does: its manifest is not committed."""
+        """One manifest per request seen and not committed when it finished (see
+        :meth:`commit`); finished requests only count as complete, and a cancelled one
+        (ended by an abort) never does: its manifest is not committed."""
         if self._decoding is not None:
             self._fold(self._decoding)
             self._decoding = None
         out = []
         for rid, seen in self._seen.items():
             req = seen.req
-            if not seen.captured:
+            if not seen.captured or seen.committed:
                 continue
             if req is not None:
                 prompt, completion = len(req.origin_input_ids), len(req.output_ids)
@@ -295,17 +324,8 @@ class RequestTracker:
                 (prompt, completion), finished = seen.lengths, not seen.cancelled
             else:
                 continue
-            out.append(
-                RequestManifest(
-                    model_id=run_id,
-                    request_id=rid,
-                    prompt_tokens=prompt,
-                    completion_tokens=completion,
-                    computed_from=min(seen.first_start, prompt),
-                    overlap_extra_forward=seen.last_end >= prompt + completion,
-                    committed=committed and finished,
-                )
-            )
+            out.append(self._manifest(run_id, rid, seen, prompt, completion,
+                                      committed=committed and finished))
         return out
 
 
@@ -378,8 +398,9 @@ class SchedulerMonitor:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
         if not self.in_forward():
+            run_id = self.run.run_id
             for rid, end in self.requests.take_finished():
-                self.transport.finish_request(rid, end)
+                self.transport.finish_request(rid, end, self.requests.commit(run_id, rid))
         self._preflighted = None
         return self.protocol.begin()
 

@@ -231,9 +231,12 @@ class CaptureTransport(Protocol):
         """Statistics so far."""
         ...
 
-    def finish_request(self, request_id: str, logits_end: int | None) -> None:
+    def finish_request(self, request_id: str, logits_end: int | None,
+                       manifest: RequestManifest | None = None) -> None:
         """A request finished: its ``final_logits`` rows at positions ``>= logits_end``
-        decided no generated token (None: keep every row)."""
+        decided no generated token (None: keep every row). With ``manifest`` (it
+        finished cleanly), the sink commits the request once every row of it is
+        stored (``RecordSink.commit_requests``), while the run goes on."""
         ...
 
     def drain_counters(self) -> Mapping[str, float]:

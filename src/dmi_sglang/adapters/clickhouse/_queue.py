@@ -130,6 +130,25 @@ class RecordQueue:
             if self._failure is not None:
                 raise self._failure
 
+    def mark(self) -> int:
+        """The index the next batch put gets: :meth:`wait_stored` of it waits for every
+        batch put so far."""
+        with self._cond:
+            return self._next_index
+
+    def wait_stored(self, index: int) -> None:
+        """Block until every batch below ``index`` is stored (without hurrying the
+        writers, unlike :meth:`wait_done`).
+
+        Raises:
+            StoreError: the sink failed before they were.
+        """
+        with self._cond:
+            while self._done_below < index and self._failure is None:
+                self._cond.wait()
+            if self._failure is not None:
+                raise self._failure
+
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:
             raise self._failure

@@ -41,6 +41,7 @@ from dmi_sglang.adapters.clickhouse._client import (
     too_many_parts,
     wire_compression,
 )
+from dmi_sglang.adapters.clickhouse._commits import RequestCommits
 from dmi_sglang.adapters.clickhouse._durable import sync_tree
 from dmi_sglang.adapters.clickhouse._insert import Inserter, InserterFactory, open_inserter
 from dmi_sglang.adapters.clickhouse._live import mark_done, mark_live
@@ -150,6 +151,7 @@ class ClickHouseSink:
         ]
         for t in self._threads:
             t.start()
+        self._commits = RequestCommits(self._queue, self._write_commits)
         log.info("store.opened", url=config.url, table=config.table, writers=len(self._threads))
 
     # -- RecordSink ------------------------------------------------------------------
@@ -186,13 +188,25 @@ class ClickHouseSink:
         if len(batch):
             self._stats.put(batch)
 
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        """Store these committed manifests once every batch put so far is stored (on
+        the sink's commit thread; never blocks).
+
+        Raises:
+            StoreError: the sticky failure, or the sink is closed.
+        """
+        self._raise_if_unusable()
+        self._commits.add(manifests)
+
     def flush(self) -> None:
-        """Block until everything put so far is stored.
+        """Block until everything put so far is stored, and every manifest given to
+        :meth:`commit_requests`.
 
         Raises:
             StoreError: the sticky failure.
         """
         self._queue.wait_done()
+        self._commits.wait_idle()
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
         """Flush, write the manifests and, last, the run's final status; on the
@@ -247,6 +261,7 @@ class ClickHouseSink:
             self._queue.close()
             for t in self._threads:
                 t.join()
+            self._commits.close()
             self._merges.release("sink closed")
             self._close_connections()
             log.info("store.closed", url=self._config.url, writers=len(self._threads),
@@ -415,6 +430,12 @@ class ClickHouseSink:
                 if attempt >= self._retries or not retry:
                     raise
                 time.sleep(min(5.0, self._backoff_s * 2**attempt))
+
+    def _write_commits(self, manifests: Sequence[RequestManifest]) -> None:
+        rows = [manifest_row(m, committed=m.committed) for m in manifests]
+        self._write_control(self._tables.manifest, rows,
+                            f"committing {len(rows)} finished request(s)")
+        log.debug("store.requests_committed", requests=len(rows))
 
     def _record_failed_run(self, run: RunInfo, failure: StoreError) -> None:
         failed = attrs.evolve(

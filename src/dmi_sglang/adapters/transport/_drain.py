@@ -46,6 +46,7 @@ from dmi_sglang.adapters.transport._window import DecodeWindow
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
+from dmi_sglang.domain.records import RequestManifest
 
 __all__ = ["Drain", "DrainItem", "Finish", "coalescable"]
 
@@ -105,13 +106,16 @@ def _window_run(batch: list[DrainItem | Finish], start: int, window_items: set[i
 
 
 class Finish:
-    """A finish notice: where a request's stored request rows end (None: keep all)."""
+    """A finish notice: where a request's stored request rows end (None: keep all), and
+    the request's committed manifest when it finished cleanly (None: no commit)."""
 
-    __slots__ = ("logits_end", "request_id")
+    __slots__ = ("logits_end", "manifest", "request_id")
 
-    def __init__(self, request_id: str, logits_end: int | None) -> None:
+    def __init__(self, request_id: str, logits_end: int | None,
+                 manifest: RequestManifest | None = None) -> None:
         self.request_id = request_id
         self.logits_end = logits_end
+        self.manifest = manifest
 
 
 _STOP = object()
@@ -190,6 +194,9 @@ class Drain:
         are not released yet (after the next settle)."""
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
+        self._commits: list[RequestManifest] = []
+        """Manifests of finished requests whose rows may still wait in the window."""
+        self.committed_requests = 0
         self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
         self.rows = 0
         self.bytes = 0
@@ -240,9 +247,11 @@ class Drain:
         """Hand a sealed item to the drain (never blocks)."""
         self._queue.put(item)
 
-    def finish(self, request_id: str, logits_end: int | None) -> None:
-        """Queue a finish notice, ordered after every item handed over so far."""
-        self._queue.put(Finish(request_id, logits_end))
+    def finish(self, request_id: str, logits_end: int | None,
+               manifest: RequestManifest | None = None) -> None:
+        """Queue a finish notice, ordered after every item handed over so far; with a
+        manifest, the sink commits the request once its last rows were handed over."""
+        self._queue.put(Finish(request_id, logits_end, manifest))
 
     def hurry(self) -> None:
         """Someone waits for ring space: end the current linger now (thread-safe)."""
@@ -345,10 +354,7 @@ class Drain:
             self.gil.check()
             item = batch[n]
             if isinstance(item, Finish):
-                if window is not None and window.has(item.request_id):
-                    window.finish(item.request_id, item.logits_end)
-                else:
-                    self.held.finish(item.request_id, item.logits_end, out)
+                self._finish(item, out)
                 n += 1
                 continue
             if id(item) in window_items:
@@ -385,6 +391,17 @@ class Drain:
         self._release_window_items()
         self.build_cpu_seconds += time.thread_time() - t0
         return out
+
+    def _finish(self, notice: Finish, out: Emitted) -> None:
+        """Apply a finish notice: to the window when rows of the request wait there (at
+        its flush), else to the held rows now; its manifest waits for the next emit."""
+        window = self._window
+        if window is not None and window.has(notice.request_id):
+            window.finish(notice.request_id, notice.logits_end)
+        else:
+            self.held.finish(notice.request_id, notice.logits_end, out)
+        if notice.manifest is not None:
+            self._commits.append(notice.manifest)
 
     def _release_window_items(self) -> None:
         """Release the ring regions of the decode steps queued into the window, once
@@ -463,15 +480,33 @@ class Drain:
         if out.discarded:
             log.debug("request rows discarded", rows=out.discarded, total=self.discarded)
         batches = out.batches_out()
-        if not batches:
+        if batches:
+            t0 = time.perf_counter()
+            for batch in batches:
+                self.gil.check()
+                self._sink.put(batch)
+            self.sink_seconds += time.perf_counter() - t0
+            self.batches += len(batches)
+            self.loose_copied_bytes += out.copied
+            self.records += out.records
+            self.rows += out.rows
+            self.bytes += out.bytes
+        if self._commits:
+            self._commit_finished()
+
+    def _commit_finished(self) -> None:
+        """Hand the sink the manifests of finished requests whose rows all went to it:
+        every item before a request's finish notice was built, so only rows waiting in
+        the decode window (flushed later) are left to wait for."""
+        window = self._window
+        ready = [m for m in self._commits
+                 if window is None or not window.has(m.request_id)]
+        if not ready:
             return
-        t0 = time.perf_counter()
-        for batch in batches:
-            self.gil.check()
-            self._sink.put(batch)
-        self.sink_seconds += time.perf_counter() - t0
-        self.batches += len(batches)
-        self.loose_copied_bytes += out.copied
-        self.records += out.records
-        self.rows += out.rows
-        self.bytes += out.bytes
+        if len(ready) == len(self._commits):
+            self._commits = []
+        else:
+            self._commits = [m for m in self._commits
+                             if window is not None and window.has(m.request_id)]
+        self._sink.commit_requests(ready)
+        self.committed_requests += len(ready)

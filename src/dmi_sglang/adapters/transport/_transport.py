@@ -40,6 +40,7 @@ from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan, make_read_plan
 from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.positions import PositionRule
+from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError
 
@@ -188,6 +189,8 @@ class TorchCaptureTransport:
         self._fp16_overflows = 0
         self._read_programs: dict[int, Program] = {}
         self._reads_per_plan = reads_per_plan
+        self._manifests: dict[str, RequestManifest] = {}
+        """Committed manifests of finished requests whose ``last`` reads wait."""
         self._last_slots = LastSlots(
             selection, shape,
             requests=last_slot_requests(max_requests=opts.max_requests,
@@ -337,7 +340,8 @@ class TorchCaptureTransport:
             self._unusable = True
             self._cond.notify_all()
 
-    def finish_request(self, request_id: str, logits_end: int | None) -> None:
+    def finish_request(self, request_id: str, logits_end: int | None,
+                       manifest: RequestManifest | None = None) -> None:
         """The scheduler saw ``request_id`` finish (or the run is stopping): between steps.
 
         The drain holds back each request's newest ``final_logits`` row, because SGLang's
@@ -352,14 +356,19 @@ class TorchCaptureTransport:
         stop), which first reads the finished requests' rows out of their slots (at
         position ``logits_end - 1``; an unfinished request at stop has none).
 
+        ``manifest`` (a request that finished cleanly) is handed to the sink's
+        ``commit_requests`` once the drain handed it the request's last rows.
+
         Raises:
             CaptureError: the transport stopped or failed (sticky).
         """
         self._check_usable()
         if self._last_slots:
+            if manifest is not None:
+                self._manifests[request_id] = manifest
             self._last_slots.finished(request_id, logits_end)
             return
-        self._drain.finish(request_id, logits_end)
+        self._drain.finish(request_id, logits_end, manifest)
 
     def stop(self) -> TransportStats:
         """Drain everything, flush the sink; terminal and idempotent.
@@ -429,6 +438,7 @@ class TorchCaptureTransport:
             "pinned_buffers_allocated": d.direct_pool.allocated,
             "pinned_buffers_reused": d.direct_pool.reused,
             "held_rows": len(d.held), "lingers": d.lingers,
+            "committed_requests": d.committed_requests,
             "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
         }
 
@@ -457,7 +467,7 @@ class TorchCaptureTransport:
             self._steps += 1
             self._tensors += program.entries
         for rid, end in notices:
-            self._drain.finish(rid, end)
+            self._drain.finish(rid, end, self._manifests.pop(rid, None))
 
     def _program(self, plan: CommitPlan) -> Program:
         last_plan, last_program = self._last

@@ -1,0 +1,90 @@
+"""Per-request commits through the transport: a finished request's manifest reaches the
+sink while the run goes on, after every row of that request, through the decode window
+and the ``last`` rule alike; a cancelled request is never committed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.testing import MemorySink
+
+from .conftest import SHAPE  # type: ignore[import-not-found]
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(range(prompt))
+        self.output_ids: list[int] = []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+class _RecordingSink(MemorySink):
+    """Notes, at each commit, how many records of the request the sink holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_commit: dict[str, int] = {}
+
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        for m in manifests:
+            self.at_commit[m.request_id] = sum(
+                1 for r in self.records if r.request_id == m.request_id)
+        super().commit_requests(manifests)
+
+
+@pytest.mark.parametrize("selection", ["resid_pre,final_logits", "resid_pre:last"])
+@pytest.mark.parametrize("window", [True, False])
+def test_a_finished_request_is_committed_after_its_rows_while_the_run_goes_on(
+        make_driver, selection, window):
+    sink = _RecordingSink()
+    d, _ = make_driver(selection, sink=sink, coalesce_decode=window)
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True, cancelled=lambda req: req.rid == "c")
+    a, b, c = _Req("a", 3), _Req("b", 2), _Req("c", 2)
+
+    def forward(layout: BatchLayout, reqs) -> None:
+        mon.add_requests(reqs, frozenset())
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+        d.step += 1
+
+    forward(BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [3, 2, 2]), [a, b, c])
+    for r in (a, b, c):
+        r.output_ids.append(1)
+    # decode layouts take sequence lengths: the new token's position + 1
+    forward(BatchLayout.decode(["a", "b", "c"], [4, 3, 3]), [a, b, c])
+    forward(BatchLayout.decode(["a", "b", "c"], [5, 4, 4]), [a, b, c])  # a's extra forward
+    a.output_ids.append(2)
+    a.done = True
+    c.done = True  # c ends by an abort (its client went away)
+    for r in (b, c):
+        r.output_ids.append(2)
+    for n in range(6):  # b decodes on; a's commit must come while the run still runs
+        forward(BatchLayout.decode(["b"], [5 + n]), [b])
+    deadline = time.monotonic() + 10
+    while "a" not in sink.at_commit and time.monotonic() < deadline:
+        time.sleep(0.01)  # a decode window flushes on its timeout
+    assert "a" in sink.at_commit, "a finished request must be committed before the stop"
+    assert mon.active
+    mon.stop()
+    a_rows = sum(1 for r in sink.records if r.request_id == "a")
+    assert a_rows > 0
+    assert sink.at_commit["a"] == a_rows
+    committed = {m.request_id: m for m in sink.manifests if m.committed}
+    assert set(committed) == {"a"}  # b never finished, c was cancelled
+    assert committed["a"].overlap_extra_forward
+    assert (committed["a"].prompt_tokens, committed["a"].completion_tokens) == (3, 2)
+    assert {m.request_id for m in sink.manifests if not m.committed} == {"b", "c"}
