@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
-from dmi_sglang.domain.ports import CaptureSession, CaptureSpec, EngineTap
+from dmi_sglang.domain.ports import CaptureReads, CaptureSession, CaptureSpec, EngineTap
 from dmi_sglang.domain.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,12 +62,18 @@ class CaptureFactory(Protocol):
         ...
 
     def open(self, spec: CaptureSpec) -> OpenedCapture:
-        """Open the store, start the run and create the transport.
+        """Open the store, start the run and create the transport (and, with
+        ``spec.read_address``, answer a server's reads of the embedded store there).
 
         Raises:
             StoreError: the store cannot be opened.
             CapacityError: the ring cannot hold one capture tensor.
         """
+        ...
+
+    def serving_reads(self, settings: Settings, read_address: str) -> CaptureReads | None:
+        """A server main process's reads of the run's store (None: nothing stored);
+        the embedded store is read through its owner at ``read_address``."""
         ...
 
 

@@ -208,3 +208,49 @@ def test_every_registered_sglang_adapter_conforms() -> None:
         assert isinstance(adapter, SGLangAdapter)
         assert adapter.sglang_version == version
     assert composition.sglang_adapter("0.5.19") is ADAPTER
+
+
+def test_a_servers_reads_go_through_the_scheduler_that_owns_the_store(tmp_path: Any) -> None:
+    """With a read address (a server's scheduler), the factory's session answers the
+    server's reads of the embedded store it holds: a finished request reads back
+    complete while the run still captures; a store of none has no reads."""
+    import time
+
+    url = f"chdb://{tmp_path / 'store'}"
+    address = f"ipc://{tmp_path}/reads"
+    settings = _settings(dmx_db_url=url)
+    spec = attrs.evolve(_spec(settings), read_address=address)
+    factory = PipelineFactory()
+    opened = factory.open(spec)
+    session = opened.session
+    done = [False]
+    req = SimpleNamespace(rid="r1", origin_input_ids=[1, 2, 3], output_ids=[4],
+                          finished=lambda: done[0])
+    session.add_requests([req], frozenset())
+    session.begin_forward()
+    layout = BatchLayout.extend(["r1"], [0], [3])
+    session.commit_eager(layout)
+    _fire(opened.capturer, spec.selection, layout)
+    session.end_forward()
+    done[0] = True
+    session.begin_forward()  # reports r1 finished: its commit follows its rows
+    session.commit_eager(BatchLayout.extend(["r2"], [0], [2]))
+    _fire(opened.capturer, spec.selection, BatchLayout.extend(["r2"], [0], [2]))
+    session.end_forward()
+    reads = factory.serving_reads(settings, address)
+    assert reads is not None
+    deadline = time.monotonic() + 30
+    listing: dict[str, Any] = {}
+    while not listing.get("complete"):
+        assert time.monotonic() < deadline, listing
+        time.sleep(0.05)
+        try:
+            listing = reads.listing(spec.run.run_id, "r1")
+        except LookupError:  # none of its rows is stored yet
+            continue
+    assert session.active
+    assert [r["status"] for r in reads.runs()] == ["running"]
+    length, pieces = reads.safetensors(spec.run.run_id, "r1")
+    assert len(b"".join(pieces)) == length
+    session.stop()
+    assert factory.serving_reads(_settings(dmx_db_url="none"), address) is None

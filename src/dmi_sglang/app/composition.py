@@ -44,7 +44,7 @@ from dmi_sglang.app.reference import (
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
-from dmi_sglang.domain.ports import CaptureSpec, RecordReader, RunClaims
+from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RecordReader, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.settings import Settings, monitoring_requested
@@ -267,7 +267,42 @@ class PipelineFactory:
             if not started:
                 _release_claim(settings.store(), spec.run.run_id)
             raise
+        if spec.read_address and settings.store().kind is StoreKind.EMBEDDED:
+            serve_store_reads(settings.store(), spec.read_address)
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
+
+    def serving_reads(self, settings: Settings, read_address: str) -> CaptureReads | None:
+        """A server's reads of its store (None: the run stores nothing): through the
+        store's owner at ``read_address`` for the embedded store, directly for a
+        ClickHouse server."""
+        store = settings.store()
+        if store.kind is StoreKind.NONE:
+            return None
+        from dmi_sglang.app.export import StoreReads
+
+        if store.kind is StoreKind.EMBEDDED:
+            from dmi_sglang.adapters.owner import RemoteReader
+
+            remote = RemoteReader(read_address)
+            return StoreReads(lambda: remote)
+        return StoreReads(lambda: reader_for(store))
+
+
+_READ_SERVICES: list[object] = []
+"""The store owner's read services of this process (kept for its lifetime)."""
+
+
+def serve_store_reads(store: StoreConfig, address: str) -> None:
+    """Answer a server's reads of the embedded ``store`` at ``address`` from this
+    process, the store's owner (docs/architecture.md, "Store owner"). A failure to
+    bind leaves serving and capture alone: the server's reads then report the owner
+    silent."""
+    from dmi_sglang.adapters.owner import ReadService
+
+    try:
+        _READ_SERVICES.append(ReadService(reader_for(store), address))
+    except StoreError as exc:
+        log.warning("dmi.reads_not_served", address=address, error=str(exc))
 
 
 # -- SGLang ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 
 __all__ = [
+    "CaptureReads",
     "CaptureSession",
     "CaptureSpec",
     "CaptureTransport",
@@ -42,6 +43,7 @@ __all__ = [
     "ReferenceForward",
     "ReferenceModel",
     "RequestSummary",
+    "RowLayout",
     "RunClaims",
     "TrackedRequest",
     "TransportStats",
@@ -67,6 +69,16 @@ class HookTotal:
     records: int
     rows: int
     bytes: int
+
+
+@attrs.frozen
+class RowLayout:
+    """The dtype and row shape one hook and layer of a request were stored with."""
+
+    act_name: str
+    layer_no: int
+    dtype: str
+    row_shape: tuple[int, ...]
 
 
 @runtime_checkable
@@ -113,12 +125,46 @@ class RecordReader(Protocol):
         without payloads (cheap completeness checks)."""
         ...
 
+    def row_layouts(self, run_id: str, request_id: str) -> Sequence[RowLayout]:
+        """Per stored ``(act_name, layer_no)`` of a request, the dtype and shape of one
+        row, without payloads (an export's header)."""
+        ...
+
     def hook_totals(self, run_id: str) -> Sequence[HookTotal]:
         """Per stored act_name of a run, its footprint, by act_name."""
         ...
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run's records, manifests and run row; returns records deleted."""
+        ...
+
+
+class CaptureReads(Protocol):
+    """**Port**: what a serving process reads back of its store for its HTTP clients,
+    as plain values: JSON-ready listings and a request's captures as a safetensors
+    stream, read piece by piece (memory bounded by one stored record).
+
+    Errors: :class:`LookupError` for a run or request the store does not hold,
+    ``IncompleteCaptureError`` for a capture that is not complete (its listing says
+    why), ``StoreError`` when the store cannot be read.
+    """
+
+    def runs(self) -> list[dict[str, object]]:
+        """Every run of the store, newest first."""
+        ...
+
+    def requests(self, run_id: str) -> list[dict[str, object]]:
+        """The requests a run stored, with their sizes and whether each is complete."""
+        ...
+
+    def listing(self, run_id: str, request_id: str) -> dict[str, object]:
+        """One request: completeness (and why not), lengths, and per tensor its name,
+        hook, layer, dtype, shape and positions."""
+        ...
+
+    def safetensors(self, run_id: str, request_id: str) -> tuple[int, Iterator[bytes]]:
+        """A complete request's captures as one safetensors file: its length in bytes
+        and its pieces in order (the header first; nothing is read until iterated)."""
         ...
 
 
@@ -279,6 +325,7 @@ class CaptureSpec:
         device: the scheduler's device (``"cuda:N"``; ``"cpu"`` in tests).
         max_prefill_tokens: the longest prefill chunk (startup capacity check).
         max_requests: the most requests in one forward (startup capacity check).
+        read_address: see the attribute.
     """
 
     settings: Settings
@@ -289,6 +336,9 @@ class CaptureSpec:
     device: str
     max_prefill_tokens: int
     max_requests: int
+    read_address: str = ""
+    """Where this scheduler, the store's owner, answers a server's reads (an IPC
+    address the server's main process chose); empty: no server reads through it."""
 
 
 @runtime_checkable

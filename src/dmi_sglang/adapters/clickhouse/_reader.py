@@ -24,7 +24,7 @@ from dmi_sglang.adapters.clickhouse._client import (
 from dmi_sglang.adapters.clickhouse._live import is_live
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
-from dmi_sglang.domain.ports import HookTotal, RequestSummary
+from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
 from dmi_sglang.domain.records import (
     STALE_AFTER_S,
     CaptureRecord,
@@ -227,6 +227,19 @@ class ClickHouseReader:
             {"run": run_id, "req": request_id},
         )
         return [(str(a), int(ln), int(s), int(e)) for a, ln, s, e in rows]
+
+    def row_layouts(self, run_id: str, request_id: str) -> list[RowLayout]:
+        """Per stored ``(act_name, layer_no)`` of a request, the dtype and row shape of
+        one of its records (payloads are not read)."""
+        rows = self._query(
+            self._tables.offload,
+            "SELECT act_name, layer_no, any(dtype), any(arraySlice(shape, 2)) FROM {t} "
+            "WHERE model_id = {run:String} AND request_id = {req:String} "
+            "GROUP BY act_name, layer_no ORDER BY act_name, layer_no",
+            {"run": run_id, "req": request_id},
+        )
+        return [RowLayout(str(a), int(ln), str(d), tuple(int(x) for x in shp))
+                for a, ln, d, shp in rows]
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run's records, manifests and run rows; returns records deleted."""

@@ -13,6 +13,7 @@ from dmi_sglang.errors import UnsupportedConfigurationError
 from dmi_sglang.tensor_ports import CaptureFactory
 
 __all__ = [
+    "READS_ADDRESS",
     "STATE",
     "PluginState",
     "pending_problems",
@@ -38,6 +39,10 @@ class PluginState:
 
 STATE = PluginState()
 """This process's plugin state."""
+
+READS_ADDRESS = "DMI_SGLANG_READS"
+"""Set by the HTTP server's main process for the schedulers it starts: the IPC address
+where the store's owner (a scheduler) answers the server's reads of the embedded store."""
 
 
 def pending_problems(*, check_torch: bool) -> list[str]:

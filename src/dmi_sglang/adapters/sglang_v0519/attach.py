@@ -11,6 +11,7 @@ the capture session the runtime hooks drive.
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -117,6 +118,8 @@ def prepare(runner: Any) -> Prepared:
         else str(runner.device),
         max_prefill_tokens=chunk,
         max_requests=max_requests or max(max_bs, 1),
+        read_address=os.environ.get(_state.READS_ADDRESS, "")
+        if int(getattr(runner, "tp_rank", 0) or 0) == 0 else "",
     )
     opened = factory.open(spec)  # a store that cannot open, or a ring too small, fails here
     log.info("dmi.prepared", run_id=run_id, hooks=list(selection.names),

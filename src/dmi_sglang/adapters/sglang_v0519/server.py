@@ -39,7 +39,9 @@ from typing import Any
 import attrs
 import structlog
 
+from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, check_answer
+from dmi_sglang.adapters.sglang_v0519.reads_api import mount_reads
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
@@ -334,6 +336,10 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         control.check()
         checked = True
         mount(_sglang_app(), control)
+        factory = _state.STATE.factory
+        reads = factory.serving_reads(settings, os.environ.get(_state.READS_ADDRESS, "")) \
+            if factory is not None else None
+        mount_reads(_sglang_app(), reads)
         log.info("dmi.serving", run_id=control.run_id, store=control.store_url,
                  status=STATUS_PATH, stop=STOP_PATH)
         return original(server_args, tokenizer_manager, template_manager, port_args,
@@ -405,6 +411,7 @@ def before_launch_server(server_args: Any, *args: Any,
     if problems:
         raise UnsupportedConfigurationError(tuple(problems))
     os.environ[SERVER_MARK] = "1"
+    os.environ[_state.READS_ADDRESS] = _new_read_address()
     slot = 2  # run_detokenizer_process_func, after server_args and two more functions
     if len(args) > slot:
         target = args[slot]
@@ -415,6 +422,15 @@ def before_launch_server(server_args: Any, *args: Any,
         target = kw.get("run_detokenizer_process_func", run_detokenizer_process)
         kw["run_detokenizer_process_func"] = functools.partial(_without_sigint, target)
     return (server_args, *args), kw
+
+
+def _new_read_address() -> str:
+    """An IPC address for the store owner's read channel, in a new directory only this
+    user can enter."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="dmi-reads-")  # mode 0700
+    return f"ipc://{os.path.join(directory, 'reads')}"
 
 
 def _without_sigint(target: Callable[..., Any], *args: Any, **kw: Any) -> Any:

@@ -1,0 +1,127 @@
+"""The server's read-back endpoints: runs, requests and one request's captures over HTTP.
+
+Mounted on SGLang's FastAPI app by the server's main process (``server.around_http_server``)
+before SGLang adds its API-key middleware, so they are protected exactly like the
+server's own API. Every answer comes from a :class:`~dmi_sglang.domain.ports.CaptureReads`
+(the composition root's: the embedded store is read through its owner, the scheduler).
+
+* ``GET /dmi/runs``: every run of the store;
+* ``GET /dmi/runs/{run_id}/requests``: the requests a run stored (rows, bytes, committed);
+* ``GET /dmi/runs/{run_id}/requests/{request_id}``: one request's listing (complete or
+  why not, lengths, and per tensor its name, hook, layer, dtype, shape and positions);
+* ``GET /dmi/runs/{run_id}/requests/{request_id}/safetensors``: a complete request's
+  captures as one safetensors file, streamed piece by piece.
+
+Ids must be well formed (:func:`bad_id`): 400 otherwise. A run or request the store does
+not hold: 404; an incomplete capture's file: 409 with the listing's reasons; a store
+that cannot be read (or an owner that does not answer): 503. Reads run on worker
+threads, never on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import structlog
+
+from dmi_sglang.domain.ports import CaptureReads
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+__all__ = ["MAX_ID_CHARS", "RUNS_PATH", "bad_id", "mount_reads"]
+
+log = structlog.get_logger(__name__)
+
+RUNS_PATH = "/dmi/runs"
+MAX_ID_CHARS = 256
+"""Longest run or request id the endpoints accept."""
+
+
+def bad_id(kind: str, value: str) -> str | None:
+    """Why ``value`` is not a well-formed run or request id (None: it is): 1 to
+    :data:`MAX_ID_CHARS` printable characters, no surrounding blanks."""
+    if not value or len(value) > MAX_ID_CHARS:
+        return f"{kind} must have 1 to {MAX_ID_CHARS} characters, got {len(value)}"
+    if not value.isprintable() or value != value.strip():
+        return (f"{kind} {value!r} is not well formed: printable characters only, no "
+                "leading or trailing blanks")
+    return None
+
+
+def mount_reads(app: Any, reads: CaptureReads | None) -> None:
+    """Add the read-back endpoints to SGLang's FastAPI ``app``; with ``reads`` None
+    (the run stores nothing) each answers 404 saying so."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    def problem(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    async def answer(work: Callable[[], Any], *ids: tuple[str, str]) -> Any:
+        for kind, value in ids:
+            why = bad_id(kind, value)
+            if why:
+                return problem(400, why)
+        if reads is None:
+            return problem(404, "this server's run stores nothing (--db none): there is "
+                                "nothing to read")
+        try:
+            return await asyncio.to_thread(work)
+        except IncompleteCaptureError as exc:  # a LookupError too: first
+            return problem(409, str(exc))
+        except LookupError as exc:
+            return problem(404, str(exc.args[0] if exc.args else exc))
+        except StoreError as exc:
+            log.warning("dmi.read_failed", error=str(exc))
+            return problem(503, str(exc))
+
+    def store() -> CaptureReads:
+        assert reads is not None  # answer() returned 404 before any work otherwise
+        return reads
+
+    async def runs() -> Any:
+        return await answer(lambda: JSONResponse({"runs": store().runs()}))
+
+    async def requests(run_id: str) -> Any:
+        return await answer(
+            lambda: JSONResponse({"run_id": run_id, "requests": store().requests(run_id)}),
+            ("run id", run_id))
+
+    async def listing(run_id: str, request_id: str) -> Any:
+        return await answer(lambda: JSONResponse(store().listing(run_id, request_id)),
+                            ("run id", run_id), ("request id", request_id))
+
+    async def safetensors(run_id: str, request_id: str) -> Any:
+        result = await answer(lambda: store().safetensors(run_id, request_id),
+                              ("run id", run_id), ("request id", request_id))
+        if not isinstance(result, tuple):
+            return result
+        length, pieces = result
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "-._") else "_"
+                       for c in f"{run_id}-{request_id}") + ".safetensors"
+        return StreamingResponse(
+            _off_the_loop(pieces), media_type="application/octet-stream",
+            headers={"Content-Length": str(length),
+                     "Content-Disposition": f'attachment; filename="{name}"'})
+
+    base = RUNS_PATH
+    app.add_api_route(base, runs, methods=["GET"])
+    app.add_api_route(base + "/{run_id}/requests", requests, methods=["GET"])
+    app.add_api_route(base + "/{run_id}/requests/{request_id}", listing, methods=["GET"])
+    app.add_api_route(base + "/{run_id}/requests/{request_id}/safetensors", safetensors,
+                      methods=["GET"])
+
+
+async def _off_the_loop(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """Take each piece on a worker thread (each is a read of the store), so a large
+    export never blocks the server's event loop; a client that goes away stops it."""
+    done = object()
+    while True:
+        try:
+            piece = await asyncio.to_thread(next, pieces, done)
+        except Exception as exc:  # the response has started: the client sees it cut short
+            log.warning("dmi.export_failed", error=repr(exc))
+            raise
+        if piece is done:
+            return
+        yield piece  # type: ignore[misc]

@@ -1,0 +1,225 @@
+"""A serving process's reads of its store for HTTP clients (the ``CaptureReads`` port).
+
+Version-neutral: listings of runs and requests as JSON-ready values, and one complete
+request's captures as a safetensors file built piece by piece. The header is made from
+the run's captures, the request's manifest and one row layout per hook and layer (no
+payload read); then each tensor's rows are read a slice of positions at a time
+(:data:`PIECE_BYTES`), so the memory an export holds is bounded by the stored records
+that one slice overlaps, whatever the request's size.
+
+Tensor names: ``act_name.layer`` for per-layer hooks (``blocks.hook_resid_pre.3``), the
+act_name alone for global ones (``final_logits``). Rows are in position order, one per
+position the listing names (``positions``: ``[start, stop, step]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from dmi_sglang.app.assemble import missing, select_rows, selected_positions
+from dmi_sglang.domain.ports import RecordReader
+from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.shapes import DType
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+__all__ = ["PIECE_BYTES", "StoreReads", "tensor_name"]
+
+PIECE_BYTES = 32 << 20
+"""Rows of at most this many bytes are read and sent at a time (at least one row)."""
+
+_SAFETENSORS_DTYPES = {
+    DType.BFLOAT16: "BF16", DType.FLOAT16: "F16", DType.FLOAT32: "F32",
+    DType.FLOAT64: "F64", DType.INT8: "I8", DType.UINT8: "U8", DType.INT16: "I16",
+    DType.INT32: "I32", DType.INT64: "I64", DType.BOOL: "BOOL",
+}
+
+
+def tensor_name(act_name: str, layer_no: int) -> str:
+    """The export's name of one hook and layer (global hooks have layer -1)."""
+    return act_name if layer_no < 0 else f"{act_name}.{layer_no}"
+
+
+@attrs.frozen
+class _Tensor:
+    """One tensor of an export: a hook and layer's rows at ``positions``."""
+
+    act_name: str
+    layer_no: int
+    dtype: DType
+    row_shape: tuple[int, ...]
+    positions: range
+
+    @property
+    def name(self) -> str:
+        return tensor_name(self.act_name, self.layer_no)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.positions) * self.row_bytes
+
+    def to_json(self) -> dict[str, object]:
+        p = self.positions
+        return {"name": self.name, "hook": self.act_name, "layer": self.layer_no,
+                "dtype": self.dtype.value.removeprefix("torch."),
+                "shape": [len(p), *self.row_shape], "positions": [p.start, p.stop, p.step]}
+
+
+class StoreReads:
+    """:class:`~dmi_sglang.domain.ports.CaptureReads` over a reader (the composition
+    root's reader for the server's store: through the store owner when embedded).
+
+    Args:
+        reader_factory: makes the reader; called once per listing or export.
+    """
+
+    def __init__(self, reader_factory: Callable[[], RecordReader]) -> None:
+        self._factory = reader_factory
+
+    def runs(self) -> list[dict[str, object]]:
+        """Every run of the store, newest first."""
+        reader = self._factory()
+        with reader.session():
+            return [_run_json(run) for run in reader.runs()]
+
+    def requests(self, run_id: str) -> list[dict[str, object]]:
+        """The requests a run stored: rows, payload bytes and whether each is
+        committed.
+
+        Raises:
+            LookupError: the store holds no such run.
+        """
+        reader = self._factory()
+        with reader.session():
+            _require_run(reader, run_id)
+            out: list[dict[str, object]] = []
+            for summary in reader.requests(run_id):
+                manifest = reader.manifest(run_id, summary.request_id)
+                out.append({
+                    "request_id": summary.request_id, "rows": summary.rows,
+                    "bytes": summary.bytes,
+                    "committed": bool(manifest is not None and manifest.committed),
+                })
+            return out
+
+    def listing(self, run_id: str, request_id: str) -> dict[str, object]:
+        """One request: completeness, lengths, and its tensors (see the module).
+
+        Raises:
+            LookupError: the store holds no such run, or nothing of that request.
+        """
+        reader = self._factory()
+        with reader.session():
+            return _listing(reader, run_id, request_id)[0]
+
+    def safetensors(self, run_id: str, request_id: str) -> tuple[int, Iterator[bytes]]:
+        """A complete request's captures as a safetensors file: its length, and its
+        pieces (header first); rows are read as the pieces are taken.
+
+        Raises:
+            LookupError: as :meth:`listing`.
+            IncompleteCaptureError: the capture is not complete (the message says why).
+        """
+        reader = self._factory()
+        with reader.session():
+            listing, tensors = _listing(reader, run_id, request_id)
+        if not listing["complete"]:
+            reasons = "; ".join(str(r) for r in listing["missing"])  # type: ignore[attr-defined]
+            msg = f"request {request_id!r} of run {run_id!r} is not complete: {reasons}"
+            raise IncompleteCaptureError(msg)
+        positions = {t.name: [t.positions.start, t.positions.stop, t.positions.step]
+                     for t in tensors}
+        header: dict[str, object] = {"__metadata__": {
+            "run_id": run_id, "request_id": request_id, "positions": json.dumps(positions)}}
+        offset = 0
+        for t in tensors:
+            header[t.name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype],
+                              "shape": [len(t.positions), *t.row_shape],
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        prefix = len(head).to_bytes(8, "little") + head
+        return len(prefix) + offset, self._pieces(prefix, run_id, request_id, tensors)
+
+    def _pieces(self, prefix: bytes, run_id: str, request_id: str,
+                tensors: list[_Tensor]) -> Iterator[bytes]:
+        yield prefix
+        reader = self._factory()
+        for t in tensors:
+            per_piece = max(1, PIECE_BYTES // max(1, t.row_bytes))
+            for at in range(0, len(t.positions), per_piece):
+                yield _rows(reader, run_id, request_id, t, t.positions[at : at + per_piece])
+
+
+def _rows(reader: RecordReader, run_id: str, request_id: str, t: _Tensor,
+          positions: range) -> bytes:
+    """The rows of ``positions`` (latest copy of each), as one bytes piece."""
+    records = reader.records(run_id, request_id, act_name=t.act_name, layer_no=t.layer_no,
+                             start=positions[0], end=positions[-1] + 1)
+    out = bytearray()
+    row_bytes = t.row_bytes
+    for s in select_rows(records, positions):
+        r = records[s.index]
+        if len(r.payload) != r.rows * row_bytes:
+            msg = (f"{t.act_name} layer {t.layer_no} [{r.start_token_idx}, "
+                   f"{r.end_token_idx}): {len(r.payload)} payload bytes, expected {r.rows} "
+                   f"rows of {row_bytes}")
+            raise StoreError(msg)
+        out += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
+    return bytes(out)
+
+
+def _require_run(reader: RecordReader, run_id: str) -> RunInfo:
+    run = reader.run(run_id)
+    if run is None:
+        msg = f"the store holds no run {run_id!r}"
+        raise LookupError(msg)
+    return run
+
+
+def _listing(reader: RecordReader, run_id: str,
+             request_id: str) -> tuple[dict[str, object], list[_Tensor]]:
+    run = _require_run(reader, run_id)
+    manifest = reader.manifest(run_id, request_id)
+    ranges = reader.ranges(run_id, request_id)
+    if manifest is None and not ranges:
+        msg = f"run {run_id!r} holds nothing of request {request_id!r}"
+        raise LookupError(msg)
+    reasons = missing(run_id, request_id, run, manifest, ranges)
+    tensors = _tensors(reader, run, manifest) if not reasons and manifest else []
+    out: dict[str, object] = {
+        "run_id": run_id, "request_id": request_id, "run_status": run.status.value,
+        "complete": not reasons, "missing": list(reasons),
+        "prompt_tokens": manifest.prompt_tokens if manifest else None,
+        "completion_tokens": manifest.completion_tokens if manifest else None,
+        "tensors": [t.to_json() for t in tensors],
+    }
+    return out, tensors
+
+
+def _tensors(reader: RecordReader, run: RunInfo, manifest: RequestManifest) -> list[_Tensor]:
+    layouts = {(lay.act_name, lay.layer_no): lay
+               for lay in reader.row_layouts(run.run_id, manifest.request_id)}
+    rules = run.position_rules()
+    out: list[_Tensor] = []
+    for act, layer in run.captures:
+        kept = selected_positions(manifest, act, rules.get((act, layer)))
+        layout = layouts.get((act, layer))
+        if layout is None:  # no position to hold: nothing stored, nothing to name
+            continue
+        out.append(_Tensor(act, layer, DType.parse(layout.dtype), layout.row_shape, kept))
+    return out
+
+
+def _run_json(run: RunInfo) -> dict[str, object]:
+    return {"run_id": run.run_id, "status": run.status.value, "model_path": run.model_path,
+            "started_at": run.started_at, "stopped_at": run.stopped_at,
+            "captures": len(run.captures), "error": run.error}

@@ -1,0 +1,110 @@
+"""The server's read-back endpoints on a FastAPI app as SGLang's server builds it (its
+API-key middleware added after the hook mounted them): protection, id checks, the
+answers' codes, and a streamed safetensors body equal to the store's rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from dmi_sglang.app.export import StoreReads
+from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
+from dmi_sglang.errors import StoreError
+from dmi_sglang.testing import MemoryReader, MemorySink
+
+pytestmark = pytest.mark.sglang
+
+RESID = "blocks.hook_resid_pre"
+KEY = {"Authorization": "Bearer sekret"}
+
+
+def _store() -> MemorySink:
+    sink = MemorySink()
+    sink.start_run(RunInfo("run-1", "/m", (), ((RESID, 0),), "2026-12-02T00:00:00Z"))
+    rows = torch.arange(5 * 4, dtype=torch.float32).reshape(5, 4)
+    for rid in ("done", "live"):
+        sink.put(RecordBatch.from_records([CaptureRecord(
+            "run-1", rid, RESID, 0, 0, 0, 5, "torch.float32", (5, 4),
+            rows.numpy().tobytes(), 1)]))
+    sink.commit_requests([RequestManifest("run-1", "done", 3, 3, committed=True)])
+    return sink
+
+
+def _client(reads: Any, api_key: str | None = "sekret") -> Any:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    from dmi_sglang.adapters.sglang_v0519.reads_api import mount_reads
+
+    app = FastAPI()
+    mount_reads(app, reads)
+    if api_key is not None:  # what SGLang's server does after the hook mounted
+        add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
+    return TestClient(app)
+
+
+def test_the_reads_answer_only_with_the_servers_key() -> None:
+    client = _client(StoreReads(lambda: MemoryReader(_store())))
+    for path in ("/dmi/runs", "/dmi/runs/run-1/requests", "/dmi/runs/run-1/requests/done",
+                 "/dmi/runs/run-1/requests/done/safetensors"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.get(path, headers=KEY).status_code == 200, path
+
+
+def test_listings_and_a_streamed_export_equal_the_store() -> None:
+    sink = _store()
+    client = _client(StoreReads(lambda: MemoryReader(sink)))
+    runs = client.get("/dmi/runs", headers=KEY).json()["runs"]
+    assert [(r["run_id"], r["status"]) for r in runs] == [("run-1", "running")]
+    requests = client.get("/dmi/runs/run-1/requests", headers=KEY).json()
+    assert [(r["request_id"], r["committed"]) for r in requests["requests"]] == [
+        ("done", True), ("live", False)]
+    listing = client.get("/dmi/runs/run-1/requests/done", headers=KEY).json()
+    assert listing["complete"] is True
+    assert listing["tensors"] == [{"name": f"{RESID}.0", "hook": RESID, "layer": 0,
+                                   "dtype": "float32", "shape": [5, 4],
+                                   "positions": [0, 5, 1]}]
+    answer = client.get("/dmi/runs/run-1/requests/done/safetensors", headers=KEY)
+    assert answer.status_code == 200
+    assert int(answer.headers["content-length"]) == len(answer.content)
+    assert 'filename="run-1-done.safetensors"' in answer.headers["content-disposition"]
+    got = load_safetensors(answer.content)[f"{RESID}.0"]
+    want = CaptureHandle("run-1", "done", lambda: MemoryReader(sink)).get("resid_pre", 0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("path", "code", "words"), [
+    ("/dmi/runs/run-1/requests/live/safetensors", 409, "not complete"),
+    ("/dmi/runs/run-2/requests/done", 404, "no run 'run-2'"),
+    ("/dmi/runs/run-1/requests/nobody", 404, "nothing of request 'nobody'"),
+    ("/dmi/runs/run-2/requests", 404, "no run"),
+    ("/dmi/runs/" + "r" * 300 + "/requests", 400, "1 to 256 characters, got 300"),
+    ("/dmi/runs/run-1/requests/%20done", 400, "no leading or trailing blanks"),
+    ("/dmi/runs/run-1/requests/do%0Ane", 400, "printable characters only"),
+])
+def test_bad_and_unknown_ids_and_incomplete_captures_get_clear_answers(
+        path: str, code: int, words: str) -> None:
+    client = _client(StoreReads(lambda: MemoryReader(_store())), api_key=None)
+    answer = client.get(path)
+    assert answer.status_code == code
+    assert words in answer.json()["error"]
+
+
+def test_a_store_that_cannot_be_read_answers_503_and_no_store_404() -> None:
+    class Down:
+        def runs(self) -> Any:
+            raise StoreError("the store's owner did not answer runs within 120 s")
+
+    answer = _client(Down(), api_key=None).get("/dmi/runs")
+    assert answer.status_code == 503
+    assert "did not answer" in answer.json()["error"]
+    nothing = _client(None, api_key=None).get("/dmi/runs")
+    assert nothing.status_code == 404
+    assert "stores nothing" in nothing.json()["error"]

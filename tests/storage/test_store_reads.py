@@ -1,0 +1,128 @@
+"""A server's reads of a live embedded store, through the store owner's read channel
+(``adapters.owner``) and the export (``app.export``), on the real embedded engine: the
+owner holds the store and its sink runs while another reader asks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.owner import ReadService, RemoteReader
+from dmi_sglang.app import export
+from dmi_sglang.app.export import StoreReads
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+from ._support import RESID, handle, manifest, records_of, run_info
+
+LOGITS = "final_logits"
+CAPTURES = [(RESID, 0), (RESID, 1), (LOGITS, -1)]
+PROMPT, COMPLETION = 4, 3  # token rows [0, 6), logits rows [3, 6)
+
+
+def _put(sink: ClickHouseSink, rid: str) -> None:
+    for act, layer in CAPTURES:
+        first = PROMPT - 1 if act == LOGITS else 0
+        bounds = [first, PROMPT, PROMPT + 1, PROMPT + 2]
+        dtype = torch.float32 if act == LOGITS else torch.bfloat16
+        t = torch.randn(bounds[-1] - first, 3, 2).to(dtype)
+        sink.put(RecordBatch.from_records(
+            records_of("run", rid, act, layer, t, bounds, base=first)))
+
+
+@pytest.fixture
+def served(open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+           tmp_path: Path) -> Iterator[tuple[StoreReads, ClickHouseSink]]:
+    """A running run with request "done" committed and "live" not, its store read
+    through a read service as a server's main process reads it."""
+    sink = open_sink()
+    sink.start_run(run_info("run", CAPTURES))
+    _put(sink, "done")
+    sink.commit_requests([manifest("run", "done", PROMPT, COMPLETION)])
+    _put(sink, "live")
+    sink.flush()
+    service = ReadService(ClickHouseReader(store), f"ipc://{tmp_path}/reads")
+    remote = RemoteReader(service.address, timeout_s=30)
+    yield StoreReads(lambda: remote), sink
+    service.close()
+
+
+def test_a_committed_request_exports_as_safetensors_equal_to_the_store(
+        served: tuple[StoreReads, ClickHouseSink], store: StoreConfig,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads, _ = served
+    monkeypatch.setattr(export, "PIECE_BYTES", 20)  # a piece of at most 20 B: one row each
+    listing = reads.listing("run", "done")
+    assert listing["complete"] is True
+    assert listing["run_status"] == "running"
+    assert (listing["prompt_tokens"], listing["completion_tokens"]) == (PROMPT, COMPLETION)
+    by_name = {t["name"]: t for t in listing["tensors"]}  # type: ignore[attr-defined]
+    assert by_name[f"{RESID}.1"] == {"name": f"{RESID}.1", "hook": RESID, "layer": 1,
+                                     "dtype": "bfloat16", "shape": [6, 3, 2],
+                                     "positions": [0, 6, 1]}
+    assert by_name[LOGITS]["shape"] == [3, 3, 2]
+    assert by_name[LOGITS]["dtype"] == "float32"
+    length, pieces = reads.safetensors("run", "done")
+    parts = list(pieces)
+    body = b"".join(parts)
+    assert len(body) == length
+    assert len(parts) == 1 + 6 + 6 + 3  # the header, then one row per piece
+    tensors = load_safetensors(body)
+    h = handle(store, "run", "done")
+    assert set(tensors) == set(by_name)
+    for act, layer in CAPTURES:
+        got = tensors[export.tensor_name(act, layer)]
+        assert torch.equal(got, h.get(act, None if layer < 0 else layer))
+    header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])
+    assert header["__metadata__"]["run_id"] == "run"
+    assert json.loads(header["__metadata__"]["positions"])[LOGITS] == [3, 6, 1]
+
+
+def test_an_uncommitted_or_unknown_request_is_not_exported(
+        served: tuple[StoreReads, ClickHouseSink]) -> None:
+    reads, _ = served
+    live = reads.listing("run", "live")
+    assert live["complete"] is False
+    assert "running, not committed" in live["missing"][0]  # type: ignore[index]
+    assert live["tensors"] == []
+    with pytest.raises(IncompleteCaptureError, match="'live' of run 'run' is not complete"):
+        reads.safetensors("run", "live")
+    with pytest.raises(LookupError, match="no run 'nope'"):
+        reads.listing("nope", "done")
+    with pytest.raises(LookupError, match="nothing of request 'other'"):
+        reads.listing("run", "other")
+    with pytest.raises(LookupError):
+        reads.requests("nope")
+
+
+def test_runs_and_requests_are_listed_with_what_is_committed(
+        served: tuple[StoreReads, ClickHouseSink]) -> None:
+    reads, _ = served
+    (run,) = reads.runs()
+    assert (run["run_id"], run["status"], run["captures"]) == ("run", "running", 3)
+    requests = {r["request_id"]: r for r in reads.requests("run")}
+    assert requests["done"]["committed"] is True
+    assert requests["live"]["committed"] is False
+    assert requests["done"]["rows"] == requests["live"]["rows"] == 3 * 3
+
+
+def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(
+        served: tuple[StoreReads, ClickHouseSink], tmp_path: Path) -> None:
+    reads, _ = served
+    assert reads.runs()  # the channel works
+    remote = RemoteReader(f"ipc://{tmp_path}/reads", timeout_s=5)
+    with pytest.raises(StoreError, match="cannot be deleted"):
+        remote.delete_run("run")
+    with pytest.raises(StoreError, match="does not answer 'delete_run'"):
+        remote._call("delete_run", "run")  # what a forged request gets
+    assert remote.run("run") is not None  # still there
+    silent = RemoteReader(f"ipc://{tmp_path}/nobody", timeout_s=0.3)
+    with pytest.raises(StoreError, match=r"did not answer runs within 0.3 s"):
+        silent.runs()
