@@ -84,9 +84,12 @@ def test_flags_win_over_variables_which_win_over_serves_defaults(
     assert os.environ["DMX_MODEL_ID"] == "mine"
     assert os.environ["DMX_DB_URL"] == f"chdb://{tmp_path}/elsewhere"
     assert "0.25 of requests, and those that ask" in capsys.readouterr().out
-    _serve(["--model-path", str(model), "--hooks", "final_ln:last", "--request-sample", "1"])
+    assert os.environ["DMX_STORE_MAX_GB"] == "0"  # no cap unless asked
+    _serve(["--model-path", str(model), "--hooks", "final_ln:last", "--request-sample", "1",
+            "--store-max-gb", "40"])
     assert os.environ["DMX_HOOK_SELECTION"] == "final_ln:last"
     assert float(os.environ["DMX_REQUEST_SAMPLE"]) == 1.0
+    assert os.environ["DMX_STORE_MAX_GB"] == "40"
 
 
 @pytest.mark.parametrize(
@@ -95,8 +98,9 @@ def test_flags_win_over_variables_which_win_over_serves_defaults(
      (["--hooks", "resid_pree"], "--hooks 'resid_pree'"),
      (["--request-sample", "1.5"], "--request-sample '1.5'"),
      (["--db", "bogus://x"], "--db 'bogus://x'"),
-     (["--run-id", "a/b"], "--run-id 'a/b'")],
-    ids=["model", "hooks", "sample", "db", "run-id"],
+     (["--run-id", "a/b"], "--run-id 'a/b'"),
+     (["--store-max-gb", "-1"], "--store-max-gb '-1'")],
+    ids=["model", "hooks", "sample", "db", "run-id", "store-max-gb"],
 )
 def test_serve_checks_its_arguments_before_looking_for_a_gpu(
         args: list[str], words: str, model: Path, clean_env: None,

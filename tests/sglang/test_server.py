@@ -116,7 +116,7 @@ def test_the_plugin_registers_the_server_hook_only_in_the_server(
 def test_the_run_control_checks_stops_once_and_reports(line) -> None:
     """The check names the run; the stop is terminal (a second stop is not sent, it
     answers what the first found); the status after it says stopped, without asking."""
-    control, fake = line([(True, ""), (True, "")])
+    control, fake = line([(True, ""), (True, ""), (True, "")])
     control.check()
     assert control.status().state == "capturing"
     first = control.stop()
@@ -126,7 +126,34 @@ def test_the_run_control_checks_stops_once_and_reports(line) -> None:
     assert control.status() == first
     assert fake.calls == [("dmi_assert_active", {"run_id": "run-s"}),
                           ("dmi_assert_active", {"run_id": "run-s"}),
+                          ("dmi_assert_admitting", {}),
                           ("dmi_stop_monitoring", {})]
+
+
+def test_the_status_says_paused_while_new_requests_are_refused(line) -> None:
+    """The run still captures (and can be stopped), but new requests are not captured:
+    the status says paused, with the schedulers' reason."""
+    refused = "new requests are not captured: the store reached its cap: 10.2 GB of ..."
+    control, fake = line([(True, ""), (False, refused), (True, ""), (True, "")])
+    paused = control.status()
+    assert (paused.state, paused.reason) == ("paused", refused)
+    assert control.status().state == "capturing"
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_assert_admitting"] * 2
+
+
+def test_the_watch_keeps_the_capture_header_fresh(line) -> None:
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import CAPTURE_HEADER
+
+    control, _ = line([(True, ""), (False, "new requests are not captured: disk")] * 500)
+    client = TestClient(_app(control, None))
+    assert client.post("/generate").headers[CAPTURE_HEADER] == "capturing"  # not asked yet
+    control.watch(0.02)
+    deadline = time.monotonic() + 10
+    while control.last_state != "paused" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.post("/generate").headers[CAPTURE_HEADER] == "paused"
 
 
 def test_a_failed_stop_is_reported_failed_with_the_schedulers_reason(line) -> None:
@@ -211,7 +238,7 @@ def test_endpoints_report_stop_and_name_the_run_on_every_response(line) -> None:
 
     from dmi_sglang.adapters.sglang_v0519.server import RUN_HEADER, STATUS_PATH, STOP_PATH
 
-    control, fake = line([(True, ""), (True, ""), (False, "never sent")])
+    control, fake = line([(True, ""), (True, ""), (True, ""), (False, "never sent")])
     client = TestClient(_app(control, None))
     status = client.get(STATUS_PATH)
     assert status.status_code == 200
@@ -224,9 +251,11 @@ def test_endpoints_report_stop_and_name_the_run_on_every_response(line) -> None:
     assert stop.status_code == 200
     assert stop.json()["state"] == "stopped"
     assert stop.headers[RUN_HEADER] == "run-s"
+    assert client.post("/generate").headers["X-DMI-Capture"] == "stopped"
     assert client.post(STOP_PATH).json() == stop.json()
     assert client.get(STATUS_PATH).json()["state"] == "stopped"
-    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_stop_monitoring"]
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_assert_admitting",
+                                          "dmi_stop_monitoring"]
 
 
 def test_a_failed_stop_answers_500(line) -> None:

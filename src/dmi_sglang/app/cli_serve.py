@@ -53,6 +53,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="fraction of all requests captured without asking, chosen by request "
                    f"id; unset: $DMX_REQUEST_SAMPLE, else {SERVE_REQUEST_SAMPLE:g} (only "
                    "requests that ask)")
+    p.add_argument("--store-max-gb", default=None,
+                   help="stop capturing new requests once the store holds this many GB "
+                   "(requests already captured finish; GET /dmi/status says paused); unset: "
+                   "$DMX_STORE_MAX_GB, else no cap (new captures stop anyway while the "
+                   "store's disk has under 2 GB free)")
     p.add_argument("--run-id", default=None, help="capture run id (default: generated)")
     p.add_argument("--db", help="store URL: chdb:///abs/path or http(s)://host:port/db "
                    "(default: $DMX_DB_URL, else embedded ./dmi-captures)")
@@ -123,13 +128,15 @@ def _settings(args: argparse.Namespace) -> Settings:
 
     model = require_model_dir("--model-path", args.model_path)
     flags = {"dmx_hook_selection": args.hooks, "dmx_request_sample": args.request_sample,
-             "dmx_model_id": args.run_id, "dmx_db_url": args.db}
+             "dmx_model_id": args.run_id, "dmx_db_url": args.db,
+             "dmx_store_max_gb": args.store_max_gb}
     defaults = {PREFIX + "HOOK_SELECTION": SERVE_HOOKS,
                 PREFIX + "REQUEST_SAMPLE": f"{SERVE_REQUEST_SAMPLE:g}"}
     env = {**defaults, **{k: v for k, v in os.environ.items() if k.startswith(PREFIX) and v}}
     for flag, key in (("--hooks", "dmx_hook_selection"),
                       ("--request-sample", "dmx_request_sample"),
-                      ("--run-id", "dmx_model_id"), ("--db", "dmx_db_url")):
+                      ("--run-id", "dmx_model_id"), ("--db", "dmx_db_url"),
+                      ("--store-max-gb", "dmx_store_max_gb")):
         value = flags[key]
         if value is None:
             continue

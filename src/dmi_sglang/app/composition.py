@@ -42,6 +42,7 @@ from dmi_sglang.app.reference import (
     reference_run,
 )
 from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.app.store_budget import StoreBudget
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RecordReader, RunClaims
@@ -257,6 +258,8 @@ class PipelineFactory:
                 sample=RequestSample(settings.request_sample),
                 asked=capture_param,
                 cancelled=request_cancelled,
+                gate=StoreBudget(settings.store(), settings.store_max_gb,
+                                 lambda: transport.stats().bytes),
             )
         except BaseException:
             for release in ((transport.stop,) if transport is not None else ()) + (sink.close,):

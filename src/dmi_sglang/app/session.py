@@ -73,6 +73,10 @@ def _not_asked(_req: TrackedRequest) -> object:
     return None
 
 
+def _always_open() -> str | None:
+    return None
+
+
 def _never_cancelled(_req: TrackedRequest) -> bool:
     return False
 
@@ -104,10 +108,16 @@ class RequestTracker:
 
     def __init__(self, sample: RequestSample | None = None,
                  asked: Callable[[TrackedRequest], object] = _not_asked,
-                 cancelled: Callable[[TrackedRequest], bool] = _never_cancelled) -> None:
+                 cancelled: Callable[[TrackedRequest], bool] = _never_cancelled,
+                 gate: Callable[[], str | None] = _always_open) -> None:
         self._sample = sample if sample is not None else RequestSample()
         self._asked = asked
         self._cancelled = cancelled
+        self._gate = gate
+        self.refused_requests = 0
+        """Requests the capture would have taken but the gate refused (store full)."""
+        self.refusal: str | None = None
+        """Why the gate refused the latest new request (None: it did not)."""
         self.cancelled_requests = 0
         """Captured requests the engine ended by an abort: never complete."""
         self._skipped: set[str] = set()
@@ -174,12 +184,26 @@ class RequestTracker:
             known[id(req)] = req
             self._live[rid] = seen
 
+    def gate_refusal(self) -> str | None:
+        """What the store gate says now (None: new requests may be captured)."""
+        return self._gate()
+
     def _decide(self, rid: str, seen: _Seen, req: TrackedRequest) -> None:
         """Capture the request or leave it out, once, before its first planned forward
         (a request whose rows a forward already captured stays captured)."""
         self.seen_requests += 1
         seen.decided = True
         seen.captured = seen.last_end > 0 or self._sample.decide(req.rid, self._asked(req))
+        if seen.captured and seen.last_end == 0:
+            refusal = self._gate()
+            if refusal is not None:
+                seen.captured = False
+                self.refused_requests += 1
+                if self.refusal is None:
+                    log.warning("dmi.capture_paused", reason=refusal)
+            elif self.refusal is not None:
+                log.info("dmi.capture_resumed")
+            self.refusal = refusal
         if seen.captured:
             self.captured_requests += 1
         else:
@@ -344,6 +368,7 @@ class SchedulerMonitor:
         sample: RequestSample | None = None,
         asked: Callable[[TrackedRequest], object] = _not_asked,
         cancelled: Callable[[TrackedRequest], bool] = _never_cancelled,
+        gate: Callable[[], str | None] = _always_open,
     ) -> None:
         self._run = run
         self.selection = selection
@@ -352,7 +377,7 @@ class SchedulerMonitor:
         self.sink = sink
         self.strip = strip
         self.protocol = StepProtocol()
-        self.requests = RequestTracker(sample, asked, cancelled)
+        self.requests = RequestTracker(sample, asked, cancelled, gate)
         self._prompts = self.requests.prompt_length if any(
             rule.needs_prompt for _, _, rule in selection.rules) else None
         self._lock = threading.Lock()
@@ -380,6 +405,12 @@ class SchedulerMonitor:
     def active(self) -> bool:
         """True until the monitor stopped."""
         return not self._stopped
+
+    @property
+    def refusal(self) -> str | None:
+        """Why a new request would not be captured now (the store gate, asked afresh);
+        None while new requests are captured."""
+        return self.requests.gate_refusal() if self.active else None
 
     def add_requests(self, reqs: Iterable[TrackedRequest], unfinished: frozenset[str]) -> None:
         """The worker is about to run a batch of these requests; ``unfinished`` are those
@@ -501,6 +532,7 @@ class SchedulerMonitor:
             seen, captured = self.requests.seen_requests, self.requests.captured_requests
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
                      cancelled=self.requests.cancelled_requests,
+                     refused=self.requests.refused_requests,
                      fraction=round(captured / seen, 4) if seen else None)
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats

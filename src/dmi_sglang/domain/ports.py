@@ -367,6 +367,12 @@ class CaptureSession(Protocol):
         """Requests of the batch about to run whose prompt chunk does not finish it."""
         ...
 
+    @property
+    def refusal(self) -> str | None:
+        """Why new requests are not captured now (the store reached its cap, or its disk
+        runs short); None while they are."""
+        ...
+
     def add_requests(self, reqs: Iterable[TrackedRequest], unfinished: frozenset[str]) -> None:
         """The engine is about to run a batch of these requests."""
         ...

@@ -334,6 +334,7 @@ _VARS: dict[str, _Var] = {
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
+    "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
@@ -379,6 +380,7 @@ class Settings:
     drain_gil_slice_us: int = 200
     plan_tok_s: int | None = None
     request_sample: float = 1.0
+    store_max_gb: int = 0
     gpu_padding_strip: bool = True
     allow_prefix_cache: bool = False
     preload_libstdcxx: str = "auto"

@@ -361,6 +361,17 @@ def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
         raise CaptureError(msg)
 
 
+def dmi_assert_admitting(scheduler: Any) -> None:
+    """RPC: raise (with the reason) while new requests are not captured because the
+    store reached its cap or its disk runs short (the run still captures the requests
+    it took); pass otherwise. Asked after :func:`dmi_assert_active` by the server's
+    status."""
+    mon = _MONITOR
+    refusal = mon.refusal if mon is not None else None
+    if refusal is not None:
+        raise CaptureError(f"new requests are not captured: {refusal}")
+
+
 def dmi_stop_monitoring(scheduler: Any) -> None:
     """RPC: the authoritative flush. Terminal; a failure stays failed (after a capture
     failure in a server it waits a while for the failed run's record, then raises).
@@ -385,6 +396,7 @@ def dmi_stop_monitoring(scheduler: Any) -> None:
 
 SCHEDULER_RPCS: dict[str, Callable[..., None]] = {
     "dmi_assert_active": dmi_assert_active,
+    "dmi_assert_admitting": dmi_assert_admitting,
     "dmi_stop_monitoring": dmi_stop_monitoring,
 }
 """Methods set on ``Scheduler`` so ``Engine.collective_rpc`` reaches them."""

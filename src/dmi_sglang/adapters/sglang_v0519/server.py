@@ -45,6 +45,7 @@ from dmi_sglang.adapters.sglang_v0519.reads_api import mount_reads
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
+    "CAPTURE_HEADER",
     "RUN_HEADER",
     "SERVER_HOOKS",
     "STATUS_PATH",
@@ -67,6 +68,11 @@ STOP_PATH = "/dmi/stop"
 """``POST``: stop the run (durable, terminal); the server goes on serving, uncaptured."""
 RUN_HEADER = "X-DMI-Run-Id"
 """The response header that names the run every response of the server belongs to."""
+CAPTURE_HEADER = "X-DMI-Capture"
+"""The response header with the run's state as last seen (:data:`WATCH_S`): a response
+with anything but ``capturing`` belongs to a request that was not captured."""
+WATCH_S = 2.0
+"""How often the server asks its schedulers for the run's state (for the header)."""
 STOP_WAIT_S = 30.0
 """How long ``POST /dmi/stop`` waits for the stop's outcome before answering ``stopping``."""
 STOP_ANSWER_S = 300.0
@@ -99,7 +105,9 @@ class RunState:
     """What the server knows of its run: the body of ``/dmi/status`` and ``/dmi/stop``.
 
     Attributes:
-        state: ``capturing``; ``stopping`` (the stop is writing what was captured);
+        state: ``capturing``; ``paused`` (new requests are not captured: the store
+            reached its cap or its disk runs short; the reason says which; requests
+            taken before still are); ``stopping`` (the stop is writing what was captured);
             ``stopped`` (durable); ``failed`` (the reason says why; the run is not
             complete); ``unresponsive`` (the schedulers did not answer in time).
         seconds: how long the stop took (stopped / failed by the stop), or has taken so
@@ -139,6 +147,9 @@ class RunControl:
         self._stopper: threading.Thread | None = None
         self._stop_began = 0.0
         self._stopped: RunState | None = None
+        self.last_state = "capturing"
+        """The state the latest status found (what :data:`CAPTURE_HEADER` says)."""
+        self._closed = threading.Event()
 
     @classmethod
     def bind(cls, address: str, run_id: str, store_url: str) -> RunControl:
@@ -182,9 +193,34 @@ class RunControl:
             return self._stop_state() or self._state("unresponsive", str(exc))
         except CaptureError as exc:
             return self._stop_state() or self._state("failed", str(exc))
+        else:
+            return self._stop_state() or self._admitting(deadline)
         finally:
             self._lock.release()
-        return self._stop_state() or self._state("capturing")
+
+    def _admitting(self, deadline: float) -> RunState:
+        """``capturing``, or ``paused`` while new requests are refused (under ``_lock``)."""
+        try:
+            self._exchange(max(0.05, deadline - time.monotonic()), "dmi_assert_admitting")
+        except SchedulerSilentError as exc:
+            return self._state("unresponsive", str(exc))
+        except CaptureError as exc:
+            reason = str(exc).partition("failed in the scheduler: ")[2] or str(exc)
+            return self._state("paused", reason)
+        return self._state("capturing")
+
+    def watch(self, every_s: float = WATCH_S) -> None:
+        """Ask for the run's state every ``every_s`` on a daemon thread (until
+        :meth:`close`), keeping :attr:`last_state` fresh."""
+
+        def loop() -> None:
+            while not self._closed.wait(every_s):
+                try:
+                    self.status()
+                except Exception as exc:  # the header keeps its last value
+                    log.warning("dmi.watch_failed", error=repr(exc))
+
+        threading.Thread(target=loop, name="dmi-watch", daemon=True).start()
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> RunState:
         """Start the stop (the first call only) and wait up to ``wait_s`` for its outcome.
@@ -204,10 +240,15 @@ class RunControl:
     def close(self) -> None:
         """Close the socket, unless a stop still waits on it (closing a zmq socket
         another thread uses is unsafe; the process is ending anyway)."""
+        self._closed.set()
         if self._stopper is not None and self._stopper.is_alive():
             log.warning("dmi.stop_unanswered", run_id=self.run_id)
             return
-        self._socket.close(0)
+        if self._lock.acquire(timeout=5):  # not while the watcher's exchange uses it
+            try:
+                self._socket.close(0)
+            finally:
+                self._lock.release()
 
     def _run_stop(self) -> None:
         """The stop, sent once; it waits for the schedulers' answer however long the
@@ -232,6 +273,7 @@ class RunControl:
 
     def _state(self, state: str, reason: str | None = None,
                seconds: float | None = None) -> RunState:
+        self.last_state = state
         return RunState(self.run_id, self.store_url, state, reason,
                         None if seconds is None else round(seconds, 3))
 
@@ -295,25 +337,31 @@ def mount(app: Any, control: RunControl) -> None:
 
     app.add_api_route(STATUS_PATH, dmi_status, methods=["GET"])
     app.add_api_route(STOP_PATH, dmi_stop, methods=["POST"])
-    app.add_middleware(_RunHeader, run_id=control.run_id)
+    app.add_middleware(_RunHeader, control=control)
 
 
 class _RunHeader:
-    """ASGI middleware: add :data:`RUN_HEADER` to every HTTP response (streamed ones
-    included; pure ASGI, so a client's disconnect still reaches SGLang)."""
+    """ASGI middleware: add :data:`RUN_HEADER` and :data:`CAPTURE_HEADER` to every HTTP
+    response (streamed ones included; pure ASGI, so a client's disconnect still reaches
+    SGLang)."""
 
-    def __init__(self, app: Any, run_id: str) -> None:
+    def __init__(self, app: Any, control: RunControl) -> None:
         self.app = app
-        self.header = (RUN_HEADER.lower().encode("latin-1"), run_id.encode("utf-8"))
+        self.control = control
+        self.header = (RUN_HEADER.lower().encode("latin-1"),
+                       control.run_id.encode("utf-8"))
+        self.capture = CAPTURE_HEADER.lower().encode("latin-1")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        state = (self.capture, self.control.last_state.encode("latin-1"))
 
         async def send_with_header(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                message = {**message,
+                           "headers": [*message.get("headers", []), self.header, state]}
             await send(message)
 
         await self.app(scope, receive, send_with_header)
@@ -336,6 +384,7 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         control.check()
         checked = True
         mount(_sglang_app(), control)
+        control.watch()
         factory = _state.STATE.factory
         reads = factory.serving_reads(settings, os.environ.get(_state.READS_ADDRESS, "")) \
             if factory is not None else None
