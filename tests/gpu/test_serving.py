@@ -108,6 +108,28 @@ class Server:
         except json.JSONDecodeError:
             return status, raw, headers
 
+    def fetch(self, path: str) -> tuple[int, bytes]:
+        """``(status, body bytes)`` of a GET with the key."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def committed_listing(self, rid: str, wait_s: float = 30) -> dict[str, Any]:
+        """A request's listing once it reads complete (per-request commit: while the run
+        still captures), waiting up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            status, out, _ = self.call("GET", f"/dmi/runs/{self.run_id}/requests/{rid}")
+            if status == 200 and out["complete"]:
+                return out  # type: ignore[no-any-return]
+            if time.monotonic() > deadline:
+                pytest.fail(f"{rid} not complete over HTTP after {wait_s} s: {out}")
+            time.sleep(0.5)
+
     def generate(self, rid: str, *, capture: bool | None, stream: bool = False,
                  prompt: str = PROMPT) -> tuple[list[int], dict[str, str]]:
         params: dict[str, Any] = {"temperature": 0, "max_new_tokens": NEW_TOKENS,
@@ -209,6 +231,28 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
 
         server.cancel_stream("cancel-stream")
 
+        # per-request commit and readback over HTTP while the run still captures
+        t0 = time.monotonic()
+        listing = server.committed_listing("cap-native")
+        report["committed_listing_s"] = round(time.monotonic() - t0, 3)
+        assert listing["run_status"] == "running"
+        status, body = server.fetch(f"/dmi/runs/{server.run_id}/requests/cap-native/safetensors")
+        assert status == 200, body[:300]
+        from safetensors.torch import load as load_safetensors
+
+        over_http = load_safetensors(body)
+        assert set(over_http) == {t["name"] for t in listing["tensors"]}
+        report["http_tensors"] = {t["name"]: t["shape"] for t in listing["tensors"]}
+        runs = server.call("GET", "/dmi/runs")[1]["runs"]
+        assert server.run_id in [r["run_id"] for r in runs]
+        listed = server.call("GET", f"/dmi/runs/{server.run_id}/requests")[1]["requests"]
+        assert {r["request_id"] for r in listed} >= {"cap-native", "cap-stream"}
+        base = f"/dmi/runs/{server.run_id}/requests"
+        assert server.fetch(f"{base}/cancel-stream/safetensors")[0] == 409
+        assert server.fetch(f"{base}/nobody")[0] == 404
+        assert server.call("GET", f"{base}/cap-native", key=None)[0] == 401
+        assert headers.get("x-dmi-capture") == "capturing"
+
         assert server.call("GET", "/dmi/status", key=None)[0] == 401
         assert server.call("POST", "/dmi/stop", key="wrong")[0] == 401
         status, out, _ = server.call("GET", "/dmi/status")
@@ -237,6 +281,12 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
     for rid, got in stored["requests"].items():
         assert got["missing"] == [], (rid, got)
         assert got["resid_pre_rows"] == [1, 1, 1, 1], (rid, got)  # serve's default: last
+    from dmi_sglang import open_store
+
+    direct = open_store(f"chdb://{workdir / 'store'}").handle(server.run_id, "cap-native")
+    for t in listing["tensors"]:  # what HTTP returned while running = the store after stop
+        layer = None if t["layer"] < 0 else t["layer"]
+        assert torch.equal(over_http[t["name"]], direct.get(t["hook"], layer)), t["name"]
 
 
 def _one_request_then_signal(workdir: Path, checkpoint: Path, evidence: Evidence, name: str,
