@@ -229,6 +229,22 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
         assert status == 200, out
         assert out["id"] == "cap-chat"
 
+        from openai import OpenAI  # the client users drive OpenAI-compatible servers with
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY)
+        chat = client.chat.completions.create(
+            model=server.model_name, messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"custom_params": {"dmi_capture": True}, "rid": "cap-openai-client",
+                        "ignore_eos": True})
+        assert chat.id == "cap-openai-client"
+        pieces = list(client.completions.create(
+            model=server.model_name, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+            stream=True, extra_body={"custom_params": {"dmi_capture": True},
+                                     "rid": "cap-openai-stream", "ignore_eos": True}))
+        assert len(pieces) > 1
+        assert {p.id for p in pieces} == {"cap-openai-stream"}
+
         server.cancel_stream("cancel-stream")
 
         # per-request commit and readback over HTTP while the run still captures
@@ -277,7 +293,8 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
     assert stored["status"] == "committed"
     cancelled = stored["requests"].pop("cancel-stream")
     assert "not committed" in cancelled["missing"][0], cancelled
-    assert set(stored["requests"]) == {"cap-native", "cap-stream", "cap-openai", "cap-chat"}
+    assert set(stored["requests"]) == {"cap-native", "cap-stream", "cap-openai", "cap-chat",
+                                       "cap-openai-client", "cap-openai-stream"}
     for rid, got in stored["requests"].items():
         assert got["missing"] == [], (rid, got)
         assert got["resid_pre_rows"] == [1, 1, 1, 1], (rid, got)  # serve's default: last
