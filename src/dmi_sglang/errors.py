@@ -14,6 +14,7 @@ __all__ = [
     "DMIError",
     "DMIWarning",
     "IncompleteCaptureError",
+    "NotInStoreError",
     "RunExistsError",
     "SelectionError",
     "StoreError",
@@ -68,6 +69,10 @@ class StoreError(DMIError):
 
 class IncompleteCaptureError(DMIError, LookupError):
     """A request's capture is not complete (not committed, or rows are missing)."""
+
+
+class NotInStoreError(DMIError, LookupError):
+    """The store holds no such run, or nothing of such a request."""
 
 
 class UsageError(DMIError, ValueError):

@@ -184,6 +184,11 @@ class MemoryReader:
                  if m.model_id == run_id and m.request_id == request_id]
         return found[-1] if found else None
 
+    def manifests(self, run_id: str) -> list[RequestManifest]:
+        """The latest manifest of each request of a run, by request id."""
+        latest = {m.request_id: m for m in self._sink.manifests if m.model_id == run_id}
+        return [latest[k] for k in sorted(latest)]
+
     def records(
         self,
         run_id: str,
@@ -200,6 +205,20 @@ class MemoryReader:
                 and (layer_no is None or r.layer_no == layer_no)
                 and (start is None or r.end_token_idx > start)
                 and (end is None or r.start_token_idx < end)]
+
+    def records_within(self, run_id: str, request_id: str, *, act_name: str,
+                       layer_no: int, start: int, end: int) -> list[CaptureRecord]:
+        """The records of one hook and layer overlapping ``[start, end)``, cut to it."""
+        out = []
+        for r in self.records(run_id, request_id, act_name=act_name, layer_no=layer_no,
+                              start=start, end=end):
+            lo, hi = max(start, r.start_token_idx), min(end, r.end_token_idx)
+            row = len(r.payload) // max(1, r.rows)
+            first = lo - r.start_token_idx
+            out.append(attrs.evolve(
+                r, start_token_idx=lo, end_token_idx=hi, shape=(hi - lo, *r.shape[1:]),
+                payload=bytes(memoryview(r.payload)[first * row : (first + hi - lo) * row])))
+        return sorted(out, key=lambda r: (r.start_token_idx, r.seq))
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
         """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""

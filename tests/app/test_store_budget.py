@@ -76,3 +76,14 @@ def test_a_refusing_gate_leaves_new_requests_out_and_keeps_those_captured() -> N
     assert tracker.skipped == frozenset({"b"})  # b stays out, c is taken again
     assert tracker.refusal is None
     assert [m.request_id for m in tracker.manifests("run", committed=False)] == ["a", "c"]
+
+
+def test_a_disk_that_cannot_be_checked_refuses_instead_of_failing_the_run(
+        tmp_path: Path) -> None:
+    def broken(_path: str) -> int:
+        raise FileNotFoundError(2, "No such file or directory", _path)
+
+    budget = StoreBudget(_embedded(tmp_path), 0, lambda: 0, free_bytes=broken)
+    refusal = budget()
+    assert refusal is not None
+    assert "cannot be checked" in refusal

@@ -28,12 +28,26 @@ class Backend:
 
     sink: RecordSink
     reader: Callable[[], RecordReader]
+    deletes: bool = True
+    """The reader deletes runs (a serving process's reads through the owner do not)."""
+    close: Callable[[], None] = lambda: None
 
 
 def _clickhouse(tmp_path: Path) -> Backend:
     config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(tmp_path / "store"),
                          flush_timeout_us=20_000)
     return Backend(ClickHouseSink(config), lambda: ClickHouseReader(config))
+
+
+def _through_owner(tmp_path: Path) -> Backend:
+    """The embedded store read as a server's main process reads it: through the read
+    service of the process that owns the store."""
+    from dmi_sglang.adapters.owner import ReadService, RemoteReader
+
+    made = _clickhouse(tmp_path)
+    service = ReadService(made.reader(), f"ipc://{tmp_path}/reads")
+    remote = RemoteReader(service.address, timeout_s=30)
+    return Backend(made.sink, lambda: remote, deletes=False, close=service.close)
 
 
 def _memory(tmp_path: Path) -> Backend:
@@ -44,6 +58,7 @@ def _memory(tmp_path: Path) -> Backend:
 
 STORE_BACKENDS: dict[str, Callable[[Path], Backend]] = {
     "clickhouse-embedded": _clickhouse,
+    "clickhouse-through-owner": _through_owner,
     "memory": _memory,
 }
 """Backends that store what they are given and read it back."""
@@ -65,6 +80,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     """Each store backend, closed after the test."""
     made = STORE_BACKENDS[request.param](tmp_path)
     yield made
+    made.close()
     _closing(made.sink)
 
 

@@ -254,3 +254,5 @@ def test_a_servers_reads_go_through_the_scheduler_that_owns_the_store(tmp_path: 
     assert len(b"".join(pieces)) == length
     session.stop()
     assert factory.serving_reads(_settings(dmx_db_url="none"), address) is None
+    while composition._READ_SERVICES:
+        composition._READ_SERVICES.pop().close()

@@ -554,3 +554,31 @@ def test_the_hooked_server_functions_take_the_arguments_the_hooks_expect() -> No
         "run_detokenizer_process_func"]
     assert functions["_setup_and_run_http_server"][:4] == [
         "server_args", "tokenizer_manager", "template_manager", "port_args"]
+
+
+def test_the_idle_hook_reports_finished_requests_at_most_every_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang calls ``on_idle`` in a loop while it has no batch: the hook lets the
+    forward stream finish, then asks the monitor to settle, at most every IDLE_EVERY_S."""
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    calls: list[str] = []
+    mon = SimpleNamespace(active=True, idle=lambda: calls.append("idle"))
+    stream = SimpleNamespace(synchronize=lambda: calls.append("sync"))
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(
+        model_runner=SimpleNamespace(forward_stream=stream)))
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
+    runtime_hooks.after_scheduler_on_idle(scheduler)
+    runtime_hooks.after_scheduler_on_idle(scheduler)  # too soon: nothing
+    assert calls == ["sync", "idle"]
+    time.sleep(runtime_hooks.IDLE_EVERY_S)
+    runtime_hooks.after_scheduler_on_idle(scheduler)
+    assert calls == ["sync", "idle"] * 2
+    monkeypatch.setattr(runtime_hooks, "_FAILED", "store down")
+    time.sleep(runtime_hooks.IDLE_EVERY_S)
+    runtime_hooks.after_scheduler_on_idle(scheduler)  # a failed capture: left alone
+    assert calls == ["sync", "idle"] * 2

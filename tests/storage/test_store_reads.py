@@ -5,6 +5,7 @@ owner holds the store and its sink runs while another reader asks."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -123,6 +124,72 @@ def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(
     with pytest.raises(StoreError, match="does not answer 'delete_run'"):
         remote._call("delete_run", "run")  # what a forged request gets
     assert remote.run("run") is not None  # still there
-    silent = RemoteReader(f"ipc://{tmp_path}/nobody", timeout_s=0.3)
-    with pytest.raises(StoreError, match=r"did not answer runs within 0.3 s"):
-        silent.runs()
+    nobody = RemoteReader(f"ipc://{tmp_path}/nobody", timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="no store owner answers reads at"):
+        nobody.runs()
+    assert time.monotonic() - t0 < 5  # at once, not after the timeout
+    import zmq
+
+    mute = zmq.Context.instance().socket(zmq.REP)  # an owner that never answers
+    mute.bind(f"ipc://{tmp_path}/mute")
+    try:
+        with pytest.raises(StoreError, match=r"did not answer runs within 0.3 s"):
+            RemoteReader(f"ipc://{tmp_path}/mute", timeout_s=0.3).runs()
+    finally:
+        mute.close(0)
+
+
+def test_a_request_that_is_not_plain_json_is_refused_unread(
+        served: tuple[StoreReads, ClickHouseSink], tmp_path: Path) -> None:
+    """Nothing a client sends is unpickled: a pickled request (which could run code when
+    loaded) is answered as malformed."""
+    import pickle
+
+    import zmq
+
+    class Boom:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (Path(tmp_path / "pwned").touch, ())  # type: ignore[return-value]
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(f"ipc://{tmp_path}/reads")
+    try:
+        for raw in (pickle.dumps(Boom()), b'{"method": "delete_run", "args": ["run"], '
+                                          b'"kwargs": {}}',
+                    b'{"method": "records", "args": [["x"]], "kwargs": {}}'):
+            sock.send(raw)
+            kind, *rest = pickle.loads(sock.recv())
+            assert kind == "error", rest
+    finally:
+        sock.close(0)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_only_a_private_ipc_address_is_served(tmp_path: Path, store: StoreConfig) -> None:
+    from dmi_sglang.adapters.owner import check_address
+
+    with pytest.raises(StoreError, match="only at ipc:///absolute/path"):
+        check_address("tcp://127.0.0.1:5555")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(StoreError, match="admit no one else"):
+        ReadService(ClickHouseReader(store), f"ipc://{shared}/reads")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert check_address(f"ipc://{private}/reads").endswith("/reads")
+
+
+def test_records_within_cut_the_rows_in_the_store(
+        served: tuple[StoreReads, ClickHouseSink], store: StoreConfig) -> None:
+    reader = ClickHouseReader(store)
+    whole = reader.records("run", "done", act_name=RESID, layer_no=0)
+    cut = reader.records_within("run", "done", act_name=RESID, layer_no=0, start=1, end=5)
+    assert [(r.start_token_idx, r.end_token_idx, r.shape) for r in cut] == [
+        (1, 4, (3, 3, 2)), (4, 5, (1, 3, 2))]
+    prefill = whole[0]  # rows [0, 4): its rows 1..3 are the first cut record's bytes
+    row = len(prefill.payload) // prefill.rows
+    assert cut[0].payload == prefill.payload[row : 4 * row]
+    assert cut[1].payload == whole[1].payload

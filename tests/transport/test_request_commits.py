@@ -88,3 +88,64 @@ def test_a_finished_request_is_committed_after_its_rows_while_the_run_goes_on(
     assert committed["a"].overlap_extra_forward
     assert (committed["a"].prompt_tokens, committed["a"].completion_tokens) == (3, 2)
     assert {m.request_id for m in sink.manifests if not m.committed} == {"b", "c"}
+
+
+@pytest.mark.parametrize("selection", ["resid_pre,final_logits", "resid_pre:last"])
+def test_a_request_that_finished_while_the_engine_idles_is_committed_without_a_forward(
+        make_driver, selection):
+    sink = _RecordingSink()
+    d, _ = make_driver(selection, sink=sink)
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    a = _Req("a", 3)
+    for layout in (BatchLayout.extend(["a"], [0], [3]), BatchLayout.decode(["a"], [4])):
+        mon.add_requests([a], frozenset())
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+        d.step += 1
+        a.output_ids.append(1)
+    a.done = True  # the last batch's result: no forward follows, the engine idles
+    time.sleep(0.3)
+    assert "a" not in sink.at_commit  # nothing reported it yet
+    mon.idle()
+    deadline = time.monotonic() + 10
+    while "a" not in sink.at_commit and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "a" in sink.at_commit
+    assert mon.active
+    mon.stop()
+    assert sink.at_commit["a"] == sum(1 for r in sink.records if r.request_id == "a")
+
+
+def test_a_reused_request_id_is_not_captured_and_the_first_capture_stays(make_driver):
+    sink = _RecordingSink()
+    d, _ = make_driver("resid_pre", sink=sink)
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+
+    def forward(layout: BatchLayout, reqs) -> None:
+        mon.add_requests(reqs, frozenset())
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+        d.step += 1
+
+    first = _Req("a", 3)
+    forward(BatchLayout.extend(["a"], [0], [3]), [first])
+    first.output_ids.append(1)
+    first.done = True
+    second = _Req("a", 5)  # a client sends the id again once the first finished
+    forward(BatchLayout.extend(["a"], [0], [5]), [second])
+    forward(BatchLayout.decode(["a"], [6]), [second])
+    mon.stop()
+    rows = [r for r in sink.records if r.request_id == "a"]
+    assert {(r.start_token_idx, r.end_token_idx) for r in rows} == {(0, 3)}  # the first's
+    assert sink.at_commit["a"] == len(rows)
+    (committed,) = [m for m in sink.manifests if m.request_id == "a"]
+    assert (committed.prompt_tokens, committed.completion_tokens) == (3, 1)
+    assert mon.requests.reused_requests == 1

@@ -291,7 +291,7 @@ class PipelineFactory:
         return StoreReads(lambda: reader_for(store))
 
 
-_READ_SERVICES: list[object] = []
+_READ_SERVICES: list[Any] = []
 """The store owner's read services of this process (kept for its lifetime)."""
 
 
@@ -304,8 +304,8 @@ def serve_store_reads(store: StoreConfig, address: str) -> None:
 
     try:
         _READ_SERVICES.append(ReadService(reader_for(store), address))
-    except StoreError as exc:
-        log.warning("dmi.reads_not_served", address=address, error=str(exc))
+    except Exception as exc:  # best effort: capture and serving go on without reads
+        log.warning("dmi.reads_not_served", address=address, error=repr(exc))
 
 
 # -- SGLang ----------------------------------------------------------------------------

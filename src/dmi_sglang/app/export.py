@@ -4,8 +4,9 @@ Version-neutral: listings of runs and requests as JSON-ready values, and one com
 request's captures as a safetensors file built piece by piece. The header is made from
 the run's captures, the request's manifest and one row layout per hook and layer (no
 payload read); then each tensor's rows are read a slice of positions at a time
-(:data:`PIECE_BYTES`), so the memory an export holds is bounded by the stored records
-that one slice overlaps, whatever the request's size.
+(:data:`PIECE_BYTES`), cut to those rows by the store itself
+(``RecordReader.records_within``), so an export holds about one piece at a time whatever
+the request's or its records' sizes.
 
 Tensor names: ``act_name.layer`` for per-layer hooks (``blocks.hook_resid_pre.3``), the
 act_name alone for global ones (``final_logits``). Rows are in position order, one per
@@ -24,7 +25,7 @@ from dmi_sglang.app.assemble import missing, select_rows, selected_positions
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
-from dmi_sglang.errors import IncompleteCaptureError, StoreError
+from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError, StoreError
 
 __all__ = ["PIECE_BYTES", "StoreReads", "tensor_name"]
 
@@ -94,26 +95,21 @@ class StoreReads:
         committed.
 
         Raises:
-            LookupError: the store holds no such run.
+            NotInStoreError: the store holds no such run.
         """
         reader = self._factory()
         with reader.session():
             _require_run(reader, run_id)
-            out: list[dict[str, object]] = []
-            for summary in reader.requests(run_id):
-                manifest = reader.manifest(run_id, summary.request_id)
-                out.append({
-                    "request_id": summary.request_id, "rows": summary.rows,
-                    "bytes": summary.bytes,
-                    "committed": bool(manifest is not None and manifest.committed),
-                })
-            return out
+            committed = {m.request_id for m in reader.manifests(run_id) if m.committed}
+            return [{"request_id": summary.request_id, "rows": summary.rows,
+                     "bytes": summary.bytes, "committed": summary.request_id in committed}
+                    for summary in reader.requests(run_id)]
 
     def listing(self, run_id: str, request_id: str) -> dict[str, object]:
         """One request: completeness, lengths, and its tensors (see the module).
 
         Raises:
-            LookupError: the store holds no such run, or nothing of that request.
+            NotInStoreError: the store holds no such run, or nothing of that request.
         """
         reader = self._factory()
         with reader.session():
@@ -162,8 +158,9 @@ class StoreReads:
 def _rows(reader: RecordReader, run_id: str, request_id: str, t: _Tensor,
           positions: range) -> bytes:
     """The rows of ``positions`` (latest copy of each), as one bytes piece."""
-    records = reader.records(run_id, request_id, act_name=t.act_name, layer_no=t.layer_no,
-                             start=positions[0], end=positions[-1] + 1)
+    records = reader.records_within(run_id, request_id, act_name=t.act_name,
+                                    layer_no=t.layer_no, start=positions[0],
+                                    end=positions[-1] + 1)
     out = bytearray()
     row_bytes = t.row_bytes
     for s in select_rows(records, positions):
@@ -181,7 +178,7 @@ def _require_run(reader: RecordReader, run_id: str) -> RunInfo:
     run = reader.run(run_id)
     if run is None:
         msg = f"the store holds no run {run_id!r}"
-        raise LookupError(msg)
+        raise NotInStoreError(msg)
     return run
 
 
@@ -192,7 +189,7 @@ def _listing(reader: RecordReader, run_id: str,
     ranges = reader.ranges(run_id, request_id)
     if manifest is None and not ranges:
         msg = f"run {run_id!r} holds nothing of request {request_id!r}"
-        raise LookupError(msg)
+        raise NotInStoreError(msg)
     reasons = missing(run_id, request_id, run, manifest, ranges)
     tensors = _tensors(reader, run, manifest) if not reasons and manifest else []
     out: dict[str, object] = {

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
@@ -71,6 +72,21 @@ class _Seen:
 
 def _not_asked(_req: TrackedRequest) -> object:
     return None
+
+
+def _reference(req: TrackedRequest) -> weakref.ref[TrackedRequest] | int:
+    """A reference to ``req`` that does not keep it alive: a weak one where its class
+    admits it (SGLang's ``Req`` does), else its ``id``."""
+    try:
+        return weakref.ref(req)
+    except TypeError:
+        return id(req)
+
+
+def _refers_to(held: weakref.ref[TrackedRequest] | int | None, req: TrackedRequest) -> bool:
+    if held is None:
+        return False
+    return held() is req if isinstance(held, weakref.ref) else held == id(req)
 
 
 def _always_open() -> str | None:
@@ -127,6 +143,13 @@ class RequestTracker:
         out for :data:`_LEAVING_ROUNDS` more rounds (a batch built before a request
         finished may still forward it)."""
         self._round = 0
+        self._recent: collections.deque[tuple[int, str]] = collections.deque()
+        """Requests reported finished in the last :data:`_LEAVING_ROUNDS` rounds (a batch
+        built before one finished may forward that same Req object once more)."""
+        self._recent_reqs: dict[str, weakref.ref[TrackedRequest] | int] = {}
+        """... by id: a weak reference to (or the ``id`` of) the finished Req object."""
+        self.reused_requests = 0
+        """Requests that came with the id of a finished one (not captured)."""
         self.seen_requests = 0
         """Requests seen so far."""
         self.captured_requests = 0
@@ -174,8 +197,13 @@ class RequestTracker:
             seen = self._seen.get(rid)
             if seen is None:
                 seen = self._seen[rid] = _Seen(req, 1 << 62, 0)
-            elif seen.notified:  # finished (the overlap scheduler's extra forward): known
+            elif seen.notified:
                 self._batch = ()  # hold no finished Req
+                if not _refers_to(self._recent_reqs.get(rid), req):  # a new request
+                    self._refuse_reused(rid)
+                continue  # the overlap scheduler's extra forward of a finished request
+            elif seen.req is not None and seen.req is not req:  # its finish not taken yet
+                self._refuse_reused(rid)
                 continue
             else:
                 seen.req = req
@@ -187,6 +215,18 @@ class RequestTracker:
     def gate_refusal(self) -> str | None:
         """What the store gate says now (None: new requests may be captured)."""
         return self._gate()
+
+    def _refuse_reused(self, rid: str) -> None:
+        """A request arrived with the id of one that finished (SGLang admits an id again
+        once its request finished): it is not captured, so the finished request's
+        capture, committed under that id, never changes."""
+        if rid in self._skipped:
+            return
+        log.warning("dmi.request_id_reused", request_id=rid,
+                    why="a request of that id finished already; this one is not captured")
+        self.reused_requests += 1
+        self._skipped.add(rid)
+        self._skip = frozenset(self._skipped)
 
     def _decide(self, rid: str, seen: _Seen, req: TrackedRequest) -> None:
         """Capture the request or leave it out, once, before its first planned forward
@@ -232,6 +272,8 @@ class RequestTracker:
         from its batch (SGLang's ``filter_batch``) before the batch runs again, so an
         unchanged batch means the finishes it brought were taken already."""
         self._round += 1
+        while self._recent and self._recent[0][0] <= self._round - _LEAVING_ROUNDS:
+            self._recent_reqs.pop(self._recent.popleft()[1], None)
         if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
             while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
                 self._skipped.discard(self._leaving.popleft()[1])
@@ -248,6 +290,8 @@ class RequestTracker:
         for rid, req in done:
             seen = self._live.pop(rid)
             seen.notified = True
+            self._recent.append((self._round, rid))
+            self._recent_reqs[rid] = _reference(req)
             seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
             self._note_cancelled(seen, req)
             seen.req = None
@@ -307,15 +351,20 @@ class RequestTracker:
     def commit(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The committed manifest of a captured request :meth:`take_finished` just
         reported, when it finished cleanly (None: cancelled, or not captured); the
-        request's manifest is then left out of :meth:`manifests`."""
+        request's manifest is then left out of :meth:`manifests`. Call
+        :meth:`fold_pending` first (once for all the requests of one report)."""
         seen = self._seen.get(request_id)
         if seen is None or not seen.captured or seen.lengths is None or seen.cancelled:
             return None
-        if self._decoding is not None:  # its last decode step may be pending (kept)
-            self._fold(self._decoding)
         seen.committed = True
         prompt, completion = seen.lengths
         return self._manifest(run_id, request_id, seen, prompt, completion, committed=True)
+
+    def fold_pending(self) -> None:
+        """Fold the newest decode layout into the requests' positions (kept as the
+        newest: folding twice changes nothing); :meth:`commit` reads them."""
+        if self._decoding is not None:
+            self._fold(self._decoding)
 
     def _manifest(self, run_id: str, rid: str, seen: _Seen, prompt: int, completion: int,
                   *, committed: bool) -> RequestManifest:
@@ -429,11 +478,27 @@ class SchedulerMonitor:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
         if not self.in_forward():
-            run_id = self.run.run_id
-            for rid, end in self.requests.take_finished():
-                self.transport.finish_request(rid, end, self.requests.commit(run_id, rid))
+            self._report_finished()
         self._preflighted = None
         return self.protocol.begin()
+
+    def _report_finished(self) -> None:
+        """Hand the requests that finished since the last call to the transport, each
+        with its committed manifest when it finished cleanly."""
+        finished = self.requests.take_finished()
+        if finished:
+            run_id = self.run.run_id
+            self.requests.fold_pending()
+            for rid, end in finished:
+                self.transport.finish_request(rid, end, self.requests.commit(run_id, rid))
+
+    def idle(self) -> None:
+        """The engine has no batch to run: report what finished with the last one, and
+        let the transport queue what waits for a commit (see the port)."""
+        if self._stopped or self.in_forward():
+            return
+        self._report_finished()
+        self.transport.settle()
 
     def in_forward(self) -> bool:
         """True between :meth:`begin_forward` and :meth:`end_forward`."""

@@ -59,7 +59,8 @@ class StoreBudget:
         self._stored = stored_bytes
         self._free = free_bytes or _free_bytes
         self._clock = clock
-        self.base_bytes = directory_bytes(store.path) if self._embedded and self._cap else 0
+        self.base_bytes = (directory_bytes(store.path)
+                           if self._embedded and self._cap and store.path else 0)
         """The embedded store's size when the run began (counted when capped)."""
         self._at = -REFRESH_S
         self._answer: str | None = None
@@ -77,7 +78,11 @@ class StoreBudget:
                                 f"DMX_STORE_MAX_GB={self._cap / _GB:g}")
                 return self._answer
         if self._embedded:
-            free = self._free(self._path)
+            try:
+                free = self._free(self._path)
+            except OSError as exc:  # the store's directory is gone or unreadable: refuse
+                self._answer = f"the store's disk cannot be checked: {exc}"
+                return self._answer
             if free < MIN_FREE_BYTES:
                 self._answer = (f"the store's disk has {free / _GB:,.1f} GB free, below "
                                 f"{MIN_FREE_BYTES / _GB:,.1f} GB")

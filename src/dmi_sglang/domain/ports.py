@@ -106,6 +106,10 @@ class RecordReader(Protocol):
         """The request's manifest, or None when the run never wrote one."""
         ...
 
+    def manifests(self, run_id: str) -> Sequence[RequestManifest]:
+        """The latest manifest of each request of a run that has one."""
+        ...
+
     def records(
         self,
         run_id: str,
@@ -118,6 +122,13 @@ class RecordReader(Protocol):
     ) -> Sequence[CaptureRecord]:
         """Stored records of a request, optionally of one hook / layer, optionally only
         those overlapping positions ``[start, end)``; superseded copies included."""
+        ...
+
+    def records_within(self, run_id: str, request_id: str, *, act_name: str,
+                       layer_no: int, start: int, end: int) -> Sequence[CaptureRecord]:
+        """The records of one hook and layer overlapping positions ``[start, end)``,
+        each cut to that range (only those rows' bytes are read back): an export's
+        memory is bounded by the range, not by the records' sizes."""
         ...
 
     def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:
@@ -144,7 +155,7 @@ class CaptureReads(Protocol):
     as plain values: JSON-ready listings and a request's captures as a safetensors
     stream, read piece by piece (memory bounded by one stored record).
 
-    Errors: :class:`LookupError` for a run or request the store does not hold,
+    Errors: ``NotInStoreError`` for a run or request the store does not hold,
     ``IncompleteCaptureError`` for a capture that is not complete (its listing says
     why), ``StoreError`` when the store cannot be read.
     """
@@ -277,6 +288,11 @@ class CaptureTransport(Protocol):
         """Statistics so far."""
         ...
 
+    def settle(self) -> None:
+        """Between steps, with no forward to follow soon: hand finish notices that wait
+        for the next commit (the ``last`` rule's slot reads) to the drain now."""
+        ...
+
     def finish_request(self, request_id: str, logits_end: int | None,
                        manifest: RequestManifest | None = None) -> None:
         """A request finished: its ``final_logits`` rows at positions ``>= logits_end``
@@ -365,6 +381,11 @@ class CaptureSession(Protocol):
     @property
     def unfinished(self) -> frozenset[str]:
         """Requests of the batch about to run whose prompt chunk does not finish it."""
+        ...
+
+    def idle(self) -> None:
+        """The engine has no batch to run: report the requests that finished since the
+        last forward (their commits need not wait for another forward)."""
         ...
 
     @property

@@ -64,8 +64,8 @@ class RequestCommits:
         """
         if not manifests:
             return
-        index = self._queue.mark()
-        with self._cond:
+        with self._cond:  # marks and appends in one order, whoever calls
+            index = self._queue.mark()
             if self._failure is not None:
                 raise self._failure
             if self._closing:

@@ -171,6 +171,16 @@ class ClickHouseReader:
         )
         return manifest_from_row(rows[0]) if rows else None
 
+    def manifests(self, run_id: str) -> list[RequestManifest]:
+        """The latest manifest of each request of a run that has one, by request id."""
+        rows = self._query(
+            self._tables.manifest,
+            "SELECT * FROM {t} WHERE model_id = {run:String} "
+            "ORDER BY request_id, version DESC LIMIT 1 BY request_id",
+            {"run": run_id},
+        )
+        return [manifest_from_row(r) for r in rows]
+
     def records(
         self,
         run_id: str,
@@ -215,6 +225,34 @@ class ClickHouseReader:
                 seq=int(q),
             )
             for m, r, a, ln, sr, s, e, d, shp, p, q in rows
+        ]
+
+    def records_within(self, run_id: str, request_id: str, *, act_name: str,
+                       layer_no: int, start: int, end: int) -> list[CaptureRecord]:
+        """The records of one hook and layer overlapping ``[start, end)``, cut to it in
+        the query (``substring`` of the payload): only those rows come back."""
+        sql = (
+            "SELECT model_id, request_id, act_name, layer_no, shard_rank, "
+            "greatest(start_token_idx, {start:Int64}) AS s, "
+            "least(end_token_idx, {end:Int64}) AS e, dtype, "
+            "arrayConcat([e - s], arraySlice(shape, 2)) AS cut_shape, "
+            "substring(bytes, 1 + (s - start_token_idx) * intDiv(length(bytes), "
+            "end_token_idx - start_token_idx), (e - s) * intDiv(length(bytes), "
+            "end_token_idx - start_token_idx)) AS cut, seq FROM {t} "
+            "WHERE model_id = {run:String} AND request_id = {req:String} "
+            "AND act_name = {act:String} AND layer_no = {layer:Int32} "
+            "AND end_token_idx > {start:Int64} AND start_token_idx < {end:Int64} "
+            "AND end_token_idx > start_token_idx ORDER BY s, seq"
+        )
+        params = {"run": run_id, "req": request_id, "act": act_name, "layer": layer_no,
+                  "start": start, "end": end}
+        rows = self._query(self._tables.offload, sql, params, column_formats={"cut": "bytes"})
+        return [
+            CaptureRecord(model_id=m, request_id=r, act_name=a, layer_no=int(ln),
+                          shard_rank=int(sr), start_token_idx=int(st), end_token_idx=int(e),
+                          dtype=d, shape=tuple(int(x) for x in shp), payload=bytes(p),
+                          seq=int(q))
+            for m, r, a, ln, sr, st, e, d, shp, p, q in rows
         ]
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:

@@ -6,6 +6,11 @@ IPC socket, on its own thread of the owner; :class:`RemoteReader` is the reader 
 process uses. See :mod:`._reads`.
 """
 
-from dmi_sglang.adapters.owner._reads import READ_TIMEOUT_S, ReadService, RemoteReader
+from dmi_sglang.adapters.owner._reads import (
+    READ_TIMEOUT_S,
+    ReadService,
+    RemoteReader,
+    check_address,
+)
 
-__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader"]
+__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader", "check_address"]

@@ -3,20 +3,25 @@
 The owner (today a server's scheduler, which holds the embedded store while its run
 captures) runs a :class:`ReadService`: a daemon thread with a REP socket bound at an
 ``ipc://`` address (the server makes it in a directory only its user can enter).
-Each request names one read-only ``RecordReader`` method and its arguments; the thread
-calls it on a reader of its own (several clients of one process may hold the embedded
-store at once) and answers the result, or the error's kind and message. Queries run off
-the scheduler's thread; the engine's query work runs outside the GIL.
+Each request is JSON naming one read-only ``RecordReader`` method and its arguments
+(strings, integers, null): nothing in a request is ever unpickled. The thread calls the
+method on a reader of its own (several clients of one process may hold the embedded store
+at once) and answers the result pickled, or the error's kind and message. Queries run off
+the scheduler's thread (the Python side of an answer, converting and pickling the rows it
+returns, still takes the owner's GIL: reads are bounded pieces, see ``app.export``).
 
 :class:`RemoteReader` is the ``RecordReader`` of the other process: one short-lived REQ
 socket per call (thread-safe, and a lost answer cannot be taken for the next one's),
-bounded by :data:`READ_TIMEOUT_S`. Answers are pickled: both ends are this library in
-processes of one server, and the socket's directory admits no other user.
+bounded by :data:`READ_TIMEOUT_S`; a missing owner fails at once. It unpickles the owner's
+answers: the owner is a process of the same server, and only ``ipc://`` addresses in a
+directory of this user's alone are served (:func:`check_address`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import pickle
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,28 +33,56 @@ from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary, Row
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
 
-__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader"]
+__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader", "check_address"]
 
 log = structlog.get_logger(__name__)
 
-READ_TIMEOUT_S = 120.0
+READ_TIMEOUT_S = 30.0
 """Longest a remote read waits for the owner's answer."""
 
-_METHODS = frozenset({"runs", "run", "requests", "manifest", "records", "ranges",
-                      "row_layouts", "hook_totals"})
+_METHODS = frozenset({"runs", "run", "requests", "manifest", "manifests", "records",
+                      "records_within", "ranges", "row_layouts", "hook_totals"})
 """The reader methods the service answers (reads only: no delete)."""
+_SEND_TIMEOUT_MS = 1000
+
+
+def check_address(address: str) -> str:
+    """``address`` itself when it is an ``ipc://`` path whose directory belongs to this
+    user and admits no one else.
+
+    Raises:
+        StoreError: any other address (named, with what is accepted).
+    """
+    path = address.removeprefix("ipc://")
+    directory = os.path.dirname(path)
+    if not address.startswith("ipc://") or not os.path.isabs(path):
+        msg = (f"store reads are served only at ipc:///absolute/path addresses, got "
+               f"{address!r}")
+        raise StoreError(msg)
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        msg = f"the directory of the read address {address!r} is missing: {exc}"
+        raise StoreError(msg) from exc
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        msg = (f"the directory of the read address {address!r} must belong to this user "
+               f"and admit no one else (mode {oct(st.st_mode & 0o777)})")
+        raise StoreError(msg)
+    return address
 
 
 class ReadService:
     """Answers reads of ``reader`` at ``address`` on a daemon thread.
 
     Raises:
-        StoreError: the address cannot be bound (another owner holds it).
+        StoreError: the address is refused (:func:`check_address`) or cannot be bound
+            (another owner holds it).
     """
 
     def __init__(self, reader: RecordReader, address: str) -> None:
         import zmq
 
+        check_address(address)
         self._reader = reader
         self.address = address
         self._socket: Any = zmq.Context.instance().socket(zmq.REP)
@@ -79,28 +112,46 @@ class ReadService:
         poller.register(self._socket, zmq.POLLIN)
         try:
             while not self._closed.is_set():
-                if not poller.poll(200):
-                    continue
-                request = self._socket.recv()
-                self._socket.send(self._answer(request))
-                self.answered += 1
-        except Exception as exc:  # the channel is gone: readers get timeouts, serving goes on
-            log.error("dmi.reads_failed", error=repr(exc))
+                try:
+                    if not poller.poll(200):
+                        continue
+                    request = self._socket.recv()
+                    self._socket.send(self._answer(request))
+                    self.answered += 1
+                except zmq.ZMQError as exc:  # one exchange lost; the channel goes on
+                    log.error("dmi.read_exchange_failed", error=repr(exc))
         finally:
             self._socket.close()
 
     def _answer(self, request: bytes) -> bytes:
         try:
-            method, args, kwargs = pickle.loads(request)  # both ends are ours (module docstring)
-            if method not in _METHODS:
-                msg = f"the store owner does not answer {method!r}"
-                raise StoreError(msg)
+            method, args, kwargs = _parse(request)
             with self._reader.session():
                 result = getattr(self._reader, method)(*args, **kwargs)
             return pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             kind = "store" if isinstance(exc, StoreError) else type(exc).__name__
             return pickle.dumps(("error", kind, str(exc)))
+
+
+def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
+    """A request's method and arguments: JSON of plain values only.
+
+    Raises:
+        StoreError: not such a request, or a method the owner does not answer.
+    """
+    try:
+        body = json.loads(request)
+        method, args, kwargs = body["method"], body["args"], body["kwargs"]
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"not a store read request: {exc}"
+        raise StoreError(msg) from None
+    plain = (str, int, type(None))
+    if (method not in _METHODS or not isinstance(args, list) or not isinstance(kwargs, dict)
+            or not all(isinstance(v, plain) for v in (*args, *kwargs.values()))):
+        msg = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
+        raise StoreError(msg)
+    return method, args, kwargs
 
 
 class RemoteReader:
@@ -121,15 +172,25 @@ class RemoteReader:
 
         socket: Any = zmq.Context.instance().socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # no owner listening: the send fails at once
         socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-        socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        request = json.dumps({"method": method, "args": list(args), "kwargs": kwargs})
         try:
             socket.connect(self.address)
-            socket.send(pickle.dumps((method, args, kwargs)))
-            answer = pickle.loads(socket.recv())  # both ends are ours (module docstring)
-        except zmq.Again as exc:
-            msg = (f"the store's owner did not answer {method} within "
-                   f"{self._timeout_ms / 1000:g} s ({self.address})")
+            try:
+                socket.send(request.encode())
+            except zmq.Again as exc:
+                msg = f"no store owner answers reads at {self.address}"
+                raise StoreError(msg) from exc
+            try:
+                answer = pickle.loads(socket.recv())  # the owner is ours (module docstring)
+            except zmq.Again as exc:
+                msg = (f"the store's owner did not answer {method} within "
+                       f"{self._timeout_ms / 1000:g} s ({self.address})")
+                raise StoreError(msg) from exc
+        except zmq.ZMQError as exc:
+            msg = f"reading through the store's owner at {self.address!r} failed: {exc}"
             raise StoreError(msg) from exc
         finally:
             socket.close()
@@ -157,12 +218,23 @@ class RemoteReader:
         """The request's manifest, or None."""
         return self._call("manifest", run_id, request_id)  # type: ignore[no-any-return]
 
+    def manifests(self, run_id: str) -> Sequence[RequestManifest]:
+        """The latest manifest of each request of a run."""
+        return self._call("manifests", run_id)  # type: ignore[no-any-return]
+
     def records(self, run_id: str, request_id: str, *, act_name: str | None = None,
                 layer_no: int | None = None, start: int | None = None,
                 end: int | None = None) -> Sequence[CaptureRecord]:
         """Stored records of a request, filtered as the port says."""
         return self._call(  # type: ignore[no-any-return]
             "records", run_id, request_id, act_name=act_name, layer_no=layer_no,
+            start=start, end=end)
+
+    def records_within(self, run_id: str, request_id: str, *, act_name: str,
+                       layer_no: int, start: int, end: int) -> Sequence[CaptureRecord]:
+        """The records of one hook and layer overlapping ``[start, end)``, cut to it."""
+        return self._call(  # type: ignore[no-any-return]
+            "records_within", run_id, request_id, act_name=act_name, layer_no=layer_no,
             start=start, end=end)
 
     def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:

@@ -118,8 +118,7 @@ def prepare(runner: Any) -> Prepared:
         else str(runner.device),
         max_prefill_tokens=chunk,
         max_requests=max_requests or max(max_bs, 1),
-        read_address=os.environ.get(_state.READS_ADDRESS, "")
-        if int(getattr(runner, "tp_rank", 0) or 0) == 0 else "",
+        read_address=_read_address(runner),
     )
     opened = factory.open(spec)  # a store that cannot open, or a ring too small, fails here
     log.info("dmi.prepared", run_id=run_id, hooks=list(selection.names),
@@ -139,3 +138,13 @@ def attach(runner: Any, prepared: Prepared) -> CaptureSession:
         raise CaptureError(msg)
     log.info("dmi.attached", run_id=prepared.spec.run.run_id, capture_points=len(installed))
     return prepared.opened.session
+
+
+def _read_address(runner: Any) -> str:
+    """Where this scheduler answers its server's store reads: the address the server's
+    main process chose, in a server's first tensor-parallel rank only (empty: none)."""
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
+
+    if os.environ.get(SERVER_MARK) != "1" or int(getattr(runner, "tp_rank", 0) or 0) != 0:
+        return ""
+    return os.environ.get(_state.READS_ADDRESS, "")

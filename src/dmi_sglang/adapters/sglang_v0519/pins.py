@@ -89,6 +89,7 @@ PINNED_SIGNATURES: Mapping[str, tuple[str, ...] | None] = {
     f"{_RUN}.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph": (*_SELF, *_FB),
     "sglang.srt.managers.scheduler:Scheduler": None,
     "sglang.srt.managers.scheduler:Scheduler.handle_shutdown": (*_SELF, "recv_req"),
+    "sglang.srt.managers.scheduler:Scheduler.on_idle": _SELF,
     "sglang.srt.entrypoints.engine:Engine.collective_rpc": (*_SELF, "method", "**kwargs"),
     "sglang.srt.server_args:ServerArgs.check_server_args": _SELF,
     "sglang.srt.server_args:ServerArgs.resolve_once": _SELF,

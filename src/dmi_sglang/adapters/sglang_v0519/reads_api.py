@@ -12,29 +12,36 @@ server's own API. Every answer comes from a :class:`~dmi_sglang.domain.ports.Cap
 * ``GET /dmi/runs/{run_id}/requests/{request_id}/safetensors``: a complete request's
   captures as one safetensors file, streamed piece by piece.
 
-Ids must be well formed (:func:`bad_id`): 400 otherwise. A run or request the store does
-not hold: 404; an incomplete capture's file: 409 with the listing's reasons; a store
-that cannot be read (or an owner that does not answer): 503. Reads run on worker
-threads, never on the server's event loop.
+Ids must be well formed (:func:`bad_id`): 400 otherwise; an id holding ``/`` cannot be
+named in a path (read such a request with ``dmi-sglang show`` or ``open_store``). A
+run or request the store does not hold: 404; an incomplete capture's file: 409 with the
+listing's reasons; a store that cannot be read (or an owner that does not answer): 503.
+Reads run on worker threads of their own (:data:`READ_WORKERS`), never on the server's
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import structlog
 
 from dmi_sglang.domain.ports import CaptureReads
-from dmi_sglang.errors import IncompleteCaptureError, StoreError
+from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError, StoreError
 
 __all__ = ["MAX_ID_CHARS", "RUNS_PATH", "bad_id", "mount_reads"]
 
 log = structlog.get_logger(__name__)
 
 RUNS_PATH = "/dmi/runs"
+"""The root of the read-back endpoints."""
 MAX_ID_CHARS = 256
+READ_WORKERS = 4
+"""Reads in flight at once; more wait (the store's owner answers one at a time anyway)."""
 """Longest run or request id the endpoints accept."""
 
 
@@ -63,14 +70,14 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
             if why:
                 return problem(400, why)
         if reads is None:
-            return problem(404, "this server's run stores nothing (--db none): there is "
-                                "nothing to read")
+            return problem(404, "this server's run stores nothing (--db none), or its "
+                                "capture is not set up: there is nothing to read")
         try:
-            return await asyncio.to_thread(work)
-        except IncompleteCaptureError as exc:  # a LookupError too: first
+            return await asyncio.get_running_loop().run_in_executor(_pool(), work)
+        except IncompleteCaptureError as exc:
             return problem(409, str(exc))
-        except LookupError as exc:
-            return problem(404, str(exc.args[0] if exc.args else exc))
+        except NotInStoreError as exc:
+            return problem(404, str(exc))
         except StoreError as exc:
             log.warning("dmi.read_failed", error=str(exc))
             return problem(503, str(exc))
@@ -112,13 +119,21 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
                       methods=["GET"])
 
 
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The read-back's own threads: a slow or silent store never takes the threads of
+    the server's default executor (which SGLang and the status and stop endpoints use)."""
+    return concurrent.futures.ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="dmi-read")
+
+
 async def _off_the_loop(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
     """Take each piece on a worker thread (each is a read of the store), so a large
     export never blocks the server's event loop; a client that goes away stops it."""
     done = object()
     while True:
         try:
-            piece = await asyncio.to_thread(next, pieces, done)
+            piece = await asyncio.get_running_loop().run_in_executor(
+                _pool(), next, pieces, done)
         except Exception as exc:  # the response has started: the client sees it cut short
             log.warning("dmi.export_failed", error=repr(exc))
             raise

@@ -9,6 +9,7 @@ which is what a broken capture must do (SGLang's wrappers have no try/except).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -340,6 +341,34 @@ def before_scheduler_shutdown(scheduler: Any, *args: Any, **kw: Any) -> None:
             log.error("dmi.stop_at_shutdown_failed", run_id=mon.run.run_id, error=repr(exc))
 
 
+IDLE_EVERY_S = 0.05
+"""Shortest time between two idle settlements (SGLang may call ``on_idle`` in a tight
+loop while requests wait for memory)."""
+_last_idle = 0.0
+
+
+def after_scheduler_on_idle(scheduler: Any, *args: Any, **kw: Any) -> None:
+    """AFTER ``Scheduler.on_idle`` (no batch to run): requests that finished with the
+    last batch are reported and committed now, not at the next request's forward."""
+    global _last_idle  # noqa: PLW0603 - one monitor per scheduler process, by design
+    del args, kw
+    mon = _MONITOR
+    if mon is None or not mon.active or _FAILED is not None:
+        return
+    now = time.monotonic()
+    if now - _last_idle < IDLE_EVERY_S:
+        return
+    _last_idle = now
+    runner = scheduler.tp_worker.model_runner
+    try:
+        stream = getattr(runner, "forward_stream", None)
+        if stream is not None:
+            stream.synchronize()  # idle: the last forward's slot writes are done (at once)
+        mon.idle()
+    except Exception as exc:  # any failure of the capture's own code: as in a forward
+        _serve_on_or_raise(runner, mon, exc)
+
+
 # -- RPC methods added to Scheduler ----------------------------------------------------
 def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
     """RPC: raise unless this scheduler monitors (for ``run_id`` when given)."""
@@ -412,5 +441,6 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
+    ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
 )
 """``(target, hook type, function)`` registered with SGLang's HookRegistry."""

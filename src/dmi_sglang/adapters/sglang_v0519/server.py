@@ -147,8 +147,7 @@ class RunControl:
         self._stopper: threading.Thread | None = None
         self._stop_began = 0.0
         self._stopped: RunState | None = None
-        self.last_state = "capturing"
-        """The state the latest status found (what :data:`CAPTURE_HEADER` says)."""
+        self._last_state = "capturing"
         self._closed = threading.Event()
 
     @classmethod
@@ -208,6 +207,13 @@ class RunControl:
             reason = str(exc).partition("failed in the scheduler: ")[2] or str(exc)
             return self._state("paused", reason)
         return self._state("capturing")
+
+    @property
+    def last_state(self) -> str:
+        """What :data:`CAPTURE_HEADER` says: the stop's state once a stop began, else the
+        state the latest status found."""
+        known = self._stop_state()
+        return known.state if known is not None else self._last_state
 
     def watch(self, every_s: float = WATCH_S) -> None:
         """Ask for the run's state every ``every_s`` on a daemon thread (until
@@ -273,7 +279,7 @@ class RunControl:
 
     def _state(self, state: str, reason: str | None = None,
                seconds: float | None = None) -> RunState:
-        self.last_state = state
+        self._last_state = state
         return RunState(self.run_id, self.store_url, state, reason,
                         None if seconds is None else round(seconds, 3))
 
@@ -400,6 +406,7 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
             watchdog = resolution_result(server_args, "watchdog_timeout")
             control.stop(float(watchdog) if watchdog else STOP_ANSWER_S)
         control.close()
+        _remove_read_address(os.environ.get(_state.READS_ADDRESS, ""))
 
 
 def _children_running(children: Iterable[Any] | None = None) -> bool:
@@ -480,6 +487,15 @@ def _new_read_address() -> str:
 
     directory = tempfile.mkdtemp(prefix="dmi-reads-")  # mode 0700
     return f"ipc://{os.path.join(directory, 'reads')}"
+
+
+def _remove_read_address(address: str) -> None:
+    """Remove the read channel's socket directory (made by :func:`_new_read_address`)."""
+    import shutil
+
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if address.startswith("ipc://") and os.path.basename(directory).startswith("dmi-reads-"):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _without_sigint(target: Callable[..., Any], *args: Any, **kw: Any) -> Any:

@@ -327,6 +327,11 @@ class LastSlots:
         self._flipped = None
         self._began = False
 
+    @property
+    def pending(self) -> bool:
+        """Finish notices wait for :meth:`take_reads`."""
+        return bool(self._pending)
+
     def finished(self, request_id: str, logits_end: int | None) -> None:
         """A finish notice, held until :meth:`take_reads` (the transport orders it after
         the read of the request's row)."""

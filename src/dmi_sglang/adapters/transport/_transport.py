@@ -340,6 +340,23 @@ class TorchCaptureTransport:
             self._unusable = True
             self._cond.notify_all()
 
+    def settle(self) -> None:
+        """Between steps, no forward soon (the scheduler is idle): queue the ``last``
+        rule's reads of finished requests and their notices now instead of at the next
+        commit. The caller made sure the device finished the forwards that wrote the
+        slots (on the forward stream).
+
+        Raises:
+            CaptureError: the transport stopped or failed (sticky).
+        """
+        self._check_usable()
+        if self._last_slots and self._last_slots.pending and self._writer.open is None:
+            try:
+                self._read_finished(self._last_seq)
+            except CaptureError as exc:
+                self._fail(exc, "settle")
+                raise
+
     def finish_request(self, request_id: str, logits_end: int | None,
                        manifest: RequestManifest | None = None) -> None:
         """The scheduler saw ``request_id`` finish (or the run is stopping): between steps.
