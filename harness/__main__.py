@@ -8,7 +8,8 @@ import sys
 
 COMMANDS = {"qualify": "harness.qualify", "serving": "harness.serving",
             "hooks": "harness.micro_hooks", "transport": "harness.micro_transport",
-            "store": "harness.micro_store", "profile": "harness.profile", "docs": "harness.docs"}
+            "store": "harness.micro_store", "profile": "harness.profile", "docs": "harness.docs",
+            "serve-load": "harness.serve_load"}
 
 
 LEGACY = {

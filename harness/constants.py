@@ -57,3 +57,68 @@ They apply to the reference workload only (:data:`TARGET_WORKLOAD`)."""
 TARGET_WORKLOAD = {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128}
 """The workload the targets are stated for, with at least :data:`TARGET_MIN_SECONDS`."""
 TARGET_MIN_SECONDS = 30.0
+
+# -- serve-load (python -m harness serve-load) -----------------------------------------------
+DEFAULT_MODES = ("resid_pre:last", "hidden-states")
+"""Hook selections measured unless ``--modes`` says otherwise."""
+NUM_PROMPTS = 320
+"""bench_serving requests per server."""
+INPUT_LEN = 256
+"""bench_serving's ``--random-input-len`` (the longest prompt)."""
+OUTPUT_LEN = 128
+"""bench_serving's ``--random-output-len`` (the longest output)."""
+RANGE_RATIO = 0.5
+"""bench_serving's ``--random-range-ratio``: lengths drawn from [ratio x len, len]."""
+MAX_CONCURRENCY = 64
+"""bench_serving's concurrent clients."""
+CANCEL_SHARE = 0.1
+"""Cancelled requests, as a share of ``--num-prompts``."""
+CANCEL_WORKERS = 4
+"""Concurrent clients of the cancelling client."""
+CANCEL_EVENTS = 3
+"""Streamed events a cancelled request reads before its client closes the connection."""
+CANCEL_NEW_TOKENS = 1024
+"""``max_new_tokens`` of a cancelled request (it must still be running when closed)."""
+CANCEL_INTERVAL_S = 0.2
+"""Pause of each cancelling client between its requests."""
+SUBSET_PROMPTS = 8
+"""Requests of the deterministic subset, sent one at a time."""
+SUBSET_NEW_TOKENS = 32
+"""``max_new_tokens`` of each subset request (greedy, ``ignore_eos``)."""
+SUBSET_MIN_LEN = 16
+"""Prompt length of the first subset request; each next one is :data:`SUBSET_LEN_STEP`
+longer."""
+SUBSET_LEN_STEP = 8
+WARMUP_REQUESTS = 16
+"""Concurrent warm-up requests before the bench (Triton compiles, CUDA graphs touched)."""
+WARMUP_NEW_TOKENS = 16
+MEM_FRACTION = 0.3
+"""``--mem-fraction-static`` of every server (one server at a time on the GPU)."""
+SERVER_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
+                "--mem-fraction-static", str(MEM_FRACTION), "--disable-radix-cache",
+                "--disable-prefill-cuda-graph", "--log-level", "warning")
+"""SGLang flags of every server. The two settings monitoring forces for selections that
+keep every position (radix cache and prefill CUDA graphs off) are given to all, so that
+stock and monitored servers run the same configuration whatever the mode."""
+START_S = 300.0
+"""Longest server start (a cold Triton cache took ~150 s on the H200, a warm one ~35 s)."""
+EXIT_S = 90.0
+"""Longest wait for a server's exit after SIGINT before its process group is killed."""
+HTTP_S = 120.0
+"""Timeout of one HTTP call."""
+STOP_WAIT_S = 180.0
+"""Longest wait for ``POST /dmi/stop`` to reach ``stopped``."""
+BENCH_S = 400.0
+"""Longest bench_serving run (the deadline bounds it further)."""
+BENCH_MAIN_WAIT_S = 120.0
+"""Longest wait for bench_serving's main run before the cancelling client starts anyway."""
+BENCH_READY_S = 60
+"""bench_serving's ``--ready-check-timeout-sec``."""
+START_WARM_EST_S = 45.0
+"""Estimated start of a server once the Triton cache is warm (deadline planning)."""
+MODE_TAIL_EST_S = 40.0
+"""Estimated stop, readback, exit and direct read of one monitored server."""
+RESERVE_S = 20.0
+"""Seconds kept free before the deadline for stopping servers and writing the JSON."""
+COMMIT_WAIT_S = 10.0
+"""Longest serve-load waits for a finished request to read complete over HTTP."""

@@ -14,6 +14,7 @@ from dmi_sglang.tensor_ports import CaptureFactory
 
 __all__ = [
     "READS_ADDRESS",
+    "SERVER_MARK",
     "STATE",
     "PluginState",
     "pending_problems",
@@ -40,6 +41,9 @@ class PluginState:
 STATE = PluginState()
 """This process's plugin state."""
 
+SERVER_MARK = "DMI_SGLANG_SERVER"
+"""Set to ``1`` by the HTTP server's main process for the schedulers it starts: there a
+capture failure ends the capture, not the serving (``runtime_hooks.around_forward``)."""
 READS_ADDRESS = "DMI_SGLANG_READS"
 """Set by the HTTP server's main process for the schedulers it starts: the IPC address
 where the store's owner (a scheduler) answers the server's reads of the embedded store."""

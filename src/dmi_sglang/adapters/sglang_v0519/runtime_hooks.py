@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
+from dmi_sglang.adapters.sglang_v0519._state import SERVER_MARK
 from dmi_sglang.domain.ports import CaptureSession
 from dmi_sglang.domain.settings import (
     Settings,
@@ -30,9 +31,6 @@ __all__ = ["HOOKS", "SCHEDULER_RPCS", "SERVER_MARK", "current_monitor"]
 
 log = structlog.get_logger(__name__)
 
-SERVER_MARK = "DMI_SGLANG_SERVER"
-"""Set to ``1`` by the HTTP server's main process for the schedulers it starts: there a
-capture failure ends the capture, not the serving (see :func:`around_forward`)."""
 
 _MONITOR: CaptureSession | None = None
 _FAILED: str | None = None
