@@ -572,13 +572,13 @@ def test_the_idle_hook_reports_finished_requests_at_most_every_interval(
     monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
     monkeypatch.setattr(runtime_hooks, "_FAILED", None)
     monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
-    runtime_hooks.after_scheduler_on_idle(scheduler)
-    runtime_hooks.after_scheduler_on_idle(scheduler)  # too soon: nothing
+    runtime_hooks.after_scheduler_on_idle(None, scheduler)
+    runtime_hooks.after_scheduler_on_idle(None, scheduler)  # too soon: nothing
     assert calls == ["sync", "idle"]
     time.sleep(runtime_hooks.IDLE_EVERY_S)
-    runtime_hooks.after_scheduler_on_idle(scheduler)
+    runtime_hooks.after_scheduler_on_idle(None, scheduler)
     assert calls == ["sync", "idle"] * 2
     monkeypatch.setattr(runtime_hooks, "_FAILED", "store down")
     time.sleep(runtime_hooks.IDLE_EVERY_S)
-    runtime_hooks.after_scheduler_on_idle(scheduler)  # a failed capture: left alone
+    runtime_hooks.after_scheduler_on_idle(None, scheduler)  # a failed capture: left alone
     assert calls == ["sync", "idle"] * 2

@@ -345,11 +345,11 @@ loop while requests wait for memory)."""
 _last_idle = 0.0
 
 
-def after_scheduler_on_idle(scheduler: Any, *args: Any, **kw: Any) -> None:
+def after_scheduler_on_idle(result: Any, scheduler: Any, *args: Any, **kw: Any) -> None:
     """AFTER ``Scheduler.on_idle`` (no batch to run): requests that finished with the
     last batch are reported and committed now, not at the next request's forward."""
     global _last_idle  # noqa: PLW0603 - one monitor per scheduler process, by design
-    del args, kw
+    del result, args, kw
     mon = _MONITOR
     if mon is None or not mon.active or _FAILED is not None:
         return
