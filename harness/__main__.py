@@ -1,4 +1,5 @@
-"""``python -m harness COMMAND ...``: qualify, serving, hooks, transport, store, profile, docs."""
+"""``python -m harness COMMAND ...``: qualify, serving, serve-load, hooks, transport, store,
+profile, docs."""
 
 from __future__ import annotations
 

@@ -835,8 +835,10 @@ class Server:
 
 
 def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) -> Json:
-    """POST a streamed ``/generate`` and close the connection after ``events`` events:
-    ``cancelled``; ``finished`` when the stream ended first; ``error`` otherwise."""
+    """POST a streamed ``/generate``, close the connection after ``events`` events and
+    cancel the request with SGLang's ``POST /abort_request`` (SGLang 0.5.19 does not abort
+    a streamed request whose client went away: on the H200 such requests ran to their
+    end): ``cancelled``; ``finished`` when the stream ended first; ``error`` otherwise."""
     req = urllib.request.Request(
         server.url + "/generate", method="POST", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **auth_headers(server.api_key)})
@@ -850,7 +852,9 @@ def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) 
                 seen += line.startswith(b"data: {")
     except Exception as exc:  # a refused or broken stream is this request's outcome
         return {"rid": body["rid"], "outcome": "error", "events": seen, "error": repr(exc)}
-    return {"rid": body["rid"], "outcome": "cancelled", "events": seen}
+    abort = server.answer("POST", "/abort_request", {"rid": body["rid"]}, timeout_s=timeout_s)
+    return {"rid": body["rid"], "outcome": "cancelled", "events": seen,
+            "abort_status": abort["status"]}
 
 
 class Canceller:
@@ -882,7 +886,9 @@ class Canceller:
                 self._next += 1
             if i >= len(self.prompts):
                 return
-            body = generate_body(self.prompts[i], f"cancel-{i}", CANCEL_NEW_TOKENS, stream=True)
+            # fixed width: SGLang aborts every request whose id starts with the one named
+            body = generate_body(self.prompts[i], f"cancel-{i:05d}", CANCEL_NEW_TOKENS,
+                                 stream=True)
             outcome = stream_and_close(self.server, body, CANCEL_EVENTS, HTTP_S)
             with self._lock:
                 self.outcomes.append(outcome)
@@ -1599,7 +1605,7 @@ class FakeHandler(BaseHTTPRequestHandler):
             self._send(200, save(tensors), "application/octet-stream")
 
     def do_POST(self) -> None:
-        """``/generate`` (plain and streamed) and ``/dmi/stop``."""
+        """``/generate`` (plain and streamed), ``/abort_request`` and ``/dmi/stop``."""
         if not self._authorized():
             self._send(401, {"error": "unauthorized"})
             return
@@ -1610,6 +1616,8 @@ class FakeHandler(BaseHTTPRequestHandler):
                              "seconds": self.state.stop_s})
         elif self.path == "/generate":
             self._generate(body)
+        elif self.path == "/abort_request":  # the closed stream was marked unfinished
+            self._send(200, {})
         else:
             self._send(404, {"error": f"no route {self.path}"})
 

@@ -7,7 +7,8 @@ Run on the H200 machine with the GPU kit::
 One server (``--api-key``, decode CUDA graphs, a generated Qwen3 checkpoint) serves
 native ``/generate`` (plain and streamed) and OpenAI ``/v1/completions`` and
 ``/v1/chat/completions`` requests, some asking to be captured through
-``custom_params``, one streamed and cancelled by its client; then ``POST /dmi/stop``,
+``custom_params``, one streamed and cancelled by its client (``/abort_request``); then
+``POST /dmi/stop``,
 more requests (served, not captured), and SIGINT. A second server is stopped by SIGTERM
 (SGLang's drain, then its shutdown request to the schedulers), a third by SIGINT to its
 whole process group (a terminal's Ctrl-C) with no stop before. Checks: every response
@@ -161,7 +162,11 @@ class Server:
             events = 0
             while events < 2:
                 events += resp.readline().startswith(b"data: {")
-        time.sleep(1)  # the server notices the closed connection and aborts the request
+        # SGLang 0.5.19 lets a streamed request whose client went away run to its end (seen
+        # on the H200): a client cancels with its abort endpoint
+        status, out, _ = self.call("POST", "/abort_request", {"rid": rid})
+        assert status == 200, out
+        time.sleep(1)  # the scheduler ends it at its next step
 
     def stop_with(self, sig: int, *, group: bool = False) -> float:
         """Send ``sig`` to the server (``group``: to its whole process group, as a
@@ -264,7 +269,8 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
         listed = server.call("GET", f"/dmi/runs/{server.run_id}/requests")[1]["requests"]
         assert {r["request_id"] for r in listed} >= {"cap-native", "cap-stream"}
         base = f"/dmi/runs/{server.run_id}/requests"
-        assert server.fetch(f"{base}/cancel-stream/safetensors")[0] == 409
+        # aborted: never served as complete (under :last it may have stored nothing: 404)
+        assert server.fetch(f"{base}/cancel-stream/safetensors")[0] in (404, 409)
         assert server.fetch(f"{base}/nobody")[0] == 404
         assert server.call("GET", f"{base}/cap-native", key=None)[0] == 401
         assert headers.get("x-dmi-capture") == "capturing"
@@ -291,8 +297,8 @@ def test_serve_captures_what_requests_ask_and_stops_durably(workdir: Path, check
     report["store"] = stored
     evidence("serve-sigint", report)
     assert stored["status"] == "committed"
-    cancelled = stored["requests"].pop("cancel-stream")
-    assert "not committed" in cancelled["missing"][0], cancelled
+    cancelled = stored["requests"].pop("cancel-stream", None)  # under :last: maybe no row
+    assert cancelled is None or "not committed" in cancelled["missing"][0], cancelled
     assert set(stored["requests"]) == {"cap-native", "cap-stream", "cap-openai", "cap-chat",
                                        "cap-openai-client", "cap-openai-stream"}
     for rid, got in stored["requests"].items():

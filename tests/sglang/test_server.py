@@ -304,7 +304,8 @@ def test_the_stop_is_an_admin_endpoint(line) -> None:
 
 
 def _around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[Answer],
-            serve: Callable[[], Any], children: bool = True) -> tuple[Any, FakeSchedulers]:
+            serve: Callable[[], Any], children: bool = True,
+            tm: Any = "tm") -> tuple[Any, FakeSchedulers]:
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -327,7 +328,7 @@ def _around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[Answe
 
     port_args = SimpleNamespace(rpc_ipc_name=address)
     try:
-        out = server.around_http_server(original, "sa", "tm", "tpl", port_args, ["infos"],
+        out = server.around_http_server(original, "sa", tm, "tpl", port_args, ["infos"],
                                         None, launch_callback=None)
     except BaseException as exc:
         out = exc
@@ -374,6 +375,19 @@ def test_a_server_that_fails_still_stops_the_run_and_without_schedulers_does_not
     assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_stop_monitoring"]
     (out, _), fake = _around(tmp_path, monkeypatch, [(True, "")], lambda: "served",
                              children=False)
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
+
+
+def test_after_sigterm_the_schedulers_stop_the_run_not_the_server(tmp_path,
+                                                                  monkeypatch) -> None:
+    """SGLang's SIGTERM path (``gracefully_exit``) asks the schedulers to shut down, and
+    their shutdown hook stops the run: the server sends no stop that no scheduler would
+    read (on the H200 it waited 60 s for one)."""
+    from types import SimpleNamespace
+
+    (out, _), fake = _around(tmp_path, monkeypatch, [(True, "")], lambda: "served",
+                             tm=SimpleNamespace(gracefully_exit=True))
+    assert out == "served"
     assert [m for m, _ in fake.calls] == ["dmi_assert_active"]
 
 

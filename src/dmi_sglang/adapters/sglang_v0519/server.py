@@ -400,7 +400,11 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         return original(server_args, tokenizer_manager, template_manager, port_args,
                         *args, **kw)
     finally:
-        if checked and _children_running():  # SGLang's SIGTERM path ended them itself
+        # SGLang's SIGTERM path asks the schedulers to shut down, and each stops the run
+        # first (runtime_hooks.before_scheduler_shutdown): a stop from here would wait for
+        # schedulers that no longer read requests
+        sigterm = bool(getattr(tokenizer_manager, "gracefully_exit", False))
+        if checked and not sigterm and _children_running():
             from sglang.srt.arg_groups.overrides import resolution_result
 
             watchdog = resolution_result(server_args, "watchdog_timeout")
