@@ -181,6 +181,7 @@ class Plan:
     api_key: str | None = None
     extra_flags: tuple[str, ...] = ()
     dry_run: bool = False
+    export_gb: float = 0.0
 
     @property
     def cancel_requests(self) -> int:
@@ -196,6 +197,7 @@ class Plan:
                 "cancel_requests": self.cancel_requests, "subset_prompts": SUBSET_PROMPTS,
                 "subset_new_tokens": SUBSET_NEW_TOKENS, "warmup_requests": WARMUP_REQUESTS,
                 "server_flags": [*SERVER_FLAGS, *self.extra_flags], "seed": SEED,
+                "export_gb": self.export_gb,
                 "api_key": self.api_key is not None}
 
 
@@ -1169,6 +1171,53 @@ class ServeLoad:
                 "complete": isinstance(body, dict) and body.get("complete") is True
                 and listing["status"] == 200 and blob.status == 200}
 
+    def export_under_load(self, server: Server, run_id: str, run: ServerRun) -> Json:
+        """A second bench while one client downloads the safetensors files of the run's
+        committed requests (largest first, round and round) until ``--export-gb`` GB or
+        the bench's end: the bytes, the rate, and the bench's throughput against the
+        first bench of the same server (the export's cost)."""
+        run_q = urllib.parse.quote(run_id, safe="")
+        listed = server.answer("GET", f"/dmi/runs/{run_q}/requests",
+                               timeout_s=self.limit(HTTP_S))["body"]
+        rows = listed.get("requests", []) if isinstance(listed, dict) else []
+        ids = [str(r["request_id"]) for r in sorted(
+            (r for r in rows if isinstance(r, dict) and r.get("committed")),
+            key=lambda r: -int(r.get("bytes") or 0))]
+        target = int(self.plan.export_gb * 1e9)
+        done = threading.Event()
+        got = {"bytes": 0, "files": 0, "errors": 0}
+
+        def export() -> None:
+            k = 0
+            while ids and not done.is_set() and got["bytes"] < target:
+                rid = urllib.parse.quote(ids[k % len(ids)], safe="")
+                reply = server.call("GET", f"/dmi/runs/{run_q}/requests/{rid}/safetensors",
+                                    timeout_s=self.limit(HTTP_S))
+                if reply.status == 200:
+                    got["bytes"] += len(reply.body)
+                    got["files"] += 1
+                else:
+                    got["errors"] += 1
+                k += 1
+
+        exporter = threading.Thread(target=export, name="serve-load-export", daemon=True)
+        t0 = time.monotonic()
+        exporter.start()
+        bench = self.bench(server, f"{run.name}-export")
+        done.set()
+        exporter.join(self.limit(HTTP_S))
+        seconds = time.monotonic() - t0
+        first = (run.figures or {}).get("request_throughput")
+        second = (bench.get("figures") or {}).get("request_throughput")
+        ratio = second / first if first and second else None
+        print(f"[serve-load] {run.name}: exported {got['bytes'] / 1e6:,.0f} MB in "
+              f"{got['files']} files during a second bench: throughput x{ratio or 0:.3f} "
+              "of the first", flush=True)
+        return {"committed_requests": len(ids), "target_bytes": target, **got,
+                "seconds": round(seconds, 2), "mb_s": round(got["bytes"] / 1e6 / seconds, 1),
+                "bench": bench.get("figures"), "throughput_ratio": ratio,
+                "cost": None if ratio is None else round(1 - ratio, 4)}
+
     def wait_committed(self, server: Server, run: str, rids: Sequence[str]) -> float:
         """Seconds until every listed request read complete (a request commits shortly
         after it finished), at most :data:`COMMIT_WAIT_S`; the fetches after report
@@ -1279,6 +1328,8 @@ class ServeLoad:
         web: Json = {}
         try:
             self.load(server, run)
+            if self.plan.export_gb > 0:
+                run.detail["export"] = self.export_under_load(server, run_id, run)
             web = self.http_readback(server, run_id, run.subset or [],
                                       self.work / f"readback-{slug(mode)}")
         finally:
@@ -1587,8 +1638,9 @@ class FakeHandler(BaseHTTPRequestHandler):
     def _dmi_requests(self, rest: str) -> None:
         s = self.state
         if not rest:
-            self._send(200, {"run_id": s.args.run_id, "requests": [
-                {"request_id": r} for r in sorted(s.requests)]})
+            self._send(200, {"run_id": s.args.run_id, "requests": [  # as the real server
+                {"request_id": r, "rows": s.rows(req), "bytes": s.rows(req) * 4 * FAKE_HIDDEN,
+                 "committed": req.finished} for r, req in sorted(s.requests.items())]})
             return
         rid, _, tail = rest.removeprefix("/").partition("/")
         listing = s.listing(rid)
@@ -1738,6 +1790,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--model", choices=("demo", "0.6b"), default="demo",
                    help="demo checkpoint size (module docstring)")
     p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    p.add_argument("--export-gb", type=float, default=0.0,
+                   help="per monitored server, a second bench while a client exports this "
+                   "many GB of committed requests' safetensors over HTTP (0: none)")
     p.add_argument("--input-len", type=int, default=INPUT_LEN)
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--range-ratio", type=float, default=RANGE_RATIO)
@@ -1759,10 +1814,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
         extra = tuple(shlex.split(args.server_flags))
     except ValueError as exc:
         p.error(str(exc))
+    if args.export_gb < 0:
+        p.error(f"--export-gb {args.export_gb}: a number of GB, 0 (no export phase) or more")
     plan = Plan(modes=modes, model=args.model, num_prompts=args.num_prompts,
                 input_len=args.input_len, output_len=args.output_len,
                 range_ratio=args.range_ratio, max_concurrency=args.max_concurrency,
-                api_key=args.api_key, extra_flags=extra, dry_run=args.dry_run)
+                api_key=args.api_key, extra_flags=extra, dry_run=args.dry_run,
+                export_gb=args.export_gb)
     return args, plan
 
 

@@ -416,7 +416,8 @@ def test_the_fake_server_speaks_the_api_the_benchmark_reads(tmp_path: Path,
         assert reply.headers["x-dmi-run-id"] == "run-1"
         cut = sl.stream_and_close(server, sl.generate_body([5, 6], "cancel-0", 500,
                                                            stream=True), 3, 30.0)
-        assert cut == {"rid": "cancel-0", "outcome": "cancelled", "events": 3}
+        assert cut == {"rid": "cancel-0", "outcome": "cancelled", "events": 3,
+                       "abort_status": 200}  # then cancelled through /abort_request
         whole = sl.stream_and_close(server, sl.generate_body([5], "cancel-1", 2, stream=True),
                                     3, 30.0)
         assert whole["outcome"] == "finished"
@@ -473,7 +474,8 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
     out = tmp_path / "serve-load.json"
     code = sl.main(["--dry-run", "--out", str(out), "--work", str(tmp_path / "work"),
                     "--modes", "resid_pre:last", "--num-prompts", "8", "--max-concurrency",
-                    "4", "--input-len", "32", "--output-len", "16", "--api-key", "s3cret"])
+                    "4", "--input-len", "32", "--output-len", "16", "--api-key", "s3cret",
+                    "--export-gb", "0.00001"])
     data = json.loads(out.read_text())
     assert code == 1
     assert data["status"] == "failed"
@@ -485,6 +487,11 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
     assert data["checks"]["resid_pre:last.captures_complete"]["bench_stored"] >= 8
     assert set(data["figures"]["servers"]) == {"stock", "resid_pre:last"}
     assert data["figures"]["ratios"]["resid_pre:last"]["output_tok_s"] > 0
+    export = data["servers"]["resid_pre:last"]["export"]
+    assert export["files"] >= 1  # committed requests' files downloaded during a 2nd bench
+    assert export["bytes"] >= 10_000
+    assert export["errors"] == 0
+    assert export["throughput_ratio"] > 0
     assert "s3cret" not in out.read_text()
     assert "FAIL  resid_pre:last.token_identity" in capsys.readouterr().out
 
