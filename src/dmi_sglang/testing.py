@@ -209,6 +209,8 @@ class MemoryReader:
     def records_within(self, run_id: str, request_id: str, *, act_name: str,
                        layer_no: int, start: int, end: int) -> list[CaptureRecord]:
         """The records of one hook and layer overlapping ``[start, end)``, cut to it."""
+        if end <= start:
+            return []
         out = []
         for r in self.records(run_id, request_id, act_name=act_name, layer_no=layer_no,
                               start=start, end=end):

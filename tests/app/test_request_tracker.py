@@ -155,3 +155,32 @@ def test_a_cancelled_request_is_never_complete_whenever_its_finish_is_seen() -> 
         assert tracker.cancelled_requests == 1
     assert not request_cancelled(SimpleNamespace(finished_reason=None))
     assert not request_cancelled(SimpleNamespace())
+
+
+def test_a_reused_id_stays_left_out_also_when_its_first_request_was_left_out() -> None:
+    """A request the capture left out (it asked not to be) finishes; a later request
+    with the same id is never captured either, not even after the left-out id's
+    grace rounds end, and it is counted once."""
+
+    class Req:
+        def __init__(self, rid: str, prompt: int) -> None:
+            self.rid, self.origin_input_ids = rid, [1] * prompt
+            self.output_ids: list[int] = []
+            self.done = False
+
+        def finished(self) -> bool:
+            return self.done
+
+    first, other = Req("x", 3), Req("o", 2)
+    tracker = RequestTracker(asked=lambda r: False if r is first else None)
+
+    def forward(batch: list[Req]) -> bool:
+        tracker.add_reqs(batch)
+        tracker.take_finished()
+        return "x" in tracker.skipped
+
+    assert forward([first, other])
+    first.done = True
+    again = Req("x", 5)
+    assert all(forward([again, other]) for _ in range(6))
+    assert tracker.reused_requests == 1

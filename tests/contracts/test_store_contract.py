@@ -163,6 +163,21 @@ def test_records_within_are_cut_to_the_range_with_their_rows(backend: Backend) -
     for r in cut:
         assert r.payload == b"".join(d.row_bytes(d.RESID, 0, "a", p, r.seq)
                                      for p in range(r.start_token_idx, r.end_token_idx))
+    for empty in ((2, 2), (3, 1)):
+        assert list(backend.reader().records_within(
+            d.RUN, "a", act_name=d.RESID, layer_no=0, start=empty[0], end=empty[1])) == []
+
+
+def test_the_latest_manifest_of_each_request_is_listed(backend: Backend) -> None:
+    sink = backend.sink
+    run = d.run_info()
+    sink.start_run(run)
+    sink.put(d.batch(d.request_records("a", 4, 3)))
+    sink.commit_requests([d.manifest("a", 4, 3)])
+    sink.flush()
+    sink.finish_run(d.committed(run), [d.manifest("b", 2, 2), d.manifest("a", 4, 2)])
+    got = {m.request_id: m for m in backend.reader().manifests(d.RUN)}
+    assert got == {"a": d.manifest("a", 4, 2), "b": d.manifest("b", 2, 2)}  # a's newest
 
 
 def test_row_layouts_name_each_hooks_dtype_and_row_shape(backend: Backend) -> None:

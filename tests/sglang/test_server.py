@@ -581,8 +581,8 @@ def test_the_idle_hook_reports_finished_requests_at_most_every_interval(
     calls: list[str] = []
     mon = SimpleNamespace(active=True, idle=lambda: calls.append("idle"))
     stream = SimpleNamespace(synchronize=lambda: calls.append("sync"))
-    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(
-        model_runner=SimpleNamespace(forward_stream=stream)))
+    runner = SimpleNamespace(forward_stream=stream, _dmi_monitor=mon)
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
     monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
     monkeypatch.setattr(runtime_hooks, "_FAILED", None)
     monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
@@ -596,3 +596,31 @@ def test_the_idle_hook_reports_finished_requests_at_most_every_interval(
     time.sleep(runtime_hooks.IDLE_EVERY_S)
     runtime_hooks.after_scheduler_on_idle(None, scheduler)  # a failed capture: left alone
     assert calls == ["sync", "idle"] * 2
+
+
+@pytest.mark.parametrize("in_server", [False, True])
+def test_an_idle_failure_never_kills_an_engine_and_ends_a_servers_capture(
+        monkeypatch: pytest.MonkeyPatch, in_server: bool) -> None:
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    def boom() -> None:
+        raise RuntimeError("drain gone")
+
+    mon = SimpleNamespace(active=True, idle=boom, run=SimpleNamespace(run_id="r"))
+    runner = SimpleNamespace(_dmi_monitor=mon)
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
+    ended: list[Any] = []
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
+    monkeypatch.setattr(runtime_hooks, "_serve_on_or_raise",
+                        lambda r, m, exc: ended.append((r, m, exc)))
+    if in_server:
+        monkeypatch.setenv(runtime_hooks.SERVER_MARK, "1")
+    else:
+        monkeypatch.delenv(runtime_hooks.SERVER_MARK, raising=False)
+    runtime_hooks.after_scheduler_on_idle(None, scheduler)  # never raises
+    assert [(r, str(e)) for r, _, e in ended] == ([(runner, "drain gone")] if in_server
+                                                  else [])

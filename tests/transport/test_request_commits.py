@@ -149,3 +149,27 @@ def test_a_reused_request_id_is_not_captured_and_the_first_capture_stays(make_dr
     (committed,) = [m for m in sink.manifests if m.request_id == "a"]
     assert (committed.prompt_tokens, committed.completion_tokens) == (3, 1)
     assert mon.requests.reused_requests == 1
+
+
+def test_idle_never_raises_once_the_transport_failed_and_the_stop_reports_it(make_driver):
+    from dmi_sglang.errors import CaptureError
+
+    sink = _RecordingSink()
+    d, _ = make_driver("resid_pre:last", sink=sink)
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                           sink=sink, strip=True)
+    a = _Req("a", 3)
+    mon.add_requests([a], frozenset())
+    mon.begin_forward()
+    layout = BatchLayout.extend(["a"], [0], [3])
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    a.output_ids.append(1)
+    a.done = True
+    d.t._fail(CaptureError("the drain failed"), "test")
+    mon.idle()  # the scheduler idles on: nothing raised
+    with pytest.raises(CaptureError, match="the drain failed"):
+        mon.stop()
+    assert "a" not in sink.at_commit

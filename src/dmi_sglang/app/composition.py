@@ -286,7 +286,11 @@ class PipelineFactory:
         if store.kind is StoreKind.EMBEDDED:
             from dmi_sglang.adapters.owner import RemoteReader
 
-            remote = RemoteReader(read_address)
+            try:
+                remote = RemoteReader(read_address)
+            except StoreError as exc:  # no usable channel: the endpoints say so (404)
+                log.warning("dmi.reads_unavailable", address=read_address, error=str(exc))
+                return None
             return StoreReads(lambda: remote)
         return StoreReads(lambda: reader_for(store))
 

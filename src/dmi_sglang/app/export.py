@@ -6,7 +6,8 @@ the run's captures, the request's manifest and one row layout per hook and layer
 payload read); then each tensor's rows are read a slice of positions at a time
 (:data:`PIECE_BYTES`), cut to those rows by the store itself
 (``RecordReader.records_within``), so an export holds about one piece at a time whatever
-the request's or its records' sizes.
+the request's or its records' sizes (the store's engine reads each record it cuts whole:
+a record larger than a piece is read once per piece).
 
 Tensor names: ``act_name.layer`` for per-layer hooks (``blocks.hook_resid_pre.3``), the
 act_name alone for global ones (``final_logits``). Rows are in position order, one per

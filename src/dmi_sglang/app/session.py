@@ -150,6 +150,8 @@ class RequestTracker:
         """... by id: a weak reference to (or the ``id`` of) the finished Req object."""
         self.reused_requests = 0
         """Requests that came with the id of a finished one (not captured)."""
+        self._reused: set[str] = set()
+        """Their ids: left out for the rest of the run."""
         self.seen_requests = 0
         """Requests seen so far."""
         self.captured_requests = 0
@@ -220,11 +222,12 @@ class RequestTracker:
         """A request arrived with the id of one that finished (SGLang admits an id again
         once its request finished): it is not captured, so the finished request's
         capture, committed under that id, never changes."""
-        if rid in self._skipped:
+        if rid in self._reused:
             return
         log.warning("dmi.request_id_reused", request_id=rid,
                     why="a request of that id finished already; this one is not captured")
         self.reused_requests += 1
+        self._reused.add(rid)  # never leaves the skip set (see take_finished)
         self._skipped.add(rid)
         self._skip = frozenset(self._skipped)
 
@@ -276,7 +279,9 @@ class RequestTracker:
             self._recent_reqs.pop(self._recent.popleft()[1], None)
         if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
             while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
-                self._skipped.discard(self._leaving.popleft()[1])
+                rid = self._leaving.popleft()[1]
+                if rid not in self._reused:
+                    self._skipped.discard(rid)
             self._skip = frozenset(self._skipped)
         given, changed = self._given, self._changed
         self._given = self._changed = False
@@ -497,8 +502,11 @@ class SchedulerMonitor:
         let the transport queue what waits for a commit (see the port)."""
         if self._stopped or self.in_forward():
             return
-        self._report_finished()
-        self.transport.settle()
+        try:
+            self._report_finished()
+            self.transport.settle()
+        except CaptureError:  # the transport failed (sticky): the stop or a forward says so
+            return
 
     def in_forward(self) -> bool:
         """True between :meth:`begin_forward` and :meth:`end_forward`."""
@@ -598,6 +606,7 @@ class SchedulerMonitor:
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
                      cancelled=self.requests.cancelled_requests,
                      refused=self.requests.refused_requests,
+                     reused=self.requests.reused_requests,
                      fraction=round(captured / seen, 4) if seen else None)
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats

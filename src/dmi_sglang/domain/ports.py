@@ -153,7 +153,7 @@ class RecordReader(Protocol):
 class CaptureReads(Protocol):
     """**Port**: what a serving process reads back of its store for its HTTP clients,
     as plain values: JSON-ready listings and a request's captures as a safetensors
-    stream, read piece by piece (memory bounded by one stored record).
+    stream, read piece by piece (memory bounded by one piece, see ``app.export``).
 
     Errors: ``NotInStoreError`` for a run or request the store does not hold,
     ``IncompleteCaptureError`` for a capture that is not complete (its listing says
@@ -290,7 +290,8 @@ class CaptureTransport(Protocol):
 
     def settle(self) -> None:
         """Between steps, with no forward to follow soon: hand finish notices that wait
-        for the next commit (the ``last`` rule's slot reads) to the drain now."""
+        for the next commit (the ``last`` rule's slot reads) to the drain now, when that
+        cannot wait. Never raises (a failure is reported by ``stop``)."""
         ...
 
     def finish_request(self, request_id: str, logits_end: int | None,

@@ -230,7 +230,14 @@ class ClickHouseReader:
     def records_within(self, run_id: str, request_id: str, *, act_name: str,
                        layer_no: int, start: int, end: int) -> list[CaptureRecord]:
         """The records of one hook and layer overlapping ``[start, end)``, cut to it in
-        the query (``substring`` of the payload): only those rows come back."""
+        the query (``substring`` of the payload): only those rows come back (the engine
+        still reads each whole record to cut it).
+
+        Raises:
+            StoreError: a stored record whose payload or shape does not fit its rows.
+        """
+        if end <= start:
+            return []
         sql = (
             "SELECT model_id, request_id, act_name, layer_no, shard_rank, "
             "greatest(start_token_idx, {start:Int64}) AS s, "
@@ -238,7 +245,8 @@ class ClickHouseReader:
             "arrayConcat([e - s], arraySlice(shape, 2)) AS cut_shape, "
             "substring(bytes, 1 + (s - start_token_idx) * intDiv(length(bytes), "
             "end_token_idx - start_token_idx), (e - s) * intDiv(length(bytes), "
-            "end_token_idx - start_token_idx)) AS cut, seq FROM {t} "
+            "end_token_idx - start_token_idx)) AS cut, seq, length(bytes), "
+            "start_token_idx, end_token_idx, shape[1] FROM {t} "
             "WHERE model_id = {run:String} AND request_id = {req:String} "
             "AND act_name = {act:String} AND layer_no = {layer:Int32} "
             "AND end_token_idx > {start:Int64} AND start_token_idx < {end:Int64} "
@@ -247,13 +255,18 @@ class ClickHouseReader:
         params = {"run": run_id, "req": request_id, "act": act_name, "layer": layer_no,
                   "start": start, "end": end}
         rows = self._query(self._tables.offload, sql, params, column_formats={"cut": "bytes"})
-        return [
-            CaptureRecord(model_id=m, request_id=r, act_name=a, layer_no=int(ln),
-                          shard_rank=int(sr), start_token_idx=int(st), end_token_idx=int(e),
-                          dtype=d, shape=tuple(int(x) for x in shp), payload=bytes(p),
-                          seq=int(q))
-            for m, r, a, ln, sr, st, e, d, shp, p, q in rows
-        ]
+        out = []
+        for m, r, a, ln, sr, st, e, d, shp, p, q, total, lo, hi, first in rows:
+            stored_rows = int(hi) - int(lo)
+            if int(first) != stored_rows or int(total) % stored_rows:
+                msg = (f"{a} layer {ln} [{lo}, {hi}) of request {r!r}: {total} payload bytes "
+                       f"and shape[0] {first} do not fit its {stored_rows} rows")
+                raise StoreError(msg)
+            out.append(CaptureRecord(
+                model_id=m, request_id=r, act_name=a, layer_no=int(ln), shard_rank=int(sr),
+                start_token_idx=int(st), end_token_idx=int(e), dtype=d,
+                shape=tuple(int(x) for x in shp), payload=bytes(p), seq=int(q)))
+        return out
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
         """Distinct ``(act_name, layer_no, start, end)`` of a request's stored records,

@@ -12,7 +12,7 @@ returns, still takes the owner's GIL: reads are bounded pieces, see ``app.export
 
 :class:`RemoteReader` is the ``RecordReader`` of the other process: one short-lived REQ
 socket per call (thread-safe, and a lost answer cannot be taken for the next one's),
-bounded by :data:`READ_TIMEOUT_S`; a missing owner fails at once. It unpickles the owner's
+bounded by :data:`READ_TIMEOUT_S`; a missing owner fails within a second. It unpickles the owner's
 answers: the owner is a process of the same server, and only ``ipc://`` addresses in a
 directory of this user's alone are served (:func:`check_address`).
 """
@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import pickle
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,11 +61,11 @@ def check_address(address: str) -> str:
                f"{address!r}")
         raise StoreError(msg)
     try:
-        st = os.stat(directory)
+        st = os.lstat(directory)
     except OSError as exc:
         msg = f"the directory of the read address {address!r} is missing: {exc}"
         raise StoreError(msg) from exc
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         msg = (f"the directory of the read address {address!r} must belong to this user "
                f"and admit no one else (mode {oct(st.st_mode & 0o777)})")
         raise StoreError(msg)
@@ -83,6 +84,9 @@ class ReadService:
         import zmq
 
         check_address(address)
+        if os.path.lexists(address.removeprefix("ipc://")):  # a bind would take it over
+            msg = f"cannot answer store reads at {address}: another owner holds it"
+            raise StoreError(msg)
         self._reader = reader
         self.address = address
         self._socket: Any = zmq.Context.instance().socket(zmq.REP)
@@ -147,8 +151,10 @@ def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
         msg = f"not a store read request: {exc}"
         raise StoreError(msg) from None
     plain = (str, int, type(None))
-    if (method not in _METHODS or not isinstance(args, list) or not isinstance(kwargs, dict)
-            or not all(isinstance(v, plain) for v in (*args, *kwargs.values()))):
+    values = list(args) + list(kwargs.values()) if isinstance(args, list) and isinstance(
+        kwargs, dict) else [object()]
+    if (method not in _METHODS
+            or not all(isinstance(v, plain) and not isinstance(v, bool) for v in values)):
         msg = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
         raise StoreError(msg)
     return method, args, kwargs
@@ -159,7 +165,7 @@ class RemoteReader:
     owner's :class:`ReadService` at ``address``."""
 
     def __init__(self, address: str, *, timeout_s: float = READ_TIMEOUT_S) -> None:
-        self.address = address
+        self.address = check_address(address)
         self._timeout_ms = max(1, int(timeout_s * 1000))
 
     @contextlib.contextmanager

@@ -40,9 +40,9 @@ log = structlog.get_logger(__name__)
 RUNS_PATH = "/dmi/runs"
 """The root of the read-back endpoints."""
 MAX_ID_CHARS = 256
+"""Longest run or request id the endpoints accept."""
 READ_WORKERS = 4
 """Reads in flight at once; more wait (the store's owner answers one at a time anyway)."""
-"""Longest run or request id the endpoints accept."""
 
 
 def bad_id(kind: str, value: str) -> str | None:

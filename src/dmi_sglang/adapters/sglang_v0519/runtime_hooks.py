@@ -357,14 +357,21 @@ def after_scheduler_on_idle(result: Any, scheduler: Any, *args: Any, **kw: Any) 
     if now - _last_idle < IDLE_EVERY_S:
         return
     _last_idle = now
-    runner = scheduler.tp_worker.model_runner
+    runner: Any = None
     try:
+        runner = scheduler.tp_worker.model_runner
+        owner: object = getattr(runner, "_dmi_monitor", None)
+        if owner is not mon:  # another runner's idle
+            return
         stream = getattr(runner, "forward_stream", None)
         if stream is not None:
             stream.synchronize()  # idle: the last forward's slot writes are done (at once)
         mon.idle()
-    except Exception as exc:  # any failure of the capture's own code: as in a forward
-        _serve_on_or_raise(runner, mon, exc)
+    except Exception as exc:  # the capture's own code failed while SGLang idles
+        if runner is not None and os.environ.get(SERVER_MARK) == "1":
+            _serve_on_or_raise(runner, mon, exc)  # a server ends the capture, serves on
+        else:  # an engine's run reports its failures at its stop: never kill it idling
+            log.error("dmi.idle_failed", run_id=mon.run.run_id, error=repr(exc))
 
 
 # -- RPC methods added to Scheduler ----------------------------------------------------

@@ -344,18 +344,20 @@ class TorchCaptureTransport:
         """Between steps, no forward soon (the scheduler is idle): queue the ``last``
         rule's reads of finished requests and their notices now instead of at the next
         commit. The caller made sure the device finished the forwards that wrote the
-        slots (on the forward stream).
-
-        Raises:
-            CaptureError: the transport stopped or failed (sticky).
+        slots (on the forward stream). Never waits and never raises: with the drain
+        behind (ring space in use) the reads wait for a later call or the next commit,
+        and a failure here becomes the transport's sticky failure, reported by the stop.
         """
-        self._check_usable()
-        if self._last_slots and self._last_slots.pending and self._writer.open is None:
-            try:
-                self._read_finished(self._last_seq)
-            except CaptureError as exc:
-                self._fail(exc, "settle")
-                raise
+        if self._unusable or not self._last_slots or not self._last_slots.pending \
+                or self._writer.open is not None:
+            return
+        with self._cond:
+            if self._alloc.live_regions:  # a reservation could wait for the drain
+                return
+        try:
+            self._read_finished(self._last_seq)
+        except Exception as exc:  # any failure here is the run's failure
+            self._fail(exc, "settle")
 
     def finish_request(self, request_id: str, logits_end: int | None,
                        manifest: RequestManifest | None = None) -> None:
