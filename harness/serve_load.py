@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import http.client
 import importlib.util
@@ -1510,6 +1511,8 @@ class FakeState:
         self.args, self.monitored, self.vocab = args, monitored, vocab
         self.lock = threading.Lock()
         self.requests: dict[str, FakeRequest] = {}
+        self.aborted: list[str] = []
+        """Id prefixes ``/abort_request`` named."""
         self.state = "capturing"
         self.stop_s = 0.0
         self.faults = set(os.environ.get(FAKE_FAULT_ENV, "").split(","))
@@ -1518,7 +1521,21 @@ class FakeState:
         """Record a request (captured: every request, ``--request-sample 1``)."""
         if self.monitored and self.state == "capturing":
             with self.lock:
+                if any(req.rid.startswith(p) for p in self.aborted):
+                    req = dataclasses.replace(req, finished=False)
                 self.requests[req.rid] = req
+
+    def abort(self, prefix: str) -> None:
+        """End the requests whose id starts with ``prefix`` by an abort (those served
+        later too: the fake serves a request whole before it records it): never
+        complete."""
+        if not prefix:
+            return
+        with self.lock:
+            self.aborted.append(prefix)
+            for rid, req in list(self.requests.items()):
+                if rid.startswith(prefix):
+                    self.requests[rid] = dataclasses.replace(req, finished=False)
 
     def rows(self, req: FakeRequest) -> int:
         """Positions stored: every forwarded one (the last token is never forwarded)."""
@@ -1668,7 +1685,8 @@ class FakeHandler(BaseHTTPRequestHandler):
                              "seconds": self.state.stop_s})
         elif self.path == "/generate":
             self._generate(body)
-        elif self.path == "/abort_request":  # the closed stream was marked unfinished
+        elif self.path == "/abort_request":  # as SGLang: every id starting with the one named
+            self.state.abort(str(body.get("rid") or ""))
             self._send(200, {})
         else:
             self._send(404, {"error": f"no route {self.path}"})
@@ -1692,19 +1710,17 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        sent = 0
         try:
             for k in range(1, len(out) + 1):
                 chunk = {"text": " ".join(text.split()[:k]), "output_ids": out[:k],
                          "meta_info": meta | {"completion_tokens": k}}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
-                sent = k
                 time.sleep(FAKE_TOKEN_DELAY_S)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except OSError:  # the client went away: SGLang aborts such a request
-            s.served(FakeRequest(rid, len(ids), sent, finished=False))
+        except OSError:  # the client went away: SGLang 0.5.19 runs the request on to its end
+            s.served(FakeRequest(rid, len(ids), len(out), finished=True))
             self.close_connection = True
             return
         s.served(FakeRequest(rid, len(ids), len(out), finished=True))
