@@ -83,7 +83,7 @@ class EngineProcess:
         finally:
             os.close(write_fd)
         self._reply = read_fd
-        _track(self.pgid_file, self.proc.pid, add=True)
+        track_group(self.pgid_file, self.proc.pid, add=True)
         return self._wait(timeout_s)
 
     def request(self, op: str, timeout_s: float | None, **fields: Any) -> Json:
@@ -145,14 +145,14 @@ class EngineProcess:
         if self.proc is None:
             return False
         pgid = self.proc.pid
-        alive = _group_alive(pgid)
+        alive = group_alive(pgid)
         if alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
             time.sleep(2.0)  # let the driver release the GPU memory
-        _track(self.pgid_file, pgid, add=False)
+        track_group(self.pgid_file, pgid, add=False)
         return alive
 
     def _tail(self, lines: int = 30) -> str:
@@ -162,7 +162,8 @@ class EngineProcess:
         return "\n--- log tail " + str(self.log) + "\n" + "\n".join(tail)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a process."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -170,8 +171,8 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _track(path: Path | None, pgid: int, *, add: bool) -> None:
-    """Record (or forget) an engine's process group in ``path``."""
+def track_group(path: Path | None, pgid: int, *, add: bool) -> None:
+    """Record (or forget) a child's process group in ``path``."""
     if path is None:
         return
     pids = [int(x) for x in path.read_text().split()] if path.exists() else []
@@ -180,31 +181,36 @@ def _track(path: Path | None, pgid: int, *, add: bool) -> None:
     path.write_text("".join(f"{p}\n" for p in pids))
 
 
-def _is_engine_child(pgid: int) -> bool:
-    """Whether the group's leader is still an engine child (its id was not reused)."""
+ENGINE_MARKERS = (b"harness.engine",)
+"""What an engine child's command line holds."""
+
+
+def _leader_is_ours(pgid: int, markers: tuple[bytes, ...]) -> bool:
+    """Whether the group's leader still runs a command line holding one of ``markers``
+    (its id was not reused)."""
     try:
         cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"harness.engine" in cmdline
+    return any(m in cmdline for m in markers)
 
 
-def kill_leftovers(path: Path) -> list[int]:
-    """Kill the engine process groups an earlier invocation recorded in ``path`` and did
-    not close (it was cut off), where the group's leader is still an engine child; the
-    groups killed."""
+def kill_leftovers(path: Path, markers: tuple[bytes, ...] = ENGINE_MARKERS) -> list[int]:
+    """Kill the process groups an earlier invocation recorded in ``path`` and did not
+    close (it was cut off), where the group's leader still runs one of our children
+    (``markers``, default an engine child's); the groups killed."""
     try:
         recorded = [int(x) for x in path.read_text().split()]
     except (OSError, ValueError):
         recorded = []
-    killed = [g for g in recorded if _group_alive(g) and _is_engine_child(g)]
+    killed = [g for g in recorded if group_alive(g) and _leader_is_ours(g, markers)]
     for pgid in killed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
     if killed:
-        time.sleep(3.0)
+        time.sleep(3.0)  # let the driver release the GPU memory
     return killed
 
 

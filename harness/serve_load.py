@@ -120,6 +120,7 @@ from harness.constants import (
     WARMUP_NEW_TOKENS,
     WARMUP_REQUESTS,
 )
+from harness.engine import group_alive, kill_leftovers, track_group
 from harness.models import MODELS, STOCK_ENV
 from harness.results import REPO, Deadline, Json, finish, result, state_dir, write_json
 from harness.serving import slug
@@ -673,14 +674,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
 class GroupRecord:
     """The process groups this benchmark started and has not ended yet, in a file, so
     that the next invocation ends what a cut-off one left (:meth:`kill_leftovers`)."""
@@ -689,40 +682,20 @@ class GroupRecord:
         self.path = path
         self.lock = threading.Lock()
 
-    def _read(self) -> list[int]:
-        try:
-            return [int(x) for x in self.path.read_text().split()]
-        except (OSError, ValueError):
-            return []
-
     def add(self, pgid: int) -> None:
         """Record ``pgid``."""
         with self.lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(f"{p}\n" for p in [*self._read(), pgid]))
+            track_group(self.path, pgid, add=True)
 
     def remove(self, pgid: int) -> None:
         """Forget ``pgid``."""
         with self.lock:
-            self.path.write_text("".join(f"{p}\n" for p in self._read() if p != pgid))
+            track_group(self.path, pgid, add=False)
 
     def kill_leftovers(self) -> list[int]:
         """Kill every recorded group whose leader is still one of ours; the groups."""
-        killed = []
-        for pgid in self._read():
-            try:
-                cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if _group_alive(pgid) and any(m in cmdline for m in PGID_MARKERS):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
-                killed.append(pgid)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
-        if killed:
-            time.sleep(3.0)  # let the driver release the GPU memory
-        return killed
+        with self.lock:
+            return kill_leftovers(self.path, PGID_MARKERS)
 
 
 class Server:
@@ -817,10 +790,10 @@ class Server:
         assert self.proc is not None
         pgid = self.proc.pid
         for _ in range(20):
-            if not _group_alive(pgid):
+            if not group_alive(pgid):
                 break
             time.sleep(0.5)
-        alive = _group_alive(pgid)
+        alive = group_alive(pgid)
         if alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
