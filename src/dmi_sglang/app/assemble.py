@@ -22,6 +22,7 @@ __all__ = [
     "Slice",
     "covered_prefix",
     "hook_for",
+    "joined_rows",
     "missing",
     "narrowed",
     "select_rows",
@@ -173,6 +174,25 @@ class Slice:
     index: int
     row_from: int
     row_to: int
+
+
+def joined_rows(records: Sequence[CaptureRecord], slices: Sequence[Slice],
+                row_size: int) -> bytearray:
+    """The rows ``slices`` (from :func:`select_rows`) pick out of ``records``, joined.
+
+    Raises:
+        StoreError: a picked record whose payload is not its rows of ``row_size`` bytes.
+    """
+    out = bytearray()
+    for s in slices:
+        r = records[s.index]
+        if len(r.payload) != r.rows * row_size:
+            msg = (f"{r.act_name} layer {r.layer_no} [{r.start_token_idx}, "
+                   f"{r.end_token_idx}): {len(r.payload)} payload bytes do not fit {r.dtype} "
+                   f"{list(r.shape)} ({r.rows} rows of {row_size} bytes)")
+            raise StoreError(msg)
+        out += memoryview(r.payload)[s.row_from * row_size : s.row_to * row_size]
+    return out
 
 
 def select_rows(records: Sequence[CaptureRecord], positions: range) -> list[Slice]:

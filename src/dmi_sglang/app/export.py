@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from dmi_sglang.app.assemble import missing, select_rows, selected_positions
+from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
-from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError, StoreError
+from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError
 
 __all__ = ["PIECE_BYTES", "StoreReads", "tensor_name"]
 
@@ -162,17 +162,7 @@ def _rows(reader: RecordReader, run_id: str, request_id: str, t: _Tensor,
     records = reader.records_within(run_id, request_id, act_name=t.act_name,
                                     layer_no=t.layer_no, start=positions[0],
                                     end=positions[-1] + 1)
-    out = bytearray()
-    row_bytes = t.row_bytes
-    for s in select_rows(records, positions):
-        r = records[s.index]
-        if len(r.payload) != r.rows * row_bytes:
-            msg = (f"{t.act_name} layer {t.layer_no} [{r.start_token_idx}, "
-                   f"{r.end_token_idx}): {len(r.payload)} payload bytes, expected {r.rows} "
-                   f"rows of {row_bytes}")
-            raise StoreError(msg)
-        out += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
-    return bytes(out)
+    return bytes(joined_rows(records, select_rows(records, positions), t.row_bytes))
 
 
 def _require_run(reader: RecordReader, run_id: str) -> RunInfo:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from dmi_sglang.app.assemble import (
     covered_prefix,
     hook_for,
+    joined_rows,
     missing,
     narrowed,
     select_rows,
@@ -404,7 +405,6 @@ def _decode(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:
     trailing, dtype_name = first.shape[1:], first.dtype
     itemsize = DType.parse(dtype_name).itemsize
     row_size = itemsize * math.prod(trailing)
-    buf = bytearray()
     for s in slices:
         r = records[s.index]
         if r.shape[1:] != trailing or DType.parse(r.dtype) is not DType.parse(dtype_name):
@@ -413,14 +413,7 @@ def _decode(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:
                 f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined"
             )
             raise StoreError(msg)
-        row_bytes = len(r.payload) // r.rows
-        if row_bytes * r.rows != len(r.payload) or row_bytes != row_size:
-            msg = (
-                f"{r.act_name} layer {r.layer_no} [{r.start_token_idx}, {r.end_token_idx}): "
-                f"{len(r.payload)} payload bytes do not fit {r.dtype} {list(r.shape)}"
-            )
-            raise StoreError(msg)
-        buf += memoryview(r.payload)[s.row_from * row_bytes : s.row_to * row_bytes]
+    buf = joined_rows(records, slices, row_size)
     dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
     return flat.reshape(len(positions), *trailing).clone()
