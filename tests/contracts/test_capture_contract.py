@@ -113,6 +113,16 @@ def test_the_transport_step_protocol_delivers_records_and_counts(
     assert all(isinstance(k, str) and isinstance(v, int | float) for k, v in counters.items())
 
 
+def _prefill(opened: OpenedCapture, spec: CaptureSpec, rid: str, length: int) -> None:
+    """One captured prefill forward of ``rid`` (positions ``[0, length)``)."""
+    session = opened.session
+    layout = BatchLayout.extend([rid], [0], [length])
+    session.begin_forward()
+    session.commit_eager(layout)
+    _fire(opened.capturer, spec.selection, layout)
+    session.end_forward()
+
+
 @pytest.mark.parametrize("store", ["none", "embedded"])
 def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
     store: str, tmp_path: Any
@@ -130,11 +140,7 @@ def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
     req = SimpleNamespace(rid="r1", origin_input_ids=[1, 2, 3], output_ids=[4],
                           finished=lambda: True)
     session.add_requests([req], frozenset())
-    session.begin_forward()
-    layout = BatchLayout.extend(["r1"], [0], [3])
-    session.commit_eager(layout)
-    _fire(opened.capturer, spec.selection, layout)
-    session.end_forward()
+    _prefill(opened, spec, "r1", 3)
     session.add_host_seconds(0.001)
     stats = session.stop()
     assert not session.active
@@ -227,16 +233,9 @@ def test_a_servers_reads_go_through_the_scheduler_that_owns_the_store(tmp_path: 
     req = SimpleNamespace(rid="r1", origin_input_ids=[1, 2, 3], output_ids=[4],
                           finished=lambda: done[0])
     session.add_requests([req], frozenset())
-    session.begin_forward()
-    layout = BatchLayout.extend(["r1"], [0], [3])
-    session.commit_eager(layout)
-    _fire(opened.capturer, spec.selection, layout)
-    session.end_forward()
+    _prefill(opened, spec, "r1", 3)
     done[0] = True
-    session.begin_forward()  # reports r1 finished: its commit follows its rows
-    session.commit_eager(BatchLayout.extend(["r2"], [0], [2]))
-    _fire(opened.capturer, spec.selection, BatchLayout.extend(["r2"], [0], [2]))
-    session.end_forward()
+    _prefill(opened, spec, "r2", 2)  # its start reports r1 finished: r1's commit follows
     reads = factory.serving_reads(settings, address)
     assert reads is not None
     deadline = time.monotonic() + 30

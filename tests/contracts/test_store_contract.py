@@ -11,7 +11,7 @@ import torch
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
-from dmi_sglang.domain.records import RunStatus
+from dmi_sglang.domain.records import RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
 from . import _data as d
@@ -138,12 +138,18 @@ def test_manifests_are_per_request(backend: Backend, name: str) -> None:
     assert (got.request_id, got.committed) == (name, True)
 
 
-def test_a_committed_request_reads_back_while_its_run_runs(backend: Backend) -> None:
-    sink = backend.sink
+def _commit_a(sink: RecordSink) -> RunInfo:
+    """A running run whose request ``a`` is committed while it runs."""
     run = d.run_info()
     sink.start_run(run)
     sink.put(d.batch(d.request_records("a", 4, 3)))
     sink.commit_requests([d.manifest("a", 4, 3)])
+    return run
+
+
+def test_a_committed_request_reads_back_while_its_run_runs(backend: Backend) -> None:
+    sink = backend.sink
+    _commit_a(sink)
     sink.put(d.batch(d.request_records("b", 2, 2)))  # not finished
     sink.flush()
     reader = backend.reader()
@@ -170,10 +176,7 @@ def test_records_within_are_cut_to_the_range_with_their_rows(backend: Backend) -
 
 def test_the_latest_manifest_of_each_request_is_listed(backend: Backend) -> None:
     sink = backend.sink
-    run = d.run_info()
-    sink.start_run(run)
-    sink.put(d.batch(d.request_records("a", 4, 3)))
-    sink.commit_requests([d.manifest("a", 4, 3)])
+    run = _commit_a(sink)
     sink.flush()
     sink.finish_run(d.committed(run), [d.manifest("b", 2, 2), d.manifest("a", 4, 2)])
     got = {m.request_id: m for m in backend.reader().manifests(d.RUN)}

@@ -102,6 +102,19 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+class TrackedReq:
+    """What the capture session reads of SGLang's Req: ids, output ids, finished."""
+
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(range(prompt))
+        self.output_ids: list[int] = []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
 class Driver:
     """Runs simulated forwards through a transport and remembers what must arrive."""
 

@@ -19,6 +19,7 @@ from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.records import RunInfo
 
 from .conftest import SHAPE, Driver  # type: ignore[import-not-found]
+from .conftest import TrackedReq as _Req  # type: ignore[import-not-found]
 
 LOGITS = "final_logits"
 
@@ -191,19 +192,6 @@ def test_any_overlap_schedule_stores_exact_logits_coverage(
 
 
 # -- the monitor's side -------------------------------------------------------------------
-
-class _Req:
-    """What the monitor reads of SGLang's Req."""
-
-    def __init__(self, rid: str, prompt: int) -> None:
-        self.rid = rid
-        self.origin_input_ids = list(range(prompt))
-        self.output_ids: list[int] = []
-        self.done = False
-
-    def finished(self) -> bool:
-        return self.done
-
 
 def test_monitor_reports_finished_requests_one_step_later_and_all_at_stop(make_driver):
     d, sink = make_driver("resid_pre,final_logits")

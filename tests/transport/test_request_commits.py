@@ -15,17 +15,7 @@ from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.testing import MemorySink
 
 from .conftest import SHAPE  # type: ignore[import-not-found]
-
-
-class _Req:
-    def __init__(self, rid: str, prompt: int) -> None:
-        self.rid = rid
-        self.origin_input_ids = list(range(prompt))
-        self.output_ids: list[int] = []
-        self.done = False
-
-    def finished(self) -> bool:
-        return self.done
+from .conftest import TrackedReq as _Req  # type: ignore[import-not-found]
 
 
 class _RecordingSink(MemorySink):
@@ -42,24 +32,33 @@ class _RecordingSink(MemorySink):
         super().commit_requests(manifests)
 
 
+def _monitor(d, sink: _RecordingSink, **kw) -> SchedulerMonitor:
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    return SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                            sink=sink, strip=True, **kw)
+
+
+def _forward(mon: SchedulerMonitor, d, layout: BatchLayout, reqs) -> None:
+    """One captured forward of ``reqs``, as the runtime hooks drive it."""
+    mon.add_requests(reqs, frozenset())
+    mon.begin_forward()
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    d.step += 1
+
+
 @pytest.mark.parametrize("selection", ["resid_pre,final_logits", "resid_pre:last"])
 @pytest.mark.parametrize("window", [True, False])
 def test_a_finished_request_is_committed_after_its_rows_while_the_run_goes_on(
         make_driver, selection, window):
     sink = _RecordingSink()
     d, _ = make_driver(selection, sink=sink, coalesce_decode=window)
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                           sink=sink, strip=True, cancelled=lambda req: req.rid == "c")
+    mon = _monitor(d, sink, cancelled=lambda req: req.rid == "c")
     a, b, c = _Req("a", 3), _Req("b", 2), _Req("c", 2)
 
     def forward(layout: BatchLayout, reqs) -> None:
-        mon.add_requests(reqs, frozenset())
-        mon.begin_forward()
-        mon.commit_eager(layout)
-        d.fire(layout)
-        mon.end_forward()
-        d.step += 1
+        _forward(mon, d, layout, reqs)
 
     forward(BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [3, 2, 2]), [a, b, c])
     for r in (a, b, c):
@@ -95,17 +94,10 @@ def test_a_request_that_finished_while_the_engine_idles_is_committed_without_a_f
         make_driver, selection):
     sink = _RecordingSink()
     d, _ = make_driver(selection, sink=sink)
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                           sink=sink, strip=True)
+    mon = _monitor(d, sink)
     a = _Req("a", 3)
     for layout in (BatchLayout.extend(["a"], [0], [3]), BatchLayout.decode(["a"], [4])):
-        mon.add_requests([a], frozenset())
-        mon.begin_forward()
-        mon.commit_eager(layout)
-        d.fire(layout)
-        mon.end_forward()
-        d.step += 1
+        _forward(mon, d, layout, [a])
         a.output_ids.append(1)
     a.done = True  # the last batch's result: no forward follows, the engine idles
     time.sleep(0.3)
@@ -123,25 +115,14 @@ def test_a_request_that_finished_while_the_engine_idles_is_committed_without_a_f
 def test_a_reused_request_id_is_not_captured_and_the_first_capture_stays(make_driver):
     sink = _RecordingSink()
     d, _ = make_driver("resid_pre", sink=sink)
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                           sink=sink, strip=True)
-
-    def forward(layout: BatchLayout, reqs) -> None:
-        mon.add_requests(reqs, frozenset())
-        mon.begin_forward()
-        mon.commit_eager(layout)
-        d.fire(layout)
-        mon.end_forward()
-        d.step += 1
-
+    mon = _monitor(d, sink)
     first = _Req("a", 3)
-    forward(BatchLayout.extend(["a"], [0], [3]), [first])
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [first])
     first.output_ids.append(1)
     first.done = True
     second = _Req("a", 5)  # a client sends the id again once the first finished
-    forward(BatchLayout.extend(["a"], [0], [5]), [second])
-    forward(BatchLayout.decode(["a"], [6]), [second])
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [5]), [second])
+    _forward(mon, d, BatchLayout.decode(["a"], [6]), [second])
     mon.stop()
     rows = [r for r in sink.records if r.request_id == "a"]
     assert {(r.start_token_idx, r.end_token_idx) for r in rows} == {(0, 3)}  # the first's
@@ -156,16 +137,9 @@ def test_idle_never_raises_once_the_transport_failed_and_the_stop_reports_it(mak
 
     sink = _RecordingSink()
     d, _ = make_driver("resid_pre:last", sink=sink)
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    mon = SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                           sink=sink, strip=True)
+    mon = _monitor(d, sink)
     a = _Req("a", 3)
-    mon.add_requests([a], frozenset())
-    mon.begin_forward()
-    layout = BatchLayout.extend(["a"], [0], [3])
-    mon.commit_eager(layout)
-    d.fire(layout)
-    mon.end_forward()
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
     a.output_ids.append(1)
     a.done = True
     d.t._fail(CaptureError("the drain failed"), "test")
