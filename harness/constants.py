@@ -96,10 +96,11 @@ MEM_FRACTION = 0.3
 """``--mem-fraction-static`` of every server (one server at a time on the GPU)."""
 SERVER_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
                 "--mem-fraction-static", str(MEM_FRACTION), "--disable-radix-cache",
-                "--disable-prefill-cuda-graph", "--log-level", "warning")
+                "--disable-prefill-cuda-graph", "--log-level", "info")
 """SGLang flags of every server. The two settings monitoring forces for selections that
 keep every position (radix cache and prefill CUDA graphs off) are given to all, so that
-stock and monitored servers run the same configuration whatever the mode."""
+stock and monitored servers run the same configuration whatever the mode. ``info`` logs
+the scheduler's batches, which serve-load summarises (``scheduler_activity``)."""
 START_S = 300.0
 """Longest server start (a cold Triton cache took ~150 s on the H200, a warm one ~35 s)."""
 EXIT_S = 90.0

@@ -66,6 +66,7 @@ import json
 import math
 import os
 import random
+import re
 import runpy
 import shlex
 import signal
@@ -351,6 +352,37 @@ def read_bench_line(text: str) -> Json:
             return data
     msg = "bench_serving wrote no result line"
     raise ValueError(msg)
+
+
+_FIELD = re.compile(r"(#[a-z-]+|gen throughput \(token/s\)): ([0-9.]+)")
+
+
+def scheduler_activity(log_text: str) -> Json:
+    """What SGLang's scheduler logged (``--log-level info``) while a bench ran: its prefill
+    batches (``Prefill batch, #new-seq: N, #new-token: T, ...``) and its decode log lines
+    (``Decode batch, #running-req: R, ... gen throughput (token/s): G, #queue-req: Q``,
+    one per ``--decode-log-interval`` decode steps). The share of forwards that were
+    prefills and the batch the decode steps ran at say whether the model or the traffic
+    bounds a server."""
+    prefills: list[dict[str, float]] = []
+    decodes: list[dict[str, float]] = []
+    for line in log_text.splitlines():
+        kind = prefills if "Prefill batch" in line else decodes if "Decode batch" in line else None
+        if kind is not None:
+            kind.append({k: float(v) for k, v in _FIELD.findall(line)})
+
+    def median(rows: Sequence[Mapping[str, float]], key: str) -> float | None:
+        values = sorted(r[key] for r in rows if key in r)
+        return values[len(values) // 2] if values else None
+
+    return {"prefill_batches": len(prefills),
+            "prefill_seqs": int(sum(r.get("#new-seq", 0.0) for r in prefills)),
+            "prefill_tokens": int(sum(r.get("#new-token", 0.0) for r in prefills)),
+            "decode_log_lines": len(decodes),
+            "decode_running_p50": median(decodes, "#running-req"),
+            "decode_gen_tok_s_p50": median(decodes, "gen throughput (token/s)"),
+            "queued_max": max((r.get("#queue-req", 0.0) for r in prefills + decodes),
+                              default=None)}
 
 
 def bench_figures(raw: Mapping[str, Any]) -> Json:
@@ -1068,6 +1100,7 @@ class ServeLoad:
         cancels = Canceller(server, mixed_prompts(self.vocab, self.plan.cancel_requests,
                                                   self.plan.input_len, SEED + 2))
         info: Json = {"argv": masked(argv), "log": str(log)}
+        log_from = server.log.stat().st_size if server.log.exists() else 0
         t0 = time.monotonic()
         with log.open("w") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
@@ -1086,6 +1119,9 @@ class ServeLoad:
                 proc.wait(timeout=30)
             info["cancels"] = cancels.join(self.soft_limit(HTTP_S))
         info["seconds"] = round(time.monotonic() - t0, 2)
+        with server.log.open("rb") as fh:
+            fh.seek(log_from)
+            info["scheduler"] = scheduler_activity(fh.read().decode(errors="replace"))
         try:
             raw = read_bench_line(out_file.read_text() if out_file.exists() else "")
             info["figures"] = bench_figures(raw)
@@ -1266,6 +1302,13 @@ class ServeLoad:
         print(f"[serve-load] {run.name}: bench {done.get('completed')} requests, "
               f"{done.get('output_tok_s', 0):.0f} out tok/s, "
               f"{len(cancelled_ids(bench['cancels']))} cancelled", flush=True)
+        sched = bench["scheduler"]
+        print(f"[serve-load] {run.name}: scheduler logged {sched['prefill_batches']} prefill "
+              f"batches ({sched['prefill_seqs']} requests), decode at "
+              f"{sched['decode_running_p50']} running requests and "
+              f"{sched['decode_gen_tok_s_p50']} tok/s (p50 of "
+              f"{sched['decode_log_lines']} lines), queue max {sched['queued_max']}",
+              flush=True)
         run.subset = self.subset(server)
         run.detail["load_s"] = round(time.monotonic() - t0, 2)
         run.checks["bench_complete"] = check_bench(bench, self.plan.num_prompts)

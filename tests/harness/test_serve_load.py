@@ -178,6 +178,40 @@ def test_the_fields_read_are_the_ones_bench_serving_writes() -> None:
     assert sl.BENCH_MAIN_MARK in source
 
 
+PREFILL = ("[2026-12-02 08:35:52] Prefill batch, #new-seq: {n}, #new-token: {t}, "
+           "#cached-token: 0, token usage: 0.01, #running-req: 60, #queue-req: {q}, "
+           "#pending-token: 0, "
+           "cuda graph: False, input throughput (token/s): 5000.00")
+DECODE = ("[2026-12-02 08:35:53] Decode batch, #running-req: {r}, #token: 9000, "
+          "token usage: 0.05, cuda graph: True, gen throughput (token/s): {g}, #queue-req: {q}")
+
+
+def test_the_scheduler_log_says_how_often_it_prefilled_and_at_what_batch_it_decoded() -> None:
+    text = "\n".join([
+        "[2026-12-02 08:35:51] INFO: 127.0.0.1 - POST /generate 200",
+        PREFILL.format(n=2, t=384, q=0), DECODE.format(r=64, g="1480.50", q=0),
+        PREFILL.format(n=1, t=200, q=3), DECODE.format(r=62, g="1520.00", q=1),
+        DECODE.format(r=40, g="900.00", q=0)])
+    got = sl.scheduler_activity(text)
+    assert got == {"prefill_batches": 2, "prefill_seqs": 3, "prefill_tokens": 584,
+                   "decode_log_lines": 3, "decode_running_p50": 62.0,
+                   "decode_gen_tok_s_p50": 1480.5, "queued_max": 3.0}
+    assert sl.scheduler_activity("no scheduler here")["prefill_batches"] == 0
+    assert sl.scheduler_activity("")["decode_running_p50"] is None
+
+
+def test_the_scheduler_fields_read_are_the_ones_sglang_logs() -> None:
+    spec = importlib.util.find_spec("sglang.srt.managers.scheduler_components.metrics_reporter")
+    if spec is None or spec.origin is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("sglang==0.5.19 is required under CI=true")
+        pytest.skip("sglang is not installed")
+    source = Path(spec.origin).read_text()
+    for text in ("Prefill batch", "Decode batch", "#new-seq: ", "#new-token: ",
+                 "#running-req: ", "#queue-req: ", "gen throughput (token/s): "):
+        assert text in source, text
+
+
 def test_ratios_are_monitored_over_stock() -> None:
     stock = sl.bench_figures(RESULT_LINE)
     slower = sl.bench_figures(RESULT_LINE | {"output_throughput": 1220.0, "p99_ttft_ms": 520.0})
