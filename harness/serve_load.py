@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import http.client
 import importlib.util
@@ -380,6 +379,8 @@ def scheduler_activity(log_text: str) -> Json:
             "prefill_tokens": int(sum(r.get("#new-token", 0.0) for r in prefills)),
             "decode_log_lines": len(decodes),
             "decode_running_p50": median(decodes, "#running-req"),
+            "decode_running_max": max((r.get("#running-req", 0.0) for r in decodes),
+                                      default=None),
             "decode_gen_tok_s_p50": median(decodes, "gen throughput (token/s)"),
             "queued_max": max((r.get("#queue-req", 0.0) for r in prefills + decodes),
                               default=None)}
@@ -843,26 +844,40 @@ class Server:
 
 
 def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) -> Json:
-    """POST a streamed ``/generate``, close the connection after ``events`` events and
-    cancel the request with SGLang's ``POST /abort_request`` (SGLang 0.5.19 does not abort
-    a streamed request whose client went away: on the H200 such requests ran to their
-    end): ``cancelled``; ``finished`` when the stream ended first; ``error`` otherwise."""
+    """POST a streamed ``/generate``, cancel it after ``events`` events with SGLang's
+    ``POST /abort_request`` while the stream is still open, and read the stream to its
+    end: ``cancelled`` when its last event reports an ``abort`` finish, ``finished`` when
+    it ended otherwise (it finished first, or the abort did not take), ``error`` when the
+    stream broke.
+
+    The abort is sent before the connection closes because SGLang 0.5.19 forgets a
+    streamed request whose client went away (``TokenizerManager.generate_request``
+    drops its state on the cancellation) while its scheduler runs it on to its end; an
+    abort after the close is then a no-op. Its own abort 2 s after a disconnect
+    (``create_abort_task``) is a no-op for the same reason."""
     req = urllib.request.Request(
         server.url + "/generate", method="POST", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **auth_headers(server.api_key)})
-    seen = 0
+    seen, abort_status, last = 0, None, None
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            while seen < events:
+            while True:
                 line = resp.readline()
                 if not line or line.strip() == b"data: [DONE]":
-                    return {"rid": body["rid"], "outcome": "finished", "events": seen}
-                seen += line.startswith(b"data: {")
+                    break
+                if line.startswith(b"data: {"):
+                    seen += 1
+                    last = json.loads(line[len(b"data: "):])
+                if seen == events and abort_status is None:
+                    abort_status = server.answer("POST", "/abort_request",
+                                                 {"rid": body["rid"]},
+                                                 timeout_s=timeout_s)["status"]
     except Exception as exc:  # a refused or broken stream is this request's outcome
         return {"rid": body["rid"], "outcome": "error", "events": seen, "error": repr(exc)}
-    abort = server.answer("POST", "/abort_request", {"rid": body["rid"]}, timeout_s=timeout_s)
-    return {"rid": body["rid"], "outcome": "cancelled", "events": seen,
-            "abort_status": abort["status"]}
+    reason = ((last or {}).get("meta_info") or {}).get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return {"rid": body["rid"], "outcome": "cancelled" if kind == "abort" else "finished",
+            "events": seen, "abort_status": abort_status, "finish": kind}
 
 
 class Canceller:
@@ -1305,7 +1320,8 @@ class ServeLoad:
         sched = bench["scheduler"]
         print(f"[serve-load] {run.name}: scheduler logged {sched['prefill_batches']} prefill "
               f"batches ({sched['prefill_seqs']} requests), decode at "
-              f"{sched['decode_running_p50']} running requests and "
+              f"{sched['decode_running_p50']} running requests (max "
+              f"{sched['decode_running_max']}) and "
               f"{sched['decode_gen_tok_s_p50']} tok/s (p50 of "
               f"{sched['decode_log_lines']} lines), queue max {sched['queued_max']}",
               flush=True)
@@ -1527,8 +1543,10 @@ class FakeState:
         self.args, self.monitored, self.vocab = args, monitored, vocab
         self.lock = threading.Lock()
         self.requests: dict[str, FakeRequest] = {}
-        self.aborted: list[str] = []
-        """Id prefixes ``/abort_request`` named."""
+        self.streaming: set[str] = set()
+        """Ids of the streams still open (SGLang still knows their requests)."""
+        self.aborted: set[str] = set()
+        """Open streams ``/abort_request`` named (by id prefix), ended at their next event."""
         self.state = "capturing"
         self.stop_s = 0.0
         self.faults = set(os.environ.get(FAKE_FAULT_ENV, "").split(","))
@@ -1537,21 +1555,16 @@ class FakeState:
         """Record a request (captured: every request, ``--request-sample 1``)."""
         if self.monitored and self.state == "capturing":
             with self.lock:
-                if any(req.rid.startswith(p) for p in self.aborted):
-                    req = dataclasses.replace(req, finished=False)
                 self.requests[req.rid] = req
 
     def abort(self, prefix: str) -> None:
-        """End the requests whose id starts with ``prefix`` by an abort (those served
-        later too: the fake serves a request whole before it records it): never
-        complete."""
+        """Abort the open streams whose id starts with ``prefix``, as SGLang 0.5.19 does:
+        a request whose client already went away is unknown to its tokenizer manager,
+        so naming it changes nothing (it runs on to its end)."""
         if not prefix:
             return
         with self.lock:
-            self.aborted.append(prefix)
-            for rid, req in list(self.requests.items()):
-                if rid.startswith(prefix):
-                    self.requests[rid] = dataclasses.replace(req, finished=False)
+            self.aborted |= {rid for rid in self.streaming if rid.startswith(prefix)}
 
     def rows(self, req: FakeRequest) -> int:
         """Positions stored: every forwarded one (the last token is never forwarded)."""
@@ -1726,20 +1739,31 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        with s.lock:
+            s.streaming.add(rid)
+        finished = True
         try:
             for k in range(1, len(out) + 1):
+                with s.lock:
+                    finished = rid not in s.aborted
+                reason = ({"type": "abort", "message": "Aborted"} if not finished else
+                          {"type": "length", "length": k} if k == len(out) else None)
                 chunk = {"text": " ".join(text.split()[:k]), "output_ids": out[:k],
-                         "meta_info": meta | {"completion_tokens": k}}
+                         "meta_info": meta | {"completion_tokens": k, "finish_reason": reason}}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
+                if not finished:
+                    break
                 time.sleep(FAKE_TOKEN_DELAY_S)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:  # the client went away: SGLang 0.5.19 runs the request on to its end
-            s.served(FakeRequest(rid, len(ids), len(out), finished=True))
-            self.close_connection = True
-            return
-        s.served(FakeRequest(rid, len(ids), len(out), finished=True))
+            pass
+        finally:
+            with s.lock:
+                s.streaming.discard(rid)
+                s.aborted.discard(rid)
+        s.served(FakeRequest(rid, len(ids), len(out), finished=finished))
         self.close_connection = True
 
 

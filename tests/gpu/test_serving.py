@@ -149,8 +149,10 @@ class Server:
         return list(out["output_ids"]), headers
 
     def cancel_stream(self, rid: str) -> None:
-        """A captured streamed request whose client goes away after two events (SGLang
-        aborts it): its capture must never read as complete."""
+        """A captured streamed request cancelled after two events with SGLang's abort
+        endpoint while its stream is open (SGLang 0.5.19 forgets a request whose client
+        went away, so an abort after the close does nothing); the stream ends with an
+        ``abort`` finish, and its capture must never read as complete."""
         body = {"text": PROMPT, "rid": rid, "stream": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": 3000, "ignore_eos": True,
             "custom_params": {"dmi_capture": True}}}
@@ -158,15 +160,20 @@ class Server:
             f"http://127.0.0.1:{self.port}/generate", method="POST",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        events, last, aborted = 0, {}, False
         with urllib.request.urlopen(req, timeout=300) as resp:
-            events = 0
-            while events < 2:
-                events += resp.readline().startswith(b"data: {")
-        # SGLang 0.5.19 lets a streamed request whose client went away run to its end (seen
-        # on the H200): a client cancels with its abort endpoint
-        status, out, _ = self.call("POST", "/abort_request", {"rid": rid})
-        assert status == 200, out
-        time.sleep(1)  # the scheduler ends it at its next step
+            for line in resp:
+                if line.strip() == b"data: [DONE]":
+                    break
+                if line.startswith(b"data: {"):
+                    events += 1
+                    last = json.loads(line[len(b"data: "):])
+                if events == 2 and not aborted:
+                    status, out, _ = self.call("POST", "/abort_request", {"rid": rid})
+                    assert status == 200, out
+                    aborted = True
+        assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+        assert events < 3000
 
     def stop_with(self, sig: int, *, group: bool = False) -> float:
         """Send ``sig`` to the server (``group``: to its whole process group, as a
