@@ -17,6 +17,13 @@
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
+* export: a run whose ``--export`` requests each added 8 positions of every layer per
+  insert, ``steps`` inserts (a serving store's shape while it captures: a request's rows
+  spread over many small parts it shares with the others, merges held), then one
+  committed request's safetensors file built by the server's export
+  (:class:`~dmi_sglang.app.export.StoreReads`) with the default pieces (whole tensors
+  together while they fit: one query) and with one tensor a piece (one query per
+  tensor): ms and CPU seconds of the process per GB exported, files equal to the handle.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
 """
@@ -37,9 +44,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+from safetensors.torch import load as load_safetensors
 
 from dmi_sglang import open_store
-from dmi_sglang.adapters.clickhouse import ClickHouseSink
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.app import export as exporting
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
@@ -53,9 +62,11 @@ Q06 = MODELS["0.6b"]
 HIDDEN, LAYERS = Q06.hidden, Q06.layers
 RESID = "blocks.hook_resid_pre"
 FULL = {"mb": 512, "sizes": "2048,65536,1048576", "writers": "1,4", "repeat": 2,
-        "probe_mb": DISK_PROBE_BYTES >> 20, "readback": f"{LAYERS},256,256"}
+        "probe_mb": DISK_PROBE_BYTES >> 20, "readback": f"{LAYERS},256,256", "export": "64,40"}
 QUICK = {"mb": 8, "sizes": "16384,262144", "writers": "1,2", "repeat": 2, "probe_mb": 16,
-         "readback": "4,32,32"}
+         "readback": "4,32,32", "export": "8,6"}
+EXPORT_ROWS = 8
+"""Positions each request adds per insert in the export part."""
 
 
 def ints(what: str, *, even: bool = False, count: int = 0,
@@ -187,6 +198,61 @@ def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
             "equal": equal and torch.equal(rows, data[layers - 1, lo:positions])}
 
 
+def export_cost(root: Path, requests: int, steps: int, repeat: int) -> Json:
+    """Fill a store as a capturing server does (see the module), then time the export of
+    committed requests with the default pieces and with one tensor a piece."""
+    path = root / "export"
+    config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path))
+    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
+                  utc_now())
+    rows = torch.randn(requests, LAYERS, steps * EXPORT_ROWS, HIDDEN).to(torch.bfloat16)
+    sink = ClickHouseSink(config)
+    try:
+        sink.start_run(run)
+        for step in range(steps):
+            lo, hi = step * EXPORT_ROWS, (step + 1) * EXPORT_ROWS
+            sink.put(RecordBatch.from_records([
+                CaptureRecord("bench", f"req-{r:04d}", RESID, n, 0, lo, hi, "torch.bfloat16",
+                              (hi - lo, HIDDEN), raw(rows[r, n, lo:hi]), step + 1)
+                for r in range(requests) for n in range(LAYERS)]))
+            sink.flush()  # one part per step, as the inserts of a capturing run
+        positions = steps * EXPORT_ROWS
+        sink.commit_requests([  # the first insert its prompt, one token a later position
+            RequestManifest("bench", f"req-{r:04d}", EXPORT_ROWS, positions - EXPORT_ROWS + 1,
+                            committed=True) for r in range(requests)])
+        sink.flush()
+        reader = ClickHouseReader(config)
+        reads = exporting.StoreReads(lambda: reader)
+        tensor_bytes = positions * HIDDEN * 2
+        timed: dict[str, list[tuple[float, float]]] = {"pieces": [], "per_tensor": []}
+        equal, nbytes, default = True, 0, exporting.PIECE_BYTES
+        with reader.session():
+            for rep in range(repeat):
+                for name, piece in (("pieces", default), ("per_tensor", tensor_bytes)):
+                    r = (2 * rep + (name == "per_tensor")) % requests
+                    exporting.PIECE_BYTES = piece
+                    try:
+                        started, cpu = time.perf_counter(), time.process_time()
+                        _, parts = reads.safetensors("bench", f"req-{r:04d}")
+                        blob = b"".join(parts)
+                        timed[name].append((time.perf_counter() - started,
+                                            time.process_time() - cpu))
+                    finally:
+                        exporting.PIECE_BYTES = default
+                    got = load_safetensors(blob)
+                    nbytes = sum(t.numel() * 2 for t in got.values())
+                    equal = equal and all(torch.equal(got[f"{RESID}.{n}"], rows[r, n])
+                                          for n in range(LAYERS))
+    finally:
+        sink.close()
+    out: Json = {"requests": requests, "parts": steps, "store_bytes": rows.numel() * 2,
+                 "file_bytes": nbytes, "equal": equal}
+    for name, values in timed.items():
+        out[f"{name}_ms"] = statistics.median(w for w, _ in values) * 1e3
+        out[f"{name}_cpu_s_per_GB"] = statistics.median(c for _, c in values) / nbytes * 1e9
+    return out
+
+
 def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     """Probes, ingests and the readback into ``data``; prints the tables."""
     probe_bytes = args.probe_mb << 20
@@ -218,6 +284,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                            compression=r["compression"])
         r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
     back = readback(root, *args.readback)
+    cost = export_cost(root, args.export[0], args.export[1], args.repeat)
     headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
     data["bound"] = headline["bound"]
     table: list[Json] = [
@@ -233,6 +300,12 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "hidden_states ms": back["hidden_states_ms"],
                   "10-row range ms (cold)": back["range_10_rows_ms_cold"],
                   "read": "equal" if back["equal"] else "DIFFERENT"})
+    table.append({"export": f"1 of {cost['requests']} requests over {cost['parts']} parts",
+                  "MB": cost["file_bytes"] / 1e6, "ms": cost["pieces_ms"],
+                  "cpu s/GB": cost["pieces_cpu_s_per_GB"],
+                  "one tensor a query ms": cost["per_tensor_ms"],
+                  "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
+                  "read": "equal" if cost["equal"] else "DIFFERENT"})
     note = (f"{args.mb} MB a run, median of {args.repeat}, at most {args.insert_rows} records "
             f"an insert; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "
@@ -243,11 +316,13 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             "(both synced); headline: "
             f"{headline['payload_bytes'] // 1024} KiB x {headline['writers']} writers")
     print("\n".join(table_lines(table)) + f"\n{note}")
-    data["figures"] = {"ingest": rows, "readback": back, "table": table, "note": note,
+    data["figures"] = {"ingest": rows, "readback": back, "export": cost, "table": table,
+                       "note": note,
                        "disk": {"bps": disk, "probes_bps": probes, "spread": spread_of(probes)}}
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
+        "export_equal": {"ok": bool(cost["equal"]), "required": True},
         "compression_measured": {"ok": all(r["compression"] for r in rows), "required": True}}
 
 
@@ -268,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readback", type=ints("layers,prompt,decode: layers and prompt >= 1, "
                                            "decode >= 0", count=3, low=(1, 1, 0)),
                    help=f"layers,prompt,decode of the readback ({FULL['readback']})")
+    p.add_argument("--export", type=ints("requests,inserts: both >= 1", count=2),
+                   help=f"requests and inserts of the export's store ({FULL['export']})")
     p.add_argument("--dir", type=Path, help="where the scratch stores go (default /var/tmp)")
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
     p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))

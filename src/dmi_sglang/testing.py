@@ -206,21 +206,24 @@ class MemoryReader:
                 and (start is None or r.end_token_idx > start)
                 and (end is None or r.start_token_idx < end)]
 
-    def records_within(self, run_id: str, request_id: str, *, act_name: str,
-                       layer_no: int, start: int, end: int) -> list[CaptureRecord]:
-        """The records of one hook and layer overlapping ``[start, end)``, cut to it."""
+    def records_within(self, run_id: str, request_id: str, *,
+                       captures: Sequence[tuple[str, int]], start: int,
+                       end: int) -> list[CaptureRecord]:
+        """The records of the ``captures`` overlapping ``[start, end)``, cut to it."""
         if end <= start:
             return []
+        wanted = set(captures)
         out = []
-        for r in self.records(run_id, request_id, act_name=act_name, layer_no=layer_no,
-                              start=start, end=end):
+        for r in self.records(run_id, request_id, start=start, end=end):
+            if (r.act_name, r.layer_no) not in wanted:
+                continue
             lo, hi = max(start, r.start_token_idx), min(end, r.end_token_idx)
             row = len(r.payload) // max(1, r.rows)
             first = lo - r.start_token_idx
             out.append(attrs.evolve(
                 r, start_token_idx=lo, end_token_idx=hi, shape=(hi - lo, *r.shape[1:]),
                 payload=bytes(memoryview(r.payload)[first * row : (first + hi - lo) * row])))
-        return sorted(out, key=lambda r: (r.start_token_idx, r.seq))
+        return sorted(out, key=lambda r: (r.act_name, r.layer_no, r.start_token_idx, r.seq))
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
         """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""

@@ -162,8 +162,7 @@ def test_a_committed_request_reads_back_while_its_run_runs(backend: Backend) -> 
 
 def test_records_within_are_cut_to_the_range_with_their_rows(backend: Backend) -> None:
     _write_run(backend)
-    cut = backend.reader().records_within(d.RUN, "a", act_name=d.RESID, layer_no=0,
-                                          start=1, end=5)
+    cut = backend.reader().records_within(d.RUN, "a", captures=[(d.RESID, 0)], start=1, end=5)
     got = sorted((r.start_token_idx, r.end_token_idx, r.seq, r.shape) for r in cut)
     assert got == [(1, 2, 0, (1, d.WIDTH)), (1, 4, 1, (3, d.WIDTH)), (4, 5, 2, (1, d.WIDTH))]
     for r in cut:
@@ -171,7 +170,21 @@ def test_records_within_are_cut_to_the_range_with_their_rows(backend: Backend) -
                                      for p in range(r.start_token_idx, r.end_token_idx))
     for empty in ((2, 2), (3, 1)):
         assert list(backend.reader().records_within(
-            d.RUN, "a", act_name=d.RESID, layer_no=0, start=empty[0], end=empty[1])) == []
+            d.RUN, "a", captures=[(d.RESID, 0)], start=empty[0], end=empty[1])) == []
+    assert list(backend.reader().records_within(d.RUN, "a", captures=[], start=0, end=5)) == []
+
+
+def test_records_within_read_several_captures_at_once_in_their_order(backend: Backend) -> None:
+    _write_run(backend)
+    reader = backend.reader()
+    one = {c: list(reader.records_within(d.RUN, "a", captures=[c], start=0, end=9))
+           for c in [(d.RESID, 0), (d.RESID, 1)]}
+    both = list(reader.records_within(d.RUN, "a", captures=[(d.RESID, 1), (d.RESID, 0),
+                                                            ("no_such_hook", 0)],
+                                      start=0, end=9))
+    assert one[(d.RESID, 0)]
+    assert one[(d.RESID, 1)]
+    assert both == one[(d.RESID, 0)] + one[(d.RESID, 1)]  # by layer, start and seq
 
 
 def test_the_latest_manifest_of_each_request_is_listed(backend: Backend) -> None:

@@ -86,6 +86,36 @@ def test_a_committed_request_exports_as_safetensors_equal_to_the_store(
     assert json.loads(header["__metadata__"]["positions"])[LOGITS] == [3, 6, 1]
 
 
+def test_an_export_reads_the_tensors_that_fit_one_piece_in_one_query(
+        served: tuple[StoreReads, ClickHouseSink], store: StoreConfig,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    asked: list[list[tuple[str, int]]] = []
+    remote = RemoteReader(f"ipc://{tmp_path}/reads", timeout_s=30)
+    real = remote.records_within
+
+    def counted(*args: object, **kwargs: object) -> object:
+        asked.append(list(kwargs["captures"]))  # type: ignore[call-overload]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(remote, "records_within", counted)
+    counting = StoreReads(lambda: remote)
+    whole = b"".join(counting.safetensors("run", "done")[1])
+    assert asked == [[(RESID, 0), (RESID, 1), (LOGITS, -1)]]  # 72 + 72 + 72 bytes: one piece
+    asked.clear()
+    monkeypatch.setattr(export, "PIECE_BYTES", 150)  # the two resid tensors, then the logits
+    assert b"".join(counting.safetensors("run", "done")[1]) == whole
+    assert asked == [[(RESID, 0), (RESID, 1)], [(LOGITS, -1)]]
+    asked.clear()
+    monkeypatch.setattr(export, "PIECE_BYTES", 30)  # each alone: 2 resid rows, 1 logits row
+    assert b"".join(counting.safetensors("run", "done")[1]) == whole
+    assert asked == [[(RESID, 0)]] * 3 + [[(RESID, 1)]] * 3 + [[(LOGITS, -1)]] * 3
+    tensors = load_safetensors(whole)
+    h = handle(store, "run", "done")
+    for act, layer in CAPTURES:
+        assert torch.equal(tensors[export.tensor_name(act, layer)],
+                           h.get(act, None if layer < 0 else layer))
+
+
 def test_an_uncommitted_or_unknown_request_is_not_exported(
         served: tuple[StoreReads, ClickHouseSink]) -> None:
     reads, _ = served
@@ -123,6 +153,9 @@ def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(
         remote.delete_run("run")
     with pytest.raises(StoreError, match="does not answer 'delete_run'"):
         remote._call("delete_run", "run")  # what a forged request gets
+    for forged in ([["a", "1"]], [["a", 1, 2]], "a", [[["a"], 1]], [["a", True]]):
+        with pytest.raises(StoreError, match="does not answer 'records_within'"):
+            remote._call("records_within", "run", "done", captures=forged, start=0, end=1)
     assert remote.run("run") is not None  # still there
     nobody = RemoteReader(f"ipc://{tmp_path}/nobody", timeout_s=30)
     t0 = time.monotonic()
@@ -186,7 +219,7 @@ def test_records_within_cut_the_rows_in_the_store(
         served: tuple[StoreReads, ClickHouseSink], store: StoreConfig) -> None:
     reader = ClickHouseReader(store)
     whole = reader.records("run", "done", act_name=RESID, layer_no=0)
-    cut = reader.records_within("run", "done", act_name=RESID, layer_no=0, start=1, end=5)
+    cut = reader.records_within("run", "done", captures=[(RESID, 0)], start=1, end=5)
     assert [(r.start_token_idx, r.end_token_idx, r.shape) for r in cut] == [
         (1, 4, (3, 3, 2)), (4, 5, (1, 3, 2))]
     prefill = whole[0]  # rows [0, 4): its rows 1..3 are the first cut record's bytes

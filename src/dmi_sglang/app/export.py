@@ -3,11 +3,14 @@
 Version-neutral: listings of runs and requests as JSON-ready values, and one complete
 request's captures as a safetensors file built piece by piece. The header is made from
 the run's captures, the request's manifest and one row layout per hook and layer (no
-payload read); then each tensor's rows are read a slice of positions at a time
-(:data:`PIECE_BYTES`), cut to those rows by the store itself
-(``RecordReader.records_within``), so an export holds about one piece at a time whatever
-the request's or its records' sizes (the store's engine reads each record it cuts whole:
-a record larger than a piece is read once per piece).
+payload read); then the rows are read a piece at a time (:data:`PIECE_BYTES`: whole
+tensors together while they fit, a larger tensor a slice of positions at a time), cut to
+those rows by the store itself (``RecordReader.records_within``), so an export holds
+about one piece at a time whatever the request's or its records' sizes (the store's
+engine reads each record it cuts whole: a record larger than a piece is read once per
+piece). One query per piece, not per tensor: while a run captures, a request's rows lie
+in many small parts of the store shared with the other requests of its time, and each
+query decompresses those parts' blocks again.
 
 Tensor names: ``act_name.layer`` for per-layer hooks (``blocks.hook_resid_pre.3``), the
 act_name alone for global ones (``final_logits``). Rows are in position order, one per
@@ -18,13 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
 from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
 from dmi_sglang.domain.ports import RecordReader
-from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
 from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError
 
@@ -150,19 +153,53 @@ class StoreReads:
                 tensors: list[_Tensor]) -> Iterator[bytes]:
         yield prefix
         reader = self._factory()
-        for t in tensors:
+        for piece in _pieces_of(tensors):
+            yield _rows(reader, run_id, request_id, piece)
+
+
+def _pieces_of(tensors: Sequence[_Tensor]) -> list[list[_Tensor]]:
+    """The export's tensors (in file order) as the pieces it reads and sends, each of at
+    most :data:`PIECE_BYTES` (at least one row): whole tensors taken together while they
+    fit (one store query reads them all), a larger tensor alone in slices of its
+    positions."""
+    out: list[list[_Tensor]] = []
+    group: list[_Tensor] = []
+    size = 0
+    for t in tensors:
+        if t.nbytes > PIECE_BYTES:
+            if group:
+                out.append(group)
+                group, size = [], 0
             per_piece = max(1, PIECE_BYTES // max(1, t.row_bytes))
-            for at in range(0, len(t.positions), per_piece):
-                yield _rows(reader, run_id, request_id, t, t.positions[at : at + per_piece])
+            out.extend([attrs.evolve(t, positions=t.positions[at : at + per_piece])]
+                       for at in range(0, len(t.positions), per_piece))
+            continue
+        if group and size + t.nbytes > PIECE_BYTES:
+            out.append(group)
+            group, size = [], 0
+        group.append(t)
+        size += t.nbytes
+    if group:
+        out.append(group)
+    return out
 
 
-def _rows(reader: RecordReader, run_id: str, request_id: str, t: _Tensor,
-          positions: range) -> bytes:
-    """The rows of ``positions`` (latest copy of each), as one bytes piece."""
-    records = reader.records_within(run_id, request_id, act_name=t.act_name,
-                                    layer_no=t.layer_no, start=positions[0],
-                                    end=positions[-1] + 1)
-    return bytes(joined_rows(records, select_rows(records, positions), t.row_bytes))
+def _rows(reader: RecordReader, run_id: str, request_id: str, piece: list[_Tensor]) -> bytes:
+    """The rows of a piece's tensors (latest copy of each position), joined in order."""
+    held = [t for t in piece if t.positions]
+    if not held:
+        return b""
+    records = reader.records_within(
+        run_id, request_id, captures=[(t.act_name, t.layer_no) for t in held],
+        start=min(t.positions[0] for t in held), end=max(t.positions[-1] + 1 for t in held))
+    by_capture: dict[tuple[str, int], list[CaptureRecord]] = {}
+    for r in records:
+        by_capture.setdefault((r.act_name, r.layer_no), []).append(r)
+    out = bytearray()
+    for t in held:
+        mine = by_capture.get((t.act_name, t.layer_no), [])
+        out += joined_rows(mine, select_rows(mine, t.positions), t.row_bytes)
+    return bytes(out)
 
 
 def _require_run(reader: RecordReader, run_id: str) -> RunInfo:

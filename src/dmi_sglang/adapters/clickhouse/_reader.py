@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -227,16 +227,18 @@ class ClickHouseReader:
             for m, r, a, ln, sr, s, e, d, shp, p, q in rows
         ]
 
-    def records_within(self, run_id: str, request_id: str, *, act_name: str,
-                       layer_no: int, start: int, end: int) -> list[CaptureRecord]:
-        """The records of one hook and layer overlapping ``[start, end)``, cut to it in
-        the query (``substring`` of the payload): only those rows come back (the engine
-        still reads each whole record to cut it).
+    def records_within(self, run_id: str, request_id: str, *,
+                       captures: Sequence[tuple[str, int]], start: int,
+                       end: int) -> list[CaptureRecord]:
+        """The records of the ``captures`` overlapping ``[start, end)``, cut to it in the
+        query (``substring`` of the payload): only those rows come back (the engine
+        still reads each whole record to cut it, and each block of the store it needs
+        once for all the captures).
 
         Raises:
             StoreError: a stored record whose payload or shape does not fit its rows.
         """
-        if end <= start:
+        if end <= start or not captures:
             return []
         sql = (
             "SELECT model_id, request_id, act_name, layer_no, shard_rank, "
@@ -248,12 +250,12 @@ class ClickHouseReader:
             "end_token_idx - start_token_idx)) AS cut, seq, length(bytes), "
             "start_token_idx, end_token_idx, shape[1] FROM {t} "
             "WHERE model_id = {run:String} AND request_id = {req:String} "
-            "AND act_name = {act:String} AND layer_no = {layer:Int32} "
+            "AND (act_name, layer_no) IN {caps:Array(Tuple(String, Int32))} "
             "AND end_token_idx > {start:Int64} AND start_token_idx < {end:Int64} "
-            "AND end_token_idx > start_token_idx ORDER BY s, seq"
+            "AND end_token_idx > start_token_idx ORDER BY act_name, layer_no, s, seq"
         )
-        params = {"run": run_id, "req": request_id, "act": act_name, "layer": layer_no,
-                  "start": start, "end": end}
+        params = {"run": run_id, "req": request_id,
+                  "caps": [(str(a), int(n)) for a, n in captures], "start": start, "end": end}
         rows = self._query(self._tables.offload, sql, params, column_formats={"cut": "bytes"})
         out = []
         for m, r, a, ln, sr, st, e, d, shp, p, q, total, lo, hi, first in rows:

@@ -150,14 +150,27 @@ def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
     except (ValueError, KeyError, TypeError) as exc:
         msg = f"not a store read request: {exc}"
         raise StoreError(msg) from None
-    plain = (str, int, type(None))
     values = list(args) + list(kwargs.values()) if isinstance(args, list) and isinstance(
         kwargs, dict) else [object()]
-    if (method not in _METHODS
-            or not all(isinstance(v, plain) and not isinstance(v, bool) for v in values)):
+    captures = kwargs.pop("captures", None) if isinstance(kwargs, dict) else None
+    if (method not in _METHODS or not all(_plain(v) for v in values if v is not captures)
+            or (captures is not None and not _captures(captures))):
         msg = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
         raise StoreError(msg)
+    if captures is not None:
+        kwargs["captures"] = [(act, layer) for act, layer in captures]
     return method, args, kwargs
+
+
+def _plain(value: object) -> bool:
+    return isinstance(value, (str, int, type(None))) and not isinstance(value, bool)
+
+
+def _captures(value: object) -> bool:
+    """``[[act_name, layer_no], ...]``: the one structured argument (``records_within``)."""
+    return isinstance(value, list) and all(
+        isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
+        and isinstance(c[1], int) and not isinstance(c[1], bool) for c in value)
 
 
 class RemoteReader:
@@ -236,12 +249,13 @@ class RemoteReader:
             "records", run_id, request_id, act_name=act_name, layer_no=layer_no,
             start=start, end=end)
 
-    def records_within(self, run_id: str, request_id: str, *, act_name: str,
-                       layer_no: int, start: int, end: int) -> Sequence[CaptureRecord]:
-        """The records of one hook and layer overlapping ``[start, end)``, cut to it."""
+    def records_within(self, run_id: str, request_id: str, *,
+                       captures: Sequence[tuple[str, int]], start: int,
+                       end: int) -> Sequence[CaptureRecord]:
+        """The records of the ``captures`` overlapping ``[start, end)``, cut to it."""
         return self._call(  # type: ignore[no-any-return]
-            "records_within", run_id, request_id, act_name=act_name, layer_no=layer_no,
-            start=start, end=end)
+            "records_within", run_id, request_id,
+            captures=[[act, layer] for act, layer in captures], start=start, end=end)
 
     def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:
         """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""
