@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)
     root = Path(tempfile.mkdtemp(prefix="dmi-store-bench-", dir=parent))
     settings = {**vars(args), "dir": str(root), "out": str(args.out), "cpus": os.cpu_count(),
+                "device": "cuda" if torch.cuda.is_available() else "cpu",  # the host it ran on
                 "python": sys.version.split()[0], "torch": torch.__version__,
                 **{n: version(n) for n in ("chdb-core", "clickhouse-connect")}}
     try:
