@@ -6,9 +6,11 @@ captures) runs a :class:`ReadService`: a daemon thread with a REP socket bound a
 Each request is JSON naming one read-only ``RecordReader`` method and its arguments
 (strings, integers, null): nothing in a request is ever unpickled. The thread calls the
 method on a reader of its own (several clients of one process may hold the embedded store
-at once) and answers the result pickled, or the error's kind and message. Queries run off
-the scheduler's thread (the Python side of an answer, converting and pickling the rows it
-returns, still takes the owner's GIL: reads are bounded pieces, see ``app.export``).
+at once) and answers the result pickled, or the error's kind and message; records go as
+their fields pickled plus one frame per payload, sent and received without a copy.
+Queries run off the scheduler's thread and release the GIL; the Python side of an answer
+(converting the rows the query returns) still takes the owner's GIL: reads are bounded
+pieces, see ``app.export``.
 
 :class:`RemoteReader` is the ``RecordReader`` of the other process: one short-lived REQ
 socket per call (thread-safe, and a lost answer cannot be taken for the next one's),
@@ -44,6 +46,8 @@ READ_TIMEOUT_S = 30.0
 _METHODS = frozenset({"runs", "run", "requests", "manifest", "manifests", "records",
                       "records_within", "ranges", "row_layouts", "hook_totals"})
 """The reader methods the service answers (reads only: no delete)."""
+_RECORD_METHODS = frozenset({"records", "records_within"})
+"""The methods whose answers are records: fields pickled, payloads as frames of their own."""
 _SEND_TIMEOUT_MS = 1000
 
 
@@ -120,22 +124,28 @@ class ReadService:
                     if not poller.poll(200):
                         continue
                     request = self._socket.recv()
-                    self._socket.send(self._answer(request))
+                    self._socket.send_multipart(self._answer(request), copy=False)
                     self.answered += 1
                 except zmq.ZMQError as exc:  # one exchange lost; the channel goes on
                     log.error("dmi.read_exchange_failed", error=repr(exc))
         finally:
             self._socket.close()
 
-    def _answer(self, request: bytes) -> bytes:
+    def _answer(self, request: bytes) -> list[bytes | memoryview]:
         try:
             method, args, kwargs = _parse(request)
             with self._reader.session():
                 result = getattr(self._reader, method)(*args, **kwargs)
-            return pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+            if method in _RECORD_METHODS:
+                fields = [(r.model_id, r.request_id, r.act_name, r.layer_no, r.shard_rank,
+                           r.start_token_idx, r.end_token_idx, r.dtype, r.shape, r.seq)
+                          for r in result]
+                return [pickle.dumps(("records", fields), protocol=pickle.HIGHEST_PROTOCOL),
+                        *(r.payload for r in result)]
+            return [pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)]
         except Exception as exc:
             kind = "store" if isinstance(exc, StoreError) else type(exc).__name__
-            return pickle.dumps(("error", kind, str(exc)))
+            return [pickle.dumps(("error", kind, str(exc)))]
 
 
 def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
@@ -203,7 +213,7 @@ class RemoteReader:
                 msg = f"no store owner answers reads at {self.address}"
                 raise StoreError(msg) from exc
             try:
-                answer = pickle.loads(socket.recv())  # the owner is ours (module docstring)
+                frames = socket.recv_multipart(copy=False)
             except zmq.Again as exc:
                 msg = (f"the store's owner did not answer {method} within "
                        f"{self._timeout_ms / 1000:g} s ({self.address})")
@@ -213,8 +223,17 @@ class RemoteReader:
             raise StoreError(msg) from exc
         finally:
             socket.close()
+        answer = pickle.loads(frames[0].buffer)  # the owner is ours (module docstring)
         if answer[0] == "ok":
             return answer[1]
+        if answer[0] == "records":
+            if len(frames) != len(answer[1]) + 1:
+                msg = (f"the store's owner answered {method} with {len(answer[1])} records "
+                       f"and {len(frames) - 1} payloads")
+                raise StoreError(msg)
+            return [CaptureRecord(m, r, a, ln, sr, lo, hi, d, shape, frame.buffer, seq)
+                    for (m, r, a, ln, sr, lo, hi, d, shape, seq), frame
+                    in zip(answer[1], frames[1:], strict=True)]
         _, kind, message = answer
         if kind == "store":
             raise StoreError(message)
