@@ -21,9 +21,11 @@
   insert, ``steps`` inserts (a serving store's shape while it captures: a request's rows
   spread over many small parts it shares with the others, merges held), then one
   committed request's safetensors file built by the server's export
-  (:class:`~dmi_sglang.app.export.StoreReads`) with the default pieces (whole tensors
+  (:class:`~dmi_sglang.app.export.StoreReads`, reading the store directly: the owner's
+  read channel, its IPC and pickling, is not in it) with the default pieces (whole tensors
   together while they fit: one query) and with one tensor a piece (one query per
-  tensor): ms and CPU seconds of the process per GB exported, files equal to the handle.
+  tensor): ms and CPU seconds of the process per GB exported, files equal to what was
+  written.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
 """
@@ -205,7 +207,8 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int) -> Json:
     config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path))
     run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
                   utc_now())
-    rows = torch.randn(requests, LAYERS, steps * EXPORT_ROWS, HIDDEN).to(torch.bfloat16)
+    rows = [torch.randn(LAYERS, steps * EXPORT_ROWS, HIDDEN, dtype=torch.bfloat16)
+            for _ in range(requests)]
     sink = ClickHouseSink(config)
     try:
         sink.start_run(run)
@@ -213,7 +216,7 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int) -> Json:
             lo, hi = step * EXPORT_ROWS, (step + 1) * EXPORT_ROWS
             sink.put(RecordBatch.from_records([
                 CaptureRecord("bench", f"req-{r:04d}", RESID, n, 0, lo, hi, "torch.bfloat16",
-                              (hi - lo, HIDDEN), raw(rows[r, n, lo:hi]), step + 1)
+                              (hi - lo, HIDDEN), raw(rows[r][n, lo:hi]), step + 1)
                 for r in range(requests) for n in range(LAYERS)]))
             sink.flush()  # one part per step, as the inserts of a capturing run
         positions = steps * EXPORT_ROWS
@@ -222,30 +225,28 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int) -> Json:
                             committed=True) for r in range(requests)])
         sink.flush()
         reader = ClickHouseReader(config)
-        reads = exporting.StoreReads(lambda: reader)
         tensor_bytes = positions * HIDDEN * 2
+        reads = {"pieces": exporting.StoreReads(lambda: reader),
+                 "per_tensor": exporting.StoreReads(lambda: reader, piece_bytes=tensor_bytes)}
         timed: dict[str, list[tuple[float, float]]] = {"pieces": [], "per_tensor": []}
-        equal, nbytes, default = True, 0, exporting.PIECE_BYTES
+        equal, nbytes = True, 0
         with reader.session():
             for rep in range(repeat):
-                for name, piece in (("pieces", default), ("per_tensor", tensor_bytes)):
+                for name, export in reads.items():
                     r = (2 * rep + (name == "per_tensor")) % requests
-                    exporting.PIECE_BYTES = piece
-                    try:
-                        started, cpu = time.perf_counter(), time.process_time()
-                        _, parts = reads.safetensors("bench", f"req-{r:04d}")
-                        blob = b"".join(parts)
-                        timed[name].append((time.perf_counter() - started,
-                                            time.process_time() - cpu))
-                    finally:
-                        exporting.PIECE_BYTES = default
+                    started, cpu = time.perf_counter(), time.process_time()
+                    _, parts = export.safetensors("bench", f"req-{r:04d}")
+                    blob = b"".join(parts)
+                    timed[name].append((time.perf_counter() - started,
+                                        time.process_time() - cpu))
                     got = load_safetensors(blob)
                     nbytes = sum(t.numel() * 2 for t in got.values())
-                    equal = equal and all(torch.equal(got[f"{RESID}.{n}"], rows[r, n])
+                    equal = equal and all(torch.equal(got[f"{RESID}.{n}"], rows[r][n])
                                           for n in range(LAYERS))
     finally:
         sink.close()
-    out: Json = {"requests": requests, "parts": steps, "store_bytes": rows.numel() * 2,
+    out: Json = {"requests": requests, "parts": steps,
+                 "store_bytes": sum(r.numel() for r in rows) * 2,
                  "file_bytes": nbytes, "equal": equal}
     for name, values in timed.items():
         out[f"{name}_ms"] = statistics.median(w for w, _ in values) * 1e3

@@ -353,22 +353,24 @@ def read_bench_line(text: str) -> Json:
     raise ValueError(msg)
 
 
-_FIELD = re.compile(r"(#[a-z-]+|gen throughput \(token/s\)): ([0-9.]+)")
+_FIELD = re.compile(r"(#[a-z-]+|gen throughput \(token/s\)|cuda graph): ([0-9.]+|True|False)")
 
 
 def scheduler_activity(log_text: str) -> Json:
-    """What SGLang's scheduler logged (``--log-level info``) while a bench ran: its prefill
-    batches (``Prefill batch, #new-seq: N, #new-token: T, ...``) and its decode log lines
-    (``Decode batch, #running-req: R, ... gen throughput (token/s): G, #queue-req: Q``,
-    one per ``--decode-log-interval`` decode steps). The share of forwards that were
-    prefills and the batch the decode steps ran at say whether the model or the traffic
-    bounds a server."""
+    """What SGLang's scheduler logged (``--log-level info``) during a bench's main run:
+    its prefill batches (``Prefill batch, #new-seq: N, #new-token: T, ...``) and its
+    decode log lines (``Decode batch, #running-req: R, ... cuda graph: True, gen
+    throughput (token/s): G, #queue-req: Q``, one per ``--decode-log-interval`` decode
+    steps: a sample, so fast steps are over-represented in medians). The share of forwards
+    that were prefills, the batch the decode steps ran at and whether they replayed a CUDA
+    graph say whether the model or the traffic bounds a server."""
     prefills: list[dict[str, float]] = []
     decodes: list[dict[str, float]] = []
     for line in log_text.splitlines():
         kind = prefills if "Prefill batch" in line else decodes if "Decode batch" in line else None
         if kind is not None:
-            kind.append({k: float(v) for k, v in _FIELD.findall(line)})
+            kind.append({k: float(v == "True") if v in ("True", "False") else float(v)
+                         for k, v in _FIELD.findall(line)})
 
     def median(rows: Sequence[Mapping[str, float]], key: str) -> float | None:
         values = sorted(r[key] for r in rows if key in r)
@@ -382,6 +384,7 @@ def scheduler_activity(log_text: str) -> Json:
             "decode_running_max": max((r.get("#running-req", 0.0) for r in decodes),
                                       default=None),
             "decode_gen_tok_s_p50": median(decodes, "gen throughput (token/s)"),
+            "decode_lines_eager": sum(1 for r in decodes if r.get("cuda graph") == 0.0),
             "queued_max": max((r.get("#queue-req", 0.0) for r in prefills + decodes),
                               default=None)}
 
@@ -602,7 +605,8 @@ def check_complete(direct: Mapping[str, Any], *, cancels: Sequence[Json],
 
 
 def check_cancelled(direct: Mapping[str, Any], cancels: Sequence[Json]) -> Json:
-    """At least one request was cancelled mid-stream, and none of those reads complete."""
+    """At least one request was cancelled mid-stream, none of those reads complete, and no
+    abort was ignored (a stream that finished normally after its abort was sent)."""
     missing: Mapping[str, Sequence[str]] = direct.get("missing") or {}
     ids = cancelled_ids(cancels)
     complete = [r for r in ids if r in missing and not missing[r]]
@@ -610,9 +614,11 @@ def check_cancelled(direct: Mapping[str, Any], cancels: Sequence[Json]) -> Json:
     outcomes: dict[str, int] = {}
     for o in cancels:
         outcomes[str(o.get("outcome"))] = outcomes.get(str(o.get("outcome")), 0) + 1
-    return {"ok": bool(ids) and not complete and not unread, "required": True,
-            "cancelled": len(ids), "outcomes": outcomes, "read_complete": complete[:10],
-            "not_read": unread[:10]}
+    ignored = outcomes.get("abort_ignored", 0)
+    return {"ok": bool(ids) and not complete and not unread and not ignored,
+            "required": True, "cancelled": len(ids), "outcomes": outcomes,
+            "abort_ignored": ignored, "read_complete_count": len(complete),
+            "read_complete": complete[:10], "not_read": unread[:10]}
 
 
 def check_committed(direct: Mapping[str, Any]) -> Json:
@@ -846,9 +852,10 @@ class Server:
 def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) -> Json:
     """POST a streamed ``/generate``, cancel it after ``events`` events with SGLang's
     ``POST /abort_request`` while the stream is still open, and read the stream to its
-    end: ``cancelled`` when its last event reports an ``abort`` finish, ``finished`` when
-    it ended otherwise (it finished first, or the abort did not take), ``error`` when the
-    stream broke.
+    end (within ``timeout_s`` in all): ``cancelled`` when its last event reports an
+    ``abort`` finish, ``abort_ignored`` when the abort was sent and the request finished
+    otherwise, ``finished`` when it ended before the abort, ``error`` when the stream
+    broke, reported an error or did not end in time.
 
     The abort is sent before the connection closes because SGLang 0.5.19 forgets a
     streamed request whose client went away (``TokenizerManager.generate_request``
@@ -859,30 +866,38 @@ def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) 
         server.url + "/generate", method="POST", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **auth_headers(server.api_key)})
     seen, abort_status, last = 0, None, None
+    end = time.monotonic() + timeout_s
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             while True:
                 line = resp.readline()
                 if not line or line.strip() == b"data: [DONE]":
                     break
+                if time.monotonic() > end:
+                    msg = f"the stream did not end within {timeout_s:g} s"
+                    raise TimeoutError(msg)
                 if line.startswith(b"data: {"):
                     seen += 1
                     last = json.loads(line[len(b"data: "):])
+                    if "error" in last:
+                        raise ValueError(f"the stream reported {last['error']!r}")
                 if seen == events and abort_status is None:
                     abort_status = server.answer("POST", "/abort_request",
                                                  {"rid": body["rid"]},
                                                  timeout_s=timeout_s)["status"]
-    except Exception as exc:  # a refused or broken stream is this request's outcome
+    except Exception as exc:  # a refused, broken or failed stream is this request's outcome
         return {"rid": body["rid"], "outcome": "error", "events": seen, "error": repr(exc)}
     reason = ((last or {}).get("meta_info") or {}).get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
-    return {"rid": body["rid"], "outcome": "cancelled" if kind == "abort" else "finished",
-            "events": seen, "abort_status": abort_status, "finish": kind}
+    outcome = ("cancelled" if kind == "abort" else
+               "finished" if abort_status is None else "abort_ignored")
+    return {"rid": body["rid"], "outcome": outcome, "events": seen,
+            "abort_status": abort_status, "finish": kind}
 
 
 class Canceller:
     """The cancelling client: :data:`CANCEL_WORKERS` threads sending streamed requests
-    that each close after :data:`CANCEL_EVENTS` events."""
+    that each abort after :data:`CANCEL_EVENTS` events (:func:`stream_and_close`)."""
 
     def __init__(self, server: Server, prompts: Sequence[Sequence[int]],
                  interval_s: float = CANCEL_INTERVAL_S) -> None:
@@ -929,6 +944,19 @@ class Canceller:
                 t.join(5.0)
         with self._lock:
             return sorted(self.outcomes, key=lambda o: int(o["rid"].split("-")[-1]))
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _read_span(path: Path, start: int, end: int) -> str:
+    """The text of ``path`` between byte offsets ``start`` and ``end`` ("" without it)."""
+    if end <= start or not path.exists():
+        return ""
+    with path.open("rb") as fh:
+        fh.seek(start)
+        return fh.read(end - start).decode(errors="replace")
 
 
 def _wait_for_text(path: Path, text: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -1115,16 +1143,18 @@ class ServeLoad:
         cancels = Canceller(server, mixed_prompts(self.vocab, self.plan.cancel_requests,
                                                   self.plan.input_len, SEED + 2))
         info: Json = {"argv": masked(argv), "log": str(log)}
-        log_from = server.log.stat().st_size if server.log.exists() else 0
         t0 = time.monotonic()
+        window = [0, 0]  # the server log's bytes written during the main run
         with log.open("w") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     cwd=REPO, start_new_session=True)
         try:
             info["main_run_seen"] = _wait_for_text(log, BENCH_MAIN_MARK, proc,
                                                    self.limit(BENCH_MAIN_WAIT_S))
+            window[0] = _size(server.log)
             cancels.start()
             info["returncode"] = proc.wait(timeout=self.limit(BENCH_S))
+            window[1] = _size(server.log)
         except subprocess.TimeoutExpired:
             info["error"] = "bench_serving did not finish in time (killed)"
         finally:
@@ -1134,9 +1164,7 @@ class ServeLoad:
                 proc.wait(timeout=30)
             info["cancels"] = cancels.join(self.soft_limit(HTTP_S))
         info["seconds"] = round(time.monotonic() - t0, 2)
-        with server.log.open("rb") as fh:
-            fh.seek(log_from)
-            info["scheduler"] = scheduler_activity(fh.read().decode(errors="replace"))
+        info["scheduler"] = scheduler_activity(_read_span(server.log, *window))
         try:
             raw = read_bench_line(out_file.read_text() if out_file.exists() else "")
             info["figures"] = bench_figures(raw)
@@ -1323,7 +1351,8 @@ class ServeLoad:
               f"{sched['decode_running_p50']} running requests (max "
               f"{sched['decode_running_max']}) and "
               f"{sched['decode_gen_tok_s_p50']} tok/s (p50 of "
-              f"{sched['decode_log_lines']} lines), queue max {sched['queued_max']}",
+              f"{sched['decode_log_lines']} lines, {sched['decode_lines_eager']} without a CUDA "
+              f"graph), queue max {sched['queued_max']}",
               flush=True)
         run.subset = self.subset(server)
         run.detail["load_s"] = round(time.monotonic() - t0, 2)
@@ -1561,10 +1590,9 @@ class FakeState:
         """Abort the open streams whose id starts with ``prefix``, as SGLang 0.5.19 does:
         a request whose client already went away is unknown to its tokenizer manager,
         so naming it changes nothing (it runs on to its end)."""
-        if not prefix:
-            return
-        with self.lock:
-            self.aborted |= {rid for rid in self.streaming if rid.startswith(prefix)}
+        with self.lock:  # SGLang forwards the abort only for an id it knows
+            if prefix in self.streaming:
+                self.aborted |= {rid for rid in self.streaming if rid.startswith(prefix)}
 
     def rows(self, req: FakeRequest) -> int:
         """Positions stored: every forwarded one (the last token is never forwarded)."""

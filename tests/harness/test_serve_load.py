@@ -191,12 +191,12 @@ def test_the_scheduler_log_says_how_often_it_prefilled_and_at_what_batch_it_deco
         "[2026-12-02 08:35:51] INFO: 127.0.0.1 - POST /generate 200",
         PREFILL.format(n=2, t=384, q=0), DECODE.format(r=64, g="1480.50", q=0),
         PREFILL.format(n=1, t=200, q=3), DECODE.format(r=62, g="1520.00", q=1),
-        DECODE.format(r=40, g="900.00", q=0)])
+        DECODE.format(r=40, g="900.00", q=0).replace("cuda graph: True", "cuda graph: False")])
     got = sl.scheduler_activity(text)
     assert got == {"prefill_batches": 2, "prefill_seqs": 3, "prefill_tokens": 584,
                    "decode_log_lines": 3, "decode_running_p50": 62.0,
                    "decode_running_max": 64.0,
-                   "decode_gen_tok_s_p50": 1480.5, "queued_max": 3.0}
+                   "decode_gen_tok_s_p50": 1480.5, "decode_lines_eager": 1, "queued_max": 3.0}
     assert sl.scheduler_activity("no scheduler here")["prefill_batches"] == 0
     assert sl.scheduler_activity("")["decode_running_p50"] is None
 
@@ -209,7 +209,8 @@ def test_the_scheduler_fields_read_are_the_ones_sglang_logs() -> None:
         pytest.skip("sglang is not installed")
     source = Path(spec.origin).read_text()
     for text in ("Prefill batch", "Decode batch", "#new-seq: ", "#new-token: ",
-                 "#running-req: ", "#queue-req: ", "gen throughput (token/s): "):
+                 "#running-req: ", "#queue-req: ", "gen throughput (token/s): ",
+                 '"cuda graph")', "_graph_backend_label}: {can_run_cuda_graph}"):
         assert text in source, text
 
 
@@ -303,8 +304,14 @@ def test_finished_requests_complete_and_cancelled_ones_not() -> None:
     assert cancelled["ok"]
     assert cancelled["cancelled"] == 2
     assert cancelled["outcomes"] == {"cancelled": 2, "finished": 1}
-    assert not sl.check_cancelled(_direct(missing | {"cancel-2": []}, stored), cancels)["ok"]
+    complete = sl.check_cancelled(_direct(missing | {"cancel-2": []}, stored), cancels)
+    assert not complete["ok"]
+    assert complete["read_complete_count"] == 1
     assert not sl.check_cancelled(direct, cancels[1:2])["ok"]  # nothing was cancelled
+    ignored = sl.check_cancelled(direct, [*cancels, {"rid": "cancel-3",
+                                                     "outcome": "abort_ignored"}])
+    assert not ignored["ok"]  # an abort sent and not taken
+    assert ignored["abort_ignored"] == 1
     assert sl.check_committed(direct)["ok"]
     assert not sl.check_committed({"run_status": "interrupted"})["ok"]
     assert not sl.check_committed({"error": "StoreError: locked"})["ok"]

@@ -56,10 +56,9 @@ def served(open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
 
 
 def test_a_committed_request_exports_as_safetensors_equal_to_the_store(
-        served: tuple[StoreReads, ClickHouseSink], store: StoreConfig,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    reads, _ = served
-    monkeypatch.setattr(export, "PIECE_BYTES", 20)  # a piece of at most 20 B: one row each
+        served: tuple[StoreReads, ClickHouseSink], store: StoreConfig, tmp_path: Path) -> None:
+    remote = RemoteReader(f"ipc://{tmp_path}/reads", timeout_s=30)
+    reads = StoreReads(lambda: remote, piece_bytes=20)  # a piece of at most 20 B: one row each
     listing = reads.listing("run", "done")
     assert listing["complete"] is True
     assert listing["run_status"] == "running"
@@ -102,12 +101,12 @@ def test_an_export_reads_the_tensors_that_fit_one_piece_in_one_query(
     whole = b"".join(counting.safetensors("run", "done")[1])
     assert asked == [[(RESID, 0), (RESID, 1), (LOGITS, -1)]]  # 72 + 72 + 72 bytes: one piece
     asked.clear()
-    monkeypatch.setattr(export, "PIECE_BYTES", 150)  # the two resid tensors, then the logits
-    assert b"".join(counting.safetensors("run", "done")[1]) == whole
+    pieced = StoreReads(lambda: remote, piece_bytes=150)  # two resid tensors, then logits
+    assert b"".join(pieced.safetensors("run", "done")[1]) == whole
     assert asked == [[(RESID, 0), (RESID, 1)], [(LOGITS, -1)]]
     asked.clear()
-    monkeypatch.setattr(export, "PIECE_BYTES", 30)  # each alone: 2 resid rows, 1 logits row
-    assert b"".join(counting.safetensors("run", "done")[1]) == whole
+    sliced = StoreReads(lambda: remote, piece_bytes=30)  # each alone: 2 resid, 1 logits row
+    assert b"".join(sliced.safetensors("run", "done")[1]) == whole
     assert asked == [[(RESID, 0)]] * 3 + [[(RESID, 1)]] * 3 + [[(LOGITS, -1)]] * 3
     tensors = load_safetensors(whole)
     h = handle(store, "run", "done")
@@ -153,9 +152,12 @@ def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(
         remote.delete_run("run")
     with pytest.raises(StoreError, match="does not answer 'delete_run'"):
         remote._call("delete_run", "run")  # what a forged request gets
-    for forged in ([["a", "1"]], [["a", 1, 2]], "a", [[["a"], 1]], [["a", True]]):
+    for forged in ([["a", "1"]], [["a", 1, 2]], "a", [[["a"], 1]], [["a", True]], None,
+                   [[RESID, 1 << 32]]):  # a layer past Int32 would wrap to layer 0
         with pytest.raises(StoreError, match="does not answer 'records_within'"):
             remote._call("records_within", "run", "done", captures=forged, start=0, end=1)
+    with pytest.raises(StoreError, match="does not answer 'records'"):
+        remote._call("records", "run", "done", captures=[[RESID, 0]])
     assert remote.run("run") is not None  # still there
     nobody = RemoteReader(f"ipc://{tmp_path}/nobody", timeout_s=30)
     t0 = time.monotonic()

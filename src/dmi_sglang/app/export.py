@@ -83,10 +83,14 @@ class StoreReads:
 
     Args:
         reader_factory: makes the reader; called once per listing or export.
+        piece_bytes: the most bytes of rows an export reads and sends at a time (at least
+            one row).
     """
 
-    def __init__(self, reader_factory: Callable[[], RecordReader]) -> None:
+    def __init__(self, reader_factory: Callable[[], RecordReader], *,
+                 piece_bytes: int = PIECE_BYTES) -> None:
         self._factory = reader_factory
+        self._piece_bytes = piece_bytes
 
     def runs(self) -> list[dict[str, object]]:
         """Every run of the store, newest first."""
@@ -153,28 +157,30 @@ class StoreReads:
                 tensors: list[_Tensor]) -> Iterator[bytes]:
         yield prefix
         reader = self._factory()
-        for piece in _pieces_of(tensors):
+        for piece in _pieces_of(tensors, self._piece_bytes):
             yield _rows(reader, run_id, request_id, piece)
 
 
-def _pieces_of(tensors: Sequence[_Tensor]) -> list[list[_Tensor]]:
-    """The export's tensors (in file order) as the pieces it reads and sends, each of at
-    most :data:`PIECE_BYTES` (at least one row): whole tensors taken together while they
-    fit (one store query reads them all), a larger tensor alone in slices of its
-    positions."""
+def _pieces_of(tensors: Sequence[_Tensor], piece_bytes: int) -> list[list[_Tensor]]:
+    """The export's tensors (in file order, those holding rows) as the pieces it reads
+    and sends, each of at most ``piece_bytes`` (at least one row): whole tensors taken
+    together while they fit (one store query reads them all), a larger tensor alone in
+    slices of its positions."""
     out: list[list[_Tensor]] = []
     group: list[_Tensor] = []
     size = 0
     for t in tensors:
-        if t.nbytes > PIECE_BYTES:
+        if not t.positions:
+            continue
+        if t.nbytes > piece_bytes:
             if group:
                 out.append(group)
                 group, size = [], 0
-            per_piece = max(1, PIECE_BYTES // max(1, t.row_bytes))
+            per_piece = max(1, piece_bytes // max(1, t.row_bytes))
             out.extend([attrs.evolve(t, positions=t.positions[at : at + per_piece])]
                        for at in range(0, len(t.positions), per_piece))
             continue
-        if group and size + t.nbytes > PIECE_BYTES:
+        if group and size + t.nbytes > piece_bytes:
             out.append(group)
             group, size = [], 0
         group.append(t)
@@ -186,17 +192,14 @@ def _pieces_of(tensors: Sequence[_Tensor]) -> list[list[_Tensor]]:
 
 def _rows(reader: RecordReader, run_id: str, request_id: str, piece: list[_Tensor]) -> bytes:
     """The rows of a piece's tensors (latest copy of each position), joined in order."""
-    held = [t for t in piece if t.positions]
-    if not held:
-        return b""
     records = reader.records_within(
-        run_id, request_id, captures=[(t.act_name, t.layer_no) for t in held],
-        start=min(t.positions[0] for t in held), end=max(t.positions[-1] + 1 for t in held))
+        run_id, request_id, captures=[(t.act_name, t.layer_no) for t in piece],
+        start=min(t.positions[0] for t in piece), end=max(t.positions[-1] + 1 for t in piece))
     by_capture: dict[tuple[str, int], list[CaptureRecord]] = {}
     for r in records:
         by_capture.setdefault((r.act_name, r.layer_no), []).append(r)
     out = bytearray()
-    for t in held:
+    for t in piece:
         mine = by_capture.get((t.act_name, t.layer_no), [])
         out += joined_rows(mine, select_rows(mine, t.positions), t.row_bytes)
     return bytes(out)

@@ -162,12 +162,13 @@ def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
         raise StoreError(msg) from None
     values = list(args) + list(kwargs.values()) if isinstance(args, list) and isinstance(
         kwargs, dict) else [object()]
-    captures = kwargs.pop("captures", None) if isinstance(kwargs, dict) else None
+    structured = isinstance(kwargs, dict) and method == "records_within" and "captures" in kwargs
+    captures = kwargs.pop("captures") if structured else None
     if (method not in _METHODS or not all(_plain(v) for v in values if v is not captures)
-            or (captures is not None and not _captures(captures))):
+            or (structured and not _captures(captures))):
         msg = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
         raise StoreError(msg)
-    if captures is not None:
+    if isinstance(captures, list):
         kwargs["captures"] = [(act, layer) for act, layer in captures]
     return method, args, kwargs
 
@@ -177,10 +178,12 @@ def _plain(value: object) -> bool:
 
 
 def _captures(value: object) -> bool:
-    """``[[act_name, layer_no], ...]``: the one structured argument (``records_within``)."""
+    """``[[act_name, layer_no], ...]`` with 32-bit layers (the store's column): the one
+    structured argument (``records_within``'s)."""
     return isinstance(value, list) and all(
         isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
-        and isinstance(c[1], int) and not isinstance(c[1], bool) for c in value)
+        and isinstance(c[1], int) and not isinstance(c[1], bool)
+        and -(1 << 31) <= c[1] < (1 << 31) for c in value)
 
 
 class RemoteReader:
