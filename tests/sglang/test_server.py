@@ -598,6 +598,32 @@ def test_the_idle_hook_reports_finished_requests_at_most_every_interval(
     assert calls == ["sync", "idle"] * 2
 
 
+def test_with_sleep_on_idle_the_idle_commit_runs_before_the_sleep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sleep-on-idle``: SGLang's ``on_idle`` ends in a sleep of up to a second; the
+    hook before it settles finished requests first (without the option it does nothing:
+    the hook after ``on_idle`` follows at once)."""
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    calls: list[str] = []
+    mon = SimpleNamespace(active=True, idle=lambda: calls.append("idle"))
+    runner = SimpleNamespace(_dmi_monitor=mon)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
+    awake = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner), idle_sleeper=None)
+    runtime_hooks.before_scheduler_sleep(awake)
+    assert calls == []
+    sleepy = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner),
+                             idle_sleeper=object())
+    runtime_hooks.before_scheduler_sleep(sleepy)
+    assert calls == ["idle"]
+    targets = {(t, kind) for t, kind, _ in runtime_hooks.HOOKS}
+    assert ("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", "BEFORE") in targets
+
+
 @pytest.mark.parametrize("in_server", [False, True])
 def test_an_idle_failure_never_kills_an_engine_and_ends_a_servers_capture(
         monkeypatch: pytest.MonkeyPatch, in_server: bool) -> None:

@@ -374,6 +374,15 @@ def after_scheduler_on_idle(result: Any, scheduler: Any, *args: Any, **kw: Any) 
             log.error("dmi.idle_failed", run_id=mon.run.run_id, error=repr(exc))
 
 
+def before_scheduler_sleep(scheduler: Any, *args: Any, **kw: Any) -> None:
+    """BEFORE ``Scheduler.maybe_sleep_on_idle``: with ``--sleep-on-idle`` SGLang sleeps
+    there until the next request (up to a second), so the idle commit runs before it
+    (:func:`after_scheduler_on_idle`'s work, under the same rate and rules)."""
+    del args, kw
+    if getattr(scheduler, "idle_sleeper", None) is not None:
+        after_scheduler_on_idle(None, scheduler)
+
+
 # -- RPC methods added to Scheduler ----------------------------------------------------
 def dmi_assert_active(scheduler: Any, run_id: str = "") -> None:
     """RPC: raise unless this scheduler monitors (for ``run_id`` when given)."""
@@ -447,5 +456,7 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
     ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
+    ("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", "BEFORE",
+     before_scheduler_sleep),
 )
 """``(target, hook type, function)`` registered with SGLang's HookRegistry."""
