@@ -123,7 +123,8 @@ class StoreReads:
         with reader.session():
             return _listing(reader, run_id, request_id)[0]
 
-    def safetensors(self, run_id: str, request_id: str) -> tuple[int, Iterator[bytes]]:
+    def safetensors(self, run_id: str,
+                    request_id: str) -> tuple[int, Iterator[bytes | memoryview]]:
         """A complete request's captures as a safetensors file: its length, and its
         pieces (header first); rows are read as the pieces are taken.
 
@@ -154,7 +155,7 @@ class StoreReads:
         return len(prefix) + offset, self._pieces(prefix, run_id, request_id, tensors)
 
     def _pieces(self, prefix: bytes, run_id: str, request_id: str,
-                tensors: list[_Tensor]) -> Iterator[bytes]:
+                tensors: list[_Tensor]) -> Iterator[bytes | memoryview]:
         yield prefix
         reader = self._factory()
         for piece in _pieces_of(tensors, self._piece_bytes):
@@ -190,7 +191,8 @@ def _pieces_of(tensors: Sequence[_Tensor], piece_bytes: int) -> list[list[_Tenso
     return out
 
 
-def _rows(reader: RecordReader, run_id: str, request_id: str, piece: list[_Tensor]) -> bytes:
+def _rows(reader: RecordReader, run_id: str, request_id: str,
+          piece: list[_Tensor]) -> memoryview:
     """The rows of a piece's tensors (latest copy of each position), joined in order."""
     records = reader.records_within(
         run_id, request_id, captures=[(t.act_name, t.layer_no) for t in piece],
@@ -202,7 +204,7 @@ def _rows(reader: RecordReader, run_id: str, request_id: str, piece: list[_Tenso
     for t in piece:
         mine = by_capture.get((t.act_name, t.layer_no), [])
         out += joined_rows(mine, select_rows(mine, t.positions), t.row_bytes)
-    return bytes(out)
+    return memoryview(out)
 
 
 def _require_run(reader: RecordReader, run_id: str) -> RunInfo:

@@ -176,9 +176,11 @@ class CaptureReads(Protocol):
         hook, layer, dtype, shape and positions."""
         ...
 
-    def safetensors(self, run_id: str, request_id: str) -> tuple[int, Iterator[bytes]]:
+    def safetensors(self, run_id: str,
+                    request_id: str) -> tuple[int, Iterator[bytes | memoryview]]:
         """A complete request's captures as one safetensors file: its length in bytes
-        and its pieces in order (the header first; nothing is read until iterated)."""
+        and its pieces in order (the header first; nothing is read until iterated), each
+        ``bytes`` or a byte ``memoryview`` (a piece is not copied once more to be bytes)."""
         ...
 
 

@@ -126,7 +126,8 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="dmi-read")
 
 
-async def _off_the_loop(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+async def _off_the_loop(
+        pieces: Iterator[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
     """Take each piece on a worker thread (each is a read of the store), so a large
     export never blocks the server's event loop; a client that goes away stops it."""
     done = object()
