@@ -620,8 +620,15 @@ def test_with_sleep_on_idle_the_idle_commit_runs_before_the_sleep(
                              idle_sleeper=object())
     runtime_hooks.before_scheduler_sleep(sleepy)
     assert calls == ["idle"]
+    runtime_hooks.after_scheduler_on_idle(None, sleepy)  # woken by a request, which ends
+    runtime_hooks.before_scheduler_sleep(sleepy)  # at once: still settled before sleeping
+    assert calls == ["idle"] * 3
     targets = {(t, kind) for t, kind, _ in runtime_hooks.HOOKS}
     assert ("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", "BEFORE") in targets
+    import sglang
+
+    source = (Path(sglang.__file__).parent / "srt" / "managers" / "scheduler.py").read_text()
+    assert "if self.idle_sleeper is not None:" in source  # the attribute the hook reads
 
 
 @pytest.mark.parametrize("in_server", [False, True])

@@ -217,6 +217,39 @@ def test_only_a_private_ipc_address_is_served(tmp_path: Path, store: StoreConfig
     assert check_address(f"ipc://{private}/reads").endswith("/reads")
 
 
+def test_records_read_through_the_owner_hold_read_only_payloads(
+        served: tuple[StoreReads, ClickHouseSink], tmp_path: Path) -> None:
+    remote = RemoteReader(f"ipc://{tmp_path}/reads", timeout_s=30)
+    direct = list(remote.records("run", "done"))
+    assert direct
+    for r in direct:
+        assert isinstance(r.payload, memoryview)
+        assert r.payload.readonly  # as CaptureRecord says: and hashable, like any record
+        assert hash(r) == hash(r)
+    cut = remote.records_within("run", "done", captures=[(RESID, 0)], start=0, end=1)
+    assert all(r.payload.readonly for r in cut)
+    assert cut
+
+
+def test_a_failed_answer_costs_one_exchange_and_the_channel_goes_on(
+        store: StoreConfig, open_sink: Callable[..., ClickHouseSink], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = open_sink()
+    sink.start_run(run_info("run", CAPTURES))
+    sink.flush()
+    service = ReadService(ClickHouseReader(store), f"ipc://{tmp_path}/reads")
+    try:
+        real = service._answer
+        monkeypatch.setattr(service, "_answer", lambda request: [object()])  # not sendable
+        with pytest.raises(StoreError, match="did not answer runs"):
+            RemoteReader(service.address, timeout_s=1).runs()
+        monkeypatch.setattr(service, "_answer", real)
+        assert [r.run_id for r in RemoteReader(service.address, timeout_s=30).runs()] == [
+            "run"]
+    finally:
+        service.close()
+
+
 def test_records_within_cut_the_rows_in_the_store(
         served: tuple[StoreReads, ClickHouseSink], store: StoreConfig) -> None:
     reader = ClickHouseReader(store)

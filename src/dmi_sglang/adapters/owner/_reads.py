@@ -93,12 +93,9 @@ class ReadService:
             raise StoreError(msg)
         self._reader = reader
         self.address = address
-        self._socket: Any = zmq.Context.instance().socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
         try:
-            self._socket.bind(address)
+            self._socket: Any = self._bound(zmq)
         except zmq.ZMQError as exc:
-            self._socket.close()
             msg = f"cannot answer store reads at {address}: {exc}"
             raise StoreError(msg) from exc
         self._closed = threading.Event()
@@ -126,10 +123,27 @@ class ReadService:
                     request = self._socket.recv()
                     self._socket.send_multipart(self._answer(request), copy=False)
                     self.answered += 1
-                except zmq.ZMQError as exc:  # one exchange lost; the channel goes on
+                except Exception as exc:  # one exchange lost; the channel goes on
                     log.error("dmi.read_exchange_failed", error=repr(exc))
+                    # a REP socket left between its receive and a whole answer takes
+                    # no other request: a fresh one at the same address
+                    poller.unregister(self._socket)
+                    self._socket.close()
+                    self._socket = self._bound(zmq)
+                    poller.register(self._socket, zmq.POLLIN)
         finally:
             self._socket.close()
+
+    def _bound(self, zmq: Any) -> Any:
+        """A REP socket bound at the service's address (closed again if the bind fails)."""
+        socket = zmq.Context.instance().socket(zmq.REP)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(self.address)
+        except zmq.ZMQError:
+            socket.close()
+            raise
+        return socket
 
     def _answer(self, request: bytes) -> list[bytes | memoryview]:
         try:
@@ -230,13 +244,15 @@ class RemoteReader:
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "records":
-            if len(frames) != len(answer[1]) + 1:
-                msg = (f"the store's owner answered {method} with {len(answer[1])} records "
-                       f"and {len(frames) - 1} payloads")
-                raise StoreError(msg)
-            return [CaptureRecord(m, r, a, ln, sr, lo, hi, d, shape, frame.buffer, seq)
-                    for (m, r, a, ln, sr, lo, hi, d, shape, seq), frame
-                    in zip(answer[1], frames[1:], strict=True)]
+            try:  # payloads: read-only views of the frames (each keeps its frame alive)
+                return [CaptureRecord(m, r, a, ln, sr, lo, hi, d, shape,
+                                      frame.buffer.toreadonly(), seq)
+                        for (m, r, a, ln, sr, lo, hi, d, shape, seq), frame
+                        in zip(answer[1], frames[1:], strict=True)]
+            except (TypeError, ValueError) as exc:
+                msg = (f"the store's owner answered {method} with records that do not fit "
+                       f"their {len(frames) - 1} payloads: {exc}")
+                raise StoreError(msg) from exc
         _, kind, message = answer
         if kind == "store":
             raise StoreError(message)

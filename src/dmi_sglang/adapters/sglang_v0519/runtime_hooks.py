@@ -347,16 +347,32 @@ _last_idle = 0.0
 
 def after_scheduler_on_idle(result: Any, scheduler: Any, *args: Any, **kw: Any) -> None:
     """AFTER ``Scheduler.on_idle`` (no batch to run): requests that finished with the
-    last batch are reported and committed now, not at the next request's forward."""
+    last batch are reported and committed now, not at the next request's forward (at
+    most every :data:`IDLE_EVERY_S`: SGLang calls ``on_idle`` in a loop)."""
     global _last_idle  # noqa: PLW0603 - one monitor per scheduler process, by design
     del result, args, kw
-    mon = _MONITOR
-    if mon is None or not mon.active or _FAILED is not None:
-        return
     now = time.monotonic()
     if now - _last_idle < IDLE_EVERY_S:
         return
     _last_idle = now
+    _idle_commit(scheduler)
+
+
+def before_scheduler_sleep(scheduler: Any, *args: Any, **kw: Any) -> None:
+    """BEFORE ``Scheduler.maybe_sleep_on_idle``: with ``--sleep-on-idle`` SGLang sleeps
+    there until the next request (up to a second), so the idle commit runs before it,
+    whatever the rate (it is reached only once fully idle, and then blocks: no loop)."""
+    del args, kw
+    if getattr(scheduler, "idle_sleeper", None) is not None:
+        _idle_commit(scheduler)
+
+
+def _idle_commit(scheduler: Any) -> None:
+    """Let the forward stream finish, then ask the monitor to report and commit what
+    finished; never raises (an engine logs, a server ends the capture)."""
+    mon = _MONITOR
+    if mon is None or not mon.active or _FAILED is not None:
+        return
     runner: Any = None
     try:
         runner = scheduler.tp_worker.model_runner
@@ -372,15 +388,6 @@ def after_scheduler_on_idle(result: Any, scheduler: Any, *args: Any, **kw: Any) 
             _serve_on_or_raise(runner, mon, exc)  # a server ends the capture, serves on
         else:  # an engine's run reports its failures at its stop: never kill it idling
             log.error("dmi.idle_failed", run_id=mon.run.run_id, error=repr(exc))
-
-
-def before_scheduler_sleep(scheduler: Any, *args: Any, **kw: Any) -> None:
-    """BEFORE ``Scheduler.maybe_sleep_on_idle``: with ``--sleep-on-idle`` SGLang sleeps
-    there until the next request (up to a second), so the idle commit runs before it
-    (:func:`after_scheduler_on_idle`'s work, under the same rate and rules)."""
-    del args, kw
-    if getattr(scheduler, "idle_sleeper", None) is not None:
-        after_scheduler_on_idle(None, scheduler)
 
 
 # -- RPC methods added to Scheduler ----------------------------------------------------
