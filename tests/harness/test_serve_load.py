@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from harness import serve_fake as fake
 from harness import serve_load as sl
 from harness.constants import SEED, TRITON_CACHE_DIR
 from harness.results import REPO
@@ -403,7 +404,7 @@ def test_readback_equal_only_when_every_tensor_matches() -> None:
 # -- process records -----------------------------------------------------------------------------
 def test_leftover_groups_are_killed_only_when_still_ours(tmp_path: Path) -> None:
     sleeper = "import time; time.sleep(120)"
-    ours = subprocess.Popen([sys.executable, "-c", sleeper, "harness.serve_load"],
+    ours = subprocess.Popen([sys.executable, "-c", sleeper, "harness.serve_fake"],
                             start_new_session=True)
     other = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
     try:
@@ -432,7 +433,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def _fake(tmp_path: Path, model_dir: Path, argv: list[str], name: str) -> sl.Server:
-    wrapped = [sys.executable, "-m", "harness.serve_load", "fake-server", *argv[1:]]
+    wrapped = [sys.executable, "-m", "harness.serve_fake", "fake-server", *argv[1:]]
     return sl.Server(name, wrapped, sl.child_env(os.environ), port=int(_flag(argv, "--port")),
                      log=tmp_path / f"{name}.log", api_key="key")
 
@@ -454,7 +455,7 @@ def test_the_fake_server_speaks_the_api_the_benchmark_reads(tmp_path: Path,
         body = reply.json()
         assert reply.status == 200
         assert body["meta_info"]["id"] == "subset-0"
-        assert body["output_ids"] == sl.fake_output_ids([5, 6, 7], 4, 64)
+        assert body["output_ids"] == fake.fake_output_ids([5, 6, 7], 4, 64)
         assert reply.headers["x-dmi-run-id"] == "run-1"
         cut = sl.stream_and_close(server, sl.generate_body([5, 6], "cancel-0", 500,
                                                            stream=True), 3, 30.0)
@@ -482,7 +483,7 @@ def test_the_fake_server_speaks_the_api_the_benchmark_reads(tmp_path: Path,
     check = sl.check_readback(["subset-0"], http,
                               {"subset-0": sl.load_safetensors(blob.body)}, direct)
     assert check["ok"], check
-    assert check["tensors_compared"] == sl.FAKE_LAYERS
+    assert check["tensors_compared"] == fake.FAKE_LAYERS
     cancels = [cut, whole]
     assert sl.check_cancelled(direct, cancels)["ok"]
     assert sl.check_complete(direct, cancels=cancels, known=["subset-0"],
@@ -496,7 +497,7 @@ def test_a_monitored_fake_refuses_an_incomplete_command_line(tmp_path: Path,
     argv = sl.monitored_argv(sl.Plan(), model_dir, sl.free_port(), "hidden-states",
                              store_url="chdb:///s", run_id="r")
     argv[argv.index("--request-sample") + 1] = "0.5"
-    done = subprocess.run([sys.executable, "-m", "harness.serve_load", "fake-server",
+    done = subprocess.run([sys.executable, "-m", "harness.serve_fake", "fake-server",
                            *argv[1:]], capture_output=True, text=True, timeout=60,
                           check=False, cwd=REPO)
     assert done.returncode == 2
@@ -514,7 +515,7 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("sglang==0.5.19 is required under CI=true")
         pytest.skip("sglang is not installed")
-    monkeypatch.setenv(sl.FAKE_FAULT_ENV, "tokens,readback")
+    monkeypatch.setenv(fake.FAKE_FAULT_ENV, "tokens,readback")
     out = tmp_path / "serve-load.json"
     code = sl.main(["--dry-run", "--out", str(out), "--work", str(tmp_path / "work"),
                     "--modes", "resid_pre:last", "--num-prompts", "8", "--max-concurrency",
