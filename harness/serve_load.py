@@ -1048,7 +1048,8 @@ class ServeLoad:
         if self.mode_s is not None:
             return 1.2 * self.mode_s
         load = self.stock_s if self.stock_s is not None else 120.0
-        return START_WARM_EST_S + 1.5 * load + MODE_TAIL_EST_S
+        benches = 1.5 + (2.0 if self.plan.export_gb > 0 else 0.0)  # export: two benches more
+        return START_WARM_EST_S + benches * load + MODE_TAIL_EST_S
 
     # commands ------------------------------------------------------------------------
     def wrap(self, argv: list[str]) -> list[str]:
@@ -1216,8 +1217,10 @@ class ServeLoad:
     def export_under_load(self, server: Server, run_id: str, run: ServerRun) -> Json:
         """A second bench while one client downloads the safetensors files of the run's
         committed requests (largest first, round and round) until ``--export-gb`` GB or
-        the bench's end: the bytes, the rate, and the bench's throughput against the
-        first bench of the same server (the export's cost)."""
+        the bench's end, then a third bench without it: the bytes, the rate, and the
+        export bench's throughput against the mean of the plain benches before and after
+        it on the same server (the export's cost, bracketed so that a server warming up or
+        slowing down over its benches does not count as the export's)."""
         run_q = urllib.parse.quote(run_id, safe="")
         listed = server.answer("GET", f"/dmi/runs/{run_q}/requests",
                                timeout_s=self.limit(HTTP_S))["body"]
@@ -1249,15 +1252,19 @@ class ServeLoad:
         done.set()
         exporter.join(self.limit(HTTP_S))
         seconds = time.monotonic() - t0
-        first = (run.figures or {}).get("request_throughput")
-        second = (bench.get("figures") or {}).get("request_throughput")
-        ratio = second / first if first and second else None
+        after = self.bench(server, f"{run.name}-after-export")
+        plain: list[float | None] = [(f or {}).get("request_throughput")
+                                     for f in (run.figures, after.get("figures"))]
+        exported = (bench.get("figures") or {}).get("request_throughput")
+        known = [p for p in plain if p]
+        ratio = exported / (sum(known) / 2) if exported and len(known) == 2 else None
         print(f"[serve-load] {run.name}: exported {got['bytes'] / 1e6:,.0f} MB in "
-              f"{got['files']} files during a second bench: throughput x{ratio or 0:.3f} "
-              "of the first", flush=True)
+              f"{got['files']} files during a bench: throughput x{ratio or 0:.3f} of the "
+              "plain benches before and after it", flush=True)
         return {"committed_requests": len(ids), "target_bytes": target, **got,
                 "seconds": round(seconds, 2), "mb_s": round(got["bytes"] / 1e6 / seconds, 1),
-                "bench": bench.get("figures"), "throughput_ratio": ratio,
+                "bench": bench.get("figures"), "after": after.get("figures"),
+                "plain_request_throughputs": plain, "throughput_ratio": ratio,
                 "cost": None if ratio is None else round(1 - ratio, 4)}
 
     def wait_committed(self, server: Server, run: str, rids: Sequence[str]) -> float:
@@ -1554,8 +1561,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
                    help="demo checkpoint size (module docstring)")
     p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     p.add_argument("--export-gb", type=float, default=0.0,
-                   help="per monitored server, a second bench while a client exports this "
-                   "many GB of committed requests' safetensors over HTTP (0: none)")
+                   help="per monitored server, a bench while a client exports this many GB "
+                   "of committed requests' safetensors over HTTP, then a plain one "
+                   "(0: none)")
     p.add_argument("--input-len", type=int, default=INPUT_LEN)
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--range-ratio", type=float, default=RANGE_RATIO)

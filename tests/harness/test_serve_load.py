@@ -537,6 +537,8 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
     assert export["bytes"] >= 10_000
     assert export["errors"] == 0
     assert export["throughput_ratio"] > 0
+    assert export["after"]["completed"] == 8  # the plain bench after the export's
+    assert len(export["plain_request_throughputs"]) == 2
     assert "s3cret" not in out.read_text()
     assert "FAIL  resid_pre:last.token_identity" in capsys.readouterr().out
 
