@@ -49,6 +49,7 @@ _METHODS = frozenset({"runs", "run", "requests", "manifest", "manifests", "recor
 _RECORD_METHODS = frozenset({"records", "records_within"})
 """The methods whose answers are records: fields pickled, payloads as frames of their own."""
 _SEND_TIMEOUT_MS = 1000
+_ABSENT = object()
 
 
 def check_address(address: str) -> str:
@@ -174,14 +175,13 @@ def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
     except (ValueError, KeyError, TypeError) as exc:
         msg = f"not a store read request: {exc}"
         raise StoreError(msg) from None
-    values = list(args) + list(kwargs.values()) if isinstance(args, list) and isinstance(
-        kwargs, dict) else [object()]
-    structured = isinstance(kwargs, dict) and method == "records_within" and "captures" in kwargs
-    captures = kwargs.pop("captures") if structured else None
-    if (method not in _METHODS or not all(_plain(v) for v in values if v is not captures)
-            or (structured and not _captures(captures))):
-        msg = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
-        raise StoreError(msg)
+    refused = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
+    if method not in _METHODS or not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise StoreError(refused)
+    captures = kwargs.pop("captures", _ABSENT) if method == "records_within" else _ABSENT
+    if (not all(_plain(v) for v in (*args, *kwargs.values()))
+            or (captures is not _ABSENT and not _captures(captures))):
+        raise StoreError(refused)
     if isinstance(captures, list):
         kwargs["captures"] = [(act, layer) for act, layer in captures]
     return method, args, kwargs
