@@ -39,6 +39,16 @@ def _needs_torch() -> None:
         pytest.importorskip("torch")
 
 
+def _sglang_file(module: str) -> Path:
+    """The source file of an SGLang module: skipped without SGLang (failed under CI=true)."""
+    spec = importlib.util.find_spec(module) if importlib.util.find_spec("sglang") else None
+    if spec is None or spec.origin is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("sglang==0.5.19 is required under CI=true")
+        pytest.skip("sglang is not installed")
+    return Path(spec.origin)
+
+
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -164,12 +174,7 @@ def test_the_last_result_line_gives_the_figures() -> None:
 
 
 def test_the_fields_read_are_the_ones_bench_serving_writes() -> None:
-    spec = importlib.util.find_spec("sglang.benchmark.serving")
-    if spec is None or spec.origin is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("sglang==0.5.19 is required under CI=true")
-        pytest.skip("sglang is not installed")
-    source = Path(spec.origin).read_text()
+    source = _sglang_file("sglang.benchmark.serving").read_text()
     fields = [*sl.RATES.values(), "completed", "duration",
               *(f for fs in sl.LATENCIES.values() for f in fs)]
     assert [f for f in fields if f'"{f}":' not in source] == []
@@ -203,12 +208,7 @@ def test_the_scheduler_log_says_how_often_it_prefilled_and_at_what_batch_it_deco
 
 
 def test_the_scheduler_fields_read_are_the_ones_sglang_logs() -> None:
-    spec = importlib.util.find_spec("sglang.srt.managers.scheduler_components.metrics_reporter")
-    if spec is None or spec.origin is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("sglang==0.5.19 is required under CI=true")
-        pytest.skip("sglang is not installed")
-    source = Path(spec.origin).read_text()
+    source = _sglang_file("sglang.srt.managers.scheduler_components.metrics_reporter").read_text()
     for text in ("Prefill batch", "Decode batch", "#new-seq: ", "#new-token: ",
                  "#running-req: ", "#queue-req: ", "gen throughput (token/s): ",
                  '"cuda graph")', "_graph_backend_label}: {can_run_cuda_graph}"):
@@ -511,10 +511,7 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     _needs_torch()
-    if importlib.util.find_spec("sglang") is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("sglang==0.5.19 is required under CI=true")
-        pytest.skip("sglang is not installed")
+    _sglang_file("sglang")
     monkeypatch.setenv(fake.FAKE_FAULT_ENV, "tokens,readback")
     out = tmp_path / "serve-load.json"
     code = sl.main(["--dry-run", "--out", str(out), "--work", str(tmp_path / "work"),
