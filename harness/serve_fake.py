@@ -282,13 +282,16 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.end_headers()
         with s.lock:
             s.streaming.add(rid)
-        finished = True
+        finished, recorded = True, False
         try:
             for k in range(1, len(out) + 1):
                 with s.lock:
                     finished = rid not in s.aborted
                 reason = ({"type": "abort", "message": "Aborted"} if not finished else
                           {"type": "length", "length": k} if k == len(out) else None)
+                if reason is not None:  # captured before its last event leaves, as in SGLang
+                    s.served(FakeRequest(rid, len(ids), len(out), finished=finished))
+                    recorded = True
                 chunk = {"text": " ".join(text.split()[:k]), "output_ids": out[:k],
                          "meta_info": meta | {"completion_tokens": k, "finish_reason": reason}}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -304,7 +307,8 @@ class FakeHandler(BaseHTTPRequestHandler):
             with s.lock:
                 s.streaming.discard(rid)
                 s.aborted.discard(rid)
-        s.served(FakeRequest(rid, len(ids), len(out), finished=finished))
+        if not recorded:
+            s.served(FakeRequest(rid, len(ids), len(out), finished=finished))
         self.close_connection = True
 
 
