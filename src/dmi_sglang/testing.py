@@ -225,10 +225,11 @@ class MemoryReader:
                 payload=bytes(memoryview(r.payload)[first * row : (first + hi - lo) * row])))
         return sorted(out, key=lambda r: (r.act_name, r.layer_no, r.start_token_idx, r.seq))
 
-    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
-        """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""
-        return sorted({(r.act_name, r.layer_no, r.start_token_idx, r.end_token_idx)
-                       for r in self._records(run_id, request_id)})
+    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int, int]]:
+        """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's
+        records."""
+        return sorted({(r.act_name, r.layer_no, r.shard_rank, r.start_token_idx,
+                        r.end_token_idx) for r in self._records(run_id, request_id)})
 
     def row_layouts(self, run_id: str, request_id: str) -> list[RowLayout]:
         """Per stored ``(act_name, layer_no)`` of a request, one record's dtype and row

@@ -93,7 +93,7 @@ def test_every_request_is_complete_and_stores_exactly_its_coverage(
             assert 1 <= manifest.completion_tokens <= NEW_TOKENS
             assert not manifest.overlap_extra_forward
             stored: dict[tuple[str, int], list[int]] = {}
-            for act, layer, start, end in reader.ranges(RUN, rid):
+            for act, layer, _shard, start, end in reader.ranges(RUN, rid):
                 stored.setdefault((act, layer), []).extend(range(start, end))
             assert set(stored) == set(run.captures)
             for (act, layer), positions in stored.items():

@@ -99,8 +99,8 @@ def test_records_filter_by_hook_layer_and_overlap(backend: Backend) -> None:
             assert r.payload == want[(r.act_name, r.layer_no, r.start_token_idx,
                                       r.end_token_idx)]
     assert sorted(reader.ranges(d.RUN, "b")) == [
-        (d.RESID, 0, 0, 2), (d.RESID, 0, 2, 3), (d.RESID, 1, 0, 2), (d.RESID, 1, 2, 3),
-        (d.LOGITS, -1, 1, 3)]
+        (d.RESID, 0, 0, 0, 2), (d.RESID, 0, 0, 2, 3), (d.RESID, 1, 0, 0, 2),
+        (d.RESID, 1, 0, 2, 3), (d.LOGITS, -1, 0, 1, 3)]
 
 
 def test_a_capture_handle_reads_any_backend(backend: Backend) -> None:

@@ -151,7 +151,7 @@ def test_rows_complete_for_every_hook(runs: dict[str, Any], evidence: Evidence) 
 
 def _stored_extent(reader: Any, run_id: str, request_id: str) -> dict[str, list[int]]:
     extent: dict[str, list[int]] = {}
-    for act, layer, start, end in reader.ranges(run_id, request_id):
+    for act, layer, _shard, start, end in reader.ranges(run_id, request_id):
         key = act if layer < 0 else f"{act}.{layer}"
         lo, hi = extent.get(key, [start, end])
         extent[key] = [min(lo, start), max(hi, end)]

@@ -51,37 +51,46 @@ def missing(
     request_id: str,
     run: RunInfo | None,
     manifest: RequestManifest | None,
-    ranges: Sequence[tuple[str, int, int, int]],
+    ranges: Sequence[tuple[str, int, int, int, int]],
 ) -> tuple[str, ...]:
     """Why a request's capture is not complete; empty when it is.
 
     Complete means: the request's manifest is committed, and for every
-    ``(act_name, layer)`` of ``run.captures`` the stored ranges cover every position of
-    :func:`selected_positions`. A manifest is committed when its request finished
+    ``(act_name, layer)`` of ``run.captures`` the stored ranges (``ranges``: the reader's
+    ``(act_name, layer_no, shard_rank, start, end)``) of every part the run stores
+    (``shard_rank`` 0 .. parts-1 under tensor parallelism, else 0) cover every position
+    of :func:`selected_positions`. A manifest is committed when its request finished
     cleanly and every row of it was stored (while the run goes on, see
     ``RecordSink.commit_requests``), or when the run stopped cleanly; so a committed
     request stays complete whatever becomes of its run later.
+
+    Raises:
+        StoreError: the run's tensor-parallel setting is damaged.
     """
     if run is None:
         return (f"run {run_id!r} is not in the store",)
     if manifest is None or not manifest.committed:
         return (_not_committed(run, request_id, manifest),)
-    by_key: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for act, layer, start, end in ranges:
-        by_key.setdefault((act, layer), []).append((start, end))
+    by_key: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+    for act, layer, shard, start, end in ranges:
+        by_key.setdefault((act, layer, shard), []).append((start, end))
     reasons = []
     rules = run.position_rules()
+    tp = run.tensor_parallel
     for act, layer in run.captures:
         kept = selected_positions(manifest, act, rules.get((act, layer)))
-        spans = by_key.get((act, layer), [])
-        if kept.step == 1:
-            gaps = [f"[{a}, {b})" for a, b in _uncovered(kept.start, kept.stop, spans)]
-        else:
-            gaps = [str(p) for p in _uncovered_positions(kept, spans)]
-        if gaps:
-            more = f" and {len(gaps) - 4} more" if len(gaps) > 4 else ""
-            reasons.append(f"{act} layer {layer}: positions {', '.join(gaps[:4])}{more} "
-                           "missing")
+        parts = tp.plan_for_act(act).parts
+        for shard in range(parts):
+            spans = by_key.get((act, layer, shard), [])
+            if kept.step == 1:
+                gaps = [f"[{a}, {b})" for a, b in _uncovered(kept.start, kept.stop, spans)]
+            else:
+                gaps = [str(p) for p in _uncovered_positions(kept, spans)]
+            if gaps:
+                more = f" and {len(gaps) - 4} more" if len(gaps) > 4 else ""
+                part = f" shard_rank {shard}" if parts > 1 else ""
+                reasons.append(f"{act} layer {layer}{part}: positions "
+                               f"{', '.join(gaps[:4])}{more} missing")
     return tuple(reasons)
 
 

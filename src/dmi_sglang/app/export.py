@@ -26,10 +26,12 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 
 from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
+from dmi_sglang.app.shards import assemble, by_shard
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
-from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError
+from dmi_sglang.domain.tensor_parallel import ShardPlan, TpRule
+from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError, StoreError
 
 __all__ = ["PIECE_BYTES", "StoreReads", "tensor_name"]
 
@@ -57,6 +59,8 @@ class _Tensor:
     dtype: DType
     row_shape: tuple[int, ...]
     positions: range
+    plan: ShardPlan
+    """How the run stored its parts (tensor parallelism; one part below TP=2)."""
 
     @property
     def name(self) -> str:
@@ -203,7 +207,18 @@ def _rows(reader: RecordReader, run_id: str, request_id: str,
     out = bytearray()
     for t in piece:
         mine = by_capture.get((t.act_name, t.layer_no), [])
-        out += joined_rows(mine, select_rows(mine, t.positions), t.row_bytes)
+        if t.plan.parts == 1:
+            part = by_shard(mine, t.plan, t.name)[0]
+            out += joined_rows(part, select_rows(part, t.positions), t.row_bytes)
+            continue
+        whole = assemble(mine, t.positions, t.plan, t.act_name, t.layer_no)
+        if tuple(whole.shape[1:]) != t.row_shape:
+            msg = (f"{t.name}: its {t.plan.parts} parts make rows of shape "
+                   f"{list(whole.shape[1:])}, not the {list(t.row_shape)} the export names")
+            raise StoreError(msg)
+        import torch  # only a tensor-parallel run's parts need it
+
+        out += whole.contiguous().view(torch.uint8).numpy().tobytes()
     return memoryview(out)
 
 
@@ -239,14 +254,26 @@ def _tensors(reader: RecordReader, run: RunInfo, manifest: RequestManifest) -> l
     layouts = {(lay.act_name, lay.layer_no): lay
                for lay in reader.row_layouts(run.run_id, manifest.request_id)}
     rules = run.position_rules()
+    tp = run.tensor_parallel
     out: list[_Tensor] = []
     for act, layer in run.captures:
         kept = selected_positions(manifest, act, rules.get((act, layer)))
         layout = layouts.get((act, layer))
         if layout is None:  # no position to hold: nothing stored, nothing to name
             continue
-        out.append(_Tensor(act, layer, DType.parse(layout.dtype), layout.row_shape, kept))
+        plan = tp.plan_for_act(act)
+        out.append(_Tensor(act, layer, DType.parse(layout.dtype),
+                           _whole_row_shape(plan, layout.row_shape), kept, plan))
     return out
+
+
+def _whole_row_shape(plan: ShardPlan, part_row: tuple[int, ...]) -> tuple[int, ...]:
+    """A row's shape once its stored parts are combined (SGLang splits a sharded axis
+    evenly over the parts; :func:`_rows` checks it)."""
+    if plan.rule is not TpRule.SHARDED or not part_row:
+        return part_row
+    axis = plan.axis - 1  # row_shape leaves the row axis out
+    return (*part_row[:axis], part_row[axis] * plan.parts, *part_row[axis + 1 :])
 
 
 def _run_json(run: RunInfo) -> dict[str, object]:

@@ -12,25 +12,23 @@ has the same reasons). Partial data is never returned.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from dmi_sglang.app.assemble import (
     covered_prefix,
     hook_for,
-    joined_rows,
     missing,
     narrowed,
-    select_rows,
     selected_positions,
 )
+from dmi_sglang.app.shards import assemble
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.positions import PositionRule
-from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
-from dmi_sglang.domain.shapes import DType
-from dmi_sglang.errors import IncompleteCaptureError, StoreError
+from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.tensor_parallel import ShardPlan
+from dmi_sglang.errors import IncompleteCaptureError
 
 if TYPE_CHECKING:
     import torch
@@ -198,7 +196,7 @@ class CaptureHandle:
                         start=kept.start,
                         end=kept.stop,
                     )
-                    self._tensors[key] = _decode(recs, kept)
+                    self._tensors[key] = assemble(recs, kept, self._plan(act), act, layer_no)
                 return self._tensors[key]
 
     @property
@@ -220,9 +218,10 @@ class CaptureHandle:
                     start=min(k[2].start for k in keys),
                     end=max(k[2].stop for k in keys),
                 )
-            for key in keys:
-                mine = [r for r in recs if r.layer_no == key[1]]
-                self._tensors[key] = _decode(mine, key[2])
+            plan = self._plan("blocks.hook_resid_pre")
+            for act, layer_no, kept in keys:
+                mine = [r for r in recs if r.layer_no == layer_no]
+                self._tensors[(act, layer_no, kept)] = assemble(mine, kept, plan, act, layer_no)
             return tuple(self._tensors[k] for k in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
@@ -287,9 +286,10 @@ class CaptureHandle:
                 of it was stored.
         """
         with self._reader() as reader:
-            return self._partial_key(reader, hook, layer)[2]
+            return self._partial_key(reader, hook, layer)[0][2]
 
-    def _partial_key(self, reader: RecordReader, hook: str, layer: int | None) -> _Key:
+    def _partial_key(self, reader: RecordReader, hook: str,
+                     layer: int | None) -> tuple[_Key, ShardPlan]:
         run = reader.run(self.run_id)
         if run is None:
             msg = f"run {self.run_id!r} is not in the store"
@@ -299,16 +299,27 @@ class CaptureHandle:
         if (h.act_name, layer_no) not in run.captures:
             msg = f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}"
             raise IncompleteCaptureError(msg)
-        spans = sorted((s, e) for a, n, s, e in reader.ranges(self.run_id, self.request_id)
-                       if a == h.act_name and n == layer_no)
-        if not spans:
-            msg = (f"nothing of {h.act_name} layer {layer_no} was stored for request "
+        plan = run.tensor_parallel.plan_for_act(h.act_name)
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(plan.parts)]
+        for a, n, shard, s, e in reader.ranges(self.run_id, self.request_id):
+            if a == h.act_name and n == layer_no and 0 <= shard < plan.parts:
+                spans[shard].append((s, e))
+        if not all(spans):
+            shards = f" (shard_rank {[k for k, sp in enumerate(spans) if not sp]})" \
+                if plan.parts > 1 else ""
+            msg = (f"nothing of {h.act_name} layer {layer_no}{shards} was stored for request "
                    f"{self.request_id!r}")
             raise IncompleteCaptureError(msg)
         manifest = reader.manifest(self.run_id, self.request_id)
         rule = run.position_rules().get((h.act_name, layer_no))
         step = rule.k if rule is not None and rule.rule is PositionRule.EVERY else 1
-        kept = covered_prefix(spans, spans[0][0], step)
+        first = max(min(sp)[0] for sp in spans)  # every part holds the rows read
+        prefixes = [covered_prefix(sorted(sp), first, step) for sp in spans]
+        kept = min(prefixes, key=len)
+        if not kept:
+            msg = (f"the parts of {h.act_name} layer {layer_no} stored for request "
+                   f"{self.request_id!r} share no position from {first}")
+            raise IncompleteCaptureError(msg)
         if manifest is not None and rule is not None:  # what the rule keeps, no more
             selected = selected_positions(manifest, h.act_name, rule)
             kept = narrowed(selected, kept.start, kept.stop)
@@ -316,14 +327,14 @@ class CaptureHandle:
                 msg = (f"nothing of {h.act_name} layer {layer_no} that its rule {rule} keeps "
                        f"was stored for request {self.request_id!r}")
                 raise IncompleteCaptureError(msg)
-        return (h.act_name, layer_no, kept)
+        return (h.act_name, layer_no, kept), plan
 
     def _partial_get(self, hook: str, layer: int | None) -> torch.Tensor:
         with self._lock, self._reader() as reader:
-            act, layer_no, kept = self._partial_key(reader, hook, layer)
+            (act, layer_no, kept), plan = self._partial_key(reader, hook, layer)
             recs = reader.records(self.run_id, self.request_id, act_name=act,
                                   layer_no=layer_no, start=kept.start, end=kept.stop)
-            return _decode(recs, kept)
+            return assemble(recs, kept, plan, act, layer_no)
 
     # -- internals -------------------------------------------------------------------
 
@@ -360,6 +371,10 @@ class CaptureHandle:
             raise ValueError(msg)
         return (h.act_name, layer_no, narrowed(kept, lo, hi))
 
+    def _plan(self, act_name: str) -> ShardPlan:
+        """How the run stored ``act_name``'s parts (one part below TP=2)."""
+        return self._complete()[0].tensor_parallel.plan_for_act(act_name)
+
     @contextlib.contextmanager
     def _reader(self) -> Iterator[RecordReader]:
         reader = self._factory()
@@ -392,28 +407,3 @@ class NoStoreHandle:
     def __getattr__(self, name: str) -> object:
         msg = f"run {self.run_id!r} stored nothing (DMX_DB_URL=none); cannot read {name!r}"
         raise IncompleteCaptureError(msg)
-
-
-def _decode(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:
-    """The rows of ``positions`` in ``records`` as one tensor that owns its memory."""
-    import torch
-
-    if not positions:
-        return torch.empty((0,))
-    slices = select_rows(records, positions)
-    first = records[slices[0].index]
-    trailing, dtype_name = first.shape[1:], first.dtype
-    itemsize = DType.parse(dtype_name).itemsize
-    row_size = itemsize * math.prod(trailing)
-    for s in slices:
-        r = records[s.index]
-        if r.shape[1:] != trailing or DType.parse(r.dtype) is not DType.parse(dtype_name):
-            msg = (
-                f"{r.act_name} layer {r.layer_no}: rows stored as {r.dtype} "
-                f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined"
-            )
-            raise StoreError(msg)
-    buf = joined_rows(records, slices, row_size)
-    dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
-    flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
-    return flat.reshape(len(positions), *trailing).clone()

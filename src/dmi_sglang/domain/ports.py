@@ -134,9 +134,10 @@ class RecordReader(Protocol):
         layers asked together are read in one pass over the store."""
         ...
 
-    def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:
-        """Distinct ``(act_name, layer_no, start, end)`` of a request's stored records,
-        without payloads (cheap completeness checks)."""
+    def ranges(self, run_id: str,
+               request_id: str) -> Sequence[tuple[str, int, int, int, int]]:
+        """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's stored
+        records, without payloads (cheap completeness checks)."""
         ...
 
     def row_layouts(self, run_id: str, request_id: str) -> Sequence[RowLayout]:

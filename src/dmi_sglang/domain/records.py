@@ -29,7 +29,8 @@ import attrs
 
 from dmi_sglang.domain.hooks import CATALOG, Hook, ModelHooks, RowBasis, parse_selection
 from dmi_sglang.domain.positions import Positions
-from dmi_sglang.errors import SelectionError
+from dmi_sglang.domain.tensor_parallel import TP_KEY, TensorParallel
+from dmi_sglang.errors import SelectionError, StoreError
 
 __all__ = [
     "HEARTBEAT_S",
@@ -289,3 +290,17 @@ class RunInfo:
         """What produced the run: the value of its :data:`SOURCE_KEY` setting (a
         :class:`RunSource` value), ``"sglang"`` when it has none."""
         return next((v for k, v in self.settings if k == SOURCE_KEY), RunSource.SGLANG.value)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The run's tensor parallelism, from its :data:`TP_KEY` setting (TP=1 without one).
+
+        Raises:
+            StoreError: a setting that does not parse (the run's row is damaged).
+        """
+        text = next((v for k, v in self.settings if k == TP_KEY), "")
+        try:
+            return TensorParallel.from_setting(text) if text else TensorParallel()
+        except ValueError as exc:
+            msg = f"run {self.run_id!r}: {exc}"
+            raise StoreError(msg) from exc

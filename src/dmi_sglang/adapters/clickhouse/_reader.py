@@ -270,16 +270,16 @@ class ClickHouseReader:
                 shape=tuple(int(x) for x in shp), payload=bytes(p), seq=int(q)))
         return out
 
-    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int]]:
-        """Distinct ``(act_name, layer_no, start, end)`` of a request's stored records,
-        without payloads (for completeness checks)."""
+    def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int, int]]:
+        """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's stored
+        records, without payloads (for completeness checks)."""
         rows = self._query(
             self._tables.offload,
-            "SELECT DISTINCT act_name, layer_no, start_token_idx, end_token_idx FROM {t} "
-            "WHERE model_id = {run:String} AND request_id = {req:String}",
+            "SELECT DISTINCT act_name, layer_no, shard_rank, start_token_idx, end_token_idx "
+            "FROM {t} WHERE model_id = {run:String} AND request_id = {req:String}",
             {"run": run_id, "req": request_id},
         )
-        return [(str(a), int(ln), int(s), int(e)) for a, ln, s, e in rows]
+        return [(str(a), int(ln), int(sr), int(s), int(e)) for a, ln, sr, s, e in rows]
 
     def row_layouts(self, run_id: str, request_id: str) -> list[RowLayout]:
         """Per stored ``(act_name, layer_no)`` of a request, the dtype and row shape of

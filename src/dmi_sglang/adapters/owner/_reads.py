@@ -295,8 +295,10 @@ class RemoteReader:
             "records_within", run_id, request_id,
             captures=[[act, layer] for act, layer in captures], start=start, end=end)
 
-    def ranges(self, run_id: str, request_id: str) -> Sequence[tuple[str, int, int, int]]:
-        """Distinct ``(act_name, layer_no, start, end)`` of a request's records."""
+    def ranges(self, run_id: str,
+               request_id: str) -> Sequence[tuple[str, int, int, int, int]]:
+        """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's
+        records."""
         return self._call("ranges", run_id, request_id)  # type: ignore[no-any-return]
 
     def row_layouts(self, run_id: str, request_id: str) -> Sequence[RowLayout]:

@@ -1,0 +1,140 @@
+"""The reader's side of tensor parallelism: one whole tensor from a hook's stored parts.
+
+:mod:`dmi_sglang.domain.tensor_parallel` says, per hook, how many parts a run stored
+(``shard_rank`` 0 .. parts-1) and how they combine; :func:`combine` does it, so a TP=2
+capture reads back in the shapes a TP=1 capture has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from dmi_sglang.app.assemble import joined_rows, select_rows
+from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.domain.shapes import DType
+from dmi_sglang.domain.tensor_parallel import ShardPlan, TpRule
+from dmi_sglang.errors import IncompleteCaptureError, StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["assemble", "by_shard", "combine", "decode_rows"]
+
+
+def by_shard(records: Sequence[CaptureRecord], plan: ShardPlan,
+             what: str) -> list[list[CaptureRecord]]:
+    """``records`` of one capture split by ``shard_rank``, one list per stored part.
+
+    Raises:
+        StoreError: a record of a shard the run's plan does not store (``what`` names the
+            capture in the message).
+        IncompleteCaptureError: a part with no record.
+    """
+    parts: list[list[CaptureRecord]] = [[] for _ in range(plan.parts)]
+    for r in records:
+        if not 0 <= r.shard_rank < plan.parts:
+            msg = (f"{what}: a record of shard_rank {r.shard_rank}, but the run stores "
+                   f"{plan.parts} part(s) of it ({plan.rule.value})")
+            raise StoreError(msg)
+        parts[r.shard_rank].append(r)
+    empty = [k for k, p in enumerate(parts) if not p]
+    if empty and records:
+        msg = (f"{what}: nothing stored of shard_rank {empty} ({plan.rule.value}, "
+               f"{plan.parts} parts)")
+        raise IncompleteCaptureError(msg)
+    return parts
+
+
+def combine(plan: ShardPlan, parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """The whole tensor from its parts (in ``shard_rank`` order): the one part of a
+    replicated hook, the parts concatenated along ``plan.axis`` for a sharded one, their
+    sum (in float32, in part order, cast back to the stored dtype) for a partial one.
+
+    Raises:
+        StoreError: a part count other than ``plan.parts``, or parts whose shapes or dtypes
+            cannot combine (``what`` names the capture).
+    """
+    import torch
+
+    if len(parts) != plan.parts:
+        msg = f"{what}: {len(parts)} part(s) where the run stores {plan.parts}"
+        raise StoreError(msg)
+    first = parts[0]
+    if plan.rule is TpRule.REPLICATED:
+        return first
+    same: Callable[[torch.Tensor], bool]
+    if plan.rule is TpRule.SHARDED:
+        def same(p: torch.Tensor) -> bool:
+            return (p.dim() == first.dim() and p.dim() > plan.axis
+                    and p.shape[: plan.axis] == first.shape[: plan.axis]
+                    and p.shape[plan.axis + 1 :] == first.shape[plan.axis + 1 :])
+    else:
+        def same(p: torch.Tensor) -> bool:
+            return p.shape == first.shape
+    bad = [k for k, p in enumerate(parts) if p.dtype != first.dtype or not same(p)]
+    if bad:
+        shapes = ", ".join(f"{p.dtype} {list(p.shape)}" for p in parts)
+        msg = f"{what}: {plan.rule.value} parts that do not combine: {shapes}"
+        raise StoreError(msg)
+    if plan.rule is TpRule.SHARDED:
+        return torch.cat(list(parts), dim=plan.axis)
+    if not first.is_floating_point():
+        msg = f"{what}: a partial sum of {first.dtype} rows; partial hooks are floating point"
+        raise StoreError(msg)
+    total = first.to(torch.float32, copy=True)
+    for p in parts[1:]:
+        total += p.to(torch.float32)
+    return total.to(first.dtype)
+
+
+def assemble(records: Sequence[CaptureRecord], positions: range, plan: ShardPlan,
+              act_name: str, layer_no: int) -> torch.Tensor:
+    """The rows of ``positions`` of one capture (every record of it that may hold them):
+    each stored part's rows (:func:`decode_rows`), combined as the run's tensor-parallel
+    plan says (the one part below TP=2).
+
+    Raises:
+        IncompleteCaptureError: a position or a part not stored.
+        StoreError: records or parts that do not fit together.
+    """
+    if not positions:
+        return decode_rows(records, positions)
+    what = f"{act_name} layer {layer_no}"
+    parts = by_shard(records, plan, what)
+    if plan.parts == 1:
+        return decode_rows(parts[0], positions)
+    return combine(plan, [decode_rows(p, positions) for p in parts], what)
+
+
+def decode_rows(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:
+    """The rows of ``positions`` in ``records`` (one part of one capture; per position the
+    latest record's row) as one tensor that owns its memory.
+
+    Raises:
+        IncompleteCaptureError: a position no record holds.
+        StoreError: records whose dtypes or row shapes differ, or whose payloads do not
+            fit their shapes.
+    """
+    import torch
+
+    if not positions:
+        return torch.empty((0,))
+    slices = select_rows(records, positions)
+    first = records[slices[0].index]
+    trailing, dtype_name = first.shape[1:], first.dtype
+    itemsize = DType.parse(dtype_name).itemsize
+    row_size = itemsize * math.prod(trailing)
+    for s in slices:
+        r = records[s.index]
+        if r.shape[1:] != trailing or DType.parse(r.dtype) is not DType.parse(dtype_name):
+            msg = (
+                f"{r.act_name} layer {r.layer_no}: rows stored as {r.dtype} "
+                f"{list(r.shape)} and {dtype_name} {[r.rows, *trailing]} cannot be joined"
+            )
+            raise StoreError(msg)
+    buf = joined_rows(records, slices, row_size)
+    dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
+    flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
+    return flat.reshape(len(positions), *trailing).clone()
