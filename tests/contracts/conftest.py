@@ -40,14 +40,24 @@ def _clickhouse(tmp_path: Path) -> Backend:
 
 
 def _through_owner(tmp_path: Path) -> Backend:
-    """The embedded store read as a server's main process reads it: through the read
-    service of the process that owns the store."""
-    from dmi_sglang.adapters.owner import ReadService, RemoteReader
+    """The embedded store written as a tensor-parallel rank writes it and read as a
+    server's main process reads it: through the write and read services of the process
+    that owns the store."""
+    from dmi_sglang.adapters.owner import ReadService, RemoteReader, RemoteSink, SinkService
 
     made = _clickhouse(tmp_path)
-    service = ReadService(made.reader(), f"ipc://{tmp_path}/reads")
-    remote = RemoteReader(service.address, timeout_s=30)
-    return Backend(made.sink, lambda: remote, deletes=False, close=service.close)
+    tmp_path.chmod(0o700)  # the owner serves only in a directory of this user's alone
+    reads = ReadService(made.reader(), f"ipc://{tmp_path}/reads")
+    writes = SinkService(made.sink, f"ipc://{tmp_path}/writes")
+    remote = RemoteReader(reads.address, timeout_s=30)
+
+    def close() -> None:
+        writes.close()
+        reads.close()
+        _closing(made.sink)
+
+    return Backend(RemoteSink(writes.address, timeout_s=60), lambda: remote, deletes=False,
+                   close=close)
 
 
 def _memory(tmp_path: Path) -> Backend:
@@ -63,11 +73,18 @@ STORE_BACKENDS: dict[str, Callable[[Path], Backend]] = {
 }
 """Backends that store what they are given and read it back."""
 
-SINKS: dict[str, Callable[[Path], RecordSink]] = {
-    **{name: (lambda p, make=make: make(p).sink) for name, make in STORE_BACKENDS.items()},
-    "null": lambda p: NullSink(),
-}
-"""Every record sink."""
+def _null(tmp_path: Path) -> Backend:
+    del tmp_path
+
+    def no_reader() -> RecordReader:
+        msg = "the null sink stores nothing to read"
+        raise AssertionError(msg)
+
+    return Backend(NullSink(), no_reader)
+
+
+SINKS: dict[str, Callable[[Path], Backend]] = {**STORE_BACKENDS, "null": _null}
+"""Every record sink (as a backend, for its closing)."""
 
 
 def _closing(sink: RecordSink) -> None:
@@ -88,5 +105,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 def sink(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RecordSink]:
     """Each record sink, closed after the test."""
     made = SINKS[request.param](tmp_path)
-    yield made
-    _closing(made)
+    yield made.sink
+    made.close()
+    _closing(made.sink)

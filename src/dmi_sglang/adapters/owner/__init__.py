@@ -1,9 +1,12 @@
-"""The store owner's read channel: a server's main process reads the embedded store
-through the process that holds it (the embedded engine admits one process per store).
+"""The store owner's channels: other processes read and write the embedded store through
+the process that holds it (the embedded engine admits one process per store).
 
 :class:`ReadService` answers :class:`~dmi_sglang.domain.ports.RecordReader` calls on an
 IPC socket, on its own thread of the owner; :class:`RemoteReader` is the reader the other
-process uses. See :mod:`._reads`.
+process uses (see :mod:`._reads`). :class:`SinkService` takes
+:class:`~dmi_sglang.columns.RecordSink` calls the same way, so several processes (the
+ranks of a tensor-parallel run) write one run; :class:`RemoteSink` is their sink (see
+:mod:`._writes`).
 """
 
 from dmi_sglang.adapters.owner._reads import (
@@ -12,5 +15,7 @@ from dmi_sglang.adapters.owner._reads import (
     RemoteReader,
     check_address,
 )
+from dmi_sglang.adapters.owner._writes import WRITE_TIMEOUT_S, RemoteSink, SinkService
 
-__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader", "check_address"]
+__all__ = ["READ_TIMEOUT_S", "WRITE_TIMEOUT_S", "ReadService", "RemoteReader", "RemoteSink",
+           "SinkService", "check_address"]

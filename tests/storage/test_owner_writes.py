@@ -1,0 +1,186 @@
+"""The store owner's write channel: another process's records reach the run the owner
+holds (the embedded store admits one process), with the sink's backpressure and failures.
+The whole ``RecordSink`` contract runs through it too (``tests/contracts``,
+``clickhouse-through-owner``)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.owner import RemoteSink, SinkService
+from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
+from tests.contracts._tp_data import RUN, RUN_INFO, finish, rank_one, stored, whole_tensors
+
+
+@pytest.fixture
+def private(tmp_path: Path) -> Path:
+    """A directory of this user's alone (the owner serves only there)."""
+    tmp_path.chmod(0o700)
+    return tmp_path
+
+
+def test_two_processes_write_one_tp_run_into_the_owners_store(private: Path,
+                                                              store: StoreConfig) -> None:
+    sink = ClickHouseSink(store)
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        sink.start_run(RUN_INFO)
+        child = multiprocessing.get_context("spawn").Process(target=rank_one,
+                                                             args=(service.address,))
+        child.start()
+        for batch in stored(whole_tensors(), ranks=range(1)):  # rank 0: the owner itself
+            sink.put(batch)
+        child.join(120)
+        assert child.exitcode == 0
+        finish(sink)
+    finally:
+        service.close()
+        sink.close()
+    handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store))
+    assert handle.missing == ()
+    for name, whole in whole_tensors().items():
+        assert torch.equal(handle.get(name, 0), whole), name
+    assert service.calls == 2 + 1  # rank 1's puts (one per forward) and its flush
+
+
+class _Held:
+    """A sink whose ``put`` waits until released, and which fails when told to."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.failure: Exception | None = None
+        self.batches: list[RecordBatch] = []
+
+    def start_run(self, run: RunInfo) -> None:
+        del run
+
+    def put(self, batch: RecordBatch) -> None:
+        self.release.wait(30)
+        if self.failure is not None:
+            raise self.failure
+        self.batches.append(batch)
+
+    def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
+        del manifests
+
+    def flush(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
+        del run, manifests
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def held(private: Path) -> Iterator[tuple[_Held, SinkService]]:
+    sink = _Held()
+    service = SinkService(sink, f"ipc://{private}/writes")
+    yield sink, service
+    sink.release.set()
+    service.close()
+
+
+def one_batch() -> RecordBatch:
+    return stored(whole_tensors(), ranks=range(1, 2))[0]
+
+
+def test_a_put_waits_while_the_owners_sink_does(held: tuple[_Held, SinkService]) -> None:
+    sink, service = held
+    remote = RemoteSink(service.address, timeout_s=30)
+    done = threading.Event()
+    batch = one_batch()
+    thread = threading.Thread(target=lambda: (remote.put(batch), done.set()))
+    thread.start()
+    assert not done.wait(0.5)  # the owner's queue is full: the caller waits
+    sink.release.set()
+    assert done.wait(10)
+    thread.join()
+    (got,) = sink.batches
+    assert (got.request_ids, got.captures, got.shard_rank) == (
+        batch.request_ids, batch.captures, batch.shard_rank)
+    assert bytes(got.payload) == bytes(batch.payload)
+    for name in ("request", "capture", "start", "end", "seq", "offsets"):
+        assert getattr(got, name).tolist() == getattr(batch, name).tolist()
+
+
+def test_the_owners_sink_failure_reaches_the_caller(held: tuple[_Held, SinkService]) -> None:
+    sink, service = held
+    sink.release.set()
+    remote = RemoteSink(service.address, timeout_s=30)
+    sink.failure = StoreError("the disk is full (sticky)")
+    with pytest.raises(StoreError, match=r"^the disk is full \(sticky\)$"):
+        remote.put(one_batch())
+    with pytest.raises(StoreError, match="the disk is full"):
+        remote.flush()
+    sink.failure = ValueError("odd")
+    with pytest.raises(StoreError, match="failed flush: ValueError: odd"):
+        remote.flush()
+
+
+def test_an_owner_that_does_not_answer_fails_the_caller_for_good(
+        held: tuple[_Held, SinkService]) -> None:
+    _, service = held
+    remote = RemoteSink(service.address, timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"did not take put within 0.3 s"):
+        remote.put(one_batch())
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(StoreError, match="did not take put"):  # sticky: the exchange is lost
+        remote.flush()
+    with pytest.raises(StoreError, match="did not take put"):
+        remote.close()
+
+
+def test_no_owner_at_the_address_fails_at_once(private: Path) -> None:
+    remote = RemoteSink(f"ipc://{private}/nobody", timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="no store owner takes writes at"):
+        remote.flush()
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_call_the_owner_does_not_take_is_answered_and_the_channel_goes_on(
+        held: tuple[_Held, SinkService]) -> None:
+    import zmq
+
+    sink, service = held
+    sink.release.set()
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.RCVTIMEO, 5000)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(service.address)
+    for request in ([b'{"method": "delete_run"}'], [b"not json"],
+                    [b'{"method": "put", "run_id": "x"}'], [json.dumps(
+                        {"method": "put", "run_id": "x", "request_ids": [], "captures": [],
+                         "shard_rank": 0}).encode(), b"\0" * 3]):
+        socket.send_multipart(request)
+        kind, message = json.loads(socket.recv())
+        assert kind != "ok"
+        assert message
+    socket.close()
+    RemoteSink(service.address, timeout_s=30).put(one_batch())
+    assert len(sink.batches) == 1
+
+
+def test_the_owner_serves_only_a_private_ipc_address(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    with pytest.raises(StoreError, match="admit no one else"):
+        SinkService(_Held(), f"ipc://{tmp_path}/writes")
+    with pytest.raises(StoreError, match="ipc:///absolute/path"):
+        RemoteSink("tcp://127.0.0.1:5555")
