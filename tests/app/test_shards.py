@@ -77,6 +77,8 @@ def test_a_partial_sum_is_added_in_float32_and_cast_back() -> None:
 @pytest.mark.parametrize(("plan", "parts", "message"), [
     (ShardPlan(TpRule.SHARDED, 2), [torch.zeros(2, 3)], "1 part.s. where the run stores 2"),
     (ShardPlan(TpRule.SHARDED, 2), [torch.zeros(2, 3), torch.zeros(3, 3)], "do not combine"),
+    (ShardPlan(TpRule.SHARDED, 2), [torch.zeros(2, 3, 2), torch.zeros(2, 1, 2)],
+     "do not combine"),  # SGLang splits evenly: unequal parts are a damaged store
     (ShardPlan(TpRule.SHARDED, 2), [torch.zeros(2), torch.zeros(2)], "do not combine"),
     (ShardPlan(TpRule.PARTIAL, 2), [torch.zeros(2, 3), torch.zeros(2, 4)], "do not combine"),
     (ShardPlan(TpRule.PARTIAL, 2), [torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)],

@@ -6,6 +6,8 @@ rank stores which ``shard_rank``). Shared by the TP read suites."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import attrs
 import torch
 
@@ -48,10 +50,11 @@ def on_rank(name: str, whole: torch.Tensor, rank: int) -> torch.Tensor:
     return whole
 
 
-def stored(wholes: dict[str, torch.Tensor], *, drop: tuple[str, int] | None = None,
+def stored(wholes: dict[str, torch.Tensor], *, drop: Collection[tuple[str, int, int]] = (),
            stray: bool = False, ranks: range = range(TP.tp_size)) -> list[RecordBatch]:
     """The records of ``ranks``, one batch per rank and forward (a batch is one
-    shard_rank)."""
+    shard_rank); ``drop``: leave out these ``(hook, shard_rank, forward)``; ``stray``: rank 1
+    stores resid_pre too, as a second part the plan does not have."""
     batches = []
     for rank in ranks:
         for seq, (start, end) in enumerate(FORWARDS):
@@ -61,7 +64,7 @@ def stored(wholes: dict[str, torch.Tensor], *, drop: tuple[str, int] | None = No
                 shard = TP.plan(hook).shard_of(rank)
                 if stray and name == "resid_pre" and rank == 1:
                     shard = 1  # a replicated hook stored twice: not what the plan says
-                if shard is None or (drop == (name, shard) and seq == 1):
+                if shard is None or (name, shard, seq) in drop:
                     continue
                 rows = on_rank(name, wholes[name], rank)[start:end].contiguous()
                 by_shard.setdefault(shard, []).append(CaptureRecord(

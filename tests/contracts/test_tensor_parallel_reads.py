@@ -4,6 +4,8 @@ reported."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -13,7 +15,7 @@ from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
 
-from ._tp_data import PROMPT, RUN, write
+from ._tp_data import PROMPT, RUN, whole_tensors, write
 from .conftest import Backend
 
 
@@ -44,7 +46,7 @@ def test_a_tp2_capture_exports_whole_tensors(backend: Backend) -> None:
 @pytest.mark.parametrize(("hook", "shard"), [("q", 1), ("attn_out", 0)])
 def test_a_missing_part_makes_the_capture_incomplete(backend: Backend, hook: str,
                                                      shard: int) -> None:
-    write(backend.sink, drop=(hook, shard))
+    write(backend.sink, drop={(hook, shard, 1)})  # the part's decode step is lost
     handle = CaptureHandle(RUN, "r", backend.reader)
     act = hook_by_name(hook).act_name
     assert handle.missing == (f"{act} layer 0 shard_rank {shard}: positions [3, 4) missing",)
@@ -54,11 +56,32 @@ def test_a_missing_part_makes_the_capture_incomplete(backend: Backend, hook: str
     # what an interrupted run's reader may take: the positions every part holds
     partial = CaptureHandle(RUN, "r", backend.reader, partial=True)
     assert partial.partial_positions(hook, 0) == range(0, PROMPT)
-    assert partial.get(hook, 0).shape[0] == PROMPT
+    assert torch.equal(partial.get(hook, 0), whole_tensors()[hook][:PROMPT])
+
+
+def test_a_partial_read_takes_the_positions_every_part_holds(backend: Backend) -> None:
+    write(backend.sink, drop={("q", 1, 0)})  # shard 1 holds only the decode step [3, 4)
+    partial = CaptureHandle(RUN, "r", backend.reader, partial=True)
+    assert partial.partial_positions("q", 0) == range(PROMPT, PROMPT + 1)
+    assert torch.equal(partial.get("q", 0), whole_tensors()["q"][PROMPT:])
+
+
+def test_parts_that_share_no_position_read_nothing(backend: Backend) -> None:
+    write(backend.sink, drop={("q", 0, 1), ("q", 1, 0)})  # shard 0 [0, 3), shard 1 [3, 4)
+    partial = CaptureHandle(RUN, "r", backend.reader, partial=True)
+    with pytest.raises(IncompleteCaptureError, match="share no position from 3"):
+        partial.get("q", 0)
 
 
 def test_a_part_the_plan_does_not_store_is_a_damaged_store(backend: Backend) -> None:
     write(backend.sink, stray=True)
     handle = CaptureHandle(RUN, "r", backend.reader)
+    reason = ("blocks.hook_resid_pre layer 0: records of shard_rank [1], but the run stores "
+              "1 part(s) of it")
+    assert handle.missing == (reason,)
+    reads = StoreReads(backend.reader)
+    assert reads.listing(RUN, "r")["missing"] == [reason]
+    with pytest.raises(IncompleteCaptureError, match=re.escape(reason)):
+        reads.safetensors(RUN, "r")  # refused before any byte is sent
     with pytest.raises(StoreError, match="shard_rank 1, but the run stores 1 part"):
-        handle.get("resid_pre", 0)
+        CaptureHandle(RUN, "r", backend.reader, partial=True).get("resid_pre", 0)

@@ -3,16 +3,22 @@ clear refusals."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dmi_sglang.domain.hooks import CATALOG, Hook, hook_by_name
 from dmi_sglang.domain.records import RunInfo
-from dmi_sglang.domain.tensor_parallel import TP_KEY, ShardPlan, TensorParallel, TpRule
+from dmi_sglang.domain.tensor_parallel import (
+    PARTIAL_CANDIDATES,
+    TP_KEY,
+    ShardPlan,
+    TensorParallel,
+    TpRule,
+)
 from dmi_sglang.errors import StoreError
-
-UNSHARDED = [h.name for h in CATALOG if not h.tp_sharded]
 
 
 @st.composite
@@ -20,7 +26,7 @@ def layouts(draw: st.DrawFn) -> TensorParallel:
     """A TP size and KV head count SGLang can split, and some partial hooks."""
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     kv = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 32) if d % tp == 0 or tp % d == 0]))
-    partial = draw(st.frozensets(st.sampled_from(UNSHARDED), max_size=3))
+    partial = draw(st.frozensets(st.sampled_from(sorted(PARTIAL_CANDIDATES))))
     return TensorParallel(tp, kv, partial)
 
 
@@ -63,27 +69,43 @@ def test_the_setting_round_trips(tp: TensorParallel) -> None:
 
 
 def test_a_run_without_the_setting_is_tp1() -> None:
-    assert RunInfo("r", "/m", (), (), "t").tensor_parallel == TensorParallel()
+    tp = RunInfo("r", "/m", (), (), "t").tensor_parallel
+    assert tp == TensorParallel.single()
+    assert all(tp.plan(h) == ShardPlan(TpRule.REPLICATED, 1) for h in CATALOG)
 
 
 @pytest.mark.parametrize("text", ["", "tp=2", "tp=2;kv_heads=8", "tp=x;kv_heads=8;partial=",
                                   "tp=2;kv_heads=8;partial=;tp=2", "tp=2;kv=8;partial=",
-                                  "tp=2;kv_heads=3;partial=", "tp=2;kv_heads=8;partial=q"])
+                                  "tp=\u00b2;kv_heads=8;partial=", "tp=2;kv_heads=3;partial=",
+                                  "tp=2;kv_heads=8;partial=q", "tp=0;kv_heads=8;partial="])
 def test_a_damaged_setting_is_refused_with_the_text(text: str) -> None:
-    with pytest.raises(ValueError, match=r"tp_size|kv_heads|partial|tensor_parallel"):
+    with pytest.raises(ValueError, match=re.escape(f"{TP_KEY}={text!r}")):
         TensorParallel.from_setting(text)
     if text:
         run = RunInfo("run-9", "/m", ((TP_KEY, text),), (), "t")
-        with pytest.raises(StoreError, match="run-9"):
+        with pytest.raises(StoreError, match=re.escape(f"run 'run-9': {TP_KEY}={text!r}")):
             _ = run.tensor_parallel
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
-    ({"tp_size": 0}, "tp_size=0"), ({"kv_heads": -1}, "kv_heads=-1"),
+    ({"tp_size": 0, "kv_heads": 1}, "tp_size=0"), ({"tp_size": 2, "kv_heads": -1}, "kv_heads=-1"),
+    ({"tp_size": True, "kv_heads": 1}, "tp_size=True"),
     ({"tp_size": 4, "kv_heads": 6}, "kv_heads=6 over tp_size=4"),
-    ({"tp_size": 2, "partial": frozenset({"mlp_post"})}, "'mlp_post'"),
-    ({"tp_size": 2, "partial": frozenset({"nope"})}, "'nope'"),
+    ({"tp_size": 2, "kv_heads": 2, "partial": frozenset({"mlp_post"})}, "'mlp_post'"),
+    ({"tp_size": 2, "kv_heads": 2, "partial": frozenset({"resid_pre"})}, "'resid_pre'"),
+    ({"tp_size": 2, "kv_heads": 2, "partial": frozenset({"token_ids"})}, "'token_ids'"),
+    ({"tp_size": 2, "kv_heads": 2, "partial": "attn_out"}, "partial='attn_out'"),
 ])
 def test_a_layout_sglang_cannot_have_is_refused(kwargs: dict[str, object], named: str) -> None:
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match=re.escape(named)):
         TensorParallel(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("make", "named"), [
+    (lambda: ShardPlan(TpRule.SHARDED, 0), "parts=0"),
+    (lambda: ShardPlan(TpRule.SHARDED, 2, replicas=0), "replicas=0"),
+    (lambda: ShardPlan(TpRule.SHARDED, 2).shard_of(-1), "rank=-1"),
+])
+def test_a_plan_refuses_counts_and_ranks_below_range(make: object, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        make()  # type: ignore[operator]

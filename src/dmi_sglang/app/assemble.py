@@ -64,6 +64,9 @@ def missing(
     ``RecordSink.commit_requests``), or when the run stopped cleanly; so a committed
     request stays complete whatever becomes of its run later.
 
+    A record of a part the run does not store (``shard_rank`` beyond its parts) makes
+    the capture incomplete too: the store is damaged, and nothing of it is read.
+
     Raises:
         StoreError: the run's tensor-parallel setting is damaged.
     """
@@ -80,6 +83,10 @@ def missing(
     for act, layer in run.captures:
         kept = selected_positions(manifest, act, rules.get((act, layer)))
         parts = tp.plan_for_act(act).parts
+        stray = sorted(sh for a, n, sh in by_key if (a, n) == (act, layer) and sh >= parts)
+        if stray:  # a damaged store: refused here, before any export starts
+            reasons.append(f"{act} layer {layer}: records of shard_rank {stray}, but the run "
+                           f"stores {parts} part(s) of it")
         for shard in range(parts):
             spans = by_key.get((act, layer, shard), [])
             if kept.step == 1:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 
 from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
-from dmi_sglang.app.shards import assemble, by_shard
+from dmi_sglang.app.shards import by_shard, combined_rows
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
@@ -60,7 +60,7 @@ class _Tensor:
     row_shape: tuple[int, ...]
     positions: range
     plan: ShardPlan
-    """How the run stored its parts (tensor parallelism; one part below TP=2)."""
+    """How the run stored its parts (tensor parallelism; one part at TP=1)."""
 
     @property
     def name(self) -> str:
@@ -73,6 +73,12 @@ class _Tensor:
     @property
     def nbytes(self) -> int:
         return len(self.positions) * self.row_bytes
+
+    @property
+    def stored_row_bytes(self) -> int:
+        """Bytes the store holds of one row: every part's, for a tensor-parallel run's
+        partial sums (sharded parts together make one row)."""
+        return self.row_bytes * (self.plan.parts if self.plan.rule is TpRule.PARTIAL else 1)
 
     def to_json(self) -> dict[str, object]:
         p = self.positions
@@ -168,28 +174,29 @@ class StoreReads:
 
 def _pieces_of(tensors: Sequence[_Tensor], piece_bytes: int) -> list[list[_Tensor]]:
     """The export's tensors (in file order, those holding rows) as the pieces it reads
-    and sends, each of at most ``piece_bytes`` (at least one row): whole tensors taken
-    together while they fit (one store query reads them all), a larger tensor alone in
-    slices of its positions."""
+    and sends, each reading at most ``piece_bytes`` of the store (at least one row):
+    whole tensors taken together while they fit (one store query reads them all), a
+    larger tensor alone in slices of its positions."""
     out: list[list[_Tensor]] = []
     group: list[_Tensor] = []
     size = 0
     for t in tensors:
         if not t.positions:
             continue
-        if t.nbytes > piece_bytes:
+        stored = len(t.positions) * t.stored_row_bytes
+        if stored > piece_bytes:
             if group:
                 out.append(group)
                 group, size = [], 0
-            per_piece = max(1, piece_bytes // max(1, t.row_bytes))
+            per_piece = max(1, piece_bytes // max(1, t.stored_row_bytes))
             out.extend([attrs.evolve(t, positions=t.positions[at : at + per_piece])]
                        for at in range(0, len(t.positions), per_piece))
             continue
-        if group and size + t.nbytes > piece_bytes:
+        if group and size + stored > piece_bytes:
             out.append(group)
             group, size = [], 0
         group.append(t)
-        size += t.nbytes
+        size += stored
     if group:
         out.append(group)
     return out
@@ -211,7 +218,7 @@ def _rows(reader: RecordReader, run_id: str, request_id: str,
             part = by_shard(mine, t.plan, t.name)[0]
             out += joined_rows(part, select_rows(part, t.positions), t.row_bytes)
             continue
-        whole = assemble(mine, t.positions, t.plan, t.act_name, t.layer_no)
+        whole = combined_rows(mine, t.positions, t.plan, t.act_name, t.layer_no)
         if tuple(whole.shape[1:]) != t.row_shape:
             msg = (f"{t.name}: its {t.plan.parts} parts make rows of shape "
                    f"{list(whole.shape[1:])}, not the {list(t.row_shape)} the export names")

@@ -23,7 +23,7 @@ from dmi_sglang.app.assemble import (
     narrowed,
     selected_positions,
 )
-from dmi_sglang.app.shards import assemble
+from dmi_sglang.app.shards import combined_rows
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import RequestManifest, RunInfo
@@ -93,14 +93,19 @@ class CaptureHandle:
 
     @property
     def missing(self) -> tuple[str, ...]:
-        """Why the capture is not complete (empty when it is)."""
+        """Why the capture is not complete (empty when it is).
+
+        Raises:
+            StoreError: the store cannot be read, or the run's row is damaged.
+        """
         with self._reader() as reader:
             return self._missing(reader)
 
     @property
     def available(self) -> bool:
         """True only when the run and the request's manifest are committed and every
-        expected row of every captured (hook, layer) is stored."""
+        expected row of every captured (hook, layer) is stored (every part of it, under
+        tensor parallelism). Raises as :attr:`missing`."""
         return not self.missing
 
     def _missing(self, reader: RecordReader) -> tuple[str, ...]:
@@ -196,7 +201,7 @@ class CaptureHandle:
                         start=kept.start,
                         end=kept.stop,
                     )
-                    self._tensors[key] = assemble(recs, kept, self._plan(act), act, layer_no)
+                    self._tensors[key] = combined_rows(recs, kept, self._plan(act), act, layer_no)
                 return self._tensors[key]
 
     @property
@@ -221,7 +226,8 @@ class CaptureHandle:
             plan = self._plan("blocks.hook_resid_pre")
             for act, layer_no, kept in keys:
                 mine = [r for r in recs if r.layer_no == layer_no]
-                self._tensors[(act, layer_no, kept)] = assemble(mine, kept, plan, act, layer_no)
+                self._tensors[(act, layer_no, kept)] = combined_rows(mine, kept, plan, act,
+                                                                     layer_no)
             return tuple(self._tensors[k] for k in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
@@ -334,7 +340,7 @@ class CaptureHandle:
             (act, layer_no, kept), plan = self._partial_key(reader, hook, layer)
             recs = reader.records(self.run_id, self.request_id, act_name=act,
                                   layer_no=layer_no, start=kept.start, end=kept.stop)
-            return assemble(recs, kept, plan, act, layer_no)
+            return combined_rows(recs, kept, plan, act, layer_no)
 
     # -- internals -------------------------------------------------------------------
 
@@ -372,7 +378,7 @@ class CaptureHandle:
         return (h.act_name, layer_no, narrowed(kept, lo, hi))
 
     def _plan(self, act_name: str) -> ShardPlan:
-        """How the run stored ``act_name``'s parts (one part below TP=2)."""
+        """How the run stored ``act_name``'s parts (one part at TP=1)."""
         return self._complete()[0].tensor_parallel.plan_for_act(act_name)
 
     @contextlib.contextmanager

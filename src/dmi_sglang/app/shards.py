@@ -1,14 +1,15 @@
-"""The reader's side of tensor parallelism: one whole tensor from a hook's stored parts.
+"""From stored records to one capture's tensor: each part's rows decoded
+(:func:`decode_rows`), and under tensor parallelism the parts combined (:func:`combine`).
 
 :mod:`dmi_sglang.domain.tensor_parallel` says, per hook, how many parts a run stored
-(``shard_rank`` 0 .. parts-1) and how they combine; :func:`combine` does it, so a TP=2
-capture reads back in the shapes a TP=1 capture has.
+(``shard_rank`` 0 .. parts-1) and how they combine, so a TP=2 capture reads back in the
+shapes a TP=1 capture has (:func:`combined_rows`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dmi_sglang.app.assemble import joined_rows, select_rows
@@ -20,7 +21,7 @@ from dmi_sglang.errors import IncompleteCaptureError, StoreError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["assemble", "by_shard", "combine", "decode_rows"]
+__all__ = ["by_shard", "combine", "combined_rows", "decode_rows"]
 
 
 def by_shard(records: Sequence[CaptureRecord], plan: ShardPlan,
@@ -53,8 +54,8 @@ def combine(plan: ShardPlan, parts: Sequence[torch.Tensor], what: str) -> torch.
     sum (in float32, in part order, cast back to the stored dtype) for a partial one.
 
     Raises:
-        StoreError: a part count other than ``plan.parts``, or parts whose shapes or dtypes
-            cannot combine (``what`` names the capture).
+        StoreError: a part count other than ``plan.parts``, or parts of different dtypes or
+            shapes (SGLang splits evenly: equal parts), ``what`` naming the capture.
     """
     import torch
 
@@ -64,17 +65,9 @@ def combine(plan: ShardPlan, parts: Sequence[torch.Tensor], what: str) -> torch.
     first = parts[0]
     if plan.rule is TpRule.REPLICATED:
         return first
-    same: Callable[[torch.Tensor], bool]
-    if plan.rule is TpRule.SHARDED:
-        def same(p: torch.Tensor) -> bool:
-            return (p.dim() == first.dim() and p.dim() > plan.axis
-                    and p.shape[: plan.axis] == first.shape[: plan.axis]
-                    and p.shape[plan.axis + 1 :] == first.shape[plan.axis + 1 :])
-    else:
-        def same(p: torch.Tensor) -> bool:
-            return p.shape == first.shape
-    bad = [k for k, p in enumerate(parts) if p.dtype != first.dtype or not same(p)]
-    if bad:
+    # equal parts: SGLang splits a sharded axis evenly
+    axis_ok = plan.rule is not TpRule.SHARDED or first.dim() > plan.axis
+    if not axis_ok or any(p.dtype != first.dtype or p.shape != first.shape for p in parts):
         shapes = ", ".join(f"{p.dtype} {list(p.shape)}" for p in parts)
         msg = f"{what}: {plan.rule.value} parts that do not combine: {shapes}"
         raise StoreError(msg)
@@ -89,11 +82,11 @@ def combine(plan: ShardPlan, parts: Sequence[torch.Tensor], what: str) -> torch.
     return total.to(first.dtype)
 
 
-def assemble(records: Sequence[CaptureRecord], positions: range, plan: ShardPlan,
+def combined_rows(records: Sequence[CaptureRecord], positions: range, plan: ShardPlan,
               act_name: str, layer_no: int) -> torch.Tensor:
     """The rows of ``positions`` of one capture (every record of it that may hold them):
     each stored part's rows (:func:`decode_rows`), combined as the run's tensor-parallel
-    plan says (the one part below TP=2).
+    plan says (one part at TP=1).
 
     Raises:
         IncompleteCaptureError: a position or a part not stored.

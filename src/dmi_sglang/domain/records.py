@@ -257,7 +257,8 @@ class RunInfo:
         run_id: the ``model_id`` key of every record of the run.
         model_path: the served model.
         settings: the resolved settings as ``DMX_*`` variables (secrets removed), and
-            ``dmi.*`` entries that describe the run (:data:`SOURCE_KEY`).
+            ``dmi.*`` entries that describe the run (:data:`SOURCE_KEY`; ``TP_KEY`` of
+            :mod:`~dmi_sglang.domain.tensor_parallel` under tensor parallelism).
         captures: every ``(act_name, layer_no)`` a complete request capture holds.
         started_at / stopped_at: UTC ISO-8601 timestamps (``stopped_at`` empty while
             running).
@@ -300,7 +301,7 @@ class RunInfo:
         """
         text = next((v for k, v in self.settings if k == TP_KEY), "")
         try:
-            return TensorParallel.from_setting(text) if text else TensorParallel()
+            return TensorParallel.from_setting(text) if text else TensorParallel.single()
         except ValueError as exc:
             msg = f"run {self.run_id!r}: {exc}"
             raise StoreError(msg) from exc

@@ -13,13 +13,19 @@ Under tensor parallelism (TP = ``tp_size`` ranks) a hook's tensor is, on each ra
   ``tp_size // kv_heads`` consecutive ranks (rank ``r`` holds KV head
   ``r // replicas``): only the first rank of each group stores k and v, as
   ``shard_rank = r // replicas``, so k and v have ``kv_heads`` parts.
-* **partial**: a partial sum; the whole tensor is the sum over ranks. A row-parallel
-  projection whose all-reduce happens later (SGLang 0.5.19 builds Qwen3's ``o_proj``
-  with ``reduce_results=False``: ``attn_out`` captured at its output is partial on each
-  rank; ``mlp_out`` is partial only where the MLP's all-reduce is fused into the next
-  norm). Which hooks are partial is a fact of the model and server, read by the adapter
-  and recorded with the run (:data:`TP_KEY`); every rank stores its part as
-  ``shard_rank = rank`` and the reader adds them (in rank order, in float32, cast back).
+* **partial**: a partial sum; the whole tensor is the sum over ranks. Only the output of
+  a row-parallel projection whose all-reduce happens later can be partial
+  (:data:`PARTIAL_CANDIDATES`): SGLang 0.5.19 builds Qwen3's ``o_proj`` with
+  ``reduce_results=False``, so ``attn_out`` captured at its output is partial on each
+  rank; Qwen3's MLP (``Qwen2MLP``) all-reduces in ``down_proj``, so its ``mlp_out`` is
+  replicated (models that fuse that all-reduce into the next norm would make it
+  partial). Which hooks are partial is a fact of the model, stated by the adapter and
+  recorded with the run (:data:`TP_KEY`); every rank stores its part as
+  ``shard_rank = rank`` and the reader adds them, in rank order in float32 and cast back
+  (not bit-identical to SGLang's own all-reduce in bf16).
+
+The rules assume every rank holds every token row: layernorm sequence parallelism and
+DP attention (which scatter rows over ranks) are refused by the support matrix.
 
 At ``tp_size`` 1 every hook is replicated with one part, stored as ``shard_rank`` 0: a
 TP=1 run reads exactly as before.
@@ -28,22 +34,24 @@ TP=1 run reads exactly as before.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable
 
 import attrs
 
 from dmi_sglang.domain.hooks import CATALOG, Hook
 
-__all__ = ["TP_KEY", "ShardPlan", "TensorParallel", "TpRule"]
+__all__ = ["PARTIAL_CANDIDATES", "TP_KEY", "ShardPlan", "TensorParallel", "TpRule"]
 
 TP_KEY = "dmi.tensor_parallel"
 """The run setting that records its tensor parallelism (:meth:`TensorParallel.to_setting`);
 absent for TP=1 runs."""
 
-_SHARD_AXIS = 1
-"""Sharded hooks are split along the first axis after the row axis of their stored shape."""
+PARTIAL_CANDIDATES = frozenset({"attn_out", "mlp_out"})
+"""The hooks that can hold partial sums: outputs of row-parallel projections."""
 _KV = frozenset({"k", "v"})
 _BY_ACT = {h.act_name: h for h in CATALOG}
+_NUMBER = re.compile(r"[0-9]+")
 
 
 class TpRule(enum.Enum):
@@ -57,6 +65,12 @@ class TpRule(enum.Enum):
     """Each part is a partial sum: add them."""
 
 
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{attribute.name}={value!r}; accepted: a positive integer"
+        raise ValueError(msg)
+
+
 @attrs.frozen
 class ShardPlan:
     """How one hook is stored and read back under tensor parallelism.
@@ -65,30 +79,39 @@ class ShardPlan:
         rule: how the parts combine.
         parts: how many parts are stored (``shard_rank`` 0 .. parts-1).
         replicas: consecutive ranks that hold the same part (the first stores it).
-        axis: the axis of the stored tensor (0 is rows) a sharded hook is split along.
+
+    Raises:
+        ValueError: a count below 1.
     """
 
     rule: TpRule
-    parts: int
-    replicas: int = 1
-    axis: int = _SHARD_AXIS
+    parts: int = attrs.field(validator=_positive)
+    replicas: int = attrs.field(default=1, validator=_positive)
+
+    axis = 1
+    """The axis of the stored tensor (0 is rows) a sharded hook is split along: the first
+    after the rows."""
 
     def shard_of(self, rank: int) -> int | None:
         """The ``shard_rank`` tensor-parallel rank ``rank`` stores this hook as; None when
-        that rank stores nothing (a replica another rank stores)."""
+        that rank stores nothing (a replica another rank stores).
+
+        Raises:
+            ValueError: a negative rank.
+        """
+        if rank < 0:
+            msg = f"rank={rank}; accepted: a rank from 0"
+            raise ValueError(msg)
         if rank % self.replicas:
             return None
         shard = rank // self.replicas
         return shard if shard < self.parts else None
 
 
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        msg = f"{attribute.name}={value!r}; accepted: a positive integer"
-        raise ValueError(msg)
-
-
 def _partial_names(values: Iterable[str]) -> frozenset[str]:
+    if isinstance(values, str):  # a lone name would become its characters
+        msg = f"partial={values!r}; accepted: a set of hook names"
+        raise ValueError(msg)
     return frozenset(values)
 
 
@@ -100,16 +123,17 @@ class TensorParallel:
     Attributes:
         tp_size: tensor-parallel ranks.
         kv_heads: the model's KV heads (all ranks together).
-        partial: short names of the hooks each rank holds a partial sum of.
+        partial: short names of the hooks each rank holds a partial sum of (some of
+            :data:`PARTIAL_CANDIDATES`).
 
     Raises:
-        ValueError: a non-positive size, KV heads SGLang cannot split over ``tp_size``
-            ranks (neither divides the other), or a partial hook that is unknown or
-            sharded.
+        ValueError: a non-positive count, KV heads SGLang cannot split over ``tp_size``
+            ranks (neither divides the other), or a partial hook that is not a
+            row-parallel output.
     """
 
-    tp_size: int = attrs.field(default=1, validator=_positive)
-    kv_heads: int = attrs.field(default=1, validator=_positive)
+    tp_size: int = attrs.field(validator=_positive)
+    kv_heads: int = attrs.field(validator=_positive)
     partial: frozenset[str] = attrs.field(default=frozenset(), converter=_partial_names)
 
     def __attrs_post_init__(self) -> None:
@@ -118,12 +142,16 @@ class TensorParallel:
             msg = (f"kv_heads={kv} over tp_size={tp}; accepted: KV heads divisible by the "
                    "ranks, or ranks divisible by the KV heads")
             raise ValueError(msg)
-        names = {h.name: h for h in CATALOG}
-        bad = sorted(p for p in self.partial if p not in names or names[p].tp_sharded)
+        bad = sorted(self.partial - PARTIAL_CANDIDATES)
         if bad:
-            msg = (f"partial hooks {bad}; accepted: unsharded catalog hooks "
-                   f"({', '.join(h.name for h in CATALOG if not h.tp_sharded)})")
+            msg = (f"partial hooks {bad}; accepted: {', '.join(sorted(PARTIAL_CANDIDATES))} "
+                   "(outputs of row-parallel projections)")
             raise ValueError(msg)
+
+    @classmethod
+    def single(cls) -> TensorParallel:
+        """No tensor parallelism: one rank, every hook one part."""
+        return cls(1, 1)
 
     def plan(self, hook: Hook) -> ShardPlan:
         """How ``hook`` is stored and read back."""
@@ -163,9 +191,13 @@ class TensorParallel:
             fields[key] = value
         else:
             if fields.keys() == {"tp", "kv_heads", "partial"} and \
-                    fields["tp"].isdigit() and fields["kv_heads"].isdigit():
+                    _NUMBER.fullmatch(fields["tp"]) and _NUMBER.fullmatch(fields["kv_heads"]):
                 partial = [p for p in fields["partial"].split(",") if p]
-                return cls(int(fields["tp"]), int(fields["kv_heads"]), frozenset(partial))
+                try:
+                    return cls(int(fields["tp"]), int(fields["kv_heads"]), frozenset(partial))
+                except ValueError as exc:
+                    msg = f"{TP_KEY}={text!r}: {exc}"
+                    raise ValueError(msg) from exc
         msg = (f"{TP_KEY}={text!r}; accepted: 'tp=N;kv_heads=N;partial=name,...' as "
                "TensorParallel.to_setting writes it")
         raise ValueError(msg)
