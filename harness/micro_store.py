@@ -17,15 +17,18 @@
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
-* export: a run whose ``--export`` requests each added 8 positions of every layer per
-  insert, ``steps`` inserts (a serving store's shape while it captures: a request's rows
-  spread over many small parts it shares with the others, merges held), then one
-  committed request's safetensors file built by the server's export
-  (:class:`~dmi_sglang.app.export.StoreReads`, reading the store directly: the owner's
-  read channel, its IPC and pickling, is not in it) with the default pieces (whole tensors
-  together while they fit: one query) and with one tensor a piece (one query per
-  tensor): ms and CPU seconds of the process per GB exported, files equal to what was
-  written.
+* export: a run whose ``--export`` requests each added ``--export-rows`` positions
+  (default 8; 1 is a decode step's record) of every layer per insert, ``steps`` inserts
+  (a serving store's shape while it captures: a request's rows spread over many small
+  parts it shares with the others, merges held), then one committed request's
+  safetensors file built by the server's export (:class:`~dmi_sglang.app.export.StoreReads`,
+  reading the store directly: the owner's read channel, its IPC, is not in it) with the
+  default pieces (whole tensors together while they fit: one query) and with one tensor
+  a piece (one query per tensor): ms, CPU seconds of the process per GB exported, and of
+  the exporting thread alone (the engine runs part of each query on it); then the
+  default export again beside a busy pure-Python thread (a serving scheduler's stand-in
+  in the process that owns the store): the seconds of that thread's work it took per GB
+  exported (``busy thread s/GB``); files equal to what was written.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
 """
@@ -33,6 +36,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -57,6 +61,7 @@ from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import DISK_PROBE_BYTES
 from harness.docs import table_lines
+from harness.micro_transport import SpinProbe
 from harness.models import MODELS
 from harness.results import Json, run_benchmark, utc_now
 
@@ -68,7 +73,7 @@ FULL = {"mb": 512, "sizes": "2048,65536,1048576", "writers": "1,4", "repeat": 2,
 QUICK = {"mb": 8, "sizes": "16384,262144", "writers": "1,2", "repeat": 2, "probe_mb": 16,
          "readback": "4,32,32", "export": "8,6"}
 EXPORT_ROWS = 8
-"""Positions each request adds per insert in the export part."""
+"""Positions each request adds per insert in the export part (default of --export-rows)."""
 
 
 def ints(what: str, *, even: bool = False, count: int = 0,
@@ -200,57 +205,76 @@ def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
             "equal": equal and torch.equal(rows, data[layers - 1, lo:positions])}
 
 
-def export_cost(root: Path, requests: int, steps: int, repeat: int) -> Json:
+def _exported(reads: exporting.StoreReads, request_id: str) -> bytes:
+    """One request's safetensors file, whole."""
+    return b"".join(reads.safetensors("bench", request_id)[1])
+
+
+def export_cost(root: Path, requests: int, steps: int, repeat: int,
+                rows_per_insert: int = EXPORT_ROWS) -> Json:
     """Fill a store as a capturing server does (see the module), then time the export of
     committed requests with the default pieces and with one tensor a piece."""
     path = root / "export"
     config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path))
     run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
                   utc_now())
-    rows = [torch.randn(LAYERS, steps * EXPORT_ROWS, HIDDEN, dtype=torch.bfloat16)
+    rows = [torch.randn(LAYERS, steps * rows_per_insert, HIDDEN, dtype=torch.bfloat16)
             for _ in range(requests)]
     sink = ClickHouseSink(config)
     try:
         sink.start_run(run)
         for step in range(steps):
-            lo, hi = step * EXPORT_ROWS, (step + 1) * EXPORT_ROWS
+            lo, hi = step * rows_per_insert, (step + 1) * rows_per_insert
             sink.put(RecordBatch.from_records([
                 CaptureRecord("bench", f"req-{r:04d}", RESID, n, 0, lo, hi, "torch.bfloat16",
                               (hi - lo, HIDDEN), raw(rows[r][n, lo:hi]), step + 1)
                 for r in range(requests) for n in range(LAYERS)]))
             sink.flush()  # one part per step, as the inserts of a capturing run
-        positions = steps * EXPORT_ROWS
+        positions = steps * rows_per_insert
         sink.commit_requests([  # the first insert its prompt, one token a later position
-            RequestManifest("bench", f"req-{r:04d}", EXPORT_ROWS, positions - EXPORT_ROWS + 1,
+            RequestManifest("bench", f"req-{r:04d}", rows_per_insert,
+                            positions - rows_per_insert + 1,
                             committed=True) for r in range(requests)])
         sink.flush()
         reader = ClickHouseReader(config)
         tensor_bytes = positions * HIDDEN * 2
         reads = {"pieces": exporting.StoreReads(lambda: reader),
                  "per_tensor": exporting.StoreReads(lambda: reader, piece_bytes=tensor_bytes)}
-        timed: dict[str, list[tuple[float, float]]] = {"pieces": [], "per_tensor": []}
+        timed: dict[str, list[tuple[float, float, float]]] = {"pieces": [], "per_tensor": []}
         equal, nbytes = True, 0
+        beside: list[tuple[float, float]] = []
         with reader.session():
             for rep in range(repeat):
                 for name, export in reads.items():
                     r = (2 * rep + (name == "per_tensor")) % requests
                     started, cpu = time.perf_counter(), time.process_time()
+                    thread = time.thread_time()
                     _, parts = export.safetensors("bench", f"req-{r:04d}")
                     blob = b"".join(parts)
                     timed[name].append((time.perf_counter() - started,
-                                        time.process_time() - cpu))
+                                        time.process_time() - cpu, time.thread_time() - thread))
                     got = load_safetensors(blob)
                     nbytes = sum(t.numel() * 2 for t in got.values())
                     equal = equal and all(torch.equal(got[f"{RESID}.{n}"], rows[r][n])
                                           for n in range(LAYERS))
+            with SpinProbe() as spin:  # the export beside a busy Python thread
+                alone = spin.rate(0.5)
+                for rep in range(repeat):
+                    rid = f"req-{(2 * rep) % requests:04d}"
+                    beside.append(spin.taken_s(functools.partial(_exported, reads["pieces"],
+                                                                 rid), alone))
     finally:
         sink.close()
-    out: Json = {"requests": requests, "parts": steps,
+    out: Json = {"requests": requests, "parts": steps, "rows_per_insert": rows_per_insert,
                  "store_bytes": sum(r.numel() for r in rows) * 2,
                  "file_bytes": nbytes, "equal": equal}
+    out["beside_busy_thread_ms"] = statistics.median(w for w, _ in beside) * 1e3
+    out["busy_thread_s_per_GB"] = statistics.median(t for _, t in beside) / nbytes * 1e9
     for name, values in timed.items():
-        out[f"{name}_ms"] = statistics.median(w for w, _ in values) * 1e3
-        out[f"{name}_cpu_s_per_GB"] = statistics.median(c for _, c in values) / nbytes * 1e9
+        out[f"{name}_ms"] = statistics.median(w for w, _, _ in values) * 1e3
+        out[f"{name}_cpu_s_per_GB"] = statistics.median(c for _, c, _ in values) / nbytes * 1e9
+        out[f"{name}_thread_cpu_s_per_GB"] = (statistics.median(t for _, _, t in values)
+                                              / nbytes * 1e9)
     return out
 
 
@@ -285,7 +309,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                            compression=r["compression"])
         r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
     back = readback(root, *args.readback)
-    cost = export_cost(root, args.export[0], args.export[1], args.repeat)
+    cost = export_cost(root, args.export[0], args.export[1], args.repeat, args.export_rows[0])
     headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
     data["bound"] = headline["bound"]
     table: list[Json] = [
@@ -301,9 +325,12 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "hidden_states ms": back["hidden_states_ms"],
                   "10-row range ms (cold)": back["range_10_rows_ms_cold"],
                   "read": "equal" if back["equal"] else "DIFFERENT"})
-    table.append({"export": f"1 of {cost['requests']} requests over {cost['parts']} parts",
+    table.append({"export": f"1 of {cost['requests']} requests over {cost['parts']} parts "
+                            f"of {cost['rows_per_insert']} positions",
                   "MB": cost["file_bytes"] / 1e6, "ms": cost["pieces_ms"],
                   "cpu s/GB": cost["pieces_cpu_s_per_GB"],
+                  "thread cpu s/GB": cost["pieces_thread_cpu_s_per_GB"],
+                  "busy thread s/GB": cost["busy_thread_s_per_GB"],
                   "one tensor a query ms": cost["per_tensor_ms"],
                   "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
                   "read": "equal" if cost["equal"] else "DIFFERENT"})
@@ -346,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"layers,prompt,decode of the readback ({FULL['readback']})")
     p.add_argument("--export", type=ints("requests,inserts: both >= 1", count=2),
                    help=f"requests and inserts of the export's store ({FULL['export']})")
+    p.add_argument("--export-rows", type=ints("positions per insert: >= 1", count=1),
+                   default=[EXPORT_ROWS],
+                   help=f"positions each request adds per insert ({EXPORT_ROWS}; 1: decode)")
     p.add_argument("--dir", type=Path, help="where the scratch stores go (default /var/tmp)")
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
     p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))

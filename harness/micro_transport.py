@@ -290,6 +290,41 @@ class LatenessProbe(BackgroundThread):
                 "max_ms": late[-1] * 1e3}
 
 
+class SpinProbe(BackgroundThread):
+    """A busy pure-Python thread (a stand-in for a serving scheduler's): it counts the
+    slices of work it gets done. Its rate while something else runs in the process,
+    against its rate alone, is the share of the GIL (and the CPU) left to it."""
+
+    SLICE = 1000
+    """Loop iterations per counted slice."""
+
+    def __init__(self) -> None:
+        super().__init__("spin-probe", 0.0)
+        self.slices = 0
+
+    def _run(self) -> None:
+        total = 0
+        while not self._stop.is_set():
+            for k in range(self.SLICE):  # pure Python: it needs the GIL throughout
+                total ^= k
+            self.slices += 1
+
+    def rate(self, seconds: float) -> float:
+        """Slices per second over the next ``seconds`` (the caller sleeps meanwhile)."""
+        before = self.slices
+        time.sleep(seconds)
+        return (self.slices - before) / seconds
+
+    def taken_s(self, work: Callable[[], object], alone_rate: float) -> tuple[float, float]:
+        """Run ``work``; its wall seconds, and the seconds of this thread's work it took
+        (wall x the fraction of the rate it lost)."""
+        before, started = self.slices, time.perf_counter()
+        work()
+        wall = time.perf_counter() - started
+        rate = (self.slices - before) / wall if wall > 0 else alone_rate
+        return wall, wall * max(0.0, 1.0 - rate / alone_rate) if alone_rate > 0 else 0.0
+
+
 def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
     """``steps`` padded decode steps in a steady stream through the drain (module docstring)."""
     dev, bs = torch.device(args.device), DRAIN_BATCH

@@ -1,4 +1,5 @@
-"""Captured records as columns, and the sink port that takes them.
+"""Captured records as columns, the sink port that takes them and the reader port that
+reads them back so (:class:`RecordBatchReader`).
 
 The hot path never builds one Python object per record: the transport hands the sink
 :class:`RecordBatch` values, a few numpy columns over one contiguous payload buffer (record
@@ -20,10 +21,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
 
-__all__ = ["CaptureKey", "RecordBatch", "RecordSink"]
+__all__ = ["CaptureKey", "RecordBatch", "RecordBatchReader", "RecordSink"]
 
 Int32s = npt.NDArray[np.int32]
 Int64s = npt.NDArray[np.int64]
@@ -243,4 +245,21 @@ class RecordSink(Protocol):
 
     def close(self) -> None:
         """Release the store (the embedded engine admits one process at a time)."""
+        ...
+
+
+@runtime_checkable
+class RecordBatchReader(RecordReader, Protocol):
+    """**Port**: a :class:`~dmi_sglang.domain.ports.RecordReader` that also reads rows
+    as record batches (an export's reads: no Python object per record)."""
+
+    def batches_within(self, run_id: str, request_id: str, *,
+                       captures: Sequence[tuple[str, int]], start: int,
+                       end: int) -> Sequence[RecordBatch]:
+        """The records of the ``captures`` (``(act_name, layer_no)`` pairs) overlapping
+        positions ``[start, end)``, each cut to that range (only those rows' bytes are
+        read back), as one batch per ``shard_rank`` (in ``shard_rank`` order), records
+        in act_name, layer, start and ``seq`` order: an export's memory is bounded by
+        what it asks at once, not by the records' sizes, and the hooks and layers asked
+        together are read in one pass over the store."""
         ...

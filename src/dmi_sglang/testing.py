@@ -206,24 +206,27 @@ class MemoryReader:
                 and (start is None or r.end_token_idx > start)
                 and (end is None or r.start_token_idx < end)]
 
-    def records_within(self, run_id: str, request_id: str, *,
+    def batches_within(self, run_id: str, request_id: str, *,
                        captures: Sequence[tuple[str, int]], start: int,
-                       end: int) -> list[CaptureRecord]:
-        """The records of the ``captures`` overlapping ``[start, end)``, cut to it."""
+                       end: int) -> list[RecordBatch]:
+        """The records of the ``captures`` overlapping ``[start, end)``, cut to it, one
+        batch per shard_rank."""
         if end <= start:
             return []
         wanted = set(captures)
-        out = []
+        cut = []
         for r in self.records(run_id, request_id, start=start, end=end):
             if (r.act_name, r.layer_no) not in wanted:
                 continue
             lo, hi = max(start, r.start_token_idx), min(end, r.end_token_idx)
             row = len(r.payload) // max(1, r.rows)
             first = lo - r.start_token_idx
-            out.append(attrs.evolve(
+            cut.append(attrs.evolve(
                 r, start_token_idx=lo, end_token_idx=hi, shape=(hi - lo, *r.shape[1:]),
                 payload=bytes(memoryview(r.payload)[first * row : (first + hi - lo) * row])))
-        return sorted(out, key=lambda r: (r.act_name, r.layer_no, r.start_token_idx, r.seq))
+        cut.sort(key=lambda r: (r.shard_rank, r.act_name, r.layer_no, r.start_token_idx, r.seq))
+        shards = sorted({r.shard_rank for r in cut})
+        return [RecordBatch.from_records([r for r in cut if r.shard_rank == k]) for k in shards]
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int, int]]:
         """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's

@@ -16,8 +16,7 @@ import pytest
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.app.null_sink import NullSink
-from dmi_sglang.columns import RecordSink
-from dmi_sglang.domain.ports import RecordReader
+from dmi_sglang.columns import RecordBatchReader, RecordSink
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.testing import MemoryReader, MemorySink
 
@@ -27,7 +26,7 @@ class Backend:
     """A store backend under test: a sink, and a reader of what that sink stored."""
 
     sink: RecordSink
-    reader: Callable[[], RecordReader]
+    reader: Callable[[], RecordBatchReader]
     deletes: bool = True
     """The reader deletes runs (a serving process's reads through the owner do not)."""
     close: Callable[[], None] = lambda: None
@@ -76,7 +75,7 @@ STORE_BACKENDS: dict[str, Callable[[Path], Backend]] = {
 def _null(tmp_path: Path) -> Backend:
     del tmp_path
 
-    def no_reader() -> RecordReader:
+    def no_reader() -> RecordBatchReader:
         msg = "the null sink stores nothing to read"
         raise AssertionError(msg)
 

@@ -11,7 +11,7 @@ import torch
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
-from dmi_sglang.domain.records import RunInfo, RunStatus
+from dmi_sglang.domain.records import CaptureRecord, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
 from . import _data as d
@@ -160,31 +160,39 @@ def test_a_committed_request_reads_back_while_its_run_runs(backend: Backend) -> 
     assert not CaptureHandle(d.RUN, "b", backend.reader).available
 
 
-def test_records_within_are_cut_to_the_range_with_their_rows(backend: Backend) -> None:
+def _within(backend: Backend, captures: list[tuple[str, int]], start: int,
+            end: int) -> list[CaptureRecord]:
+    """``batches_within``'s records, one object each, in the answer's order."""
+    batches = backend.reader().batches_within(d.RUN, "a", captures=captures, start=start,
+                                               end=end)
+    return [r for b in batches for r in b.records()]
+
+
+def test_batches_within_hold_the_records_cut_to_the_range(backend: Backend) -> None:
     _write_run(backend)
-    cut = backend.reader().records_within(d.RUN, "a", captures=[(d.RESID, 0)], start=1, end=5)
+    cut = _within(backend, [(d.RESID, 0)], 1, 5)
     got = sorted((r.start_token_idx, r.end_token_idx, r.seq, r.shape) for r in cut)
     assert got == [(1, 2, 0, (1, d.WIDTH)), (1, 4, 1, (3, d.WIDTH)), (4, 5, 2, (1, d.WIDTH))]
     for r in cut:
         assert r.payload == b"".join(d.row_bytes(d.RESID, 0, "a", p, r.seq)
                                      for p in range(r.start_token_idx, r.end_token_idx))
+        assert (r.model_id, r.request_id, r.shard_rank, r.dtype) == (
+            d.RUN, "a", 0, "torch.float32")
     for empty in ((2, 2), (3, 1)):
-        assert list(backend.reader().records_within(
-            d.RUN, "a", captures=[(d.RESID, 0)], start=empty[0], end=empty[1])) == []
-    assert list(backend.reader().records_within(d.RUN, "a", captures=[], start=0, end=5)) == []
+        assert _within(backend, [(d.RESID, 0)], *empty) == []
+    assert _within(backend, [], 0, 5) == []
 
 
-def test_records_within_read_several_captures_at_once_in_their_order(backend: Backend) -> None:
+def test_batches_within_read_several_captures_at_once_in_their_order(
+        backend: Backend) -> None:
     _write_run(backend)
-    reader = backend.reader()
-    one = {c: list(reader.records_within(d.RUN, "a", captures=[c], start=0, end=9))
-           for c in [(d.RESID, 0), (d.RESID, 1)]}
-    both = list(reader.records_within(d.RUN, "a", captures=[(d.RESID, 1), (d.RESID, 0),
-                                                            ("no_such_hook", 0)],
-                                      start=0, end=9))
+    one = {c: _within(backend, [c], 0, 9) for c in [(d.RESID, 0), (d.RESID, 1)]}
+    both = _within(backend, [(d.RESID, 1), (d.RESID, 0), ("no_such_hook", 0)], 0, 9)
     assert one[(d.RESID, 0)]
     assert one[(d.RESID, 1)]
-    assert both == one[(d.RESID, 0)] + one[(d.RESID, 1)]  # by layer, start and seq
+    key = [(r.act_name, r.layer_no, r.start_token_idx, r.seq, bytes(r.payload)) for r in both]
+    assert key == [(r.act_name, r.layer_no, r.start_token_idx, r.seq, bytes(r.payload))
+                   for r in one[(d.RESID, 0)] + one[(d.RESID, 1)]]  # by layer, start, seq
 
 
 def test_the_latest_manifest_of_each_request_is_listed(backend: Backend) -> None:

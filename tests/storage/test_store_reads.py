@@ -90,13 +90,13 @@ def test_an_export_reads_the_tensors_that_fit_one_piece_in_one_query(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     asked: list[list[tuple[str, int]]] = []
     remote = RemoteReader(f"ipc://{tmp_path}/reads", timeout_s=30)
-    real = remote.records_within
+    real = remote.batches_within
 
     def counted(*args: object, **kwargs: object) -> object:
         asked.append(list(kwargs["captures"]))  # type: ignore[call-overload]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(remote, "records_within", counted)
+    monkeypatch.setattr(remote, "batches_within", counted)
     counting = StoreReads(lambda: remote)
     whole = b"".join(counting.safetensors("run", "done")[1])
     assert asked == [[(RESID, 0), (RESID, 1), (LOGITS, -1)]]  # 72 + 72 + 72 bytes: one piece
@@ -154,8 +154,8 @@ def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(
         remote._call("delete_run", "run")  # what a forged request gets
     for forged in ([["a", "1"]], [["a", 1, 2]], "a", [[["a"], 1]], [["a", True]], None,
                    [[RESID, 1 << 32]]):  # a layer past Int32 would wrap to layer 0
-        with pytest.raises(StoreError, match="does not answer 'records_within'"):
-            remote._call("records_within", "run", "done", captures=forged, start=0, end=1)
+        with pytest.raises(StoreError, match="does not answer 'batches_within'"):
+            remote._call("batches_within", "run", "done", captures=forged, start=0, end=1)
     with pytest.raises(StoreError, match="does not answer 'records'"):
         remote._call("records", "run", "done", captures=[[RESID, 0]])
     assert remote.run("run") is not None  # still there
@@ -226,9 +226,11 @@ def test_records_read_through_the_owner_hold_read_only_payloads(
         assert isinstance(r.payload, memoryview)
         assert r.payload.readonly  # as CaptureRecord says: and hashable, like any record
         assert hash(r) == hash(r)
-    cut = remote.records_within("run", "done", captures=[(RESID, 0)], start=0, end=1)
-    assert all(r.payload.readonly for r in cut)
-    assert cut
+    (batch,) = remote.batches_within("run", "done", captures=[(RESID, 0)], start=0, end=1)
+    assert len(batch) == 1
+    for column in (batch.payload, batch.offsets, batch.start, batch.seq):
+        assert not column.flags.writeable  # views of the received frames
+    assert all(r.payload.readonly for r in batch.records())
 
 
 def test_a_failed_answer_costs_one_exchange_and_the_channel_goes_on(
@@ -250,11 +252,12 @@ def test_a_failed_answer_costs_one_exchange_and_the_channel_goes_on(
         service.close()
 
 
-def test_records_within_cut_the_rows_in_the_store(
+def test_batches_within_cut_the_rows_in_the_store(
         served: tuple[StoreReads, ClickHouseSink], store: StoreConfig) -> None:
     reader = ClickHouseReader(store)
     whole = reader.records("run", "done", act_name=RESID, layer_no=0)
-    cut = reader.records_within("run", "done", captures=[(RESID, 0)], start=1, end=5)
+    (batch,) = reader.batches_within("run", "done", captures=[(RESID, 0)], start=1, end=5)
+    cut = list(batch.records())
     assert [(r.start_token_idx, r.end_token_idx, r.shape) for r in cut] == [
         (1, 4, (3, 3, 2)), (4, 5, (1, 3, 2))]
     prefill = whole[0]  # rows [0, 4): its rows 1..3 are the first cut record's bytes

@@ -43,9 +43,9 @@ from dmi_sglang.app.reference import (
 )
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.app.store_budget import StoreBudget
-from dmi_sglang.columns import RecordSink
+from dmi_sglang.columns import RecordBatchReader, RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
-from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RecordReader, RunClaims
+from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RunClaims
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.settings import Settings, monitoring_requested
@@ -107,7 +107,7 @@ def open_sink(store: StoreConfig) -> RecordSink:
     return ClickHouseSink(store)
 
 
-def reader_for(store: StoreConfig) -> RecordReader:
+def reader_for(store: StoreConfig) -> RecordBatchReader:
     """The record reader of ``store`` (opens nothing until used).
 
     Raises:

@@ -5,7 +5,7 @@ request's captures as a safetensors file built piece by piece. The header is mad
 the run's captures, the request's manifest and one row layout per hook and layer (no
 payload read); then the rows are read a piece at a time (:data:`PIECE_BYTES`: whole
 tensors together while they fit, a larger tensor a slice of positions at a time), cut to
-those rows by the store itself (``RecordReader.records_within``), so an export holds
+those rows by the store itself (``RecordBatchReader.batches_within``), so an export holds
 about one piece at a time whatever the request's or its records' sizes (the store's
 engine reads each record it cuts whole: a record larger than a piece is read once per
 piece). One query per piece, not per tensor: while a run captures, a request's rows lie
@@ -24,9 +24,11 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
+import numpy as np
 
 from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
 from dmi_sglang.app.shards import by_shard, combined_rows
+from dmi_sglang.columns import RecordBatch, RecordBatchReader
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
@@ -97,7 +99,7 @@ class StoreReads:
             one row).
     """
 
-    def __init__(self, reader_factory: Callable[[], RecordReader], *,
+    def __init__(self, reader_factory: Callable[[], RecordBatchReader], *,
                  piece_bytes: int = PIECE_BYTES) -> None:
         self._factory = reader_factory
         self._piece_bytes = piece_bytes
@@ -202,17 +204,21 @@ def _pieces_of(tensors: Sequence[_Tensor], piece_bytes: int) -> list[list[_Tenso
     return out
 
 
-def _rows(reader: RecordReader, run_id: str, request_id: str,
+def _rows(reader: RecordBatchReader, run_id: str, request_id: str,
           piece: list[_Tensor]) -> memoryview:
     """The rows of a piece's tensors (latest copy of each position), joined in order."""
-    records = reader.records_within(
+    batches = reader.batches_within(
         run_id, request_id, captures=[(t.act_name, t.layer_no) for t in piece],
         start=min(t.positions[0] for t in piece), end=max(t.positions[-1] + 1 for t in piece))
-    by_capture: dict[tuple[str, int], list[CaptureRecord]] = {}
-    for r in records:
-        by_capture.setdefault((r.act_name, r.layer_no), []).append(r)
     out = bytearray()
+    by_capture: dict[tuple[str, int], list[CaptureRecord]] | None = None
     for t in piece:
+        span = _one_span(batches, t)
+        if span is not None:  # the common case: one slice of the answer's buffer
+            out += span
+            continue
+        if by_capture is None:  # the general path, one object per record (made once)
+            by_capture = _records_by_capture(batches)
         mine = by_capture.get((t.act_name, t.layer_no), [])
         if t.plan.parts == 1:
             part = by_shard(mine, t.plan, t.name)[0]
@@ -227,6 +233,44 @@ def _rows(reader: RecordReader, run_id: str, request_id: str,
 
         out += whole.contiguous().view(torch.uint8).numpy().tobytes()
     return memoryview(out)
+
+
+def _records_by_capture(
+        batches: Sequence[RecordBatch]) -> dict[tuple[str, int], list[CaptureRecord]]:
+    """The answer's records, one object each, by hook and layer (the general path:
+    retractions, strided positions, tensor-parallel parts)."""
+    out: dict[tuple[str, int], list[CaptureRecord]] = {}
+    for batch in batches:
+        for r in batch.records():
+            out.setdefault((r.act_name, r.layer_no), []).append(r)
+    return out
+
+
+def _one_span(batches: Sequence[RecordBatch], t: _Tensor) -> memoryview | None:
+    """``t``'s rows as one slice of the answer's payload, when they lie so: one part
+    (``shard_rank`` 0), consecutive positions, one stored layout, and records that follow
+    each other with neither a gap nor an overlap (no retraction) over the positions;
+    else None."""
+    if t.plan.parts != 1 or t.positions.step != 1:
+        return None
+    found = []
+    for batch in batches:
+        for c, key in enumerate(batch.captures):
+            if (key.act_name, key.layer_no) == (t.act_name, t.layer_no):
+                index = np.flatnonzero(batch.capture == c)
+                if index.size:
+                    found.append((batch, key.row_nbytes, index))
+    if len(found) != 1:
+        return None
+    batch, row, index = found[0]
+    if batch.shard_rank != 0 or row != t.row_bytes or index[-1] - index[0] + 1 != index.size:
+        return None
+    start, end = batch.start[index].astype(np.int64), batch.end[index].astype(np.int64)
+    lo, hi = t.positions.start, t.positions.stop
+    if start[0] > lo or end[-1] < hi or not np.array_equal(start[1:], end[:-1]):
+        return None
+    first = int(batch.offsets[index[0]]) + (lo - int(start[0])) * row
+    return memoryview(batch.payload)[first : first + (hi - lo) * row]  # type: ignore[arg-type]
 
 
 def _require_run(reader: RecordReader, run_id: str) -> RunInfo:

@@ -124,16 +124,6 @@ class RecordReader(Protocol):
         those overlapping positions ``[start, end)``; superseded copies included."""
         ...
 
-    def records_within(self, run_id: str, request_id: str, *,
-                       captures: Sequence[tuple[str, int]], start: int,
-                       end: int) -> Sequence[CaptureRecord]:
-        """The records of the ``captures`` (``(act_name, layer_no)`` pairs) overlapping
-        positions ``[start, end)``, each cut to that range (only those rows' bytes are
-        read back), ordered by act_name, layer, start and ``seq``: an export's memory is
-        bounded by what it asks at once, not by the records' sizes, and the hooks and
-        layers asked together are read in one pass over the store."""
-        ...
-
     def ranges(self, run_id: str,
                request_id: str) -> Sequence[tuple[str, int, int, int, int]]:
         """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's stored

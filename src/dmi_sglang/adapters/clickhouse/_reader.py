@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from dmi_sglang.adapters.clickhouse._batches import BATCH_COLUMNS, batches_from_arrow
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
     close_quietly,
@@ -24,6 +25,7 @@ from dmi_sglang.adapters.clickhouse._client import (
 from dmi_sglang.adapters.clickhouse._live import is_live
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
 from dmi_sglang.domain.records import (
     STALE_AFTER_S,
@@ -36,6 +38,7 @@ from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from clickhouse_connect.driver.client import Client
 
 __all__ = ["ClickHouseReader"]
@@ -93,6 +96,23 @@ class ClickHouseReader:
                 result = client.query(final, parameters=params, **kw)
                 # Columns, then zip: clickhouse-connect's row view is far slower.
                 return list(zip(*result.result_columns, strict=True))
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise store_error(f"reading {self._config.url}", exc) from exc
+
+    def _query_arrow(self, layout: Layout, sql: str, params: dict[str, Any]) -> pa.Table | None:
+        """``sql``'s result as an Arrow table, or None when the table does not exist."""
+        with self.session():
+            client = self._client
+            assert client is not None
+            try:
+                if layout.name not in self._present:
+                    self._present[layout.name] = self._tables.check(client, layout)
+                if not self._present[layout.name]:
+                    return None
+                final = sql.replace("{t}", self._tables.qualified(layout))
+                return client.query_arrow(final, parameters=params)
             except StoreError:
                 raise
             except Exception as exc:
@@ -227,13 +247,14 @@ class ClickHouseReader:
             for m, r, a, ln, sr, s, e, d, shp, p, q in rows
         ]
 
-    def records_within(self, run_id: str, request_id: str, *,
+    def batches_within(self, run_id: str, request_id: str, *,
                        captures: Sequence[tuple[str, int]], start: int,
-                       end: int) -> list[CaptureRecord]:
+                       end: int) -> list[RecordBatch]:
         """The records of the ``captures`` overlapping ``[start, end)``, cut to it in the
-        query (``substring`` of the payload): only those rows come back (the engine
-        still reads each whole record to cut it, and each block of the store it needs
-        once for all the captures).
+        query (``substring`` of the payload), as one record batch per ``shard_rank``
+        over the query's own Arrow buffers: only those rows come back (the engine still
+        reads each whole record to cut it, and each block of the store it needs once for
+        all the captures), and no Python object is made per record.
 
         Raises:
             StoreError: a stored record whose payload or shape does not fit its rows.
@@ -241,34 +262,22 @@ class ClickHouseReader:
         if end <= start or not captures:
             return []
         sql = (
-            "SELECT model_id, request_id, act_name, layer_no, shard_rank, "
+            "SELECT " + BATCH_COLUMNS + " FROM (SELECT *, "
             "greatest(start_token_idx, {start:Int64}) AS s, "
-            "least(end_token_idx, {end:Int64}) AS e, dtype, "
-            "arrayConcat([e - s], arraySlice(shape, 2)) AS cut_shape, "
+            "least(end_token_idx, {end:Int64}) AS e, "
             "substring(bytes, 1 + (s - start_token_idx) * intDiv(length(bytes), "
             "end_token_idx - start_token_idx), (e - s) * intDiv(length(bytes), "
-            "end_token_idx - start_token_idx)) AS cut, seq, length(bytes), "
-            "start_token_idx, end_token_idx, shape[1] FROM {t} "
+            "end_token_idx - start_token_idx)) AS cut FROM {t} "
             "WHERE model_id = {run:String} AND request_id = {req:String} "
             "AND (act_name, layer_no) IN {caps:Array(Tuple(String, Int32))} "
             "AND end_token_idx > {start:Int64} AND start_token_idx < {end:Int64} "
-            "AND end_token_idx > start_token_idx ORDER BY act_name, layer_no, s, seq"
+            "AND end_token_idx > start_token_idx) "
+            "ORDER BY shard_rank, act_name, layer_no, s, seq"
         )
         params = {"run": run_id, "req": request_id,
                   "caps": [(str(a), int(n)) for a, n in captures], "start": start, "end": end}
-        rows = self._query(self._tables.offload, sql, params, column_formats={"cut": "bytes"})
-        out = []
-        for m, r, a, ln, sr, st, e, d, shp, p, q, total, lo, hi, first in rows:
-            stored_rows = int(hi) - int(lo)
-            if int(first) != stored_rows or int(total) % stored_rows:
-                msg = (f"{a} layer {ln} [{lo}, {hi}) of request {r!r}: {total} payload bytes "
-                       f"and shape[0] {first} do not fit its {stored_rows} rows")
-                raise StoreError(msg)
-            out.append(CaptureRecord(
-                model_id=m, request_id=r, act_name=a, layer_no=int(ln), shard_rank=int(sr),
-                start_token_idx=int(st), end_token_idx=int(e), dtype=d,
-                shape=tuple(int(x) for x in shp), payload=bytes(p), seq=int(q)))
-        return out
+        table = self._query_arrow(self._tables.offload, sql, params)
+        return [] if table is None else batches_from_arrow(table, run_id, request_id)
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int, int]]:
         """Distinct ``(act_name, layer_no, shard_rank, start, end)`` of a request's stored

@@ -7,12 +7,13 @@ Each request is JSON naming one read-only ``RecordReader`` method and its argume
 (strings, integers, null): nothing in a request is ever unpickled. The thread calls the
 method on a reader of its own (several clients of one process may hold the embedded store
 at once) and answers the result pickled, or the error's kind and message; records go as
-their fields pickled plus one frame per payload, sent and received without a copy.
-Queries run off the scheduler's thread and release the GIL; the Python side of an answer
-(converting the rows the query returns) still takes the owner's GIL: reads are bounded
-pieces, see ``app.export``.
+their fields pickled plus one frame per payload, and an export's record batches
+(``batches_within``) as their headers pickled plus one frame per column and payload, all
+sent and received without a copy. Queries run off the scheduler's thread and release the
+GIL; the Python side of an answer still takes the owner's GIL, which is why an export
+reads record batches (no Python object per record) in bounded pieces (``app.export``).
 
-:class:`RemoteReader` is the ``RecordReader`` of the other process: one short-lived REQ
+:class:`RemoteReader` is the ``RecordBatchReader`` of the other process: one short-lived REQ
 socket per call (thread-safe, and a lost answer cannot be taken for the next one's),
 bounded by :data:`READ_TIMEOUT_S`; a missing owner fails within a second. It unpickles the owner's
 answers: the owner is a process of the same server, and only ``ipc://`` addresses in a
@@ -32,7 +33,13 @@ from typing import Any
 
 import structlog
 
-from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary, RowLayout
+from dmi_sglang.adapters.owner._frames import (
+    FRAMES_PER_BATCH,
+    batch_from_frames,
+    batch_to_frames,
+)
+from dmi_sglang.columns import RecordBatch, RecordBatchReader
+from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
 
@@ -44,10 +51,13 @@ READ_TIMEOUT_S = 30.0
 """Longest a remote read waits for the owner's answer."""
 
 _METHODS = frozenset({"runs", "run", "requests", "manifest", "manifests", "records",
-                      "records_within", "ranges", "row_layouts", "hook_totals"})
+                      "batches_within", "ranges", "row_layouts", "hook_totals"})
 """The reader methods the service answers (reads only: no delete)."""
-_RECORD_METHODS = frozenset({"records", "records_within"})
+_RECORD_METHODS = frozenset({"records"})
 """The methods whose answers are records: fields pickled, payloads as frames of their own."""
+_BATCH_METHODS = frozenset({"batches_within"})
+"""The methods whose answers are record batches: headers pickled, columns and payloads as
+frames of their own."""
 _SEND_TIMEOUT_MS = 1000
 _ABSENT = object()
 
@@ -85,7 +95,7 @@ class ReadService:
             (another owner holds it).
     """
 
-    def __init__(self, reader: RecordReader, address: str) -> None:
+    def __init__(self, reader: RecordBatchReader, address: str) -> None:
         import zmq
 
         check_address(address)
@@ -157,6 +167,11 @@ class ReadService:
                           for r in result]
                 return [pickle.dumps(("records", fields), protocol=pickle.HIGHEST_PROTOCOL),
                         *(r.payload for r in result)]
+            if method in _BATCH_METHODS:
+                sent = [batch_to_frames(b) for b in result]
+                return [pickle.dumps(("batches", [h for h, _ in sent]),
+                                     protocol=pickle.HIGHEST_PROTOCOL),
+                        *(f for _, frames in sent for f in frames)]
             return [pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)]
         except Exception as exc:
             kind = "store" if isinstance(exc, StoreError) else type(exc).__name__
@@ -178,7 +193,7 @@ def _parse(request: bytes) -> tuple[str, list[Any], dict[str, Any]]:
     refused = f"the store owner does not answer {str(method)[:64]!r} with these arguments"
     if method not in _METHODS or not isinstance(args, list) or not isinstance(kwargs, dict):
         raise StoreError(refused)
-    captures = kwargs.pop("captures", _ABSENT) if method == "records_within" else _ABSENT
+    captures = kwargs.pop("captures", _ABSENT) if method == "batches_within" else _ABSENT
     if (not all(_plain(v) for v in (*args, *kwargs.values()))
             or (captures is not _ABSENT and not _captures(captures))):
         raise StoreError(refused)
@@ -193,7 +208,7 @@ def _plain(value: object) -> bool:
 
 def _captures(value: object) -> bool:
     """``[[act_name, layer_no], ...]`` with 32-bit layers (the store's column): the one
-    structured argument (``records_within``'s)."""
+    structured argument (``batches_within``'s)."""
     return isinstance(value, list) and all(
         isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
         and isinstance(c[1], int) and not isinstance(c[1], bool)
@@ -201,7 +216,7 @@ def _captures(value: object) -> bool:
 
 
 class RemoteReader:
-    """A :class:`~dmi_sglang.domain.ports.RecordReader` that reads through the store
+    """A :class:`~dmi_sglang.columns.RecordBatchReader` that reads through the store
     owner's :class:`ReadService` at ``address``."""
 
     def __init__(self, address: str, *, timeout_s: float = READ_TIMEOUT_S) -> None:
@@ -253,6 +268,18 @@ class RemoteReader:
                 msg = (f"the store's owner answered {method} with records that do not fit "
                        f"their {len(frames) - 1} payloads: {exc}")
                 raise StoreError(msg) from exc
+        if answer[0] == "batches":
+            headers, body = answer[1], frames[1:]
+            try:
+                if len(body) != len(headers) * FRAMES_PER_BATCH:
+                    msg = f"{len(body)} frames for {len(headers)} batches"
+                    raise ValueError(msg)
+                return [batch_from_frames(h, body[i * FRAMES_PER_BATCH :
+                                                  (i + 1) * FRAMES_PER_BATCH])
+                        for i, h in enumerate(headers)]
+            except ValueError as exc:
+                msg = f"the store's owner answered {method} with batches that do not fit: {exc}"
+                raise StoreError(msg) from exc
         _, kind, message = answer
         if kind == "store":
             raise StoreError(message)
@@ -287,12 +314,13 @@ class RemoteReader:
             "records", run_id, request_id, act_name=act_name, layer_no=layer_no,
             start=start, end=end)
 
-    def records_within(self, run_id: str, request_id: str, *,
+    def batches_within(self, run_id: str, request_id: str, *,
                        captures: Sequence[tuple[str, int]], start: int,
-                       end: int) -> Sequence[CaptureRecord]:
-        """The records of the ``captures`` overlapping ``[start, end)``, cut to it."""
+                       end: int) -> Sequence[RecordBatch]:
+        """The records of the ``captures`` overlapping ``[start, end)``, cut to it, as
+        record batches over the received frames (read-only, no copy)."""
         return self._call(  # type: ignore[no-any-return]
-            "records_within", run_id, request_id,
+            "batches_within", run_id, request_id,
             captures=[[act, layer] for act, layer in captures], start=start, end=end)
 
     def ranges(self, run_id: str,

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import structlog
 
+from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
 from dmi_sglang.adapters.owner._reads import check_address
-from dmi_sglang.columns import CaptureKey, RecordBatch, RecordSink
+from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
@@ -41,9 +41,6 @@ WRITE_TIMEOUT_S = 300.0
 """Longest a remote sink call waits for the owner (a ``put`` waits while the owner's
 queue is full; a ``finish_run`` syncs the run's files)."""
 
-_COLUMNS = ("request", "capture", "start", "end", "seq", "offsets")
-_DTYPES = {"request": np.int32, "capture": np.int32, "start": np.int32, "end": np.int32,
-           "seq": np.int64, "offsets": np.int64}
 _SEND_TIMEOUT_MS = 1000
 
 
@@ -69,21 +66,6 @@ def _manifest(fields: Any) -> RequestManifest:
         computed_from=int(fields["computed_from"]),
         overlap_extra_forward=bool(fields["overlap_extra_forward"]),
         committed=bool(fields["committed"]))
-
-
-def _batch(header: Any, frames: Sequence[Any]) -> RecordBatch:
-    """A batch from its header and its column and payload frames (views, no copy)."""
-    if len(frames) != len(_COLUMNS) + 1:
-        msg = f"a batch has {len(_COLUMNS) + 1} frames after its header, got {len(frames)}"
-        raise ValueError(msg)
-    columns = {name: np.frombuffer(frame.buffer, dtype=_DTYPES[name])
-               for name, frame in zip(_COLUMNS, frames, strict=False)}
-    return RecordBatch(
-        str(header["run_id"]), tuple(str(r) for r in header["request_ids"]),
-        tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
-              for a, n, d, dims in header["captures"]),
-        payload=np.frombuffer(frames[-1].buffer, dtype=np.uint8),
-        shard_rank=int(header["shard_rank"]), **columns)
 
 
 class SinkService:
@@ -148,7 +130,7 @@ class SinkService:
             header = json.loads(frames[0].bytes)
             method = header["method"]
             if method == "put":
-                self._sink.put(_batch(header, frames[1:]))
+                self._sink.put(batch_from_frames(header, frames[1:]))
             elif method == "start_run":
                 self._sink.start_run(_run(header["run"]))
             elif method == "commit_requests":
@@ -187,12 +169,8 @@ class RemoteSink:
     def put(self, batch: RecordBatch) -> None:
         """Hand the batch to the owner's sink; returns once it took it (blocks while the
         owner's queue is full). The batch's memory is free again on return."""
-        header = {"method": "put", "run_id": batch.run_id,
-                  "request_ids": list(batch.request_ids),
-                  "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
-                               for c in batch.captures],
-                  "shard_rank": batch.shard_rank}
-        self._call(header, [getattr(batch, name) for name in _COLUMNS] + [batch.payload])
+        header, frames = batch_to_frames(batch)
+        self._call({"method": "put", **header}, frames)
 
     def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink commits these manifests after what was put before."""
