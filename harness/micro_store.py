@@ -26,9 +26,12 @@
   default pieces (whole tensors together while they fit: one query) and with one tensor
   a piece (one query per tensor): ms, CPU seconds of the process per GB exported, and of
   the exporting thread alone (the engine runs part of each query on it); then the
-  default export again beside a busy pure-Python thread (a serving scheduler's stand-in
-  in the process that owns the store): the seconds of that thread's work it took per GB
-  exported (``busy thread s/GB``); files equal to what was written.
+  default export as a server makes it: read through the owner's read channel (answered
+  on a thread of this process) by a client process, beside a busy pure-Python thread of
+  this process (a serving scheduler's stand-in): the seconds of that thread's work each
+  export took per GB (``owner's busy thread s/GB``, its rate re-measured alone before
+  each; on a machine with few cores the store engine's threads take CPU from it too, so
+  it counts CPU as well as the GIL); files equal to what was written.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
 """
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from importlib.metadata import version
 from pathlib import Path
 
@@ -210,6 +216,53 @@ def _exported(reads: exporting.StoreReads, request_id: str) -> bytes:
     return b"".join(reads.safetensors("bench", request_id)[1])
 
 
+def _remote_export(address: str, request_id: str) -> str:
+    """In a process of its own (a server's main process): one request's file exported
+    through the store owner's read channel at ``address``; its SHA-256."""
+    from dmi_sglang.adapters.owner import RemoteReader
+
+    remote = RemoteReader(address, timeout_s=120)
+    return hashlib.sha256(_exported(exporting.StoreReads(lambda: remote), request_id)
+                          ).hexdigest()
+
+
+def _collect(submit: Callable[[], Future[str]], into: list[str]) -> None:
+    """Submit, wait for the answer, keep it."""
+    into.append(submit().result())
+
+
+def _beside_busy_thread(reader: ClickHouseReader, requests: int, repeat: int,
+                        files: dict[str, bytes]) -> tuple[list[tuple[float, float]], bool]:
+    """Exports through the owner's read channel (answered on a thread of this process,
+    the owner's, as a serving scheduler answers them) to a client process, beside a busy
+    Python thread of this process: per export, its wall seconds and the seconds of the
+    busy thread's work it took (re-measured alone before each); whether every file the
+    client got equals ``files``' (by request id)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from dmi_sglang.adapters.owner import ReadService
+
+    directory = tempfile.mkdtemp(prefix="dmi-bench-reads-")  # mode 0700: the owner's rule
+    service = ReadService(reader, f"ipc://{directory}/reads")
+    out: list[tuple[float, float]] = []
+    same = True
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client, \
+                SpinProbe() as spin:
+            client.submit(_remote_export, service.address, "req-0000").result()  # imports
+            for rep in range(repeat):
+                rid = f"req-{(2 * rep) % requests:04d}"
+                alone = spin.rate(0.3)
+                pending = functools.partial(client.submit, _remote_export, service.address, rid)
+                got: list[str] = []
+                out.append(spin.taken_s(functools.partial(_collect, pending, got), alone))
+                same = same and got == [hashlib.sha256(files[rid]).hexdigest()]
+    finally:
+        service.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return out, same
+
+
 def export_cost(root: Path, requests: int, steps: int, repeat: int,
                 rows_per_insert: int = EXPORT_ROWS) -> Json:
     """Fill a store as a capturing server does (see the module), then time the export of
@@ -242,7 +295,7 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int,
                  "per_tensor": exporting.StoreReads(lambda: reader, piece_bytes=tensor_bytes)}
         timed: dict[str, list[tuple[float, float, float]]] = {"pieces": [], "per_tensor": []}
         equal, nbytes = True, 0
-        beside: list[tuple[float, float]] = []
+        files: dict[str, bytes] = {}
         with reader.session():
             for rep in range(repeat):
                 for name, export in reads.items():
@@ -253,23 +306,21 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int,
                     blob = b"".join(parts)
                     timed[name].append((time.perf_counter() - started,
                                         time.process_time() - cpu, time.thread_time() - thread))
+                    files[f"req-{r:04d}"] = blob
                     got = load_safetensors(blob)
                     nbytes = sum(t.numel() * 2 for t in got.values())
                     equal = equal and all(torch.equal(got[f"{RESID}.{n}"], rows[r][n])
                                           for n in range(LAYERS))
-            with SpinProbe() as spin:  # the export beside a busy Python thread
-                alone = spin.rate(0.5)
-                for rep in range(repeat):
-                    rid = f"req-{(2 * rep) % requests:04d}"
-                    beside.append(spin.taken_s(functools.partial(_exported, reads["pieces"],
-                                                                 rid), alone))
+            beside, same = _beside_busy_thread(reader, requests, repeat, files)
     finally:
         sink.close()
     out: Json = {"requests": requests, "parts": steps, "rows_per_insert": rows_per_insert,
                  "store_bytes": sum(r.numel() for r in rows) * 2,
-                 "file_bytes": nbytes, "equal": equal}
-    out["beside_busy_thread_ms"] = statistics.median(w for w, _ in beside) * 1e3
-    out["busy_thread_s_per_GB"] = statistics.median(t for _, t in beside) / nbytes * 1e9
+                 "file_bytes": nbytes, "equal": equal and same}
+    taken = [t / nbytes * 1e9 for _, t in beside]
+    out["through_owner_ms"] = statistics.median(w for w, _ in beside) * 1e3
+    out["busy_thread_s_per_GB"] = statistics.median(taken)
+    out["busy_thread_s_per_GB_each"] = taken
     for name, values in timed.items():
         out[f"{name}_ms"] = statistics.median(w for w, _, _ in values) * 1e3
         out[f"{name}_cpu_s_per_GB"] = statistics.median(c for _, c, _ in values) / nbytes * 1e9
@@ -330,7 +381,9 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "MB": cost["file_bytes"] / 1e6, "ms": cost["pieces_ms"],
                   "cpu s/GB": cost["pieces_cpu_s_per_GB"],
                   "thread cpu s/GB": cost["pieces_thread_cpu_s_per_GB"],
-                  "busy thread s/GB": cost["busy_thread_s_per_GB"],
+                  "owner's busy thread s/GB": cost["busy_thread_s_per_GB"],
+                  "spread": max(cost["busy_thread_s_per_GB_each"])
+                  - min(cost["busy_thread_s_per_GB_each"]),
                   "one tensor a query ms": cost["per_tensor_ms"],
                   "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
                   "read": "equal" if cost["equal"] else "DIFFERENT"})

@@ -317,12 +317,12 @@ class SpinProbe(BackgroundThread):
 
     def taken_s(self, work: Callable[[], object], alone_rate: float) -> tuple[float, float]:
         """Run ``work``; its wall seconds, and the seconds of this thread's work it took
-        (wall x the fraction of the rate it lost)."""
+        (wall x the fraction of the rate it lost; below 0 when it ran faster: noise)."""
         before, started = self.slices, time.perf_counter()
         work()
         wall = time.perf_counter() - started
         rate = (self.slices - before) / wall if wall > 0 else alone_rate
-        return wall, wall * max(0.0, 1.0 - rate / alone_rate) if alone_rate > 0 else 0.0
+        return wall, wall * (1.0 - rate / alone_rate) if alone_rate > 0 else 0.0
 
 
 def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:

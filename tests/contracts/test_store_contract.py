@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.columns import RecordSink
+from dmi_sglang.columns import RecordBatchReader, RecordSink
 from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
@@ -48,6 +48,7 @@ def test_a_sink_takes_a_whole_run_lifecycle(sink: RecordSink) -> None:
 # -- store backends: what was put reads back ----------------------------------------------
 def test_a_reader_conforms_to_the_port(backend: Backend) -> None:
     assert isinstance(backend.reader(), RecordReader)
+    assert isinstance(backend.reader(), RecordBatchReader)
 
 
 def test_runs_read_back_newest_first_in_their_latest_state(backend: Backend) -> None:

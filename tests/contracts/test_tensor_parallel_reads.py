@@ -85,3 +85,15 @@ def test_a_part_the_plan_does_not_store_is_a_damaged_store(backend: Backend) -> 
         reads.safetensors(RUN, "r")  # refused before any byte is sent
     with pytest.raises(StoreError, match="shard_rank 1, but the run stores 1 part"):
         CaptureHandle(RUN, "r", backend.reader, partial=True).get("resid_pre", 0)
+
+
+def test_batches_within_answer_one_batch_per_part_in_shard_order(backend: Backend) -> None:
+    write(backend.sink)
+    batches = backend.reader().batches_within(
+        RUN, "r", captures=[(hook_by_name(n).act_name, 0) for n in ("q", "resid_pre")],
+        start=0, end=PROMPT + 1)
+    assert [b.shard_rank for b in batches] == [0, 1]
+    assert all(r.shard_rank == b.shard_rank for b in batches for r in b.records())
+    acts = [[r.act_name for r in b.records()] for b in batches]
+    assert acts == [["blocks.attn.hook_q"] * 2 + ["blocks.hook_resid_pre"] * 2,
+                    ["blocks.attn.hook_q"] * 2]

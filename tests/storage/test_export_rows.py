@@ -56,10 +56,12 @@ def test_the_export_is_the_latest_copy_of_each_position(
     positions, bounds, spans, piece = case
     config, run = shared_store, f"run-{next(_RUNS)}"
     want = torch.arange(positions * 2, dtype=torch.float32).reshape(positions, 2)
+    plain = want + 0.5  # layer 1: the same forwards, no retraction (one piece holds both)
     sink = ClickHouseSink(config)
     try:
-        sink.start_run(run_info(run, [(RESID, 0)]))
-        records = records_of(run, "r", RESID, 0, want, bounds)
+        sink.start_run(run_info(run, [(RESID, 0), (RESID, 1)]))
+        records = records_of(run, "r", RESID, 1, plain, bounds)
+        records += records_of(run, "r", RESID, 0, want, bounds)
         seq = len(records) + 1
         for lo, hi in spans:  # a retraction: the span forwarded again, later, new values
             fresh = torch.randn(hi - lo, 2)
@@ -76,6 +78,7 @@ def test_the_export_is_the_latest_copy_of_each_position(
     got = tensors[export.tensor_name(RESID, 0)]
     assert torch.equal(got, want)
     assert torch.equal(got, handle(config, run, "r").get(RESID, 0))
+    assert torch.equal(tensors[export.tensor_name(RESID, 1)], plain)
 
 
 def test_rows_in_one_run_of_records_are_one_slice_of_the_answer(

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.adapters.owner import RemoteSink, SinkService
 from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.columns import RecordBatch
-from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 from tests.contracts._tp_data import RUN, RUN_INFO, finish, rank_one, stored, whole_tensors
@@ -53,7 +54,7 @@ def test_two_processes_write_one_tp_run_into_the_owners_store(private: Path,
     assert handle.missing == ()
     for name, whole in whole_tensors().items():
         assert torch.equal(handle.get(name, 0), whole), name
-    assert service.calls == 2 + 1  # rank 1's puts (one per forward) and its flush
+    assert service.answered == 2 + 1  # rank 1's puts (one per forward) and its flush
 
 
 class _Held:
@@ -119,23 +120,56 @@ def test_a_put_waits_while_the_owners_sink_does(held: tuple[_Held, SinkService])
         assert getattr(got, name).tolist() == getattr(batch, name).tolist()
 
 
-def test_the_owners_sink_failure_reaches_the_caller(held: tuple[_Held, SinkService]) -> None:
+def test_the_owners_sink_failure_is_the_callers_sticky_failure(
+        held: tuple[_Held, SinkService]) -> None:
     sink, service = held
     sink.release.set()
     remote = RemoteSink(service.address, timeout_s=30)
-    sink.failure = StoreError("the disk is full (sticky)")
-    with pytest.raises(StoreError, match=r"^the disk is full \(sticky\)$"):
+    sink.failure = StoreError("the disk is full")
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
         remote.put(one_batch())
-    with pytest.raises(StoreError, match="the disk is full"):
+    sink.failure = None  # sticky on the caller's side too, as a local sink's failure is
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
         remote.flush()
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
+        remote.close()
+    other = RemoteSink(service.address, timeout_s=30)
     sink.failure = ValueError("odd")
     with pytest.raises(StoreError, match="failed flush: ValueError: odd"):
-        remote.flush()
+        other.flush()
+
+
+def test_a_closed_remote_sink_takes_nothing(held: tuple[_Held, SinkService]) -> None:
+    sink, service = held
+    sink.release.set()
+    remote = RemoteSink(service.address, timeout_s=30)
+    remote.put(one_batch())
+    remote.close()
+    with pytest.raises(StoreError, match="is closed"):
+        remote.put(one_batch())
+    assert len(sink.batches) == 1
+
+
+def test_runs_and_manifests_cross_whole(held: tuple[_Held, SinkService]) -> None:
+    sink, service = held
+    seen: list[object] = []
+    sink.start_run = seen.append  # type: ignore[method-assign]
+    sink.finish_run = lambda run, manifests: seen.extend([run, *manifests])  # type: ignore[method-assign]
+    sink.commit_requests = seen.extend  # type: ignore[method-assign]
+    remote = RemoteSink(service.address, timeout_s=30)
+    run = attrs.evolve(RUN_INFO, owner="host:1", error="e", status=RunStatus.FAILED,
+                       stopped_at="later")
+    manifests = [RequestManifest(RUN, "r", 3, 2, computed_from=1,
+                                 overlap_extra_forward=True, committed=True)]
+    remote.start_run(RUN_INFO)
+    remote.commit_requests(manifests)
+    remote.finish_run(run, manifests)
+    assert seen == [RUN_INFO, *manifests, run, *manifests]
 
 
 def test_an_owner_that_does_not_answer_fails_the_caller_for_good(
         held: tuple[_Held, SinkService]) -> None:
-    _, service = held
+    sink, service = held
     remote = RemoteSink(service.address, timeout_s=0.3)
     t0 = time.monotonic()
     with pytest.raises(StoreError, match=r"did not take put within 0.3 s"):
@@ -145,6 +179,8 @@ def test_an_owner_that_does_not_answer_fails_the_caller_for_good(
         remote.flush()
     with pytest.raises(StoreError, match="did not take put"):
         remote.close()
+    sink.release.set()  # the owner answers the lost call to nobody, then takes the next
+    RemoteSink(service.address, timeout_s=30).flush()
 
 
 def test_no_owner_at_the_address_fails_at_once(private: Path) -> None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from dmi_sglang.adapters.clickhouse._batches import BATCH_COLUMNS, batches_from_arrow
+from dmi_sglang.adapters.clickhouse._batches import (
+    ARROW_SETTINGS,
+    BATCHES_SQL,
+    batches_from_arrow,
+)
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
     close_quietly,
@@ -84,25 +88,20 @@ class ClickHouseReader:
 
     def _query(self, layout: Layout, sql: str, params: dict[str, Any], **kw: Any) -> list[Any]:
         """Rows of ``sql`` ({t} = the table), or [] when the table does not exist."""
-        with self.session():
-            client = self._client
-            assert client is not None
-            try:
-                if layout.name not in self._present:
-                    self._present[layout.name] = self._tables.check(client, layout)
-                if not self._present[layout.name]:
-                    return []
-                final = sql.replace("{t}", self._tables.qualified(layout))
-                result = client.query(final, parameters=params, **kw)
-                # Columns, then zip: clickhouse-connect's row view is far slower.
-                return list(zip(*result.result_columns, strict=True))
-            except StoreError:
-                raise
-            except Exception as exc:
-                raise store_error(f"reading {self._config.url}", exc) from exc
+        result = self._on_table(layout, sql,
+                                lambda client, q: client.query(q, parameters=params, **kw))
+        # Columns, then zip: clickhouse-connect's row view is far slower.
+        return [] if result is None else list(zip(*result.result_columns, strict=True))
 
     def _query_arrow(self, layout: Layout, sql: str, params: dict[str, Any]) -> pa.Table | None:
         """``sql``'s result as an Arrow table, or None when the table does not exist."""
+        return self._on_table(layout, sql, lambda client, q: client.query_arrow(
+            q, parameters=params, settings=ARROW_SETTINGS))
+
+    def _on_table(self, layout: Layout, sql: str,
+                  run: Callable[[Client, str], Any]) -> Any:
+        """``run(client, sql)`` with {t} = the table, or None when the table does not
+        exist; failures as :class:`StoreError`."""
         with self.session():
             client = self._client
             assert client is not None
@@ -111,8 +110,7 @@ class ClickHouseReader:
                     self._present[layout.name] = self._tables.check(client, layout)
                 if not self._present[layout.name]:
                     return None
-                final = sql.replace("{t}", self._tables.qualified(layout))
-                return client.query_arrow(final, parameters=params)
+                return run(client, sql.replace("{t}", self._tables.qualified(layout)))
             except StoreError:
                 raise
             except Exception as exc:
@@ -261,22 +259,9 @@ class ClickHouseReader:
         """
         if end <= start or not captures:
             return []
-        sql = (
-            "SELECT " + BATCH_COLUMNS + " FROM (SELECT *, "
-            "greatest(start_token_idx, {start:Int64}) AS s, "
-            "least(end_token_idx, {end:Int64}) AS e, "
-            "substring(bytes, 1 + (s - start_token_idx) * intDiv(length(bytes), "
-            "end_token_idx - start_token_idx), (e - s) * intDiv(length(bytes), "
-            "end_token_idx - start_token_idx)) AS cut FROM {t} "
-            "WHERE model_id = {run:String} AND request_id = {req:String} "
-            "AND (act_name, layer_no) IN {caps:Array(Tuple(String, Int32))} "
-            "AND end_token_idx > {start:Int64} AND start_token_idx < {end:Int64} "
-            "AND end_token_idx > start_token_idx) "
-            "ORDER BY shard_rank, act_name, layer_no, s, seq"
-        )
         params = {"run": run_id, "req": request_id,
                   "caps": [(str(a), int(n)) for a, n in captures], "start": start, "end": end}
-        table = self._query_arrow(self._tables.offload, sql, params)
+        table = self._query_arrow(self._tables.offload, BATCHES_SQL, params)
         return [] if table is None else batches_from_arrow(table, run_id, request_id)
 
     def ranges(self, run_id: str, request_id: str) -> list[tuple[str, int, int, int, int]]:

@@ -9,12 +9,8 @@ ranks of a tensor-parallel run) write one run; :class:`RemoteSink` is their sink
 :mod:`._writes`).
 """
 
-from dmi_sglang.adapters.owner._reads import (
-    READ_TIMEOUT_S,
-    ReadService,
-    RemoteReader,
-    check_address,
-)
+from dmi_sglang.adapters.owner._reads import READ_TIMEOUT_S, ReadService, RemoteReader
+from dmi_sglang.adapters.owner._service import check_address
 from dmi_sglang.adapters.owner._writes import WRITE_TIMEOUT_S, RemoteSink, SinkService
 
 __all__ = ["READ_TIMEOUT_S", "WRITE_TIMEOUT_S", "ReadService", "RemoteReader", "RemoteSink",

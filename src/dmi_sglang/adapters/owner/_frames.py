@@ -21,13 +21,18 @@ FRAMES_PER_BATCH = len(_COLUMNS) + 1
 
 
 def batch_to_frames(batch: RecordBatch) -> tuple[dict[str, Any], list[Any]]:
-    """The batch's header (plain values) and its :data:`FRAMES_PER_BATCH` frames (the
-    batch's own arrays: no copy)."""
+    """The batch's header (plain values) and its :data:`FRAMES_PER_BATCH` frames: its
+    columns, and the part of its payload its records use (a view: a batch over a larger
+    buffer, one shard's of a read answer, sends only its own bytes), offsets rebased to
+    it."""
     header = {"run_id": batch.run_id, "request_ids": list(batch.request_ids),
               "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
                            for c in batch.captures],
               "shard_rank": batch.shard_rank}
-    return header, [getattr(batch, name) for name in _COLUMNS] + [batch.payload]
+    first, last = int(batch.offsets[0]), int(batch.offsets[-1])
+    columns = [batch.offsets - first if name == "offsets" else getattr(batch, name)
+               for name in _COLUMNS]
+    return header, [*columns, batch.payload[first:last]]
 
 
 def _readonly(frame: Any) -> memoryview:

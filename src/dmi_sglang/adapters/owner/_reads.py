@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
-import stat
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,12 +35,13 @@ from dmi_sglang.adapters.owner._frames import (
     batch_from_frames,
     batch_to_frames,
 )
+from dmi_sglang.adapters.owner._service import SocketService, check_address
 from dmi_sglang.columns import RecordBatch, RecordBatchReader
 from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
 
-__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader", "check_address"]
+__all__ = ["READ_TIMEOUT_S", "ReadService", "RemoteReader"]
 
 log = structlog.get_logger(__name__)
 
@@ -62,32 +60,7 @@ _SEND_TIMEOUT_MS = 1000
 _ABSENT = object()
 
 
-def check_address(address: str) -> str:
-    """``address`` itself when it is an ``ipc://`` path whose directory belongs to this
-    user and admits no one else.
-
-    Raises:
-        StoreError: any other address (named, with what is accepted).
-    """
-    path = address.removeprefix("ipc://")
-    directory = os.path.dirname(path)
-    if not address.startswith("ipc://") or not os.path.isabs(path):
-        msg = (f"store reads are served only at ipc:///absolute/path addresses, got "
-               f"{address!r}")
-        raise StoreError(msg)
-    try:
-        st = os.lstat(directory)
-    except OSError as exc:
-        msg = f"the directory of the read address {address!r} is missing: {exc}"
-        raise StoreError(msg) from exc
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        msg = (f"the directory of the read address {address!r} must belong to this user "
-               f"and admit no one else (mode {oct(st.st_mode & 0o777)})")
-        raise StoreError(msg)
-    return address
-
-
-class ReadService:
+class ReadService(SocketService):
     """Answers reads of ``reader`` at ``address`` on a daemon thread.
 
     Raises:
@@ -96,69 +69,13 @@ class ReadService:
     """
 
     def __init__(self, reader: RecordBatchReader, address: str) -> None:
-        import zmq
-
-        check_address(address)
-        if os.path.lexists(address.removeprefix("ipc://")):  # a bind would take it over
-            msg = f"cannot answer store reads at {address}: another owner holds it"
-            raise StoreError(msg)
         self._reader = reader
-        self.address = address
-        try:
-            self._socket: Any = self._bound(zmq)
-        except zmq.ZMQError as exc:
-            msg = f"cannot answer store reads at {address}: {exc}"
-            raise StoreError(msg) from exc
-        self._closed = threading.Event()
-        self.answered = 0
-        self._thread = threading.Thread(target=self._serve, name="dmi-store-reads",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__(address, "dmi-store-reads")
         log.info("dmi.reads_served", address=address)
 
-    def close(self) -> None:
-        """Stop answering (the thread ends within its poll interval)."""
-        self._closed.set()
-        self._thread.join(5)
-
-    def _serve(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+    def _answer(self, frames: list[Any]) -> list[Any]:
         try:
-            while not self._closed.is_set():
-                try:
-                    if not poller.poll(200):
-                        continue
-                    request = self._socket.recv()
-                    self._socket.send_multipart(self._answer(request), copy=False)
-                    self.answered += 1
-                except Exception as exc:  # one exchange lost; the channel goes on
-                    log.error("dmi.read_exchange_failed", error=repr(exc))
-                    # a REP socket left between its receive and a whole answer takes
-                    # no other request: a fresh one at the same address
-                    poller.unregister(self._socket)
-                    self._socket.close()
-                    self._socket = self._bound(zmq)
-                    poller.register(self._socket, zmq.POLLIN)
-        finally:
-            self._socket.close()
-
-    def _bound(self, zmq: Any) -> Any:
-        """A REP socket bound at the service's address (closed again if the bind fails)."""
-        socket = zmq.Context.instance().socket(zmq.REP)
-        socket.setsockopt(zmq.LINGER, 0)
-        try:
-            socket.bind(self.address)
-        except zmq.ZMQError:
-            socket.close()
-            raise
-        return socket
-
-    def _answer(self, request: bytes) -> list[bytes | memoryview]:
-        try:
-            method, args, kwargs = _parse(request)
+            method, args, kwargs = _parse(frames[0].bytes)
             with self._reader.session():
                 result = getattr(self._reader, method)(*args, **kwargs)
             if method in _RECORD_METHODS:

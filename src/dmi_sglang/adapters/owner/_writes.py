@@ -4,22 +4,29 @@ admits one process at a time.
 
 The owner runs a :class:`SinkService` over the ``RecordSink`` it holds: a daemon thread
 with a REP socket bound at an ``ipc://`` address in a directory only its user can enter
-(:func:`~dmi_sglang.adapters.owner.check_address`). :class:`RemoteSink` is the
-``RecordSink`` of another process: each call is one exchange, answered once the owner's
-sink returned, so the sink's backpressure (``put`` blocks while its queue is full) and its
-sticky failures reach the caller as they are. Nothing a client sends is unpickled: a
-request is a JSON header (the method; runs and manifests as their fields; a batch's run,
-request ids and capture keys) plus, for ``put``, one frame per column and the payload,
-received without a copy and kept alive by the batch the owner's sink stores.
+(:func:`~dmi_sglang.adapters.owner.check_address`), taking one call at a time.
+:class:`RemoteSink` is the ``RecordSink`` of another process: each call is one exchange,
+answered once the owner's sink returned, so the sink's backpressure (``put`` blocks while
+its queue is full) reaches the caller, and a failure the owner's sink reports is the
+remote sink's sticky failure too (every later call and ``close`` raise it). Nothing a
+client sends is unpickled: a request is a JSON header (the method; runs and manifests as
+their fields; a batch's run, request ids and capture keys) plus, for ``put``, one frame
+per column and the payload, received without a copy and kept alive by the batch the
+owner's sink stores.
 
-``close`` ends the caller's use only: the owner's sink stays open for the other processes
-and its owner closes it.
+Where it differs from a local sink: every call waits for its exchange, behind the calls
+ahead of it (of this process, and of the owner's other writers), so ``commit_requests``
+can wait while another writer's ``put`` is held by backpressure; a call the owner does not
+answer within :data:`WRITE_TIMEOUT_S` fails the remote sink for good (the owner may still
+store what it was given: the run is failed either way, so none of it reads as complete).
+``close`` ends this process's use only: the owner's sink stays open and its owner closes
+it. With several writers (the ranks of a tensor-parallel run) one of them starts and
+finishes the run and commits requests; the others put and flush only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +35,7 @@ import attrs
 import structlog
 
 from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
-from dmi_sglang.adapters.owner._reads import check_address
+from dmi_sglang.adapters.owner._service import SocketService, check_address
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
@@ -49,83 +56,37 @@ def _run_fields(run: RunInfo) -> dict[str, Any]:
 
 
 def _run(fields: Any) -> RunInfo:
-    return RunInfo(
-        run_id=str(fields["run_id"]), model_path=str(fields["model_path"]),
-        settings=tuple((str(k), str(v)) for k, v in fields["settings"]),
-        captures=tuple((str(a), int(n)) for a, n in fields["captures"]),
-        started_at=str(fields["started_at"]), stopped_at=str(fields["stopped_at"]),
-        status=RunStatus(fields["status"]), error=str(fields["error"]),
-        owner=str(fields["owner"]))
+    """A run from :func:`_run_fields`' JSON (every field of ``RunInfo`` travels)."""
+    values = dict(fields)
+    values["settings"] = tuple((str(k), str(v)) for k, v in values["settings"])
+    values["captures"] = tuple((str(a), int(n)) for a, n in values["captures"])
+    values["status"] = RunStatus(values["status"])
+    return RunInfo(**values)
 
 
 def _manifest(fields: Any) -> RequestManifest:
-    return RequestManifest(
-        model_id=str(fields["model_id"]), request_id=str(fields["request_id"]),
-        prompt_tokens=int(fields["prompt_tokens"]),
-        completion_tokens=int(fields["completion_tokens"]),
-        computed_from=int(fields["computed_from"]),
-        overlap_extra_forward=bool(fields["overlap_extra_forward"]),
-        committed=bool(fields["committed"]))
+    """A manifest from its fields' JSON."""
+    return RequestManifest(**dict(fields))
 
 
-class SinkService:
+class SinkService(SocketService):
     """Takes other processes' ``RecordSink`` calls for ``sink`` at ``address``, on a
-    daemon thread, one call at a time.
+    daemon thread, one call at a time (:meth:`close` waits for the call in hand, so the
+    owner closes its sink only after it).
 
     Raises:
         StoreError: the address is refused (``check_address``) or cannot be bound.
     """
 
     def __init__(self, sink: RecordSink, address: str) -> None:
-        import zmq
-
-        check_address(address)
-        if os.path.lexists(address.removeprefix("ipc://")):  # a bind would take it over
-            msg = f"cannot take store writes at {address}: another owner holds it"
-            raise StoreError(msg)
         self._sink = sink
-        self.address = address
-        self._socket: Any = zmq.Context.instance().socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(address)
-        except zmq.ZMQError as exc:
-            self._socket.close()
-            msg = f"cannot take store writes at {address}: {exc}"
-            raise StoreError(msg) from exc
-        self._closed = threading.Event()
-        self.calls = 0
-        self._thread = threading.Thread(target=self._serve, name="dmi-store-writes",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__(address, "dmi-store-writes")
         log.info("dmi.writes_taken", address=address)
 
-    def close(self) -> None:
-        """Stop taking calls (the thread ends within its poll interval, or once the call
-        it is in returns)."""
-        self._closed.set()
-        self._thread.join(5)
+    def _answer(self, frames: list[Any]) -> list[Any]:
+        return [self._outcome(frames)]
 
-    def _serve(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        try:
-            while not self._closed.is_set():
-                if not poller.poll(200):
-                    continue
-                frames = self._socket.recv_multipart(copy=False)
-                answer = self._answer(frames)
-                try:
-                    self._socket.send(answer)
-                except zmq.ZMQError as exc:  # the caller went away: its call is lost
-                    log.error("dmi.write_answer_failed", error=repr(exc))
-                self.calls += 1
-        finally:
-            self._socket.close()
-
-    def _answer(self, frames: list[Any]) -> bytes:
+    def _outcome(self, frames: list[Any]) -> bytes:
         try:
             header = json.loads(frames[0].bytes)
             method = header["method"]
@@ -153,7 +114,7 @@ class SinkService:
 class RemoteSink:
     """A :class:`~dmi_sglang.columns.RecordSink` that writes through the store owner's
     :class:`SinkService` at ``address`` (one exchange per call, on one socket; calls of
-    several threads take turns)."""
+    several threads take turns; see the module for where it differs from a local sink)."""
 
     def __init__(self, address: str, *, timeout_s: float = WRITE_TIMEOUT_S) -> None:
         self.address = check_address(address)
@@ -161,6 +122,7 @@ class RemoteSink:
         self._lock = threading.Lock()
         self._socket: Any = None
         self._failure: StoreError | None = None
+        self._closed = False
 
     def start_run(self, run: RunInfo) -> None:
         """The owner's sink records the run's start."""
@@ -187,8 +149,13 @@ class RemoteSink:
                     "manifests": [attrs.asdict(m) for m in manifests]})
 
     def close(self) -> None:
-        """End this process's use of the owner (its sink stays open for the others)."""
+        """End this process's use of the owner (its sink stays open for the others).
+
+        Raises:
+            StoreError: the sticky failure, if a call failed.
+        """
         with self._lock:
+            self._closed = True
             if self._socket is not None:
                 self._socket.close()
                 self._socket = None
@@ -201,6 +168,9 @@ class RemoteSink:
         with self._lock:
             if self._failure is not None:
                 raise self._failure
+            if self._closed:
+                msg = f"the remote sink of {self.address} is closed"
+                raise StoreError(msg)
             try:
                 socket = self._connected(zmq)
                 try:
@@ -221,12 +191,14 @@ class RemoteSink:
             except StoreError as exc:
                 self._failure = exc  # a lost exchange leaves the REQ socket unusable
                 raise
-        if answer[0] == "ok":
-            return
-        if answer[0] == "store":
-            raise StoreError(answer[1])
-        msg = f"the store's owner failed {header['method']}: {answer[0]}: {answer[1]}"
-        raise StoreError(msg)
+            if answer[0] == "ok":
+                return
+            if answer[0] == "store":
+                self._failure = StoreError(answer[1])
+            else:
+                msg = f"the store's owner failed {header['method']}: {answer[0]}: {answer[1]}"
+                self._failure = StoreError(msg)
+            raise self._failure
 
     def _connected(self, zmq: Any) -> Any:
         if self._socket is None:

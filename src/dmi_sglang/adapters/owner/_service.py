@@ -1,0 +1,122 @@
+"""What the store owner's channels share: a private IPC address, and a daemon thread that
+answers one request at a time on a ZeroMQ REP socket bound there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from typing import Any
+
+import structlog
+
+from dmi_sglang.errors import StoreError
+
+__all__ = ["SocketService", "check_address"]
+
+log = structlog.get_logger(__name__)
+
+_POLL_MS = 200
+
+
+def check_address(address: str) -> str:
+    """``address`` itself when it is an ``ipc://`` path whose directory belongs to this
+    user and admits no one else.
+
+    Raises:
+        StoreError: any other address (named, with what is accepted).
+    """
+    path = address.removeprefix("ipc://")
+    directory = os.path.dirname(path)
+    if not address.startswith("ipc://") or not os.path.isabs(path):
+        msg = (f"the store owner's channels are served only at ipc:///absolute/path "
+               f"addresses, got {address!r}")
+        raise StoreError(msg)
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        msg = f"the directory of the store channel address {address!r} is missing: {exc}"
+        raise StoreError(msg) from exc
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        msg = (f"the directory of the store channel address {address!r} must belong to "
+               f"this user and admit no one else (mode {oct(st.st_mode & 0o777)})")
+        raise StoreError(msg)
+    return address
+
+
+class SocketService:
+    """Answers requests at ``address`` on a daemon thread named ``name``, one at a time:
+    :meth:`_answer` turns a request's frames into the answer's frames. A failed exchange
+    costs that exchange only (the socket is bound afresh: a REP socket left between a
+    request and its answer takes no other). :meth:`close` waits for the request in hand
+    and removes the socket's file.
+
+    Raises:
+        StoreError: the address is refused (:func:`check_address`), or held by another
+            service (its socket file exists), or cannot be bound.
+    """
+
+    def __init__(self, address: str, name: str) -> None:
+        import zmq
+
+        check_address(address)
+        if os.path.lexists(address.removeprefix("ipc://")):  # a bind would take it over
+            msg = f"cannot serve {name} at {address}: another owner holds it"
+            raise StoreError(msg)
+        self.address = address
+        try:
+            self._socket: Any = self._bound(zmq)
+        except zmq.ZMQError as exc:
+            msg = f"cannot serve {name} at {address}: {exc}"
+            raise StoreError(msg) from exc
+        self._closed = threading.Event()
+        self.answered = 0
+        """Requests answered so far."""
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop answering: returns once the request in hand (if any) is answered; the
+        socket's file is removed, so the address can be served again."""
+        self._closed.set()
+        self._thread.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address.removeprefix("ipc://"))
+
+    def _answer(self, frames: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._closed.is_set():
+                try:
+                    if not poller.poll(_POLL_MS):
+                        continue
+                    frames = self._socket.recv_multipart(copy=False)
+                    self._socket.send_multipart(self._answer(frames), copy=False)
+                    self.answered += 1
+                except Exception as exc:  # one exchange lost; the channel goes on
+                    log.error("dmi.store_exchange_failed", service=self._thread.name,
+                              error=repr(exc))
+                    poller.unregister(self._socket)
+                    self._socket.close()
+                    self._socket = self._bound(zmq)
+                    poller.register(self._socket, zmq.POLLIN)
+        finally:
+            self._socket.close()
+
+    def _bound(self, zmq: Any) -> Any:
+        """A REP socket bound at the service's address (closed again if the bind fails)."""
+        socket = zmq.Context.instance().socket(zmq.REP)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(self.address)
+        except zmq.ZMQError:
+            socket.close()
+            raise
+        return socket
