@@ -211,9 +211,10 @@ def _rows(reader: RecordBatchReader, run_id: str, request_id: str,
         run_id, request_id, captures=[(t.act_name, t.layer_no) for t in piece],
         start=min(t.positions[0] for t in piece), end=max(t.positions[-1] + 1 for t in piece))
     out = bytearray()
+    held = _held_by_capture(batches)
     by_capture: dict[tuple[str, int], list[CaptureRecord]] | None = None
     for t in piece:
-        span = _one_span(batches, t)
+        span = _one_span(held.get((t.act_name, t.layer_no), []), t)
         if span is not None:  # the common case: one slice of the answer's buffer
             out += span
             continue
@@ -246,23 +247,31 @@ def _records_by_capture(
     return out
 
 
-def _one_span(batches: Sequence[RecordBatch], t: _Tensor) -> memoryview | None:
+_Held = tuple[RecordBatch, int, np.ndarray]
+"""A batch, the row bytes of one of its captures, and the indices of that capture's
+records in it."""
+
+
+def _held_by_capture(batches: Sequence[RecordBatch]) -> dict[tuple[str, int], list[_Held]]:
+    """Per hook and layer, where its records lie in the answer (one entry per batch and
+    stored layout that holds some)."""
+    out: dict[tuple[str, int], list[_Held]] = {}
+    for batch in batches:
+        for c in np.unique(batch.capture).tolist():
+            key = batch.captures[c]
+            out.setdefault((key.act_name, key.layer_no), []).append(
+                (batch, key.row_nbytes, np.flatnonzero(batch.capture == c)))
+    return out
+
+
+def _one_span(held: Sequence[_Held], t: _Tensor) -> memoryview | None:
     """``t``'s rows as one slice of the answer's payload, when they lie so: one part
     (``shard_rank`` 0), consecutive positions, one stored layout, and records that follow
     each other with neither a gap nor an overlap (no retraction) over the positions;
     else None."""
-    if t.plan.parts != 1 or t.positions.step != 1:
+    if t.plan.parts != 1 or t.positions.step != 1 or len(held) != 1:
         return None
-    found = []
-    for batch in batches:
-        for c, key in enumerate(batch.captures):
-            if (key.act_name, key.layer_no) == (t.act_name, t.layer_no):
-                index = np.flatnonzero(batch.capture == c)
-                if index.size:
-                    found.append((batch, key.row_nbytes, index))
-    if len(found) != 1:
-        return None
-    batch, row, index = found[0]
+    batch, row, index = held[0]
     if batch.shard_rank != 0 or row != t.row_bytes or index[-1] - index[0] + 1 != index.size:
         return None
     start, end = batch.start[index].astype(np.int64), batch.end[index].astype(np.int64)
