@@ -29,9 +29,11 @@
   default export as a server makes it: read through the owner's read channel (answered
   on a thread of this process) by a client process, beside a busy pure-Python thread of
   this process (a serving scheduler's stand-in): the seconds of that thread's work each
-  export took per GB (``owner's busy thread s/GB``, its rate re-measured alone before
-  each; on a machine with few cores the store engine's threads take CPU from it too, so
-  it counts CPU as well as the GIL); files equal to what was written.
+  export took per GB (``owner's busy thread s/GB``, its rate measured alone in one short
+  window before each; on a machine with few cores the store engine's threads and the
+  client process take CPU from it too, so it counts CPU as well as the GIL, and on the
+  2-core dev box it is too noisy to compare two versions); files equal to what was
+  written.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
 """

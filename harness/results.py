@@ -52,13 +52,22 @@ def stable_hash(data: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def library_dir() -> Path:
+    """The ``dmi_sglang`` package this process imported (``PYTHONPATH`` may put another
+    tree's first)."""
+    import dmi_sglang
+
+    return Path(dmi_sglang.__file__).resolve().parent
+
+
 def code_fingerprint(repo: Path = REPO) -> str:
-    """12 hex digits over the code that decides results (``src/`` and ``harness/``), so that
-    saved state is reused only for identical code, also where a copy has no ``.git``."""
+    """12 hex digits over the code that decides results (the imported ``dmi_sglang`` and
+    ``harness/``), so that saved state is reused only for identical code, also where a
+    copy has no ``.git``."""
     digest = hashlib.sha256()
-    for sub in ("src", "harness"):
-        for path in sorted((repo / sub).rglob("*.py")):
-            digest.update(str(path.relative_to(repo)).encode())
+    for root, name in ((library_dir(), "src/dmi_sglang"), (repo / "harness", "harness")):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{name}/{path.relative_to(root)}".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -97,7 +106,8 @@ def result(kind: str, name: str, settings: Mapping[str, Any]) -> Json:
     """A fresh result object of the one schema (status unset until the checks ran)."""
     return {
         "schema": SCHEMA, "kind": kind, "name": name, "status": None,
-        "commit": git_commit(), "code": code_fingerprint(), "command": command_line(),
+        "commit": git_commit(), "code": code_fingerprint(), "library": str(library_dir()),
+        "command": command_line(),
         "environment": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(("DMI_HARNESS_", "DMI_COMMIT"))},
         "ran_at_utc": utc_now(), "finished_at_utc": None, "settings": dict(settings),

@@ -92,3 +92,15 @@ def test_payload_columns_are_views_of_the_answer() -> None:
     (first, _) = batches_from_arrow(table, "run", "r")
     data = table.column("cut").chunk(0).buffers()[2]
     assert np.shares_memory(first.payload, np.frombuffer(data, dtype=np.uint8))
+
+
+def test_settings_go_only_where_the_account_may_change_them() -> None:
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.clickhouse._batches import ARROW_SETTINGS, writable_settings
+
+    name = next(iter(ARROW_SETTINGS))
+    assert writable_settings(SimpleNamespace(server_settings={
+        name: SimpleNamespace(readonly=False)}), ARROW_SETTINGS) == ARROW_SETTINGS
+    for known in ({name: SimpleNamespace(readonly=True)}, {}, None):
+        assert writable_settings(SimpleNamespace(server_settings=known), ARROW_SETTINGS) == {}

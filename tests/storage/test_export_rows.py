@@ -85,26 +85,34 @@ def test_rows_in_one_run_of_records_are_one_slice_of_the_answer(
         open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
         monkeypatch: pytest.MonkeyPatch) -> None:
     sink = open_sink()
-    sink.start_run(run_info("run", [(RESID, 0)]))
+    sink.start_run(run_info("run", [(RESID, 0), (RESID, 1)]))
     rows = torch.randn(9, 2)
-    sink.put(RecordBatch.from_records(records_of("run", "r", RESID, 0, rows, [0, 4, 5, 9])))
+    for layer in (0, 1):
+        sink.put(RecordBatch.from_records(
+            records_of("run", "r", RESID, layer, rows + layer, [0, 4, 5, 9])))
     sink.commit_requests([manifest("run", "r", PROMPT, 9 - PROMPT + 1)])
     sink.flush()
-    one_by_one: list[int] = []
-    real = export._records_by_capture
+    spans: list[tuple[str, bool]] = []
+    real = export._one_span
 
-    def counted(batches: list[RecordBatch]) -> object:
-        one_by_one.append(sum(len(b) for b in batches))
-        return real(batches)
+    def seen(held: list[object], t: export._Tensor) -> object:
+        span = real(held, t)  # type: ignore[arg-type]
+        spans.append((t.name, span is not None))
+        return span
 
-    monkeypatch.setattr(export, "_records_by_capture", counted)
-    reads = StoreReads(lambda: ClickHouseReader(store), piece_bytes=24)  # 3 rows a piece
+    monkeypatch.setattr(export, "_one_span", seen)
+    reads = StoreReads(lambda: ClickHouseReader(store), piece_bytes=48)  # 3 rows of each
     got = load_safetensors(b"".join(reads.safetensors("run", "r")[1]))
     assert torch.equal(got[f"{RESID}.0"], rows)
-    assert one_by_one == []  # each piece: one slice, no record objects
-    sink.put(RecordBatch.from_records(  # positions 2..5 forwarded again (a retraction)
+    assert torch.equal(got[f"{RESID}.1"], rows + 1)
+    assert spans
+    assert all(one for _, one in spans)  # every piece: slices, no record objects
+    spans.clear()
+    sink.put(RecordBatch.from_records(  # layer 0's positions 2..5 forwarded again
         records_of("run", "r", RESID, 0, rows[2:6], [2, 6], base=2, seq=9)))
     sink.flush()
     got = load_safetensors(b"".join(reads.safetensors("run", "r")[1]))
     assert torch.equal(got[f"{RESID}.0"], rows)
-    assert one_by_one  # the overlap is resolved record by record
+    assert torch.equal(got[f"{RESID}.1"], rows + 1)
+    assert {one for name, one in spans if name.endswith(".1")} == {True}  # still slices
+    assert not all(one for name, one in spans if name.endswith(".0"))  # record by record

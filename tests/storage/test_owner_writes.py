@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -220,3 +221,69 @@ def test_the_owner_serves_only_a_private_ipc_address(tmp_path: Path) -> None:
         SinkService(_Held(), f"ipc://{tmp_path}/writes")
     with pytest.raises(StoreError, match="ipc:///absolute/path"):
         RemoteSink("tcp://127.0.0.1:5555")
+
+
+def test_a_bad_run_or_manifest_is_refused_before_the_sink(
+        held: tuple[_Held, SinkService]) -> None:
+    import zmq
+
+    sink, service = held
+    sink.release.set()
+    taken: list[object] = []
+    sink.commit_requests = taken.extend  # type: ignore[method-assign]
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.RCVTIMEO, 5000)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(service.address)
+    good = attrs.asdict(RequestManifest(RUN, "r", 3, 2, committed=True))
+    for bad in ({**good, "committed": "yes"}, {**good, "prompt_tokens": "lots"},
+                {**good, "prompt_tokens": True}, {**good, "extra": 1},
+                {k: v for k, v in good.items() if k != "request_id"}, [1, 2]):
+        socket.send(json.dumps({"method": "commit_requests", "manifests": [bad]}).encode())
+        kind, message = json.loads(socket.recv())
+        assert (kind, "accepted" in message) == ("ValueError", True), message
+    socket.send(json.dumps({"method": "commit_requests", "manifests": [good]}).encode())
+    assert json.loads(socket.recv()) == ["ok"]
+    socket.close()
+    assert taken == [RequestManifest(RUN, "r", 3, 2, committed=True)]
+
+
+def test_a_batch_sends_only_its_own_bytes(held: tuple[_Held, SinkService]) -> None:
+    from dmi_sglang.adapters.owner._frames import batch_to_frames
+
+    sink, service = held
+    sink.release.set()
+    whole = one_batch()
+    shifted = RecordBatch(whole.run_id, whole.request_ids, whole.captures, whole.request,
+                          whole.capture, whole.start, whole.end, whole.seq,
+                          whole.offsets + 5, np.concatenate([np.zeros(5, np.uint8),
+                                                             whole.payload,
+                                                             np.zeros(7, np.uint8)]),
+                          shard_rank=whole.shard_rank)
+    frames = batch_to_frames(shifted)[1]
+    assert len(frames[-1]) == shifted.nbytes == whole.nbytes  # not the 12 bytes around it
+    RemoteSink(service.address, timeout_s=30).put(shifted)
+    (got,) = sink.batches
+    assert [bytes(r.payload) for r in got.records()] == [
+        bytes(r.payload) for r in whole.records()]
+
+
+def test_closing_is_bounded_idempotent_and_leaves_a_later_service_alone(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.adapters.owner import _service
+
+    monkeypatch.setattr(_service, "CLOSE_WAIT_S", 0.5)
+    sink = _Held()  # never released: the call in hand waits
+    first = SinkService(sink, f"ipc://{private}/writes")
+    threading.Thread(target=lambda: RemoteSink(first.address, timeout_s=5).put(one_batch()),
+                     daemon=True).start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    first.close()
+    assert time.monotonic() - t0 < 3
+    sink.release.set()
+    second = SinkService(_Held(), first.address)
+    first.close()  # again: the second service's socket file stays
+    RemoteSink(second.address, timeout_s=30).flush()
+    second.close()
+    assert not (private / "writes").exists()

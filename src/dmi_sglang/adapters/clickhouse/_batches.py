@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pyarrow.compute as pc
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.errors import StoreError
 
-__all__ = ["BATCHES_SQL", "batches_from_arrow"]
+__all__ = ["ARROW_SETTINGS", "BATCHES_SQL", "batches_from_arrow", "writable_settings"]
 
 BATCHES_SQL = (
     "SELECT shard_rank, act_name, layer_no, dtype, toString(arraySlice(shape, 2)) AS dims, "
@@ -36,7 +37,16 @@ in the query (``substring`` of its payload), as :func:`batches_from_arrow` reads
 (``{t}``: the records table; parameters ``run``, ``req``, ``caps``, ``start``, ``end``)."""
 ARROW_SETTINGS = {"output_format_arrow_compression_method": "none"}
 """The answer's Arrow buffers uncompressed: the payloads are activations, which do not
-compress, and decompressing them costs the reading process's CPU."""
+compress, and decompressing them costs the reading process's CPU. Sent only where the
+account may change them (:func:`writable_settings`)."""
+
+
+def writable_settings(client: Any, settings: dict[str, str]) -> dict[str, str]:
+    """Those of ``settings`` the server knows and lets this client change (a readonly
+    account, or a server without the setting, gets the query without it)."""
+    known = getattr(client, "server_settings", None) or {}
+    return {k: v for k, v in settings.items()
+            if k in known and not getattr(known[k], "readonly", True)}
 
 
 def _array(table: pa.Table, name: str) -> pa.Array:
@@ -54,8 +64,12 @@ def _codes(table: pa.Table, name: str) -> tuple[np.ndarray, list[str]]:
     send ClickHouse's String as Arrow binary: decoded as UTF-8, as it was written)."""
     column = _array(table, name)
     encoded = column if pa.types.is_dictionary(column.type) else pc.dictionary_encode(column)
-    values = [v.decode() if isinstance(v, bytes) else str(v)
-              for v in encoded.dictionary.to_pylist()]
+    try:
+        values = [v.decode() if isinstance(v, bytes) else str(v)
+                  for v in encoded.dictionary.to_pylist()]
+    except UnicodeDecodeError as exc:
+        msg = f"the store answered {name} values that are not UTF-8 text: {exc}"
+        raise StoreError(msg) from exc
     return np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64), values
 
 

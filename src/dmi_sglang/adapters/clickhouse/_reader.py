@@ -19,6 +19,7 @@ from dmi_sglang.adapters.clickhouse._batches import (
     ARROW_SETTINGS,
     BATCHES_SQL,
     batches_from_arrow,
+    writable_settings,
 )
 from dmi_sglang.adapters.clickhouse._client import (
     ClientFactory,
@@ -96,7 +97,7 @@ class ClickHouseReader:
     def _query_arrow(self, layout: Layout, sql: str, params: dict[str, Any]) -> pa.Table | None:
         """``sql``'s result as an Arrow table, or None when the table does not exist."""
         return self._on_table(layout, sql, lambda client, q: client.query_arrow(
-            q, parameters=params, settings=ARROW_SETTINGS))
+            q, parameters=params, settings=writable_settings(client, ARROW_SETTINGS)))
 
     def _on_table(self, layout: Layout, sql: str,
                   run: Callable[[Client, str], Any]) -> Any:

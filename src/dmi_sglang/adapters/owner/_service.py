@@ -18,6 +18,8 @@ __all__ = ["SocketService", "check_address"]
 log = structlog.get_logger(__name__)
 
 _POLL_MS = 200
+CLOSE_WAIT_S = 30.0
+"""Longest :meth:`SocketService.close` waits for the request in hand."""
 
 
 def check_address(address: str) -> str:
@@ -70,6 +72,7 @@ class SocketService:
         except zmq.ZMQError as exc:
             msg = f"cannot serve {name} at {address}: {exc}"
             raise StoreError(msg) from exc
+        self._inode = os.lstat(address.removeprefix("ipc://")).st_ino
         self._closed = threading.Event()
         self.answered = 0
         """Requests answered so far."""
@@ -77,12 +80,22 @@ class SocketService:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop answering: returns once the request in hand (if any) is answered; the
-        socket's file is removed, so the address can be served again."""
+        """Stop answering: returns once the request in hand (if any) is answered, or
+        after :data:`CLOSE_WAIT_S` (logged; the thread ends when that request does);
+        the socket's file is removed, so the address can be served again. Closing twice,
+        or from the service's own thread, does no harm."""
+        if self._closed.is_set():
+            return
         self._closed.set()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(CLOSE_WAIT_S)
+            if self._thread.is_alive():
+                log.warning("dmi.store_service_busy_at_close", service=self._thread.name,
+                            waited_s=CLOSE_WAIT_S)
+        path = self.address.removeprefix("ipc://")
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.address.removeprefix("ipc://"))
+            if os.lstat(path).st_ino == self._inode:  # ours, not a later service's
+                os.unlink(path)
 
     def _answer(self, frames: list[Any]) -> list[Any]:
         raise NotImplementedError

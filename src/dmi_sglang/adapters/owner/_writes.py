@@ -55,18 +55,60 @@ def _run_fields(run: RunInfo) -> dict[str, Any]:
     return {**attrs.asdict(run, recurse=False), "status": run.status.value}
 
 
+def _typed(fields: Any, cls: type, conversions: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` checked against ``cls``'s fields: exactly its names, each value of its
+    JSON type (``conversions`` turn the structured ones back); anything else is refused,
+    so a bad call never reaches (and fails) the shared sink.
+
+    Raises:
+        ValueError: a missing or unknown field, or a value of another type.
+    """
+    if not isinstance(fields, dict):
+        msg = (f"{cls.__name__} fields as {type(fields).__name__}; accepted: an object of "
+               "its fields")
+        raise ValueError(msg)
+    names = {f.name: f for f in attrs.fields(cls)}
+    if set(fields) - set(names) or {n for n, f in names.items()
+                                    if f.default is attrs.NOTHING} - set(fields):
+        msg = f"{cls.__name__} fields {sorted(fields)}; accepted: {sorted(names)}"
+        raise ValueError(msg)
+    out = {}
+    for name, value in fields.items():
+        if name in conversions:
+            out[name] = conversions[name](value)
+            continue
+        want = names[name].type
+        kind = {"str": str, "int": int, "bool": bool}.get(str(want))
+        ok = isinstance(value, kind) if kind is not None else False
+        if kind is int and isinstance(value, bool):
+            ok = False
+        if not ok:
+            msg = f"{cls.__name__}.{name}={value!r}; accepted: a {want}"
+            raise ValueError(msg)
+        out[name] = value
+    return out
+
+
+def _pairs(kind: type) -> Any:
+    def convert(value: Any) -> tuple[tuple[str, Any], ...]:
+        if not isinstance(value, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                and isinstance(p[1], kind) and not isinstance(p[1], bool) for p in value):
+            msg = f"{value!r}; accepted: a list of [text, {kind.__name__}] pairs"
+            raise ValueError(msg)
+        return tuple((p[0], p[1]) for p in value)
+    return convert
+
+
 def _run(fields: Any) -> RunInfo:
-    """A run from :func:`_run_fields`' JSON (every field of ``RunInfo`` travels)."""
-    values = dict(fields)
-    values["settings"] = tuple((str(k), str(v)) for k, v in values["settings"])
-    values["captures"] = tuple((str(a), int(n)) for a, n in values["captures"])
-    values["status"] = RunStatus(values["status"])
-    return RunInfo(**values)
+    """A run from :func:`_run_fields`' JSON (every field of ``RunInfo``, each checked)."""
+    return RunInfo(**_typed(fields, RunInfo, {"settings": _pairs(str), "captures": _pairs(int),
+                                              "status": RunStatus}))
 
 
 def _manifest(fields: Any) -> RequestManifest:
-    """A manifest from its fields' JSON."""
-    return RequestManifest(**dict(fields))
+    """A manifest from its fields' JSON (each checked)."""
+    return RequestManifest(**_typed(fields, RequestManifest, {}))
 
 
 class SinkService(SocketService):
