@@ -2,8 +2,12 @@
 
 Every file the harness writes is a JSON object made by :func:`result`::
 
-    {"schema", "kind", "name", "status", "commit", "code", "command", "environment",
-     "ran_at_utc", "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
+    {"schema", "kind", "name", "status", "commit", "code", "library", "command",
+     "environment", "ran_at_utc", "finished_at_utc", "settings", "checks", "figures",
+     "bound", "error"}
+
+``code`` fingerprints the imported ``dmi_sglang`` and ``harness/``; ``library`` is where
+that ``dmi_sglang`` was imported from (``PYTHONPATH`` may put another tree's first).
 
 ``status`` is ``passed`` (every required check ok), ``failed``, ``error`` (it could not be
 measured) or ``skipped`` (it did not fit before the deadline; run the command again).

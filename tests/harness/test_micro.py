@@ -16,8 +16,9 @@ import pytest
 
 from harness.constants import SCHEMA
 
-KEYS = {"schema", "kind", "name", "status", "commit", "code", "command", "environment",
-        "ran_at_utc", "finished_at_utc", "settings", "checks", "figures", "bound", "error"}
+KEYS = {"schema", "kind", "name", "status", "commit", "code", "library", "command",
+        "environment", "ran_at_utc", "finished_at_utc", "settings", "checks", "figures",
+        "bound", "error"}
 BOUND_KEYS = {"needed_bps", "d2h_bps", "kind", "limit_bps", "ratio"}
 """The keys of :func:`harness.bounds.bound`'s answer (a stored mode adds the disk's)."""
 Ran = tuple[dict[str, Any], str]
