@@ -35,7 +35,12 @@ from dmi_sglang.adapters.owner._frames import (
     batch_from_frames,
     batch_to_frames,
 )
-from dmi_sglang.adapters.owner._service import SocketService, check_address
+from dmi_sglang.adapters.owner._service import (
+    SocketService,
+    check_address,
+    exchange,
+    request_socket,
+)
 from dmi_sglang.columns import RecordBatch, RecordBatchReader
 from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
@@ -56,7 +61,6 @@ _RECORD_METHODS = frozenset({"records"})
 _BATCH_METHODS = frozenset({"batches_within"})
 """The methods whose answers are record batches: headers pickled, columns and payloads as
 frames of their own."""
-_SEND_TIMEOUT_MS = 1000
 _ABSENT = object()
 
 
@@ -146,30 +150,11 @@ class RemoteReader:
         yield self
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import zmq
-
-        socket: Any = zmq.Context.instance().socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 1)  # no owner listening: the send fails at once
-        socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-        socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         request = json.dumps({"method": method, "args": list(args), "kwargs": kwargs})
+        socket = request_socket(self.address, self._timeout_ms, "reads")
         try:
-            socket.connect(self.address)
-            try:
-                socket.send(request.encode())
-            except zmq.Again as exc:
-                msg = f"no store owner answers reads at {self.address}"
-                raise StoreError(msg) from exc
-            try:
-                frames = socket.recv_multipart(copy=False)
-            except zmq.Again as exc:
-                msg = (f"the store's owner did not answer {method} within "
-                       f"{self._timeout_ms / 1000:g} s ({self.address})")
-                raise StoreError(msg) from exc
-        except zmq.ZMQError as exc:
-            msg = f"reading through the store's owner at {self.address!r} failed: {exc}"
-            raise StoreError(msg) from exc
+            frames = exchange(socket, [request.encode()], address=self.address,
+                              timeout_ms=self._timeout_ms, channel="reads", method=method)
         finally:
             socket.close()
         answer = pickle.loads(frames[0].buffer)  # the owner is ours (module docstring)

@@ -13,13 +13,18 @@ import structlog
 
 from dmi_sglang.errors import StoreError
 
-__all__ = ["SocketService", "check_address"]
+__all__ = ["SocketService", "check_address", "exchange", "request_socket"]
 
 log = structlog.get_logger(__name__)
 
 _POLL_MS = 200
 CLOSE_WAIT_S = 30.0
 """Longest :meth:`SocketService.close` waits for the request in hand."""
+_SEND_TIMEOUT_MS = 1000
+_WORDS = {"reads": ("answers reads", "answer", "reading"),
+          "writes": ("takes writes", "take", "writing")}
+"""Per channel, how its errors say it: no owner ``...`` at; did not ``...`` a call;
+``...`` through the owner failed."""
 
 
 def check_address(address: str) -> str:
@@ -133,3 +138,59 @@ class SocketService:
             socket.close()
             raise
         return socket
+
+
+def request_socket(address: str, timeout_ms: int, channel: str) -> Any:
+    """A REQ socket connected to the owner's ``channel`` (``reads`` or ``writes``) at
+    ``address``: a send with no owner listening fails at once, an answer is awaited at
+    most ``timeout_ms``.
+
+    Raises:
+        StoreError: the socket cannot be made or connected.
+    """
+    import zmq
+
+    socket: Any = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IMMEDIATE, 1)
+    socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+    try:
+        socket.connect(address)
+    except zmq.ZMQError as exc:
+        socket.close()
+        raise _failed(address, channel, exc) from exc
+    return socket
+
+
+def exchange(socket: Any, frames: list[Any], *, address: str, timeout_ms: int,
+             channel: str, method: str) -> list[Any]:
+    """Send a request's ``frames`` on a :func:`request_socket` and return its answer's
+    frames (received without a copy).
+
+    Raises:
+        StoreError: no owner listens at ``address``, none answered ``method`` within
+            ``timeout_ms``, or the socket failed (the socket is unusable after any).
+    """
+    import zmq
+
+    listens, answers, _ = _WORDS[channel]
+    try:
+        try:
+            socket.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            msg = f"no store owner {listens} at {address}"
+            raise StoreError(msg) from exc
+        try:
+            return socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
+        except zmq.Again as exc:
+            msg = (f"the store's owner did not {answers} {method} within "
+                   f"{timeout_ms / 1000:g} s ({address})")
+            raise StoreError(msg) from exc
+    except zmq.ZMQError as exc:
+        raise _failed(address, channel, exc) from exc
+
+
+def _failed(address: str, channel: str, exc: Exception) -> StoreError:
+    return StoreError(f"{_WORDS[channel][2]} through the store's owner at {address!r} "
+                      f"failed: {exc}")

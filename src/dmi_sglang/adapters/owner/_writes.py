@@ -35,7 +35,12 @@ import attrs
 import structlog
 
 from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
-from dmi_sglang.adapters.owner._service import SocketService, check_address
+from dmi_sglang.adapters.owner._service import (
+    SocketService,
+    check_address,
+    exchange,
+    request_socket,
+)
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
@@ -48,7 +53,6 @@ WRITE_TIMEOUT_S = 300.0
 """Longest a remote sink call waits for the owner (a ``put`` waits while the owner's
 queue is full; a ``finish_run`` syncs the run's files)."""
 
-_SEND_TIMEOUT_MS = 1000
 
 
 def _run_fields(run: RunInfo) -> dict[str, Any]:
@@ -205,8 +209,6 @@ class RemoteSink:
             raise self._failure
 
     def _call(self, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
-        import zmq
-
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -214,22 +216,12 @@ class RemoteSink:
                 msg = f"the remote sink of {self.address} is closed"
                 raise StoreError(msg)
             try:
-                socket = self._connected(zmq)
-                try:
-                    socket.send_multipart([json.dumps(header).encode(), *frames], copy=False)
-                except zmq.Again as exc:
-                    msg = f"no store owner takes writes at {self.address}"
-                    raise StoreError(msg) from exc
-                try:
-                    answer = json.loads(socket.recv())
-                except zmq.Again as exc:
-                    msg = (f"the store's owner did not take {header['method']} within "
-                           f"{self._timeout_ms / 1000:g} s ({self.address})")
-                    raise StoreError(msg) from exc
-            except zmq.ZMQError as exc:
-                msg = f"writing through the store's owner at {self.address!r} failed: {exc}"
-                self._failure = StoreError(msg)
-                raise self._failure from exc
+                if self._socket is None:
+                    self._socket = request_socket(self.address, self._timeout_ms, "writes")
+                answer = json.loads(exchange(
+                    self._socket, [json.dumps(header).encode(), *frames], address=self.address,
+                    timeout_ms=self._timeout_ms, channel="writes",
+                    method=header["method"])[0].bytes)
             except StoreError as exc:
                 self._failure = exc  # a lost exchange leaves the REQ socket unusable
                 raise
@@ -241,14 +233,3 @@ class RemoteSink:
                 msg = f"the store's owner failed {header['method']}: {answer[0]}: {answer[1]}"
                 self._failure = StoreError(msg)
             raise self._failure
-
-    def _connected(self, zmq: Any) -> Any:
-        if self._socket is None:
-            socket = zmq.Context.instance().socket(zmq.REQ)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.IMMEDIATE, 1)  # no owner listening: the send fails at once
-            socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-            socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-            socket.connect(self.address)
-            self._socket = socket
-        return self._socket
