@@ -171,6 +171,36 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
+    """CPU seconds (user + system) each live process of group ``pgid`` has used so far,
+    keyed ``"NAME PID"`` (``NAME``: the process's title as the OS shows it, e.g. SGLang's
+    ``sglang::scheduler``); empty where ``/proc`` is not there."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    found: dict[str, float] = {}
+    try:
+        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        fields = rest.split()  # from the state on: field 3 of proc(5) is fields[0]
+        if len(fields) < 13 or int(fields[2]) != pgid:
+            continue
+        found[f"{name} {entry.name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return found
+
+
+def cpu_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """CPU seconds each process used between two :func:`group_cpu` readings (a process
+    that started in between counts from zero), most first."""
+    spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
 def track_group(path: Path | None, pgid: int, *, add: bool) -> None:
     """Record (or forget) a child's process group in ``path``."""
     if path is None:

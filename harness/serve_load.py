@@ -16,8 +16,9 @@ the seed, a free port, ``--server-flags``), one at a time. Each server gets the 
   native ``/generate`` requests of mixed lengths (``--random-range-ratio``) from
   ``--max-concurrency`` clients; random ids need no data set, so it runs offline;
 * alongside it, from the moment bench_serving's main run starts, a cancelling client
-  (:data:`CANCEL_SHARE` of the request count): streamed ``/generate`` requests closed
-  after :data:`CANCEL_EVENTS` events (SGLang aborts them);
+  (:data:`CANCEL_SHARE` of the request count): streamed ``/generate`` requests aborted
+  through ``POST /abort_request`` after :data:`CANCEL_EVENTS` events, while the stream is
+  open, and read to their ``abort`` finish;
 * then a deterministic subset, one request at a time: :data:`SUBSET_PROMPTS` fixed
   ``input_ids``, greedy, ``ignore_eos``, :data:`SUBSET_NEW_TOKENS` tokens, output ids
   kept.
@@ -34,8 +35,13 @@ request by request; the HTTP readback equals the direct read for every tensor (s
 dtype, positions, values); every request that finished is complete and every cancelled
 one is not; the run is committed; every server exits after SIGINT. Figures per server
 (from bench_serving's output file): request throughput, output tokens/s, TTFT / ITL / E2E
-p50, p90, p99; per mode the ratios to stock. One stock run, not bracketed: the ratios carry
-the run-to-run noise of one server start.
+p50, p90, p99; per mode the ratios to stock; per bench the CPU seconds each process of the
+server used during its main run (``/proc``: the HTTP main process, the scheduler, the
+detokenizer), which shows where a monitored server's extra work, or an export's, lands.
+One stock run, not bracketed: the ratios carry the run-to-run noise of one server start.
+``--export-gb N``: after its bench, a monitored server runs two more, the first while a
+client downloads up to N GB of the run's safetensors files: its throughput against the
+plain benches' before and after it is the export's cost.
 
 Model (``--model``): the machine is offline and the Qwen3 shapes of :mod:`harness.models`
 come without a tokenizer, which bench_serving and SGLang's text output need. So the model
@@ -116,7 +122,7 @@ from harness.constants import (
     WARMUP_NEW_TOKENS,
     WARMUP_REQUESTS,
 )
-from harness.engine import group_alive, kill_leftovers, track_group
+from harness.engine import cpu_between, group_alive, group_cpu, kill_leftovers, track_group
 from harness.models import MODELS, STOCK_ENV
 from harness.results import REPO, Deadline, Json, finish, result, state_dir, write_json
 from harness.serving import slug
@@ -742,6 +748,11 @@ class Server:
         """``http://HOST:PORT``."""
         return f"http://{HOST}:{self.port}"
 
+    @property
+    def pgid(self) -> int:
+        """The child's process group (it leads its own); -1 before :meth:`start`."""
+        return self.proc.pid if self.proc is not None else -1
+
     def start(self, timeout_s: float) -> float:
         """Start the child and wait until ``GET /v1/models`` answers 200; the seconds.
 
@@ -1142,9 +1153,11 @@ class ServeLoad:
             info["main_run_seen"] = _wait_for_text(log, BENCH_MAIN_MARK, proc,
                                                    self.limit(BENCH_MAIN_WAIT_S))
             window[0] = _size(server.log)
+            cpu = group_cpu(server.pgid)
             cancels.start()
             info["returncode"] = proc.wait(timeout=self.limit(BENCH_S))
             window[1] = _size(server.log)
+            info["cpu_seconds"] = cpu_between(cpu, group_cpu(server.pgid))
         except subprocess.TimeoutExpired:
             info["error"] = "bench_serving did not finish in time (killed)"
         finally:
@@ -1155,6 +1168,10 @@ class ServeLoad:
             info["cancels"] = cancels.join(self.soft_limit(HTTP_S))
         info["seconds"] = round(time.monotonic() - t0, 2)
         info["scheduler"] = scheduler_activity(_read_span(server.log, *window))
+        busy = ", ".join(f"{k} {v:.1f}" for k, v in (info.get("cpu_seconds") or {}).items()
+                         if v >= 0.1)
+        print(f"[serve-load] {name}: CPU seconds of the server's processes during the "
+              f"bench: {busy or 'none read'}", flush=True)
         try:
             raw = read_bench_line(out_file.read_text() if out_file.exists() else "")
             info["figures"] = bench_figures(raw)
@@ -1264,6 +1281,8 @@ class ServeLoad:
         return {"committed_requests": len(ids), "target_bytes": target, **got,
                 "seconds": round(seconds, 2), "mb_s": round(got["bytes"] / 1e6 / seconds, 1),
                 "bench": bench.get("figures"), "after": after.get("figures"),
+                "cpu_seconds": {"export": bench.get("cpu_seconds"),
+                                "after": after.get("cpu_seconds")},
                 "plain_request_throughputs": plain, "throughput_ratio": ratio,
                 "cost": None if ratio is None else round(1 - ratio, 4)}
 

@@ -48,6 +48,10 @@ PROMPT = "w1 w2 w3 w4 w5"
 NEW_TOKENS = 8
 START_S = 600
 EXIT_S = 90  # SGLang's SIGTERM drain polls every 5 s, then waits 15 s for the schedulers
+STACKS_SIGNAL = signal.SIGUSR1
+"""Every Python process of a test's server dumps its threads' stacks into the server's log
+on this signal (a ``sitecustomize`` the test puts first on the server's ``PYTHONPATH``):
+how a server that does not exit after its stop signal is diagnosed."""
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w7{% endif %}")
 
@@ -70,6 +74,13 @@ class Server:
                 "--mem-fraction-static", "0.3", "--cuda-graph-max-bs-decode", "16",
                 "--chat-template", str(template), "--log-level", "warning"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
+        hooks = workdir / "stack-dumps"
+        hooks.mkdir(exist_ok=True)
+        (hooks / "sitecustomize.py").write_text(
+            "import faulthandler, signal\n"
+            f"faulthandler.register(signal.Signals({int(STACKS_SIGNAL)}), all_threads=True)\n")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(hooks), *filter(None, [env.get("PYTHONPATH")])])
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # its own process group
@@ -186,8 +197,16 @@ class Server:
         try:
             self.proc.wait(EXIT_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"server still running {EXIT_S} s after signal {sig}: {self.tail()}")
+            end, before = self.tail(), self.log.stat().st_size
+            os.killpg(self.proc.pid, STACKS_SIGNAL)  # where each process is stuck
+            time.sleep(3)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            with self.log.open("rb") as log:
+                log.seek(before)
+                stacks = log.read(40000).decode(errors="replace")
+            pytest.fail(f"server still running {EXIT_S} s after signal {sig}; the end of "
+                        f"its log:\n{end}\nits processes' stacks:\n{stacks}")
         return time.monotonic() - t0
 
 

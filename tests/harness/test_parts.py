@@ -3,6 +3,10 @@ real embedded store, the docs generator, the deadline."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -14,7 +18,7 @@ from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, R
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness import checks, docs
 from harness.bounds import bound, directory_bytes, measure_disk_bps
-from harness.engine import parse_log_events
+from harness.engine import cpu_between, group_cpu, parse_log_events
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
 
@@ -231,3 +235,52 @@ def test_serving_targets_are_judged_only_on_the_reference_workload() -> None:
         "verdict"] == "not measured"
     assert verdict("return-hidden-states", {"ratio": 0.1, "bound_share": None}, units) == {
         "target": None, "verdict": None}
+
+
+def _stat_line(pid: int, name: str, pgrp: int, utime: int, stime: int) -> str:
+    """A /proc/PID/stat line: pid (comm) state ppid pgrp session ... utime stime ..."""
+    rest = ["S", "1", str(pgrp), "1", "0", "-1", "0", "0", "0", "0", "0",
+            str(utime), str(stime), "0", "0"]
+    return f"{pid} ({name}) {' '.join(rest)}\n"
+
+
+def test_group_cpu_reads_the_groups_processes_and_names_with_blanks(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid, name, pgrp, ut, st in [(10, "sglang::scheduler", 7, 3 * ticks, ticks),
+                                    (11, "odd) (name", 7, ticks, 0),
+                                    (12, "python", 8, 50 * ticks, 0)]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat_line(pid, name, pgrp, ut, st))
+    (tmp_path / "self").mkdir()  # not a process directory
+    (tmp_path / "13").mkdir()  # a process that ended between the listing and the read
+    assert group_cpu(7, tmp_path) == {"sglang::scheduler 10": 4.0, "odd) (name 11": 1.0}
+    assert group_cpu(9, tmp_path) == {}
+    assert group_cpu(7, tmp_path / "absent") == {}
+
+
+def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:
+    before = {"main 1": 10.0, "scheduler 2": 5.0}
+    after = {"main 1": 10.5, "scheduler 2": 9.0, "detokenizer 3": 0.25}
+    assert list(cpu_between(before, after).items()) == [
+        ("scheduler 2", 4.0), ("main 1", 0.5), ("detokenizer 3", 0.25)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_group_cpu_sees_a_busy_child_of_its_own_group() -> None:
+    code = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\n" \
+           "time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        spent: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            spent = group_cpu(child.pid)
+            if sum(spent.values()) >= 0.3:
+                break
+            time.sleep(0.1)
+        assert [k.split()[-1] for k in spent] == [str(child.pid)]
+        assert sum(spent.values()) >= 0.3
+        assert str(child.pid) not in " ".join(group_cpu(os.getpgid(0)))
+    finally:
+        child.kill()
+        child.wait()

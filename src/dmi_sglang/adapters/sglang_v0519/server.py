@@ -236,6 +236,7 @@ class RunControl:
         """
         with self._start_stop:
             if self._stopper is None:
+                log.info("dmi.server_stopping", run_id=self.run_id)
                 self._stop_began = time.monotonic()
                 self._stopper = threading.Thread(target=self._run_stop, name="dmi-stop",
                                                  daemon=True)
