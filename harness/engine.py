@@ -173,8 +173,9 @@ def group_alive(pgid: int) -> bool:
 
 def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
     """CPU seconds (user + system) each live process of group ``pgid`` has used so far,
-    keyed ``"NAME PID"`` (``NAME``: the process's title as the OS shows it, e.g. SGLang's
-    ``sglang::scheduler``); empty where ``/proc`` is not there."""
+    keyed ``"NAME PID"`` (``NAME``: the last part of the process's first argument, which
+    is its title where it set one, e.g. SGLang's ``sglang::scheduler``; else its short
+    name); empty where ``/proc`` is not there."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     found: dict[str, float] = {}
     try:
@@ -186,10 +187,15 @@ def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
             stat = (entry / "stat").read_text()
         except OSError:  # ended meanwhile
             continue
-        name, _, rest = stat.partition("(")[2].rpartition(")")
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
         fields = rest.split()  # from the state on: field 3 of proc(5) is fields[0]
         if len(fields) < 13 or int(fields[2]) != pgid:
             continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
+        except OSError:
+            title = []
+        name = os.path.basename(title[0].decode(errors="replace")) if title else comm
         found[f"{name} {entry.name}"] = (int(fields[11]) + int(fields[12])) / ticks
     return found
 

@@ -895,13 +895,69 @@ def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) 
             "abort_status": abort_status, "finish": kind}
 
 
+class Exporter:
+    """One client downloading the safetensors files of ``ids`` (round and round, at most
+    ``target_bytes``) from :meth:`start` to :meth:`stop`: a file still downloading at the
+    stop finishes, but counts apart (``bytes_after_stop``), so ``bytes`` and ``seconds``
+    are the export within the window."""
+
+    def __init__(self, server: Server, run_id: str, ids: Sequence[str], target_bytes: int,
+                 timeout_s: float) -> None:
+        self.server, self.ids, self.target, self.timeout_s = server, list(ids), target_bytes, \
+            timeout_s
+        self.run_q = urllib.parse.quote(run_id, safe="")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="serve-load-export", daemon=True)
+        self._got = {"bytes": 0, "files": 0, "errors": 0, "bytes_after_stop": 0}
+        self._t0 = self._t1 = 0.0
+        self._last_file_end = 0.0
+
+    def start(self) -> None:
+        """Begin downloading."""
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> Json:
+        """Start no more files, wait up to ``timeout_s`` for the one in flight; the
+        figures of the window."""
+        self._t1 = time.monotonic()
+        self._stop.set()
+        self._thread.join(timeout_s)
+        window = max(self._t1 - self._t0, 1e-9)
+        busy = max(min(self._last_file_end, self._t1) - self._t0, 0.0)
+        return {**self._got, "target_bytes": self.target, "seconds": round(window, 2),
+                "mb_s": round(self._got["bytes"] / 1e6 / window, 1),
+                "target_reached_s": round(busy, 2) if self._got["bytes"] >= self.target
+                else None}
+
+    def _work(self) -> None:
+        k = 0
+        while self.ids and not self._stop.is_set() and self._got["bytes"] < self.target:
+            rid = urllib.parse.quote(self.ids[k % len(self.ids)], safe="")
+            reply = self.server.call(
+                "GET", f"/dmi/runs/{self.run_q}/requests/{rid}/safetensors",
+                timeout_s=self.timeout_s)
+            k += 1
+            if reply.status != 200:
+                self._got["errors"] += 1
+            elif self._stop.is_set():
+                self._got["bytes_after_stop"] += len(reply.body)
+            else:
+                self._got["bytes"] += len(reply.body)
+                self._got["files"] += 1
+                self._last_file_end = time.monotonic()
+
+
 class Canceller:
     """The cancelling client: :data:`CANCEL_WORKERS` threads sending streamed requests
     that each abort after :data:`CANCEL_EVENTS` events (:func:`stream_and_close`)."""
 
     def __init__(self, server: Server, prompts: Sequence[Sequence[int]],
-                 interval_s: float = CANCEL_INTERVAL_S) -> None:
+                 interval_s: float = CANCEL_INTERVAL_S, *, prefix: str = "cancel") -> None:
         self.server, self.prompts, self.interval_s = server, list(prompts), interval_s
+        self.prefix = prefix
+        """Request ids are ``PREFIX-NNNNN``: one prefix per bench, so that no bench on a
+        server reuses another's ids."""
         self.outcomes: list[Json] = []
         self._next = 0
         self._lock = threading.Lock()
@@ -925,7 +981,7 @@ class Canceller:
             if i >= len(self.prompts):
                 return
             # fixed width: SGLang aborts every request whose id starts with the one named
-            body = generate_body(self.prompts[i], f"cancel-{i:05d}", CANCEL_NEW_TOKENS,
+            body = generate_body(self.prompts[i], f"{self.prefix}-{i:05d}", CANCEL_NEW_TOKENS,
                                  stream=True)
             outcome = stream_and_close(self.server, body, CANCEL_EVENTS, HTTP_S)
             with self._lock:
@@ -1131,8 +1187,9 @@ class ServeLoad:
                         if f"warmup-{i}" not in failed],
                 "failed": failed, "seconds": round(time.monotonic() - t0, 2)}
 
-    def bench(self, server: Server, name: str) -> Json:
-        """bench_serving against ``server`` with the cancelling client beside it."""
+    def bench(self, server: Server, name: str, exporter: Exporter | None = None) -> Json:
+        """bench_serving against ``server`` with the cancelling client beside it (and
+        ``exporter`` downloading during exactly its main run: its figures in ``export``)."""
         assert self.model_dir is not None
         out_file = self.work / f"bench-{slug(name)}.jsonl"
         log = self.work / f"bench-{slug(name)}.log"
@@ -1142,7 +1199,8 @@ class ServeLoad:
         env = child_env(os.environ, {"OPENAI_API_KEY": self.plan.api_key}
                         if self.plan.api_key else None)
         cancels = Canceller(server, mixed_prompts(self.vocab, self.plan.cancel_requests,
-                                                  self.plan.input_len, SEED + 2))
+                                                  self.plan.input_len, SEED + 2),
+                            prefix=f"cancel-{slug(name)}")
         info: Json = {"argv": masked(argv), "log": str(log)}
         t0 = time.monotonic()
         window = [0, 0]  # the server log's bytes written during the main run
@@ -1155,6 +1213,8 @@ class ServeLoad:
             window[0] = _size(server.log)
             cpu = group_cpu(server.pgid)
             cancels.start()
+            if exporter is not None:
+                exporter.start()
             info["returncode"] = proc.wait(timeout=self.limit(BENCH_S))
             window[1] = _size(server.log)
             info["cpu_seconds"] = cpu_between(cpu, group_cpu(server.pgid))
@@ -1165,6 +1225,8 @@ class ServeLoad:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+            if exporter is not None:
+                info["export"] = exporter.stop(self.soft_limit(HTTP_S))
             info["cancels"] = cancels.join(self.soft_limit(HTTP_S))
         info["seconds"] = round(time.monotonic() - t0, 2)
         info["scheduler"] = scheduler_activity(_read_span(server.log, *window))
@@ -1232,12 +1294,13 @@ class ServeLoad:
                 and listing["status"] == 200 and blob.status == 200}
 
     def export_under_load(self, server: Server, run_id: str, run: ServerRun) -> Json:
-        """A second bench while one client downloads the safetensors files of the run's
-        committed requests (largest first, round and round) until ``--export-gb`` GB or
-        the bench's end, then a third bench without it: the bytes, the rate, and the
-        export bench's throughput against the mean of the plain benches before and after
-        it on the same server (the export's cost, bracketed so that a server warming up or
-        slowing down over its benches does not count as the export's)."""
+        """A second bench during whose main run one client downloads the safetensors
+        files of the run's committed requests (largest first, round and round, at most
+        ``--export-gb`` GB), then a third bench without it: the bytes and the rate within
+        the main run, and the export bench's throughput against the mean of the plain
+        benches before and after it on the same server (the export's cost, bracketed so
+        that a server warming up or slowing down over its benches does not count as the
+        export's)."""
         run_q = urllib.parse.quote(run_id, safe="")
         listed = server.answer("GET", f"/dmi/runs/{run_q}/requests",
                                timeout_s=self.limit(HTTP_S))["body"]
@@ -1245,42 +1308,22 @@ class ServeLoad:
         ids = [str(r["request_id"]) for r in sorted(
             (r for r in rows if isinstance(r, dict) and r.get("committed")),
             key=lambda r: -int(r.get("bytes") or 0))]
-        target = int(self.plan.export_gb * 1e9)
-        done = threading.Event()
-        got = {"bytes": 0, "files": 0, "errors": 0}
-
-        def export() -> None:
-            k = 0
-            while ids and not done.is_set() and got["bytes"] < target:
-                rid = urllib.parse.quote(ids[k % len(ids)], safe="")
-                reply = server.call("GET", f"/dmi/runs/{run_q}/requests/{rid}/safetensors",
-                                    timeout_s=self.limit(HTTP_S))
-                if reply.status == 200:
-                    got["bytes"] += len(reply.body)
-                    got["files"] += 1
-                else:
-                    got["errors"] += 1
-                k += 1
-
-        exporter = threading.Thread(target=export, name="serve-load-export", daemon=True)
-        t0 = time.monotonic()
-        exporter.start()
-        bench = self.bench(server, f"{run.name}-export")
-        done.set()
-        exporter.join(self.limit(HTTP_S))
-        seconds = time.monotonic() - t0
+        exporter = Exporter(server, run_id, ids, int(self.plan.export_gb * 1e9),
+                            self.limit(HTTP_S))
+        bench = self.bench(server, f"{run.name}-export", exporter)
         after = self.bench(server, f"{run.name}-after-export")
         plain: list[float | None] = [(f or {}).get("request_throughput")
                                      for f in (run.figures, after.get("figures"))]
         exported = (bench.get("figures") or {}).get("request_throughput")
         known = [p for p in plain if p]
         ratio = exported / (sum(known) / 2) if exported and len(known) == 2 else None
-        print(f"[serve-load] {run.name}: exported {got['bytes'] / 1e6:,.0f} MB in "
-              f"{got['files']} files during a bench: throughput x{ratio or 0:.3f} of the "
-              "plain benches before and after it", flush=True)
-        return {"committed_requests": len(ids), "target_bytes": target, **got,
-                "seconds": round(seconds, 2), "mb_s": round(got["bytes"] / 1e6 / seconds, 1),
+        got: Json = bench.get("export") or {}
+        print(f"[serve-load] {run.name}: exported {got.get('bytes', 0) / 1e6:,.0f} MB in "
+              f"{got.get('files', 0)} files during a bench's main run: throughput "
+              f"x{ratio or 0:.3f} of the plain benches before and after it", flush=True)
+        return {"committed_requests": len(ids), **got,
                 "bench": bench.get("figures"), "after": after.get("figures"),
+                "cancels": [*(bench.get("cancels") or []), *(after.get("cancels") or [])],
                 "cpu_seconds": {"export": bench.get("cpu_seconds"),
                                 "after": after.get("cpu_seconds")},
                 "plain_request_throughputs": plain, "throughput_ratio": ratio,
@@ -1420,7 +1463,8 @@ class ServeLoad:
         subset = run.subset or []
         subset_ids = [o["id"] for o in subset]
         bench = run.detail.get("bench") or {}
-        cancels = bench.get("cancels") or []
+        cancels = [*(bench.get("cancels") or []),  # every bench's: the export's two too
+                   *((run.detail.get("export") or {}).get("cancels") or [])]
         warm_ids = (run.detail.get("warmup") or {}).get("ids") or []
         listings = {rid: (r.get("listing") if isinstance(r.get("listing"), dict) else {})
                     for rid, r in web["requests"].items()}

@@ -20,6 +20,7 @@ A JSON summary (timings included) goes to ``$DMI_EVIDENCE_DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,9 +50,23 @@ NEW_TOKENS = 8
 START_S = 600
 EXIT_S = 90  # SGLang's SIGTERM drain polls every 5 s, then waits 15 s for the schedulers
 STACKS_SIGNAL = signal.SIGUSR1
-"""Every Python process of a test's server dumps its threads' stacks into the server's log
-on this signal (a ``sitecustomize`` the test puts first on the server's ``PYTHONPATH``):
-how a server that does not exit after its stop signal is diagnosed."""
+"""On this signal every Python process of a test's server writes its threads' stacks to
+``NAME-stacks/stacks-PID.txt`` in the work directory (a ``sitecustomize`` the test puts
+first on the server's ``PYTHONPATH``; it then loads the environment's own
+``sitecustomize``, if any): how a server that does not exit after its stop signal is
+diagnosed."""
+STACKS_HOOK = """\
+import faulthandler, importlib, os, signal, sys
+_here = os.path.dirname(os.path.abspath(__file__))
+_out = open(os.path.join(_here, f"stacks-{os.getpid()}.txt"), "w")  # kept open: faulthandler
+faulthandler.register(signal.Signals(SIGNAL), file=_out, all_threads=True)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules["sitecustomize"]
+try:
+    importlib.import_module("sitecustomize")  # the one this hook hid, if any
+except ImportError:
+    pass
+""".replace("SIGNAL", str(int(STACKS_SIGNAL)))
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w7{% endif %}")
 
@@ -74,13 +89,11 @@ class Server:
                 "--mem-fraction-static", "0.3", "--cuda-graph-max-bs-decode", "16",
                 "--chat-template", str(template), "--log-level", "warning"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
-        hooks = workdir / "stack-dumps"
-        hooks.mkdir(exist_ok=True)
-        (hooks / "sitecustomize.py").write_text(
-            "import faulthandler, signal\n"
-            f"faulthandler.register(signal.Signals({int(STACKS_SIGNAL)}), all_threads=True)\n")
+        self.stacks = workdir / f"{name}-stacks"
+        self.stacks.mkdir(exist_ok=True)
+        (self.stacks / "sitecustomize.py").write_text(STACKS_HOOK)
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(hooks), *filter(None, [env.get("PYTHONPATH")])])
+            [str(self.stacks), *filter(None, [env.get("PYTHONPATH")])])
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # its own process group
@@ -197,16 +210,16 @@ class Server:
         try:
             self.proc.wait(EXIT_S)
         except subprocess.TimeoutExpired:
-            end, before = self.tail(), self.log.stat().st_size
             os.killpg(self.proc.pid, STACKS_SIGNAL)  # where each process is stuck
             time.sleep(3)
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            with self.log.open("rb") as log:
-                log.seek(before)
-                stacks = log.read(40000).decode(errors="replace")
+            with contextlib.suppress(subprocess.TimeoutExpired):  # reported below either way
+                self.proc.wait(30)
+            stacks = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')}"
+                               for f in sorted(self.stacks.glob("stacks-*.txt"))
+                               if f.stat().st_size)
             pytest.fail(f"server still running {EXIT_S} s after signal {sig}; the end of "
-                        f"its log:\n{end}\nits processes' stacks:\n{stacks}")
+                        f"its log:\n{self.tail()}\nits processes' stacks:\n{stacks}")
         return time.monotonic() - t0
 
 

@@ -525,13 +525,18 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
     assert failed == ["resid_pre:last.readback_equal", "resid_pre:last.token_identity"]
     assert any("values differ" in p
                for p in data["checks"]["resid_pre:last.readback_equal"]["problems"])
-    assert data["checks"]["resid_pre:last.cancelled_incomplete"]["cancelled"] == 1
+    # one cancel per bench (8 prompts: 10 % rounds up to 1), three benches (plain, export,
+    # after), each with ids of its own, all checked
+    assert data["checks"]["resid_pre:last.cancelled_incomplete"]["cancelled"] == 3
     assert data["checks"]["resid_pre:last.captures_complete"]["bench_stored"] >= 8
     assert set(data["figures"]["servers"]) == {"stock", "resid_pre:last"}
     assert data["figures"]["ratios"]["resid_pre:last"]["output_tok_s"] > 0
     export = data["servers"]["resid_pre:last"]["export"]
-    assert export["files"] >= 1  # committed requests' files downloaded during a 2nd bench
-    assert export["bytes"] >= 10_000
+    # committed requests' files downloaded during the 2nd bench's main run (a short one
+    # may end while the first file is still on its way: it then counts apart)
+    assert export["files"] >= 1 or export["bytes_after_stop"] > 0
+    assert export["bytes"] + export["bytes_after_stop"] >= 10_000
+    assert len({c["rid"] for c in export["cancels"]}) == 2
     assert export["errors"] == 0
     assert export["throughput_ratio"] > 0
     assert export["after"]["completed"] == 8  # the plain bench after the export's
