@@ -922,7 +922,10 @@ class Exporter:
         figures of the window."""
         self._t1 = time.monotonic()
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread.ident is None:  # never started (the bench failed before its run)
+            self._t0 = self._t1
+        else:
+            self._thread.join(timeout_s)
         window = max(self._t1 - self._t0, 1e-9)
         busy = max(min(self._last_file_end, self._t1) - self._t0, 0.0)
         return {**self._got, "target_bytes": self.target, "seconds": round(window, 2),
