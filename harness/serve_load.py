@@ -903,8 +903,8 @@ class Exporter:
 
     def __init__(self, server: Server, run_id: str, ids: Sequence[str], target_bytes: int,
                  timeout_s: float) -> None:
-        self.server, self.ids, self.target, self.timeout_s = server, list(ids), target_bytes, \
-            timeout_s
+        self.server, self.ids = server, list(ids)
+        self.target, self.timeout_s = target_bytes, timeout_s
         self.run_q = urllib.parse.quote(run_id, safe="")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="serve-load-export", daemon=True)
