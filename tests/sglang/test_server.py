@@ -436,8 +436,9 @@ def test_children_are_running_until_they_exit_and_are_reaped_by_anyone() -> None
 def test_before_launch_the_server_marks_its_schedulers_and_shields_its_detokenizer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The detokenizer target SGLang would start (its default, or one given by keyword
-    or position) is wrapped to ignore SIGINT; the schedulers' environment carries the
-    server mark; the other arguments pass unchanged."""
+    or position) is wrapped to ignore SIGINT, the warm-up to give up at shutdown; the
+    schedulers' environment carries the server mark; the other arguments pass
+    unchanged."""
     import functools
     from types import SimpleNamespace
 
@@ -453,16 +454,82 @@ def test_before_launch_the_server_marks_its_schedulers_and_shields_its_detokeniz
     assert sa is args
     assert rest == []
     wrapped = kw.pop("run_detokenizer_process_func")
+    warmup = kw.pop("execute_warmup_func")  # SGLang's default, looked up when it runs
+    assert (warmup.func, warmup.args) == (server._warmup_unless_ending, (None,))
     assert kw == {"launch_callback": "cb"}
     assert isinstance(wrapped, functools.partial)
     assert wrapped.func is server._without_sigint
     assert wrapped.args == (run_detokenizer_process,)
     assert os.environ[SERVER_MARK] == "1"
-    (_, *rest), kw = server.before_launch_server(args, "init", "sched", "detok", "warm")
+    (_, *rest), kw = server.before_launch_server(args, "init", "sched", "detok", "warm",
+                                                 "cb")
     assert rest[:2] == ["init", "sched"]
-    assert rest[3:] == ["warm"]
-    assert rest[2].args == ("detok",)
+    assert rest[4:] == ["cb"]
+    assert (rest[2].func, rest[2].args) == (server._without_sigint, ("detok",))
+    assert (rest[3].func, rest[3].args) == (server._warmup_unless_ending, ("warm",))
     assert kw == {}
+    _, kw = server.before_launch_server(args, execute_warmup_func="warm")
+    assert (kw["execute_warmup_func"].func, kw["execute_warmup_func"].args) == (
+        server._warmup_unless_ending, ("warm",))
+
+
+def test_the_warmup_returns_what_sglangs_returns_and_raises_what_it_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
+    assert server._warmup_unless_ending(lambda args: ("ready", args), "sa") == ("ready", "sa")
+    assert server._warmup_unless_ending(lambda args: False, "sa") is False
+
+    def broken(args: object) -> bool:
+        raise RuntimeError("warm-up request failed")
+
+    with pytest.raises(RuntimeError, match="warm-up request failed"):
+        server._warmup_unless_ending(broken, "sa")
+
+
+def test_a_shutdown_during_the_warmup_ends_the_lifespan_at_once(
+        line, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As SGLang's lifespan: a thread runs the warm-up, and the shutdown joins it. A
+    warm-up still waiting for the server (SGLang's polls for up to two minutes) gives up
+    when the HTTP server's shutdown reaches the app through the run header middleware,
+    so the server goes on to stop the run instead of hanging."""
+    import contextlib
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
+    control, _ = line([(True, "")])
+    server_up = threading.Event()  # never set: the server never answers the warm-up
+    polled: list[bool] = []
+    outcome: list[object] = []
+
+    def sglangs_warmup(server_args: object) -> bool:
+        polled.append(server_up.wait(30))
+        return True
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        warmup = threading.Thread(target=lambda: outcome.append(
+            server._warmup_unless_ending(sglangs_warmup, "sa")))
+        warmup.start()
+        try:
+            yield
+        finally:
+            warmup.join()
+
+    app = FastAPI(lifespan=lifespan)
+    server.mount(app, control)
+    with TestClient(app) as client:
+        assert client.get("/nothing").headers[server.RUN_HEADER] == "run-s"
+        assert not server._HTTP_ENDING.is_set()
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5
+    assert outcome == [False]
+    assert polled == []  # abandoned, still waiting
 
 
 @pytest.mark.parametrize(("attrs_", "env", "words"), [
@@ -550,8 +617,9 @@ def test_errors_of_the_captures_own_work_inside_the_forward_are_capture_errors(
 def test_the_hooked_server_functions_take_the_arguments_the_hooks_expect() -> None:
     """SGLang 0.5.19's source (its http_server module does not import without a GPU
     stack): ``launch_server(server_args, init_tokenizer_manager_func,
-    run_scheduler_process_func, run_detokenizer_process_func, ...)`` (the detokenizer
-    target at position 2 after server_args, as ``before_launch_server`` assumes) and
+    run_scheduler_process_func, run_detokenizer_process_func, execute_warmup_func,
+    ...)`` (the detokenizer target at position 2 after server_args, the warm-up at 3, as
+    ``before_launch_server`` assumes; the warm-up takes server_args) and
     ``_setup_and_run_http_server(server_args, tokenizer_manager, template_manager,
     port_args, ...)`` (as ``around_http_server`` takes them)."""
     import ast
@@ -563,9 +631,10 @@ def test_the_hooked_server_functions_take_the_arguments_the_hooks_expect() -> No
     functions = {node.name: [a.arg for a in node.args.args]
                  for node in ast.parse(source.read_text()).body
                  if isinstance(node, ast.FunctionDef)}
-    assert functions["launch_server"][:4] == [
+    assert functions["launch_server"][:5] == [
         "server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
-        "run_detokenizer_process_func"]
+        "run_detokenizer_process_func", "execute_warmup_func"]
+    assert functions["_execute_server_warmup"] == ["server_args"]
     assert functions["_setup_and_run_http_server"][:4] == [
         "server_args", "tokenizer_manager", "template_manager", "port_args"]
 

@@ -6,8 +6,10 @@ that process, and only there, :data:`SERVER_HOOKS` adds two hooks:
 
 * before ``http_server.launch_server`` starts any process (:func:`before_launch_server`):
   refuse the server modes the capture cannot follow, mark the schedulers as a server's
-  (a capture failure there ends the capture, not the serving), and start the
-  detokenizer ignoring SIGINT, as monitoring schedulers do;
+  (a capture failure there ends the capture, not the serving), start the
+  detokenizer ignoring SIGINT, as monitoring schedulers do, and let SGLang's warm-up
+  give up once the HTTP server shuts down (its lifespan waits for the warm-up, which
+  otherwise polls a server that is gone for two minutes);
 * around ``http_server._setup_and_run_http_server``, which runs after the schedulers
   loaded the model and before the HTTP server starts (:func:`around_http_server`): open
   the RPC line to the schedulers that SGLang's ``Engine`` has and its server lacks (a
@@ -360,6 +362,9 @@ class _RunHeader:
         self.capture = CAPTURE_HEADER.lower().encode("latin-1")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, _watching_for_shutdown(receive), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -372,6 +377,19 @@ class _RunHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_header)
+
+
+def _watching_for_shutdown(receive: Any) -> Any:
+    """An ASGI lifespan ``receive`` that sets :data:`_HTTP_ENDING` when the shutdown
+    message arrives (before the app's lifespan handles it)."""
+
+    async def watching() -> Any:
+        message = await receive()
+        if isinstance(message, dict) and message.get("type") == "lifespan.shutdown":
+            _HTTP_ENDING.set()
+        return message
+
+    return watching
 
 
 def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer_manager: Any,
@@ -434,7 +452,8 @@ def before_launch_server(server_args: Any, *args: Any,
     """BEFORE ``http_server.launch_server``, before any process is started: refuse the
     server modes the capture cannot follow, mark the schedulers as a server's
     (:data:`~.runtime_hooks.SERVER_MARK`: a capture failure ends the capture, not the
-    serving), and start the detokenizer ignoring SIGINT.
+    serving), start the detokenizer ignoring SIGINT, and wrap the warm-up so that a
+    shutdown does not wait for it (:func:`_warmup_unless_ending`).
 
     Ctrl-C reaches every process of the terminal's group; a detokenizer that died of it
     would make SGLang tear the server down before the run is stopped (the schedulers
@@ -447,8 +466,6 @@ def before_launch_server(server_args: Any, *args: Any,
             ``--detokenizer-worker-num`` above 1, or ``SGLANG_RUST_SERVER`` (SGLang's
             HTTP server is not started at all).
     """
-    import functools
-
     from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
     from dmi_sglang.errors import UnsupportedConfigurationError
 
@@ -473,16 +490,72 @@ def before_launch_server(server_args: Any, *args: Any,
         raise UnsupportedConfigurationError(tuple(problems))
     os.environ[SERVER_MARK] = "1"
     os.environ[_state.READS_ADDRESS] = _new_read_address()
-    slot = 2  # run_detokenizer_process_func, after server_args and two more functions
-    if len(args) > slot:
-        target = args[slot]
-        args = (*args[:slot], functools.partial(_without_sigint, target), *args[slot + 1:])
-    else:
-        from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 
-        target = kw.get("run_detokenizer_process_func", run_detokenizer_process)
-        kw["run_detokenizer_process_func"] = functools.partial(_without_sigint, target)
+    # positions after server_args: init_tokenizer_manager_func, run_scheduler_process_func,
+    # run_detokenizer_process_func (2), execute_warmup_func (3)
+    args, kw = _wrapped_argument(args, kw, 2, "run_detokenizer_process_func",
+                                 default=run_detokenizer_process, wrapper=_without_sigint)
+    args, kw = _wrapped_argument(args, kw, 3, "execute_warmup_func", default=None,
+                                 wrapper=_warmup_unless_ending)
     return (server_args, *args), kw
+
+
+def _wrapped_argument(args: tuple[Any, ...], kw: dict[str, Any], slot: int, name: str, *,
+                      default: Callable[..., Any] | None, wrapper: Callable[..., Any],
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kw`` with the function argument at position ``slot`` (or keyword
+    ``name``; ``default`` where neither is given, None: the wrapper's own) replaced by
+    ``wrapper`` bound to it."""
+    import functools
+
+    if len(args) > slot:
+        bound = functools.partial(wrapper, args[slot])
+        return (*args[:slot], bound, *args[slot + 1:]), kw
+    return args, {**kw, name: functools.partial(wrapper, kw.get(name, default))}
+
+
+_HTTP_ENDING = threading.Event()
+"""Set in the server's main process when SGLang's HTTP server begins to shut down (its
+lifespan's shutdown message, seen by :class:`_RunHeader`)."""
+
+
+def _warmup_unless_ending(target: Callable[..., Any] | None, *args: Any, **kw: Any) -> Any:
+    """Run SGLang's warm-up ``target`` (None: SGLang's default) on a daemon thread of its
+    own and return what it returns (raising what it raises), or False as soon as the
+    HTTP server begins to shut down first.
+
+    SGLang's lifespan joins its warm-up thread when the HTTP server shuts down, and the
+    warm-up first polls the server, up to 120 times a second apart, before it kills every
+    process of the server: a Ctrl-C before the first poll got its answer (the server's
+    first second or so) kept the server up for two minutes, then ended the schedulers
+    without the run's stop. Returning False makes SGLang's warm-up thread end without
+    marking the server ready. The abandoned poll still ends the process if it is alive
+    two minutes after the start; the stop is done by then."""
+    if target is None:
+        from sglang.srt.entrypoints.http_server import _execute_server_warmup
+
+        target = _execute_server_warmup
+    warmup: Callable[..., Any] = target
+    outcome: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(warmup(*args, **kw))
+        except BaseException as exc:  # handed to the caller's thread below
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="dmi-warmup", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        if _HTTP_ENDING.is_set():
+            log.info("dmi.warmup_abandoned", reason="the HTTP server is shutting down")
+            return False
+        worker.join(0.2)
+    if failure:
+        raise failure[0]
+    return outcome[0] if outcome else False
 
 
 def _new_read_address() -> str:
