@@ -7,8 +7,6 @@ Three tables live in one database:
   capture step that wrote the row, used by readers to drop rows superseded after a
   retraction (see docs/storage.md). The default keeps the table writable by DMI's own
   writer, which names its ten columns.
-  Its one storage setting beyond DMI's, ``index_granularity_bytes`` (:data:`GRANULE_BYTES`),
-  changes no column, key or type.
 * ``<table>_runs``: one row per run state change (``ReplacingMergeTree(version)``).
 * ``<table>_manifest``: one row per request manifest write (same engine).
 
@@ -30,7 +28,7 @@ from dmi_sglang.errors import StoreError
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["GRANULE_BYTES", "OFFLOAD_COLUMNS", "Layout", "StoreTables", "quote"]
+__all__ = ["OFFLOAD_COLUMNS", "Layout", "StoreTables", "quote"]
 
 OFFLOAD_KEY = (
     "model_id",
@@ -57,13 +55,6 @@ OFFLOAD_COLUMNS: tuple[tuple[str, str], ...] = (
     ("seq", "UInt64"),
 )
 """The records table: DMI's ten columns, then ``seq`` (ours)."""
-
-GRANULE_BYTES = 65536
-"""``index_granularity_bytes`` of a new records table: the most bytes of rows one granule
-(the unit the engine reads) holds. While a run captures, each insert is a part holding a
-few positions of every request in flight, so one request's rows are a small slice of each
-part; with ClickHouse's default (10 MiB) a read of one request decompresses whole parts
-of other requests' rows (docs/evidence/2026-12-02-cpu-granule-bytes/)."""
 
 RUNS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("run_id", "String"),
@@ -108,8 +99,7 @@ def quote(name: str) -> str:
 
 def _offload(db: str, table: str) -> Layout:
     key = ", ".join(OFFLOAD_KEY)
-    # DMI's DDL text (dmi-core.md §4.1) with `seq` appended and smaller granules (a
-    # setting, no column or key); keep the two in step.
+    # DMI's DDL text (dmi-core.md §4.1) with `seq` appended; keep the two in step.
     sql = (
         f"CREATE TABLE IF NOT EXISTS {quote(db)}.{quote(table)} (\n"
         "  `model_id` String, `request_id` String, `act_name` String,\n"
@@ -118,7 +108,7 @@ def _offload(db: str, table: str) -> Layout:
         ") ENGINE = MergeTree\n"
         f"PRIMARY KEY ({key})\n"
         f"ORDER BY    ({key})\n"
-        f"SETTINGS index_granularity = 8192, index_granularity_bytes = {GRANULE_BYTES}"
+        "SETTINGS index_granularity = 8192"
     )
     return Layout(table, OFFLOAD_COLUMNS, "MergeTree", OFFLOAD_KEY, OFFLOAD_KEY, sql)
 
