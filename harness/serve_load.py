@@ -41,7 +41,9 @@ detokenizer), which shows where a monitored server's extra work, or an export's,
 One stock run, not bracketed: the ratios carry the run-to-run noise of one server start.
 ``--export-gb N``: after its bench, a monitored server runs two more, the first while a
 client downloads up to N GB of the run's safetensors files: its throughput against the
-plain benches' before and after it is the export's cost.
+plain benches' before and after it is the export's cost. ``--export-rounds R`` repeats
+that pair R times (export, plain, export, plain, ...; each export bench bracketed by the
+plain benches on either side); the cost is the median of the rounds', with their spread.
 
 Model (``--model``): the machine is offline and the Qwen3 shapes of :mod:`harness.models`
 come without a tokenizer, which bench_serving and SGLang's text output need. So the model
@@ -75,6 +77,7 @@ import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +181,7 @@ class Plan:
     extra_flags: tuple[str, ...] = ()
     dry_run: bool = False
     export_gb: float = 0.0
+    export_rounds: int = 1
 
     @property
     def cancel_requests(self) -> int:
@@ -193,7 +197,7 @@ class Plan:
                 "cancel_requests": self.cancel_requests, "subset_prompts": SUBSET_PROMPTS,
                 "subset_new_tokens": SUBSET_NEW_TOKENS, "warmup_requests": WARMUP_REQUESTS,
                 "server_flags": [*SERVER_FLAGS, *self.extra_flags], "seed": SEED,
-                "export_gb": self.export_gb,
+                "export_gb": self.export_gb, "export_rounds": self.export_rounds,
                 "api_key": self.api_key is not None}
 
 
@@ -1118,7 +1122,8 @@ class ServeLoad:
         if self.mode_s is not None:
             return 1.2 * self.mode_s
         load = self.stock_s if self.stock_s is not None else 120.0
-        benches = 1.5 + (2.0 if self.plan.export_gb > 0 else 0.0)  # export: two benches more
+        # export: two benches more per round
+        benches = 1.5 + (2.0 * self.plan.export_rounds if self.plan.export_gb > 0 else 0.0)
         return START_WARM_EST_S + benches * load + MODE_TAIL_EST_S
 
     # commands ------------------------------------------------------------------------
@@ -1297,13 +1302,13 @@ class ServeLoad:
                 and listing["status"] == 200 and blob.status == 200}
 
     def export_under_load(self, server: Server, run_id: str, run: ServerRun) -> Json:
-        """A second bench during whose main run one client downloads the safetensors
-        files of the run's committed requests (largest first, round and round, at most
-        ``--export-gb`` GB), then a third bench without it: the bytes and the rate within
-        the main run, and the export bench's throughput against the mean of the plain
-        benches before and after it on the same server (the export's cost, bracketed so
+        """``--export-rounds`` rounds of two benches: one during whose main run a client
+        downloads the safetensors files of the run's committed requests (largest first,
+        round and round, at most ``--export-gb`` GB), then one without it. Per round the
+        bytes and the rate within the main run, and the export bench's throughput against
+        the mean of the plain benches before and after it on the same server (bracketed so
         that a server warming up or slowing down over its benches does not count as the
-        export's)."""
+        export's); overall the median of the rounds' ratios and their spread."""
         run_q = urllib.parse.quote(run_id, safe="")
         listed = server.answer("GET", f"/dmi/runs/{run_q}/requests",
                                timeout_s=self.limit(HTTP_S))["body"]
@@ -1311,26 +1316,35 @@ class ServeLoad:
         ids = [str(r["request_id"]) for r in sorted(
             (r for r in rows if isinstance(r, dict) and r.get("committed")),
             key=lambda r: -int(r.get("bytes") or 0))]
-        exporter = Exporter(server, run_id, ids, int(self.plan.export_gb * 1e9),
-                            self.limit(HTTP_S))
-        bench = self.bench(server, f"{run.name}-export", exporter)
-        after = self.bench(server, f"{run.name}-after-export")
-        plain: list[float | None] = [(f or {}).get("request_throughput")
-                                     for f in (run.figures, after.get("figures"))]
-        exported = (bench.get("figures") or {}).get("request_throughput")
-        known = [p for p in plain if p]
-        ratio = exported / (sum(known) / 2) if exported and len(known) == 2 else None
-        got: Json = bench.get("export") or {}
-        print(f"[serve-load] {run.name}: exported {got.get('bytes', 0) / 1e6:,.0f} MB in "
-              f"{got.get('files', 0)} files during a bench's main run: throughput "
-              f"x{ratio or 0:.3f} of the plain benches before and after it", flush=True)
-        return {"committed_requests": len(ids), **got,
-                "bench": bench.get("figures"), "after": after.get("figures"),
-                "cancels": [*(bench.get("cancels") or []), *(after.get("cancels") or [])],
-                "cpu_seconds": {"export": bench.get("cpu_seconds"),
-                                "after": after.get("cpu_seconds")},
-                "plain_request_throughputs": plain, "throughput_ratio": ratio,
-                "cost": None if ratio is None else round(1 - ratio, 4)}
+        before: Json | None = run.figures
+        rounds: list[Json] = []
+        for number in range(1, self.plan.export_rounds + 1):
+            suffix = "" if self.plan.export_rounds == 1 else f"-{number}"
+            exporter = Exporter(server, run_id, ids, int(self.plan.export_gb * 1e9),
+                                self.limit(HTTP_S))
+            bench = self.bench(server, f"{run.name}-export{suffix}", exporter)
+            after = self.bench(server, f"{run.name}-after-export{suffix}")
+            rounds.append(_export_round(bench, before, after))
+            before = after.get("figures")
+            print(f"[serve-load] {run.name}: round {number}: exported "
+                  f"{rounds[-1].get('bytes', 0) / 1e6:,.0f} MB in {rounds[-1].get('files', 0)} "
+                  f"files during a bench's main run: throughput "
+                  f"x{rounds[-1]['throughput_ratio'] or 0:.3f} of the plain benches before "
+                  "and after it", flush=True)
+        ratios = [r["throughput_ratio"] for r in rounds if r["throughput_ratio"]]
+        ratio = statistics.median(ratios) if len(ratios) == len(rounds) else None
+        if ratio is not None and len(ratios) > 1:
+            print(f"[serve-load] {run.name}: the export's cost {1 - ratio:.1%} (median of "
+                  f"{len(ratios)} rounds; ratios {min(ratios):.3f}-{max(ratios):.3f})",
+                  flush=True)
+        return {"committed_requests": len(ids), "rounds": rounds,
+                **{k: sum(int(r.get(k) or 0) for r in rounds)
+                   for k in ("bytes", "files", "errors", "bytes_after_stop")},
+                "cancels": [c for r in rounds for c in r["cancels"]],
+                "throughput_ratio": ratio,
+                "cost": None if ratio is None else round(1 - ratio, 4),
+                "cost_spread": round(max(ratios) - min(ratios), 4)
+                if ratio is not None else None}
 
     def wait_committed(self, server: Server, run: str, rids: Sequence[str]) -> float:
         """Seconds until every listed request read complete (a request commits shortly
@@ -1616,6 +1630,24 @@ def terminate_as_exit(load: ServeLoad | None = None) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _export_round(bench: Json, before: Json | None, after: Json) -> Json:
+    """One export round's figures: the export bench's download (``bench["export"]``),
+    throughput and CPU seconds, and its throughput against the mean of the plain benches
+    ``before`` (figures) and ``after`` it."""
+    plain: list[float | None] = [(f or {}).get("request_throughput")
+                                 for f in (before, after.get("figures"))]
+    exported = (bench.get("figures") or {}).get("request_throughput")
+    known = [p for p in plain if p]
+    ratio = exported / (sum(known) / 2) if exported and len(known) == 2 else None
+    return {**(bench.get("export") or {}),
+            "bench": bench.get("figures"), "after": after.get("figures"),
+            "cancels": [*(bench.get("cancels") or []), *(after.get("cancels") or [])],
+            "cpu_seconds": {"export": bench.get("cpu_seconds"),
+                            "after": after.get("cpu_seconds")},
+            "plain_request_throughputs": plain, "throughput_ratio": ratio,
+            "cost": None if ratio is None else round(1 - ratio, 4)}
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
     """The command line and its plan (exit 2 on anything the benchmark cannot run)."""
     p = argparse.ArgumentParser(prog="python -m harness serve-load",
@@ -1630,6 +1662,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
                    help="per monitored server, a bench while a client exports this many GB "
                    "of committed requests' safetensors over HTTP, then a plain one "
                    "(0: none)")
+    p.add_argument("--export-rounds", type=int, default=1,
+                   help="with --export-gb: that pair of benches this many times (default 1)")
     p.add_argument("--input-len", type=int, default=INPUT_LEN)
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--range-ratio", type=float, default=RANGE_RATIO)
@@ -1641,7 +1675,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--dry-run", action="store_true",
                    help="the whole flow on CPU against fake servers (module docstring)")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len", "max_concurrency"):
+    for name in ("num_prompts", "input_len", "output_len", "max_concurrency",
+                 "export_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     if not 0.0 <= args.range_ratio <= 1.0:
@@ -1657,7 +1692,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
                 input_len=args.input_len, output_len=args.output_len,
                 range_ratio=args.range_ratio, max_concurrency=args.max_concurrency,
                 api_key=args.api_key, extra_flags=extra, dry_run=args.dry_run,
-                export_gb=args.export_gb)
+                export_gb=args.export_gb, export_rounds=args.export_rounds)
     return args, plan
 
 

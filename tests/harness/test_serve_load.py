@@ -532,17 +532,51 @@ def test_a_dry_run_with_faults_fails_exactly_the_checks_they_break(
     assert set(data["figures"]["servers"]) == {"stock", "resid_pre:last"}
     assert data["figures"]["ratios"]["resid_pre:last"]["output_tok_s"] > 0
     export = data["servers"]["resid_pre:last"]["export"]
+    (only,) = export["rounds"]
     # committed requests' files downloaded during the 2nd bench's main run (a short one
     # may end while the first file is still on its way: it then counts apart)
-    assert export["files"] >= 1 or export["bytes_after_stop"] > 0
-    assert export["bytes"] + export["bytes_after_stop"] >= 10_000
+    assert only["files"] >= 1 or only["bytes_after_stop"] > 0
+    assert only["bytes"] + only["bytes_after_stop"] >= 10_000
+    assert (export["bytes"], export["files"]) == (only["bytes"], only["files"])
     assert len({c["rid"] for c in export["cancels"]}) == 2
     assert export["errors"] == 0
-    assert export["throughput_ratio"] > 0
-    assert export["after"]["completed"] == 8  # the plain bench after the export's
-    assert len(export["plain_request_throughputs"]) == 2
+    assert export["throughput_ratio"] == only["throughput_ratio"] > 0
+    assert export["cost_spread"] == 0
+    assert only["after"]["completed"] == 8  # the plain bench after the export's
+    assert len(only["plain_request_throughputs"]) == 2
     assert "s3cret" not in out.read_text()
     assert "FAIL  resid_pre:last.token_identity" in capsys.readouterr().out
+
+
+def test_each_export_round_is_bracketed_by_the_plain_benches_on_either_side() -> None:
+    """Round n's export bench against the plain bench before it (the mode's own bench
+    for the first round, the previous round's plain bench after) and the one after it."""
+    def bench(rate: float, *, exported: int = 0) -> dict[str, Any]:
+        out: dict[str, Any] = {"figures": {"request_throughput": rate},
+                               "cancels": [{"rid": f"c-{rate}"}], "cpu_seconds": {"p": 1.0}}
+        if exported:
+            out["export"] = {"bytes": exported, "files": 2}
+        return out
+
+    first = sl._export_round(bench(30.0, exported=700), {"request_throughput": 40.0},
+                             bench(20.0))
+    assert first["throughput_ratio"] == pytest.approx(1.0)  # 30 / mean(40, 20)
+    assert first["plain_request_throughputs"] == [40.0, 20.0]
+    assert (first["bytes"], first["files"]) == (700, 2)
+    assert [c["rid"] for c in first["cancels"]] == ["c-30.0", "c-20.0"]
+    second = sl._export_round(bench(15.0), first["after"], bench(40.0))
+    assert second["plain_request_throughputs"] == [20.0, 40.0]
+    assert second["cost"] == pytest.approx(0.5)
+    assert sl._export_round(bench(15.0), None, bench(40.0))["throughput_ratio"] is None
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_export_rounds_below_one_are_refused(rounds: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        sl.parse_args(["--export-gb", "1", "--export-rounds", rounds])
+    assert exc.value.code == 2
+    assert f"--export-rounds {rounds}: expected >= 1" in capsys.readouterr().err
 
 
 def test_past_the_deadline_nothing_starts_and_every_mode_is_skipped(tmp_path: Path) -> None:
