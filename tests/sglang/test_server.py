@@ -475,6 +475,8 @@ def test_before_launch_the_server_marks_its_schedulers_and_shields_its_detokeniz
 
 def test_the_warmup_returns_what_sglangs_returns_and_raises_what_it_raises(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the HTTP server runs, the wrapped warm-up is SGLang's: its result, its
+    exception."""
     from dmi_sglang.adapters.sglang_v0519 import server
 
     monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
@@ -523,13 +525,120 @@ def test_a_shutdown_during_the_warmup_ends_the_lifespan_at_once(
 
     app = FastAPI(lifespan=lifespan)
     server.mount(app, control)
-    with TestClient(app) as client:
-        assert client.get("/nothing").headers[server.RUN_HEADER] == "run-s"
-        assert not server._HTTP_ENDING.is_set()
-        t0 = time.monotonic()
-    assert time.monotonic() - t0 < 5
-    assert outcome == [False]
-    assert polled == []  # abandoned, still waiting
+    try:
+        with TestClient(app) as client:
+            assert client.get("/nothing").headers[server.RUN_HEADER] == "run-s"
+            assert not server._HTTP_ENDING.is_set()
+            t0 = time.monotonic()
+        assert time.monotonic() - t0 < 5
+        assert outcome == [False]
+        assert polled == []  # abandoned, still waiting
+    finally:
+        server_up.set()
+
+
+def test_a_cancelled_lifespan_ends_at_once_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uvicorn's forced exit (a second Ctrl-C) and SGLang's SIGTERM path end the lifespan
+    by cancelling it while it waits for the shutdown message: the warm-up gives up then
+    as well, so the lifespan's join of it returns at once."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
+    server_up = threading.Event()
+    outcome: list[object] = []
+    joined: list[float] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        warmup = threading.Thread(target=lambda: outcome.append(
+            server._warmup_unless_ending(lambda sa: server_up.wait(30), "sa")))
+        warmup.start()
+        try:
+            yield
+        finally:
+            t0 = time.monotonic()
+            warmup.join()
+            joined.append(time.monotonic() - t0)
+
+    app = FastAPI(lifespan=lifespan)
+    control = SimpleNamespace(run_id="run-s", last_state="capturing")  # no HTTP here
+    mounted = server._RunHeader(app, control)  # type: ignore[arg-type]
+    messages: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    sent: list[str] = []
+
+    async def send(message: dict[str, str]) -> None:
+        sent.append(message["type"])
+
+    async def lifetime() -> None:
+        task = asyncio.create_task(mounted({"type": "lifespan", "state": {}},
+                                           messages.get, send))
+        await messages.put({"type": "lifespan.startup"})
+        while "lifespan.startup.complete" not in sent:
+            await asyncio.sleep(0.01)
+        task.cancel()  # as asyncio.run does with a task still running at the loop's end
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(lifetime())
+        assert server._HTTP_ENDING.is_set()
+        assert outcome == [False]
+        assert joined[0] < 5
+    finally:
+        server_up.set()
+
+
+def test_a_given_up_warmup_cannot_kill_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's warm-up kills the server's processes when its polls found no server; once
+    the warm-up was given up at a shutdown (the run's stop is under way), that kill is
+    skipped; every other caller's goes through."""
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
+    monkeypatch.setattr(server, "_ABANDONED", set())
+    polls_failed = threading.Event()
+    kills: list[str] = []
+
+    def sglangs_warmup(server_args: object) -> bool:  # its polls, then its kill
+        polls_failed.wait(30)
+        server.around_kill_process_tree(kills.append, "from the warm-up")
+        return False
+
+    given_up: list[object] = []
+    caller = threading.Thread(target=lambda: given_up.append(
+        server._warmup_unless_ending(sglangs_warmup, "sa")))
+    caller.start()
+    server._HTTP_ENDING.set()
+    caller.join(5)
+    assert given_up == [False]
+    (worker,) = server._ABANDONED
+    polls_failed.set()
+    worker.join(5)
+    assert kills == []
+    server.around_kill_process_tree(kills.append, "from SGLang's own exit")
+    assert kills == ["from SGLang's own exit"]
+
+
+def test_each_launch_starts_with_its_http_server_not_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import SERVER_MARK
+
+    monkeypatch.setattr(server, "_HTTP_ENDING", threading.Event())
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    monkeypatch.setenv(SERVER_MARK, "")
+    server._HTTP_ENDING.set()  # an earlier server of this process ended
+    server.before_launch_server(SimpleNamespace(tokenizer_worker_num=1,
+                                                detokenizer_worker_num=1))
+    assert not server._HTTP_ENDING.is_set()
 
 
 @pytest.mark.parametrize(("attrs_", "env", "words"), [
@@ -635,6 +744,13 @@ def test_the_hooked_server_functions_take_the_arguments_the_hooks_expect() -> No
         "server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
         "run_detokenizer_process_func", "execute_warmup_func"]
     assert functions["_execute_server_warmup"] == ["server_args"]
+    # what the warm-up wrapper relies on: a False warm-up ends SGLang's warm-up thread
+    # before it marks the server ready; the warm-up's kill is http_server's own name
+    text = source.read_text()
+    assert "if not execute_warmup_func(server_args):\n            return" in text
+    assert "kill_process_tree(os.getpid())" in ast.get_source_segment(text, next(
+        node for node in ast.parse(text).body
+        if isinstance(node, ast.FunctionDef) and node.name == "_execute_server_warmup"))
     assert functions["_setup_and_run_http_server"][:4] == [
         "server_args", "tokenizer_manager", "template_manager", "port_args"]
 

@@ -57,6 +57,7 @@ __all__ = [
     "RunControl",
     "RunState",
     "around_http_server",
+    "around_kill_process_tree",
     "before_launch_server",
     "mount",
     "serving_process",
@@ -352,7 +353,8 @@ def mount(app: Any, control: RunControl) -> None:
 class _RunHeader:
     """ASGI middleware: add :data:`RUN_HEADER` and :data:`CAPTURE_HEADER` to every HTTP
     response (streamed ones included; pure ASGI, so a client's disconnect still reaches
-    SGLang)."""
+    SGLang), and tell the warm-up when the app's lifespan ends
+    (:func:`_watching_for_shutdown`)."""
 
     def __init__(self, app: Any, control: RunControl) -> None:
         self.app = app
@@ -379,12 +381,31 @@ class _RunHeader:
         await self.app(scope, receive, send_with_header)
 
 
+def around_kill_process_tree(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """AROUND SGLang's ``kill_process_tree`` in the server's main process: skipped (and
+    logged) when called by a warm-up given up at a shutdown (after its polls of a server
+    that is gone failed), which would otherwise end the schedulers during the run's stop;
+    every other call as SGLang makes it."""
+    if threading.current_thread() in _ABANDONED:
+        log.warning("dmi.warmup_kill_skipped",
+                    reason="SGLang's warm-up, given up at the shutdown, found no server; "
+                           "the server's own exit ends its processes after the stop")
+        return None
+    return original(*args, **kw)
+
+
 def _watching_for_shutdown(receive: Any) -> Any:
-    """An ASGI lifespan ``receive`` that sets :data:`_HTTP_ENDING` when the shutdown
-    message arrives (before the app's lifespan handles it)."""
+    """An ASGI lifespan ``receive`` that sets :data:`_HTTP_ENDING` when the lifespan
+    ends: its shutdown message arrives (a Ctrl-C), or the wait for it is cancelled
+    (uvicorn's forced exit on a second Ctrl-C; SGLang's SIGTERM path, which exits the
+    event loop), before the app's lifespan goes on to its end."""
 
     async def watching() -> Any:
-        message = await receive()
+        try:
+            message = await receive()
+        except BaseException:
+            _HTTP_ENDING.set()
+            raise
         if isinstance(message, dict) and message.get("type") == "lifespan.shutdown":
             _HTTP_ENDING.set()
         return message
@@ -490,6 +511,7 @@ def before_launch_server(server_args: Any, *args: Any,
         raise UnsupportedConfigurationError(tuple(problems))
     os.environ[SERVER_MARK] = "1"
     os.environ[_state.READS_ADDRESS] = _new_read_address()
+    _HTTP_ENDING.clear()  # this launch's HTTP server has not ended
     from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 
     # positions after server_args: init_tokenizer_manager_func, run_scheduler_process_func,
@@ -505,8 +527,8 @@ def _wrapped_argument(args: tuple[Any, ...], kw: dict[str, Any], slot: int, name
                       default: Callable[..., Any] | None, wrapper: Callable[..., Any],
                       ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kw`` with the function argument at position ``slot`` (or keyword
-    ``name``; ``default`` where neither is given, None: the wrapper's own) replaced by
-    ``wrapper`` bound to it."""
+    ``name``, or ``default`` where neither is given) replaced by ``wrapper`` bound to it;
+    a ``default`` of None lets the wrapper pick SGLang's default when it runs."""
     import functools
 
     if len(args) > slot:
@@ -516,22 +538,25 @@ def _wrapped_argument(args: tuple[Any, ...], kw: dict[str, Any], slot: int, name
 
 
 _HTTP_ENDING = threading.Event()
-"""Set in the server's main process when SGLang's HTTP server begins to shut down (its
-lifespan's shutdown message, seen by :class:`_RunHeader`)."""
+"""Set in the server's main process when SGLang's HTTP server shuts down (its lifespan
+ends, seen by :class:`_RunHeader`); cleared when a server launches."""
+_ABANDONED: set[threading.Thread] = set()
+"""Warm-up threads given up at a shutdown (:func:`_warmup_unless_ending`)."""
 
 
 def _warmup_unless_ending(target: Callable[..., Any] | None, *args: Any, **kw: Any) -> Any:
     """Run SGLang's warm-up ``target`` (None: SGLang's default) on a daemon thread of its
     own and return what it returns (raising what it raises), or False as soon as the
-    HTTP server begins to shut down first.
+    HTTP server's lifespan ends first.
 
     SGLang's lifespan joins its warm-up thread when the HTTP server shuts down, and the
     warm-up first polls the server, up to 120 times a second apart, before it kills every
-    process of the server: a Ctrl-C before the first poll got its answer (the server's
-    first second or so) kept the server up for two minutes, then ended the schedulers
-    without the run's stop. Returning False makes SGLang's warm-up thread end without
-    marking the server ready. The abandoned poll still ends the process if it is alive
-    two minutes after the start; the stop is done by then."""
+    process of the server: a Ctrl-C before the first poll got its answer kept the server
+    up for two minutes, then ended the schedulers without the run's stop. Returning False
+    makes SGLang's warm-up thread end without marking the server ready. The abandoned
+    thread goes on polling; its kill is skipped (:func:`around_kill_process_tree`), so it
+    cannot end the process while the stop runs. Uvicorn ends the lifespan only after the
+    open connections closed: until then the warm-up is not given up."""
     if target is None:
         from sglang.srt.entrypoints.http_server import _execute_server_warmup
 
@@ -550,6 +575,7 @@ def _warmup_unless_ending(target: Callable[..., Any] | None, *args: Any, **kw: A
     worker.start()
     while worker.is_alive():
         if _HTTP_ENDING.is_set():
+            _ABANDONED.add(worker)
             log.info("dmi.warmup_abandoned", reason="the HTTP server is shutting down")
             return False
         worker.join(0.2)
@@ -596,5 +622,7 @@ SERVER_HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("sglang.srt.entrypoints.http_server.launch_server", "BEFORE", before_launch_server),
     ("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "AROUND",
      around_http_server),
+    ("sglang.srt.entrypoints.http_server.kill_process_tree", "AROUND",
+     around_kill_process_tree),
 )
 """``(target, hook type, function)`` registered only in the server's main process."""
