@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from dmi_sglang.columns import RecordBatch
-from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
+from dmi_sglang.domain.ports import HookTotal, RequestExtents, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
@@ -234,14 +234,11 @@ class MemoryReader:
         return sorted({(r.act_name, r.layer_no, r.shard_rank, r.start_token_idx,
                         r.end_token_idx) for r in self._records(run_id, request_id)})
 
-    def row_layouts(self, run_id: str, request_id: str) -> list[RowLayout]:
-        """Per stored ``(act_name, layer_no)`` of a request, one record's dtype and row
-        shape."""
-        seen: dict[tuple[str, int], RowLayout] = {}
-        for r in self._records(run_id, request_id):
-            seen.setdefault((r.act_name, r.layer_no),
-                            RowLayout(r.act_name, r.layer_no, r.dtype, tuple(r.shape[1:])))
-        return [seen[k] for k in sorted(seen)]
+    def extents(self, run_id: str, request_id: str) -> RequestExtents:
+        """A request's stored ranges and row layouts."""
+        return RequestExtents.from_rows(
+            (r.act_name, r.layer_no, r.shard_rank, r.start_token_idx, r.end_token_idx,
+             r.dtype, tuple(r.shape[1:])) for r in self._records(run_id, request_id))
 
     def hook_totals(self, run_id: str) -> list[HookTotal]:
         """Per act_name of a run: layers, records, rows and payload bytes."""

@@ -205,9 +205,14 @@ def test_the_latest_manifest_of_each_request_is_listed(backend: Backend) -> None
     assert got == {"a": d.manifest("a", 4, 2), "b": d.manifest("b", 2, 2)}  # a's newest
 
 
-def test_row_layouts_name_each_hooks_dtype_and_row_shape(backend: Backend) -> None:
+def test_extents_name_each_hooks_dtype_and_row_shape_and_its_ranges(
+        backend: Backend) -> None:
     _write_run(backend)
-    layouts = backend.reader().row_layouts(d.RUN, "b")
-    assert [(x.act_name, x.layer_no, x.dtype, x.row_shape) for x in layouts] == [
+    reader = backend.reader()
+    extents = reader.extents(d.RUN, "b")
+    assert [(x.act_name, x.layer_no, x.dtype, x.row_shape) for x in extents.layouts] == [
         (d.RESID, 0, "torch.float32", (d.WIDTH,)), (d.RESID, 1, "torch.float32", (d.WIDTH,)),
         (d.LOGITS, -1, "torch.float32", (d.WIDTH,))]  # by act_name, then layer
+    assert list(extents.ranges) == sorted(reader.ranges(d.RUN, "b"))
+    assert extents.ranges  # the request has records
+    assert reader.extents(d.RUN, "no-such-request") == type(extents)((), ())

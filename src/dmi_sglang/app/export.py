@@ -29,7 +29,7 @@ import numpy as np
 from dmi_sglang.app.assemble import joined_rows, missing, select_rows, selected_positions
 from dmi_sglang.app.shards import by_shard, combined_rows
 from dmi_sglang.columns import RecordBatch, RecordBatchReader
-from dmi_sglang.domain.ports import RecordReader
+from dmi_sglang.domain.ports import RecordReader, RowLayout
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.shapes import DType
 from dmi_sglang.domain.tensor_parallel import ShardPlan, TpRule
@@ -294,12 +294,12 @@ def _listing(reader: RecordReader, run_id: str,
              request_id: str) -> tuple[dict[str, object], list[_Tensor]]:
     run = _require_run(reader, run_id)
     manifest = reader.manifest(run_id, request_id)
-    ranges = reader.ranges(run_id, request_id)
-    if manifest is None and not ranges:
+    extents = reader.extents(run_id, request_id)  # one pass: completeness and header
+    if manifest is None and not extents.ranges:
         msg = f"run {run_id!r} holds nothing of request {request_id!r}"
         raise NotInStoreError(msg)
-    reasons = missing(run_id, request_id, run, manifest, ranges)
-    tensors = _tensors(reader, run, manifest) if not reasons and manifest else []
+    reasons = missing(run_id, request_id, run, manifest, list(extents.ranges))
+    tensors = _tensors(extents.layouts, run, manifest) if not reasons and manifest else []
     out: dict[str, object] = {
         "run_id": run_id, "request_id": request_id, "run_status": run.status.value,
         "complete": not reasons, "missing": list(reasons),
@@ -310,9 +310,9 @@ def _listing(reader: RecordReader, run_id: str,
     return out, tensors
 
 
-def _tensors(reader: RecordReader, run: RunInfo, manifest: RequestManifest) -> list[_Tensor]:
-    layouts = {(lay.act_name, lay.layer_no): lay
-               for lay in reader.row_layouts(run.run_id, manifest.request_id)}
+def _tensors(stored: Sequence[RowLayout], run: RunInfo,
+             manifest: RequestManifest) -> list[_Tensor]:
+    layouts = {(lay.act_name, lay.layer_no): lay for lay in stored}
     rules = run.position_rules()
     tp = run.tensor_parallel
     out: list[_Tensor] = []

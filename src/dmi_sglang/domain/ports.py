@@ -42,9 +42,11 @@ __all__ = [
     "RecordReader",
     "ReferenceForward",
     "ReferenceModel",
+    "RequestExtents",
     "RequestSummary",
     "RowLayout",
     "RunClaims",
+    "StoredRange",
     "TrackedRequest",
     "TransportStats",
 ]
@@ -79,6 +81,39 @@ class RowLayout:
     layer_no: int
     dtype: str
     row_shape: tuple[int, ...]
+
+
+StoredRange = tuple[str, int, int, int, int]
+"""``(act_name, layer_no, shard_rank, start, end)`` of stored records."""
+
+
+@attrs.frozen
+class RequestExtents:
+    """What a request's stored records cover, without their payloads: what an export
+    needs before its first byte, from one pass over the store.
+
+    Attributes:
+        ranges: the distinct :data:`StoredRange` of its records, sorted.
+        layouts: per stored ``(act_name, layer_no)``, the dtype and row shape of one of
+            its records, by act_name, then layer.
+    """
+
+    ranges: tuple[StoredRange, ...]
+    layouts: tuple[RowLayout, ...]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[tuple[str, int, int, int, int, str, Sequence[int]]],
+                  ) -> RequestExtents:
+        """From ``(act_name, layer_no, shard_rank, start, end, dtype, row_shape)`` rows,
+        one or more per stored range (a layout is taken from the first row of its
+        ``(act_name, layer_no)`` in sorted order)."""
+        ranges: set[StoredRange] = set()
+        layouts: dict[tuple[str, int], RowLayout] = {}
+        for act, layer, shard, start, end, dtype, row_shape in sorted(
+                rows, key=lambda r: (r[0], r[1], r[2], r[3], r[4])):
+            ranges.add((act, layer, shard, start, end))
+            layouts.setdefault((act, layer), RowLayout(act, layer, dtype, tuple(row_shape)))
+        return cls(tuple(sorted(ranges)), tuple(layouts[k] for k in sorted(layouts)))
 
 
 @runtime_checkable
@@ -130,9 +165,9 @@ class RecordReader(Protocol):
         records, without payloads (cheap completeness checks)."""
         ...
 
-    def row_layouts(self, run_id: str, request_id: str) -> Sequence[RowLayout]:
-        """Per stored ``(act_name, layer_no)`` of a request, the dtype and shape of one
-        row, without payloads (an export's header)."""
+    def extents(self, run_id: str, request_id: str) -> RequestExtents:
+        """A request's stored ranges and row layouts, without payloads, in one pass (an
+        export's completeness check and header)."""
         ...
 
     def hook_totals(self, run_id: str) -> Sequence[HookTotal]:

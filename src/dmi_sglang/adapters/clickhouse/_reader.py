@@ -31,7 +31,7 @@ from dmi_sglang.adapters.clickhouse._live import is_live
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.columns import RecordBatch
-from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
+from dmi_sglang.domain.ports import HookTotal, RequestExtents, RequestSummary
 from dmi_sglang.domain.records import (
     STALE_AFTER_S,
     CaptureRecord,
@@ -276,18 +276,20 @@ class ClickHouseReader:
         )
         return [(str(a), int(ln), int(sr), int(s), int(e)) for a, ln, sr, s, e in rows]
 
-    def row_layouts(self, run_id: str, request_id: str) -> list[RowLayout]:
-        """Per stored ``(act_name, layer_no)`` of a request, the dtype and row shape of
-        one of its records (payloads are not read)."""
+    def extents(self, run_id: str, request_id: str) -> RequestExtents:
+        """A request's distinct stored ranges, each with one record's dtype and row
+        shape, in one query without payloads."""
         rows = self._query(
             self._tables.offload,
-            "SELECT act_name, layer_no, any(dtype), any(arraySlice(shape, 2)) FROM {t} "
+            "SELECT act_name, layer_no, shard_rank, start_token_idx, end_token_idx, "
+            "any(dtype), any(arraySlice(shape, 2)) FROM {t} "
             "WHERE model_id = {run:String} AND request_id = {req:String} "
-            "GROUP BY act_name, layer_no ORDER BY act_name, layer_no",
+            "GROUP BY act_name, layer_no, shard_rank, start_token_idx, end_token_idx",
             {"run": run_id, "req": request_id},
         )
-        return [RowLayout(str(a), int(ln), str(d), tuple(int(x) for x in shp))
-                for a, ln, d, shp in rows]
+        return RequestExtents.from_rows(
+            (str(a), int(ln), int(sr), int(lo), int(hi), str(d), tuple(int(x) for x in shp))
+            for a, ln, sr, lo, hi, d, shp in rows)
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run's records, manifests and run rows; returns records deleted."""

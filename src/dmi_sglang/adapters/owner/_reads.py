@@ -42,7 +42,7 @@ from dmi_sglang.adapters.owner._service import (
     request_socket,
 )
 from dmi_sglang.columns import RecordBatch, RecordBatchReader
-from dmi_sglang.domain.ports import HookTotal, RequestSummary, RowLayout
+from dmi_sglang.domain.ports import HookTotal, RequestExtents, RequestSummary
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.errors import StoreError
 
@@ -54,7 +54,7 @@ READ_TIMEOUT_S = 30.0
 """Longest a remote read waits for the owner's answer."""
 
 _METHODS = frozenset({"runs", "run", "requests", "manifest", "manifests", "records",
-                      "batches_within", "ranges", "row_layouts", "hook_totals"})
+                      "batches_within", "ranges", "extents", "hook_totals"})
 """The reader methods the service answers (reads only: no delete)."""
 _RECORD_METHODS = frozenset({"records"})
 """The methods whose answers are records: fields pickled, payloads as frames of their own."""
@@ -231,9 +231,9 @@ class RemoteReader:
         records."""
         return self._call("ranges", run_id, request_id)  # type: ignore[no-any-return]
 
-    def row_layouts(self, run_id: str, request_id: str) -> Sequence[RowLayout]:
-        """Per stored hook and layer of a request, its dtype and row shape."""
-        return self._call("row_layouts", run_id, request_id)  # type: ignore[no-any-return]
+    def extents(self, run_id: str, request_id: str) -> RequestExtents:
+        """A request's stored ranges and row layouts."""
+        return self._call("extents", run_id, request_id)  # type: ignore[no-any-return]
 
     def hook_totals(self, run_id: str) -> Sequence[HookTotal]:
         """Per act_name of a run, its footprint."""
