@@ -191,10 +191,7 @@ def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
         fields = rest.split()  # from the state on: field 3 of proc(5) is fields[0]
         if len(fields) < 13 or int(fields[2]) != pgid:
             continue
-        try:
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
-        except OSError:
-            title = []
+        title = _cmdline(entry).replace(b"\0", b" ").split()
         name = os.path.basename(title[0].decode(errors="replace")) if title else comm
         found[f"{name} {entry.name}"] = (int(fields[11]) + int(fields[12])) / ticks
     return found
@@ -224,11 +221,17 @@ ENGINE_MARKERS = (b"harness.engine",)
 def _leader_is_ours(pgid: int, markers: tuple[bytes, ...]) -> bool:
     """Whether the group's leader still runs a command line holding one of ``markers``
     (its id was not reused)."""
-    try:
-        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    cmdline = _cmdline(Path(f"/proc/{pgid}"))
     return any(m in cmdline for m in markers)
+
+
+def _cmdline(process: Path) -> bytes:
+    """The NUL-separated command line of the process whose ``/proc`` directory is
+    ``process``; empty when it is gone or shows none (a kernel thread, a zombie)."""
+    try:
+        return (process / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def kill_leftovers(path: Path, markers: tuple[bytes, ...] = ENGINE_MARKERS) -> list[int]:
