@@ -168,7 +168,8 @@ def _model_dir(base: Path) -> Path:
 @pytest.mark.parametrize(
     ("args", "words"),
     [(["--model", "/nonexistent", "--prompt", "x"], "--model /nonexistent does not exist"),
-     (["--prompts", "/nonexistent/prompts.txt"], "No such file"),
+     (["--prompts", "/nonexistent/prompts.txt"],
+     "--prompts /nonexistent/prompts.txt: No such file"),
      (["--hooks", "resid_pree"], "resid_pree"),
      (["--db", "bogus://x"], "--db 'bogus://x' is not a store URL"),
      (["--max-new-tokens", "0"], "is not a positive integer")],
@@ -181,7 +182,33 @@ def test_capture_checks_its_arguments_before_looking_for_a_gpu(
         assert main(["capture", *base, *args]) != 0
     err = capsys.readouterr().err
     assert words in err
-    assert "GPU" not in err
+    assert "needs an NVIDIA GPU" not in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [("DMX_DB_URL", "bogus://x", "DMX_DB_URL='bogus://x'"),
+     ("DMX_FOO", "1", "unknown setting DMX_FOO"),
+     ("DMX_DB_PORT", "9000", "speaks ClickHouse's HTTP protocol, by default on 8123")],
+    ids=["db-url", "unknown", "native-port"],
+)
+def test_capture_checks_the_environment_before_looking_for_a_gpu(
+        variable: str, value: str, words: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(variable, value)
+    assert main(["capture", "--model", str(_model_dir(Path()))]) != 0
+    err = capsys.readouterr().err
+    assert words in err
+    assert "needs an NVIDIA GPU" not in err
+
+
+def test_capture_help_shows_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["capture", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out
+    assert "(default: 'The capital of France is')" in out
+    assert "Every other --option is passed to SGLang" in out
 
 
 def test_version_module_entry_and_polish(tmp_path: Path,
@@ -199,4 +226,6 @@ def test_version_module_entry_and_polish(tmp_path: Path,
     assert "capture into it with `dmi-sglang capture" in capsys.readouterr().err
     assert not (tmp_path / "none-yet").exists()
     assert main(["ls", "--db", "bogus://x"]) != 0
-    assert "--db 'bogus://x' is not a store URL" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--db 'bogus://x' is not a store URL" in err
+    assert "DMX_DB_URL" not in err  # the flag was wrong, not the variable

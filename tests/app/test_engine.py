@@ -265,3 +265,15 @@ def test_an_sglang_without_an_adapter_is_refused_before_anything_starts(
     with pytest.raises(UnsupportedConfigurationError, match=r"sglang 0\.6\.0 is installed"):
         _engine(dmx_db_url="none")
     assert not fake.started.is_set()
+
+
+def test_ignored_settings_are_logged_from_the_environment_and_keywords(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from structlog.testing import capture_logs
+
+    monkeypatch.setenv("DMX_CH_PARALLELISM", "4")
+    monkeypatch.chdir(tmp_path)
+    with capture_logs() as logs:
+        _engine(dmx_model_id="r", dmx_step_debug=1)
+    ignored = sorted(e["variable"] for e in logs if e["event"] == "setting ignored")
+    assert ignored == ["DMX_CH_PARALLELISM", "dmx_step_debug"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dmi_sglang.domain.store_config import StoreConfig
-from dmi_sglang.errors import ConfigurationError, DMIError, UsageError
+from dmi_sglang.errors import DMIError
 
 __all__ = ["main"]
 
@@ -57,19 +57,21 @@ def _parser() -> argparse.ArgumentParser:
 
     cap = with_db(sub.add_parser(
         "capture", help="run a monitored generation into the store",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Every other --option is passed to SGLang's ServerArgs unchanged "
         "(e.g. --attention-backend triton --mem-fraction-static 0.3)."))
     cap.add_argument("--model", required=True, help="model directory (a Qwen3 checkpoint)")
     src = cap.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompt", default="The capital of France is",
+                     help="one prompt (default: %(default)r)")
     src.add_argument("--prompts", type=Path, help="a file with one prompt per line")
     cap.add_argument("--hooks", default=None,
-                     help="hook selection; unset: $DMX_HOOK_SELECTION, else sglang-full")
-    cap.add_argument("--run-id", default=None, help="capture run id (default: generated)")
+                     help="hook selection (default: $DMX_HOOK_SELECTION, else sglang-full)")
+    cap.add_argument("--run-id", default=None,
+                     help="capture run id (default: $DMX_MODEL_ID, else generated)")
     cap.add_argument("--max-new-tokens", type=_positive, default=32,
-                     help="tokens generated per prompt")
-    cap.add_argument("--batch", type=_positive, default=64, help="prompts per generate call")
+                     help="tokens generated per prompt (default: %(default)s)")
+    cap.add_argument("--batch", type=_positive, default=64,
+                     help="prompts per generate call (default: %(default)s)")
 
     ls = with_db(sub.add_parser("ls", help="list runs, or the requests of one run"))
     ls.add_argument("run", nargs="?")
@@ -192,16 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _store(db: str | None) -> StoreConfig:
-    """The store ``--db`` (or the environment) names; errors name ``--db``."""
+    """The store ``--db`` (or the environment) names; a bad ``--db`` is named as such."""
+    from dmi_sglang.app.cli_commands import check_db_flag
     from dmi_sglang.app.reading import store_config
 
-    try:
-        return store_config(db)
-    except ConfigurationError as exc:
-        if db is None:
-            raise
-        msg = f"--db {db!r} is not a store URL: {exc}"
-        raise UsageError(msg) from None
+    check_db_flag(db)
+    return store_config(db)
 
 
 def _one_line(exc: BaseException) -> str:

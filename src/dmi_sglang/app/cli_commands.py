@@ -266,8 +266,7 @@ def capture(args: argparse.Namespace, extra: Sequence[str]) -> int:
         return 3
     prompts = _read_prompts(args)
     kwargs = _sglang_kwargs(str(args.model), extra)
-    dmx = {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
-                             ("dmx_model_id", args.run_id)) if v is not None}
+    dmx = _capture_settings(args)
     from dmi_sglang.app.engine import DMIEngine
 
     engine = DMIEngine(**kwargs, **dmx)
@@ -306,27 +305,46 @@ def require_model_dir(flag: str, value: str | Path) -> Path:
     return model
 
 
+def check_db_flag(db: str | None) -> None:
+    """Refuse a ``--db`` value that is not a store URL, naming ``--db``.
+
+    Raises:
+        UsageError: ``db`` is given and not a store URL.
+    """
+    if db is None:
+        return
+    from dmi_sglang.domain.settings import StoreUrl
+
+    try:
+        StoreUrl.parse(db)
+    except ConfigurationError as exc:
+        msg = f"--db {db!r} is not a store URL: {exc}"
+        raise UsageError(msg) from None
+
+
+def _capture_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The ``dmx_*`` keywords the flags give (flags win over ``DMX_*`` variables)."""
+    return {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
+                              ("dmx_model_id", args.run_id)) if v is not None}
+
+
 def _validate_capture(args: argparse.Namespace) -> None:
-    """Refuse bad capture arguments before looking for a GPU or starting anything."""
+    """Refuse bad capture arguments and settings (the flags, then the ``DMX_*``
+    variables they join) before looking for a GPU or starting anything."""
     require_model_dir("--model", args.model)
     if args.prompts is not None:
         _read_prompts(args)
-    from dmi_sglang.domain.hooks import parse_selection
-    from dmi_sglang.domain.settings import StoreUrl
-
-    if args.hooks is not None:
-        parse_selection(args.hooks)
+    for flag, key, value in (("--hooks", "dmx_hook_selection", args.hooks),
+                             ("--run-id", "dmx_model_id", args.run_id)):
+        if value is None:
+            continue
         try:
-            Settings.from_kwargs({"dmx_hook_selection": args.hooks}, env={})
+            Settings.from_kwargs({key: value}, env={})
         except ConfigurationError as exc:
-            msg = f"--hooks {args.hooks!r}: {exc}"
+            msg = f"{flag} {value!r}: {exc}"
             raise UsageError(msg) from None
-    if args.db is not None:
-        try:
-            StoreUrl.parse(args.db)
-        except ConfigurationError as exc:
-            msg = f"--db {args.db!r} is not a store URL: {exc}"
-            raise UsageError(msg) from None
+    check_db_flag(args.db)
+    Settings.from_kwargs(_capture_settings(args))  # with the environment's DMX_*
 
 
 def _reference_prompts(args: argparse.Namespace, default: Sequence[str]) -> list[str]:
@@ -343,11 +361,18 @@ def _reference_prompts(args: argparse.Namespace, default: Sequence[str]) -> list
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts is not None:
-        prompts = [ln.strip() for ln in args.prompts.read_text().splitlines() if ln.strip()]
+        try:
+            text = args.prompts.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            msg = f"--prompts {args.prompts}: {why}; give a text file, one prompt per line"
+            raise UsageError(msg) from None
+        prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
         if not prompts:
-            raise ValueError(f"{args.prompts} holds no prompt")
+            msg = f"--prompts {args.prompts} holds no prompt (one prompt per line)"
+            raise UsageError(msg)
         return prompts
-    return [args.prompt or "The capital of France is"]
+    return [args.prompt]
 
 
 def _summary(engine: Any, outputs: list[dict[str, Any]], elapsed: float) -> None:

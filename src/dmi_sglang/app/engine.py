@@ -85,8 +85,13 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise ConfigurationError(msg)
         composition.sglang_adapter()  # an SGLang without an adapter: refused before anything
         settings = Settings.from_kwargs(dmx).resolve(model_path=str(kwargs["model_path"]))
-        for variable, why in ignored_variables({k.upper(): str(v) for k, v in dmx.items()}):
-            log.warning("setting ignored", variable=variable.lower(), why=why)
+        given = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+        given.update({k.upper(): str(v) for k, v in dmx.items()})  # keywords win
+        from_keyword = {k.upper() for k in dmx}
+        for variable, why in ignored_variables(given):
+            log.warning("setting ignored",
+                        variable=variable.lower() if variable in from_keyword else variable,
+                        why=why)
         _require_cuda()
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""

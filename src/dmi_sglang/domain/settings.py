@@ -80,9 +80,11 @@ def _conv(
     def convert(name: str, text: str) -> Any:
         try:
             return parse(text.strip())
-        except (ValueError, ConfigurationError) as exc:
-            detail = f" ({exc})" if isinstance(exc, ConfigurationError) else ""
-            msg = f"{name}={shown(text)} is invalid; accepted: {accepted}{detail}"
+        except ConfigurationError as exc:  # a value that says why itself: no range
+            msg = f"{name}={shown(text)}: {exc}"
+            raise ConfigurationError(msg) from None
+        except ValueError:
+            msg = f"{name}={shown(text)} is invalid; accepted: {accepted}"
             raise ConfigurationError(msg) from None
 
     return convert
