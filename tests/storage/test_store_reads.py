@@ -140,7 +140,7 @@ def test_runs_and_requests_are_listed_with_what_is_committed(
     requests = {r["request_id"]: r for r in reads.requests("run")}
     assert requests["done"]["committed"] is True
     assert requests["live"]["committed"] is False
-    assert requests["done"]["rows"] == requests["live"]["rows"] == 3 * 3
+    assert requests["done"]["records"] == requests["live"]["records"] == 3 * 3
 
 
 def test_the_read_channel_answers_reads_only_and_a_silent_owner_times_out(

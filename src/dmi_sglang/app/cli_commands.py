@@ -52,13 +52,13 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
             if not runs:
                 _out(f"no runs in {store.url}")
                 return 0
-            _out(f"{'run':<44} {'status':<10} {'requests':>8} {'rows':>10} {'size':>14}  "
+            _out(f"{'run':<44} {'status':<10} {'requests':>8} {'records':>10} {'size':>14}  "
                  f"{'started':<32}  source")
             for run in runs:
                 reqs = captures.requests(run.run_id)
-                rows = sum(r.rows for r in reqs)
+                records = sum(r.records for r in reqs)
                 size = sum(r.bytes for r in reqs)
-                _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {rows:>10} "
+                _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {records:>10} "
                      f"{_mib(size):>14}  {run.started_at:<32}  {_shown(run.source)}")
             return 0
         run = captures.require_run(run_id)
@@ -72,7 +72,7 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
         for req in requests:
             missing = captures.handle(run_id, req.request_id).missing
             verdict = "yes" if not missing else "NO: " + _shown(missing[0])
-            _out(f"{_shown(req.request_id):<40} {req.rows:>10} {_mib(req.bytes):>14}  "
+            _out(f"{_shown(req.request_id):<40} {req.records:>10} {_mib(req.bytes):>14}  "
                  f"{verdict}")
     return 0
 

@@ -111,7 +111,7 @@ class StoreReads:
             return [_run_json(run) for run in reader.runs()]
 
     def requests(self, run_id: str) -> list[dict[str, object]]:
-        """The requests a run stored: rows, payload bytes and whether each is
+        """The requests a run stored: records, payload bytes and whether each is
         committed.
 
         Raises:
@@ -121,7 +121,7 @@ class StoreReads:
         with reader.session():
             _require_run(reader, run_id)
             committed = {m.request_id for m in reader.manifests(run_id) if m.committed}
-            return [{"request_id": summary.request_id, "rows": summary.rows,
+            return [{"request_id": summary.request_id, "records": summary.records,
                      "bytes": summary.bytes, "committed": summary.request_id in committed}
                     for summary in reader.requests(run_id)]
 

@@ -58,7 +58,8 @@ class RequestSummary:
 
     run_id: str
     request_id: str
-    rows: int
+    records: int
+    """The request's records (rows of the records table), every hook and layer."""
     bytes: int
 
 
