@@ -41,6 +41,14 @@ def expect(proc: subprocess.CompletedProcess[str], code: int, *texts: str) -> st
     return f"missing {missing!r} in: {out.strip()[-300:]}" if missing else None
 
 
+def _without(problem: str | None, text: str,
+             proc: subprocess.CompletedProcess[str]) -> str | None:
+    """``problem``, else a problem when ``proc`` printed ``text``."""
+    if problem is None and text in proc.stdout + proc.stderr:
+        return f"{text!r} was printed"
+    return problem
+
+
 def py(code: str) -> list[str]:
     """``python -c code`` with this interpreter."""
     return [sys.executable, "-c", code]
@@ -72,7 +80,41 @@ def _read_side(d: Path) -> str | None:
         "from dmi_sglang import open_store; "
         f"h = open_store().handle({run_id!r}, 'req-0'); "
         "print('complete' if not h.missing else h.missing, len(h.hidden_states))"), d)
-    return expect(handle, 0, "complete")
+    if problem := expect(handle, 0, "complete"):
+        return f"the handle: {problem}"
+    dmi_names = run(py(  # issue item 9: the original readback's field names
+        "from dmi_sglang import open_store; "
+        f"h = open_store().handle({run_id!r}, 'req-0'); "
+        f"per_layer = {_DMI_PER_LAYER!r}; whole = {_DMI_WHOLE!r}; "
+        "assert all(isinstance(getattr(h, n), tuple) and getattr(h, n) for n in per_layer); "
+        "assert all(getattr(h, n).dim() == 2 for n in whole); print('dmi names ok')"), d)
+    return expect(dmi_names, 0, "dmi names ok")
+
+
+_DMI_PER_LAYER = ("attention_output", "attention_values", "middle_residual", "mlp_input",
+                  "mlp_output", "mlp_activation", "q", "k", "v", "ln1", "ln2")
+_DMI_WHOLE = ("embeddings", "final_hidden", "final_residual")
+
+
+def _model_dir(d: Path) -> str:
+    (d / "m").mkdir(exist_ok=True)
+    (d / "m" / "config.json").write_text("{}")
+    return str(d / "m")
+
+
+def _capture_checks_before_the_gpu(d: Path) -> str | None:
+    """Flags and the environment's settings are refused before the GPU is looked for."""
+    cases = [([], {"DMX_DB_URL": "bogus://x"}, "DMX_DB_URL='bogus://x'"),
+             ([], {"DMX_FOO": "1"}, "unknown setting DMX_FOO"),
+             (["--prompts", "missing.txt"], {}, "--prompts missing.txt"),
+             (["--db", "bogus://x"], {}, "--db 'bogus://x' is not a store URL")]
+    for flags, env, words in cases:
+        proc = run(["dmi-sglang", "capture", "--model", _model_dir(d), *flags], d, env)
+        if problem := one_line_error(proc, 2, words):
+            return f"{flags or env}: {problem}"
+        if "needs an NVIDIA GPU" in proc.stderr:
+            return f"{flags or env}: looked for the GPU first"
+    return None
 
 
 def _engine_without_cuda(d: Path) -> str | None:
@@ -89,10 +131,27 @@ def _engine_without_cuda(d: Path) -> str | None:
 def _stands_alone(_scratch: Path) -> str | None:
     tracked = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True,
                              text=True, check=False).stdout.split()
-    hits = [p for p in tracked if not p.startswith("docs/evidence/")
-            and p != "scripts/newcomer_check.py" and (REPO / p).is_file()
+    hits = [p for p in tracked if p != "scripts/newcomer_check.py" and (REPO / p).is_file()
             and "../shared" in (REPO / p).read_text(errors="replace")]
     return f"../shared is named in {hits}" if hits else None
+
+
+_LEGACY_SMOKE = {"DMI_V0519_PYTHON": sys.executable, "DMI_V0519_MODEL": "/models/m",
+                 "DMI_V0519_MEM_FRACTION": "0.3", "DMI_V0519_CELLS": "graph"}
+
+
+def _legacy_smoke_refused(_scratch: Path) -> str | None:
+    """The harness, the GPU tests and scripts/gpu-run.sh each refuse the four variables,
+    naming each one's replacement."""
+    names = [f"{k}: " for k in _LEGACY_SMOKE]
+    for args, code in (([sys.executable, "-m", "harness", "qualify", "--list"], 2),
+                       ([sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu",
+                         "--collect-only", "-q", "-p", "no:cacheprovider"], 4),
+                       (["bash", "scripts/gpu-run.sh", "true"], 2)):
+        problem = expect(run(args, REPO, _LEGACY_SMOKE), code, *names)
+        if problem is not None:
+            return f"{' '.join(args[-3:])}: {problem}"
+    return None
 
 
 CHECKS: dict[str, Check] = {
@@ -128,10 +187,24 @@ CHECKS: dict[str, Check] = {
     "7 ls without a store says how to make one": lambda d: expect(run(
         ["dmi-sglang", "ls"], d), 2, "no capture store", "reference-capture"),
     "7 DMIEngine without CUDA is one clear error": _engine_without_cuda,
+    "7 capture checks flags and DMX_* settings before looking for a GPU":
+        _capture_checks_before_the_gpu,
+    "7 a bad --db is named as --db": lambda d: _without(one_line_error(run(
+        ["dmi-sglang", "ls", "--db", "bogus://x"], d), 2, "--db 'bogus://x'"),
+        "DMX_DB_URL", run(["dmi-sglang", "ls", "--db", "bogus://x"], d)),
+    "7 capture --help shows real defaults": lambda d: _without(expect(run(
+        ["dmi-sglang", "capture", "--help"], d), 0, "'The capital of France is'",
+        "Every other --option is passed to SGLang"), "(default: None)",
+        run(["dmi-sglang", "capture", "--help"], d)),
+    "7 demo-model --layers -1 is refused": lambda d: expect(run(
+        ["dmi-sglang", "demo-model", "m", "--layers", "-1"], d), 2,
+        "'-1' is not a positive integer"),
+    "2 a missing optional package is one line naming the extra": lambda d: one_line_error(
+        run(py("import sys; sys.modules['transformers'] = None\n"
+               "from dmi_sglang.app.cli import main; sys.exit(main(['demo-model', 'm']))"),
+            d), 2, "pip install 'dmi-sglang[demo]'"),
     "8 nothing in the repository reads ../shared": _stands_alone,
-    "8 the original DMI_V0519_* smoke variables are refused": lambda _d: expect(run(
-        [sys.executable, "-m", "harness", "qualify", "--list"], REPO,
-        {"DMI_V0519_CELLS": "graph"}), 2, "DMI_V0519_CELLS: --cells"),
+    "8 the original DMI_V0519_* smoke variables are refused": _legacy_smoke_refused,
 }
 
 

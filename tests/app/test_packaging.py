@@ -37,6 +37,70 @@ def test_no_extra_moves_what_sglang_0519_pins() -> None:
     assert checked >= 3  # read's and demo's torch, demo's transformers
 
 
+def _lock_pins() -> dict[str, str]:
+    """``scripts/gpu-wheels.txt``: the releases of the GPU install known to work."""
+    pins = {}
+    for line in (ROOT / "scripts" / "gpu-wheels.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            pins[req.name] = str(next(iter(req.specifier)).version)
+    return pins
+
+
+def test_every_requirement_admits_the_gpu_lock() -> None:
+    """The core dependencies and every extra admit the release the GPU install pins, so
+    installing the project (or an extra) there never moves one."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _lock_pins()
+    checked = []
+    for where, requirements in [("core", project["dependencies"]), *_extras().items()]:
+        for text in requirements:
+            req = Requirement(text)
+            if req.name in pins:
+                assert req.specifier.contains(pins[req.name]), (
+                    f"[{where}] {text} excludes {pins[req.name]} of scripts/gpu-wheels.txt")
+                checked.append(req.name)
+    assert {"torch", "sglang", "clickhouse-connect", "chdb-core"} <= set(checked)
+
+
+_DISTRIBUTIONS = {"attrs": "attrs", "numpy": "numpy", "pyarrow": "pyarrow",
+                  "structlog": "structlog", "clickhouse_connect": "clickhouse-connect",
+                  "chdb": "chdb-core", "lz4": "lz4", "safetensors": "safetensors"}
+"""Module -> distribution of what the core of the package may import at module level."""
+_GPU_SIDE = ("adapters/sglang_v0519/", "adapters/transport/")
+"""Modules that run inside SGLang's processes (the [sglang] extra brings torch)."""
+
+
+def test_module_level_imports_are_core_dependencies() -> None:
+    import ast
+    import sys
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {Requirement(r).name for r in project["dependencies"]}
+    package = ROOT / "src" / "dmi_sglang"
+    undeclared = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names}:
+                if top in sys.stdlib_module_names or top in ("dmi_sglang", "__future__"):
+                    continue
+                if where.startswith(_GPU_SIDE) and top in ("torch", "sglang"):
+                    continue
+                if _DISTRIBUTIONS.get(top) not in core:
+                    undeclared.append(f"{where}: {top}")
+    assert not undeclared, ("imported at module level but not a core dependency "
+                            "(pyproject.toml) or not in _DISTRIBUTIONS: "
+                            + ", ".join(undeclared))
+
+
 def test_the_reading_and_demo_extras_declare_what_they_import() -> None:
     extras = _extras()
     assert {Requirement(r).name for r in extras["read"]} >= {"torch", "numpy"}

@@ -14,6 +14,16 @@ import pytest
 Evidence = Callable[[str, dict[str, Any]], None]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse the original integration's GPU-smoke variables (``DMI_V0519_*``), naming
+    what replaces each, rather than ignore them."""
+    from harness.__main__ import legacy_problem
+
+    problem = legacy_problem(dict(os.environ))
+    if problem:
+        raise pytest.UsageError(f"tests/gpu: {problem}")
+
+
 @pytest.fixture(scope="module")
 def checkpoint(workdir: Path) -> Path:
     """A 4-layer random-weight Qwen3 checkpoint (with its tokenizer) in ``workdir``."""
