@@ -106,6 +106,10 @@ def test_errors_are_one_line_and_non_zero(store: tuple[str, dict[str, torch.Tens
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "no run 'no-such-run'" in err
+    assert main(["show", RUN, "req-none", "--db", url]) != 0
+    err = capsys.readouterr().err.strip()
+    assert f"run {RUN!r} holds nothing of a request 'req-none'" in err
+    assert "not complete" not in err
     assert main(["ls", "--db", "chdb://relative"]) != 0
     assert "absolute path" in capsys.readouterr().err
     assert main(["ls", "--db", f"chdb://{tmp_path}/missing"]) != 0

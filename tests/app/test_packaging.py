@@ -40,8 +40,8 @@ def test_no_extra_moves_what_sglang_0519_pins() -> None:
 def _lock_pins() -> dict[str, str]:
     """``scripts/gpu-wheels.txt``: the releases of the GPU install known to work."""
     pins = {}
-    for line in (ROOT / "scripts" / "gpu-wheels.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
+    for raw in (ROOT / "scripts" / "gpu-wheels.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
             pins[req.name] = str(next(iter(req.specifier)).version)

@@ -18,7 +18,12 @@ from dmi_sglang.app.reference import ENGINE_KEY
 from dmi_sglang.domain.records import RunSource
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig
-from dmi_sglang.errors import ConfigurationError, IncompleteCaptureError, UsageError
+from dmi_sglang.errors import (
+    ConfigurationError,
+    IncompleteCaptureError,
+    NotInStoreError,
+    UsageError,
+)
 
 __all__ = ["capture", "demo_model", "export", "gpu_problem", "ls", "reference_capture",
            "require_model_dir", "rm", "show"]
@@ -58,8 +63,9 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
                 reqs = captures.requests(run.run_id)
                 records = sum(r.records for r in reqs)
                 size = sum(r.bytes for r in reqs)
-                _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} {records:>10} "
-                     f"{_mib(size):>14}  {run.started_at:<32}  {_shown(run.source)}")
+                _out(f"{_shown(run.run_id):<44} {run.status.value:<10} {len(reqs):>8} "
+                     f"{records:>10} {_mib(size):>14}  {run.started_at:<32}  "
+                     f"{_shown(run.source)}")
             return 0
         run = captures.require_run(run_id)
         requests = captures.requests(run_id)
@@ -85,6 +91,11 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
     with captures.session():
         captures.require_run(run_id)
         request_id = _typed_request_id(captures, run_id, request_id)
+        if (captures.manifest(run_id, request_id) is None
+                and request_id not in {r.request_id for r in captures.requests(run_id)}):
+            msg = (f"run {run_id!r} holds nothing of a request {request_id!r} "
+                   f"(`dmi-sglang ls {run_id}` lists its requests)")
+            raise NotInStoreError(msg)
         if partial:
             yield from _partial_tensors(captures, run_id, request_id)
             return
