@@ -227,7 +227,9 @@ def test_version_module_entry_and_polish(tmp_path: Path,
         main(["demo-model", str(tmp_path / "m"), "--layers", "0"])
     assert "is not a positive integer" in capsys.readouterr().err
     assert main(["ls", "--db", f"chdb://{tmp_path / 'none-yet'}"]) != 0
-    assert "capture into it with `dmi-sglang capture" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "capture into it with `dmi-sglang capture" in err
+    assert f"`dmi-sglang reference-capture --db chdb://{tmp_path / 'none-yet'}`" in err
     assert not (tmp_path / "none-yet").exists()
     assert main(["ls", "--db", "bogus://x"]) != 0
     err = capsys.readouterr().err

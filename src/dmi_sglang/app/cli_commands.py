@@ -46,9 +46,12 @@ def _mib(n: float) -> str:
 def ls(store: StoreConfig, run_id: str | None) -> int:
     """List runs, or one run's requests, with sizes."""
     if store.kind.value == "embedded" and not os.path.isdir(store.path):
+        db = ("" if os.path.abspath(store.path) == os.path.abspath("dmi-captures")
+              else f" --db {store.url}")
         msg = (f"no capture store at {store.path} yet: capture into it with `dmi-sglang "
-               "capture --model DIR --prompt TEXT` (needs a GPU), or make a CPU reference "
-               "capture with `dmi-sglang reference-capture`, or pass --db URL")
+               f"capture --model DIR --prompt TEXT{db}` (needs a GPU), or make a CPU "
+               f"reference capture with `dmi-sglang reference-capture{db}`, or pass --db "
+               "URL of another store")
         raise UsageError(msg)
     captures = CaptureStore(store)
     with captures.session():
