@@ -4,8 +4,10 @@
 
 Each item of issue #18 that can be tried without a GPU runs as a user would try it: the
 installed ``dmi-sglang`` command or ``python -c``, in a fresh scratch directory, with a
-clean ``DMX_*`` environment. The table names each item and what went wrong. CI runs it
-after the test suite.
+clean ``DMX_*`` environment, with the development environment's install (``.venv``) except
+where an item is about installing: item 2 also makes a fresh virtual environment and runs
+``pip install .`` there (core dependencies only, from the package index or pip's cache).
+The table names each item and what went wrong. CI runs it after the test suite.
 """
 
 from __future__ import annotations
@@ -136,6 +138,35 @@ def _stands_alone(_scratch: Path) -> str | None:
     return f"../shared is named in {hits}" if hits else None
 
 
+def _plain_install(d: Path) -> str | None:
+    """Item 2: ``pip install .`` into a fresh virtual environment (core dependencies only,
+    no torch): ``ls`` reads a store, and ``show`` and ``demo-model`` say in one line which
+    extra they need."""
+    made = run(["dmi-sglang", "reference-capture", "--max-new-tokens", "2"], d)
+    if problem := expect(made, 0, "cpu-reference"):
+        return f"reference-capture: {problem}"
+    venv = d / "venv"
+    if problem := expect(run([sys.executable, "-m", "venv", str(venv)], d), 0):
+        return f"venv: {problem}"
+    plain = venv / "bin"
+    installed = run([str(plain / "python"), "-m", "pip", "install", "--quiet",
+                     "--disable-pip-version-check", str(REPO)], d)
+    if problem := expect(installed, 0):
+        return f"pip install .: {problem}"
+    if run([str(plain / "python"), "-c", "import torch"], d).returncode == 0:
+        return "pip install . brought torch (a core dependency should not)"
+    listed = run([str(plain / "dmi-sglang"), "ls"], d)
+    if problem := expect(listed, 0, "cpu-reference"):
+        return f"ls without torch: {problem}"
+    run_id = next(line.split()[0] for line in listed.stdout.splitlines()
+                  if "cpu-reference" in line)
+    for args, extra in (([str(plain / "dmi-sglang"), "show", run_id, "req-0"], "read"),
+                        ([str(plain / "dmi-sglang"), "demo-model", "m"], "demo")):
+        if problem := one_line_error(run(args, d), 2, f"pip install 'dmi-sglang[{extra}]'"):
+            return f"{args[1]} without torch: {problem}"
+    return None
+
+
 _LEGACY_SMOKE = {"DMI_V0519_PYTHON": sys.executable, "DMI_V0519_MODEL": "/models/m",
                  "DMI_V0519_MEM_FRACTION": "0.3", "DMI_V0519_CELLS": "graph"}
 
@@ -199,6 +230,8 @@ CHECKS: dict[str, Check] = {
     "7 demo-model --layers -1 is refused": lambda d: expect(run(
         ["dmi-sglang", "demo-model", "m", "--layers", "-1"], d), 2,
         "'-1' is not a positive integer"),
+    "2 pip install . into a fresh venv: ls works, show and demo-model name their extra":
+        _plain_install,
     "2 a missing optional package is one line naming the extra": lambda d: one_line_error(
         run(py("import sys; sys.modules['transformers'] = None\n"
                "from dmi_sglang.app.cli import main; sys.exit(main(['demo-model', 'm']))"),
