@@ -226,7 +226,8 @@ class FakeHandler(BaseHTTPRequestHandler):
         s = self.state
         if not rest:
             self._send(200, {"run_id": s.args.run_id, "requests": [  # as the real server
-                {"request_id": r, "records": s.rows(req), "bytes": s.rows(req) * 4 * FAKE_HIDDEN,
+                {"request_id": r, "records": FAKE_LAYERS if s.rows(req) else 0,
+                 "bytes": s.rows(req) * 4 * FAKE_HIDDEN * FAKE_LAYERS,
                  "committed": req.finished} for r, req in sorted(s.requests.items())]})
             return
         rid, _, tail = rest.removeprefix("/").partition("/")

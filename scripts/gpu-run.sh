@@ -14,7 +14,7 @@
 # The Triton cache is kept in TRITON_CACHE_DIR (default /root/triton-cache where /root is
 # writable, else Triton's own default) so that later commands start faster.
 set -uo pipefail
-if env | grep -q '^DMI_V0519_'; then  # the original integration's GPU-smoke variables
+if [ -n "$(compgen -e DMI_V0519_)" ]; then  # the original integration's GPU-smoke variables
     "${PYTHON:-python3}" -c 'import os, sys; from harness.__main__ import legacy_problem
 sys.exit("gpu-run: " + legacy_problem(dict(os.environ)))'
     exit 2

@@ -171,7 +171,7 @@ class MemoryReader:
                 and (request_id is None or r.request_id == request_id)]
 
     def requests(self, run_id: str) -> list[RequestSummary]:
-        """Requests of a run with their stored rows and payload bytes."""
+        """Requests of a run with their stored records and payload bytes."""
         by_request: dict[str, list[CaptureRecord]] = {}
         for r in self._records(run_id):
             by_request.setdefault(r.request_id, []).append(r)

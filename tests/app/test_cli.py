@@ -109,6 +109,7 @@ def test_errors_are_one_line_and_non_zero(store: tuple[str, dict[str, torch.Tens
     assert main(["show", RUN, "req-none", "--db", url]) != 0
     err = capsys.readouterr().err.strip()
     assert f"run {RUN!r} holds nothing of a request 'req-none'" in err
+    assert f"`dmi-sglang ls {RUN} --db {url}`" in err
     assert "not complete" not in err
     assert main(["ls", "--db", "chdb://relative"]) != 0
     assert "absolute path" in capsys.readouterr().err
@@ -128,11 +129,11 @@ def test_rm_deletes_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert RUN not in capsys.readouterr().out
 
 
-def test_capture_without_gpu_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_capture_without_gpu_says_so_in_one_line(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    model = Path(__file__).parent  # any directory with a config.json will do
-    code = main(["capture", "--model", str(_model_dir(model)), "--prompt", "hi"])
+    code = main(["capture", "--model", str(_model_dir(tmp_path)), "--prompt", "hi"])
     assert code != 0
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
@@ -162,11 +163,21 @@ def test_hook_totals(store: tuple[str, dict[str, torch.Tensor]]) -> None:
 
 
 def _model_dir(base: Path) -> Path:
-    import tempfile
-
-    where = Path(tempfile.mkdtemp())
+    where = base / "model"
+    where.mkdir(exist_ok=True)
     (where / "config.json").write_text("{}")
     return where
+
+
+@pytest.fixture
+def no_gpu_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a test that reaches the GPU check (arguments must be refused before it)."""
+    from dmi_sglang.app import cli_commands
+
+    def looked() -> str:
+        raise AssertionError("the GPU was looked for before the arguments were checked")
+
+    monkeypatch.setattr(cli_commands, "gpu_problem", looked)
 
 
 @pytest.mark.parametrize(
@@ -174,19 +185,26 @@ def _model_dir(base: Path) -> Path:
     [(["--model", "/nonexistent", "--prompt", "x"], "--model /nonexistent does not exist"),
      (["--prompts", "/nonexistent/prompts.txt"],
      "--prompts /nonexistent/prompts.txt: No such file"),
-     (["--hooks", "resid_pree"], "resid_pree"),
-     (["--db", "bogus://x"], "--db 'bogus://x' is not a store URL"),
+     (["--prompt", " "], "--prompt ' ' is empty"),
+     (["--hooks", "resid_pree"], "--hooks 'resid_pree' is invalid; accepted: hook names"),
+     (["--run-id", "a/b"], "--run-id 'a/b' is invalid; accepted: 1-200 letters"),
+     (["--db", "bogus://x"], "--db 'bogus://x' is not a store URL; accepted: chdb:///"),
+     (["--db", "http://h/bad-db"], "bad database name 'bad-db'"),
+     (["--db", "http://u:s3cret@h:99999/x"], "--db 'http://u:***@h:99999/x'"),
      (["--max-new-tokens", "0"], "is not a positive integer")],
-    ids=["model", "prompts", "hooks", "db", "max-new-tokens"],
+    ids=["model", "prompts", "empty-prompt", "hooks", "run-id", "db", "db-name",
+         "db-password", "max-new-tokens"],
 )
 def test_capture_checks_its_arguments_before_looking_for_a_gpu(
-        args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["--model", str(_model_dir(Path()))] if "--model" not in args else []
+        args: list[str], words: str, tmp_path: Path, no_gpu_lookup: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", str(_model_dir(tmp_path))] if "--model" not in args else []
     with contextlib.suppress(SystemExit):  # argparse's own refusals exit 2
         assert main(["capture", *base, *args]) != 0
     err = capsys.readouterr().err
     assert words in err
-    assert "needs an NVIDIA GPU" not in err
+    assert "s3cret" not in err
+    assert "DMX_" not in err  # the flag was wrong: the flag is named
 
 
 @pytest.mark.parametrize(
@@ -198,12 +216,11 @@ def test_capture_checks_its_arguments_before_looking_for_a_gpu(
 )
 def test_capture_checks_the_environment_before_looking_for_a_gpu(
         variable: str, value: str, words: str, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, no_gpu_lookup: None, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv(variable, value)
-    assert main(["capture", "--model", str(_model_dir(Path()))]) != 0
+    assert main(["capture", "--model", str(_model_dir(tmp_path))]) != 0
     err = capsys.readouterr().err
     assert words in err
-    assert "needs an NVIDIA GPU" not in err
 
 
 def test_capture_help_shows_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import stat
 import sys
 import tempfile
@@ -25,8 +26,8 @@ from dmi_sglang.errors import (
     UsageError,
 )
 
-__all__ = ["capture", "demo_model", "export", "gpu_problem", "ls", "reference_capture",
-           "require_model_dir", "rm", "show"]
+__all__ = ["capture", "check_db_flag", "demo_model", "export", "gpu_problem", "ls",
+           "reference_capture", "require_model_dir", "rm", "show"]
 
 
 def _out(line: str = "") -> None:
@@ -43,11 +44,21 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.2f} MiB"
 
 
+def _db_flag(store: StoreConfig) -> str:
+    """`` --db URL`` for a suggested command, or nothing for the default store (the URL
+    redacted, shell-quoted)."""
+    from dmi_sglang.domain.settings import redact_url
+
+    if store.kind.value == "embedded" and (
+            os.path.abspath(store.path) == os.path.abspath("dmi-captures")):
+        return ""
+    return f" --db {shlex.quote(redact_url(store.url))}"
+
+
 def ls(store: StoreConfig, run_id: str | None) -> int:
     """List runs, or one run's requests, with sizes."""
     if store.kind.value == "embedded" and not os.path.isdir(store.path):
-        db = ("" if os.path.abspath(store.path) == os.path.abspath("dmi-captures")
-              else f" --db {store.url}")
+        db = _db_flag(store)
         msg = (f"no capture store at {store.path} yet: capture into it with `dmi-sglang "
                f"capture --model DIR --prompt TEXT{db}` (needs a GPU), or make a CPU "
                f"reference capture with `dmi-sglang reference-capture{db}`, or pass --db "
@@ -94,10 +105,9 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
     with captures.session():
         captures.require_run(run_id)
         request_id = _typed_request_id(captures, run_id, request_id)
-        if (captures.manifest(run_id, request_id) is None
-                and request_id not in {r.request_id for r in captures.requests(run_id)}):
-            msg = (f"run {run_id!r} holds nothing of a request {request_id!r} "
-                   f"(`dmi-sglang ls {run_id}` lists its requests)")
+        if not captures.holds(run_id, request_id):
+            msg = (f"run '{_shown(run_id)}' holds nothing of a request '{_shown(request_id)}' "
+                   f"(`dmi-sglang ls {_shown(run_id)}{_db_flag(store)}` lists its requests)")
             raise NotInStoreError(msg)
         if partial:
             yield from _partial_tensors(captures, run_id, request_id)
@@ -327,12 +337,13 @@ def check_db_flag(db: str | None) -> None:
     """
     if db is None:
         return
-    from dmi_sglang.domain.settings import StoreUrl
+    from dmi_sglang.domain.settings import STORE_URL_FORMS, StoreUrl, redact_url
 
     try:
         StoreUrl.parse(db)
     except ConfigurationError as exc:
-        msg = f"--db {db!r} is not a store URL: {exc}"
+        msg = (f"--db {redact_url(db)!r} is not a store URL; accepted: {STORE_URL_FORMS} "
+               f"({exc})")
         raise UsageError(msg) from None
 
 
@@ -348,14 +359,19 @@ def _validate_capture(args: argparse.Namespace) -> None:
     require_model_dir("--model", args.model)
     if args.prompts is not None:
         _read_prompts(args)
+    elif not args.prompt.strip():
+        msg = f"--prompt {args.prompt!r} is empty; give the text to generate from"
+        raise UsageError(msg)
     for flag, key, value in (("--hooks", "dmx_hook_selection", args.hooks),
                              ("--run-id", "dmx_model_id", args.run_id)):
         if value is None:
             continue
         try:
             Settings.from_kwargs({key: value}, env={})
-        except ConfigurationError as exc:
-            msg = f"{flag} {value!r}: {exc}"
+        except ConfigurationError as exc:  # worded for the variable: name the flag
+            text, variable = str(exc), f"{key.upper()}={value!r}"
+            msg = (f"{flag} {value!r}{text.removeprefix(variable)}"
+                   if text.startswith(variable) else f"{flag} {value!r}: {text}")
             raise UsageError(msg) from None
     check_db_flag(args.db)
     Settings.from_kwargs(_capture_settings(args))  # with the environment's DMX_*

@@ -94,7 +94,7 @@ class CaptureStore:
         return self._reader.run(run_id)
 
     def requests(self, run_id: str) -> Sequence[RequestSummary]:
-        """The requests of a run with their stored rows and bytes.
+        """The requests of a run with their stored records and bytes.
 
         Raises:
             StoreError: no such run.
@@ -118,6 +118,13 @@ class CaptureStore:
         """A request's manifest (its prompt and completion lengths, whether it is
         committed), or None when the run wrote none for it."""
         return self._reader.manifest(run_id, storable_request_id(request_id))
+
+    def holds(self, run_id: str, request_id: str) -> bool:
+        """Whether the run stored anything of the request: a manifest or a record (found
+        by the table's key; no payload is read)."""
+        stored = storable_request_id(request_id)
+        return (self._reader.manifest(run_id, stored) is not None
+                or bool(self._reader.ranges(run_id, stored)))
 
     def require_run(self, run_id: str) -> RunInfo:
         """The run's latest state.

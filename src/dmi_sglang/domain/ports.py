@@ -59,8 +59,14 @@ class RequestSummary:
     run_id: str
     request_id: str
     records: int
-    """The request's records (rows of the records table), every hook and layer."""
+    """The request's records in the store, every hook and layer."""
     bytes: int
+
+    @property
+    def rows(self) -> int:
+        """Deprecated name of :attr:`records` (a request's records were once called rows,
+        which elsewhere means a tensor's token positions)."""
+        return self.records
 
 
 @attrs.frozen

@@ -26,6 +26,7 @@ from dmi_sglang.errors import ConfigurationError
 
 __all__ = [
     "PREFIX",
+    "STORE_URL_FORMS",
     "Enable",
     "Settings",
     "StoreUrl",
@@ -80,11 +81,12 @@ def _conv(
     def convert(name: str, text: str) -> Any:
         try:
             return parse(text.strip())
-        except ConfigurationError as exc:  # a value that says why itself: no range
+        except _MisplacedValueError as exc:  # a value meant for something else: what to do instead
             msg = f"{name}={shown(text)}: {exc}"
             raise ConfigurationError(msg) from None
-        except ValueError:
-            msg = f"{name}={shown(text)} is invalid; accepted: {accepted}"
+        except (ValueError, ConfigurationError) as exc:
+            detail = f" ({exc})" if isinstance(exc, ConfigurationError) else ""
+            msg = f"{name}={shown(text)} is invalid; accepted: {accepted}{detail}"
             raise ConfigurationError(msg) from None
 
     return convert
@@ -110,6 +112,16 @@ def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
     return parse, f"an integer from {low:,} to {high:,}"
 
 
+STORE_URL_FORMS = ("chdb:///absolute/path, http(s)://[user[:password]@]host[:port]"
+                   "[/database], or none")
+"""The store URLs accepted (``DMX_DB_URL``, ``--db``), in words."""
+
+
+class _MisplacedValueError(ConfigurationError):
+    """A value that is valid elsewhere but not here (ClickHouse's native port): its
+    message says what to use instead, so the range accepted is left out."""
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -117,7 +129,7 @@ def _port(text: str) -> int:
     if value == NATIVE_PORT:
         msg = (f"{NATIVE_PORT} is ClickHouse's native-protocol port, DMI's default; "
                "dmi-sglang speaks ClickHouse's HTTP protocol, by default on 8123")
-        raise ConfigurationError(msg)
+        raise _MisplacedValueError(msg)
     return value
 
 
@@ -147,8 +159,12 @@ def _run_id(text: str) -> str:
     return text
 
 
+_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
+"""A database or table name."""
+
+
 def _name(text: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", text):
+    if not re.fullmatch(_NAME, text):
         raise ValueError(text)
     return text
 
@@ -254,8 +270,10 @@ class StoreUrl:
                 msg = f"bad host {hostname!r} in {shown!r}"
                 raise ConfigurationError(msg) from None
             database = parts.path.strip("/") or None
-            if database is not None:
-                _name(database)
+            if database is not None and not re.fullmatch(_NAME, database):
+                msg = (f"bad database name {database!r} in {shown!r}: letters, digits and _, "
+                       "not starting with a digit")
+                raise ConfigurationError(msg)
             return cls(StoreKind.SERVER, host=hostname, port=port, secure=secure,
                        database=database, user=user, password=password)
         msg = f"unsupported store URL {shown!r}"
@@ -308,8 +326,7 @@ _VARS: dict[str, _Var] = {
     "DB_URL": _Var(
         "db_url",
         None,
-        _conv(_db_url, "chdb:///absolute/path, http(s)://[user[:password]@]host[:port]"
-              "[/database], or none", _shown_url),
+        _conv(_db_url, STORE_URL_FORMS, _shown_url),
         redact=redact_url,
     ),
     "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none")),

@@ -159,8 +159,8 @@ class ClickHouseReader:
                             error=f"interrupted: {why}; read what it stored with --partial")
 
     def requests(self, run_id: str) -> list[RequestSummary]:
-        """Requests of a run with their stored rows and payload bytes (superseded rows
-        included: this is the footprint)."""
+        """Requests of a run with their stored records and payload bytes (superseded
+        records included: this is the footprint)."""
         rows = self._query(
             self._tables.offload,
             "SELECT request_id, count(), sum(length(bytes)) FROM {t} "
