@@ -348,7 +348,8 @@ def check_db_flag(db: str | None) -> None:
 
 
 def _capture_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The ``dmx_*`` keywords the flags give (flags win over ``DMX_*`` variables)."""
+    """The ``dmx_*`` keywords the flags of ``capture`` and ``reference-capture`` give
+    (flags win over ``DMX_*`` variables)."""
     return {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
                               ("dmx_model_id", args.run_id)) if v is not None}
 
@@ -495,9 +496,7 @@ def _validate_reference(args: argparse.Namespace, default_layers: int,
         except ConfigurationError as exc:
             msg = f"--hooks {args.hooks!r}: {exc}"
             raise UsageError(msg) from None
-    kwargs = {k: v for k, v in (("dmx_hook_selection", args.hooks), ("dmx_db_url", args.db),
-                                ("dmx_model_id", args.run_id)) if v is not None}
-    settings = Settings.from_kwargs(kwargs).resolve(
+    settings = Settings.from_kwargs(_capture_settings(args)).resolve(
         model_path=str(args.model) if args.model is not None else DEMO_MODEL_NAME)
     settings.selection.resolve(hooks)  # $DMX_HOOK_SELECTION, when --hooks is unset
     if settings.store().kind.value == "none":

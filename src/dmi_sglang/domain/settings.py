@@ -159,12 +159,8 @@ def _run_id(text: str) -> str:
     return text
 
 
-_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
-"""A database or table name."""
-
-
 def _name(text: str) -> str:
-    if not re.fullmatch(_NAME, text):
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", text):
         raise ValueError(text)
     return text
 
@@ -270,10 +266,13 @@ class StoreUrl:
                 msg = f"bad host {hostname!r} in {shown!r}"
                 raise ConfigurationError(msg) from None
             database = parts.path.strip("/") or None
-            if database is not None and not re.fullmatch(_NAME, database):
-                msg = (f"bad database name {database!r} in {shown!r}: letters, digits and _, "
-                       "not starting with a digit")
-                raise ConfigurationError(msg)
+            if database is not None:
+                try:
+                    _name(database)
+                except ValueError:
+                    msg = (f"bad database name {database!r} in {shown!r}: letters, digits "
+                           "and _, not starting with a digit")
+                    raise ConfigurationError(msg) from None
             return cls(StoreKind.SERVER, host=hostname, port=port, secure=secure,
                        database=database, user=user, password=password)
         msg = f"unsupported store URL {shown!r}"
