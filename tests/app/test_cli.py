@@ -252,3 +252,26 @@ def test_version_module_entry_and_polish(tmp_path: Path,
     err = capsys.readouterr().err
     assert "--db 'bogus://x' is not a store URL" in err
     assert "DMX_DB_URL" not in err  # the flag was wrong, not the variable
+
+
+def test_read_back_hints_never_print_the_stores_password() -> None:
+    from dmi_sglang.app.cli_commands import read_back_hints
+    from dmi_sglang.domain.settings import Settings
+
+    settings = Settings.from_kwargs(
+        {"dmx_db_url": "http://reader:s3kr1t-pw@db.example:8123/captures"}, env={})
+    store = settings.resolve(model_path="/m/demo").store()
+    hints = read_back_hints(store, RUN, "req-0")
+    assert store.password == "s3kr1t-pw"  # the store keeps it; the hints must not show it
+    assert not any("s3kr1t-pw" in hint for hint in hints)
+    assert hints[1] == f"dmi-sglang show {RUN} req-0 --db http://db.example:8123/captures"
+
+
+def test_read_back_hints_of_the_default_store_name_no_db(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.app.cli_commands import read_back_hints
+    from dmi_sglang.domain.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    store = Settings.from_kwargs({}, env={}).resolve(model_path="/m/demo").store()
+    assert read_back_hints(store, RUN, "req-0")[0] == "dmi-sglang ls"

@@ -5,6 +5,7 @@ The transport runs on the CPU (same code path as on the GPU, with host copies).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from dmi_sglang.app import composition
 from dmi_sglang.app.composition import SGLANG_ADAPTERS, PipelineFactory
 from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.app.reading import open_store
+from dmi_sglang.app.store_owner import OwnedSink
 from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import make_plan
@@ -163,7 +165,7 @@ def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr(composition, "open_sink", lambda store: Sink())
+    monkeypatch.setattr(composition, "open_capture_sink", lambda settings, address: Sink())
     with pytest.raises(CapacityError, match="ring"):
         PipelineFactory().open(spec)
     assert closed == [True]
@@ -216,10 +218,11 @@ def test_every_registered_sglang_adapter_conforms() -> None:
     assert composition.sglang_adapter("0.5.19") is ADAPTER
 
 
-def test_a_servers_reads_go_through_the_scheduler_that_owns_the_store(tmp_path: Any) -> None:
-    """With a read address (a server's scheduler), the factory's session answers the
-    server's reads of the embedded store it holds: a finished request reads back
-    complete while the run still captures; a store of none has no reads."""
+def test_a_servers_reads_go_through_the_store_owner(tmp_path: Any) -> None:
+    """With a read address (a server's scheduler), the store owner process the factory
+    started answers the server's reads of the embedded store it holds: a finished request
+    reads back complete while the run still captures, and after the stop; a store of none
+    has no reads."""
     import time
 
     url = f"chdb://{tmp_path / 'store'}"
@@ -251,7 +254,13 @@ def test_a_servers_reads_go_through_the_scheduler_that_owns_the_store(tmp_path: 
     assert [r["status"] for r in reads.runs()] == ["running"]
     length, pieces = reads.safetensors(spec.run.run_id, "r1")
     assert len(b"".join(pieces)) == length
+    sink = session.sink
+    assert isinstance(sink, OwnedSink)
+    assert sink.pid != os.getpid()  # a process of its own
     session.stop()
+    assert [r["status"] for r in reads.runs()] == ["committed"]  # the owner answers on
     assert factory.serving_reads(_settings(dmx_db_url="none"), address) is None
-    while composition._READ_SERVICES:
-        composition._READ_SERVICES.pop().close()
+    sink.end()  # what the scheduler's exit does
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(sink.pid, 0)
+    assert open_store(url).run(spec.run.run_id).status is RunStatus.COMMITTED

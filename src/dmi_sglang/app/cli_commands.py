@@ -27,7 +27,7 @@ from dmi_sglang.errors import (
 )
 
 __all__ = ["capture", "check_db_flag", "demo_model", "export", "gpu_problem", "ls",
-           "reference_capture", "require_model_dir", "rm", "show"]
+           "read_back_hints", "reference_capture", "require_model_dir", "rm", "show"]
 
 
 def _out(line: str = "") -> None:
@@ -450,15 +450,23 @@ def reference_capture(args: argparse.Namespace, *, default_layers: int,
          f"{completion}; {result.forwards} forwards in {result.seconds:.2f} s)")
     _out(f"stored in    {store.url}")
     _hook_table(store, run.run_id)
-    db = "" if args.db is None else f" --db {args.db}"
-    first = result.manifests[0].request_id
     _out("read it back:")
-    _out(f"  dmi-sglang ls{db}")
-    _out(f"  dmi-sglang show {run.run_id} {first}{db}")
-    _out(f"  dmi-sglang export {run.run_id} {first} --out capture.safetensors{db}")
-    _out(f"  python -c \"import dmi_sglang; h = dmi_sglang.open_store('{store.url}')"
-         f".handle('{run.run_id}', '{first}'); print(h.missing, h.hidden_states[0].shape)\"")
+    for line in read_back_hints(store, run.run_id, result.manifests[0].request_id):
+        _out(f"  {line}")
     return 0
+
+
+def read_back_hints(store: StoreConfig, run_id: str, request_id: str) -> list[str]:
+    """The commands that read one captured request back, for ``store`` (a password in its
+    URL is shown as ``***``, never printed)."""
+    db = _db_flag(store)
+    return [
+        f"dmi-sglang ls{db}",
+        f"dmi-sglang show {run_id} {request_id}{db}",
+        f"dmi-sglang export {run_id} {request_id} --out capture.safetensors{db}",
+        f"python -c \"import dmi_sglang; h = dmi_sglang.open_store('{store.url}')"
+        f".handle('{run_id}', '{request_id}'); print(h.missing, h.hidden_states[0].shape)\"",
+    ]
 
 
 def _validate_reference(args: argparse.Namespace, default_layers: int,

@@ -13,12 +13,10 @@ A sibling SGLang adapter is a new ``adapters/sglang_vXXXX`` package plus one lin
 :data:`SGLANG_ADAPTERS`; another store backend is a new adapter plus a branch in
 :func:`open_sink` and :func:`reader_for`. ``docs/architecture.md`` has the checklist.
 
-Store owner (docs/architecture.md): the decision is a dedicated sink process per run; it
-is not built yet, and today the scheduler holds the embedded store while its run is live
-(:meth:`PipelineFactory.open` opens the sink there). The move stays inside this module:
-start the owner in the main process before schedulers spawn, hand its address to them
-through the settings, and make :func:`open_sink` and :func:`reader_for` return proxies
-to it. Adapters and the session see only the ports.
+Store owner (docs/architecture.md): a capture into the embedded store writes through a
+store owner process that the scheduler starts when the capture opens
+(:mod:`dmi_sglang.app.store_owner`); it also answers a server's reads. The scheduler's
+interpreter keeps only the transport.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from dmi_sglang.app.reference import (
 )
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.app.store_budget import StoreBudget
+from dmi_sglang.app.store_owner import OwnedSink, Service, open_owned_sink
 from dmi_sglang.columns import RecordBatchReader, RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RunClaims
@@ -105,6 +104,46 @@ def open_sink(store: StoreConfig) -> RecordSink:
     from dmi_sglang.adapters.clickhouse import ClickHouseSink
 
     return ClickHouseSink(store)
+
+
+def open_capture_sink(settings: Settings, read_address: str = "") -> RecordSink:
+    """The sink a scheduler's capture writes: for the embedded store, through a store
+    owner process started here (:mod:`dmi_sglang.app.store_owner`; with ``read_address``
+    it also answers a server's reads there); otherwise :func:`open_sink`.
+
+    Raises:
+        StoreError: the store cannot be opened (by the owner, or here).
+    """
+    if settings.store().kind is StoreKind.EMBEDDED:
+        from dmi_sglang.adapters.owner import RemoteSink
+
+        return open_owned_sink(settings, read_address, RemoteSink)
+    return open_sink(settings.store())
+
+
+def owner_services(settings: Settings, writes: str,
+                   reads: str) -> tuple[RecordSink, list[Service]]:
+    """In a store owner process: the store's sink and the channels that serve it, the
+    write channel at ``writes`` first, then (with ``reads``) the read channel.
+
+    Raises:
+        StoreError: the store cannot be opened, or a channel cannot be bound.
+    """
+    from dmi_sglang.adapters.owner import ReadService, SinkService
+
+    store = settings.store()
+    sink = open_sink(store)
+    services: list[Service] = []
+    try:
+        services.append(SinkService(sink, writes))
+        if reads:
+            services.append(ReadService(reader_for(store), reads))
+    except BaseException:
+        for service in services:
+            service.close()
+        sink.close()
+        raise
+    return sink, services
 
 
 def reader_for(store: StoreConfig) -> RecordBatchReader:
@@ -220,7 +259,7 @@ class PipelineFactory:
         log_plan(spec.selection, spec.shape, stored=settings.store().kind is not StoreKind.NONE,
                  tok_s=settings.plan_tok_s)
         try:
-            sink = open_sink(settings.store())  # a store that cannot open fails here
+            sink = open_capture_sink(settings, spec.read_address)  # a bad store fails here
         except BaseException:
             _release_claim(settings.store(), spec.run.run_id)
             raise
@@ -262,7 +301,8 @@ class PipelineFactory:
                                  lambda: transport.stats().bytes),
             )
         except BaseException:
-            for release in ((transport.stop,) if transport is not None else ()) + (sink.close,):
+            releases = ((transport.stop,) if transport is not None else ()) + (sink.close,)
+            for release in releases + ((sink.end,) if isinstance(sink, OwnedSink) else ()):
                 try:
                     release()
                 except Exception as exc:  # the first failure is the one to report
@@ -270,8 +310,6 @@ class PipelineFactory:
             if not started:
                 _release_claim(settings.store(), spec.run.run_id)
             raise
-        if spec.read_address and settings.store().kind is StoreKind.EMBEDDED:
-            serve_store_reads(settings.store(), spec.read_address)
         return OpenedCapture(session, transport.capturer, transport.device_bytes)
 
     def serving_reads(self, settings: Settings, read_address: str) -> CaptureReads | None:
@@ -293,23 +331,6 @@ class PipelineFactory:
                 return None
             return StoreReads(lambda: remote)
         return StoreReads(lambda: reader_for(store))
-
-
-_READ_SERVICES: list[Any] = []
-"""The store owner's read services of this process (kept for its lifetime)."""
-
-
-def serve_store_reads(store: StoreConfig, address: str) -> None:
-    """Answer a server's reads of the embedded ``store`` at ``address`` from this
-    process, the store's owner (docs/architecture.md, "Store owner"). A failure to
-    bind leaves serving and capture alone: the server's reads then report the owner
-    silent."""
-    from dmi_sglang.adapters.owner import ReadService
-
-    try:
-        _READ_SERVICES.append(ReadService(reader_for(store), address))
-    except Exception as exc:  # best effort: capture and serving go on without reads
-        log.warning("dmi.reads_not_served", address=address, error=repr(exc))
 
 
 # -- SGLang ----------------------------------------------------------------------------

@@ -392,8 +392,8 @@ class CaptureSpec:
     max_prefill_tokens: int
     max_requests: int
     read_address: str = ""
-    """Where this scheduler, the store's owner, answers a server's reads (an IPC
-    address the server's main process chose); empty: no server reads through it."""
+    """Where the store's owner answers a server's reads (an IPC address the server's main
+    process chose); empty: no server reads through it."""
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Reads through the store owner, over a ZeroMQ IPC socket.
 
-The owner (today a server's scheduler, which holds the embedded store while its run
-captures) runs a :class:`ReadService`: a daemon thread with a REP socket bound at an
+The owner (the store owner process of a capturing run, which holds the embedded store)
+runs a :class:`ReadService`: a daemon thread with a REP socket bound at an
 ``ipc://`` address (the server makes it in a directory only its user can enter).
 Each request is JSON naming one read-only ``RecordReader`` method and its arguments
 (strings, integers, null): nothing in a request is ever unpickled. The thread calls the
@@ -9,7 +9,7 @@ method on a reader of its own (several clients of one process may hold the embed
 at once) and answers the result pickled, or the error's kind and message; records go as
 their fields pickled plus one frame per payload, and an export's record batches
 (``batches_within``) as their headers pickled plus one frame per column and payload, all
-sent and received without a copy. Queries run off the scheduler's thread and release the
+sent and received without a copy. Queries run off the serving threads and release the
 GIL; the Python side of an answer still takes the owner's GIL, which is why an export
 reads record batches (no Python object per record) in bounded pieces (``app.export``).
 

@@ -46,7 +46,8 @@ SERVER_MARK = "DMI_SGLANG_SERVER"
 capture failure ends the capture, not the serving (``runtime_hooks.around_forward``)."""
 READS_ADDRESS = "DMI_SGLANG_READS"
 """Set by the HTTP server's main process for the schedulers it starts: the IPC address
-where the store's owner (a scheduler) answers the server's reads of the embedded store."""
+where the store's owner (the store owner process the scheduler starts) answers the
+server's reads of the embedded store."""
 
 
 def pending_problems(*, check_torch: bool) -> list[str]:
