@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -140,6 +141,87 @@ def test_fault_the_capturing_process_is_killed(tmp_path: Path,
     assert "--partial" in capsys.readouterr().err
     assert cli.main(["show", "killed", "r", "--partial", *db]) == 0
     assert "blocks.hook_resid_pre.0@0-3" in capsys.readouterr().out
+
+
+_KILLED_SCHEDULER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from dmi_sglang.app.composition import open_capture_sink
+from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.settings import Settings
+from reliability._faults import record, run_info
+settings = Settings.from_kwargs({"dmx_db_url": sys.argv[1]}, env={}).resolve(model_path="/m")
+sink = open_capture_sink(settings)
+sink.start_run(run_info("killed"))
+sink.put(RecordBatch.from_records([record(request="r", start=0, end=3, model_id="killed")]))
+sink.flush()
+print("owner", sink.pid, flush=True)
+os._exit(9)  # killed: no finish, no close; the owner's stdin closes with this process
+"""
+
+
+def _ended(pid: int) -> bool:
+    """The process is gone (reaped, or a zombie no one reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_fault_the_scheduler_holding_a_store_owner_is_killed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The process that started a store owner (a scheduler capturing into the embedded
+    store) dies mid-run -> the owner stores what it took, removes its channels and ends
+    (the store is free); the run reads as interrupted, never committed; `show --partial`
+    reads what was stored."""
+    path, channels = tmp_path / "s", tmp_path / "tmp"
+    channels.mkdir(mode=0o700)
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SCHEDULER, f"chdb://{path}",
+                           tests_dir], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(channels)}, check=False)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    owner = int(proc.stdout.split("owner ", 1)[1].split()[0])
+    deadline = time.monotonic() + 60  # run() returned when the owner closed the stdout
+    while not _ended(owner):  # it shares with the killed process: it has ended, or is ending
+        assert time.monotonic() < deadline, f"the store owner {owner} did not end"
+        time.sleep(0.05)
+    assert list(channels.iterdir()) == []
+    run = open_store(f"chdb://{path}").run("killed")
+    assert run is not None
+    assert run.status is RunStatus.INTERRUPTED
+    db = ["--db", f"chdb://{path}"]
+    assert cli.main(["show", "killed", "r", "--partial", *db]) == 0
+    assert "blocks.hook_resid_pre.0@0-3" in capsys.readouterr().out
+
+
+def test_bad_input_partial_read_of_a_request_that_stored_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A request with a manifest but not one stored position (it ended before its first
+    rows reached the store) -> `show --partial` and `export --partial` refuse in one line
+    naming it, instead of an empty listing or file; a request that stored some positions
+    still reads partially."""
+    config = embedded(tmp_path / "s")
+    sink = ClickHouseSink(config)
+    run = run_info("run")
+    sink.start_run(run)
+    sink.put(RecordBatch.from_records([record(request="late", start=1, end=3,
+                                              model_id="run")]))
+    commit(sink, run, {"empty": 2, "late": 2})
+    sink.close()
+    capsys.readouterr()  # the sink's log lines
+    db = ["--db", f"chdb://{config.path}"]
+    out = tmp_path / "x.safetensors"
+    assert cli.main(["show", "run", "empty", "--partial", *db]) != 0
+    captured = capsys.readouterr()
+    assert "capture" not in captured.out  # not even the header of an empty listing
+    assert "request 'empty' of run 'run' has no stored positions" in captured.err
+    assert cli.main(["export", "run", "empty", "--partial", "--out", str(out), *db]) != 0
+    assert "nothing to read, even with --partial" in capsys.readouterr().err
+    assert not out.exists()
+    assert cli.main(["show", "run", "late", "--partial", *db]) == 0
+    assert "blocks.hook_resid_pre.0@1-3" in capsys.readouterr().out
 
 
 def test_bad_input_a_tampered_run_status(tmp_path: Path) -> None:

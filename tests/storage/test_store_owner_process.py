@@ -1,14 +1,12 @@
 """The store owner process (``dmi_sglang.app.store_owner``): a capture's writes reach the
 embedded store through a process of its own, which ends (store closed, durable) when the
-run's sink closes, when its parent dies, and never on Ctrl-C."""
+run's sink closes, and never on Ctrl-C (its parent's death:
+``tests/reliability/test_runs.py``)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,13 +35,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_gone(pid: int, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not _gone(pid):
-        assert time.monotonic() < deadline, f"the owner {pid} did not end"
-        time.sleep(0.05)
-
-
 def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -> None:
     url = f"chdb://{tmp_path / 'store'}"
     sink = open_capture_sink(_settings(url))
@@ -70,38 +61,3 @@ def test_an_owner_that_cannot_open_the_store_says_why(tmp_path: Path) -> None:
     blocker.write_text("not a store")
     with pytest.raises(StoreError, match=r"the store owner could not open the store: .*a-file"):
         open_capture_sink(_settings(f"chdb://{blocker}"))
-
-
-_ORPHAN = """
-import os, sys
-from dmi_sglang.app.composition import open_capture_sink
-from dmi_sglang.domain.settings import Settings
-from tests.contracts._tp_data import RUN_INFO, stored, whole_tensors
-settings = Settings.from_kwargs({"dmx_db_url": sys.argv[1]}, env={}).resolve(model_path="/m/toy")
-sink = open_capture_sink(settings)
-sink.start_run(RUN_INFO)
-for batch in stored(whole_tensors()):
-    sink.put(batch)
-sink.flush()
-print("owner-pid", sink.pid, flush=True)
-os.kill(os.getpid(), 9)
-"""
-
-
-def test_an_owner_whose_parent_dies_closes_the_store_and_ends(tmp_path: Path) -> None:
-    url = f"chdb://{tmp_path / 'store'}"
-    channels = tmp_path / "tmp"
-    channels.mkdir(mode=0o700)
-    parent = subprocess.run([sys.executable, "-c", _ORPHAN, url], capture_output=True,
-                            text=True, timeout=120, cwd=Path(__file__).parents[2],
-                            env={**os.environ, "TMPDIR": str(channels)}, check=False)
-    assert parent.returncode == -signal.SIGKILL, parent.stderr[-2000:]
-    # the owner logs to the same stdout: run() returned once it closed it (ended)
-    _wait_gone(int(parent.stdout.split("owner-pid ", 1)[1].split()[0]))
-    store = _settings(url).store()
-    run = ClickHouseReader(store).run(RUN)
-    assert run is not None
-    assert run.status is not RunStatus.COMMITTED  # never finished: not complete
-    handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store), partial=True)
-    assert torch.equal(handle.get("resid_pre", 0), whole_tensors()["resid_pre"])  # flushed
-    assert list(channels.iterdir()) == []  # the owner removed its channels' directory

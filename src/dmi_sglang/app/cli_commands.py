@@ -140,15 +140,27 @@ def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
 
 def _partial_tensors(captures: CaptureStore, run_id: str,
                      request_id: str) -> Iterator[tuple[str, range, Any]]:
+    """What ``--partial`` reads: each capture up to its first missing position.
+
+    Raises:
+        IncompleteCaptureError: no capture of the request stored a position (nothing
+            to read, even partially).
+    """
     handle = captures.handle(run_id, request_id, partial=True)
+    found = False
     for act, layer in handle.captures:
         layer_arg = None if layer < 0 else layer
         try:
             kept = handle.partial_positions(act, layer_arg)
         except IncompleteCaptureError:
             continue  # nothing of it was stored
+        found = True
         name = act if layer < 0 else f"{act}.{layer}"
         yield f"{name}@{kept.start}-{kept.stop}", kept, handle.get(act, layer_arg)
+    if not found:
+        msg = (f"request '{_shown(request_id)}' of run '{_shown(run_id)}' has no stored "
+               "positions in any capture: nothing to read, even with --partial")
+        raise IncompleteCaptureError(msg)
 
 
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
