@@ -842,3 +842,28 @@ def test_an_idle_failure_never_kills_an_engine_and_ends_a_servers_capture(
     runtime_hooks.after_scheduler_on_idle(None, scheduler)  # never raises
     assert [(r, str(e)) for r, _, e in ended] == ([(runner, "drain gone")] if in_server
                                                   else [])
+
+
+def test_the_read_address_stays_bindable_under_a_long_tmpdir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``ipc://`` path over about 107 bytes cannot be bound: under a long TMPDIR the
+    store channels' directory goes under /tmp (private to this user either way)."""
+    import shutil
+    import stat
+    import tempfile
+
+    from dmi_sglang.adapters.sglang_v0519 import server
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    address = server._new_read_address()
+    path = address.removeprefix("ipc://")
+    try:
+        assert len(path) <= 100
+        assert os.path.basename(os.path.dirname(path)).startswith("dmi-reads-")
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        assert list(deep.iterdir()) == []
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)

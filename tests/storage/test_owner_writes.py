@@ -140,6 +140,40 @@ def test_the_owners_sink_failure_is_the_callers_sticky_failure(
         other.flush()
 
 
+def test_after_the_owners_sink_failed_the_runs_failure_still_reaches_it(
+        held: tuple[_Held, SinkService]) -> None:
+    """A local sink records a run failed after its own failure (``finish_run``); through
+    the owner that call must still get there, and raise the first failure."""
+    sink, service = held
+    sink.release.set()
+    finished: list[RunInfo] = []
+    sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
+    remote = RemoteSink(service.address, timeout_s=30)
+    sink.failure = StoreError("the disk is full")
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
+        remote.put(one_batch())
+    failed = attrs.evolve(RUN_INFO, status=RunStatus.FAILED, error="disk")
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
+        remote.finish_run(failed, [])
+    assert finished == [failed]
+    with pytest.raises(StoreError, match=r"^the disk is full$"):
+        remote.close()
+
+
+def test_after_a_lost_exchange_nothing_more_is_sent(held: tuple[_Held, SinkService]) -> None:
+    sink, service = held
+    finished: list[RunInfo] = []
+    sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
+    remote = RemoteSink(service.address, timeout_s=0.3)
+    with pytest.raises(StoreError, match="did not take put"):
+        remote.put(one_batch())
+    sink.release.set()
+    with pytest.raises(StoreError, match="did not take put"):  # not sent: no answer came
+        remote.finish_run(attrs.evolve(RUN_INFO, status=RunStatus.FAILED), [])
+    RemoteSink(service.address, timeout_s=30).flush()  # the owner has answered the put
+    assert finished == []
+
+
 def test_a_closed_remote_sink_takes_nothing(held: tuple[_Held, SinkService]) -> None:
     sink, service = held
     sink.release.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
         sink.put(batch)
     finish(sink)
     os.kill(sink.pid, signal.SIGINT)  # Ctrl-C reaches the whole group: the owner stays
+    os.kill(sink.pid, signal.SIGTERM)  # so does a group's SIGTERM: the scheduler ends it
     sink.flush()
     sink.close()
     assert _gone(sink.pid)
@@ -61,3 +63,22 @@ def test_an_owner_that_cannot_open_the_store_says_why(tmp_path: Path) -> None:
     blocker.write_text("not a store")
     with pytest.raises(StoreError, match=r"the store owner could not open the store: .*a-file"):
         open_capture_sink(_settings(f"chdb://{blocker}"))
+
+
+def test_a_long_tmpdir_still_gives_the_owner_a_channel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """IPC socket paths longer than about 107 bytes cannot bind: the write channel then
+    goes under /tmp."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    url = f"chdb://{tmp_path / 'store'}"
+    sink = open_capture_sink(_settings(url))
+    try:
+        sink.start_run(RUN_INFO)
+        finish(sink)
+    finally:
+        sink.close()
+    assert ClickHouseReader(_settings(url).store()).run(RUN).status is RunStatus.COMMITTED
+    assert list(deep.iterdir()) == []

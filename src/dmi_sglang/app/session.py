@@ -600,7 +600,7 @@ class SchedulerMonitor:
                 self._record_failure(exc, stopped_at)
                 raise CaptureError(f"dmi_stop_monitoring failed: {exc!r}") from exc
             finally:
-                self.sink.close()
+                self._close_sink()
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
             seen, captured = self.requests.seen_requests, self.requests.captured_requests
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
@@ -610,6 +610,15 @@ class SchedulerMonitor:
                      fraction=round(captured / seen, 4) if seen else None)
             log.info("dmi.timing", run_id=self.run.run_id, **self.timing(stats))
             return stats
+
+    def _close_sink(self) -> None:
+        """Close the sink after the run's end was written. A failure here is logged, not
+        raised: a committed run was synced by ``finish_run`` (durable), and a failed stop
+        raises its own error."""
+        try:
+            self.sink.close()
+        except Exception as exc:
+            log.error("dmi.sink_close_failed", run_id=self.run.run_id, error=repr(exc))
 
     def fail(self, error: BaseException) -> None:
         """End the capture as failed (see the port): a server's scheduler does this

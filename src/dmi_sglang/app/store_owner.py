@@ -6,18 +6,21 @@ it (:class:`~dmi_sglang.adapters.owner.RemoteSink`): the store's insert threads,
 embedded engine's CPU and a server's reads (``GET /dmi/...``: the owner answers them at
 the server's read address) stay off the scheduler's interpreter and its GIL.
 
-Lifetime: the owner ends when its parent closes the owner's stdin, which also happens when
-the parent dies (its descriptors close): it stops taking calls, closes its sink (what it
-took is inserted and synced) and exits. Without a read channel the parent ends it when
-the run's sink closes (:meth:`OwnedSink.close`), so the run is durable and the store free
-when the scheduler's stop returns, as before. With a read channel (a server) it keeps
-answering reads until the scheduler process ends. It ignores SIGINT and SIGTERM: Ctrl-C
+Lifetime: the owner ends when its parent closes the owner's stdin, or when the parent is
+gone (checked every second): it finishes the write in hand, stops taking calls, closes
+its sink (what it took is inserted; the run's files were synced by ``finish_run``, if the
+run got that far) and exits. Without a read channel the parent ends it when the run's
+sink closes (:meth:`OwnedSink.close`), so the run is durable and the store free when the
+scheduler's stop returns, as before. With a read channel (a server) it keeps answering
+reads until the scheduler process ends, or until SGLang's shutdown kills the server's
+process tree (the run was made durable first; its write channel lives in the server's
+read-channel directory, which the server removes). It ignores SIGINT and SIGTERM: Ctrl-C
 reaches every process of the terminal's group, and the run is stopped durably through the
 scheduler, which then ends the owner.
 
 Run as ``python -m dmi_sglang.app.store_owner_main --writes ADDRESS [--reads ADDRESS]
---ready-fd N`` (:func:`run_owner` with the composition root's channels), the run's
-resolved ``DMX_*`` settings in its environment (never on its command line: a store
+--parent PID --ready-fd N`` (:func:`run_owner` with the composition root's channels), the
+run's resolved ``DMX_*`` settings in its environment (never on its command line: a store
 password must not show in a process listing).
 """
 
@@ -49,11 +52,16 @@ log = structlog.get_logger(__name__)
 OWNER_READY_S = 120.0
 """Longest the parent waits for a new owner to open the store and bind its channels."""
 OWNER_EXIT_S = 600.0
-"""Longest :meth:`OwnedSink.close` waits for the owner to insert what it took and exit."""
+"""Longest :meth:`OwnedSink.end` waits for the owner to close the store and exit."""
 OWNER_MODULE = "dmi_sglang.app.store_owner_main"
 """The module the owner process runs (``python -m``)."""
-_READY = b"ready\n"
+_READY = "ready"
+_FAILED = "error: "
 _CHANNELS_PREFIX = "dmi-owner-"
+_IPC_PATH_MAX = 100
+"""Longest socket path used: ``ipc://`` paths longer than about 107 bytes cannot bind."""
+_PARENT_POLL_S = 1.0
+_START_FAILED_EXIT_S = 10.0
 
 
 class OwnedSink:
@@ -63,7 +71,7 @@ class OwnedSink:
     process)."""
 
     def __init__(self, remote: RecordSink, process: subprocess.Popen[bytes],
-                 directory: str, *, serves_reads: bool) -> None:
+                 directory: str | None, *, serves_reads: bool) -> None:
         self._remote = remote
         self._process = process
         self._directory = directory
@@ -88,22 +96,32 @@ class OwnedSink:
         self._remote.flush()
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """The owner's sink flushes, syncs, and writes the manifests and the run's end."""
+        """The owner's sink flushes, writes the manifests and the run's end, and syncs."""
         self._remote.finish_run(run, manifests)
 
     def close(self) -> None:
         """End this process's writes; without a read channel, end the owner and wait
-        until it closed the store (what it took inserted and synced).
+        until it closed the store.
 
         Raises:
-            StoreError: a call through the owner failed, or the owner failed to close
-                its sink (its exit status), or did not exit within :data:`OWNER_EXIT_S`.
+            StoreError: the first of: a call through the owner failed (the sticky
+                failure), the owner failed to close its sink, it did not exit in time
+                (a later one is logged).
         """
+        first: BaseException | None = None
         try:
             self._remote.close()
-        finally:
-            if not self._serves_reads:
+        except BaseException as exc:  # raised below, after the owner is ended
+            first = exc
+        if not self._serves_reads:
+            try:
                 self.end()
+            except StoreError as exc:
+                if first is None:
+                    raise
+                log.error("dmi.store_owner_end_failed", pid=self.pid, error=str(exc))
+        if first is not None:
+            raise first
 
     def end(self) -> None:
         """End the owner now (its reads too) and wait for it; idempotent.
@@ -111,38 +129,53 @@ class OwnedSink:
         Raises:
             StoreError: the owner failed to close its sink, or did not exit in time.
         """
-        process = self._process
-        if process.stdin is not None and not process.stdin.closed:
-            process.stdin.close()
-        try:
-            code = process.wait(OWNER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            msg = (f"the store owner (pid {process.pid}) did not close the store within "
-                   f"{OWNER_EXIT_S:g} s and was killed; the run may miss rows")
-            raise StoreError(msg) from None
-        finally:
-            _remove_directory(self._directory)
-        if code != 0:
-            msg = (f"the store owner (pid {process.pid}) failed to close the store (exit "
-                   f"status {code}); its log says why")
-            raise StoreError(msg)
+        _end_owner(self._process, self._directory)
+
+
+def _end_owner(process: subprocess.Popen[bytes], directory: str | None,
+               wait_s: float = OWNER_EXIT_S) -> None:
+    """Close the owner's stdin and wait for its exit (killed after ``wait_s``); remove
+    its channels' directory.
+
+    Raises:
+        StoreError: the owner failed to close its sink, or did not exit in time.
+    """
+    if process.stdin is not None and not process.stdin.closed:
+        process.stdin.close()
+    try:
+        code = process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        msg = (f"the store owner (pid {process.pid}) did not close the store within "
+               f"{wait_s:g} s and was killed; what it had not inserted is lost")
+        raise StoreError(msg) from None
+    finally:
+        if directory is not None:
+            _remove_directory(directory)
+    if code != 0:
+        msg = (f"the store owner (pid {process.pid}) failed to close the store (exit "
+               f"status {code}; its log line dmi.store_owner_close_failed says why)")
+        raise StoreError(msg)
 
 
 def open_owned_sink(settings: Settings, read_address: str,
                     remote: Callable[[str], RecordSink]) -> OwnedSink:
     """Start a store owner for ``settings``' embedded store and return the sink that writes
     through it (``remote(address)``: the proxy of its write channel); with
-    ``read_address`` the owner also answers a server's reads there.
+    ``read_address`` the owner also answers a server's reads there, and its write channel
+    shares that address's directory (which the server removes at its end, also when
+    SGLang's shutdown kills the owner).
 
     Raises:
         StoreError: the owner could not open the store or bind its channels (its own
             message), or did not get ready within :data:`OWNER_READY_S`.
     """
-    directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX)  # mode 0700: this user's alone
-    writes = f"ipc://{os.path.join(directory, 'writes')}"
-    argv = [sys.executable, "-m", OWNER_MODULE, "--writes", writes]
+    directory = _channels_directory(read_address)
+    channels = directory or os.path.dirname(read_address.removeprefix("ipc://"))
+    writes = f"ipc://{os.path.join(channels, 'writes')}"
+    argv = [sys.executable, "-m", OWNER_MODULE, "--writes", writes,
+            "--parent", str(os.getpid())]
     if read_address:
         argv += ["--reads", read_address]
     ready_r, ready_w = os.pipe()
@@ -153,47 +186,61 @@ def open_owned_sink(settings: Settings, read_address: str,
     except BaseException:
         os.close(ready_r)
         os.close(ready_w)
-        _remove_directory(directory)
+        if directory is not None:
+            _remove_directory(directory)
         raise
     os.close(ready_w)
     try:
-        answer = _read_ready(ready_r, OWNER_READY_S)
-    finally:
-        os.close(ready_r)
-    if answer != _READY:
-        if process.stdin is not None:
-            process.stdin.close()
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        _remove_directory(directory)
-        why = answer.decode(errors="replace").strip() or (
-            f"it exited with status {process.returncode} before it was ready")
-        msg = f"the store owner could not open the store: {why}"
-        raise StoreError(msg)
+            answer = _read_ready(ready_r, OWNER_READY_S)
+        finally:
+            os.close(ready_r)
+        if answer != _READY:
+            why = answer.removeprefix(_FAILED) or (
+                f"it exited with status {process.poll()} before it was ready")
+            msg = f"the store owner could not open the store: {why}"
+            raise StoreError(msg)
+        sink = OwnedSink(remote(writes), process, directory, serves_reads=bool(read_address))
+    except BaseException:
+        try:  # it took nothing yet: no reason to wait long
+            _end_owner(process, directory, _START_FAILED_EXIT_S)
+        except StoreError as exc:  # the start's own failure is the one to report
+            log.warning("dmi.store_owner_end_failed", pid=process.pid, error=str(exc))
+        raise
     log.info("dmi.store_owner_started", pid=process.pid, writes=writes,
              reads=read_address or None)
-    return OwnedSink(remote(writes), process, directory, serves_reads=bool(read_address))
+    return sink
 
 
-def _read_ready(fd: int, timeout_s: float) -> bytes:
-    """What the owner wrote on its ready pipe until it closed it (or the deadline)."""
+def _channels_directory(read_address: str) -> str | None:
+    """A new directory (mode 0700) for the owner's write channel, with a path short
+    enough to bind; None when it goes beside the server's read channel."""
+    if read_address:
+        return None
+    directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX)
+    if len(directory) + len("/writes") > _IPC_PATH_MAX and os.path.isdir("/tmp"):
+        _remove_directory(directory)  # a long TMPDIR: the socket cannot live there
+        directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX, dir="/tmp")
+    return directory
+
+
+def _read_ready(fd: int, timeout_s: float) -> str:
+    """The owner's first line on its ready pipe (without its end), or why none came."""
     deadline = time.monotonic() + timeout_s
     got = b""
     poller = select.poll()  # not select(): a busy process's descriptors pass 1024
     poller.register(fd, select.POLLIN)
-    while True:
+    while b"\n" not in got:
         left = deadline - time.monotonic()
         if left <= 0:
-            return got or f"not ready within {timeout_s:g} s".encode()
+            return f"{_FAILED}not ready within {timeout_s:g} s"
         if not poller.poll(left * 1000):
             continue
         chunk = os.read(fd, 4096)
         if not chunk:
-            return got
+            break
         got += chunk
+    return got.split(b"\n", 1)[0].decode(errors="replace")
 
 
 def _remove_directory(directory: str) -> None:
@@ -206,8 +253,9 @@ def _remove_directory(directory: str) -> None:
 class Service(Protocol):
     """One of the owner's channels: it stops answering at :meth:`close`."""
 
-    def close(self) -> None:
-        """Stop answering (the call in hand is answered first)."""
+    def close(self, *, wait_forever: bool = False) -> None:
+        """Stop answering: the call in hand is answered first (waiting a bounded time,
+        or however long it takes with ``wait_forever``)."""
 
 
 OpenServices = Callable[[Settings, str, str], tuple[RecordSink, Sequence[Service]]]
@@ -217,23 +265,25 @@ the write channel first (the composition root names the adapters)."""
 
 def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     """The owner process: open the store and its channels, tell the parent, serve until
-    stdin ends, then close the channels and the sink; 0 when the sink closed cleanly."""
+    stdin ends or the parent is gone, then close the channels and the sink; 0 when the
+    sink closed cleanly."""
     parser = argparse.ArgumentParser(prog=f"python -m {OWNER_MODULE}")
     parser.add_argument("--writes", required=True)
     parser.add_argument("--reads", default="")
+    parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it (module docstring)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.set_inheritable(args.ready_fd, False)  # no child of this process may hold it open
     try:
         sink, services = open_services(Settings.from_env(), args.writes, args.reads)
     except Exception as exc:  # told to the parent, which raises it
-        _tell(args.ready_fd, str(exc))
+        _tell(args.ready_fd, _FAILED + " ".join(str(exc).split()))
         return 1
-    _tell(args.ready_fd, _READY.decode(), raw=True)
-    while sys.stdin.buffer.read(65536):  # until the parent closes it, or dies
-        pass
-    services[0].close()  # no more writes; the call in hand is answered first
+    _tell(args.ready_fd, _READY)
+    _serve_until_released(args.parent)
+    services[0].close(wait_forever=True)  # no more writes; the call in hand is finished first
     code = 0
     try:
         sink.close()
@@ -249,6 +299,23 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     return code
 
 
-def _tell(fd: int, text: str, *, raw: bool = False) -> None:
-    os.write(fd, (text if raw else text.replace("\n", " ") + "\n").encode())
-    os.close(fd)
+def _serve_until_released(parent: int) -> None:
+    """Return when stdin ends (the parent closed it, or died and every copy of it closed)
+    or the parent is gone (a child of it that kept a copy of the pipe is no reason to
+    hold the store)."""
+    poller = select.poll()
+    poller.register(sys.stdin.fileno(), select.POLLIN | select.POLLHUP)
+    while os.getppid() == parent:
+        if poller.poll(_PARENT_POLL_S * 1000) and not os.read(sys.stdin.fileno(), 65536):
+            return
+
+
+def _tell(fd: int, line: str) -> None:
+    """Write ``line`` to the parent's ready pipe and close it (a parent that gave up
+    closed its end: nothing to tell)."""
+    try:
+        os.write(fd, (line + "\n").encode())
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)

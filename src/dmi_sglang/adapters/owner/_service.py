@@ -84,19 +84,21 @@ class SocketService:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, *, wait_forever: bool = False) -> None:
         """Stop answering: returns once the request in hand (if any) is answered, or
-        after :data:`CLOSE_WAIT_S` (logged; the thread ends when that request does);
-        the socket's file is removed, so the address can be served again. Closing twice,
-        or from the service's own thread, does no harm."""
+        after :data:`CLOSE_WAIT_S` unless ``wait_forever`` (a timeout is logged and the
+        thread ends when that request does); the socket's file is removed, so the address
+        can be served again. Closing twice, or from the service's own thread, does no
+        harm."""
         if self._closed.is_set():
             return
         self._closed.set()
+        wait_s = None if wait_forever else CLOSE_WAIT_S
         if threading.current_thread() is not self._thread:
-            self._thread.join(CLOSE_WAIT_S)
+            self._thread.join(wait_s)
             if self._thread.is_alive():
                 log.warning("dmi.store_service_busy_at_close", service=self._thread.name,
-                            waited_s=CLOSE_WAIT_S)
+                            waited_s=wait_s)
         path = self.address.removeprefix("ipc://")
         with contextlib.suppress(FileNotFoundError):
             if os.lstat(path).st_ino == self._inode:  # ours, not a later service's

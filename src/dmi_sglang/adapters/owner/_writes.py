@@ -8,7 +8,9 @@ with a REP socket bound at an ``ipc://`` address in a directory only its user ca
 :class:`RemoteSink` is the ``RecordSink`` of another process: each call is one exchange,
 answered once the owner's sink returned, so the sink's backpressure (``put`` blocks while
 its queue is full) reaches the caller, and a failure the owner's sink reports is the
-remote sink's sticky failure too (every later call and ``close`` raise it). Nothing a
+remote sink's sticky failure too (every later call and ``close`` raise it; only
+``finish_run`` still reaches an owner that answers, which records the run failed as a
+local sink does). Nothing a
 client sends is unpickled: a request is a JSON header (the method; runs and manifests as
 their fields; a batch's run, request ids and capture keys) plus, for ``put``, one frame
 per column and the payload, received without a copy and kept alive by the batch the
@@ -168,6 +170,8 @@ class RemoteSink:
         self._lock = threading.Lock()
         self._socket: Any = None
         self._failure: StoreError | None = None
+        self._lost = False
+        """An exchange got no answer (the socket is unusable, the owner gone or hung)."""
         self._closed = False
 
     def start_run(self, run: RunInfo) -> None:
@@ -190,9 +194,13 @@ class RemoteSink:
         self._call({"method": "flush"})
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """The owner's sink flushes, syncs, and writes the manifests and the run's end."""
+        """The owner's sink flushes, syncs, and writes the manifests and the run's end.
+
+        Sent also after the owner's sink reported a failure (the owner then records the
+        run failed, as a local sink does), not after an exchange was lost (no owner
+        answered)."""
         self._call({"method": "finish_run", "run": _run_fields(run),
-                    "manifests": [attrs.asdict(m) for m in manifests]})
+                    "manifests": [attrs.asdict(m) for m in manifests]}, past_failure=True)
 
     def close(self) -> None:
         """End this process's use of the owner (its sink stays open for the others).
@@ -208,10 +216,15 @@ class RemoteSink:
         if self._failure is not None:
             raise self._failure
 
-    def _call(self, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
+    def _call(self, header: dict[str, Any], frames: Sequence[Any] = (), *,
+              past_failure: bool = False) -> None:
+        """One exchange. After a failure every call raises it at once, except one made
+        ``past_failure`` while the owner still answers (its own sink failed); such a
+        call raises the first failure after its exchange."""
         with self._lock:
-            if self._failure is not None:
-                raise self._failure
+            earlier = self._failure
+            if earlier is not None and (not past_failure or self._lost):
+                raise earlier
             if self._closed:
                 msg = f"the remote sink of {self.address} is closed"
                 raise StoreError(msg)
@@ -223,13 +236,17 @@ class RemoteSink:
                     timeout_ms=self._timeout_ms, channel="writes",
                     method=header["method"])[0].bytes)
             except StoreError as exc:
-                self._failure = exc  # a lost exchange leaves the REQ socket unusable
+                self._lost = True  # a lost exchange leaves the REQ socket unusable
+                self._failure = earlier or exc
                 raise
             if answer[0] == "ok":
-                return
+                if earlier is None:
+                    return
+                raise earlier
             if answer[0] == "store":
-                self._failure = StoreError(answer[1])
+                failure = StoreError(answer[1])
             else:
                 msg = f"the store's owner failed {header['method']}: {answer[0]}: {answer[1]}"
-                self._failure = StoreError(msg)
+                failure = StoreError(msg)
+            self._failure = earlier or failure
             raise self._failure

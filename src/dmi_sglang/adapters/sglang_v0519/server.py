@@ -590,7 +590,15 @@ def _new_read_address() -> str:
     import tempfile
 
     directory = tempfile.mkdtemp(prefix="dmi-reads-")  # mode 0700
+    if len(directory) > _SOCKET_DIRECTORY_MAX and os.path.isdir("/tmp"):
+        os.rmdir(directory)  # a long TMPDIR: a socket path there could not be bound
+        directory = tempfile.mkdtemp(prefix="dmi-reads-", dir="/tmp")
     return f"ipc://{os.path.join(directory, 'reads')}"
+
+
+_SOCKET_DIRECTORY_MAX = 90
+"""Longest directory for the store channels' sockets (``reads``, the owner's ``writes``):
+an ``ipc://`` path longer than about 107 bytes cannot be bound."""
 
 
 def _remove_read_address(address: str) -> None:
