@@ -14,6 +14,11 @@
   Both sides synced: needed = the synced ingest rate (records offered back to back),
   ``of_bound`` = synced B/s / (disk B/s x compression). The result's ``bound`` is that of
   the largest payload with the most writers.
+* through the store owner: the same ingest of the widest payload with the most writers,
+  as a capture makes it: through the store owner process a scheduler starts
+  (``open_capture_sink``), timed from the run's start until ``close`` returned (the
+  owner ended): MB/s, CPU seconds per GB of this process (a scheduler's share: the write
+  channel's sends) and of the owner (from its ready to its exit), ``--repeat`` runs.
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -45,6 +50,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -63,8 +69,11 @@ from safetensors.torch import load as load_safetensors
 from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.app import export as exporting
+from dmi_sglang.app.composition import open_capture_sink
+from dmi_sglang.app.store_owner import OwnedSink
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import DISK_PROBE_BYTES
@@ -174,6 +183,58 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
             "disk_bytes": on_disk, "compression": captured / on_disk if on_disk else None,
             "inserts": stats.inserts,
             "delivered": stats.records_stored == records and stats.bytes_stored == captured}
+
+
+def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: int, *,
+                         insert_rows: int = INSERT_ROWS) -> Json:
+    """The same ingest as a capture makes it: through the store owner process that a
+    scheduler starts (``open_capture_sink``), timed from the run's start until ``close``
+    returned (the owner ended); CPU seconds per GB of this process (the scheduler's side)
+    and of the owner (a child: what it used from its ready to its exit)."""
+    path = root / f"owner-ingest-{size}-{writers}-{rep}"
+    batches = make_batches(size, total)
+    records = sum(len(b) for b in batches)
+    captured = sum(b.nbytes for b in batches)
+    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
+                  utc_now())
+    settings = Settings.from_kwargs(
+        {"dmx_db_url": f"chdb://{path}", "dmx_ch_writers": str(writers),
+         "dmx_ch_insert_rows": str(insert_rows)}, env={}).resolve(model_path="/models/bench")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    sink = open_capture_sink(settings)
+    owner_start_cpu = _process_cpu(sink.pid) if isinstance(sink, OwnedSink) else 0.0
+    os.sync()
+    started, cpu = time.perf_counter(), time.process_time()
+    try:
+        sink.start_run(run)
+        for batch in batches:
+            sink.put(batch)
+        sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
+                        [])
+    finally:
+        sink.close()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    owner_cpu = ((after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+                 - owner_start_cpu)
+    with ClickHouseReader(settings.store()).session() as reader:
+        totals = reader.hook_totals("bench")
+    stored = sum(t.bytes for t in totals)
+    shutil.rmtree(path, ignore_errors=True)
+    return {"payload_bytes": size, "writers": writers, "records": records,
+            "batches": len(batches), "bytes": captured, "seconds": wall,
+            "bps": stored / wall, "cpu_s_per_GB": cpu / (stored / 1e9),
+            "owner_cpu_s_per_GB": owner_cpu / (stored / 1e9),
+            "delivered": sum(t.records for t in totals) == records and stored == captured}
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far (0 without ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
@@ -361,6 +422,16 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                            stock_tok_s=r["synced_bps"] / r["payload_bytes"], disk_bps=disk,
                            compression=r["compression"])
         r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
+    widest = max(args.sizes)
+    owned = [ingest_through_owner(root, widest, args.mb * 1_000_000, max(args.writers), rep,
+                                  insert_rows=args.insert_rows) for rep in range(args.repeat)]
+    through_owner = {"payload_bytes": widest, "writers": max(args.writers),
+                     "bps": statistics.median(r["bps"] for r in owned),
+                     "spread": spread_of(r["bps"] for r in owned),
+                     "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in owned),
+                     "owner_cpu_s_per_GB": statistics.median(
+                         r["owner_cpu_s_per_GB"] for r in owned),
+                     "delivered": all(r["delivered"] for r in owned), "runs": owned}
     back = readback(root, *args.readback)
     cost = export_cost(root, args.export[0], args.export[1], args.repeat, args.export_rows[0])
     headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
@@ -373,6 +444,12 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
          "compression": r["compression"], "limit MB/s": r["bound"]["limit_bps"] / 1e6,
          "of bound": r["of_bound"], "stored": "all" if r["delivered"] else "LOST"}
         for r in rows]
+    table.append({"through the store owner": f"{widest // 1024} KiB x {max(args.writers)} "
+                                             "writers",
+                  "MB/s": through_owner["bps"] / 1e6, "spread": through_owner["spread"],
+                  "cpu s/GB (this process)": through_owner["cpu_s_per_GB"],
+                  "owner cpu s/GB": through_owner["owner_cpu_s_per_GB"],
+                  "stored": "all" if through_owner["delivered"] else "LOST"})
     table.append({"readback": f"{back['layers']} layers x {back['positions']} positions",
                   "MB": back["bytes"] / 1e6, "available ms (cold)": back["available_ms_cold"],
                   "hidden_states ms": back["hidden_states_ms"],
@@ -399,11 +476,13 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             "(both synced); headline: "
             f"{headline['payload_bytes'] // 1024} KiB x {headline['writers']} writers")
     print("\n".join(table_lines(table)) + f"\n{note}")
-    data["figures"] = {"ingest": rows, "readback": back, "export": cost, "table": table,
+    data["figures"] = {"ingest": rows, "through_owner": through_owner, "readback": back,
+                       "export": cost, "table": table,
                        "note": note,
                        "disk": {"bps": disk, "probes_bps": probes, "spread": spread_of(probes)}}
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
+        "owner_ingest_delivered": {"ok": through_owner["delivered"], "required": True},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
         "export_equal": {"ok": bool(cost["equal"]), "required": True},
         "compression_measured": {"ok": all(r["compression"] for r in rows), "required": True}}

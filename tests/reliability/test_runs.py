@@ -196,6 +196,50 @@ def test_fault_the_scheduler_holding_a_store_owner_is_killed(
     assert "blocks.hook_resid_pre.0@0-3" in capsys.readouterr().out
 
 
+_FORKED_SCHEDULER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from dmi_sglang.app.composition import open_capture_sink
+from dmi_sglang.domain.settings import Settings
+from reliability._faults import run_info
+settings = Settings.from_kwargs({"dmx_db_url": sys.argv[1]}, env={}).resolve(model_path="/m")
+sink = open_capture_sink(settings)
+sink.start_run(run_info("forked"))
+child = os.fork()
+if child == 0:  # keeps a copy of every descriptor, the owner's stdin pipe among them
+    time.sleep(120)
+    os._exit(0)
+print("owner", sink.pid, "child", child, flush=True)
+os._exit(9)
+"""
+
+
+def test_fault_a_child_of_the_dead_scheduler_holds_the_owners_stdin(tmp_path: Path) -> None:
+    """The scheduler dies while a process it forked keeps a copy of the store owner's stdin
+    pipe (so the pipe never ends) -> the owner sees its parent gone within seconds, closes
+    the store and ends; the run reads as interrupted."""
+    path = tmp_path / "s"
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", _FORKED_SCHEDULER, f"chdb://{path}",
+                             tests_dir], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    assert proc.stdout is not None
+    line = next(ln for ln in proc.stdout if ln.startswith("owner "))
+    _, owner, _, child = line.split()
+    proc.wait(60)
+    try:
+        deadline = time.monotonic() + 30
+        while not _ended(int(owner)):
+            assert time.monotonic() < deadline, "the owner kept the store for its parent's child"
+            time.sleep(0.05)
+    finally:
+        os.kill(int(child), 9)
+        proc.stdout.close()
+    run = open_store(f"chdb://{path}").run("forked")
+    assert run is not None
+    assert run.status is RunStatus.INTERRUPTED
+
+
 def test_bad_input_partial_read_of_a_request_that_stored_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A request with a manifest but not one stored position (it ended before its first

@@ -321,3 +321,38 @@ def test_closing_is_bounded_idempotent_and_leaves_a_later_service_alone(
     RemoteSink(second.address, timeout_s=30).flush()
     second.close()
     assert not (private / "writes").exists()
+
+
+def test_a_store_that_fails_behind_the_owner_records_the_run_failed(
+        private: Path, store: StoreConfig) -> None:
+    """The real sink behind the write channel fails its inserts: the caller's stop, as
+    the session makes it (``finish_run`` committed), gets the failure, and the store
+    holds the run failed with the reason, as a local sink leaves it."""
+    from clickhouse_connect.driver.exceptions import OperationalError
+
+    from dmi_sglang.adapters.clickhouse._insert import open_inserter
+
+    from ._support import FaultyInserter
+
+    def factory(config: StoreConfig) -> FaultyInserter:
+        return FaultyInserter(open_inserter(config), lambda n: OperationalError("disk gone"))
+
+    sink = ClickHouseSink(store, inserter_factory=factory, retries=1, backoff_s=0.001,
+                          writers=1)
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        remote = RemoteSink(service.address, timeout_s=60)
+        remote.start_run(RUN_INFO)
+        remote.put(one_batch())
+        with pytest.raises(StoreError, match="disk gone"):
+            remote.flush()
+        with pytest.raises(StoreError, match="disk gone"):  # committed, as a stop asks
+            remote.finish_run(attrs.evolve(RUN_INFO, status=RunStatus.COMMITTED), [])
+    finally:
+        service.close()
+        with pytest.raises(StoreError, match="disk gone"):  # the owner's close says so too
+            sink.close()
+    run = ClickHouseReader(store).run(RUN)
+    assert run is not None
+    assert run.status is RunStatus.FAILED
+    assert "disk gone" in run.error

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,14 @@ def test_a_long_tmpdir_still_gives_the_owner_a_channel(
         sink.close()
     assert ClickHouseReader(_settings(url).store()).run(RUN).status is RunStatus.COMMITTED
     assert list(deep.iterdir()) == []
+
+
+def test_an_owner_that_dies_before_it_is_ready_is_reported_with_its_status(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.app import store_owner
+
+    monkeypatch.setattr(store_owner, "OWNER_MODULE", "dmi_sglang.no_such_owner_module")
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=r"exited with status 1 before it was ready"):
+        open_capture_sink(_settings(f"chdb://{tmp_path / 'store'}"))
+    assert time.monotonic() - started < 30

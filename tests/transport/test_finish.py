@@ -522,3 +522,38 @@ def test_outside_a_server_a_capture_failure_still_raises(make_driver, monkeypatc
     assert mon.active
     assert hasattr(runner.model, "_dmi_capture_points")
     mon.stop()
+
+
+def test_a_sink_that_fails_to_close_after_a_committed_finish_is_logged(make_driver):
+    """``finish_run`` made the run durable: a failing ``close`` after it (a store owner
+    that exits badly) is logged, and the stop returns; a stop that failed raises its own
+    error, not the close's."""
+    import structlog.testing
+
+    from dmi_sglang.domain.records import RunStatus
+    from dmi_sglang.errors import CaptureError, StoreError
+    from dmi_sglang.testing import MemorySink
+
+    def broken_close() -> None:
+        raise StoreError("the owner exited with status 1")
+
+    d, sink = make_driver("resid_pre")
+    sink.close = broken_close
+    mon = SchedulerMonitor(run=RunInfo("run-c", "toy", (), (), "2026-01-01T00:00:00+00:00"),
+                           selection=d.selection, shape=SHAPE, transport=d.t, sink=sink,
+                           strip=True)
+    with structlog.testing.capture_logs() as logs:
+        mon.stop()
+    assert [run.status for run, _ in sink.finished] == [RunStatus.COMMITTED]
+    assert [e["error"] for e in logs if e["event"] == "dmi.sink_close_failed"] == [
+        "StoreError('the owner exited with status 1')"]
+    mon.stop()  # terminal and idempotent
+
+    failing = MemorySink(fail_on_flush=True)
+    d2, _ = make_driver("resid_pre", sink=failing)
+    failing.close = broken_close
+    mon2 = SchedulerMonitor(run=RunInfo("run-d", "toy", (), (), "2026-01-01T00:00:00+00:00"),
+                            selection=d2.selection, shape=SHAPE, transport=d2.t, sink=failing,
+                            strip=True)
+    with pytest.raises(CaptureError, match="injected failure on flush"):
+        mon2.stop()

@@ -13,7 +13,8 @@ run got that far) and exits. Without a read channel the parent ends it when the 
 sink closes (:meth:`OwnedSink.close`), so the run is durable and the store free when the
 scheduler's stop returns, as before. With a read channel (a server) it keeps answering
 reads until the scheduler process ends, or until SGLang's shutdown kills the server's
-process tree (the run was made durable first; its write channel lives in the server's
+process tree (after the run's stop when the server shuts down in order; a crash's tree
+kill can cut the owner short of what it took; its write channel lives in the server's
 read-channel directory, which the server removes). It ignores SIGINT and SIGTERM: Ctrl-C
 reaches every process of the terminal's group, and the run is stopped durably through the
 scheduler, which then ends the owner.
@@ -42,6 +43,7 @@ import structlog
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.store_config import CHANNEL_DIRECTORY_MAX_BYTES
 from dmi_sglang.errors import StoreError
 
 __all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "OpenServices", "OwnedSink",
@@ -58,8 +60,6 @@ OWNER_MODULE = "dmi_sglang.app.store_owner_main"
 _READY = "ready"
 _FAILED = "error: "
 _CHANNELS_PREFIX = "dmi-owner-"
-_IPC_PATH_MAX = 100
-"""Longest socket path used: ``ipc://`` paths longer than about 107 bytes cannot bind."""
 _PARENT_POLL_S = 1.0
 _START_FAILED_EXIT_S = 10.0
 
@@ -132,10 +132,9 @@ class OwnedSink:
         _end_owner(self._process, self._directory)
 
 
-def _end_owner(process: subprocess.Popen[bytes], directory: str | None,
-               wait_s: float = OWNER_EXIT_S) -> None:
-    """Close the owner's stdin and wait for its exit (killed after ``wait_s``); remove
-    its channels' directory.
+def _end_owner(process: subprocess.Popen[bytes], directory: str | None) -> None:
+    """Close the owner's stdin and wait for its exit (killed after
+    :data:`OWNER_EXIT_S`); remove its channels' directory.
 
     Raises:
         StoreError: the owner failed to close its sink, or did not exit in time.
@@ -143,12 +142,12 @@ def _end_owner(process: subprocess.Popen[bytes], directory: str | None,
     if process.stdin is not None and not process.stdin.closed:
         process.stdin.close()
     try:
-        code = process.wait(wait_s)
+        code = process.wait(OWNER_EXIT_S)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
         msg = (f"the store owner (pid {process.pid}) did not close the store within "
-               f"{wait_s:g} s and was killed; what it had not inserted is lost")
+               f"{OWNER_EXIT_S:g} s and was killed; what it had not inserted is lost")
         raise StoreError(msg) from None
     finally:
         if directory is not None:
@@ -195,21 +194,34 @@ def open_owned_sink(settings: Settings, read_address: str,
             answer = _read_ready(ready_r, OWNER_READY_S)
         finally:
             os.close(ready_r)
-        if answer != _READY:
-            why = answer.removeprefix(_FAILED) or (
-                f"it exited with status {process.poll()} before it was ready")
-            msg = f"the store owner could not open the store: {why}"
-            raise StoreError(msg)
-        sink = OwnedSink(remote(writes), process, directory, serves_reads=bool(read_address))
+        if answer == _READY:
+            sink = OwnedSink(remote(writes), process, directory,
+                             serves_reads=bool(read_address))
+            log.info("dmi.store_owner_started", pid=process.pid, writes=writes,
+                     reads=read_address or None)
+            return sink
     except BaseException:
-        try:  # it took nothing yet: no reason to wait long
-            _end_owner(process, directory, _START_FAILED_EXIT_S)
-        except StoreError as exc:  # the start's own failure is the one to report
-            log.warning("dmi.store_owner_end_failed", pid=process.pid, error=str(exc))
+        _abandon(process, directory)
         raise
-    log.info("dmi.store_owner_started", pid=process.pid, writes=writes,
-             reads=read_address or None)
-    return sink
+    _abandon(process, directory)
+    why = answer.removeprefix(_FAILED) or (
+        f"it exited with status {process.returncode} before it was ready")
+    msg = f"the store owner could not open the store: {why}"
+    raise StoreError(msg)
+
+
+def _abandon(process: subprocess.Popen[bytes], directory: str | None) -> None:
+    """End an owner whose start failed (it took nothing: killed after a short wait) and
+    remove its channels' directory."""
+    if process.stdin is not None and not process.stdin.closed:
+        process.stdin.close()
+    try:
+        process.wait(_START_FAILED_EXIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if directory is not None:
+        _remove_directory(directory)
 
 
 def _channels_directory(read_address: str) -> str | None:
@@ -218,9 +230,13 @@ def _channels_directory(read_address: str) -> str | None:
     if read_address:
         return None
     directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX)
-    if len(directory) + len("/writes") > _IPC_PATH_MAX and os.path.isdir("/tmp"):
-        _remove_directory(directory)  # a long TMPDIR: the socket cannot live there
-        directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX, dir="/tmp")
+    if len(os.fsencode(directory)) > CHANNEL_DIRECTORY_MAX_BYTES:
+        try:  # a long TMPDIR: the socket cannot be bound there
+            short = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX, dir="/tmp")
+        except OSError:  # no usable /tmp: the owner's bind will say what is wrong
+            return directory
+        _remove_directory(directory)
+        directory = short
     return directory
 
 

@@ -6,7 +6,11 @@ import enum
 
 import attrs
 
-__all__ = ["StoreConfig", "StoreKind"]
+__all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "StoreConfig", "StoreKind"]
+
+CHANNEL_DIRECTORY_MAX_BYTES = 90
+"""Longest directory (bytes) for the store's IPC channel sockets (``reads``, ``writes``):
+an ``ipc://`` socket path longer than about 107 bytes cannot be bound."""
 
 
 class StoreKind(enum.Enum):

@@ -20,7 +20,8 @@ Where it differs from a local sink: every call waits for its exchange, behind th
 ahead of it (of this process, and of the owner's other writers), so ``commit_requests``
 can wait while another writer's ``put`` is held by backpressure; a call the owner does not
 answer within :data:`WRITE_TIMEOUT_S` fails the remote sink for good (the owner may still
-store what it was given: the run is failed either way, so none of it reads as complete).
+store what it was given; no later call is sent, so the run, never finished, reads
+``interrupted``: none of it reads as complete).
 ``close`` ends this process's use only: the owner's sink stays open and its owner closes
 it. With several writers (the ranks of a tensor-parallel run) one of them starts and
 finishes the run and commits requests; the others put and flush only.
@@ -196,9 +197,12 @@ class RemoteSink:
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink flushes, syncs, and writes the manifests and the run's end.
 
-        Sent also after the owner's sink reported a failure (the owner then records the
-        run failed, as a local sink does), not after an exchange was lost (no owner
-        answered)."""
+        Sent also after the owner's sink reported a failure, with the run's status
+        failed (the owner records it so, as a local sink does); not after an exchange was
+        lost (no owner answered)."""
+        failure = self._failure
+        if failure is not None and run.status is RunStatus.COMMITTED:
+            run = attrs.evolve(run, status=RunStatus.FAILED, error=run.error or str(failure))
         self._call({"method": "finish_run", "run": _run_fields(run),
                     "manifests": [attrs.asdict(m) for m in manifests]}, past_failure=True)
 
@@ -238,6 +242,8 @@ class RemoteSink:
             except StoreError as exc:
                 self._lost = True  # a lost exchange leaves the REQ socket unusable
                 self._failure = earlier or exc
+                if earlier is not None:
+                    raise earlier from exc
                 raise
             if answer[0] == "ok":
                 if earlier is None:

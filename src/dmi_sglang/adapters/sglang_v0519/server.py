@@ -589,16 +589,17 @@ def _new_read_address() -> str:
     user can enter."""
     import tempfile
 
+    from dmi_sglang.domain.store_config import CHANNEL_DIRECTORY_MAX_BYTES
+
     directory = tempfile.mkdtemp(prefix="dmi-reads-")  # mode 0700
-    if len(directory) > _SOCKET_DIRECTORY_MAX and os.path.isdir("/tmp"):
-        os.rmdir(directory)  # a long TMPDIR: a socket path there could not be bound
-        directory = tempfile.mkdtemp(prefix="dmi-reads-", dir="/tmp")
+    if len(os.fsencode(directory)) > CHANNEL_DIRECTORY_MAX_BYTES:
+        try:  # a long TMPDIR: a socket path there could not be bound
+            short = tempfile.mkdtemp(prefix="dmi-reads-", dir="/tmp")
+        except OSError:  # no usable /tmp: the bind will say what is wrong
+            return f"ipc://{os.path.join(directory, 'reads')}"
+        os.rmdir(directory)
+        directory = short
     return f"ipc://{os.path.join(directory, 'reads')}"
-
-
-_SOCKET_DIRECTORY_MAX = 90
-"""Longest directory for the store channels' sockets (``reads``, the owner's ``writes``):
-an ``ipc://`` path longer than about 107 bytes cannot be bound."""
 
 
 def _remove_read_address(address: str) -> None:
