@@ -14,11 +14,13 @@
   Both sides synced: needed = the synced ingest rate (records offered back to back),
   ``of_bound`` = synced B/s / (disk B/s x compression). The result's ``bound`` is that of
   the largest payload with the most writers.
-* through the store owner: the same ingest of the widest payload with the most writers,
-  as a capture makes it: through the store owner process a scheduler starts
+* through the store owner: the ingest of the widest payload with the most writers as a
+  capture makes it, through the store owner process a scheduler starts
   (``open_capture_sink``), timed from the run's start until ``close`` returned (the
-  owner ended): MB/s, CPU seconds per GB of this process (a scheduler's share: the write
-  channel's sends) and of the owner (from its ready to its exit), ``--repeat`` runs.
+  owner ended), against the same direct ingest, each in a new process (both start the
+  embedded engine cold, which costs the first GB or so): MB/s, CPU seconds per GB of the
+  calling process (a scheduler's share: the write channel's sends) and of the owner (from
+  its ready to its exit), ``--repeat`` runs each.
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -57,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
@@ -301,7 +303,6 @@ def _beside_busy_thread(reader: ClickHouseReader, requests: int, repeat: int,
     Python thread of this process: per export, its wall seconds and the seconds of the
     busy thread's work it took (re-measured alone before each); whether every file the
     client got equals ``files``' (by request id)."""
-    from concurrent.futures import ProcessPoolExecutor
 
     from dmi_sglang.adapters.owner import ReadService
 
@@ -422,16 +423,26 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                            stock_tok_s=r["synced_bps"] / r["payload_bytes"], disk_bps=disk,
                            compression=r["compression"])
         r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
-    widest = max(args.sizes)
-    owned = [ingest_through_owner(root, widest, args.mb * 1_000_000, max(args.writers), rep,
-                                  insert_rows=args.insert_rows) for rep in range(args.repeat)]
-    through_owner = {"payload_bytes": widest, "writers": max(args.writers),
+    widest, most = max(args.sizes), max(args.writers)
+    fresh: dict[str, list[Json]] = {"direct": [], "owner": []}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        for rep in range(args.repeat):  # each in a new process: both start the engine cold
+            for how, fn in (("direct", ingest), ("owner", ingest_through_owner)):
+                fresh[how].append(pool.submit(fn, root, widest, args.mb * 1_000_000, most,
+                                              rep, insert_rows=args.insert_rows).result())
+    owned, direct = fresh["owner"], fresh["direct"]
+    through_owner = {"payload_bytes": widest, "writers": most,
                      "bps": statistics.median(r["bps"] for r in owned),
                      "spread": spread_of(r["bps"] for r in owned),
                      "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in owned),
                      "owner_cpu_s_per_GB": statistics.median(
                          r["owner_cpu_s_per_GB"] for r in owned),
-                     "delivered": all(r["delivered"] for r in owned), "runs": owned}
+                     "direct_bps": statistics.median(r["bps"] for r in direct),
+                     "direct_cpu_s_per_GB": statistics.median(
+                         r["cpu_s_per_GB"] for r in direct),
+                     "delivered": all(r["delivered"] for r in owned + direct),
+                     "runs": owned, "direct_runs": direct}
     back = readback(root, *args.readback)
     cost = export_cost(root, args.export[0], args.export[1], args.repeat, args.export_rows[0])
     headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
@@ -444,11 +455,13 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
          "compression": r["compression"], "limit MB/s": r["bound"]["limit_bps"] / 1e6,
          "of bound": r["of_bound"], "stored": "all" if r["delivered"] else "LOST"}
         for r in rows]
-    table.append({"through the store owner": f"{widest // 1024} KiB x {max(args.writers)} "
-                                             "writers",
+    table.append({"new process: through the store owner": f"{widest // 1024} KiB x {most} "
+                                                          "writers",
                   "MB/s": through_owner["bps"] / 1e6, "spread": through_owner["spread"],
                   "cpu s/GB (this process)": through_owner["cpu_s_per_GB"],
                   "owner cpu s/GB": through_owner["owner_cpu_s_per_GB"],
+                  "direct MB/s": through_owner["direct_bps"] / 1e6,
+                  "direct cpu s/GB": through_owner["direct_cpu_s_per_GB"],
                   "stored": "all" if through_owner["delivered"] else "LOST"})
     table.append({"readback": f"{back['layers']} layers x {back['positions']} positions",
                   "MB": back["bytes"] / 1e6, "available ms (cold)": back["available_ms_cold"],
