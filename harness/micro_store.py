@@ -35,7 +35,8 @@
   the exporting thread alone (the engine runs part of each query on it); then the
   default export as a server makes it: read through the owner's read channel (answered
   on a thread of this process) by a client process, beside a busy pure-Python thread of
-  this process (a serving scheduler's stand-in): the seconds of that thread's work each
+  this process (any Python work sharing the owner's process; a serving scheduler before
+  the store owner process): the seconds of that thread's work each
   export took per GB (``owner's busy thread s/GB``, its rate measured alone in one short
   window before each; on a machine with few cores the store engine's threads and the
   client process take CPU from it too, so it counts CPU as well as the GIL, and on the
@@ -299,7 +300,7 @@ def _collect(submit: Callable[[], Future[str]], into: list[str]) -> None:
 def _beside_busy_thread(reader: ClickHouseReader, requests: int, repeat: int,
                         files: dict[str, bytes]) -> tuple[list[tuple[float, float]], bool]:
     """Exports through the owner's read channel (answered on a thread of this process,
-    the owner's, as a serving scheduler answers them) to a client process, beside a busy
+    the owner's, as a store owner answers them) to a client process, beside a busy
     Python thread of this process: per export, its wall seconds and the seconds of the
     busy thread's work it took (re-measured alone before each); whether every file the
     client got equals ``files``' (by request id)."""

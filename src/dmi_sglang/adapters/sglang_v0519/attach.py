@@ -141,8 +141,9 @@ def attach(runner: Any, prepared: Prepared) -> CaptureSession:
 
 
 def _read_address(runner: Any) -> str:
-    """Where this scheduler answers its server's store reads: the address the server's
-    main process chose, in a server's first tensor-parallel rank only (empty: none)."""
+    """Where the store owner this scheduler starts answers its server's store reads: the
+    address the server's main process chose, in a server's first tensor-parallel rank
+    only (empty: none)."""
     if os.environ.get(_state.SERVER_MARK) != "1" or int(getattr(runner, "tp_rank", 0) or 0) != 0:
         return ""
     return os.environ.get(_state.READS_ADDRESS, "")
