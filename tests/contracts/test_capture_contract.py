@@ -257,6 +257,8 @@ def test_a_servers_reads_go_through_the_store_owner(tmp_path: Any) -> None:
     sink = session.sink
     assert isinstance(sink, OwnedSink)
     assert sink.pid != os.getpid()  # a process of its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reads", "store", "writes"]  # its
+    # write channel beside the server's read channel: the server's cleanup removes both
     session.stop()
     assert [r["status"] for r in reads.runs()] == ["committed"]  # the owner answers on
     assert factory.serving_reads(_settings(dmx_db_url="none"), address) is None
