@@ -94,3 +94,24 @@ def test_an_owner_that_dies_before_it_is_ready_is_reported_with_its_status(
     with pytest.raises(StoreError, match=r"exited with status 1 before it was ready"):
         open_capture_sink(_settings(f"chdb://{tmp_path / 'store'}"))
     assert time.monotonic() - started < 30
+
+
+def test_closing_ends_the_owner_while_a_forked_child_holds_its_stdin(tmp_path: Path) -> None:
+    """A process the scheduler forked keeps a copy of the owner's stdin pipe, so closing it
+    alone would not end the owner: the release signal does, at once."""
+    sink = open_capture_sink(_settings(f"chdb://{tmp_path / 'store'}"))
+    assert isinstance(sink, OwnedSink)
+    child = os.fork()
+    if child == 0:  # a copy of every descriptor, the pipe's write end among them
+        time.sleep(60)
+        os._exit(0)
+    try:
+        sink.start_run(RUN_INFO)
+        finish(sink)
+        started = time.monotonic()
+        sink.close()
+        assert time.monotonic() - started < 10  # not the 600 s an unreleased owner takes
+        assert _gone(sink.pid)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

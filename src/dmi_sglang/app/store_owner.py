@@ -6,18 +6,19 @@ it (:class:`~dmi_sglang.adapters.owner.RemoteSink`): the store's insert threads,
 embedded engine's CPU and a server's reads (``GET /dmi/...``: the owner answers them at
 the server's read address) stay off the scheduler's interpreter and its GIL.
 
-Lifetime: the owner ends when its parent closes the owner's stdin, or when the parent is
-gone (checked every second): it finishes the write in hand, stops taking calls, closes
-its sink (what it took is inserted; the run's files were synced by ``finish_run``, if the
-run got that far) and exits. Without a read channel the parent ends it when the run's
-sink closes (:meth:`OwnedSink.close`), so the run is durable and the store free when the
-scheduler's stop returns, as before. With a read channel (a server) it keeps answering
-reads until the scheduler process ends, or until SGLang's shutdown kills the server's
-process tree (after the run's stop when the server shuts down in order; a crash's tree
-kill can cut the owner short of what it took; its write channel lives in the server's
-read-channel directory, which the server removes). It ignores SIGINT and SIGTERM: Ctrl-C
-reaches every process of the terminal's group, and the run is stopped durably through the
-scheduler, which then ends the owner.
+Lifetime: the owner ends when its parent closes the owner's stdin and sends it
+:data:`RELEASE_SIGNAL` (a process the parent forked may hold a copy of the pipe), or when
+the parent is gone (checked every second): it finishes the write in hand, stops taking
+calls, closes its sink (what it took is inserted; the run's files were synced by
+``finish_run``, if the run got that far) and exits. Without a read channel the parent
+ends it when the run's sink closes (:meth:`OwnedSink.close`), so the run is durable and
+the store free when the scheduler's stop returns, as before. With a read channel (a
+server) it keeps answering reads until the scheduler process ends, or until SGLang's
+shutdown kills the server's process tree (after the run's stop when the server shuts
+down in order; a crash's tree kill can cut the owner short of what it took; its write
+channel lives in the server's read-channel directory, which the server removes). It
+ignores SIGINT and SIGTERM: Ctrl-C reaches every process of the terminal's group, and
+the run is stopped durably through the scheduler, which then ends the owner.
 
 Run as ``python -m dmi_sglang.app.store_owner_main --writes ADDRESS [--reads ADDRESS]
 --parent PID --ready-fd N`` (:func:`run_owner` with the composition root's channels), the
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -46,8 +48,8 @@ from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import CHANNEL_DIRECTORY_MAX_BYTES
 from dmi_sglang.errors import StoreError
 
-__all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "OpenServices", "OwnedSink",
-           "Service", "open_owned_sink", "run_owner"]
+__all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "RELEASE_SIGNAL", "OpenServices",
+           "OwnedSink", "Service", "open_owned_sink", "run_owner"]
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +63,8 @@ _READY = "ready"
 _FAILED = "error: "
 _CHANNELS_PREFIX = "dmi-owner-"
 _PARENT_POLL_S = 1.0
+RELEASE_SIGNAL = signal.SIGUSR1
+"""What the parent sends, besides closing stdin, to end an owner it no longer needs."""
 _START_FAILED_EXIT_S = 10.0
 
 
@@ -141,6 +145,8 @@ def _end_owner(process: subprocess.Popen[bytes], directory: str | None) -> None:
     """
     if process.stdin is not None and not process.stdin.closed:
         process.stdin.close()
+    if process.poll() is None:  # also when a process this one forked holds a copy of stdin
+        process.send_signal(RELEASE_SIGNAL)
     try:
         code = process.wait(OWNER_EXIT_S)
     except subprocess.TimeoutExpired:
@@ -291,6 +297,8 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it (module docstring)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    released = threading.Event()
+    signal.signal(RELEASE_SIGNAL, lambda *_: released.set())
     os.set_inheritable(args.ready_fd, False)  # no child of this process may hold it open
     try:
         sink, services = open_services(Settings.from_env(), args.writes, args.reads)
@@ -298,7 +306,7 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
         _tell(args.ready_fd, _FAILED + " ".join(str(exc).split()))
         return 1
     _tell(args.ready_fd, _READY)
-    _serve_until_released(args.parent)
+    _serve_until_released(args.parent, released)
     services[0].close(wait_forever=True)  # no more writes; the call in hand is finished first
     code = 0
     try:
@@ -315,13 +323,13 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     return code
 
 
-def _serve_until_released(parent: int) -> None:
-    """Return when stdin ends (the parent closed it, or died and every copy of it closed)
-    or the parent is gone (a child of it that kept a copy of the pipe is no reason to
-    hold the store)."""
+def _serve_until_released(parent: int, released: threading.Event) -> None:
+    """Return when stdin ends (the parent closed it, or died and every copy of it closed),
+    the parent sent :data:`RELEASE_SIGNAL`, or the parent is gone (a process it forked
+    that kept a copy of the pipe is no reason to hold the store)."""
     poller = select.poll()
     poller.register(sys.stdin.fileno(), select.POLLIN | select.POLLHUP)
-    while os.getppid() == parent:
+    while os.getppid() == parent and not released.is_set():
         if poller.poll(_PARENT_POLL_S * 1000) and not os.read(sys.stdin.fileno(), 65536):
             return
 
