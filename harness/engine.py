@@ -176,25 +176,44 @@ def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
     keyed ``"NAME PID"`` (``NAME``: the last part of the process's first argument, which
     is its title where it set one, e.g. SGLang's ``sglang::scheduler``; else its short
     name); empty where ``/proc`` is not there."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     found: dict[str, float] = {}
     try:
         entries = [e for e in proc.iterdir() if e.name.isdigit()]
     except OSError:
         return found
     for entry in entries:
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # ended meanwhile
+        stat = _stat(entry)
+        if stat is None or int(stat[1][2]) != pgid:  # ended meanwhile, or another group
             continue
-        comm, _, rest = stat.partition("(")[2].rpartition(")")
-        fields = rest.split()  # from the state on: field 3 of proc(5) is fields[0]
-        if len(fields) < 13 or int(fields[2]) != pgid:
-            continue
+        comm, fields = stat
         title = _cmdline(entry).replace(b"\0", b" ").split()
         name = os.path.basename(title[0].decode(errors="replace")) if title else comm
-        found[f"{name} {entry.name}"] = (int(fields[11]) + int(fields[12])) / ticks
+        found[f"{name} {entry.name}"] = _cpu_seconds(fields)
     return found
+
+
+def process_cpu(pid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (0 when it is gone or
+    ``/proc`` is not there)."""
+    stat = _stat(proc / str(pid))
+    return 0.0 if stat is None else _cpu_seconds(stat[1])
+
+
+def _stat(entry: Path) -> tuple[str, list[str]] | None:
+    """A process's short name and its ``stat`` fields from the state on (field 3 of
+    proc(5) is the first), or None when it cannot be read."""
+    try:
+        stat = entry.joinpath("stat").read_text()
+    except OSError:
+        return None
+    comm, _, rest = stat.partition("(")[2].rpartition(")")
+    fields = rest.split()
+    return (comm, fields) if len(fields) >= 13 else None
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def cpu_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

@@ -81,6 +81,7 @@ from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import DISK_PROBE_BYTES
 from harness.docs import table_lines
+from harness.engine import process_cpu
 from harness.micro_transport import SpinProbe
 from harness.models import MODELS
 from harness.results import Json, run_benchmark, utc_now
@@ -152,15 +153,20 @@ def make_batches(size: int, total: int) -> list[RecordBatch]:
     return out
 
 
+def _ingest_input(size: int, total: int) -> tuple[list[RecordBatch], int, int, RunInfo]:
+    """An ingest's batches (:func:`make_batches`), their record and byte counts, and the
+    running run they belong to."""
+    batches = make_batches(size, total)
+    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
+                  utc_now())
+    return batches, sum(len(b) for b in batches), sum(b.nbytes for b in batches), run
+
+
 def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
            insert_rows: int = INSERT_ROWS) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
     path = root / f"ingest-{size}-{writers}-{rep}"
-    batches = make_batches(size, total)
-    records = sum(len(b) for b in batches)
-    captured = sum(b.nbytes for b in batches)
-    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
-                  utc_now())
+    batches, records, captured, run = _ingest_input(size, total)
     config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path), insert_rows=insert_rows)
     sink = ClickHouseSink(config, writers=writers)
     os.sync()  # the previous run's writeback is not this run's
@@ -195,17 +201,13 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
     returned (the owner ended); CPU seconds per GB of this process (the scheduler's side)
     and of the owner (a child: what it used from its ready to its exit)."""
     path = root / f"owner-ingest-{size}-{writers}-{rep}"
-    batches = make_batches(size, total)
-    records = sum(len(b) for b in batches)
-    captured = sum(b.nbytes for b in batches)
-    run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
-                  utc_now())
+    batches, records, captured, run = _ingest_input(size, total)
     settings = Settings.from_kwargs(
         {"dmx_db_url": f"chdb://{path}", "dmx_ch_writers": str(writers),
          "dmx_ch_insert_rows": str(insert_rows)}, env={}).resolve(model_path="/models/bench")
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     sink = open_capture_sink(settings)
-    owner_start_cpu = _process_cpu(sink.pid) if isinstance(sink, OwnedSink) else 0.0
+    owner_start_cpu = process_cpu(sink.pid) if isinstance(sink, OwnedSink) else 0.0
     os.sync()
     started, cpu = time.perf_counter(), time.process_time()
     try:
@@ -229,15 +231,6 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "bps": stored / wall, "cpu_s_per_GB": cpu / (stored / 1e9),
             "owner_cpu_s_per_GB": owner_cpu / (stored / 1e9),
             "delivered": sum(t.records for t in totals) == records and stored == captured}
-
-
-def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` used so far (0 without ``/proc``)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:

@@ -83,3 +83,12 @@ def within(action: Callable[[], object], seconds: float = WITHIN_S) -> BaseExcep
     worker.join(seconds)
     assert outcome, f"still blocked after {seconds} s: it hangs"
     return outcome[0]
+
+
+def ended(pid: int) -> bool:
+    """Process ``pid`` is gone (reaped, or a zombie no one reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -26,7 +26,7 @@ from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import CapacityError, RunExistsError
 
-from ._faults import commit, embedded, record, run_info, store_with_run
+from ._faults import commit, embedded, ended, record, run_info, store_with_run
 
 
 def _settings(url: str, run_id: str | None = "run", **kw: str) -> Settings:
@@ -160,15 +160,6 @@ os._exit(9)  # killed: no finish, no close; the owner's stdin closes with this p
 """
 
 
-def _ended(pid: int) -> bool:
-    """The process is gone (reaped, or a zombie no one reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_fault_the_scheduler_holding_a_store_owner_is_killed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The process that started a store owner (a scheduler capturing into the embedded
@@ -184,7 +175,7 @@ def test_fault_the_scheduler_holding_a_store_owner_is_killed(
     assert proc.returncode == 9, proc.stderr[-2000:]
     owner = int(proc.stdout.split("owner ", 1)[1].split()[0])
     deadline = time.monotonic() + 60  # run() returned when the owner closed the stdout
-    while not _ended(owner):  # it shares with the killed process: it has ended, or is ending
+    while not ended(owner):  # it shares with the killed process: it has ended, or is ending
         assert time.monotonic() < deadline, f"the store owner {owner} did not end"
         time.sleep(0.05)
     assert list(channels.iterdir()) == []
@@ -229,7 +220,7 @@ def test_fault_a_child_of_the_dead_scheduler_holds_the_owners_stdin(tmp_path: Pa
     proc.wait(60)
     try:
         deadline = time.monotonic() + 30
-        while not _ended(int(owner)):
+        while not ended(int(owner)):
             assert time.monotonic() < deadline, "the owner kept the store for its parent's child"
             time.sleep(0.05)
     finally:

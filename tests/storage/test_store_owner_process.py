@@ -22,19 +22,11 @@ from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import StoreError
 from tests.contracts._tp_data import RUN, RUN_INFO, finish, stored, whole_tensors
+from tests.reliability._faults import ended
 
 
 def _settings(url: str) -> Settings:
     return Settings.from_kwargs({"dmx_db_url": url}, env={}).resolve(model_path="/m/toy")
-
-
-def _gone(pid: int) -> bool:
-    """The process ended (reaped, or a zombie nobody reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -> None:
@@ -50,7 +42,7 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     os.kill(sink.pid, signal.SIGTERM)  # so does a group's SIGTERM: the scheduler ends it
     sink.flush()
     sink.close()
-    assert _gone(sink.pid)
+    assert ended(sink.pid)
     store = _settings(url).store()  # free again: this process opens it directly
     handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store))
     assert handle.missing == ()
@@ -111,7 +103,7 @@ def test_closing_ends_the_owner_while_a_forked_child_holds_its_stdin(tmp_path: P
         started = time.monotonic()
         sink.close()
         assert time.monotonic() - started < 10  # not the 600 s an unreleased owner takes
-        assert _gone(sink.pid)
+        assert ended(sink.pid)
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)

@@ -34,7 +34,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ import structlog
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo
 from dmi_sglang.domain.settings import Settings
-from dmi_sglang.domain.store_config import CHANNEL_DIRECTORY_MAX_BYTES
+from dmi_sglang.domain.store_config import channel_directory
 from dmi_sglang.errors import StoreError
 
 __all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "RELEASE_SIGNAL", "OpenServices",
@@ -137,31 +136,42 @@ class OwnedSink:
 
 
 def _end_owner(process: subprocess.Popen[bytes], directory: str | None) -> None:
-    """Close the owner's stdin and wait for its exit (killed after
-    :data:`OWNER_EXIT_S`); remove its channels' directory.
+    """Release the owner and wait for its exit (killed after :data:`OWNER_EXIT_S`);
+    remove its channels' directory.
 
     Raises:
         StoreError: the owner failed to close its sink, or did not exit in time.
     """
-    if process.stdin is not None and not process.stdin.closed:
-        process.stdin.close()
-    if process.poll() is None:  # also when a process this one forked holds a copy of stdin
-        process.send_signal(RELEASE_SIGNAL)
-    try:
-        code = process.wait(OWNER_EXIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    code = _stop(process, directory, OWNER_EXIT_S, release=True)
+    if code is None:
         msg = (f"the store owner (pid {process.pid}) did not close the store within "
                f"{OWNER_EXIT_S:g} s and was killed; what it had not inserted is lost")
-        raise StoreError(msg) from None
-    finally:
-        if directory is not None:
-            _remove_directory(directory)
+        raise StoreError(msg)
     if code != 0:
         msg = (f"the store owner (pid {process.pid}) failed to close the store (exit "
                f"status {code}; its log line dmi.store_owner_close_failed says why)")
         raise StoreError(msg)
+
+
+def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float, *,
+          release: bool) -> int | None:
+    """Close the owner's stdin (and with ``release`` send :data:`RELEASE_SIGNAL`: a
+    process this one forked may hold a copy of that pipe), wait up to ``wait_s`` for its
+    exit, else kill it; remove its channels' directory. Its exit status, or None when it
+    had to be killed."""
+    if process.stdin is not None and not process.stdin.closed:
+        process.stdin.close()
+    if release and process.poll() is None:
+        process.send_signal(RELEASE_SIGNAL)
+    try:
+        return process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+    finally:
+        if directory is not None:
+            _remove_directory(directory)
 
 
 def open_owned_sink(settings: Settings, read_address: str,
@@ -206,44 +216,20 @@ def open_owned_sink(settings: Settings, read_address: str,
             log.info("dmi.store_owner_started", pid=process.pid, writes=writes,
                      reads=read_address or None)
             return sink
-    except BaseException:
-        _abandon(process, directory)
+    except BaseException:  # it took nothing: no reason to wait long
+        _stop(process, directory, _START_FAILED_EXIT_S, release=False)
         raise
-    _abandon(process, directory)
+    _stop(process, directory, _START_FAILED_EXIT_S, release=False)
     why = answer.removeprefix(_FAILED) or (
         f"it exited with status {process.returncode} before it was ready")
     msg = f"the store owner could not open the store: {why}"
     raise StoreError(msg)
 
 
-def _abandon(process: subprocess.Popen[bytes], directory: str | None) -> None:
-    """End an owner whose start failed (it took nothing: killed after a short wait) and
-    remove its channels' directory."""
-    if process.stdin is not None and not process.stdin.closed:
-        process.stdin.close()
-    try:
-        process.wait(_START_FAILED_EXIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    if directory is not None:
-        _remove_directory(directory)
-
-
 def _channels_directory(read_address: str) -> str | None:
-    """A new directory (mode 0700) for the owner's write channel, with a path short
-    enough to bind; None when it goes beside the server's read channel."""
-    if read_address:
-        return None
-    directory = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX)
-    if len(os.fsencode(directory)) > CHANNEL_DIRECTORY_MAX_BYTES:
-        try:  # a long TMPDIR: the socket cannot be bound there
-            short = tempfile.mkdtemp(prefix=_CHANNELS_PREFIX, dir="/tmp")
-        except OSError:  # no usable /tmp: the owner's bind will say what is wrong
-            return directory
-        _remove_directory(directory)
-        directory = short
-    return directory
+    """A new directory for the owner's write channel; None when it goes beside the
+    server's read channel."""
+    return None if read_address else channel_directory(_CHANNELS_PREFIX)
 
 
 def _read_ready(fd: int, timeout_s: float) -> str:

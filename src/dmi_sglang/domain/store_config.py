@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import enum
+import os
+import shutil
+import tempfile
 
 import attrs
 
-__all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "StoreConfig", "StoreKind"]
+__all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "StoreConfig", "StoreKind", "channel_directory"]
 
 CHANNEL_DIRECTORY_MAX_BYTES = 90
 """Longest directory (bytes) for the store's IPC channel sockets (``reads``, ``writes``):
 an ``ipc://`` socket path longer than about 107 bytes cannot be bound."""
+
+
+def channel_directory(prefix: str) -> str:
+    """A new directory (mode 0700: this user's alone) for the store's IPC channel
+    sockets, named ``prefix...``: in the temporary directory, or under ``/tmp`` when that
+    path is too long to bind a socket in (kept where ``/tmp`` is not usable: the bind
+    then says what is wrong)."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    if len(os.fsencode(directory)) <= CHANNEL_DIRECTORY_MAX_BYTES:
+        return directory
+    try:
+        short = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    except OSError:
+        return directory
+    shutil.rmtree(directory, ignore_errors=True)
+    return short
 
 
 class StoreKind(enum.Enum):

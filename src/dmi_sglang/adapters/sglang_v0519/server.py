@@ -587,19 +587,9 @@ def _warmup_unless_ending(target: Callable[..., Any] | None, *args: Any, **kw: A
 def _new_read_address() -> str:
     """An IPC address for the store owner's read channel, in a new directory only this
     user can enter."""
-    import tempfile
+    from dmi_sglang.domain.store_config import channel_directory
 
-    from dmi_sglang.domain.store_config import CHANNEL_DIRECTORY_MAX_BYTES
-
-    directory = tempfile.mkdtemp(prefix="dmi-reads-")  # mode 0700
-    if len(os.fsencode(directory)) > CHANNEL_DIRECTORY_MAX_BYTES:
-        try:  # a long TMPDIR: a socket path there could not be bound
-            short = tempfile.mkdtemp(prefix="dmi-reads-", dir="/tmp")
-        except OSError:  # no usable /tmp: the bind will say what is wrong
-            return f"ipc://{os.path.join(directory, 'reads')}"
-        os.rmdir(directory)
-        directory = short
-    return f"ipc://{os.path.join(directory, 'reads')}"
+    return f"ipc://{os.path.join(channel_directory('dmi-reads-'), 'reads')}"
 
 
 def _remove_read_address(address: str) -> None:
