@@ -244,6 +244,33 @@ def test_graph_replay_with_padding_stores_only_real_rows():
         print(f"strip={strip}: {stats}")
 
 
+def test_graph_steps_waiting_in_arena_slots_arrive_exact():
+    """A lingering drain lets decode graph steps pile up in the arena's slots (the
+    replays write the slot their commit selected; nothing is copied on the scheduler
+    thread), and it takes several at once into its window, across the slots' wrap."""
+    sink = MemorySink()
+    t = _transport(sink, linger_s=30.0, flush_timeout_s=60.0)
+    model = _model(t)
+    bucket = 8
+    graph, static_ids, ref = _record_graph(model, bucket)
+    expected = Expected()
+    rids = [f"s{i}" for i in range(6)]
+    for step in range(1, 41):
+        static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
+        layout = BatchLayout.decode(rids, [20 + step] * len(rids), padded_batch_size=bucket)
+        plan = make_plan(layout, SELECTION, SHAPE, padded=True)
+        t.commit(plan, step=step)
+        graph.replay()
+        t.seal()
+        expected.add(plan, ref)
+    stats = t.stop()
+    assert expected.verify(sink.records) == stats.rows
+    counters = t.drain_counters()
+    assert counters["slot_items"] == 40
+    assert counters["slot_rounds"] <= 10
+    print(f"{stats}; {counters}")
+
+
 def test_ring_wraps_around_on_gpu():
     sink = MemorySink()
     t = _transport(sink, payload=1 << 20)  # steps of 0.2-0.6 MB

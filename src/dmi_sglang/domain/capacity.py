@@ -35,12 +35,14 @@ from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError
 
 __all__ = [
+    "ARENA_SLOTS_BUDGET",
     "Decision",
     "Preflight",
     "RingAllocator",
     "RingCapacity",
     "RingUsage",
     "arena_bytes",
+    "arena_slots",
     "check_ring_fits",
     "largest_capture_bytes",
     "last_slot_bytes",
@@ -207,6 +209,24 @@ def arena_bytes(
         row = shape.capture_row(selection, hook, layer_no)
         total += align_up(max_graph_batch * row.nbytes, alignment)
     return total
+
+
+ARENA_SLOTS_BUDGET = 512 * MIB
+"""Device bytes the arena's slots may take together (see :func:`arena_slots`)."""
+ARENA_SLOTS_MAX = 16
+ARENA_SLOTS_MIN = 4
+
+
+def arena_slots(one_slot_bytes: int) -> int:
+    """How many copies (slots) of the graph-replay arena a transport keeps: as many as
+    :data:`ARENA_SLOTS_BUDGET` holds, at most 16 (about 50 ms of decode steps at batch
+    64, longer than the drain lingers); fewer than 4 would make decode steps wait for
+    the drain thread, so such an arena keeps one slot (its steps are copied out by the
+    scheduler thread). Each replayed step stays in its slot until the drain thread
+    copied it out, so the scheduler thread queues no copies for it.
+    """
+    fit = min(ARENA_SLOTS_MAX, ARENA_SLOTS_BUDGET // max(one_slot_bytes, 1))
+    return fit if fit >= ARENA_SLOTS_MIN else 1
 
 
 def last_slot_requests(*, max_requests: int, max_graph_batch: int) -> int:

@@ -1,9 +1,17 @@
-"""The decode-graph arena: one device buffer with a fixed slot per selected capture.
+"""The decode-graph arena: one device buffer with a fixed place per selected capture, in
+one or more copies (*slots*).
 
 A decode CUDA graph replays fixed addresses with new values. During graph capture each
-capture point records a copy of its tensor into its slot; every captured graph (one per
-batch bucket) writes the same slots, so one arena sized for the largest decode batch
+capture point records a copy of its tensor into its place; every captured graph (one per
+batch bucket) writes the same places, so one arena sized for the largest decode batch
 serves them all. After a replay, :mod:`._program` copies the real rows out to the ring.
+
+With several slots the recorded copies write the slot that a one-element device index
+names when the graph replays (:meth:`Arena.select` sets it before each replay, one
+device copy), so the rows of a replayed step stay in their slot while later steps
+replay into the others: the drain thread moves them to the ring, not the scheduler
+thread (see the transport). One more slot, the *spare*, takes replays that no step
+committed. With one slot the index is not used and the copies write the slot directly.
 
 Slots are laid out the way :func:`~dmi_sglang.domain.plan.make_plan` lays out ring
 segments (grouped by row size, then in firing order), so a group of equal-width slots
@@ -60,14 +68,17 @@ def check_dtype(key: CaptureKey, tensor: torch.Tensor, expected: torch.dtype) ->
 
 
 class Arena:
-    """One device buffer holding a slot of ``max_rows`` rows per selected capture.
+    """One device buffer holding, per slot, a place of ``max_rows`` rows per selected
+    capture.
 
     Args:
-        selection: the resolved selection (every ``(hook, layer)`` gets a slot).
+        selection: the resolved selection (every ``(hook, layer)`` gets a place).
         shape: the model's row shapes.
-        max_rows: rows per slot: the largest decode-graph batch.
+        max_rows: rows per place: the largest decode-graph batch.
         ops: the device primitives.
-        alignment: slot alignment in bytes.
+        alignment: place alignment in bytes.
+        slots: slots steps are written to (see the module docstring); with more than
+            one, a spare slot is added.
     """
 
     def __init__(
@@ -76,8 +87,13 @@ class Arena:
         shape: ModelShape,
         max_rows: int,
         ops: DeviceOps,
+        *,
         alignment: int = 16,
+        slots: int = 1,
     ) -> None:
+        if slots < 1:
+            msg = f"an arena needs at least one slot, got {slots}"
+            raise CaptureError(msg)
         captures = selection.captures()
         rows = [shape.capture_row(selection, hook, layer_no) for hook, layer_no in captures]
         order = sorted(range(len(captures)), key=lambda i: rows[i].nbytes)
@@ -93,23 +109,36 @@ class Arena:
             self.offsets[key] = offset
             offset += align_up(max_rows * row.nbytes, alignment)
         self.nbytes = offset
-        self.buffer = ops.device_buffer(align_up(max(offset, 16), 16))
+        """Bytes of one slot (before its alignment to 16)."""
+        self.slots = slots
+        self.slot_bytes = align_up(max(offset, 16), 16)
+        """Distance between two slots in :attr:`buffer`."""
+        self.spare = slots if slots > 1 else 0
+        """The slot of replays no step committed (the only slot when there is one)."""
+        allocated = slots + 1 if slots > 1 else 1
+        self.buffer = ops.device_buffer(self.slot_bytes * allocated)
         self._views: dict[CaptureKey, torch.Tensor] = {}
         for key, row in self.rows_spec.items():
-            start = self.offsets[key]
-            raw = self.buffer[start : start + max_rows * row.nbytes]
-            self._views[key] = raw.view(TORCH_DTYPES[row.dtype]).view(
-                max_rows, math.prod(row.dims)
-            )
+            item = TORCH_DTYPES[row.dtype].itemsize
+            width = math.prod(row.dims)
+            self._views[key] = self.buffer.view(TORCH_DTYPES[row.dtype]).as_strided(
+                (allocated, max_rows * width), (self.slot_bytes // item, 1),
+                self.offsets[key] // item)
+        self._index = (torch.full((1,), self.spare, dtype=torch.int64, device=ops.device)
+                       if slots > 1 else None)
+        numbers = torch.arange(allocated, dtype=torch.int64, device=ops.device)
+        self._numbers = [numbers[k : k + 1] for k in range(allocated)] if slots > 1 else []
         self.written: dict[CaptureKey, int] = {}
-        """Most rows each slot has been written with (checked before a replay is sealed)."""
+        """Most rows each place has been written with (checked before a replay is sealed)."""
 
     def __contains__(self, key: object) -> bool:
         return key in self._views
 
-    def view(self, key: CaptureKey) -> torch.Tensor:
-        """The slot of ``key`` as ``[max_rows, elements per row]`` in its dtype."""
-        return self._views[key]
+    def select(self, slot: int) -> None:
+        """Make the following replays (and eager writes) write ``slot``: one device copy
+        on the current stream (nothing with one slot)."""
+        if self._index is not None:
+            self._index.copy_(self._numbers[slot], non_blocking=True)
 
     def write(self, key: CaptureKey, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s rows into the slot (recorded into the graph when capturing).
@@ -126,6 +155,10 @@ class Arena:
             )
             raise CaptureError(msg)
         if rows:
-            self._views[key][:rows].copy_(src)
+            places = self._views[key][:, : src.numel()]
+            if self._index is None:
+                places[0].copy_(src.reshape(-1))
+            else:
+                places.index_copy_(0, self._index, src.reshape(1, -1))
         if rows > self.written.get(key, 0):
             self.written[key] = rows

@@ -2,9 +2,14 @@
 
 Per sealed item (a step, or one piece of a piecewise step), in commit order:
 
+0. a decode graph step still in its arena slot that does not join the window is copied
+   to its ring region (a strided device copy per group, on the drain's own stream,
+   after the step's marker), and the slot is freed once that completed (one wait per
+   wake-up);
 1. plain decode steps join the :class:`~._window.DecodeWindow` on the device (a strided
-   device copy per group, on the drain's own stream, after the item's marker); their
-   ring regions are released once those copies completed (one wait per wake-up);
+   device copy per group for consecutive steps, on the drain's own stream, after the
+   items' markers: from their arena slots, or from the ring); their ring regions and
+   slots are released once those copies completed (one wait per wake-up);
 2. anything else first flushes the window (rows of a request stay in position order),
    then its ring region is copied to the same offsets of pinned staging with ONE
    device-to-host copy and becomes record batches (``_records``) over pooled memory
@@ -54,9 +59,13 @@ log = structlog.get_logger("dmi_sglang.transport.drain")
 
 
 class DrainItem:
-    """One ring region to drain: a whole step, or one piece of a piecewise step."""
+    """One ring region to drain: a whole step, or one piece of a piecewise step.
 
-    __slots__ = ("base", "discard", "marker", "nbytes", "plan", "program", "seq")
+    ``slot`` >= 0: a decode graph step whose rows are still in that arena slot; the
+    drain copies them to the ring region first (``from_slot``) and frees the slot.
+    """
+
+    __slots__ = ("base", "discard", "marker", "nbytes", "plan", "program", "seq", "slot")
 
     def __init__(
         self,
@@ -67,8 +76,10 @@ class DrainItem:
         marker: Marker,
         *,
         discard: bool = False,
+        slot: int = -1,
     ) -> None:
         self.seq = seq
+        self.slot = slot
         self.plan = plan
         self.program = program
         self.base = base
@@ -86,11 +97,25 @@ def coalescable(plan: CommitPlan, program: Program) -> bool:
     return all(g.kept_rows == n for g in program.groups)
 
 
+def in_slot_to_window(item: DrainItem) -> bool:
+    """True for a decode step the window takes straight from its arena slot (no group
+    gathers rows: those are copied to the ring first)."""
+    return item.slot >= 0 and all(g.gather is None for g in item.program.groups)
+
+
+def _follows(prev: DrainItem, item: DrainItem) -> bool:
+    """``item``'s rows lie right after ``prev``'s: in the next arena slot for steps the
+    window takes from their slots, else in the next ring region."""
+    if in_slot_to_window(prev) or in_slot_to_window(item):
+        return in_slot_to_window(prev) and in_slot_to_window(item) and item.slot == prev.slot + 1
+    return item.base == prev.base + prev.nbytes
+
+
 def _window_run(batch: list[DrainItem | Finish], start: int, window_items: set[int],
                 room: int) -> list[DrainItem]:
     """The items from ``batch[start]`` on that join the window with one copy per group:
     at most ``room``, consecutive decode steps of the same program and requests whose
-    ring regions follow each other."""
+    rows follow each other (:func:`_follows`)."""
     first = batch[start]
     assert isinstance(first, DrainItem)
     run = [first]
@@ -98,7 +123,7 @@ def _window_run(batch: list[DrainItem | Finish], start: int, window_items: set[i
     for item in batch[start + 1 :]:
         prev = run[-1]
         if (len(run) >= room or not isinstance(item, DrainItem) or id(item) not in window_items
-                or item.program is not first.program or item.base != prev.base + prev.nbytes
+                or item.program is not first.program or not _follows(prev, item)
                 or item.plan.layout.request_ids != rids):
             break
         run.append(item)
@@ -144,6 +169,11 @@ class Drain:
             module docstring); False: every item through staging.
         gil_slice_s: longest stretch of the thread's Python between two hand-overs of
             the GIL (see ``_gil``); 0: only when it waits.
+        from_slot: queues the device copies of an item's rows from its arena slot to its
+            ring region on the current stream.
+        free_slot: the arena slot may be written again (its copies completed).
+        arena / arena_slot_bytes: the decode-graph arena and the distance between its
+            slots (the window copies steps still in their slots from there).
     """
 
     def __init__(
@@ -162,8 +192,14 @@ class Drain:
         linger_s: float = 0.0,
         direct_bytes: int = 0,
         gil_slice_s: float = 0.0,
+        from_slot: Callable[[DrainItem], None] | None = None,
+        free_slot: Callable[[int], None] | None = None,
+        arena: torch.Tensor | None = None,
+        arena_slot_bytes: int = 0,
     ) -> None:
         self._ops = ops
+        self._from_slot = from_slot
+        self._free_slot = free_slot
         self.gil = GilSlice(gil_slice_s)
         self._linger_s = linger_s
         self._hurry = threading.Event()
@@ -186,12 +222,15 @@ class Drain:
         self.held = HeldRows()
         self._window = (
             DecodeWindow(run_id, window_bytes, flush_timeout_s, ops=ops, ring=ring,
+                         arena=arena, arena_slot_bytes=arena_slot_bytes,
                          held=self.held, gil=self.gil)
             if window_bytes is not None else None
         )
         self._unreleased = 0
         """Decode items whose rows were queued into the window but whose ring regions
         are not released yet (after the next settle)."""
+        self._unfreed_slots: list[int] = []
+        """Arena slots the window's queued copies read (freed after the next settle)."""
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._commits: list[RequestManifest] = []
@@ -210,6 +249,9 @@ class Drain:
         self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
         self.sink_seconds = 0.0
+        self.slot_items = 0
+        self.slot_rounds = 0
+        self.slot_seconds = 0.0
 
     @property
     def device_bytes(self) -> int:
@@ -344,6 +386,7 @@ class Drain:
         Returns what is left to emit (a long batch hands batches over as it goes)."""
         items = [it for it in batch if isinstance(it, DrainItem)]
         window_items = {id(it) for it in items if self._coalesce(it)}
+        self._out_of_slots(items, window_items)
         direct = {id(it) for it in items if id(it) not in window_items and self._direct(it)}
         self._to_staging([it for it in items if id(it) not in window_items
                           and id(it) not in direct])
@@ -363,8 +406,12 @@ class Drain:
                     out = self._flush_window(out)
                 run = _window_run(batch, n, window_items,
                                   window.room(item.program, item.plan.layout))
+                from_slots = in_slot_to_window(item)
                 window.append([it.seq for it in run], item.program, item.base,
-                              [it.plan.layout for it in run], [it.marker for it in run])
+                              [it.plan.layout for it in run], [it.marker for it in run],
+                              arena_slot=item.slot if from_slots else -1)
+                if from_slots:
+                    self._unfreed_slots += [it.slot for it in run]
                 self._unreleased += len(run)
                 n += len(run)
                 if window.full or (window.due() and n == len(batch) and self._queue.empty()):
@@ -392,6 +439,36 @@ class Drain:
         self.build_cpu_seconds += time.thread_time() - t0
         return out
 
+    def _out_of_slots(self, items: list[DrainItem], window_items: set[int]) -> None:
+        """Copy the rows of the items still in arena slots that the window does not take
+        from there to their ring regions, wait for that, and free the slots; the items
+        then go on as any other (their copies precede the drain stream's later work, so
+        their markers are done with)."""
+        slotted = [it for it in items if it.slot >= 0]
+        if slotted:
+            self.slot_items += len(slotted)
+            self.slot_rounds += 1
+        slotted = [it for it in slotted
+                   if id(it) not in window_items or not in_slot_to_window(it)]
+        if not slotted:
+            return
+        assert self._from_slot is not None
+        assert self._free_slot is not None
+        from_slot = self._from_slot
+
+        def copies() -> None:
+            for it in slotted:
+                from_slot(it)
+
+        t0 = time.perf_counter()
+        self._ops.on_drain_stream([it.marker for it in slotted], copies)
+        self._ops.settle()
+        self.slot_seconds += time.perf_counter() - t0
+        for it in slotted:
+            self._free_slot(it.slot)
+            it.slot = -1
+            it.marker = None
+
     def _finish(self, notice: Finish, out: Emitted) -> None:
         """Apply a finish notice: to the window when rows of the request wait there (at
         its flush), else to the held rows now; its manifest waits for the next emit."""
@@ -411,6 +488,12 @@ class Drain:
             for _ in range(self._unreleased):
                 self._release()
             self._unreleased = 0
+            if self._unfreed_slots:
+                free = self._free_slot
+                assert free is not None
+                for slot in self._unfreed_slots:
+                    free(slot)
+                self._unfreed_slots = []
 
     def _to_staging(self, items: list[DrainItem]) -> None:
         """Copy the items' ring regions to staging: one copy per contiguous span."""

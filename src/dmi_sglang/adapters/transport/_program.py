@@ -120,8 +120,8 @@ class Program:
         them from the device straight into payload memory (request rows, held back one
         step, still go through staging)."""
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
-        self._arena_views: list[torch.Tensor] | None = None
-        """Per group without a gather, its rows in the arena (fixed: made once)."""
+        self._arena_views: dict[int, list[torch.Tensor]] = {}
+        """Per arena slot (by its byte offset), each group's places in it (made once)."""
         self.arena_checked = False
 
     def index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -134,12 +134,14 @@ class Program:
 
     def copy_from_arena(
         self, base: int, *, arena_wide: dict[int, torch.Tensor],
-        ring_wide: dict[int, torch.Tensor],
+        ring_wide: dict[int, torch.Tensor], slot_offset: int = 0,
     ) -> None:
-        """Queue the arena -> ring copies of a replayed step on the current stream."""
-        views = self._arena_views
+        """Queue the arena -> ring copies of a replayed step on the current stream, from
+        the arena slot that starts ``slot_offset`` bytes into the arena."""
+        views = self._arena_views.get(slot_offset)
         if views is None:
-            views = self._arena_views = [_arena_view(g, arena_wide) for g in self.groups]
+            views = [_arena_view(g, arena_wide, slot_offset) for g in self.groups]
+            self._arena_views[slot_offset] = views
         for g, src in zip(self.groups, views, strict=True):
             e = g.elem
             if g.gather is None:
@@ -175,18 +177,20 @@ class Program:
                     raise CaptureError(msg)
 
 
-def _arena_view(group: Group, arena_wide: dict[int, torch.Tensor]) -> torch.Tensor:
-    """A group's slots in the arena: ``[segments, row elements]`` when every row is copied,
-    ``[segments, source rows, row elements]`` when the device gathers some of them."""
+def _arena_view(group: Group, arena_wide: dict[int, torch.Tensor],
+                slot_offset: int) -> torch.Tensor:
+    """A group's places in one arena slot: ``[segments, row elements]`` when every row
+    is copied, ``[segments, source rows, row elements]`` when the device gathers some of
+    them."""
     e = group.elem
     stride = group.arena_stride // e
+    start = (slot_offset + group.arena_offset) // e
     if group.gather is None:
         return arena_wide[e].as_strided(
-            (group.count, group.ring_rows * group.row_nbytes // e), (stride, 1),
-            group.arena_offset // e)
+            (group.count, group.ring_rows * group.row_nbytes // e), (stride, 1), start)
     row = group.row_nbytes // e
     return arena_wide[e].as_strided(
-        (group.count, group.source_rows, row), (stride, row, 1), group.arena_offset // e)
+        (group.count, group.source_rows, row), (stride, row, 1), start)
 
 
 def plan_key(plan: CommitPlan) -> Hashable:

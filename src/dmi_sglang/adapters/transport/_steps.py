@@ -3,7 +3,9 @@
 Modes of a committed step:
 
 * ``ARENA``: a padded plan (decode graph replay); captures live in the arena and
-  ``seal`` copies the real rows to the step's ring region, one strided copy per group;
+  ``seal`` hands the step to the drain, which copies the real rows from the step's arena
+  slot to its ring region, one strided copy per group (with a one-slot arena ``seal``
+  makes those copies itself);
 * ``ARENA_PIECES``: a padded plan too large for even an empty ring (the adapter should
   have run it eager): ``seal`` moves it segment by segment, waiting for the drain;
 * ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
@@ -43,12 +45,15 @@ class Mode(enum.Enum):
 class OpenStep:
     """A committed, not yet sealed step."""
 
-    __slots__ = ("base", "captured", "mode", "plan", "program", "seq")
+    __slots__ = ("base", "captured", "mode", "plan", "program", "seq", "slot")
 
     def __init__(
-        self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int
+        self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int,
+        *, slot: int = -1,
     ) -> None:
         self.seq = seq
+        self.slot = slot
+        """The arena slot the step's replay writes (-1: the arena has one slot)."""
         self.plan = plan
         self.program = program
         self.mode = mode
@@ -72,6 +77,7 @@ class StepWriter:
         enqueue: Callable[[DrainItem], None],
         *,
         last: LastSlots,
+        free_slot: Callable[[int], None],
     ) -> None:
         self._ops = ops
         self._arena = arena
@@ -81,6 +87,7 @@ class StepWriter:
         self._reserve = reserve
         self._enqueue = enqueue
         self._last = last
+        self._free_slot = free_slot
         self.open: OpenStep | None = None
 
     def live(self, key: CaptureKey) -> bool:
@@ -169,14 +176,29 @@ class StepWriter:
             program.check_arena(step.plan, self._arena)
             program.arena_checked = True
         if step.mode is Mode.ARENA:
-            self._from_arena(step.seq, step.plan, program, step.base)
+            if step.slot >= 0:  # the drain moves the rows out of the slot
+                self._enqueue(DrainItem(step.seq, step.plan, program, step.base,
+                                        self._ops.mark(), slot=step.slot))
+                return
+            self._from_arena(step.seq, step.plan, program, step.base, 0)
             return
         for piece in step.plan.pieces():
             piece_program = build_program(piece, self._arena)
             base = self._reserve(piece_program.reserve_bytes, piece_program.entries, step.seq)
-            self._from_arena(step.seq, piece, piece_program, base)
+            self._from_arena(step.seq, piece, piece_program, base, max(step.slot, 0))
+        if step.slot >= 0:  # later replays are queued after these copies
+            self._free_slot(step.slot)
 
-    def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int) -> None:
-        program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide)
+    def from_slot(self, item: DrainItem) -> None:
+        """Queue the copies of ``item``'s rows from its arena slot to its ring region on
+        the current stream (the drain's)."""
+        item.program.copy_from_arena(item.base, arena_wide=self._arena_wide,
+                                     ring_wide=self._ring_wide,
+                                     slot_offset=item.slot * self._arena.slot_bytes)
+
+    def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int,
+                    slot: int) -> None:
+        program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide,
+                                slot_offset=slot * self._arena.slot_bytes)
         self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
 

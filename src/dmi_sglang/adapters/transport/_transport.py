@@ -31,6 +31,8 @@ from dmi_sglang.domain.capacity import (
     Preflight,
     RingAllocator,
     RingCapacity,
+    arena_bytes,
+    arena_slots,
     check_ring_fits,
     last_slot_requests,
     preflight,
@@ -98,6 +100,20 @@ def _payloads(selection: Selection, shape: ModelShape, arena: Arena,
     return Payloads(casts, topk, TORCH_DTYPES[shape.logits_dtype], ops.device)
 
 
+class _SlotTurns:
+    """Which arena slots hold a step the drain has not copied out yet (guarded by the
+    transport's condition), the slot the next step takes, and the slot the device index
+    names now."""
+
+    __slots__ = ("busy", "count", "next", "selected")
+
+    def __init__(self, slots: int, spare: int) -> None:
+        self.busy = [False] * slots
+        self.count = 0
+        self.next = 0
+        self.selected = spare
+
+
 class TorchCaptureTransport:
     """The capture transport, in PyTorch (CUDA; CPU for tests).
 
@@ -152,7 +168,8 @@ class TorchCaptureTransport:
         self.capacity = capacity
         self.run_id = run_id
         ops = DeviceOps(device, capture_probe)
-        arena = Arena(selection, shape, max_graph_batch, ops)
+        arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
+            arena_bytes(selection, shape, max_graph_batch=max_graph_batch)))
         nbytes = capacity.effective_bytes
         ring = ops.device_buffer(nbytes)
         self._ops = ops
@@ -172,13 +189,15 @@ class TorchCaptureTransport:
         self._piecewise = 0
         self._steps = 0
         self._tensors = 0
+        self._turns = _SlotTurns(arena.slots, arena.spare)
         self._drain = Drain(
             ops=ops, ring=ring, staging=ops.host_buffer(nbytes), release=self._release,
             sink=sink, run_id=run_id,
             window_bytes=opts.coalesce_max_bytes if opts.coalesce_decode else None,
             flush_timeout_s=opts.flush_timeout_s, on_failure=self._fail,
             direct_copies=opts.direct_copies, linger_s=opts.linger_s,
-            gil_slice_s=opts.gil_slice_s,
+            gil_slice_s=opts.gil_slice_s, from_slot=self._from_slot, free_slot=self._free_slot,
+            arena=arena.buffer, arena_slot_bytes=arena.slot_bytes,
             direct_bytes=min(nbytes, _largest_prefill_bytes(selection, shape, opts,
                                                              max_graph_batch)),
         )
@@ -197,7 +216,7 @@ class TorchCaptureTransport:
                                         max_graph_batch=max_graph_batch),
             max_graph_batch=max_graph_batch, ops=ops)
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
-                                  last=self._last_slots)
+                                  last=self._last_slots, free_slot=self._free_slot)
         self._payloads = _payloads(selection, shape, arena, ops)
         self.capturer = Capturer(arena.offsets, self._capture, payloads=self._payloads,
                                  live=self._writer.live)
@@ -206,7 +225,8 @@ class TorchCaptureTransport:
         log.info(
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
-            max_graph_batch=max_graph_batch, strip=opts.strip, malloc_tuned=tuned,
+            arena_slots=arena.slots, max_graph_batch=max_graph_batch, strip=opts.strip,
+            malloc_tuned=tuned,
             window_bytes=self._drain.device_bytes, last_slot_bytes=self._last_slots.nbytes,
         )
 
@@ -261,8 +281,11 @@ class TorchCaptureTransport:
                 self._fail(exc, "commit")
                 raise
         if not plan.segments:
+            if plan.padded:  # the replay writes the arena all the same: not a live slot
+                self._select(self._arena.spare)
             self._writer.open = OpenStep(step, plan, None, Mode.EMPTY, -1)
             return
+        slot = -1
         try:
             program = self._program(plan)
             mode = Mode.ARENA if plan.padded else Mode.RING
@@ -279,10 +302,14 @@ class TorchCaptureTransport:
                              free=usage.free_bytes, padded=plan.padded)
                 else:
                     base = self._wait_reserve(program.reserve_bytes, program.entries, step)
+            if plan.padded and self._arena.slots > 1:
+                slot = self._take_slot(step)
+                self._select(slot)
         except CaptureError as exc:
             self._fail(exc, "commit")
             raise
-        self._writer.open = OpenStep(step, plan, program, mode, -1 if base is None else base)
+        self._writer.open = OpenStep(step, plan, program, mode, -1 if base is None else base,
+                                     slot=slot)
         self._steps += 1
         self._tensors += program.entries
 
@@ -317,6 +344,8 @@ class TorchCaptureTransport:
             self._last_slots.abort()
         if step is None or step.mode is Mode.EMPTY:
             return
+        if step.slot >= 0:  # later replays are queued after whatever this one wrote
+            self._free_slot(step.slot)
         log.warning("capture step aborted; its rows are not stored", step=step.seq)
         if step.program is not None and step.base >= 0:
             self._drain.put(
@@ -327,10 +356,13 @@ class TorchCaptureTransport:
     def uncommitted_replay(self) -> None:
         """A decode graph is about to replay with no committed step: what the graph
         records into the ``last`` slots goes to their spare row (see
-        :meth:`LastSlots.guard_replay`). The arena it refreshes is read only by a
-        committed step's seal; a cast's fp16 overflow counter counts what every replay
-        casts, as documented."""
-        if self._last_slots and self._writer.open is None:
+        :meth:`LastSlots.guard_replay`), and what it records into the arena goes to the
+        spare slot (no step's rows are overwritten); a cast's fp16 overflow counter
+        counts what every replay casts, as documented."""
+        if self._writer.open is not None:
+            return
+        self._select(self._arena.spare)
+        if self._last_slots:
             self._last_slots.guard_replay()
 
     def abandon(self) -> None:
@@ -442,8 +474,9 @@ class TorchCaptureTransport:
         the drain thread spent building batches (the waits for device copies excepted),
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
         back now, lingers that ran their whole time (a step waiting for ring space ends one
-        early), and the times the drain gave the GIL away between pieces of its work and
-        the seconds that took."""
+        early), the times the drain gave the GIL away between pieces of its work and
+        the seconds that took, and the decode graph steps it copied out of arena slots, in
+        how many wake-ups, and the seconds those copies took (waits included)."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -459,6 +492,8 @@ class TorchCaptureTransport:
             "held_rows": len(d.held), "lingers": d.lingers,
             "committed_requests": d.committed_requests,
             "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
+            "slot_items": d.slot_items, "slot_rounds": d.slot_rounds,
+            "slot_seconds": d.slot_seconds,
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -513,6 +548,55 @@ class TorchCaptureTransport:
             self._fail(exc, "capture")
             raise
 
+    def _select(self, slot: int) -> None:
+        """Point the arena's device index at ``slot`` (a device copy, when it moves)."""
+        turns = self._turns
+        if slot != turns.selected:
+            self._arena.select(slot)
+            turns.selected = slot
+
+    def _take_slot(self, seq: int) -> int:
+        """The next arena slot, once the drain copied its previous step out (waits);
+        wakes the drain when half the slots wait for it."""
+        turns = self._turns
+        slot = turns.next
+        with self._cond:
+            if turns.busy[slot]:
+                self._wait_slot(slot, seq)
+            turns.busy[slot] = True
+            turns.count += 1
+            busy = turns.count
+        if 2 * busy >= len(turns.busy):
+            self._drain.hurry()
+        turns.next = (slot + 1) % len(turns.busy)
+        return slot
+
+    def _wait_slot(self, slot: int, seq: int) -> None:
+        """Wait (holding ``_cond``) until the drain freed ``slot``."""
+        t0 = time.monotonic()
+        deadline = t0 + self.options.stall_timeout_s
+        while self._turns.busy[slot]:
+            self._check_usable()
+            self._drain.hurry()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                msg = (f"step {seq} waited {self.options.stall_timeout_s:.0f} s for the drain "
+                       f"to copy out arena slot {slot}")
+                raise CaptureError(msg)
+            self._cond.wait(left)
+        self._count_stall(seq, time.monotonic() - t0, what="arena slot")
+
+    def _from_slot(self, item: DrainItem) -> None:
+        self._writer.from_slot(item)
+
+    def _free_slot(self, slot: int) -> None:
+        turns = self._turns
+        with self._cond:
+            if turns.busy[slot]:
+                turns.busy[slot] = False
+                turns.count -= 1
+            self._cond.notify_all()
+
     def _release(self) -> None:
         with self._cond:
             self._alloc.release()
@@ -539,13 +623,15 @@ class TorchCaptureTransport:
                            f"without getting {nbytes} bytes of ring space")
                     raise CaptureError(msg)
                 self._cond.wait(left)
-        waited = time.monotonic() - t0
+        self._count_stall(seq, time.monotonic() - t0, what=f"{nbytes} bytes of ring space")
+        return base
+
+    def _count_stall(self, seq: int, waited: float, *, what: str) -> None:
         self._stalls += 1
         self._stall_seconds += waited
         level = log.warning if self._stalls == 1 or waited > 1.0 else log.debug
-        level("step waited for the drain", step=seq, seconds=round(waited, 6),
-              bytes=nbytes, stalls=self._stalls)
-        return base
+        level("step waited for the drain", step=seq, seconds=round(waited, 6), waited_for=what,
+              stalls=self._stalls)
 
     def _fail(self, exc: BaseException, where: str) -> None:
         with self._cond:

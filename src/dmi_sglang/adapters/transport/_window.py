@@ -149,6 +149,8 @@ class DecodeWindow:
         timeout_s: longest time a row waits (``DMX_DRAIN_FLUSH_TIMEOUT_US``); a held
             request row waits for its confirmation instead.
         ops / ring: the transport's device and payload ring (appends copy from it).
+        arena / arena_slot_bytes: the transport's decode-graph arena and the distance
+            between its slots (appends of steps still in their slots copy from there).
         held: the drain's held request rows.
         gil: the drain's GIL slice (flushes give the GIL away between groups).
     """
@@ -161,6 +163,8 @@ class DecodeWindow:
         *,
         ops: DeviceOps,
         ring: torch.Tensor,
+        arena: torch.Tensor | None = None,
+        arena_slot_bytes: int = 0,
         held: HeldRows | None = None,
         gil: GilSlice | None = None,
     ) -> None:
@@ -171,6 +175,8 @@ class DecodeWindow:
         self._timeout = timeout_s
         self._held = held if held is not None else HeldRows()
         self._ring = ops.wide(ring)
+        self._arena = ops.wide(arena) if arena is not None else None
+        self._arena_slot_bytes = arena_slot_bytes
         self._cells_buf = ops.device_buffer(_align(max_bytes))
         self._gather_buf = ops.device_buffer(_align(max_bytes) + _GATHER_SLACK)
         self._cells_wide = ops.wide(self._cells_buf)
@@ -275,15 +281,18 @@ class DecodeWindow:
         return steps
 
     def append(self, seqs: Sequence[int], program: Program, base: int,
-               layouts: Sequence[BatchLayout], markers: Sequence[Marker]) -> None:
+               layouts: Sequence[BatchLayout], markers: Sequence[Marker], *,
+               arena_slot: int = -1) -> None:
         """Queue the copies of consecutive plain decode steps' rows into their requests'
         slots (request ``i`` owns row ``i``), after the steps' device work (``markers``).
 
         The steps share ``program`` and their requests (in the same order), and their ring
-        regions follow each other from ``base`` (``program.reserve_bytes`` apart), so each
-        group moves with ONE strided device copy for all of them. :meth:`can_take` said
-        yes to the first, and the window has :meth:`room` for all. The ring regions may be
-        reused only after the next :meth:`DeviceOps.settle`.
+        regions follow each other from ``base`` (``program.reserve_bytes`` apart), or,
+        with ``arena_slot`` >= 0, their rows are still in consecutive arena slots from
+        that one; so each group moves with ONE strided device copy for all of them.
+        :meth:`can_take` said yes to the first, and the window has :meth:`room` for all.
+        The ring regions (arena slots) may be reused only after the next
+        :meth:`DeviceOps.settle`.
         """
         k = len(layouts)
         rids = layouts[0].request_ids if k else ()
@@ -302,20 +311,30 @@ class DecodeWindow:
             self._last_idx = idx
             self._last_rids = rids
         t, span, idx = self._t, self._last_span, self._last_idx
-        groups, cells, ring, device = program.groups, self._cells, self._ring, self._ops.device
-        step_bytes = program.reserve_bytes
+        groups, cells, device = program.groups, self._cells, self._ops.device
+        source = self._arena if arena_slot >= 0 else self._ring
+        assert source is not None
+        step_bytes = program.reserve_bytes if arena_slot < 0 else self._arena_slot_bytes
+        start = base if arena_slot < 0 else arena_slot * step_bytes
 
         def copy() -> None:
             for g, dst in zip(groups, cells, strict=True):
                 e = _elem(g)
                 w = g.row_nbytes // e
                 # [segment, request row, step, element]: the cells' own order
-                src = ring[e].as_strided((g.count, g.ring_rows, k, w),
-                                         (g.ring_stride // e, w, step_bytes // e, 1),
-                                         (base + g.ring_offset) // e)
+                if arena_slot < 0:
+                    rows = g.ring_rows
+                    src = source[e].as_strided((g.count, rows, k, w),
+                                               (g.ring_stride // e, w, step_bytes // e, 1),
+                                               (start + g.ring_offset) // e)
+                else:
+                    rows = g.source_rows
+                    src = source[e].as_strided((g.count, rows, k, w),
+                                               (g.arena_stride // e, w, step_bytes // e, 1),
+                                               (start + g.arena_offset) // e)
                 if g.host_index is not None:
                     src = src.index_select(1, program.index(g.host_index, device))
-                elif g.ring_rows != g.kept_rows:
+                elif rows != g.kept_rows:
                     src = src[:, : g.kept_rows]
                 if span is not None:
                     dst[:, span[0] : span[1], t : t + k, :].copy_(src)

@@ -1,0 +1,152 @@
+"""Decode graph steps wait in arena slots for the drain, which copies them out.
+
+The scheduler thread queues no copies for a replayed step: each replay writes the arena
+slot its commit selected, and the drain thread moves the rows to the ring later. These
+tests hold the drain back so several steps wait in their slots at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dmi_sglang.adapters.transport._arena import Arena
+from dmi_sglang.adapters.transport._device import DeviceOps
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, arena_slots
+from dmi_sglang.domain.hooks import hook_by_name
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import CaptureError
+from dmi_sglang.testing import MemorySink
+
+from .conftest import SHAPE, Driver, rows_tensor, select
+
+
+def _start(d: Driver, bucket: int = 4) -> None:
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    d.graph_capture(bucket)
+
+
+def _decode(d: Driver, n: int) -> None:
+    d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n], padded_batch_size=4), padded=True)
+
+
+def _decode_steps(d: Driver, steps: int) -> None:
+    for n in range(steps):
+        _decode(d, n)
+
+
+def test_the_slot_count_follows_the_arena_size():
+    assert arena_slots(1 << 20) == 16
+    assert arena_slots(ARENA_SLOTS_BUDGET // 5) == 5
+    assert arena_slots(ARENA_SLOTS_BUDGET // 3) == 1  # too few to wait in: one slot
+    assert arena_slots(0) == 16
+
+
+def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make_driver):
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
+                          linger_s=30.0, flush_timeout_s=60.0)
+    _start(d)
+    for n in range(40):
+        _decode(d, n)
+    d.t.stop()
+    d.verify(sink.records)
+    counters = d.t.drain_counters()
+    assert counters["slot_items"] == 40
+    # half the 16 slots waiting wakes the lingering drain: several steps per wake-up
+    assert counters["slot_rounds"] <= 40 // 4
+    assert counters["window_appends"] <= 40 // 4  # one copy per group for several steps
+
+
+class _HeldSink(MemorySink):
+    """A sink whose first ``put`` blocks until released (the drain stops with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, batch: object) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(30)
+        super().put(batch)  # type: ignore[arg-type]
+
+
+def test_a_step_waits_for_its_slot_until_the_drain_copied_it_out(make_driver):
+    sink = _HeldSink()
+    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False)
+    _start(d)
+    assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
+    timer = threading.Timer(0.3, sink.release.set)
+    timer.start()
+    _decode_steps(d, 24)  # more steps than slots: the 17th waits for the drain
+    timer.join()
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.stalls >= 1
+    assert stats.stall_seconds > 0.1
+
+
+def test_a_slot_never_freed_fails_the_step_after_the_stall_timeout(make_driver):
+    sink = _HeldSink()
+    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False,
+                       stall_timeout_s=0.3)
+    _start(d)
+    assert sink.entered.wait(10)
+    with pytest.raises(CaptureError, match="arena slot"):
+        _decode_steps(d, 24)
+    sink.release.set()
+
+
+def test_a_replay_no_step_committed_writes_the_spare_slot(make_driver):
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
+                          flush_timeout_s=60.0)
+    _start(d)
+    _decode(d, 0)  # waits in its slot: the drain lingers
+    d.t.uncommitted_replay()
+    # what the graph replay records into the arena, whatever the slot it names
+    hook = hook_by_name("resid_pre")
+    for layer in range(SHAPE.num_layers):
+        garbage = torch.full_like(rows_tensor(hook, layer, [("x", 0)] * 4), 77)
+        d.t._arena.write(("resid_pre", layer), garbage)
+    d.t.stop()
+    d.verify(sink.records)  # the waiting step's rows are intact
+
+
+def test_a_padded_step_that_stores_nothing_writes_the_spare_slot(make_driver):
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
+                          flush_timeout_s=60.0)
+    _start(d)
+    _decode(d, 0)
+    d.skip = frozenset({"a", "b"})  # the next step's plan stores nothing
+    _decode(d, 1)
+    d.skip = frozenset()
+    assert d.t._arena.spare == d.t._turns.selected
+    d.t.stop()
+    d.verify(sink.records)
+
+
+def test_arena_writes_go_to_the_selected_slot():
+    selection = select("resid_pre")
+    arena = Arena(selection, SHAPE, 4, DeviceOps("cpu"), slots=4)
+    key = ("resid_pre", 1)
+    hook = hook_by_name("resid_pre")
+    first = rows_tensor(hook, 1, [("a", 1), ("b", 2)])
+    second = rows_tensor(hook, 1, [("c", 3), ("d", 4), ("e", 5)])
+    arena.select(1)
+    arena.write(key, first)
+    arena.select(arena.spare)
+    arena.write(key, second)
+    width = first[0].numel()
+
+    def slot(k: int, rows: int) -> torch.Tensor:
+        start = k * arena.slot_bytes + arena.offsets[key]
+        raw = arena.buffer[start : start + rows * width * first.element_size()]
+        return raw.view(first.dtype).view(rows, *first.shape[1:])
+
+    assert torch.equal(slot(1, 2), first)
+    assert torch.equal(slot(arena.spare, 3), second)
+    assert arena.spare == 4
+    assert arena.buffer.numel() == 5 * arena.slot_bytes
