@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Lease call 2: capture-only hidden-states and stored top-k logits against stock (#15, #16).
+# Lease call 2: capture-only hidden-states against stock (#15).
 set -o pipefail
 S=$SECONDS; mkdir -p "$OUT/logs"
-export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1 DMI_HARNESS_DEADLINE_S=540
-bash scripts/gpu-run.sh python3 -m harness serving --modes 'transport:hidden-states,store:final_logits:topk(64)' --repeats 1 --out "$OUT/serving-hidden-states-topk.json" --work /root/wB > "$OUT/logs/serving-hidden-states-topk.log" 2>&1
-echo "serving rc=$? at $((SECONDS-S)) s"; tail -25 "$OUT/logs/serving-hidden-states-topk.log"
+export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1 DMI_HARNESS_DEADLINE_S=${DEADLINE:-380}
+bash scripts/gpu-run.sh python3 -m harness serving --modes transport:hidden-states --repeats 1 --out "$OUT/serving-hidden-states.json" --work /root/wB > "$OUT/logs/serving-hidden-states.log" 2>&1
+echo "serving rc=$? at $((SECONDS-S)) s"; tail -25 "$OUT/logs/serving-hidden-states.log"
