@@ -59,6 +59,23 @@ def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make
     assert counters["window_appends"] <= 40 // 4  # one copy per group for several steps
 
 
+def test_steps_staged_from_the_ring_wait_in_their_slots_too(make_driver):
+    # no decode window, and a request left out (the device gathers the kept rows): each
+    # step is copied from its slot to the ring, then to the host, several per wake-up
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
+                          linger_s=30.0, coalesce_decode=False)
+    _start(d)
+    d.skip = frozenset({"b"})
+    for n in range(40):
+        _decode(d, n)
+    d.t.stop()
+    d.verify(sink.records)
+    counters = d.t.drain_counters()
+    assert counters["slot_items"] == 40
+    assert counters["slot_rounds"] <= 40 // 4
+    assert counters["window_appends"] == 0
+
+
 class _HeldSink(MemorySink):
     """A sink whose first ``put`` blocks until released (the drain stops with it)."""
 

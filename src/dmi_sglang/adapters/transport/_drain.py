@@ -230,7 +230,8 @@ class Drain:
         """Decode items whose rows were queued into the window but whose ring regions
         are not released yet (after the next settle)."""
         self._unfreed_slots: list[int] = []
-        """Arena slots the window's queued copies read (freed after the next settle)."""
+        """Arena slots the drain stream's queued copies read (freed after the next wait
+        for that stream)."""
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._commits: list[RequestManifest] = []
@@ -296,7 +297,8 @@ class Drain:
         self._queue.put(Finish(request_id, logits_end, manifest))
 
     def hurry(self) -> None:
-        """Someone waits for ring space: end the current linger now (thread-safe)."""
+        """Someone waits for ring space, or half the arena slots wait for the drain: end
+        the current linger now (thread-safe)."""
         self._hurry.set()
 
     def close(self) -> None:
@@ -336,11 +338,11 @@ class Drain:
             self._on_failure(exc, "drain")
 
     def _linger(self, item: object) -> None:
-        """Before a round that starts with a decode step for the window, let the steps
-        that follow it arrive (until ``linger_s`` after the previous round, or a
-        :meth:`hurry`), so they join the window together."""
+        """Before a round that starts with a decode step for the window or a decode graph
+        step in its arena slot, let the steps that follow it arrive (until ``linger_s``
+        after the previous round, or a :meth:`hurry`), so they are moved together."""
         if (not self._linger_s or not isinstance(item, DrainItem) or not self._queue.empty()
-                or not self._coalesce(item)):
+                or not (item.slot >= 0 or self._coalesce(item))):
             return
         left = self._round_end + self._linger_s - time.monotonic()
         if self._window is not None and (due := self._window.seconds_left()) is not None:
@@ -436,14 +438,15 @@ class Drain:
             if out.bytes >= _EMIT_BYTES:
                 out = self._hand_over(out)
         self._release_window_items()
+        self._free_slots()
         self.build_cpu_seconds += time.thread_time() - t0
         return out
 
     def _out_of_slots(self, items: list[DrainItem], window_items: set[int]) -> None:
-        """Copy the rows of the items still in arena slots that the window does not take
-        from there to their ring regions, wait for that, and free the slots; the items
-        then go on as any other (their copies precede the drain stream's later work, so
-        their markers are done with)."""
+        """Queue the copies of the rows of the items still in arena slots that the window
+        does not take from there to their ring regions; the items then go on as any
+        other (their copies precede the drain stream's later work, so their markers are
+        done with), and their slots are freed after the next wait for that stream."""
         slotted = [it for it in items if it.slot >= 0]
         if slotted:
             self.slot_items += len(slotted)
@@ -453,7 +456,6 @@ class Drain:
         if not slotted:
             return
         assert self._from_slot is not None
-        assert self._free_slot is not None
         from_slot = self._from_slot
 
         def copies() -> None:
@@ -462,12 +464,23 @@ class Drain:
 
         t0 = time.perf_counter()
         self._ops.on_drain_stream([it.marker for it in slotted], copies)
-        self._ops.settle()
         self.slot_seconds += time.perf_counter() - t0
         for it in slotted:
-            self._free_slot(it.slot)
+            self._unfreed_slots.append(it.slot)
             it.slot = -1
             it.marker = None
+
+    def _free_slots(self, *, settled: bool = False) -> None:
+        """Free the arena slots whose copies were queued, once the drain stream finished
+        them (waits for it unless ``settled``: a wait just did)."""
+        if self._unfreed_slots:
+            if not settled:
+                self._ops.settle()
+            free = self._free_slot
+            assert free is not None
+            for slot in self._unfreed_slots:
+                free(slot)
+            self._unfreed_slots = []
 
     def _finish(self, notice: Finish, out: Emitted) -> None:
         """Apply a finish notice: to the window when rows of the request wait there (at
@@ -488,12 +501,7 @@ class Drain:
             for _ in range(self._unreleased):
                 self._release()
             self._unreleased = 0
-            if self._unfreed_slots:
-                free = self._free_slot
-                assert free is not None
-                for slot in self._unfreed_slots:
-                    free(slot)
-                self._unfreed_slots = []
+            self._free_slots(settled=True)
 
     def _to_staging(self, items: list[DrainItem]) -> None:
         """Copy the items' ring regions to staging: one copy per contiguous span."""

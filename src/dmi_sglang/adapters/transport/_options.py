@@ -36,12 +36,13 @@ class TransportOptions:
             payload memory (no staging copy on the host; see ``_drain``). Off only to
             compare.
         linger_s: ``DMX_DRAIN_LINGER_US`` / 1e6: shortest time between two wake-ups of the
-            drain for decode steps that join the coalescing window: the steps that arrive
-            meanwhile wait in the ring and join the window together (one device copy per
-            group for all of them). Every wake-up takes the GIL from the scheduler thread
-            several times (each torch call releases and retakes it). A step waiting for
-            ring space ends a linger at once, and the flush timeout still bounds how long
-            rows wait. 0: wake for every step.
+            drain for decode steps that join the coalescing window or wait in arena
+            slots: the steps that arrive meanwhile wait there and are moved together
+            (into the window: one device copy per group for all of them). Every
+            wake-up takes the GIL from the scheduler thread several times (each torch
+            call releases and retakes it). A step waiting for ring space, or half the
+            arena slots waiting, ends a linger at once, and the flush timeout still
+            bounds how long rows wait. 0: wake for every step.
         gil_slice_s: ``DMX_DRAIN_GIL_SLICE_US`` / 1e6: longest stretch of the drain's
             Python between two hand-overs of the GIL (``time.sleep(0)``), so a window
             flush does not hold the scheduler thread for milliseconds (see ``_gil``).
