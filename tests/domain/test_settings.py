@@ -25,7 +25,7 @@ def test_defaults_match_the_settings_table() -> None:
     assert s.enable is Enable.AUTO
     assert s.hook_selection == "sglang-full"
     assert (s.ring_payload_mb, s.ring_pinned_mb, s.ring_task_entries) == (1024, 1024, 65536)
-    assert s.drain_flush_timeout_us == 100_000
+    assert s.drain_flush_timeout_us == 400_000
     assert s.gpu_padding_strip is True
     assert s.allow_prefix_cache is False
     assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")

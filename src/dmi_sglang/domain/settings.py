@@ -346,7 +346,7 @@ _VARS: dict[str, _Var] = {
     "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, 131_072))),
     "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(*_bounded(1, 16_777_216))),
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
-        "drain_flush_timeout_us", 100_000, _conv(*_bounded(1, 60_000_000))
+        "drain_flush_timeout_us", 400_000, _conv(*_bounded(1, 60_000_000))
     ),
     "DRAIN_LINGER_US": _Var("drain_linger_us", 30_000, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
@@ -393,7 +393,7 @@ class Settings:
     ring_payload_mb: int = 1024
     ring_pinned_mb: int = 1024
     ring_task_entries: int = 65536
-    drain_flush_timeout_us: int = 100_000
+    drain_flush_timeout_us: int = 400_000
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     plan_tok_s: int | None = None

@@ -50,7 +50,7 @@ class TransportOptions:
     """
 
     strip: bool = True
-    flush_timeout_s: float = attrs.field(default=0.1, validator=attrs.validators.gt(0.0))
+    flush_timeout_s: float = attrs.field(default=0.4, validator=attrs.validators.gt(0.0))
     stall_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0.0))
     coalesce_decode: bool = True
     coalesce_max_bytes: int = attrs.field(default=512 * MIB, validator=attrs.validators.gt(0))
@@ -66,7 +66,7 @@ class TransportOptions:
         cls,
         *,
         strip: bool = True,
-        flush_timeout_us: int = 100_000,
+        flush_timeout_us: int = 400_000,
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
         linger_us: int = 30_000,
