@@ -18,7 +18,7 @@ import torch
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES
-from dmi_sglang.domain.capacity import Decision, RingCapacity
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, Decision, RingCapacity
 from dmi_sglang.domain.hooks import (
     CATALOG,
     Hook,
@@ -213,10 +213,17 @@ def two_requests(d: Driver, *, padded: bool) -> None:
                                      padded_batch_size=4 if padded else None), padded=padded)
 
 
-@pytest.fixture
-def make_driver() -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
-    """Factory: ``make_driver(selection_text, payload_bytes=..., ...) -> (driver, sink)``."""
+@pytest.fixture(params=["arena slots", "one arena slot"])
+def make_driver(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
+    """Factory: ``make_driver(selection_text, payload_bytes=..., ...) -> (driver, sink)``.
+
+    Every test using it runs twice: with the arena's slots (decode graph steps copied
+    out by the drain) and with one slot (copied out at seal, as large arenas are),
+    unless it sets ``arena_slots_bytes`` itself."""
     made: list[TorchCaptureTransport] = []
+    slots_bytes = ARENA_SLOTS_BUDGET if request.param == "arena slots" else 0
 
     def factory(
         text: str = "resid_pre,final_logits",
@@ -228,6 +235,7 @@ def make_driver() -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
         **options: object,
     ) -> tuple[Driver, MemorySink]:
         sink = sink if sink is not None else MemorySink()
+        options.setdefault("arena_slots_bytes", slots_bytes)
         selection = select(text)
         holder: list[Driver] = []
         transport = TorchCaptureTransport(

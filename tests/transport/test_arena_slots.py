@@ -2,14 +2,14 @@
 
 The scheduler thread queues no copies for a replayed step: each replay writes the arena
 slot its commit selected, and the drain thread moves the rows to the ring later. These
-tests hold the drain back so several steps wait in their slots at once.
+tests hold the drain back so several steps wait in their slots at once. Each sets the
+slots' budget itself (the ``make_driver`` fixture would also run it with one slot).
 """
 
 from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena
@@ -17,7 +17,6 @@ from dmi_sglang.adapters.transport._device import DeviceOps
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, arena_slots
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.errors import CaptureError
 from dmi_sglang.testing import MemorySink
 
 from .conftest import SHAPE, Driver, rows_tensor, select
@@ -32,6 +31,9 @@ def _decode(d: Driver, n: int) -> None:
     d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n], padded_batch_size=4), padded=True)
 
 
+SLOTS = {"arena_slots_bytes": ARENA_SLOTS_BUDGET}
+
+
 def _decode_steps(d: Driver, steps: int) -> None:
     for n in range(steps):
         _decode(d, n)
@@ -39,22 +41,26 @@ def _decode_steps(d: Driver, steps: int) -> None:
 
 def test_the_slot_count_follows_the_arena_size():
     assert arena_slots(1 << 20) == 16
-    assert arena_slots(ARENA_SLOTS_BUDGET // 5) == 5
-    assert arena_slots(ARENA_SLOTS_BUDGET // 3) == 1  # too few to wait in: one slot
+    assert arena_slots(ARENA_SLOTS_BUDGET // 6) == 5  # and the spare
+    assert arena_slots(ARENA_SLOTS_BUDGET // 4) == 1  # too few to wait in: one slot
+    assert arena_slots(ARENA_SLOTS_BUDGET // 6, budget_bytes=0) == 1
     assert arena_slots(0) == 16
 
 
 def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make_driver):
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, flush_timeout_s=60.0)
+                          linger_s=30.0, flush_timeout_s=60.0, **SLOTS)
     _start(d)
     for n in range(40):
         _decode(d, n)
     d.t.stop()
     d.verify(sink.records)
     counters = d.t.drain_counters()
-    assert counters["slot_items"] == 40
-    # half the 16 slots waiting wakes the lingering drain: several steps per wake-up
+    # half the 16 slots waiting wakes the lingering drain: several steps per wake-up (a
+    # step that finds its slot still waiting, as these back-to-back ones may, is copied
+    # out at its seal)
+    assert counters["slot_items"] + counters["slots_missed"] == 40
+    assert counters["slot_items"] >= 16
     assert counters["slot_rounds"] <= 40 // 4
     assert counters["window_appends"] <= 40 // 4  # one copy per group for several steps
 
@@ -63,7 +69,7 @@ def test_steps_staged_from_the_ring_wait_in_their_slots_too(make_driver):
     # no decode window, and a request left out (the device gathers the kept rows): each
     # step is copied from its slot to the ring, then to the host, several per wake-up
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, coalesce_decode=False)
+                          linger_s=30.0, coalesce_decode=False, **SLOTS)
     _start(d)
     d.skip = frozenset({"b"})
     for n in range(40):
@@ -71,7 +77,8 @@ def test_steps_staged_from_the_ring_wait_in_their_slots_too(make_driver):
     d.t.stop()
     d.verify(sink.records)
     counters = d.t.drain_counters()
-    assert counters["slot_items"] == 40
+    assert counters["slot_items"] + counters["slots_missed"] == 40
+    assert counters["slot_items"] >= 16
     assert counters["slot_rounds"] <= 40 // 4
     assert counters["window_appends"] == 0
 
@@ -91,37 +98,26 @@ class _HeldSink(MemorySink):
         super().put(batch)  # type: ignore[arg-type]
 
 
-def test_a_step_waits_for_its_slot_until_the_drain_copied_it_out(make_driver):
-    sink = _HeldSink()
-    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False)
-    _start(d)
-    assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
-    timer = threading.Timer(0.3, sink.release.set)
-    timer.start()
-    _decode_steps(d, 24)  # more steps than slots: the 17th waits for the drain
-    timer.join()
-    stats = d.t.stop()
-    d.verify(sink.records)
-    assert stats.stalls >= 1
-    assert stats.stall_seconds > 0.1
-
-
-def test_a_slot_never_freed_fails_the_step_after_the_stall_timeout(make_driver):
+def test_a_step_whose_slot_still_waits_is_copied_out_at_seal_without_waiting(make_driver):
     sink = _HeldSink()
     d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False,
-                       stall_timeout_s=0.3)
+                       **SLOTS)
     _start(d)
-    assert sink.entered.wait(10)
-    with pytest.raises(CaptureError, match="arena slot"):
-        _decode_steps(d, 24)
+    assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
+    _decode_steps(d, 24)  # more steps than slots: from the 17th on, the slots all wait
+    assert d.t.drain_counters()["slots_missed"] >= 24 - 16
     sink.release.set()
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.stalls == 0
 
 
 def test_a_replay_no_step_committed_writes_the_spare_slot(make_driver):
     d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
-                          flush_timeout_s=60.0)
+                          flush_timeout_s=60.0, **SLOTS)
     _start(d)
     _decode(d, 0)  # waits in its slot: the drain lingers
+    assert d.t._turns.busy[0]
     d.t.uncommitted_replay()
     # what the graph replay records into the arena, whatever the slot it names
     hook = hook_by_name("resid_pre")
@@ -134,7 +130,7 @@ def test_a_replay_no_step_committed_writes_the_spare_slot(make_driver):
 
 def test_a_padded_step_that_stores_nothing_writes_the_spare_slot(make_driver):
     d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
-                          flush_timeout_s=60.0)
+                          flush_timeout_s=60.0, **SLOTS)
     _start(d)
     _decode(d, 0)
     d.skip = frozenset({"a", "b"})  # the next step's plan stores nothing

@@ -247,27 +247,38 @@ def test_graph_replay_with_padding_stores_only_real_rows():
 def test_graph_steps_waiting_in_arena_slots_arrive_exact():
     """A lingering drain lets decode graph steps pile up in the arena's slots (the
     replays write the slot their commit selected; nothing is copied on the scheduler
-    thread), and it takes several at once into its window, across the slots' wrap."""
+    thread), and it takes several at once into its window, across the slots' wrap. The
+    device runs behind the host (a matmul before each replay, nothing waits for it), so
+    a copy that is not ordered after its replay, or a slot reused too early, shows."""
     sink = MemorySink()
     t = _transport(sink, linger_s=30.0, flush_timeout_s=60.0)
     model = _model(t)
     bucket = 8
     graph, static_ids, ref = _record_graph(model, bucket)
-    expected = Expected()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
     rids = [f"s{i}" for i in range(6)]
+    steps: list[tuple[CommitPlan, Ref]] = []
     for step in range(1, 41):
+        for _ in range(8):
+            torch.mm(a, a, out=b)
         static_ids.copy_(torch.randint(0, SHAPE.vocab, (bucket,), device="cuda"))
         layout = BatchLayout.decode(rids, [20 + step] * len(rids), padded_batch_size=bucket)
         plan = make_plan(layout, SELECTION, SHAPE, padded=True)
         t.commit(plan, step=step)
         graph.replay()
         t.seal()
-        expected.add(plan, ref)
+        steps.append((plan, {k: v.clone() for k, v in ref.items()}))
+    behind = not torch.cuda.current_stream().query()
     stats = t.stop()
+    expected = Expected()
+    for plan, snapshot in steps:
+        expected.add(plan, snapshot)
     assert expected.verify(sink.records) == stats.rows
     counters = t.drain_counters()
-    assert counters["slot_items"] == 40
-    assert counters["slot_rounds"] <= 10
+    assert behind  # the host had queued replays the device had not run yet
+    assert counters["slot_items"] + counters["slots_missed"] == 40
+    assert counters["slot_items"] >= 16
     print(f"{stats}; {counters}")
 
 

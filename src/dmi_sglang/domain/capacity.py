@@ -211,21 +211,23 @@ def arena_bytes(
     return total
 
 
-ARENA_SLOTS_BUDGET = 512 * MIB
-"""Device bytes the arena's slots may take together (see :func:`arena_slots`)."""
+ARENA_SLOTS_BUDGET = 256 * MIB
+"""Default device bytes the arena's slots may take together, the spare included (see
+:func:`arena_slots`)."""
 ARENA_SLOTS_MAX = 16
 ARENA_SLOTS_MIN = 4
 
 
-def arena_slots(one_slot_bytes: int) -> int:
-    """How many copies (slots) of the graph-replay arena a transport keeps: as many as
-    :data:`ARENA_SLOTS_BUDGET` holds, at most 16 (about 50 ms of decode steps at batch
-    64, longer than the drain lingers); fewer than 4 would make decode steps wait for
-    the drain thread, so such an arena keeps one slot (its steps are copied out by the
-    scheduler thread). Each replayed step stays in its slot until the drain thread
-    copied it out, so the scheduler thread queues no copies for it.
+def arena_slots(one_slot_bytes: int, budget_bytes: int = ARENA_SLOTS_BUDGET) -> int:
+    """How many copies (slots) of the graph-replay arena a transport keeps for decode
+    steps: as many as ``budget_bytes`` holds beside the spare slot, at most 16 (about
+    50 ms of decode steps at batch 64, longer than the drain lingers). Each replayed step
+    stays in its slot until the drain thread copied it out, so the scheduler thread
+    queues no copies for it; a step whose slot still waits is copied out by the
+    scheduler thread from the spare. With fewer than 4 most steps would, so such an
+    arena keeps one slot and no spare (all its steps are copied out by the scheduler).
     """
-    fit = min(ARENA_SLOTS_MAX, ARENA_SLOTS_BUDGET // max(one_slot_bytes, 1))
+    fit = min(ARENA_SLOTS_MAX, budget_bytes // max(one_slot_bytes, 1) - 1)
     return fit if fit >= ARENA_SLOTS_MIN else 1
 
 

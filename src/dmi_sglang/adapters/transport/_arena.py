@@ -11,12 +11,14 @@ names when the graph replays (:meth:`Arena.select` sets it before each replay, o
 device copy), so the rows of a replayed step stay in their slot while later steps
 replay into the others: the drain thread moves them to the ring, not the scheduler
 thread (see the transport). One more slot, the *spare*, takes replays that no step
-committed. With one slot the index is not used and the copies write the slot directly.
+committed, and a step whose own slot still waits for the drain (``seal`` copies that
+step out at once). With one slot the index is not used and the copies write the slot
+directly.
 
-Slots are laid out the way :func:`~dmi_sglang.domain.plan.make_plan` lays out ring
-segments (grouped by row size, then in firing order), so a group of equal-width slots
-and the matching group of ring segments are both equally spaced: one strided copy moves
-the whole group.
+The places of a slot are laid out the way :func:`~dmi_sglang.domain.plan.make_plan`
+lays out ring segments (grouped by row size, then in firing order), so a group of
+equal-width places and the matching group of ring segments are both equally spaced: one
+strided copy moves the whole group.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class Arena:
             item = TORCH_DTYPES[row.dtype].itemsize
             width = math.prod(row.dims)
             self._views[key] = self.buffer.view(TORCH_DTYPES[row.dtype]).as_strided(
-                (allocated, max_rows * width), (self.slot_bytes // item, 1),
+                (allocated, max_rows, width), (self.slot_bytes // item, width, 1),
                 self.offsets[key] // item)
         self._index = (torch.full((1,), self.spare, dtype=torch.int64, device=ops.device)
                        if slots > 1 else None)
@@ -155,10 +157,10 @@ class Arena:
             )
             raise CaptureError(msg)
         if rows:
-            places = self._views[key][:, : src.numel()]
+            places = self._views[key][:, :rows]
             if self._index is None:
-                places[0].copy_(src.reshape(-1))
+                places[0].copy_(src)
             else:
-                places.index_copy_(0, self._index, src.reshape(1, -1))
+                places.index_copy_(0, self._index, src.unsqueeze(0))
         if rows > self.written.get(key, 0):
             self.written[key] = rows

@@ -515,6 +515,8 @@ class Drain:
                 self.d2h_seconds += time.perf_counter() - t0
                 self.d2h_bytes += hi - lo
                 start = i
+        if items:  # those waited for the drain's stream: the slots' copies are done
+            self._free_slots(settled=True)
 
     def _direct(self, item: DrainItem) -> bool:
         """True for an item copied from the ring straight into payload memory."""
@@ -543,6 +545,7 @@ class Drain:
         t0 = time.perf_counter()
         self._ops.copies_to_host([item.marker], pairs)
         self.d2h_seconds += time.perf_counter() - t0
+        self._free_slots(settled=True)  # the copies waited for the drain's stream
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
         self.direct_items += 1
         self.build_cpu_seconds -= time.thread_time() - cpu  # copy time is not build time
@@ -561,6 +564,7 @@ class Drain:
         return self._hand_over(out)
 
     def _hand_over(self, out: Emitted) -> Emitted:
+        self._free_slots()  # before the sink, which may block
         cpu = time.thread_time()
         self._emit(out)
         self.build_cpu_seconds -= time.thread_time() - cpu  # sink time is not build time

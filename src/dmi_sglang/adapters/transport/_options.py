@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
+
 __all__ = ["TransportOptions"]
 
 MIB = 1 << 20
@@ -43,6 +45,9 @@ class TransportOptions:
             call releases and retakes it). A step waiting for ring space, or half the
             arena slots waiting, ends a linger at once, and the flush timeout still
             bounds how long rows wait. 0: wake for every step.
+        arena_slots_bytes: device bytes the decode-graph arena's slots may take together
+            (:func:`~dmi_sglang.domain.capacity.arena_slots`); an arena of which fewer
+            than 5 fit keeps one slot.
         gil_slice_s: ``DMX_DRAIN_GIL_SLICE_US`` / 1e6: longest stretch of the drain's
             Python between two hand-overs of the GIL (``time.sleep(0)``), so a window
             flush does not hold the scheduler thread for milliseconds (see ``_gil``).
@@ -60,6 +65,8 @@ class TransportOptions:
     direct_copies: bool = True
     linger_s: float = attrs.field(default=0.03, validator=attrs.validators.ge(0.0))
     gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
+    arena_slots_bytes: int = attrs.field(default=ARENA_SLOTS_BUDGET,
+                                         validator=attrs.validators.ge(0))
 
     @classmethod
     def from_settings(

@@ -4,8 +4,9 @@ Modes of a committed step:
 
 * ``ARENA``: a padded plan (decode graph replay); captures live in the arena and
   ``seal`` hands the step to the drain, which copies the real rows from the step's arena
-  slot to its ring region, one strided copy per group (with a one-slot arena ``seal``
-  makes those copies itself);
+  slot to its ring region, one strided copy per group (with a one-slot arena, or when
+  the step's slot still waited and it wrote the spare, ``seal`` makes those copies
+  itself, on the current stream);
 * ``ARENA_PIECES``: a padded plan too large for even an empty ring (the adapter should
   have run it eager): ``seal`` moves it segment by segment, waiting for the drain;
 * ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
@@ -45,15 +46,18 @@ class Mode(enum.Enum):
 class OpenStep:
     """A committed, not yet sealed step."""
 
-    __slots__ = ("base", "captured", "mode", "plan", "program", "seq", "slot")
+    __slots__ = ("base", "captured", "drained", "mode", "plan", "program", "seq", "slot")
 
     def __init__(
         self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int,
-        *, slot: int = -1,
+        *, slot: int = 0, drained: bool = False,
     ) -> None:
         self.seq = seq
         self.slot = slot
-        """The arena slot the step's replay writes (-1: the arena has one slot)."""
+        """The arena slot a padded step's replay writes."""
+        self.drained = drained
+        """The drain copies the step out of its slot and frees it (else ``seal`` copies
+        it out on the current stream, before any later replay)."""
         self.plan = plan
         self.program = program
         self.mode = mode
@@ -176,17 +180,17 @@ class StepWriter:
             program.check_arena(step.plan, self._arena)
             program.arena_checked = True
         if step.mode is Mode.ARENA:
-            if step.slot >= 0:  # the drain moves the rows out of the slot
+            if step.drained:  # the drain moves the rows out of the slot
                 self._enqueue(DrainItem(step.seq, step.plan, program, step.base,
                                         self._ops.mark(), slot=step.slot))
                 return
-            self._from_arena(step.seq, step.plan, program, step.base, 0)
+            self._from_arena(step.seq, step.plan, program, step.base, step.slot)
             return
         for piece in step.plan.pieces():
             piece_program = build_program(piece, self._arena)
             base = self._reserve(piece_program.reserve_bytes, piece_program.entries, step.seq)
-            self._from_arena(step.seq, piece, piece_program, base, max(step.slot, 0))
-        if step.slot >= 0:  # later replays are queued after these copies
+            self._from_arena(step.seq, piece, piece_program, base, step.slot)
+        if step.drained:  # later replays are queued after these copies
             self._free_slot(step.slot)
 
     def from_slot(self, item: DrainItem) -> None:

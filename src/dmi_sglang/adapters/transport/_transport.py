@@ -169,7 +169,8 @@ class TorchCaptureTransport:
         self.run_id = run_id
         ops = DeviceOps(device, capture_probe)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
-            arena_bytes(selection, shape, max_graph_batch=max_graph_batch)))
+            arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
+            opts.arena_slots_bytes))
         nbytes = capacity.effective_bytes
         ring = ops.device_buffer(nbytes)
         self._ops = ops
@@ -190,6 +191,7 @@ class TorchCaptureTransport:
         self._steps = 0
         self._tensors = 0
         self._turns = _SlotTurns(arena.slots, arena.spare)
+        self._slots_missed = 0
         self._drain = Drain(
             ops=ops, ring=ring, staging=ops.host_buffer(nbytes), release=self._release,
             sink=sink, run_id=run_id,
@@ -285,7 +287,7 @@ class TorchCaptureTransport:
                 self._select(self._arena.spare)
             self._writer.open = OpenStep(step, plan, None, Mode.EMPTY, -1)
             return
-        slot = -1
+        slot, drained = 0, False
         try:
             program = self._program(plan)
             mode = Mode.ARENA if plan.padded else Mode.RING
@@ -302,14 +304,14 @@ class TorchCaptureTransport:
                              free=usage.free_bytes, padded=plan.padded)
                 else:
                     base = self._wait_reserve(program.reserve_bytes, program.entries, step)
-            if plan.padded and self._arena.slots > 1:
-                slot = self._take_slot(step)
+            if plan.padded:
+                slot, drained = self._take_slot()
                 self._select(slot)
         except CaptureError as exc:
             self._fail(exc, "commit")
             raise
         self._writer.open = OpenStep(step, plan, program, mode, -1 if base is None else base,
-                                     slot=slot)
+                                     slot=slot, drained=drained)
         self._steps += 1
         self._tensors += program.entries
 
@@ -344,7 +346,7 @@ class TorchCaptureTransport:
             self._last_slots.abort()
         if step is None or step.mode is Mode.EMPTY:
             return
-        if step.slot >= 0:  # later replays are queued after whatever this one wrote
+        if step.drained:  # later replays are queued after whatever this one wrote
             self._free_slot(step.slot)
         log.warning("capture step aborted; its rows are not stored", step=step.seq)
         if step.program is not None and step.base >= 0:
@@ -475,8 +477,10 @@ class TorchCaptureTransport:
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
         back now, lingers that ran their whole time (a step waiting for ring space ends one
         early), the times the drain gave the GIL away between pieces of its work and
-        the seconds that took, and the decode graph steps it copied out of arena slots, in
-        how many wake-ups, and the seconds those copies took (waits included)."""
+        the seconds that took, the decode graph steps it moved out of arena slots, in how
+        many wake-ups, and the seconds it took to queue their copies to the ring (the
+        window's copies from slots not included), and the decode graph steps whose slot
+        still waited for the drain (their seal copied them out from the spare)."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -493,7 +497,7 @@ class TorchCaptureTransport:
             "committed_requests": d.committed_requests,
             "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
             "slot_items": d.slot_items, "slot_rounds": d.slot_rounds,
-            "slot_seconds": d.slot_seconds,
+            "slot_seconds": d.slot_seconds, "slots_missed": self._slots_missed,
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -555,36 +559,30 @@ class TorchCaptureTransport:
             self._arena.select(slot)
             turns.selected = slot
 
-    def _take_slot(self, seq: int) -> int:
-        """The next arena slot, once the drain copied its previous step out (waits);
-        wakes the drain when half the slots wait for it."""
+    def _take_slot(self) -> tuple[int, bool]:
+        """The arena slot a padded step's replay writes, and whether the drain copies it
+        out: the next slot once the drain copied its previous step out; else the spare
+        (the step's seal copies it out at once, as with one slot: nothing waits). Wakes
+        the drain when half the slots come to wait for it, and when a slot was missed."""
         turns = self._turns
+        slots = len(turns.busy)
+        if slots == 1:
+            return 0, False
         slot = turns.next
         with self._cond:
-            if turns.busy[slot]:
-                self._wait_slot(slot, seq)
-            turns.busy[slot] = True
-            turns.count += 1
+            missed = turns.busy[slot]
+            if not missed:
+                turns.busy[slot] = True
+                turns.count += 1
             busy = turns.count
-        if 2 * busy >= len(turns.busy):
+        if missed:
+            self._slots_missed += 1
             self._drain.hurry()
-        turns.next = (slot + 1) % len(turns.busy)
-        return slot
-
-    def _wait_slot(self, slot: int, seq: int) -> None:
-        """Wait (holding ``_cond``) until the drain freed ``slot``."""
-        t0 = time.monotonic()
-        deadline = t0 + self.options.stall_timeout_s
-        while self._turns.busy[slot]:
-            self._check_usable()
+            return self._arena.spare, False
+        if busy == slots // 2:
             self._drain.hurry()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                msg = (f"step {seq} waited {self.options.stall_timeout_s:.0f} s for the drain "
-                       f"to copy out arena slot {slot}")
-                raise CaptureError(msg)
-            self._cond.wait(left)
-        self._count_stall(seq, time.monotonic() - t0, what="arena slot")
+        turns.next = (slot + 1) % slots
+        return slot, True
 
     def _from_slot(self, item: DrainItem) -> None:
         self._writer.from_slot(item)
