@@ -213,17 +213,17 @@ def two_requests(d: Driver, *, padded: bool) -> None:
                                      padded_batch_size=4 if padded else None), padded=padded)
 
 
-@pytest.fixture(params=["arena slots", "one arena slot"])
+@pytest.fixture(params=["slots", "one-slot"])
 def make_driver(
     request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., tuple[Driver, MemorySink]]]:
     """Factory: ``make_driver(selection_text, payload_bytes=..., ...) -> (driver, sink)``.
 
     Every test using it runs twice: with the arena's slots (decode graph steps copied
-    out by the drain) and with one slot (copied out at seal, as large arenas are),
-    unless it sets ``arena_slots_bytes`` itself."""
+    out by the drain) and with one slot (copied out at seal, as large arenas are); a
+    test parametrizes it indirectly with ``["slots"]`` to run with slots only."""
     made: list[TorchCaptureTransport] = []
-    slots_bytes = ARENA_SLOTS_BUDGET if request.param == "arena slots" else 0
+    slots_bytes = ARENA_SLOTS_BUDGET if request.param == "slots" else 0
 
     def factory(
         text: str = "resid_pre,final_logits",

@@ -2,14 +2,16 @@
 
 The scheduler thread queues no copies for a replayed step: each replay writes the arena
 slot its commit selected, and the drain thread moves the rows to the ring later. These
-tests hold the drain back so several steps wait in their slots at once. Each sets the
-slots' budget itself (the ``make_driver`` fixture would also run it with one slot).
+tests hold the drain back so several steps wait in their slots at once; they run with
+the arena's slots only.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena
@@ -31,7 +33,7 @@ def _decode(d: Driver, n: int) -> None:
     d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n], padded_batch_size=4), padded=True)
 
 
-SLOTS = {"arena_slots_bytes": ARENA_SLOTS_BUDGET}
+SLOTTED = pytest.mark.parametrize("make_driver", ["slots"], indirect=True)
 
 
 def _decode_steps(d: Driver, steps: int) -> None:
@@ -47,9 +49,10 @@ def test_the_slot_count_follows_the_arena_size():
     assert arena_slots(0) == 16
 
 
+@SLOTTED
 def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make_driver):
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, flush_timeout_s=60.0, **SLOTS)
+                          linger_s=30.0, flush_timeout_s=60.0)
     _start(d)
     for n in range(40):
         _decode(d, n)
@@ -65,11 +68,12 @@ def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make
     assert counters["window_appends"] <= 40 // 4  # one copy per group for several steps
 
 
+@SLOTTED
 def test_steps_staged_from_the_ring_wait_in_their_slots_too(make_driver):
     # no decode window, and a request left out (the device gathers the kept rows): each
     # step is copied from its slot to the ring, then to the host, several per wake-up
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, coalesce_decode=False, **SLOTS)
+                          linger_s=30.0, coalesce_decode=False)
     _start(d)
     d.skip = frozenset({"b"})
     for n in range(40):
@@ -98,10 +102,10 @@ class _HeldSink(MemorySink):
         super().put(batch)  # type: ignore[arg-type]
 
 
+@SLOTTED
 def test_a_step_whose_slot_still_waits_is_copied_out_at_seal_without_waiting(make_driver):
     sink = _HeldSink()
-    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False,
-                       **SLOTS)
+    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False)
     _start(d)
     assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
     _decode_steps(d, 24)  # more steps than slots: from the 17th on, the slots all wait
@@ -112,25 +116,69 @@ def test_a_step_whose_slot_still_waits_is_copied_out_at_seal_without_waiting(mak
     assert stats.stalls == 0
 
 
-def test_a_replay_no_step_committed_writes_the_spare_slot(make_driver):
-    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
-                          flush_timeout_s=60.0, **SLOTS)
-    _start(d)
-    _decode(d, 0)  # waits in its slot: the drain lingers
-    assert d.t._turns.busy[0]
-    d.t.uncommitted_replay()
-    # what the graph replay records into the arena, whatever the slot it names
+def _prefill_drained(d: Driver) -> None:
+    """Wait until the drain handed the prefill's records over (it lingers for nothing
+    else then, so the next decode step waits in its slot)."""
+    deadline = time.monotonic() + 10
+    while d.t.drain_counters()["records"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def _garbage(d: Driver) -> None:
+    """What a graph replay records into the arena, whatever the slot it names."""
     hook = hook_by_name("resid_pre")
     for layer in range(SHAPE.num_layers):
         garbage = torch.full_like(rows_tensor(hook, layer, [("x", 0)] * 4), 77)
         d.t._arena.write(("resid_pre", layer), garbage)
+
+
+@SLOTTED
+def test_a_replay_no_step_committed_writes_the_spare_slot(make_driver):
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
+                          flush_timeout_s=60.0)
+    _start(d)
+    _prefill_drained(d)
+    _decode(d, 0)  # waits in its slot: the drain lingers
+    assert d.t._turns.busy[0]
+    d.t.uncommitted_replay()
+    _garbage(d)
     d.t.stop()
     d.verify(sink.records)  # the waiting step's rows are intact
 
 
+@SLOTTED
+def test_missed_steps_spare_writers_and_an_abort_leave_every_row_exact(make_driver):
+    sink = _HeldSink()
+    d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink)
+    _start(d)
+    assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
+    _decode_steps(d, 16)  # every slot waits
+    _decode(d, 16)  # missed: writes the spare, copied out at its seal
+    d.t.uncommitted_replay()
+    _garbage(d)  # the spare overwritten after that copy
+    d.skip = frozenset({"a", "b"})
+    _decode(d, 17)  # stores nothing: the spare again
+    d.skip = frozenset()
+    _garbage(d)
+    plan = d.plan(BatchLayout.decode(["a", "b"], [99, 99], padded_batch_size=4), padded=True)
+    d.step += 1
+    d.t.commit(plan, step=d.step)
+    d.t.abort()  # a missed step aborted: nothing to free, no turn taken
+    assert (d.t._turns.count, d.t._turns.next) == (16, 0)
+    _decode(d, 18)
+    assert d.t.drain_counters()["slots_missed"] == 3
+    sink.release.set()
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.stalls == 0
+    assert d.t._turns.count == 0
+
+
+@SLOTTED
 def test_a_padded_step_that_stores_nothing_writes_the_spare_slot(make_driver):
     d, sink = make_driver("resid_pre", payload_bytes=1 << 20, linger_s=30.0,
-                          flush_timeout_s=60.0, **SLOTS)
+                          flush_timeout_s=60.0)
     _start(d)
     _decode(d, 0)
     d.skip = frozenset({"a", "b"})  # the next step's plan stores nothing

@@ -77,7 +77,7 @@ class StoreConfig:
     insert_rows: int = 131_072
     queue_mb: int = 1024
     writers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    flush_timeout_us: int = 100_000
+    flush_timeout_us: int = 400_000
     timeout_s: int = 30
 
     @property

@@ -297,9 +297,11 @@ class Drain:
         self._queue.put(Finish(request_id, logits_end, manifest))
 
     def hurry(self) -> None:
-        """Someone waits for ring space, or half the arena slots wait for the drain: end
-        the current linger now (thread-safe)."""
-        self._hurry.set()
+        """Someone waits for ring space, or half the arena slots wait for the drain, or a
+        step found its slot still waiting: end the current linger now, or skip the next
+        one (thread-safe; cheap when already asked)."""
+        if not self._hurry.is_set():
+            self._hurry.set()
 
     def close(self) -> None:
         """Drain everything queued, flush the window and the held rows, end the thread."""

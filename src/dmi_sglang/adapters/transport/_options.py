@@ -42,8 +42,9 @@ class TransportOptions:
             slots: the steps that arrive meanwhile wait there and are moved together
             (into the window: one device copy per group for all of them). Every
             wake-up takes the GIL from the scheduler thread several times (each torch
-            call releases and retakes it). A step waiting for ring space, or half the
-            arena slots waiting, ends a linger at once, and the flush timeout still
+            call releases and retakes it). A step waiting for ring space, half the arena
+            slots or more waiting, or a step finding its slot still waiting, ends a
+            linger at once, and the flush timeout still
             bounds how long rows wait. 0: wake for every step.
         arena_slots_bytes: device bytes the decode-graph arena's slots may take together
             (:func:`~dmi_sglang.domain.capacity.arena_slots`); an arena of which fewer

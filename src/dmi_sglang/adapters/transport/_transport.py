@@ -563,7 +563,7 @@ class TorchCaptureTransport:
         """The arena slot a padded step's replay writes, and whether the drain copies it
         out: the next slot once the drain copied its previous step out; else the spare
         (the step's seal copies it out at once, as with one slot: nothing waits). Wakes
-        the drain when half the slots come to wait for it, and when a slot was missed."""
+        the drain while half the slots or more wait for it, and when a slot was missed."""
         turns = self._turns
         slots = len(turns.busy)
         if slots == 1:
@@ -579,7 +579,7 @@ class TorchCaptureTransport:
             self._slots_missed += 1
             self._drain.hurry()
             return self._arena.spare, False
-        if busy == slots // 2:
+        if 2 * busy >= slots:
             self._drain.hurry()
         turns.next = (slot + 1) % slots
         return slot, True
@@ -593,7 +593,6 @@ class TorchCaptureTransport:
             if turns.busy[slot]:
                 turns.busy[slot] = False
                 turns.count -= 1
-            self._cond.notify_all()
 
     def _release(self) -> None:
         with self._cond:
