@@ -65,7 +65,7 @@ def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make
     assert counters["slot_items"] + counters["slots_missed"] == 40
     assert counters["slot_items"] >= 16
     assert counters["slot_rounds"] <= 40 // 2
-    assert counters["window_appends"] <= 40 // 4  # one copy per group for several steps
+    assert counters["window_appends"] <= 40 // 2  # one copy per group for several steps
 
 
 @SLOTTED
