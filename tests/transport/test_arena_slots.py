@@ -49,22 +49,29 @@ def test_the_slot_count_follows_the_arena_size():
     assert arena_slots(0) == 16
 
 
-@SLOTTED
-def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make_driver):
-    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, flush_timeout_s=60.0)
+def _forty_lingered_steps(make_driver, skip: frozenset[str] = frozenset(),
+                          **options: object) -> dict[str, float]:
+    """40 decode graph steps of requests a and b (less ``skip``) while the drain lingers
+    30 s: every row exact, several steps per wake-up (half the 16 slots waiting wakes the
+    drain; a step that finds its slot still waiting, as these back-to-back ones may, is
+    copied out at its seal). Returns the drain's counters."""
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20, linger_s=30.0,
+                          **options)
     _start(d)
-    for n in range(40):
-        _decode(d, n)
+    d.skip = skip
+    _decode_steps(d, 40)
     d.t.stop()
     d.verify(sink.records)
     counters = d.t.drain_counters()
-    # half the 16 slots waiting wakes the lingering drain: several steps per wake-up (a
-    # step that finds its slot still waiting, as these back-to-back ones may, is copied
-    # out at its seal)
     assert counters["slot_items"] + counters["slots_missed"] == 40
     assert counters["slot_items"] >= 16
     assert counters["slot_rounds"] <= 40 // 2
+    return counters
+
+
+@SLOTTED
+def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make_driver):
+    counters = _forty_lingered_steps(make_driver, flush_timeout_s=60.0)
     assert counters["window_appends"] <= 40 // 2  # one copy per group for several steps
 
 
@@ -72,18 +79,7 @@ def test_steps_wait_in_their_slots_while_the_drain_lingers_and_arrive_exact(make
 def test_steps_staged_from_the_ring_wait_in_their_slots_too(make_driver):
     # no decode window, and a request left out (the device gathers the kept rows): each
     # step is copied from its slot to the ring, then to the host, several per wake-up
-    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
-                          linger_s=30.0, coalesce_decode=False)
-    _start(d)
-    d.skip = frozenset({"b"})
-    for n in range(40):
-        _decode(d, n)
-    d.t.stop()
-    d.verify(sink.records)
-    counters = d.t.drain_counters()
-    assert counters["slot_items"] + counters["slots_missed"] == 40
-    assert counters["slot_items"] >= 16
-    assert counters["slot_rounds"] <= 40 // 2
+    counters = _forty_lingered_steps(make_driver, frozenset({"b"}), coalesce_decode=False)
     assert counters["window_appends"] == 0
 
 

@@ -126,10 +126,14 @@ class Arena:
             self._views[key] = self.buffer.view(TORCH_DTYPES[row.dtype]).as_strided(
                 (allocated, max_rows, width), (self.slot_bytes // item, width, 1),
                 self.offsets[key] // item)
-        self._index = (torch.full((1,), self.spare, dtype=torch.int64, device=ops.device)
-                       if slots > 1 else None)
-        numbers = torch.arange(allocated, dtype=torch.int64, device=ops.device)
-        self._numbers = [numbers[k : k + 1] for k in range(allocated)] if slots > 1 else []
+        self._index: torch.Tensor | None = None
+        """The slot the recorded copies write (several slots only)."""
+        self._numbers: list[torch.Tensor] = []
+        """One-element device tensors 0 .. spare, copied into :attr:`_index`."""
+        if slots > 1:
+            self._index = torch.full((1,), self.spare, dtype=torch.int64, device=ops.device)
+            numbers = torch.arange(allocated, dtype=torch.int64, device=ops.device)
+            self._numbers = [numbers[k : k + 1] for k in range(allocated)]
         self.written: dict[CaptureKey, int] = {}
         """Most rows each place has been written with (checked before a replay is sealed)."""
 

@@ -192,10 +192,10 @@ class Drain:
         linger_s: float = 0.0,
         direct_bytes: int = 0,
         gil_slice_s: float = 0.0,
-        from_slot: Callable[[DrainItem], None] | None = None,
-        free_slot: Callable[[int], None] | None = None,
-        arena: torch.Tensor | None = None,
-        arena_slot_bytes: int = 0,
+        from_slot: Callable[[DrainItem], None],
+        free_slot: Callable[[int], None],
+        arena: torch.Tensor,
+        arena_slot_bytes: int,
     ) -> None:
         self._ops = ops
         self._from_slot = from_slot
@@ -457,7 +457,6 @@ class Drain:
                    if id(it) not in window_items or not in_slot_to_window(it)]
         if not slotted:
             return
-        assert self._from_slot is not None
         from_slot = self._from_slot
 
         def copies() -> None:
@@ -479,7 +478,6 @@ class Drain:
             if not settled:
                 self._ops.settle()
             free = self._free_slot
-            assert free is not None
             for slot in self._unfreed_slots:
                 free(slot)
             self._unfreed_slots = []

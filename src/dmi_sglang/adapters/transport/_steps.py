@@ -196,13 +196,16 @@ class StepWriter:
     def from_slot(self, item: DrainItem) -> None:
         """Queue the copies of ``item``'s rows from its arena slot to its ring region on
         the current stream (the drain's)."""
-        item.program.copy_from_arena(item.base, arena_wide=self._arena_wide,
-                                     ring_wide=self._ring_wide,
-                                     slot_offset=item.slot * self._arena.slot_bytes)
+        self._copy_out(item.program, item.base, item.slot)
 
     def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int,
                     slot: int) -> None:
+        self._copy_out(program, base, slot)
+        self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
+
+    def _copy_out(self, program: Program, base: int, slot: int) -> None:
+        """Queue ``program``'s copies from arena ``slot`` to the ring region at ``base``
+        on the current stream."""
         program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide,
                                 slot_offset=slot * self._arena.slot_bytes)
-        self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
 
