@@ -48,7 +48,7 @@ class TransportOptions:
             bounds how long rows wait. 0: wake for every step.
         arena_slots_bytes: device bytes the decode-graph arena's slots may take together
             (:func:`~dmi_sglang.domain.capacity.arena_slots`); an arena of which fewer
-            than 5 fit keeps one slot.
+            than 4 fit keeps one slot.
         gil_slice_s: ``DMX_DRAIN_GIL_SLICE_US`` / 1e6: longest stretch of the drain's
             Python between two hand-overs of the GIL (``time.sleep(0)``), so a window
             flush does not hold the scheduler thread for milliseconds (see ``_gil``).
