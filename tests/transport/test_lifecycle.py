@@ -193,3 +193,19 @@ def test_create_transport_from_plain_settings():
     arena = 3 * 8 * 16 * 17  # 16 slots of 3 layers x 8 rows x 16 bytes, and the spare
     assert t.device_bytes == (1 << 20) + arena + window
     assert t.stop().steps == 0
+
+
+def test_capture_seconds_count_the_time_spent_in_the_capture_points(make_driver):
+    import time
+
+    d, sink = make_driver()
+    assert d.t.stats().capture_seconds == 0.0
+    t0 = time.perf_counter()
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    wall = time.perf_counter() - t0
+    first = d.t.stats().capture_seconds
+    assert 0.0 < first <= wall
+    d.forward(BatchLayout.extend(["b"], [0], [5]))
+    assert d.t.stats().capture_seconds > first
+    assert d.t.stop().capture_seconds >= d.t.stats().capture_seconds > first
+    d.verify(sink.records)

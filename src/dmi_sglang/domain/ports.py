@@ -260,6 +260,10 @@ class TransportStats:
             generated token (the overlap scheduler's extra forward of a finished request).
         fp16_overflows: values a ``fp16`` storage dtype turned infinite (beyond
             +-65504), counted on the device at the capture points (known at stop).
+        capture_seconds: seconds the forward's thread spent in the capture points
+            themselves: eager forwards (prefill, eager decode) and the recording of
+            decode graphs at startup; a graph replay runs none. Not part of the
+            hooks' own time a session reports.
     """
 
     steps: int = 0
@@ -273,6 +277,7 @@ class TransportStats:
     piecewise_steps: int = 0
     discarded_logit_rows: int = 0
     fp16_overflows: int = 0
+    capture_seconds: float = 0.0
 
 
 @runtime_checkable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -82,7 +83,7 @@ class Capturer:
     does nothing.
     """
 
-    __slots__ = ("_keys", "_live", "_payloads", "_sink")
+    __slots__ = ("_keys", "_live", "_payloads", "_sink", "seconds")
 
     def __init__(
         self,
@@ -99,6 +100,8 @@ class Capturer:
         self._keys = keys
         self._sink = sink
         self._live = live if live is not None else _always
+        self.seconds = 0.0
+        """Time spent in :meth:`capture` so far (its transforms and copies included)."""
 
     def wants(self, hook_name: str, layer_no: int) -> bool:
         """True when ``(hook_name, layer_no)`` is selected (``layer_no = -1``: global)."""
@@ -112,6 +115,7 @@ class Capturer:
                 the planned dtype, row width or row count, or the copy itself failed.
         """
         key = (hook_name, layer_no)
+        t0 = time.perf_counter()
         try:
             payloads = self._payloads
             if payloads is None:
@@ -129,6 +133,8 @@ class Capturer:
         except Exception as exc:  # e.g. out of device memory: the capture's failure
             msg = f"capture of {hook_name}@{layer_no} failed: {exc!r}"
             raise CaptureError(msg) from exc
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def _topk(self, logits: torch.Tensor, payloads: Payloads) -> None:
         values_live, ids_live = self._live(TOPK_VALUES), self._live(TOPK_IDS)

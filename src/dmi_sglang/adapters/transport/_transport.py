@@ -465,7 +465,7 @@ class TorchCaptureTransport:
             stalls=self._stalls, stall_seconds=self._stall_seconds,
             forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
             discarded_logit_rows=self._drain.discarded,
-            fp16_overflows=self._fp16_overflows,
+            fp16_overflows=self._fp16_overflows, capture_seconds=self.capturer.seconds,
         )
 
     def drain_counters(self) -> dict[str, float]:
