@@ -388,3 +388,30 @@ def test_an_aborted_step_after_a_hole_gives_back_the_positions_before_it(make_dr
     d.t.finish_request("a", 4)  # its last token was decided by position 3
     d.t.stop()
     assert [(r.request_id, r.start_token_idx) for r in sink.records] == [("a", 3)]
+
+
+def test_last_capture_points_of_one_graph_step_with_other_row_counts_fail_loudly(make_driver):
+    """A decode graph's ``last`` capture points land their rows first and one move per
+    group takes them into the slots: a capture point that wrote another row count than
+    the others of its step is refused, not moved with rows of another step."""
+    import torch
+
+    d, _ = make_driver("resid_pre@0:last,final_ln:last")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.capturing = True
+    try:
+        d.t.capturer.capture("resid_pre", 0, torch.zeros(4, 8, dtype=torch.bfloat16))
+        with pytest.raises(CaptureError, match=r"2 rows, where the step's landing holds 4"):
+            d.t.capturer.capture("final_ln", -1, torch.zeros(2, 8, dtype=torch.bfloat16))
+    finally:
+        d.capturing = False
+
+
+def test_last_slots_count_the_landing_rows_of_the_largest_decode_graph(make_driver):
+    d, _ = make_driver("resid_pre:last")
+    slots = d.t._last_slots
+    per_row = 8 * 2  # one bf16 resid_pre row of SHAPE
+    landing = d.t._arena.max_rows
+    assert slots.nbytes == (2 * slots.requests + 1 + landing) * per_row * 3  # 3 layers
+    allocated = sum(t.numel() * t.element_size() for t in slots._slots + slots._landing)
+    assert allocated == slots.nbytes

@@ -237,11 +237,14 @@ def last_slot_requests(*, max_requests: int, max_graph_batch: int) -> int:
     return 2 * max(max_requests, max_graph_batch, 1)
 
 
-def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int) -> int:
+def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int,
+                    max_graph_batch: int = 0) -> int:
     """GPU bytes of the ``last`` rule's slots: per capture with that rule, two rows per
     request (by position parity: the overlap scheduler's extra forward writes the other)
-    and one spare row."""
-    return sum((2 * requests + 1) * shape.capture_row(selection, hook, layer_no).nbytes
+    and one spare row, and the landing rows of a decode graph's capture points (the
+    largest graph's batch; they are moved into the slots together)."""
+    rows = 2 * requests + 1 + max_graph_batch
+    return sum(rows * shape.capture_row(selection, hook, layer_no).nbytes
                for hook, layer_no in selection.captures_kept_by(PositionRule.LAST))
 
 

@@ -13,11 +13,14 @@ learns the request finished, and writes the other row. A slot is given back afte
 read was queued on the current stream, so a request that reuses it writes after the
 read. One more row takes what no slot wants (padding rows, requests left out).
 
-A decode graph records ``index_copy_`` through a static index tensor and, after its last
-``last`` capture point, one ``bitwise_xor_`` of that index with a static flip tensor (1
-for a request's row, 0 for padding and requests left out): each replay moves every
-request to its other slot row, which is where its next position goes. So a run of
-decode graph steps of an unchanged batch, each request one position further, costs the
+A decode graph's capture points copy their rows into fixed *landing* rows (a plain copy
+each); after its last ``last`` capture point the graph holds one ``index_copy_`` per group
+of equal rows, through a static index tensor, from the landing rows into the slots (one
+kernel instead of one per capture point), and one ``bitwise_xor_`` of that index with a
+static flip tensor (1 for a request's row, 0 for padding and requests left out): each
+replay moves every request to its other slot row, which is where its next position goes.
+So a run of decode graph steps of an unchanged batch, each request one position further,
+costs the
 scheduler no device operation at all; the first step of a run uploads the index and the
 flip together (one copy). A replay nobody committed (SGLang forwarding a batch the
 session does not capture) is announced by :meth:`LastSlots.guard_replay`, which points
@@ -89,6 +92,28 @@ class _Uploader:
         return out
 
 
+def _grouped(keys: dict[CaptureKey, tuple[RowSpec, RowBasis]], *, rows: int,
+             landing_rows: int, device: torch.device) -> tuple[
+        list[torch.Tensor], list[torch.Tensor], dict[CaptureKey, torch.Tensor],
+        dict[CaptureKey, torch.Tensor]]:
+    """Slot rows and landing rows per group of captures with equal rows (dtype and
+    width), and each capture's views of them."""
+    groups: dict[tuple[torch.dtype, int], list[CaptureKey]] = {}
+    for key, (row, _) in keys.items():
+        groups.setdefault((TORCH_DTYPES[row.dtype], math.prod(row.dims)), []).append(key)
+    slots, landing = [], []
+    buffers: dict[CaptureKey, torch.Tensor] = {}
+    lands: dict[CaptureKey, torch.Tensor] = {}
+    for (dtype, elements), members in groups.items():
+        slots.append(torch.zeros((rows, len(members), elements), dtype=dtype, device=device))
+        landing.append(torch.zeros((landing_rows, len(members), elements), dtype=dtype,
+                                   device=device))
+        for k, key in enumerate(members):
+            buffers[key] = slots[-1][:, k]
+            lands[key] = landing[-1][:, k]
+    return slots, landing, buffers, lands
+
+
 class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
     every replay of the run flips the device index to the next step's rows by itself."""
@@ -132,12 +157,17 @@ class LastSlots:
         self.requests = requests
         self.spare = 2 * requests
         """The row that takes what no slot wants."""
-        self._buffers = {
-            key: torch.zeros((self.spare + 1, math.prod(row.dims)), dtype=TORCH_DTYPES[row.dtype],
-                             device=ops.device)
-            for key, (row, _) in self._keys.items()}
-        self.nbytes = last_slot_bytes(selection, shape, requests=requests)
         width = max(max_graph_batch, 1)
+        self._slots, self._landing, self._buffers, self._lands = _grouped(
+            self._keys, rows=self.spare + 1, landing_rows=width, device=ops.device)
+        """Per group of equal rows, the slot rows of its captures (``[slot row, capture,
+        row elements]``) and where a decode graph's capture points put their rows first
+        (``[row, capture, row elements]``; after the last one, one ``index_copy_`` per
+        group moves them into the slots); each capture's views of both."""
+        self._landed = 0
+        """Rows the current step's (or recording's) capture points put in the landing."""
+        self.nbytes = last_slot_bytes(selection, shape, requests=requests,
+                                      max_graph_batch=width)
         self._idle = torch.tensor([[self.spare] * width, [0] * width], dtype=torch.int64,
                                   device=ops.device)
         self._control = self._idle.clone()
@@ -194,6 +224,7 @@ class LastSlots:
         batch = plan.batch
         self._fired.clear()
         self._stepped = False
+        self._landed = 0
         self._undo.clear()
         self._flipped = None
         self._began = True
@@ -244,23 +275,28 @@ class LastSlots:
         """Write ``tensor``'s emitting rows into the slots (recorded while capturing a
         graph; nothing outside a committed step)."""
         row, basis = self._keys[key]
-        buffer = self._buffers[key]
         if capturing or self._padded:
             src = as_rows(tensor, key, row)
             n = src.shape[0]
-            buffer.index_copy_(0, self._control[0, :n], src)
             seen = self._recording if capturing else self._fired
             if capturing and key in seen:  # a recording began: the one before missed keys
                 self._check_recorded()
+            self._land(key, src)
             seen.add(key)
             if capturing:
                 self._recorded.add(key)
             if len(seen) == len(self._keys) and (capturing or not self._stepped):
-                # after the last capture point: every request to its next slot row
-                self._control[0, :n].bitwise_xor_(self._control[1, :n])
+                # after the last capture point: the rows into the slots, then every
+                # request to its next slot row
+                index = self._control[0, :n]
+                for slots, landing in zip(self._slots, self._landing, strict=True):
+                    slots.index_copy_(0, index, landing[:n])
+                index.bitwise_xor_(self._control[1, :n])
+                self._landed = 0
                 self._recording.clear()
                 self._stepped = not capturing
             return
+        buffer = self._buffers[key]
         if self._eager is None:
             return
         self._fired.add(key)
@@ -268,6 +304,23 @@ class LastSlots:
         src = as_rows(tensor, key, row)
         buffer.index_copy_(0, dst, src.index_select(
             0, token_src if basis is RowBasis.TOKEN else request_src))
+
+    def _land(self, key: CaptureKey, src: torch.Tensor) -> None:
+        """Put a decode graph capture point's rows in its landing rows (a plain copy).
+
+        Raises:
+            CaptureError: more rows than the largest decode graph's, or another row count
+                than the step's other capture points wrote (one move takes them all).
+        """
+        n = src.shape[0]
+        landing = self._lands[key]
+        if n > landing.shape[0] or (self._landed and n != self._landed):
+            msg = (f"last capture {key}: {n} rows, where the step's landing holds "
+                   f"{self._landed or landing.shape[0]} (the largest decode graph's batch, "
+                   f"the same for every capture point of a step)")
+            raise CaptureError(msg)
+        landing[:n].copy_(src)
+        self._landed = n
 
     def end(self) -> None:
         """The step is sealed.
@@ -321,6 +374,7 @@ class LastSlots:
             self._armed = False
 
     def _reset(self) -> None:
+        self._landed = 0
         self._padded = False
         self._eager = None
         self._undo.clear()
