@@ -19,6 +19,7 @@ from dmi_sglang.adapters.transport._device import DeviceOps
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, arena_slots
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import CaptureError
 from dmi_sglang.testing import MemorySink
 
 from .conftest import SHAPE, Driver, rows_tensor, select
@@ -43,9 +44,9 @@ def _decode_steps(d: Driver, steps: int) -> None:
 
 def test_the_slot_count_follows_the_arena_size():
     assert arena_slots(1 << 20) == 16
-    assert arena_slots(ARENA_SLOTS_BUDGET // 6) == 5  # and the spare
-    assert arena_slots(ARENA_SLOTS_BUDGET // 4) == 1  # too few to wait in: one slot
-    assert arena_slots(ARENA_SLOTS_BUDGET // 6, budget_bytes=0) == 1
+    assert arena_slots(ARENA_SLOTS_BUDGET // 7) == 5  # and the spare and the landing slot
+    assert arena_slots(ARENA_SLOTS_BUDGET // 5) == 1  # too few to wait in: one slot
+    assert arena_slots(ARENA_SLOTS_BUDGET // 7, budget_bytes=0) == 1
     assert arena_slots(0) == 16
 
 
@@ -186,24 +187,52 @@ def test_a_padded_step_that_stores_nothing_writes_the_spare_slot(make_driver):
 
 
 def test_arena_writes_go_to_the_selected_slot():
+    """Capture points write the landing slot; once every place was written, one copy
+    moves it into the selected slot (a graph records it after its last capture point).
+    An eager step that wrote only some places has them moved at ``settle``."""
     selection = select("resid_pre")
     arena = Arena(selection, SHAPE, 4, DeviceOps("cpu"), slots=4)
-    key = ("resid_pre", 1)
     hook = hook_by_name("resid_pre")
-    first = rows_tensor(hook, 1, [("a", 1), ("b", 2)])
-    second = rows_tensor(hook, 1, [("c", 3), ("d", 4), ("e", 5)])
-    arena.select(1)
-    arena.write(key, first)
-    arena.select(arena.spare)
-    arena.write(key, second)
-    width = first[0].numel()
+    keys = [("resid_pre", layer) for layer in range(3)]
+    first = {k: rows_tensor(hook, k[1], [("a", 1), ("b", 2)]) for k in keys}
+    second = {k: rows_tensor(hook, k[1], [("c", 3), ("d", 4), ("e", 5)]) for k in keys}
+    width = first[keys[0]][0].numel()
 
-    def slot(k: int, rows: int) -> torch.Tensor:
+    def slot(k: int, key: tuple[str, int], rows: int) -> torch.Tensor:
         start = k * arena.slot_bytes + arena.offsets[key]
-        raw = arena.buffer[start : start + rows * width * first.element_size()]
-        return raw.view(first.dtype).view(rows, *first.shape[1:])
+        raw = arena.buffer[start : start + rows * width * 2]
+        return raw.view(torch.bfloat16).view(rows, width)
 
-    assert torch.equal(slot(1, 2), first)
-    assert torch.equal(slot(arena.spare, 3), second)
+    arena.select(1)
+    for key in keys[:2]:
+        arena.write(key, first[key])
+    assert not torch.equal(slot(1, keys[0], 2), first[keys[0]])  # still landed only
+    arena.write(keys[2], first[keys[2]])  # the last place: the landing slot moves
+    assert all(torch.equal(slot(1, k, 2), first[k]) for k in keys)
+    arena.select(arena.spare)
+    arena.write(keys[1], second[keys[1]])  # an eager step storing one capture
+    arena.settle()
+    assert torch.equal(slot(arena.spare, keys[1], 3), second[keys[1]])
+    assert all(torch.equal(slot(1, k, 2), first[k]) for k in keys)  # slot 1 untouched
     assert arena.spare == 4
     assert arena.buffer.numel() == 5 * arena.slot_bytes
+    assert arena.device_bytes == 6 * arena.slot_bytes  # and the landing slot
+
+
+def test_a_graph_recorded_without_a_capture_point_fails_before_its_replays_store():
+    """A decode graph whose recording missed a capture point holds no move of the
+    landing slot: the next recording, or the next step, raises instead of storing rows
+    its slot never received."""
+    selection = select("resid_pre")
+    arena = Arena(selection, SHAPE, 4, DeviceOps("cpu"), slots=4)
+    hook = hook_by_name("resid_pre")
+    rows = {layer: rows_tensor(hook, layer, [("a", 1)]) for layer in range(3)}
+    arena.write(("resid_pre", 0), rows[0])
+    arena.write(("resid_pre", 1), rows[1])  # layer 2 never recorded
+    with pytest.raises(CaptureError,
+                       match=r"recorded without the capture points \[\('resid_pre', 2\)\]"):
+        arena.check_landing()
+    arena.check_landing()  # reported once
+    arena.write(("resid_pre", 0), rows[0])
+    with pytest.raises(CaptureError, match=r"written twice before the arena's landing"):
+        arena.write(("resid_pre", 0), rows[0])

@@ -220,14 +220,16 @@ ARENA_SLOTS_MIN = 4
 
 def arena_slots(one_slot_bytes: int, budget_bytes: int = ARENA_SLOTS_BUDGET) -> int:
     """How many copies (slots) of the graph-replay arena a transport keeps for decode
-    steps: as many as ``budget_bytes`` holds beside the spare slot, at most 16 (about
+    steps: as many as ``budget_bytes`` holds beside the spare slot and the landing slot
+    (where a decode graph's capture points write before one copy moves their rows into
+    the step's slot), at most 16 (about
     50 ms of decode steps at batch 64, longer than the drain lingers). Each replayed step
     stays in its slot until the drain thread copied it out, so the scheduler thread
     queues no copies for it; a step whose slot still waits is copied out by the
     scheduler thread from the spare. With fewer than 4 most steps would, so such an
     arena keeps one slot and no spare (all its steps are copied out by the scheduler).
     """
-    fit = min(ARENA_SLOTS_MAX, budget_bytes // max(one_slot_bytes, 1) - 1)
+    fit = min(ARENA_SLOTS_MAX, budget_bytes // max(one_slot_bytes, 1) - 2)
     return fit if fit >= ARENA_SLOTS_MIN else 1
 
 

@@ -176,6 +176,7 @@ class StepWriter:
             if step.mode is Mode.RING:
                 self._enqueue(DrainItem(step.seq, step.plan, program, step.base, self._ops.mark()))
             return
+        self._arena.settle()  # an eager step's landed rows (a replay moved its own)
         if not program.arena_checked:
             program.check_arena(step.plan, self._arena)
             program.arena_checked = True

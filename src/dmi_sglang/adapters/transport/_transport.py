@@ -170,7 +170,9 @@ class TorchCaptureTransport:
         ops = DeviceOps(device, capture_probe)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
-            opts.arena_slots_bytes))
+            opts.arena_slots_bytes), elsewhere=frozenset(
+                (hook.name, layer) for hook, layer in selection.captures_kept_by(
+                    PositionRule.LAST)))
         nbytes = capacity.effective_bytes
         ring = ops.device_buffer(nbytes)
         self._ops = ops
@@ -236,7 +238,7 @@ class TorchCaptureTransport:
     def device_bytes(self) -> int:
         """Device memory the transport holds (ring, arena and decode window): count it in
         capacity."""
-        return (int(self._ring.numel()) + int(self._arena.buffer.numel())
+        return (int(self._ring.numel()) + int(self._arena.device_bytes)
                 + self._drain.device_bytes + self._last_slots.nbytes)
 
     def preflight(self, plan: CommitPlan,
@@ -279,6 +281,12 @@ class TorchCaptureTransport:
             try:
                 self._read_finished(step)
                 self._last_slots.begin(plan)
+            except CaptureError as exc:
+                self._fail(exc, "commit")
+                raise
+        if plan.padded:
+            try:
+                self._arena.check_landing()
             except CaptureError as exc:
                 self._fail(exc, "commit")
                 raise
@@ -342,6 +350,7 @@ class TorchCaptureTransport:
         Pieces of a piecewise step that were already handed to the drain are stored.
         """
         step, self._writer.open = self._writer.open, None
+        self._arena.forget()
         if self._last_slots:
             self._last_slots.abort()
         if step is None or step.mode is Mode.EMPTY:
