@@ -147,7 +147,8 @@ def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
     stats = session.stop()
     assert not session.active
     assert stats.steps == 1
-    assert set(session.timing(stats)) >= {"forwards", "host_seconds", "stall_seconds"}
+    assert set(session.timing(stats)) >= {"forwards", "host_seconds", "stall_seconds",
+                                          "capture_seconds"}
     if store == "embedded":
         run = open_store(url).run(spec.run.run_id)
         assert run is not None

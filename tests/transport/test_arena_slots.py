@@ -236,3 +236,49 @@ def test_a_graph_recorded_without_a_capture_point_fails_before_its_replays_store
     arena.write(("resid_pre", 0), rows[0])
     with pytest.raises(CaptureError, match=r"written twice before the arena's landing"):
         arena.write(("resid_pre", 0), rows[0])
+
+
+def test_a_partly_recorded_decode_graph_fails_the_next_step_even_after_an_abort(make_driver):
+    """A recording that missed a capture point leaves rows in the landing slot: the next
+    padded commit raises (an abort of an unrelated step in between does not hide it)."""
+    d, _ = make_driver()
+    if not d.t._arena.landing:
+        pytest.skip("one slot: the capture points write it directly")
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    d.capturing = True
+    try:
+        d.fire(BatchLayout.decode(["x"], [1]), skip={("resid_pre", 1)})
+    finally:
+        d.capturing = False
+    d.t.abort()  # nothing open: not the eager step's own landing
+    with pytest.raises(CaptureError, match=r"recorded without the capture points "
+                                           r"\[\('resid_pre', 1\)\]"):
+        d.forward(BatchLayout.decode(["a"], [4], padded_batch_size=4), padded=True)
+
+
+def test_an_aborted_eager_arena_step_leaves_nothing_for_the_next_one(make_driver):
+    """An eager padded step that landed some rows and raised: its rows are forgotten,
+    and the next step stores its own rows exactly."""
+    d, sink = make_driver()
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 3]))
+    layout = BatchLayout.decode(["a", "b"], [4, 4], padded_batch_size=4)
+    d.step += 1
+    d.t.commit(d.plan(layout, padded=True), step=d.step)
+    hook = hook_by_name("resid_pre")
+    d.t.capturer.capture("resid_pre", 0, rows_tensor(hook, 0, layout.positions(), 2))
+    d.t.abort()
+    d.forward(BatchLayout.decode(["a", "b"], [4, 4], padded_batch_size=4), padded=True)
+    d.t.stop()
+    d.verify(sink.records)
+
+
+def test_a_capture_point_firing_twice_in_an_eager_arena_step_fails(make_driver):
+    d, _ = make_driver()
+    d.forward(BatchLayout.extend(["a"], [0], [3]))
+    layout = BatchLayout.decode(["a"], [4], padded_batch_size=4)
+    d.step += 1
+    d.t.commit(d.plan(layout, padded=True), step=d.step)
+    hook = hook_by_name("resid_pre")
+    d.t.capturer.capture("resid_pre", 0, rows_tensor(hook, 0, layout.positions(), 3))
+    with pytest.raises(CaptureError, match=r"fired twice in step"):
+        d.t.capturer.capture("resid_pre", 0, rows_tensor(hook, 0, layout.positions(), 3))

@@ -396,22 +396,28 @@ def test_last_capture_points_of_one_graph_step_with_other_row_counts_fail_loudly
     the others of its step is refused, not moved with rows of another step."""
     import torch
 
-    d, _ = make_driver("resid_pre@0:last,final_ln:last")
+    d, _ = make_driver("resid_pre:last,final_ln:last")  # one group of 4 equal rows
     d.forward(BatchLayout.extend(["a"], [0], [3]))
     d.capturing = True
     try:
         d.t.capturer.capture("resid_pre", 0, torch.zeros(4, 8, dtype=torch.bfloat16))
         with pytest.raises(CaptureError, match=r"2 rows, where the step's landing holds 4"):
-            d.t.capturer.capture("final_ln", -1, torch.zeros(2, 8, dtype=torch.bfloat16))
+            d.t.capturer.capture("resid_pre", 1, torch.zeros(2, 8, dtype=torch.bfloat16))
     finally:
         d.capturing = False
 
 
 def test_last_slots_count_the_landing_rows_of_the_largest_decode_graph(make_driver):
-    d, _ = make_driver("resid_pre:last")
+    """A group of three equal rows or more lands (its landing rows counted); a smaller
+    one is written in place."""
+    d, _ = make_driver("resid_pre:last,final_logits:last")
     slots = d.t._last_slots
-    per_row = 8 * 2  # one bf16 resid_pre row of SHAPE
+    per_row, logits_row = 8 * 2, 10 * 4  # bf16 resid_pre and fp32 final_logits of SHAPE
     landing = d.t._arena.max_rows
-    assert slots.nbytes == (2 * slots.requests + 1 + landing) * per_row * 3  # 3 layers
-    allocated = sum(t.numel() * t.element_size() for t in slots._slots + slots._landing)
-    assert allocated == slots.nbytes
+    rows = 2 * slots.requests + 1
+    assert slots.nbytes == (rows + landing) * per_row * 3 + rows * logits_row  # 3 layers
+    (moved, landed), = slots._moves
+    allocated = moved.numel() * moved.element_size() + landed.numel() * landed.element_size()
+    logits = slots._buffers[("final_logits", -1)]
+    assert allocated + logits.numel() * logits.element_size() == slots.nbytes
+    assert ("final_logits", -1) not in slots._lands

@@ -651,12 +651,15 @@ class SchedulerMonitor:
 
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and
-        their waits for the drain), and the drain's own counters where the transport has
-        them (device-to-host waits, CPU building records, time blocked in ``sink.put``)."""
+        their waits for the drain), in the capture points of eager forwards (and of the
+        decode graphs' recording at startup), and the drain's own counters where the
+        transport has them (device-to-host waits, CPU building records, time blocked in
+        ``sink.put``)."""
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
             "stall_seconds": stats.stall_seconds,
+            "capture_seconds": stats.capture_seconds,
             "requests_seen": float(self.requests.seen_requests),
             "requests_captured": float(self.requests.captured_requests),
         }

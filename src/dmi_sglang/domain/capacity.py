@@ -24,11 +24,12 @@ refused: prefill chunks are bounded by SGLang's ``chunked_prefill_size``.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 
 import attrs
 
-from dmi_sglang.domain.hooks import RowBasis, Selection
+from dmi_sglang.domain.hooks import Hook, RowBasis, Selection
 from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape
@@ -36,12 +37,14 @@ from dmi_sglang.errors import CapacityError
 
 __all__ = [
     "ARENA_SLOTS_BUDGET",
+    "LANDING_MIN_PLACES",
     "Decision",
     "Preflight",
     "RingAllocator",
     "RingCapacity",
     "RingUsage",
     "arena_bytes",
+    "arena_captures",
     "arena_slots",
     "check_ring_fits",
     "largest_capture_bytes",
@@ -203,7 +206,8 @@ def arena_bytes(
     max_graph_batch: int,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> int:
-    """GPU bytes of the graph-replay arena: every capture at the largest decode batch."""
+    """GPU bytes of one slot of the graph-replay arena: every capture at the largest
+    decode batch."""
     total = 0
     for hook, layer_no in selection.captures():
         row = shape.capture_row(selection, hook, layer_no)
@@ -211,9 +215,24 @@ def arena_bytes(
     return total
 
 
+LANDING_MIN_PLACES = 3
+"""Fewest equal rows (arena places, or ``last`` captures of one dtype and width) for
+which a decode graph's capture points write landing rows with plain copies and one
+indexed copy moves them all, instead of an indexed copy each: on the H200 an indexed
+copy costs a decode graph about 3 us, a plain one about 1 us."""
+
+
+def arena_captures(selection: Selection) -> list[tuple[Hook, int]]:
+    """The captures whose capture points write the graph-replay arena: the selection's,
+    less those the ``last`` rule keeps in its own slots (their arena places serve the
+    copy programs of its reads)."""
+    last = set(selection.captures_kept_by(PositionRule.LAST))
+    return [c for c in selection.captures() if c not in last]
+
+
 ARENA_SLOTS_BUDGET = 256 * MIB
-"""Default device bytes the arena's slots may take together, the spare included (see
-:func:`arena_slots`)."""
+"""Default device bytes the arena's slots may take together, the spare and the landing
+slot included (see :func:`arena_slots`)."""
 ARENA_SLOTS_MAX = 16
 ARENA_SLOTS_MIN = 4
 
@@ -243,11 +262,18 @@ def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int,
                     max_graph_batch: int = 0) -> int:
     """GPU bytes of the ``last`` rule's slots: per capture with that rule, two rows per
     request (by position parity: the overlap scheduler's extra forward writes the other)
-    and one spare row, and the landing rows of a decode graph's capture points (the
+    and one spare row; and for a group of :data:`LANDING_MIN_PLACES` or more captures of
+    one dtype and width, the landing rows of a decode graph's capture points (the
     largest graph's batch; they are moved into the slots together)."""
-    rows = 2 * requests + 1 + max_graph_batch
-    return sum(rows * shape.capture_row(selection, hook, layer_no).nbytes
-               for hook, layer_no in selection.captures_kept_by(PositionRule.LAST))
+    groups: dict[tuple[str, int], list[int]] = {}
+    for hook, layer_no in selection.captures_kept_by(PositionRule.LAST):
+        row = shape.capture_row(selection, hook, layer_no)
+        groups.setdefault((row.dtype.value, math.prod(row.dims)), []).append(row.nbytes)
+    total = 0
+    for members in groups.values():
+        landing = max_graph_batch if len(members) >= LANDING_MIN_PLACES else 0
+        total += (2 * requests + 1 + landing) * sum(members)
+    return total
 
 
 class RingAllocator:

@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, WIDE_DTYPES, DeviceOps
+from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, arena_captures
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.plan import align_up
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
@@ -73,20 +74,47 @@ def check_dtype(key: CaptureKey, tensor: torch.Tensor, expected: torch.dtype) ->
         raise CaptureError(msg)
 
 
+class _Group:
+    """Equal-width places that lie equally spaced in a slot: views of them in every
+    slot and in the landing slot, ``[slot, place, bytes of max_rows rows]`` in elements
+    of ``elem`` bytes, so one ``index_copy_`` moves the group's rows of a step."""
+
+    __slots__ = ("landing", "row_elems", "slots")
+
+    def __init__(self, buffer: torch.Tensor, landing: torch.Tensor, *, allocated: int,
+                 slot_bytes: int, first: int, count: int, stride: int, row_bytes: int,
+                 max_rows: int) -> None:
+        elem = next(e for e in (8, 4, 2, 1)
+                    if not (row_bytes % e or stride % e or first % e or slot_bytes % e))
+        dtype = WIDE_DTYPES[elem]
+        self.row_elems = row_bytes // elem
+        width = max_rows * self.row_elems
+        self.slots = buffer.view(dtype).as_strided(
+            (allocated, count, width), (slot_bytes // elem, stride // elem, 1), first // elem)
+        self.landing = landing.view(dtype).as_strided(
+            (1, count, width), (0, stride // elem, 1), first // elem)
+
+    def move(self, index: torch.Tensor, rows: int) -> None:
+        """Copy the first ``rows`` rows of every place from the landing slot into the
+        slot ``index`` names."""
+        n = rows * self.row_elems
+        self.slots[:, :, :n].index_copy_(0, index, self.landing[:, :, :n])
+
+
 class Arena:
-    """One device buffer holding, per slot, a place of ``max_rows`` rows per selected
-    capture.
+    """One device buffer holding, per slot, a place of ``max_rows`` rows per capture the
+    arena takes (every selected capture except those of the ``last`` rule, whose own
+    slots hold them).
 
     Args:
-        selection: the resolved selection (every ``(hook, layer)`` gets a place).
+        selection: the resolved selection.
         shape: the model's row shapes.
         max_rows: rows per place: the largest decode-graph batch.
         ops: the device primitives.
         alignment: place alignment in bytes.
         slots: slots steps are written to (see the module docstring); with more than
-            one, a spare slot is added.
-        elsewhere: captures that never write the arena (the ``last`` rule's slots hold
-            them): the landing slot moves once every other place was written.
+            one, a spare slot is added, and a landing slot when the arena has
+            :data:`LANDING_MIN_PLACES` places or more.
     """
 
     def __init__(
@@ -98,25 +126,14 @@ class Arena:
         *,
         alignment: int = 16,
         slots: int = 1,
-        elsewhere: frozenset[CaptureKey] = frozenset(),
     ) -> None:
         if slots < 1:
             msg = f"an arena needs at least one slot, got {slots}"
             raise CaptureError(msg)
-        captures = selection.captures()
-        rows = [shape.capture_row(selection, hook, layer_no) for hook, layer_no in captures]
-        order = sorted(range(len(captures)), key=lambda i: rows[i].nbytes)
         self.max_rows = max_rows
         self.rows_spec: dict[CaptureKey, RowSpec] = {}
         self.offsets: dict[CaptureKey, int] = {}
-        offset = 0
-        for i in order:
-            hook, layer_no = captures[i]
-            key = (hook.name, layer_no)
-            row = rows[i]
-            self.rows_spec[key] = row
-            self.offsets[key] = offset
-            offset += align_up(max_rows * row.nbytes, alignment)
+        runs, offset = self._lay_out(selection, shape, alignment)
         self.nbytes = offset
         """Bytes of one slot (before its alignment to 16)."""
         self.slots = slots
@@ -126,36 +143,72 @@ class Arena:
         """The slot of replays no step committed (the only slot when there is one)."""
         allocated = slots + 1 if slots > 1 else 1
         self.buffer = ops.device_buffer(self.slot_bytes * allocated)
-        self._landing = ops.device_buffer(self.slot_bytes) if slots > 1 else self.buffer
-        """The slot the capture points write (the only slot when there is one)."""
-        self._whole = self.buffer.view(torch.int64).view(allocated, self.slot_bytes // 8)
-        """The slots as rows of 8-byte words (the landing slot moves as one row)."""
-        self.device_bytes = self.buffer.numel() + (self._landing.numel() if slots > 1 else 0)
+        self._landing_keys = frozenset(key for run in runs for key in run)
+        """The places a complete landing writes."""
+        landed = slots > 1 and len(self._landing_keys) >= LANDING_MIN_PLACES
+        landing = ops.device_buffer(self.slot_bytes) if landed else self.buffer
+        self.device_bytes = self.buffer.numel() + (landing.numel() if landed else 0)
         """Device memory of the slots and the landing slot."""
-        self._places: dict[CaptureKey, torch.Tensor] = {}
-        """Each capture's place in the landing slot: ``[max_rows, row elements]``."""
+        self._views: dict[CaptureKey, torch.Tensor] = {}
+        """Each capture's places, ``[slot, max_rows, row elements]``; with a landing slot,
+        that slot alone (``[1, ...]``)."""
         for key, row in self.rows_spec.items():
             item = TORCH_DTYPES[row.dtype].itemsize
             width = math.prod(row.dims)
-            self._places[key] = self._landing.view(TORCH_DTYPES[row.dtype]).as_strided(
-                (max_rows, width), (width, 1), self.offsets[key] // item)
+            self._views[key] = landing.view(TORCH_DTYPES[row.dtype]).as_strided(
+                (1 if landed else allocated, max_rows, width),
+                (self.slot_bytes // item, width, 1), self.offsets[key] // item)
+        self._groups = [
+            _Group(self.buffer, landing, allocated=allocated, slot_bytes=self.slot_bytes,
+                   first=self.offsets[run[0]], count=len(run),
+                   stride=align_up(max_rows * self.rows_spec[run[0]].nbytes, alignment),
+                   row_bytes=self.rows_spec[run[0]].nbytes, max_rows=max_rows)
+            for run in runs] if landed else []
         self._index: torch.Tensor | None = None
         """The slot the recorded copies write (several slots only)."""
         self._numbers: list[torch.Tensor] = []
         """One-element device tensors 0 .. spare, copied into :attr:`_index`."""
         if slots > 1:
             self._index = torch.full((1,), self.spare, dtype=torch.int64, device=ops.device)
-            numbers = torch.arange(slots + 1, dtype=torch.int64, device=ops.device)
-            self._numbers = [numbers[k : k + 1] for k in range(slots + 1)]
+            numbers = torch.arange(allocated, dtype=torch.int64, device=ops.device)
+            self._numbers = [numbers[k : k + 1] for k in range(allocated)]
         self.written: dict[CaptureKey, int] = {}
         """Most rows each place has been written with (checked before a replay is sealed)."""
         self._landed: set[CaptureKey] = set()
-        """Places written to the landing slot since its last move (several slots only)."""
-        self._landing_keys = frozenset(self._places) - elsewhere
-        """The places a complete landing writes."""
+        """Places written to the landing slot since its last move."""
+        self._landed_rows = 0
+
+    def _lay_out(self, selection: Selection, shape: ModelShape,
+                 alignment: int) -> tuple[list[list[CaptureKey]], int]:
+        """Fill :attr:`rows_spec` and :attr:`offsets` (grouped by row size, then in
+        firing order); the runs of adjacent places of equal row size that capture points
+        write (:func:`~dmi_sglang.domain.capacity.arena_captures`), and the bytes of one
+        slot."""
+        captures = selection.captures()
+        written = {(hook.name, layer) for hook, layer in arena_captures(selection)}
+        rows = [shape.capture_row(selection, hook, layer_no) for hook, layer_no in captures]
+        offset = 0
+        runs: list[list[CaptureKey]] = [[]]
+        for i in sorted(range(len(captures)), key=lambda i: rows[i].nbytes):
+            hook, layer_no = captures[i]
+            key = (hook.name, layer_no)
+            run = runs[-1]
+            if key not in written or (run and self.rows_spec[run[0]].nbytes != rows[i].nbytes):
+                runs.append([])  # a place in between, or another size: a run of its own
+            if key in written:
+                runs[-1].append(key)
+            self.rows_spec[key] = rows[i]
+            self.offsets[key] = offset
+            offset += align_up(self.max_rows * rows[i].nbytes, alignment)
+        return [run for run in runs if run], offset
 
     def __contains__(self, key: object) -> bool:
-        return key in self._places
+        return key in self._views
+
+    @property
+    def landing(self) -> bool:
+        """True when the capture points write a landing slot (see the module docstring)."""
+        return bool(self._groups)
 
     def select(self, slot: int) -> None:
         """Make the following replays (and eager writes) write ``slot``: one device copy
@@ -164,10 +217,12 @@ class Arena:
             self._index.copy_(self._numbers[slot], non_blocking=True)
 
     def write(self, key: CaptureKey, tensor: torch.Tensor) -> None:
-        """Copy ``tensor``'s rows into the slot (recorded into the graph when capturing).
+        """Copy ``tensor``'s rows into the selected slot (recorded into the graph while
+        capturing); with a landing slot, into that, moved once every place landed.
 
         Raises:
-            CaptureError: more rows than the largest decode batch, or a wrong dtype/width.
+            CaptureError: more rows than the largest decode batch, a wrong dtype/width, or
+                (with a landing slot) a place written twice before the landing moved.
         """
         src = as_rows(tensor, key, self.rows_spec[key])
         rows = src.shape[0]
@@ -177,49 +232,66 @@ class Arena:
                 f"(the largest decode-graph batch the transport was created for)"
             )
             raise CaptureError(msg)
-        if self._index is not None:
-            if key in self._landed:
-                missing = sorted(self._landing_keys - self._landed)
-                self._landed.clear()
-                msg = (f"capture {key} written twice before the arena's landing slot moved: "
-                       f"a decode graph recorded without the capture points {missing[:4]}, "
-                       f"or a step that fired {key} twice")
-                raise CaptureError(msg)
-            self._landed.add(key)
-        if rows:
-            self._places[key][:rows].copy_(src)
         if rows > self.written.get(key, 0):
             self.written[key] = rows
-        if self._index is not None and self._landed >= self._landing_keys:
+        places = self._views[key]
+        if not self._groups:
+            if not rows:
+                return
+            if self._index is None:
+                places[0, :rows].copy_(src)
+            else:
+                places[:, :rows].index_copy_(0, self._index, src.unsqueeze(0))
+            return
+        if key in self._landed:
+            missed = self._missing()
+            self._landed.clear()
+            msg = (f"capture {key} written twice before the arena's landing slot moved "
+                   f"(a decode graph recorded without the capture points {missed})")
+            raise CaptureError(msg)
+        self._landed.add(key)
+        self._landed_rows = max(self._landed_rows, rows)
+        if rows:
+            places[0, :rows].copy_(src)
+        if self._landed >= self._landing_keys:
             self._move()
 
     def check_landing(self) -> None:
-        """Before a step: raise when the landing slot holds rows no move took (a decode
-        graph was recorded without some capture points: its replays would move nothing).
+        """Before a padded step: raise when rows wait in the landing slot, which only a
+        decode graph recorded without some capture points leaves (its replays would
+        move nothing; an eager step's rows move at its seal or are forgotten at its
+        abort).
 
         Raises:
-            CaptureError: rows wait in the landing slot.
+            CaptureError: a decode graph was recorded without some capture points.
         """
         if self._landed:
-            missing = sorted(self._landing_keys - self._landed)
-            self._landed.clear()
-            msg = f"a decode graph was recorded without the capture points {missing[:4]}"
+            missed = self._missing()
+            self.forget()
+            msg = f"a decode graph was recorded without the capture points {missed}"
             raise CaptureError(msg)
 
     def settle(self) -> None:
         """An eager step wrote the arena: move what its capture points landed into the
-        selected slot (nothing when none landed, or with one slot)."""
+        selected slot (nothing when none landed)."""
         if self._landed:
             self._move()
 
     def forget(self) -> None:
-        """A step's forward raised: what it landed is not moved."""
+        """An eager step's forward raised: what it landed is not moved."""
         self._landed.clear()
+        self._landed_rows = 0
+
+    def _missing(self) -> str:
+        return str(sorted(self._landing_keys - self._landed)[:4])
 
     def _move(self) -> None:
-        """One device copy of the landing slot into the slot the index names (recorded
-        into the graph while capturing)."""
+        """One indexed copy per group of the landed rows into the slot the index names
+        (recorded into the graph while capturing)."""
         assert self._index is not None
-        landing = self._landing.view(torch.int64).view(1, self.slot_bytes // 8)
-        self._whole.index_copy_(0, self._index, landing)
+        if self._landed_rows:
+            for group in self._groups:
+                group.move(self._index, self._landed_rows)
         self._landed.clear()
+        self._landed_rows = 0
+

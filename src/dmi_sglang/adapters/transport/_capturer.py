@@ -68,8 +68,9 @@ class Capturer:
     Which path a call takes is decided by the transport, not by the caller:
 
     * while a CUDA graph is being captured (``torch.cuda.is_current_stream_capturing()``):
-      a copy into the capture's fixed arena slot is recorded into the graph; every replay
-      refreshes the slot, and ``seal()`` moves the real rows to the ring;
+      a copy into the capture's place in the arena is recorded into the graph (the
+      transport's ``_arena`` module: which slot a replay writes, and how); every replay
+      refreshes it, and the rows go on to the ring or the decode window later;
     * eagerly with a committed unpadded plan: the kept rows go straight into the step's
       ring region (request-row hooks are index-selected);
     * eagerly with a committed padded plan: the rows go to the arena, as a replay would;

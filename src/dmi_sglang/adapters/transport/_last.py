@@ -13,14 +13,15 @@ learns the request finished, and writes the other row. A slot is given back afte
 read was queued on the current stream, so a request that reuses it writes after the
 read. One more row takes what no slot wants (padding rows, requests left out).
 
-A decode graph's capture points copy their rows into fixed *landing* rows (a plain copy
-each); after its last ``last`` capture point the graph holds one ``index_copy_`` per group
-of equal rows, through a static index tensor, from the landing rows into the slots (one
-kernel instead of one per capture point), and one ``bitwise_xor_`` of that index with a
-static flip tensor (1 for a request's row, 0 for padding and requests left out): each
-replay moves every request to its other slot row, which is where its next position goes.
-So a run of decode graph steps of an unchanged batch, each request one position further,
-costs the
+A decode graph writes the slots through a static index tensor: a capture point of a
+group of equal rows (dtype and width) with three members or more copies its rows into
+fixed *landing* rows (a plain copy), and after the last ``last`` capture point one
+``index_copy_`` per such group moves them into the slots (one indexed copy instead of
+one per capture point); a capture point of a smaller group copies into the slots
+itself (``index_copy_``). Then one ``bitwise_xor_`` of that index with a static flip
+tensor (1 for a request's row, 0 for padding and requests left out): each replay moves
+every request to its other slot row, which is where its next position goes. So a run of
+decode graph steps of an unchanged batch, each request one position further, costs the
 scheduler no device operation at all; the first step of a run uploads the index and the
 flip together (one copy). A replay nobody committed (SGLang forwarding a batch the
 session does not capture) is announced by :meth:`LastSlots.guard_replay`, which points
@@ -39,7 +40,7 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
-from dmi_sglang.domain.capacity import last_slot_bytes
+from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes
 from dmi_sglang.domain.hooks import RowBasis, Selection
 from dmi_sglang.domain.layout import one_further
 from dmi_sglang.domain.plan import CommitPlan, emitting_rows
@@ -94,24 +95,29 @@ class _Uploader:
 
 def _grouped(keys: dict[CaptureKey, tuple[RowSpec, RowBasis]], *, rows: int,
              landing_rows: int, device: torch.device) -> tuple[
-        list[torch.Tensor], list[torch.Tensor], dict[CaptureKey, torch.Tensor],
+        list[tuple[torch.Tensor, torch.Tensor]], dict[CaptureKey, torch.Tensor],
         dict[CaptureKey, torch.Tensor]]:
-    """Slot rows and landing rows per group of captures with equal rows (dtype and
-    width), and each capture's views of them."""
+    """Slot rows per group of captures with equal rows (dtype and width), and landing
+    rows for the groups of :data:`~dmi_sglang.domain.capacity.LANDING_MIN_PLACES` or
+    more: the groups' ``(slots, landing)`` pairs, and each capture's views of them."""
     groups: dict[tuple[torch.dtype, int], list[CaptureKey]] = {}
     for key, (row, _) in keys.items():
         groups.setdefault((TORCH_DTYPES[row.dtype], math.prod(row.dims)), []).append(key)
-    slots, landing = [], []
+    moves = []
     buffers: dict[CaptureKey, torch.Tensor] = {}
     lands: dict[CaptureKey, torch.Tensor] = {}
     for (dtype, elements), members in groups.items():
-        slots.append(torch.zeros((rows, len(members), elements), dtype=dtype, device=device))
-        landing.append(torch.zeros((landing_rows, len(members), elements), dtype=dtype,
-                                   device=device))
+        slots = torch.zeros((rows, len(members), elements), dtype=dtype, device=device)
+        landing = None
+        if len(members) >= LANDING_MIN_PLACES:
+            landing = torch.zeros((landing_rows, len(members), elements), dtype=dtype,
+                                  device=device)
+            moves.append((slots, landing))
         for k, key in enumerate(members):
-            buffers[key] = slots[-1][:, k]
-            lands[key] = landing[-1][:, k]
-    return slots, landing, buffers, lands
+            buffers[key] = slots[:, k]
+            if landing is not None:
+                lands[key] = landing[:, k]
+    return moves, buffers, lands
 
 
 class _Run:
@@ -158,12 +164,13 @@ class LastSlots:
         self.spare = 2 * requests
         """The row that takes what no slot wants."""
         width = max(max_graph_batch, 1)
-        self._slots, self._landing, self._buffers, self._lands = _grouped(
+        self._moves, self._buffers, self._lands = _grouped(
             self._keys, rows=self.spare + 1, landing_rows=width, device=ops.device)
-        """Per group of equal rows, the slot rows of its captures (``[slot row, capture,
-        row elements]``) and where a decode graph's capture points put their rows first
+        """Per group of equal rows that lands, its slot rows (``[slot row, capture, row
+        elements]``) and where a decode graph's capture points put their rows first
         (``[row, capture, row elements]``; after the last one, one ``index_copy_`` per
-        group moves them into the slots); each capture's views of both."""
+        group moves them into the slots); each capture's views of its slot rows, and of
+        its landing rows when its group lands."""
         self._landed = 0
         """Rows the current step's (or recording's) capture points put in the landing."""
         self.nbytes = last_slot_bytes(selection, shape, requests=requests,
@@ -281,7 +288,10 @@ class LastSlots:
             seen = self._recording if capturing else self._fired
             if capturing and key in seen:  # a recording began: the one before missed keys
                 self._check_recorded()
-            self._land(key, src)
+            if key in self._lands:
+                self._land(key, src)
+            else:
+                self._buffers[key].index_copy_(0, self._control[0, :n], src)
             seen.add(key)
             if capturing:
                 self._recorded.add(key)
@@ -289,7 +299,7 @@ class LastSlots:
                 # after the last capture point: the rows into the slots, then every
                 # request to its next slot row
                 index = self._control[0, :n]
-                for slots, landing in zip(self._slots, self._landing, strict=True):
+                for slots, landing in self._moves:
                     slots.index_copy_(0, index, landing[:n])
                 index.bitwise_xor_(self._control[1, :n])
                 self._landed = 0

@@ -6,7 +6,9 @@ Modes of a committed step:
   ``seal`` hands the step to the drain, which copies the real rows from the step's arena
   slot to its ring region, one strided copy per group (with a one-slot arena, or when
   the step's slot still waited and it wrote the spare, ``seal`` makes those copies
-  itself, on the current stream);
+  itself, on the current stream). Run eagerly (the capture points fire), such a step
+  lands its rows like a replay and ``seal`` first moves what landed
+  (:meth:`~._arena.Arena.settle`); a capture point may fire once;
 * ``ARENA_PIECES``: a padded plan too large for even an empty ring (the adapter should
   have run it eager): ``seal`` moves it segment by segment, waiting for the drain;
 * ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
@@ -124,6 +126,9 @@ class StepWriter:
         if seg is None:
             return
         if step.mode is Mode.ARENA or step.mode is Mode.ARENA_PIECES:
+            if key in step.captured:
+                msg = f"capture {key} fired twice in step {step.seq}"
+                raise CaptureError(msg)
             if tensor.shape[0] != seg.source_rows:
                 msg = f"capture {key}: {tensor.shape[0]} rows, the plan has {seg.source_rows}"
                 raise CaptureError(msg)

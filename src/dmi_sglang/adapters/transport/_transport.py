@@ -82,8 +82,7 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
     return max(1, capacity.effective_bytes // 4 // one)
 
 
-def _payloads(selection: Selection, shape: ModelShape, arena: Arena,
-              ops: DeviceOps) -> Payloads | None:
+def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps) -> Payloads | None:
     """The on-device transforms the selection's payload modifiers ask for (None: none)."""
     if not selection.payloads:
         return None
@@ -92,7 +91,7 @@ def _payloads(selection: Selection, shape: ModelShape, arena: Arena,
     for name, layer_no, payload in selection.payloads:
         key = (name, layer_no)
         topk = max(topk, payload.topk)
-        stored = TORCH_DTYPES[arena.rows_spec[key].dtype]
+        stored = TORCH_DTYPES[shape.capture_row(selection, hook_by_name(name), layer_no).dtype]
         computed = TORCH_DTYPES[shape.row(hook_by_name(name),
                                           attrs.evolve(payload, dtype=None)).dtype]
         if stored != computed:
@@ -170,9 +169,7 @@ class TorchCaptureTransport:
         ops = DeviceOps(device, capture_probe)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
-            opts.arena_slots_bytes), elsewhere=frozenset(
-                (hook.name, layer) for hook, layer in selection.captures_kept_by(
-                    PositionRule.LAST)))
+            opts.arena_slots_bytes))
         nbytes = capacity.effective_bytes
         ring = ops.device_buffer(nbytes)
         self._ops = ops
@@ -221,9 +218,10 @@ class TorchCaptureTransport:
             max_graph_batch=max_graph_batch, ops=ops)
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
                                   last=self._last_slots, free_slot=self._free_slot)
-        self._payloads = _payloads(selection, shape, arena, ops)
-        self.capturer = Capturer(arena.offsets, self._capture, payloads=self._payloads,
-                                 live=self._writer.live)
+        self._payloads = _payloads(selection, shape, ops)
+        self.capturer = Capturer(
+            [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
+            payloads=self._payloads, live=self._writer.live)
         """The object the hooked model calls (``wants`` / ``capture``)."""
         tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
@@ -350,7 +348,8 @@ class TorchCaptureTransport:
         Pieces of a piecewise step that were already handed to the drain are stored.
         """
         step, self._writer.open = self._writer.open, None
-        self._arena.forget()
+        if step is not None and step.mode in (Mode.ARENA, Mode.ARENA_PIECES):
+            self._arena.forget()  # its own rows: the landing was empty at its commit
         if self._last_slots:
             self._last_slots.abort()
         if step is None or step.mode is Mode.EMPTY:
