@@ -49,6 +49,7 @@ __all__ = [
     "check_ring_fits",
     "largest_capture_bytes",
     "last_slot_bytes",
+    "last_slot_groups",
     "last_slot_requests",
     "preflight",
 ]
@@ -265,15 +266,24 @@ def last_slot_bytes(selection: Selection, shape: ModelShape, *, requests: int,
     and one spare row; and for a group of :data:`LANDING_MIN_PLACES` or more captures of
     one dtype and width, the landing rows of a decode graph's capture points (the
     largest graph's batch; they are moved into the slots together)."""
-    groups: dict[tuple[str, int], list[int]] = {}
+    total = 0
+    for members in last_slot_groups(selection, shape):
+        landing = max_graph_batch if len(members) >= LANDING_MIN_PLACES else 0
+        row = shape.capture_row(selection, *members[0])
+        total += (2 * requests + 1 + landing) * row.nbytes * len(members)
+    return total
+
+
+def last_slot_groups(selection: Selection, shape: ModelShape) -> list[list[tuple[Hook, int]]]:
+    """The captures with the ``last`` rule, grouped by equal rows (dtype and width), in
+    :meth:`~dmi_sglang.domain.hooks.Selection.captures` order: the slots of a group are
+    one buffer, and a group of :data:`LANDING_MIN_PLACES` or more lands (see
+    :func:`last_slot_bytes`)."""
+    groups: dict[tuple[str, int], list[tuple[Hook, int]]] = {}
     for hook, layer_no in selection.captures_kept_by(PositionRule.LAST):
         row = shape.capture_row(selection, hook, layer_no)
-        groups.setdefault((row.dtype.value, math.prod(row.dims)), []).append(row.nbytes)
-    total = 0
-    for members in groups.values():
-        landing = max_graph_batch if len(members) >= LANDING_MIN_PLACES else 0
-        total += (2 * requests + 1 + landing) * sum(members)
-    return total
+        groups.setdefault((row.dtype.value, math.prod(row.dims)), []).append((hook, layer_no))
+    return list(groups.values())
 
 
 class RingAllocator:

@@ -6,18 +6,19 @@ capture point records a copy of its tensor into its place; every captured graph 
 batch bucket) writes the same places, so one arena sized for the largest decode batch
 serves them all. After a replay, :mod:`._program` copies the real rows out to the ring.
 
-With several slots the capture points write one more copy of the places, the *landing*
-slot (plain copies), and after the last of them one copy moves the whole landing slot
-into the slot that a one-element device index names when the graph replays
-(:meth:`Arena.select` sets it before each replay, one device copy): one indexed copy a
-step instead of one per capture point. So the rows of a replayed step stay in their
-slot while later steps replay into the others: the drain thread moves them to the
-ring, not the scheduler thread (see the transport). One more slot, the *spare*, takes
-replays that no step committed, and a step whose own slot still waits for the drain
-(``seal`` copies that step out at once). An eager step writing the arena (its plan
-padded) lands its rows the same way, and its seal moves them (:meth:`Arena.settle`):
-such a step may fire only the capture points its plan stores. With one slot the index
-is not used and the capture points write the slot directly.
+With several slots the replays write the slot that a one-element device index names
+(:meth:`Arena.select` sets it before each replay, one device copy). When capture points
+write 3 places or more, they write one more copy of the places, the *landing* slot
+(plain copies), and after the last of them one indexed copy per run of adjacent
+equal-width places moves the step's rows into that slot: one indexed copy a step
+instead of one per capture point (fewer places: one indexed copy each). So the rows
+of a replayed step stay in their slot while later steps replay into the others: the
+drain thread moves them to the ring, not the scheduler thread (see the transport). One
+more slot, the *spare*, takes replays that no step committed, and a step whose own slot
+still waits for the drain (``seal`` copies that step out at once). An eager step
+writing the arena (its plan padded) lands its rows the same way, and its seal moves
+them (:meth:`Arena.settle`); each of its capture points may fire once. With one slot
+the index is not used and the capture points write the slot directly.
 
 The places of a slot are laid out the way :func:`~dmi_sglang.domain.plan.make_plan`
 lays out ring segments (grouped by row size, then in firing order), so a group of
@@ -102,9 +103,9 @@ class _Group:
 
 
 class Arena:
-    """One device buffer holding, per slot, a place of ``max_rows`` rows per capture the
-    arena takes (every selected capture except those of the ``last`` rule, whose own
-    slots hold them).
+    """One device buffer holding, per slot, a place of ``max_rows`` rows per selected
+    capture (those of the ``last`` rule are never written: their places only serve the
+    copy programs of its reads).
 
     Args:
         selection: the resolved selection.
@@ -113,7 +114,7 @@ class Arena:
         ops: the device primitives.
         alignment: place alignment in bytes.
         slots: slots steps are written to (see the module docstring); with more than
-            one, a spare slot is added, and a landing slot when the arena has
+            one, a spare slot is added, and a landing slot when capture points write
             :data:`LANDING_MIN_PLACES` places or more.
     """
 

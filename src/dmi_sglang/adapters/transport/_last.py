@@ -40,7 +40,7 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
-from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes
+from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes, last_slot_groups
 from dmi_sglang.domain.hooks import RowBasis, Selection
 from dmi_sglang.domain.layout import one_further
 from dmi_sglang.domain.plan import CommitPlan, emitting_rows
@@ -93,30 +93,30 @@ class _Uploader:
         return out
 
 
-def _grouped(keys: dict[CaptureKey, tuple[RowSpec, RowBasis]], *, rows: int,
-             landing_rows: int, device: torch.device) -> tuple[
+def _grouped(selection: Selection, shape: ModelShape, *, rows: int, landing_rows: int,
+             device: torch.device) -> tuple[
         list[tuple[torch.Tensor, torch.Tensor]], dict[CaptureKey, torch.Tensor],
         dict[CaptureKey, torch.Tensor]]:
-    """Slot rows per group of captures with equal rows (dtype and width), and landing
-    rows for the groups of :data:`~dmi_sglang.domain.capacity.LANDING_MIN_PLACES` or
-    more: the groups' ``(slots, landing)`` pairs, and each capture's views of them."""
-    groups: dict[tuple[torch.dtype, int], list[CaptureKey]] = {}
-    for key, (row, _) in keys.items():
-        groups.setdefault((TORCH_DTYPES[row.dtype], math.prod(row.dims)), []).append(key)
+    """Slot rows per group of equal rows (:func:`~dmi_sglang.domain.capacity.
+    last_slot_groups`), and landing rows for the groups of
+    :data:`~dmi_sglang.domain.capacity.LANDING_MIN_PLACES` or more: the groups'
+    ``(slots, landing)`` pairs, and each capture's views of them."""
     moves = []
     buffers: dict[CaptureKey, torch.Tensor] = {}
     lands: dict[CaptureKey, torch.Tensor] = {}
-    for (dtype, elements), members in groups.items():
+    for members in last_slot_groups(selection, shape):
+        row = shape.capture_row(selection, *members[0])
+        dtype, elements = TORCH_DTYPES[row.dtype], math.prod(row.dims)
         slots = torch.zeros((rows, len(members), elements), dtype=dtype, device=device)
         landing = None
         if len(members) >= LANDING_MIN_PLACES:
             landing = torch.zeros((landing_rows, len(members), elements), dtype=dtype,
                                   device=device)
             moves.append((slots, landing))
-        for k, key in enumerate(members):
-            buffers[key] = slots[:, k]
+        for k, (hook, layer_no) in enumerate(members):
+            buffers[hook.name, layer_no] = slots[:, k]
             if landing is not None:
-                lands[key] = landing[:, k]
+                lands[hook.name, layer_no] = landing[:, k]
     return moves, buffers, lands
 
 
@@ -165,7 +165,7 @@ class LastSlots:
         """The row that takes what no slot wants."""
         width = max(max_graph_batch, 1)
         self._moves, self._buffers, self._lands = _grouped(
-            self._keys, rows=self.spare + 1, landing_rows=width, device=ops.device)
+            selection, shape, rows=self.spare + 1, landing_rows=width, device=ops.device)
         """Per group of equal rows that lands, its slot rows (``[slot row, capture, row
         elements]``) and where a decode graph's capture points put their rows first
         (``[row, capture, row elements]``; after the last one, one ``index_copy_`` per

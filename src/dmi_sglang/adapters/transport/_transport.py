@@ -275,19 +275,15 @@ class TorchCaptureTransport:
             msg = f"step {step} committed while step {self._writer.open.seq} is not sealed"
             raise CommitError(msg)
         self._last_seq = step
-        if self._last_slots:
-            try:
+        try:
+            if self._last_slots:
                 self._read_finished(step)
                 self._last_slots.begin(plan)
-            except CaptureError as exc:
-                self._fail(exc, "commit")
-                raise
-        if plan.padded:
-            try:
+            if plan.padded:
                 self._arena.check_landing()
-            except CaptureError as exc:
-                self._fail(exc, "commit")
-                raise
+        except CaptureError as exc:
+            self._fail(exc, "commit")
+            raise
         if not plan.segments:
             if plan.padded:  # the replay writes the arena all the same: not a live slot
                 self._select(self._arena.spare)
