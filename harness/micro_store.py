@@ -20,7 +20,9 @@
   owner ended), against the same direct ingest, each in a new process (both start the
   embedded engine cold, which costs the first GB or so): MB/s, CPU seconds per GB of the
   calling process (a scheduler's share: the write channel's sends) and of the owner (from
-  its ready to its exit), ``--repeat`` runs each.
+  its ready to its exit), and the two parts of a capture's stop that wait for the owner:
+  ``finish_run`` (flush, manifests, the run's end, the sync) and ``close`` (until the
+  owner exited and the store is free), ``--repeat`` runs each.
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -214,11 +216,14 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
         sink.start_run(run)
         for batch in batches:
             sink.put(batch)
+        stop = time.perf_counter()
         sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
                         [])
+        finished = time.perf_counter()
     finally:
         sink.close()
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    closed = time.perf_counter()
+    wall, cpu = closed - started, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     owner_cpu = ((after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
                  - owner_start_cpu)
@@ -230,6 +235,7 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "batches": len(batches), "bytes": captured, "seconds": wall,
             "bps": stored / wall, "cpu_s_per_GB": cpu / (stored / 1e9),
             "owner_cpu_s_per_GB": owner_cpu / (stored / 1e9),
+            "finish_run_s": finished - stop, "close_s": closed - finished,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
 
 
@@ -432,6 +438,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                      "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in owned),
                      "owner_cpu_s_per_GB": statistics.median(
                          r["owner_cpu_s_per_GB"] for r in owned),
+                     "finish_run_s": statistics.median(r["finish_run_s"] for r in owned),
+                     "close_s": statistics.median(r["close_s"] for r in owned),
                      "direct_bps": statistics.median(r["bps"] for r in direct),
                      "direct_cpu_s_per_GB": statistics.median(
                          r["cpu_s_per_GB"] for r in direct),
@@ -454,6 +462,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "MB/s": through_owner["bps"] / 1e6, "spread": through_owner["spread"],
                   "cpu s/GB (this process)": through_owner["cpu_s_per_GB"],
                   "owner cpu s/GB": through_owner["owner_cpu_s_per_GB"],
+                  "finish_run s": through_owner["finish_run_s"],
+                  "close s (owner exit)": through_owner["close_s"],
                   "direct MB/s": through_owner["direct_bps"] / 1e6,
                   "direct cpu s/GB": through_owner["direct_cpu_s_per_GB"],
                   "stored": "all" if through_owner["delivered"] else "LOST"})

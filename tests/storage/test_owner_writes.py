@@ -323,6 +323,22 @@ def test_closing_is_bounded_idempotent_and_leaves_a_later_service_alone(
     assert not (private / "writes").exists()
 
 
+def test_closing_an_idle_service_wakes_its_thread(private: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread waits for a request without a timeout: ``close`` must wake it (a
+    capture's stop waits for the owner's exit, which waits for this)."""
+    from dmi_sglang.adapters.owner import _service
+
+    monkeypatch.setattr(_service, "CLOSE_WAIT_S", 5.0)
+    service = SinkService(_Held(), f"ipc://{private}/writes")
+    RemoteSink(service.address, timeout_s=30).flush()  # it answers, then waits again
+    time.sleep(0.2)
+    service.close()
+    assert not [t for t in threading.enumerate()
+                if t.name == "dmi-store-writes" and t.is_alive()]
+    assert not (private / "writes").exists()
+
+
 def test_a_store_that_fails_behind_the_owner_records_the_run_failed(
         private: Path, store: StoreConfig) -> None:
     """The real sink behind the write channel fails its inserts: the caller's stop, as

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ import torch
 from dmi_sglang.adapters.clickhouse import ClickHouseReader
 from dmi_sglang.app.composition import open_capture_sink
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.app.store_owner import OwnedSink
+from dmi_sglang.app.store_owner import OWNER_MODULE, OwnedSink
 from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import StoreError
@@ -49,6 +51,27 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     for name, whole in whole_tensors().items():
         assert torch.equal(handle.get(name, 0), whole), name
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
+
+
+def test_the_owner_process_exits_with_run_owners_status(tmp_path: Path) -> None:
+    """The owner's entry point ends with ``os._exit`` (no teardown): its status is still
+    :func:`run_owner`'s, and what it wrote before reaches the parent."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a store")
+    channels = tmp_path / "channels"
+    channels.mkdir(mode=0o700)
+    ready_r, ready_w = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", OWNER_MODULE, "--writes", f"ipc://{channels}/writes",
+         "--parent", str(os.getpid()), "--ready-fd", str(ready_w)],
+        stdin=subprocess.PIPE, pass_fds=(ready_w,),
+        env={**os.environ, **_settings(f"chdb://{blocker}").to_env()})
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        line = ready.readline().decode()
+    assert process.wait(60) == 1
+    assert line.startswith("error: ")
+    assert "a-file" in line
 
 
 def test_an_owner_that_cannot_open_the_store_says_why(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ __all__ = ["SocketService", "check_address", "exchange", "request_socket"]
 
 log = structlog.get_logger(__name__)
 
-_POLL_MS = 200
 CLOSE_WAIT_S = 30.0
 """Longest :meth:`SocketService.close` waits for the request in hand."""
 _SEND_TIMEOUT_MS = 1000
@@ -56,8 +55,9 @@ class SocketService:
     """Answers requests at ``address`` on a daemon thread named ``name``, one at a time:
     :meth:`_answer` turns a request's frames into the answer's frames. A failed exchange
     costs that exchange only (the socket is bound afresh: a REP socket left between a
-    request and its answer takes no other). :meth:`close` waits for the request in hand
-    and removes the socket's file.
+    request and its answer takes no other). :meth:`close` wakes the thread at once (a
+    pipe the thread polls beside the socket), waits for the request in hand and removes
+    the socket's file.
 
     Raises:
         StoreError: the address is refused (:func:`check_address`), or held by another
@@ -79,6 +79,8 @@ class SocketService:
             raise StoreError(msg) from exc
         self._inode = os.lstat(address.removeprefix("ipc://")).st_ino
         self._closed = threading.Event()
+        self._wake_read, self._wake_write = os.pipe()
+        """Closed by :meth:`close`: the thread's poll of its read end returns at once."""
         self.answered = 0
         """Requests answered so far."""
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -93,6 +95,7 @@ class SocketService:
         if self._closed.is_set():
             return
         self._closed.set()
+        os.close(self._wake_write)  # the thread's poll sees the pipe's end at once
         wait_s = None if wait_forever else CLOSE_WAIT_S
         if threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
@@ -112,11 +115,13 @@ class SocketService:
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         try:
             while not self._closed.is_set():
                 try:
-                    if not poller.poll(_POLL_MS):
-                        continue
+                    ready = dict(poller.poll())
+                    if self._socket not in ready:
+                        continue  # woken by close
                     frames = self._socket.recv_multipart(copy=False)
                     self._socket.send_multipart(self._answer(frames), copy=False)
                     self.answered += 1
@@ -129,6 +134,7 @@ class SocketService:
                     poller.register(self._socket, zmq.POLLIN)
         finally:
             self._socket.close()
+            os.close(self._wake_read)
 
     def _bound(self, zmq: Any) -> Any:
         """A REP socket bound at the service's address (closed again if the bind fails)."""
