@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -449,6 +450,10 @@ class SchedulerMonitor:
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
+        self.stop_seconds: dict[str, float] = {}
+        """The parts of :meth:`stop`: ``transport`` (the drain emptied), ``finish_run``
+        (the sink's flush, manifests, run row and sync) and ``close`` (the sink closed:
+        for an embedded store, until its owner process ended)."""
 
     @property
     def run(self) -> RunInfo:
@@ -588,19 +593,27 @@ class SchedulerMonitor:
             self._stopped = True
             stopped_at = datetime.now(UTC).isoformat()
             try:
+                clock = time.perf_counter
+                started = clock()
                 for rid, end in self.requests.take_all():
                     self.transport.finish_request(rid, end)
                 stats = self.transport.stop()
+                drained = clock()
                 manifests = self.requests.manifests(self.run.run_id, committed=True)
                 run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.COMMITTED)
                 self.sink.finish_run(run, manifests)
+                finished = clock()
+                self.stop_seconds = {"transport": drained - started,
+                                     "finish_run": finished - drained}
             except BaseException as exc:
                 self._failure = exc
                 log.error("dmi.stop_failed", run_id=self.run.run_id, error=repr(exc))
                 self._record_failure(exc, stopped_at)
                 raise CaptureError(f"dmi_stop_monitoring failed: {exc!r}") from exc
             finally:
+                closing = time.perf_counter()
                 self._close_sink()
+                self.stop_seconds["close"] = time.perf_counter() - closing
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
             seen, captured = self.requests.seen_requests, self.requests.captured_requests
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,
@@ -652,9 +665,11 @@ class SchedulerMonitor:
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and
         their waits for the drain), in the capture points of eager forwards (and of the
-        decode graphs' recording at startup), and the drain's own counters where the
-        transport has them (device-to-host waits, CPU building records, time blocked in
-        ``sink.put``)."""
+        decode graphs' recording at startup), the parts of the stop once it ran
+        (``stop_transport_seconds``, ``stop_finish_run_seconds``,
+        ``stop_close_seconds``: :attr:`stop_seconds`), and the drain's own counters where
+        the transport has them (device-to-host waits, CPU building records, time blocked
+        in ``sink.put``)."""
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
@@ -663,6 +678,7 @@ class SchedulerMonitor:
             "requests_seen": float(self.requests.seen_requests),
             "requests_captured": float(self.requests.captured_requests),
         }
+        out.update({f"stop_{k}_seconds": v for k, v in self.stop_seconds.items()})
         out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})
         return out
 
