@@ -275,3 +275,21 @@ def test_read_back_hints_of_the_default_store_name_no_db(
     monkeypatch.chdir(tmp_path)
     store = Settings.from_kwargs({}, env={}).resolve(model_path="/m/demo").store()
     assert read_back_hints(store, RUN, "req-0")[0] == "dmi-sglang ls"
+
+
+def test_the_read_back_program_hint_survives_quotes_in_the_store_path(tmp_path: Path) -> None:
+    import ast
+    import shlex
+
+    from dmi_sglang.app.cli_commands import read_back_hints
+
+    odd = tmp_path / "o'brien \"runs\" $HOME"
+    store = StoreConfig(kind=StoreKind.EMBEDDED, path=str(odd))
+    hint = read_back_hints(store, RUN, "req-'0'")[-1]
+    argv = shlex.split(hint)  # as a shell splits it
+    assert argv[:2] == ["python", "-c"]
+    calls = {node.func.attr: [ast.literal_eval(a) for a in node.args]
+             for node in ast.walk(ast.parse(argv[2]))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr in ("open_store", "handle")}
+    assert calls == {"open_store": [store.url], "handle": [RUN, "req-'0'"]}

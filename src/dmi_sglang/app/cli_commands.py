@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import stat
@@ -470,15 +471,23 @@ def reference_capture(args: argparse.Namespace, *, default_layers: int,
 
 def read_back_hints(store: StoreConfig, run_id: str, request_id: str) -> list[str]:
     """The commands that read one captured request back, for ``store`` (a password in its
-    URL is shown as ``***``, never printed)."""
+    URL is shown as ``***``, never printed), each one shell-quoted as it is run."""
     db = _db_flag(store)
     return [
         f"dmi-sglang ls{db}",
         f"dmi-sglang show {run_id} {request_id}{db}",
         f"dmi-sglang export {run_id} {request_id} --out capture.safetensors{db}",
-        f"python -c \"import dmi_sglang; h = dmi_sglang.open_store('{store.url}')"
-        f".handle('{run_id}', '{request_id}'); print(h.missing, h.hidden_states[0].shape)\"",
+        "python -c " + shlex.quote(
+            f"import dmi_sglang; h = dmi_sglang.open_store({_literal(store.url)})"
+            f".handle({_literal(run_id)}, {_literal(request_id)}); "
+            "print(h.missing, h.hidden_states[0].shape)"),
     ]
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Python string literal in double quotes (a shell-quoted ``-c``
+    program then needs no escaping unless ``text`` holds a single quote)."""
+    return json.dumps(text)
 
 
 def _validate_reference(args: argparse.Namespace, default_layers: int,
