@@ -216,7 +216,7 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
         sink.start_run(run)
         for batch in batches:
             sink.put(batch)
-        stop = time.perf_counter()
+        put_done = time.perf_counter()
         sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
                         [])
         finished = time.perf_counter()
@@ -235,7 +235,7 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "batches": len(batches), "bytes": captured, "seconds": wall,
             "bps": stored / wall, "cpu_s_per_GB": cpu / (stored / 1e9),
             "owner_cpu_s_per_GB": owner_cpu / (stored / 1e9),
-            "finish_run_s": finished - stop, "close_s": closed - finished,
+            "finish_run_s": finished - put_done, "close_s": closed - finished,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
 
 

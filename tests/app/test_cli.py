@@ -277,19 +277,25 @@ def test_read_back_hints_of_the_default_store_name_no_db(
     assert read_back_hints(store, RUN, "req-0")[0] == "dmi-sglang ls"
 
 
-def test_the_read_back_program_hint_survives_quotes_in_the_store_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["o'brien \"runs\" $HOME", "plain", "runs-\U0001f600",
+                                  "bad-\udcff-bytes", 'only "double"'])
+def test_the_read_back_hints_survive_any_store_path_and_ids(tmp_path: Path, name: str) -> None:
+    """Each hint runs as printed: split as a shell splits it, the command gets the ids
+    as they are, and the program's literals are the store URL and the ids."""
     import ast
     import shlex
 
     from dmi_sglang.app.cli_commands import read_back_hints
 
-    odd = tmp_path / "o'brien \"runs\" $HOME"
-    store = StoreConfig(kind=StoreKind.EMBEDDED, path=str(odd))
-    hint = read_back_hints(store, RUN, "req-'0'")[-1]
-    argv = shlex.split(hint)  # as a shell splits it
-    assert argv[:2] == ["python", "-c"]
+    store = StoreConfig(kind=StoreKind.EMBEDDED, path=str(tmp_path / name))
+    run, request = f"run {name}", "req-'0'"
+    ls, show, export, program = (shlex.split(h) for h in read_back_hints(store, run, request))
+    assert ls[:2] == ["dmi-sglang", "ls"]
+    assert show[:4] == ["dmi-sglang", "show", run, request]
+    assert export[:4] == ["dmi-sglang", "export", run, request]
+    assert program[:2] == ["python", "-c"]
     calls = {node.func.attr: [ast.literal_eval(a) for a in node.args]
-             for node in ast.walk(ast.parse(argv[2]))
+             for node in ast.walk(ast.parse(program[2]))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
              and node.func.attr in ("open_store", "handle")}
-    assert calls == {"open_store": [store.url], "handle": [RUN, "req-'0'"]}
+    assert calls == {"open_store": [store.url], "handle": [run, request]}

@@ -330,13 +330,17 @@ def test_closing_an_idle_service_wakes_its_thread(private: Path,
     from dmi_sglang.adapters.owner import _service
 
     monkeypatch.setattr(_service, "CLOSE_WAIT_S", 5.0)
+    before = set(threading.enumerate())
     service = SinkService(_Held(), f"ipc://{private}/writes")
-    RemoteSink(service.address, timeout_s=30).flush()  # it answers, then waits again
+    (thread,) = (t for t in set(threading.enumerate()) - before if t.name == "dmi-store-writes")
+    remote = RemoteSink(service.address, timeout_s=30)
+    remote.flush()  # it answers, then waits again
+    remote.close()
     time.sleep(0.2)
     service.close()
-    assert not [t for t in threading.enumerate()
-                if t.name == "dmi-store-writes" and t.is_alive()]
+    assert not thread.is_alive()
     assert not (private / "writes").exists()
+    service.close()  # again: nothing left to close
 
 
 def test_a_store_that_fails_behind_the_owner_records_the_run_failed(

@@ -19,7 +19,7 @@ import torch
 from dmi_sglang.adapters.clickhouse import ClickHouseReader
 from dmi_sglang.app.composition import open_capture_sink
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.app.store_owner import OWNER_MODULE, OwnedSink
+from dmi_sglang.app.store_owner import OWNER_MODULE, RELEASE_SIGNAL, OwnedSink
 from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import StoreError
@@ -70,8 +70,32 @@ def test_the_owner_process_exits_with_run_owners_status(tmp_path: Path) -> None:
     with os.fdopen(ready_r, "rb") as ready:
         line = ready.readline().decode()
     assert process.wait(60) == 1
+    assert process.stdin is not None
+    process.stdin.close()
     assert line.startswith("error: ")
     assert "a-file" in line
+
+
+def test_a_released_owner_exits_zero_with_its_log_flushed(tmp_path: Path) -> None:
+    """The owner ends with ``os._exit`` (no finalization): exit status 0 once its sink
+    closed, and its last log lines (the store closed, the owner ended) reach its parent
+    through a piped stdout."""
+    channels = tmp_path / "channels"
+    channels.mkdir(mode=0o700)
+    ready_r, ready_w = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", OWNER_MODULE, "--writes", f"ipc://{channels}/writes",
+         "--parent", str(os.getpid()), "--ready-fd", str(ready_w)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        pass_fds=(ready_w,), env={**os.environ, **_settings(f"chdb://{tmp_path / 's'}").to_env()})
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        assert ready.readline() == b"ready\n"
+    process.send_signal(RELEASE_SIGNAL)
+    out, _ = process.communicate(timeout=60)  # closes its stdin too
+    assert process.returncode == 0
+    assert b"store.closed" in out
+    assert b"dmi.store_owner_ended" in out
 
 
 def test_an_owner_that_cannot_open_the_store_says_why(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import stat
@@ -473,10 +472,11 @@ def read_back_hints(store: StoreConfig, run_id: str, request_id: str) -> list[st
     """The commands that read one captured request back, for ``store`` (a password in its
     URL is shown as ``***``, never printed), each one shell-quoted as it is run."""
     db = _db_flag(store)
+    ids = f"{shlex.quote(run_id)} {shlex.quote(request_id)}"
     return [
         f"dmi-sglang ls{db}",
-        f"dmi-sglang show {run_id} {request_id}{db}",
-        f"dmi-sglang export {run_id} {request_id} --out capture.safetensors{db}",
+        f"dmi-sglang show {ids}{db}",
+        f"dmi-sglang export {ids} --out capture.safetensors{db}",
         "python -c " + shlex.quote(
             f"import dmi_sglang; h = dmi_sglang.open_store({_literal(store.url)})"
             f".handle({_literal(run_id)}, {_literal(request_id)}); "
@@ -485,9 +485,13 @@ def read_back_hints(store: StoreConfig, run_id: str, request_id: str) -> list[st
 
 
 def _literal(text: str) -> str:
-    """``text`` as a Python string literal in double quotes (a shell-quoted ``-c``
-    program then needs no escaping unless ``text`` holds a single quote)."""
-    return json.dumps(text)
+    """``text`` as a Python string literal (``repr``: every character round-trips), in
+    double quotes where ``text`` holds none, so that the shell-quoted ``-c`` program
+    needs no escaping in the usual case."""
+    literal = repr(text)
+    if literal[0] == "'" and '"' not in text:  # then no quote inside is escaped
+        literal = f'"{literal[1:-1]}"'
+    return literal
 
 
 def _validate_reference(args: argparse.Namespace, default_layers: int,

@@ -451,9 +451,10 @@ class SchedulerMonitor:
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
         self.stop_seconds: dict[str, float] = {}
-        """The parts of :meth:`stop`: ``transport`` (the drain emptied), ``finish_run``
-        (the sink's flush, manifests, run row and sync) and ``close`` (the sink closed:
-        for an embedded store, until its owner process ended)."""
+        """The parts of :meth:`stop` that ran: ``transport`` (the drain emptied),
+        ``finish_run`` (the sink's flush, manifests, run row and sync) and ``close`` (the
+        sink closed: for an embedded store without a read channel, until its owner
+        process ended). A failed stop logs the parts done and how long it ran since."""
 
     @property
     def run(self) -> RunInfo:
@@ -592,28 +593,29 @@ class SchedulerMonitor:
                 return self.transport.stats()
             self._stopped = True
             stopped_at = datetime.now(UTC).isoformat()
+            parts, clock = self.stop_seconds, time.perf_counter
+            began = clock()
             try:
-                clock = time.perf_counter
-                started = clock()
                 for rid, end in self.requests.take_all():
                     self.transport.finish_request(rid, end)
                 stats = self.transport.stop()
-                drained = clock()
+                parts["transport"] = clock() - began
+                began = clock()
                 manifests = self.requests.manifests(self.run.run_id, committed=True)
                 run = attrs.evolve(self.run, stopped_at=stopped_at, status=RunStatus.COMMITTED)
                 self.sink.finish_run(run, manifests)
-                finished = clock()
-                self.stop_seconds = {"transport": drained - started,
-                                     "finish_run": finished - drained}
+                parts["finish_run"] = clock() - began
             except BaseException as exc:
                 self._failure = exc
-                log.error("dmi.stop_failed", run_id=self.run.run_id, error=repr(exc))
+                log.error("dmi.stop_failed", run_id=self.run.run_id, error=repr(exc),
+                          seconds={k: round(v, 6) for k, v in parts.items()},
+                          failed_after_s=round(clock() - began, 6))
                 self._record_failure(exc, stopped_at)
                 raise CaptureError(f"dmi_stop_monitoring failed: {exc!r}") from exc
             finally:
-                closing = time.perf_counter()
+                began = clock()
                 self._close_sink()
-                self.stop_seconds["close"] = time.perf_counter() - closing
+                parts["close"] = clock() - began
             log.info("dmi.stopped", run_id=self.run.run_id, **attrs.asdict(stats))
             seen, captured = self.requests.seen_requests, self.requests.captured_requests
             log.info("dmi.sampled", run_id=self.run.run_id, requests=seen, captured=captured,

@@ -1,15 +1,19 @@
 """``python -m dmi_sglang.app.store_owner_main``: the store owner process
 (:mod:`dmi_sglang.app.store_owner`), its channels from the composition root.
 
-The process ends with ``os._exit`` once :func:`run_owner` returned: by then its sink is
-closed (everything it took inserted, the run's files synced by ``finish_run``) and its
-channels are gone, and the parent's stop waits for this exit to find the store free.
-The interpreter's and the embedded engine's own teardown (about 0.2 s) would only add
-to that wait; the operating system releases the store's lock and files either way.
+The process ends with ``os._exit`` once :func:`run_owner` returned, its output flushed:
+by then its sink is closed (everything it took inserted, the embedded store shut down,
+the run's files synced by ``finish_run``) and its channels are gone, and the parent's
+stop waits for this exit to find the store free. Python's own finalization (its modules,
+threads and the embedded engine's process-wide state: 0.2 to 1 s measured) would only
+add to that wait. Where a server's read was still in hand when the owner closed, its
+store client stays open and the exit leaves the store as a crash would; the next opening
+finds the lock stale and takes the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -18,6 +22,7 @@ from dmi_sglang.app.store_owner import run_owner
 
 if __name__ == "__main__":
     code = run_owner(sys.argv[1:], owner_services)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or absent stream: exit anyway
+            stream.flush()
     os._exit(code)

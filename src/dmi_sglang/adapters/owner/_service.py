@@ -72,15 +72,21 @@ class SocketService:
             msg = f"cannot serve {name} at {address}: another owner holds it"
             raise StoreError(msg)
         self.address = address
+        self._wake_read, self._wake_write = os.pipe()
+        """Written to and closed by :meth:`close`: the thread's poll of the read end returns
+        at once (the byte wakes it even where a forked child holds a copy of the pipe)."""
         try:
             self._socket: Any = self._bound(zmq)
-        except zmq.ZMQError as exc:
-            msg = f"cannot serve {name} at {address}: {exc}"
-            raise StoreError(msg) from exc
+        except BaseException as exc:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            if isinstance(exc, zmq.ZMQError):
+                msg = f"cannot serve {name} at {address}: {exc}"
+                raise StoreError(msg) from exc
+            raise
         self._inode = os.lstat(address.removeprefix("ipc://")).st_ino
         self._closed = threading.Event()
-        self._wake_read, self._wake_write = os.pipe()
-        """Closed by :meth:`close`: the thread's poll of its read end returns at once."""
+        self._close_lock = threading.Lock()
         self.answered = 0
         """Requests answered so far."""
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -92,10 +98,13 @@ class SocketService:
         thread ends when that request does); the socket's file is removed, so the address
         can be served again. Closing twice, or from the service's own thread, does no
         harm."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        os.close(self._wake_write)  # the thread's poll sees the pipe's end at once
+        with self._close_lock:  # one caller closes the pipe's write end, once
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            with contextlib.suppress(OSError):  # a thread that ended closed the read end
+                os.write(self._wake_write, b"\0")
+            os.close(self._wake_write)
         wait_s = None if wait_forever else CLOSE_WAIT_S
         if threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
