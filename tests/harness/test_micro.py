@@ -147,8 +147,9 @@ def test_docs_render_both_tables(transport_run: Ran, store_run: Ran, tmp_path: P
     for (data, _), name in ((transport_run, "transport"), (store_run, "store")):
         path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        settings = data["settings"]  # made on this CPU: shown as if on a GPU here
-        path.write_text(json.dumps({**data, "settings": {**settings, "device": "cuda"}}))
+        settings = data["settings"]  # made on this CPU, quick: shown as a GPU's full run
+        path.write_text(json.dumps({**data, "settings": {**settings, "device": "cuda",
+                                                         "quick": False}}))
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n\n<!-- BEGIN GENERATED: transport-bench (x) -->\nold\n"
                    "<!-- END GENERATED: transport-bench -->\n\nbetween\n\n"
@@ -243,8 +244,8 @@ def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path
 
 
 @pytest.mark.torch
-def test_docs_never_show_a_profiled_run_or_a_cpu_rehearsal(transport_run: Ran,
-                                                            tmp_path: Path) -> None:
+def test_docs_never_show_a_profiled_run_or_a_rehearsal(transport_run: Ran,
+                                                        tmp_path: Path) -> None:
     from harness import docs
 
     ran, _ = transport_run  # on this machine's CPU: made to look like a GPU run here
@@ -254,8 +255,11 @@ def test_docs_never_show_a_profiled_run_or_a_cpu_rehearsal(transport_run: Ran,
                 "figures": {**data["figures"], "table": [{"test": "profiled"}]}}
     rehearsal = {**ran, "ran_at_utc": "9999-01-01T00:00:00+00:00",
                  "figures": {**ran["figures"], "table": [{"test": "rehearsal"}]}}
+    quick = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+             "settings": {**data["settings"], "quick": True},
+             "figures": {**data["figures"], "table": [{"test": "quick"}]}}
     for name, result in (("transport", data), ("transport-profile", profiled),
-                         ("transport-cpu", rehearsal)):
+                         ("transport-cpu", rehearsal), ("transport-quick", quick)):
         path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
@@ -267,3 +271,4 @@ def test_docs_never_show_a_profiled_run_or_a_cpu_rehearsal(transport_run: Ran,
     assert "](evidence/2026-12-02-cpu/transport.json)" in text
     assert "profiled" not in text
     assert "rehearsal" not in text
+    assert "quick" not in text
