@@ -53,11 +53,10 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
 
 
-def test_the_owner_process_exits_with_run_owners_status(tmp_path: Path) -> None:
-    """The owner's entry point ends with ``os._exit`` (no teardown): its status is still
-    :func:`run_owner`'s, and what it wrote before reaches the parent."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a store")
+def _owner(tmp_path: Path, url: str, *,
+           piped: bool = False) -> tuple[subprocess.Popen[bytes], bytes]:
+    """An owner process started as :func:`open_owned_sink` starts one (``piped``: its
+    stdout and stderr into one pipe), and the first line it wrote to its ready pipe."""
     channels = tmp_path / "channels"
     channels.mkdir(mode=0o700)
     ready_r, ready_w = os.pipe()
@@ -65,32 +64,33 @@ def test_the_owner_process_exits_with_run_owners_status(tmp_path: Path) -> None:
         [sys.executable, "-m", OWNER_MODULE, "--writes", f"ipc://{channels}/writes",
          "--parent", str(os.getpid()), "--ready-fd", str(ready_w)],
         stdin=subprocess.PIPE, pass_fds=(ready_w,),
-        env={**os.environ, **_settings(f"chdb://{blocker}").to_env()})
+        stdout=subprocess.PIPE if piped else None,
+        stderr=subprocess.STDOUT if piped else None,
+        env={**os.environ, **_settings(url).to_env()})
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
-        line = ready.readline().decode()
+        return process, ready.readline()
+
+
+def test_the_owner_process_exits_with_run_owners_status(tmp_path: Path) -> None:
+    """The owner's entry point ends with ``os._exit`` (no teardown): its status is still
+    :func:`run_owner`'s, and what it wrote before reaches the parent."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a store")
+    process, line = _owner(tmp_path, f"chdb://{blocker}")
     assert process.wait(60) == 1
     assert process.stdin is not None
     process.stdin.close()
-    assert line.startswith("error: ")
-    assert "a-file" in line
+    assert line.startswith(b"error: ")
+    assert b"a-file" in line
 
 
 def test_a_released_owner_exits_zero_with_its_log_flushed(tmp_path: Path) -> None:
     """The owner ends with ``os._exit`` (no finalization): exit status 0 once its sink
     closed, and its last log lines (the store closed, the owner ended) reach its parent
     through a piped stdout."""
-    channels = tmp_path / "channels"
-    channels.mkdir(mode=0o700)
-    ready_r, ready_w = os.pipe()
-    process = subprocess.Popen(
-        [sys.executable, "-m", OWNER_MODULE, "--writes", f"ipc://{channels}/writes",
-         "--parent", str(os.getpid()), "--ready-fd", str(ready_w)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        pass_fds=(ready_w,), env={**os.environ, **_settings(f"chdb://{tmp_path / 's'}").to_env()})
-    os.close(ready_w)
-    with os.fdopen(ready_r, "rb") as ready:
-        assert ready.readline() == b"ready\n"
+    process, line = _owner(tmp_path, f"chdb://{tmp_path / 's'}", piped=True)
+    assert line == b"ready\n"
     process.send_signal(RELEASE_SIGNAL)
     out, _ = process.communicate(timeout=60)  # closes its stdin too
     assert process.returncode == 0
