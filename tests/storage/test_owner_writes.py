@@ -63,6 +63,8 @@ class _Held:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.entered = threading.Event()
+        """Set once a ``put`` began waiting."""
         self.failure: Exception | None = None
         self.batches: list[RecordBatch] = []
 
@@ -70,6 +72,7 @@ class _Held:
         del run
 
     def put(self, batch: RecordBatch) -> None:
+        self.entered.set()
         self.release.wait(30)
         if self.failure is not None:
             raise self.failure
@@ -376,3 +379,36 @@ def test_a_store_that_fails_behind_the_owner_records_the_run_failed(
     assert run is not None
     assert run.status is RunStatus.FAILED
     assert "disk gone" in run.error
+
+
+def test_the_answer_to_the_call_in_hand_at_close_reaches_its_caller(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close that comes while a call is in hand waits for it, and its caller gets the
+    answer: the socket closed right after the send lost it a few times in a hundred
+    (the caller then waited out its timeout), so the race runs many times."""
+    from dmi_sglang.adapters.owner import _service
+
+    monkeypatch.setattr(_service, "LATE_ANSWER_GRACE_S", 0.05)
+    for attempt in range(25):
+        sink = _Held()
+        service = SinkService(sink, f"ipc://{private}/writes{attempt}")
+        outcome: list[object] = []
+
+        def call(address: str = service.address, into: list[object] = outcome) -> None:
+            try:
+                RemoteSink(address, timeout_s=2).put(one_batch())
+                into.append("answered")
+            except StoreError as exc:
+                into.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert sink.entered.wait(10)
+        closer = threading.Thread(target=service.close, daemon=True)
+        closer.start()
+        time.sleep(0.01)  # the close is waiting for the call in hand
+        sink.release.set()
+        closer.join(10)
+        caller.join(10)
+        assert outcome == ["answered"], f"attempt {attempt}: {outcome}"
+        assert len(sink.batches) == 1

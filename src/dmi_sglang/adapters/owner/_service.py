@@ -7,6 +7,7 @@ import contextlib
 import os
 import stat
 import threading
+import time
 from typing import Any
 
 import structlog
@@ -20,6 +21,11 @@ log = structlog.get_logger(__name__)
 CLOSE_WAIT_S = 30.0
 """Longest :meth:`SocketService.close` waits for the request in hand."""
 _SEND_TIMEOUT_MS = 1000
+LATE_ANSWER_GRACE_S = 0.2
+"""How long a closing service keeps its socket after answering a call that was in hand
+when the close came: closing it at once can lose that answer on its way (a caller with
+``IMMEDIATE`` drops what a vanished peer sent), and the caller would wait out its
+timeout."""
 _WORDS = {"reads": ("answers reads", "answer", "reading"),
           "writes": ("takes writes", "take", "writing")}
 """Per channel, how its errors say it: no owner ``...`` at; did not ``...`` a call;
@@ -56,8 +62,9 @@ class SocketService:
     :meth:`_answer` turns a request's frames into the answer's frames. A failed exchange
     costs that exchange only (the socket is bound afresh: a REP socket left between a
     request and its answer takes no other). :meth:`close` wakes the thread at once (a
-    pipe the thread polls beside the socket), waits for the request in hand and removes
-    the socket's file.
+    pipe the thread polls beside the socket), waits for the request in hand (whose
+    answer gets :data:`LATE_ANSWER_GRACE_S` to reach its caller) and removes the
+    socket's file.
 
     Raises:
         StoreError: the address is refused (:func:`check_address`), or held by another
@@ -125,6 +132,7 @@ class SocketService:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
+        answered_late = False
         try:
             while not self._closed.is_set():
                 try:
@@ -134,6 +142,7 @@ class SocketService:
                     frames = self._socket.recv_multipart(copy=False)
                     self._socket.send_multipart(self._answer(frames), copy=False)
                     self.answered += 1
+                    answered_late = self._closed.is_set()
                 except Exception as exc:  # one exchange lost; the channel goes on
                     log.error("dmi.store_exchange_failed", service=self._thread.name,
                               error=repr(exc))
@@ -142,6 +151,8 @@ class SocketService:
                     self._socket = self._bound(zmq)
                     poller.register(self._socket, zmq.POLLIN)
         finally:
+            if answered_late:  # let that answer reach its caller first
+                time.sleep(LATE_ANSWER_GRACE_S)
             self._socket.close()
             os.close(self._wake_read)
 
