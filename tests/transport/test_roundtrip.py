@@ -113,6 +113,11 @@ def test_dense_steps_go_from_the_ring_straight_into_payload_memory(make_driver):
     counters = d.t.drain_counters()
     assert counters["direct_items"] == 3
     assert counters["d2h_bytes"] == stats.bytes  # nothing but the kept rows crossed
+    # the copies' calls and the waits for them are parts of the device-to-host time
+    assert counters["d2h_call_seconds"] > 0
+    assert (counters["d2h_call_seconds"] + counters["d2h_wait_seconds"]
+            <= counters["d2h_seconds"])
+    assert counters["oversized_payloads"] == 0
     d.verify(sink.records)
 
 

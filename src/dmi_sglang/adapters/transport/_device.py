@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -75,6 +76,13 @@ class DeviceOps:
         self._free_events: list[torch.cuda.Event] = []
         self._pending: list[torch.cuda.Event] = []
         """Markers waited for by work queued on the drain stream, not settled yet."""
+        self.copy_call_seconds = 0.0
+        """Time inside :meth:`copies_to_host`'s ``copy_`` calls: queueing a copy into
+        page-locked memory returns at once, so time here is a copy the call itself waited
+        for (a destination the driver does not know as page-locked, or the GIL taken
+        back late)."""
+        self.copy_wait_seconds = 0.0
+        """Time :meth:`copies_to_host` then waited for its copies to complete."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -108,8 +116,12 @@ class DeviceOps:
         def copy() -> None:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=self.is_cuda)
+        t0 = time.perf_counter()
         self.on_drain_stream(markers, copy)
+        t1 = time.perf_counter()
         self.settle()
+        self.copy_call_seconds += t1 - t0
+        self.copy_wait_seconds += time.perf_counter() - t1
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work

@@ -489,6 +489,9 @@ class TorchCaptureTransport:
         return {
             "records": d.records, "batches": d.batches,
             "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
+            "d2h_call_seconds": self._ops.copy_call_seconds,
+            "d2h_wait_seconds": self._ops.copy_wait_seconds,
+            "oversized_payloads": d.pool.oversized + d.direct_pool.oversized,
             "direct_items": d.direct_items, "window_appends": d.window_appends,
             "window_flushes": d.window_flushes,
             "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
