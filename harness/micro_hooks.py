@@ -318,14 +318,15 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     bench.wave(0)
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
-    cpu0 = transport.drain_counters()["build_cpu_seconds"]
+    before = transport.drain_counters()
     sampler = StackSampler() if args.sample else contextlib.nullcontext()
     with LatenessProbe() as probe, sampler:
         for w in range(1, args.waves + 1):
             bench.wave(w)
         monitor.begin_forward()  # the last wave's finish notices
         monitor.abort_forward()
-    drain_cpu = transport.drain_counters()["build_cpu_seconds"] - cpu0
+    after = transport.drain_counters()
+    drain = {k: after[k] - before[k] for k in after}
     profile = None
     if args.profile:  # one more wave of its own: the profiler slows what it watches
         profile = cProfile.Profile()
@@ -346,7 +347,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
             "replay_gpu_us": statistics.median(bench.replay_us) if bench.replay_us else None,
             "replay_launch_us": bench.launch_s / n * 1e6 if bench.replay_us else None,
-            "drain_cpu_us": drain_cpu / (n + args.waves) * 1e6, "rows": stats.rows,
+            "drain_cpu_us": drain["build_cpu_seconds"] / (n + args.waves) * 1e6,
+            "drain": drain, "rows": stats.rows,
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
             "captured_requests": captured,
@@ -381,6 +383,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
             "drain CPU: per forward")
     print("\n".join(table_lines(table)) + f"\n{note}")
     for r in rows:
+        d = r["drain"]
+        print(f"-- drain of the timed waves ({r['preset']}): device-to-host "
+              f"{d['d2h_bytes'] / 1e9:.2f} GB in {d['d2h_seconds']:.3f} s (in the copy calls "
+              f"{d['d2h_call_seconds']:.3f} s, waiting {d['d2h_wait_seconds']:.3f} s), "
+              f"windows {d['window_bytes'] / 1e9:.2f} GB in {d['window_flushes']:.0f} flushes")
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
         for thread, stacks in (r["stacks"] or {}).items():
