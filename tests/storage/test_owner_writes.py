@@ -381,15 +381,12 @@ def test_a_store_that_fails_behind_the_owner_records_the_run_failed(
     assert "disk gone" in run.error
 
 
-def test_the_answer_to_the_call_in_hand_at_close_reaches_its_caller(
-        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A close that comes while a call is in hand waits for it, and its caller gets the
-    answer: the socket closed right after the send lost it a few times in a hundred
-    (the caller then waited out its timeout), so the race runs many times."""
-    from dmi_sglang.adapters.owner import _service
-
-    monkeypatch.setattr(_service, "LATE_ANSWER_GRACE_S", 0.05)
-    for attempt in range(25):
+def test_the_answer_to_the_call_in_hand_at_close_reaches_its_caller(private: Path) -> None:
+    """A close that comes while a call is in hand, or right after its answer was sent:
+    the caller gets the answer. The socket closed at once after the send lost it a few
+    times in a hundred (the caller then waited out its timeout), so the race runs many
+    times, in both orders."""
+    for attempt in range(40):
         sink = _Held()
         service = SinkService(sink, f"ipc://{private}/writes{attempt}")
         outcome: list[object] = []
@@ -405,9 +402,17 @@ def test_the_answer_to_the_call_in_hand_at_close_reaches_its_caller(
         caller.start()
         assert sink.entered.wait(10)
         closer = threading.Thread(target=service.close, daemon=True)
-        closer.start()
-        time.sleep(0.01)  # the close is waiting for the call in hand
-        sink.release.set()
+        if attempt % 2:  # the answer is sent, the close follows at once
+            sink.release.set()
+            while service.answered == 0 and caller.is_alive():
+                pass
+            closer.start()
+        else:  # the close waits for the call in hand
+            closer.start()
+            deadline = time.monotonic() + 10
+            while not service._closed.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            sink.release.set()
         closer.join(10)
         caller.join(10)
         assert outcome == ["answered"], f"attempt {attempt}: {outcome}"

@@ -117,7 +117,7 @@ def test_dense_steps_go_from_the_ring_straight_into_payload_memory(make_driver):
     assert counters["d2h_call_seconds"] > 0
     assert (counters["d2h_call_seconds"] + counters["d2h_wait_seconds"]
             <= counters["d2h_seconds"])
-    assert counters["oversized_payloads"] == 0
+    assert counters["oversized_direct_payloads"] == 0
     d.verify(sink.records)
 
 
@@ -160,3 +160,27 @@ def test_single_segment_groups_and_piecewise_pieces_are_direct(make_driver):
     assert stats.piecewise_steps == 1
     assert d2.t.drain_counters()["direct_items"] == 3
     d2.verify(sink2.records)
+
+
+@pytest.mark.parametrize("direct_copies", [True, False])
+def test_segments_wider_than_a_slab_go_out_in_row_runs(make_driver, monkeypatch,
+                                                       direct_copies):
+    """A prefill segment larger than a payload slab is not given memory of its own
+    (pageable: the device copy into it would wait for itself): its rows go out in runs
+    that fit a slab, a request's rows split into several records where a run ends."""
+    from dmi_sglang.adapters.transport._pool import PayloadPool
+
+    monkeypatch.setattr(PayloadPool, "SLAB_BYTES", 128)  # 8 resid_pre rows, 5 mlp_post rows
+    d, sink = make_driver("resid_pre,mlp_post", coalesce_decode=False,
+                          direct_copies=direct_copies)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [9, 7]))  # 16 rows a segment
+    d.forward(BatchLayout.decode(["a", "b"], [10, 8]))
+    d.t.stop()
+    counters = d.t.drain_counters()
+    assert counters["oversized_direct_payloads"] == 0
+    assert counters["direct_items"] == (2 if direct_copies else 0)
+    d.verify(sink.records)  # every row once, in position order, with its bytes
+    prefill_a = [(r.start_token_idx, r.end_token_idx) for r in sink.records
+                 if (r.request_id, r.act_name, r.layer_no) == ("a", "blocks.hook_resid_pre", 0)
+                 and r.start_token_idx < 9]
+    assert prefill_a == [(0, 8), (8, 9)]

@@ -21,11 +21,11 @@ log = structlog.get_logger(__name__)
 CLOSE_WAIT_S = 30.0
 """Longest :meth:`SocketService.close` waits for the request in hand."""
 _SEND_TIMEOUT_MS = 1000
-LATE_ANSWER_GRACE_S = 0.2
-"""How long a closing service keeps its socket after answering a call that was in hand
-when the close came: closing it at once can lose that answer on its way (a caller with
-``IMMEDIATE`` drops what a vanished peer sent), and the caller would wait out its
-timeout."""
+LATE_ANSWER_GRACE_S = 0.02
+"""How long after its last answer a closing service keeps its socket: closed at once, it
+can lose that answer on its way (a caller with ``IMMEDIATE`` drops what a peer that
+vanished meanwhile sent), and the caller waits out its timeout. Only a close within this
+time of an answer waits (the rest of it)."""
 _WORDS = {"reads": ("answers reads", "answer", "reading"),
           "writes": ("takes writes", "take", "writing")}
 """Per channel, how its errors say it: no owner ``...`` at; did not ``...`` a call;
@@ -62,8 +62,8 @@ class SocketService:
     :meth:`_answer` turns a request's frames into the answer's frames. A failed exchange
     costs that exchange only (the socket is bound afresh: a REP socket left between a
     request and its answer takes no other). :meth:`close` wakes the thread at once (a
-    pipe the thread polls beside the socket), waits for the request in hand (whose
-    answer gets :data:`LATE_ANSWER_GRACE_S` to reach its caller) and removes the
+    pipe the thread polls beside the socket), waits for the request in hand (an answer sent
+    just before gets :data:`LATE_ANSWER_GRACE_S` to reach its caller) and removes the
     socket's file.
 
     Raises:
@@ -132,7 +132,7 @@ class SocketService:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        answered_late = False
+        answered_at = float("-inf")
         try:
             while not self._closed.is_set():
                 try:
@@ -142,7 +142,7 @@ class SocketService:
                     frames = self._socket.recv_multipart(copy=False)
                     self._socket.send_multipart(self._answer(frames), copy=False)
                     self.answered += 1
-                    answered_late = self._closed.is_set()
+                    answered_at = time.monotonic()
                 except Exception as exc:  # one exchange lost; the channel goes on
                     log.error("dmi.store_exchange_failed", service=self._thread.name,
                               error=repr(exc))
@@ -151,8 +151,9 @@ class SocketService:
                     self._socket = self._bound(zmq)
                     poller.register(self._socket, zmq.POLLIN)
         finally:
-            if answered_late:  # let that answer reach its caller first
-                time.sleep(LATE_ANSWER_GRACE_S)
+            left = answered_at + LATE_ANSWER_GRACE_S - time.monotonic()
+            if left > 0:  # let the last answer reach its caller first
+                time.sleep(left)
             self._socket.close()
             os.close(self._wake_read)
 

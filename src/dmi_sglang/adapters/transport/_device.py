@@ -76,13 +76,6 @@ class DeviceOps:
         self._free_events: list[torch.cuda.Event] = []
         self._pending: list[torch.cuda.Event] = []
         """Markers waited for by work queued on the drain stream, not settled yet."""
-        self.copy_call_seconds = 0.0
-        """Time inside :meth:`copies_to_host`'s ``copy_`` calls: queueing a copy into
-        page-locked memory returns at once, so time here is a copy the call itself waited
-        for (a destination the driver does not know as page-locked, or the GIL taken
-        back late)."""
-        self.copy_wait_seconds = 0.0
-        """Time :meth:`copies_to_host` then waited for its copies to complete."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -101,17 +94,24 @@ class DeviceOps:
         event.record(stream)
         return event, stream.cuda_stream
 
-    def to_host(self, markers: Sequence[Marker], dst: torch.Tensor, src: torch.Tensor) -> None:
+    def to_host(self, markers: Sequence[Marker], dst: torch.Tensor,
+                src: torch.Tensor) -> tuple[float, float]:
         """Copy ``src`` (device) into ``dst`` (host) once every marker completed; blocks.
 
         Runs on the drain's own stream, so the copy overlaps the next forward; the GIL is
         released while waiting. Markers of one stream complete in order, so only the last
         marker of each stream is waited for. Each marker is used once: it is recycled here.
+
+        Returns:
+            The seconds queueing the copy (its ``copy_`` call returns at once for
+            page-locked memory; a pageable destination makes it wait for the copy, and
+            so for the device work before it on the drain's stream) and the seconds then
+            waiting for the drain's stream (everything queued on it so far).
         """
-        self.copies_to_host(markers, [(dst, src)])
+        return self.copies_to_host(markers, [(dst, src)])
 
     def copies_to_host(self, markers: Sequence[Marker],
-                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """:meth:`to_host` for several ``(dst, src)`` pairs: one wait, one completion."""
         def copy() -> None:
             for dst, src in pairs:
@@ -120,8 +120,7 @@ class DeviceOps:
         self.on_drain_stream(markers, copy)
         t1 = time.perf_counter()
         self.settle()
-        self.copy_call_seconds += t1 - t0
-        self.copy_wait_seconds += time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work

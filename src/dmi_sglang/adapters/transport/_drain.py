@@ -44,6 +44,7 @@ from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
 from dmi_sglang.adapters.transport._records import (
     Emitted,
     HeldRows,
+    Span,
     build_records,
     hold_request_rows,
 )
@@ -245,6 +246,8 @@ class Drain:
         self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
+        # of d2h_seconds: queueing the copies, then waiting for them (DeviceOps.to_host)
+        self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
         self.direct_items = 0
         self.staged_copied_bytes = 0
         self.loose_copied_bytes = 0
@@ -511,8 +514,11 @@ class Drain:
                 lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
                 t0 = time.perf_counter()
                 markers = [it.marker for it in items[start:i]]
-                self._ops.to_host(markers, self._staging[lo:hi], self._ring[lo:hi])
+                call, wait = self._ops.to_host(markers, self._staging[lo:hi],
+                                               self._ring[lo:hi])
                 self.d2h_seconds += time.perf_counter() - t0
+                self.d2h_call_seconds += call
+                self.d2h_wait_seconds += wait
                 self.d2h_bytes += hi - lo
                 start = i
         if items:  # those waited for the drain's stream: the slots' copies are done
@@ -528,10 +534,13 @@ class Drain:
         them) that also brings the request rows' groups to staging; those are held last."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
-            span = group.kept_rows * group.row_nbytes
-            a = item.base + group.ring_offset + s0 * span
-            pairs.append((chunk.tensor, self._ring[a : a + (s1 - s0) * span]))
+        def fill(group: Group, span: Span, chunk: Chunk) -> None:
+            rb = group.row_nbytes
+            a = (item.base + group.ring_offset + span.s0 * group.kept_rows * rb
+                 + span.r0 * rb)
+            n = ((span.s1 - span.s0) * group.kept_rows if span.r1 - span.r0 == group.kept_rows
+                 else span.r1 - span.r0)  # whole segments, or rows of one
+            pairs.append((chunk.tensor, self._ring[a : a + n * rb]))
 
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
                       seq=item.seq, pool=self.direct_pool, held=self.held, out=out, fill=fill,
@@ -543,8 +552,10 @@ class Drain:
             pairs.append((self._staging[a:b], self._ring[a:b]))
         cpu = time.thread_time()
         t0 = time.perf_counter()
-        self._ops.copies_to_host([item.marker], pairs)
+        call, wait = self._ops.copies_to_host([item.marker], pairs)
         self.d2h_seconds += time.perf_counter() - t0
+        self.d2h_call_seconds += call
+        self.d2h_wait_seconds += wait
         self._free_slots(settled=True)  # the copies waited for the drain's stream
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
         self.direct_items += 1

@@ -12,8 +12,8 @@ bump allocator, and returned to the pool when the last slice of a slab is releas
 ``weakref.finalize`` on the slab's per-use array, which every payload memoryview keeps
 alive).
 
-A request larger than a slab gets memory of its own (callers split their copies so that
-this only happens for one oversized tensor slice, e.g. a long prefill of a wide hook).
+A request larger than a slab gets memory of its own (callers split their copies into runs
+of rows that fit a slab, so this only happens for a single row wider than one).
 
 Slabs come from ``buffer``. The drain's pool for direct copies passes its device's host
 buffers (page-locked on CUDA), so device rows land straight in payload memory: no staging
@@ -87,7 +87,8 @@ class PayloadPool:
     thread drops the last record referring to them (a sink writer), through a deque.
 
     Args:
-        slab_bytes: size of every slab (and the largest pooled request).
+        slab_bytes: size of every slab (and the largest pooled request); default
+            :attr:`SLAB_BYTES`.
         max_free_slabs: free slabs kept for reuse, at most (more are released).
         buffer: allocates host memory (a 1-D uint8 tensor); default pageable memory.
     """
@@ -95,9 +96,9 @@ class PayloadPool:
     SLAB_BYTES = 32 * MIB
     """The default slab size."""
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES, max_free_slabs: int = 16,
+    def __init__(self, slab_bytes: int | None = None, max_free_slabs: int = 16,
                  buffer: Callable[[int], torch.Tensor] | None = None) -> None:
-        self.slab_bytes = slab_bytes
+        self.slab_bytes = slab_bytes if slab_bytes is not None else self.SLAB_BYTES
         self._max_free = max_free_slabs
         self._buffer = buffer or _host_bytes
         self._free: list[torch.Tensor] = []

@@ -35,12 +35,51 @@ from dmi_sglang.domain.records import CaptureRecord
 
 Bytes3D = npt.NDArray[np.uint8]
 
-__all__ = ["Emitted", "Fill", "HeldRows", "back_to_back", "build_records", "chunk_batch",
-           "copy_row", "hold_request_rows", "staging_fill"]
+__all__ = ["Emitted", "Fill", "HeldRows", "Span", "back_to_back", "build_records", "chunk_batch",
+           "clip", "copy_row", "hold_request_rows", "spans", "staging_fill"]
 
-Fill = Callable[[Group, int, int, Chunk], None]
-"""Copies segments ``[s0, s1)`` of a group's kept rows into a chunk, as
-``[segments, kept rows, row bytes]``."""
+@attrs.frozen
+class Span:
+    """Kept rows ``[r0, r1)`` of a group's segments ``[s0, s1)``: what one chunk holds."""
+
+    s0: int
+    s1: int
+    r0: int
+    r1: int
+
+
+Fill = Callable[[Group, Span, Chunk], None]
+"""Copies a :class:`Span` of a group's kept rows into a chunk, as
+``[segments, rows, row bytes]``."""
+
+
+def spans(group: Group, slab_bytes: int) -> list[Span]:
+    """A group's kept rows in pieces of at most ``slab_bytes``: whole segments while a
+    segment fits a slab, else each segment's rows in runs that do (a prefill's wide
+    segment would otherwise need memory of its own, which is pageable: a copy into it
+    waits for itself and first touches fresh pages). A row wider than a slab is a
+    piece of its own."""
+    kept, rb = group.kept_rows, group.row_nbytes
+    if kept * rb <= slab_bytes:
+        per = max(1, slab_bytes // max(kept * rb, 1))
+        return [Span(s0, min(group.count, s0 + per), 0, kept)
+                for s0 in range(0, group.count, per)]
+    run = max(1, slab_bytes // max(rb, 1))
+    return [Span(s, s + 1, r0, min(kept, r0 + run))
+            for s in range(group.count) for r0 in range(0, kept, run)]
+
+
+def clip(slices: Sequence[RecordSlice], r0: int, r1: int) -> tuple[RecordSlice, ...]:
+    """The parts of ``slices`` within kept rows ``[r0, r1)``, their row offsets from
+    ``r0`` (a slice's rows are its consecutive positions, so a part keeps positions
+    ``start + a .. start + b`` for its rows ``a .. b``)."""
+    out = []
+    for sl in slices:
+        a, b = max(sl.row_offset, r0), min(sl.row_offset + sl.rows, r1)
+        if a < b:
+            first = sl.start + a - sl.row_offset
+            out.append(RecordSlice(sl.request_id, a - r0, b - a, first, first + b - a))
+    return tuple(out)
 
 
 def staging_fill(staging: Bytes2D, base: int) -> Fill:
@@ -48,11 +87,12 @@ def staging_fill(staging: Bytes2D, base: int) -> Fill:
     rows are taken from staging once (with a row selection that is a copy), not per chunk."""
     rows_of: dict[int, Bytes2D] = {}
 
-    def fill(group: Group, s0: int, s1: int, chunk: Chunk) -> None:
+    def fill(group: Group, span: Span, chunk: Chunk) -> None:
         rows = rows_of.get(id(group))
         if rows is None:
             rows = rows_of[id(group)] = host_rows(staging, base, group)
-        chunk.array.reshape(s1 - s0, group.kept_rows, group.row_nbytes)[...] = rows[s0:s1]
+        chunk.array.reshape(span.s1 - span.s0, span.r1 - span.r0, group.row_nbytes)[...] = (
+            rows[span.s0 : span.s1, span.r0 : span.r1])
     return fill
 
 
@@ -281,7 +321,7 @@ def build_records(
     request_rows: bool = True,
 ) -> None:
     """Record batches of one drained step or piece: one record per segment and request
-    slice, one batch per chunk of segments.
+    slice (a slice split where a chunk ends), one batch per chunk (:func:`spans`).
 
     Token rows go out now (pooled chunks, one bulk copy per chunk of segments, made by
     ``fill``: default from ``staging``); request rows are held back (see the module
@@ -297,13 +337,13 @@ def build_records(
             continue
         kept, rb = group.kept_rows, group.row_nbytes
         slices = plan.slices(segments[group.positions[0]])
-        per = max(1, pool.slab_bytes // max(kept * rb, 1))  # segments per chunk
-        for s0 in range(0, group.count, per):
-            s1 = min(group.count, s0 + per)
-            chunk = pool.alloc((s1 - s0) * kept * rb)
-            fill(group, s0, s1, chunk)
-            batch = chunk_batch(run_id, labels[s0:s1], slices, seq,
-                                chunk.array.reshape(s1 - s0, kept, rb), kept)
+        for span in spans(group, pool.slab_bytes):
+            n, nseg = span.r1 - span.r0, span.s1 - span.s0
+            chunk = pool.alloc(nseg * n * rb)
+            fill(group, span, chunk)
+            part = slices if n == kept else clip(slices, span.r0, span.r1)
+            batch = chunk_batch(run_id, labels[span.s0 : span.s1], part, seq,
+                                chunk.array.reshape(nseg, n, rb), n)
             if batch is not None:
                 out.add_batch(batch)
     if request_groups and request_rows:

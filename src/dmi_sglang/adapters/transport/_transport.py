@@ -474,7 +474,9 @@ class TorchCaptureTransport:
 
     def drain_counters(self) -> dict[str, float]:
         """Drain internals for benchmarks: records and batches, device-to-host bytes and
-        seconds of staged and direct items, appends to the decode window (each moves one
+        seconds of staged and direct items (of these seconds: queueing the copies, and
+        waiting for the drain's stream after that), direct payloads larger than a slab
+        (pageable memory of their own), appends to the decode window (each moves one
         or more steps), decode windows flushed and the bytes they
         brought to the host, payload bytes the host's CPU copied on the way, CPU seconds
         the drain thread spent building batches (the waits for device copies excepted),
@@ -489,9 +491,8 @@ class TorchCaptureTransport:
         return {
             "records": d.records, "batches": d.batches,
             "d2h_bytes": d.d2h_bytes, "d2h_seconds": d.d2h_seconds,
-            "d2h_call_seconds": self._ops.copy_call_seconds,
-            "d2h_wait_seconds": self._ops.copy_wait_seconds,
-            "oversized_payloads": d.pool.oversized + d.direct_pool.oversized,
+            "d2h_call_seconds": d.d2h_call_seconds, "d2h_wait_seconds": d.d2h_wait_seconds,
+            "oversized_direct_payloads": d.direct_pool.oversized,
             "direct_items": d.direct_items, "window_appends": d.window_appends,
             "window_flushes": d.window_flushes,
             "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
