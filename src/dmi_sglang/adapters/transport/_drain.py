@@ -535,11 +535,10 @@ class Drain:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def fill(group: Group, span: Span, chunk: Chunk) -> None:
+            assert group.dense  # a direct item's kept rows: one span of the ring
             rb = group.row_nbytes
-            a = (item.base + group.ring_offset + span.s0 * group.kept_rows * rb
-                 + span.r0 * rb)
-            n = ((span.s1 - span.s0) * group.kept_rows if span.r1 - span.r0 == group.kept_rows
-                 else span.r1 - span.r0)  # whole segments, or rows of one
+            a = item.base + group.ring_offset + (span.s0 * group.kept_rows + span.r0) * rb
+            n = (span.s1 - span.s0) * (span.r1 - span.r0)  # whole segments, or rows of one
             pairs.append((chunk.tensor, self._ring[a : a + n * rb]))
 
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,

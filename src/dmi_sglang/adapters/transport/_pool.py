@@ -12,8 +12,9 @@ bump allocator, and returned to the pool when the last slice of a slab is releas
 ``weakref.finalize`` on the slab's per-use array, which every payload memoryview keeps
 alive).
 
-A request larger than a slab gets memory of its own (callers split their copies into runs
-of rows that fit a slab, so this only happens for a single row wider than one).
+A request larger than a slab gets memory of its own (the drain's record building splits
+its copies into runs of rows that fit a slab, so there only a single row wider than one
+does; a window flush's held request rows come in one request).
 
 Slabs come from ``buffer``. The drain's pool for direct copies passes its device's host
 buffers (page-locked on CUDA), so device rows land straight in payload memory: no staging
@@ -113,6 +114,10 @@ class PayloadPool:
         """Slabs taken from the free list."""
         self.oversized = 0
         """Requests larger than a slab (memory of their own, not pooled)."""
+
+    def room(self) -> int:
+        """Bytes the slab being filled still holds (0 when none is being filled)."""
+        return self.slab_bytes - self._used if self._slab is not None else 0
 
     def alloc(self, nbytes: int) -> Chunk:
         """``nbytes`` of payload memory (64-byte aligned)."""

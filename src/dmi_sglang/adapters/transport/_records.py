@@ -19,7 +19,7 @@ request's decisions end (rows at or past that position are discarded and counted
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -32,6 +32,7 @@ from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.plan import CommitPlan, RecordSlice
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.errors import CaptureError
 
 Bytes3D = npt.NDArray[np.uint8]
 
@@ -53,30 +54,49 @@ Fill = Callable[[Group, Span, Chunk], None]
 ``[segments, rows, row bytes]``."""
 
 
-def spans(group: Group, slab_bytes: int) -> list[Span]:
-    """A group's kept rows in pieces of at most ``slab_bytes``: whole segments while a
-    segment fits a slab, else each segment's rows in runs that do (a prefill's wide
-    segment would otherwise need memory of its own, which is pageable: a copy into it
-    waits for itself and first touches fresh pages). A row wider than a slab is a
-    piece of its own."""
-    kept, rb = group.kept_rows, group.row_nbytes
-    if kept * rb <= slab_bytes:
-        per = max(1, slab_bytes // max(kept * rb, 1))
-        return [Span(s0, min(group.count, s0 + per), 0, kept)
-                for s0 in range(0, group.count, per)]
-    run = max(1, slab_bytes // max(rb, 1))
-    return [Span(s, s + 1, r0, min(kept, r0 + run))
-            for s in range(group.count) for r0 in range(0, kept, run)]
+MIN_RUN_SHARE = 8
+"""A run of a wide segment's rows starts in the slab being filled when it fits at least
+1/``MIN_RUN_SHARE`` of a slab there (or the segment's remaining rows), else in a new slab."""
+
+
+def spans(group: Group, pool: PayloadPool) -> Iterator[Span]:
+    """A group's kept rows in pieces that fit ``pool``'s slabs: whole segments while a
+    segment fits a slab, else each segment's rows in runs, each as large as the room left
+    in the slab being filled (so the runs pack the slabs) or a whole new slab. A segment
+    wider than a slab would otherwise need memory of its own, which is pageable: a
+    device copy into it waits for itself, into pages touched for the first time. A row
+    wider than a slab is a piece of its own. Lazy: allocate each span's chunk from
+    ``pool`` before asking for the next."""
+    kept, rb, slab = group.kept_rows, group.row_nbytes, pool.slab_bytes
+    if kept * rb <= slab:
+        per = max(1, slab // max(kept * rb, 1))
+        for s0 in range(0, group.count, per):
+            yield Span(s0, min(group.count, s0 + per), 0, kept)
+        return
+    whole = max(1, slab // max(rb, 1))
+    least = max(1, whole // MIN_RUN_SHARE)
+    for s in range(group.count):
+        r0 = 0
+        while r0 < kept:
+            left = kept - r0
+            fits = pool.room() // max(rb, 1)
+            n = min(left, fits if fits >= min(least, left) else whole)
+            yield Span(s, s + 1, r0, r0 + n)
+            r0 += n
 
 
 def clip(slices: Sequence[RecordSlice], r0: int, r1: int) -> tuple[RecordSlice, ...]:
     """The parts of ``slices`` within kept rows ``[r0, r1)``, their row offsets from
-    ``r0`` (a slice's rows are its consecutive positions, so a part keeps positions
-    ``start + a .. start + b`` for its rows ``a .. b``)."""
+    ``r0``. A slice of several rows holds consecutive positions (one per row, as
+    :func:`~dmi_sglang.domain.plan.make_plan`'s slices and read plans make them), so a
+    part keeps positions ``start + a .. start + b`` for its rows ``a .. b``."""
     out = []
     for sl in slices:
         a, b = max(sl.row_offset, r0), min(sl.row_offset + sl.rows, r1)
         if a < b:
+            if sl.end - sl.start != sl.rows:
+                msg = f"a slice of {sl.rows} rows over positions [{sl.start}, {sl.end})"
+                raise CaptureError(msg)
             first = sl.start + a - sl.row_offset
             out.append(RecordSlice(sl.request_id, a - r0, b - a, first, first + b - a))
     return tuple(out)
@@ -337,7 +357,7 @@ def build_records(
             continue
         kept, rb = group.kept_rows, group.row_nbytes
         slices = plan.slices(segments[group.positions[0]])
-        for span in spans(group, pool.slab_bytes):
+        for span in spans(group, pool):
             n, nseg = span.r1 - span.r0, span.s1 - span.s0
             chunk = pool.alloc(nseg * n * rb)
             fill(group, span, chunk)
