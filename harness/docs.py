@@ -25,10 +25,17 @@ from harness.results import REPO, Json, load_json
 Found = list[tuple[Path, Json]]
 
 
+COMPARISON_DIR = "comparison"
+"""Results in a folder of this name are runs of two trees side by side (one of them not
+the code of its day): evidence, never a doc's table."""
+
+
 def evidence(root: Path) -> Found:
-    """Every result of the current schema under ``root``, oldest run first."""
+    """Every result of the current schema under ``root`` (none in a
+    :data:`COMPARISON_DIR` folder), oldest run first."""
     found = [(p, d) for p in sorted(root.rglob("*.json"))
-             if (d := load_json(p)) is not None and d.get("schema") == SCHEMA and "kind" in d]
+             if COMPARISON_DIR not in p.relative_to(root).parts[:-1]
+             and (d := load_json(p)) is not None and d.get("schema") == SCHEMA and "kind" in d]
     return sorted(found, key=lambda item: str(item[1].get("ran_at_utc")))
 
 

@@ -244,7 +244,7 @@ def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path
 
 
 @pytest.mark.torch
-def test_docs_never_show_a_profiled_run_or_a_rehearsal(transport_run: Ran,
+def test_docs_never_show_a_profiled_run_a_rehearsal_or_a_comparison(transport_run: Ran,
                                                         tmp_path: Path) -> None:
     from harness import docs
 
@@ -258,8 +258,11 @@ def test_docs_never_show_a_profiled_run_or_a_rehearsal(transport_run: Ran,
     quick = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
              "settings": {**data["settings"], "quick": True},
              "figures": {**data["figures"], "table": [{"test": "quick"}]}}
+    compared = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+                "figures": {**data["figures"], "table": [{"test": "compared"}]}}
     for name, result in (("transport", data), ("transport-profile", profiled),
-                         ("transport-cpu", rehearsal), ("transport-quick", quick)):
+                         ("transport-cpu", rehearsal), ("transport-quick", quick),
+                         ("comparison/transport-old-tree", compared)):
         path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
@@ -272,3 +275,4 @@ def test_docs_never_show_a_profiled_run_or_a_rehearsal(transport_run: Ran,
     assert "profiled" not in text
     assert "rehearsal" not in text
     assert "quick" not in text
+    assert "compared" not in text  # a side-by-side run of two trees
