@@ -11,3 +11,4 @@ PYTHONPATH=.gpu-kit/pure:src timeout 55 python3 -m harness hooks --presets sglan
     --out "$OUT/hooks-full-after.json" > "$OUT/logs/hooks-full-after.log" 2>&1
 (cd .gpu-kit/old && PYTHONPATH=../pure:src timeout 55 python3 -m harness hooks --presets sglang-full \
     --waves 1 --out "$OUT/hooks-full-before.json" > "$OUT/logs/hooks-full-before.log" 2>&1)
+# The JSONs and logs were then put under ../comparison/ (harness docs does not show them).
