@@ -39,6 +39,7 @@ Bytes3D = npt.NDArray[np.uint8]
 __all__ = ["Emitted", "Fill", "HeldRows", "Span", "back_to_back", "build_records", "chunk_batch",
            "clip", "copy_row", "hold_request_rows", "spans", "staging_fill"]
 
+
 @attrs.frozen
 class Span:
     """Kept rows ``[r0, r1)`` of a group's segments ``[s0, s1)``: what one chunk holds."""
