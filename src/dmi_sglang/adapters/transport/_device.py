@@ -94,25 +94,21 @@ class DeviceOps:
         event.record(stream)
         return event, stream.cuda_stream
 
-    def to_host(self, markers: Sequence[Marker], dst: torch.Tensor,
-                src: torch.Tensor) -> tuple[float, float]:
-        """Copy ``src`` (device) into ``dst`` (host) once every marker completed; blocks.
+    def copies_to_host(self, markers: Sequence[Marker],
+                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Copy each ``src`` (device) into its ``dst`` (host) once every marker completed;
+        blocks until all are done (one wait, one completion).
 
-        Runs on the drain's own stream, so the copy overlaps the next forward; the GIL is
+        Runs on the drain's own stream, so the copies overlap the next forward; the GIL is
         released while waiting. Markers of one stream complete in order, so only the last
         marker of each stream is waited for. Each marker is used once: it is recycled here.
 
         Returns:
-            The seconds queueing the copy (its ``copy_`` call returns at once for
-            page-locked memory; a pageable destination makes it wait for the copy, and
+            The seconds queueing the copies (a ``copy_`` call returns at once for
+            page-locked memory; a pageable destination makes it wait for its copy, and
             so for the device work before it on the drain's stream) and the seconds then
             waiting for the drain's stream (everything queued on it so far).
         """
-        return self.copies_to_host(markers, [(dst, src)])
-
-    def copies_to_host(self, markers: Sequence[Marker],
-                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """:meth:`to_host` for several ``(dst, src)`` pairs: one wait, one completion."""
         def copy() -> None:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=self.is_cuda)

@@ -246,7 +246,7 @@ class Drain:
         self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
-        # of d2h_seconds: queueing the copies, then waiting for them (DeviceOps.to_host)
+        # of d2h_seconds: queueing the copies, then waiting for them (_copy_to_host)
         self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
         self.direct_items = 0
         self.staged_copied_bytes = 0
@@ -512,17 +512,23 @@ class Drain:
         for i in range(1, len(items) + 1):
             if i == len(items) or items[i].base != items[i - 1].base + items[i - 1].nbytes:
                 lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
-                t0 = time.perf_counter()
-                markers = [it.marker for it in items[start:i]]
-                call, wait = self._ops.to_host(markers, self._staging[lo:hi],
-                                               self._ring[lo:hi])
-                self.d2h_seconds += time.perf_counter() - t0
-                self.d2h_call_seconds += call
-                self.d2h_wait_seconds += wait
-                self.d2h_bytes += hi - lo
+                self._copy_to_host([it.marker for it in items[start:i]],
+                                   [(self._staging[lo:hi], self._ring[lo:hi])])
                 start = i
         if items:  # those waited for the drain's stream: the slots' copies are done
             self._free_slots(settled=True)
+
+    def _copy_to_host(self, markers: list[Marker],
+                      pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The device-to-host copies of staged or direct items (blocks until done),
+        counted in ``d2h_bytes`` and ``d2h_seconds``, the latter split into queueing the
+        copies and waiting for them (:meth:`DeviceOps.copies_to_host`)."""
+        t0 = time.perf_counter()
+        call, wait = self._ops.copies_to_host(markers, pairs)
+        self.d2h_seconds += time.perf_counter() - t0
+        self.d2h_call_seconds += call
+        self.d2h_wait_seconds += wait
+        self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
 
     def _direct(self, item: DrainItem) -> bool:
         """True for an item copied from the ring straight into payload memory."""
@@ -550,13 +556,8 @@ class Drain:
             b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
             pairs.append((self._staging[a:b], self._ring[a:b]))
         cpu = time.thread_time()
-        t0 = time.perf_counter()
-        call, wait = self._ops.copies_to_host([item.marker], pairs)
-        self.d2h_seconds += time.perf_counter() - t0
-        self.d2h_call_seconds += call
-        self.d2h_wait_seconds += wait
+        self._copy_to_host([item.marker], pairs)
         self._free_slots(settled=True)  # the copies waited for the drain's stream
-        self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
         self.direct_items += 1
         self.build_cpu_seconds -= time.thread_time() - cpu  # copy time is not build time
         if requests:
