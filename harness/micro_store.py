@@ -191,6 +191,7 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
             "synced_bps": stats.bytes_stored / synced,
             "cpu_s_per_GB": cpu / (stats.bytes_stored / 1e9),
             "writer_cpu_s_per_GB": stats.cpu_s_per_gb, "sync_seconds": stats.sync_seconds,
+            "background_sync_seconds": stats.background_sync_seconds,
             "disk_bytes": on_disk, "compression": captured / on_disk if on_disk else None,
             "inserts": stats.inserts,
             "delivered": stats.records_stored == records and stats.bytes_stored == captured}

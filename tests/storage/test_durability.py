@@ -236,6 +236,7 @@ def test_finish_run_syncs_the_runs_parts_to_disk(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)  # finish_run's sync alone
     sink = open_sink()
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
@@ -264,3 +265,106 @@ def _part_paths(store: StoreConfig) -> list[tuple[str]]:
         return [(os.path.realpath(str(r[0]).rstrip("/")),) for r in rows]
     finally:
         c.close()
+
+
+def _part_files(store: StoreConfig) -> set[str]:
+    return {os.path.join(part, n) for part, in _part_paths(store) for n in os.listdir(part)}
+
+
+def _wait_until(done: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_capturing_run_is_synced_in_the_background_and_finish_run_syncs_the_rest(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
+    monkeypatch.setattr(_sink, "_MTIME_SLACK_NS", 200_000_000)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    synced = _record_fsyncs(monkeypatch)
+    sink.put(batch_of("run", "early", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink.flush()
+    early = _part_files(store)
+    assert early
+    assert _wait_until(lambda: early <= set(synced)), early - set(synced)
+    assert sink.stats().background_sync_seconds > 0
+    time.sleep(0.5)  # the early part is older than the slack and the last pass
+    sink.put(batch_of("run", "late", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink.flush()
+    late = _part_files(store) - early
+    assert late
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)  # the next pass would sync them
+    sink._stop_sync_passes()  # the one running now (set before the new period)
+    sink._start_sync_passes("run")
+    before = len(synced)
+    with structlog.testing.capture_logs() as logs:
+        commit(sink, run, [manifest("run", "early", 4, 1), manifest("run", "late", 4, 1)])
+    final = set(synced[before:])
+    assert late <= final, late - final
+    assert not early & final  # already durable: not synced again
+    event = next(e for e in logs if e["event"] == "store.synced")
+    assert event["background"] is False
+    assert event["files"] == len([p for p in final if os.path.isfile(p)])
+    assert sink.stats().sync_seconds > 0
+    assert len(ClickHouseReader(store).records("run", "late")) == 1
+
+
+def test_a_failed_background_sync_leaves_its_files_to_the_next_one(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
+    monkeypatch.setattr(_sink, "_MTIME_SLACK_NS", 200_000_000)
+    synced: list[str] = []
+    failing = [True]
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if failing[0]:
+            raise OSError(5, "Input/output error")
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(_durable.os, "fsync", fsync)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    with structlog.testing.capture_logs() as logs:
+        sink.start_run(run)
+        sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+        sink.flush()
+        files = _part_files(store)
+        assert _wait_until(lambda: any(e["event"] == "store.sync_pass_failed" for e in logs))
+        time.sleep(0.6)  # failing passes for longer than the slack and a pass period
+        failing[0] = False
+        assert _wait_until(lambda: files <= set(synced)), files - set(synced)
+    failed = next(e for e in logs if e["event"] == "store.sync_pass_failed")
+    assert failed["log_level"] == "warning"
+    assert "Input/output error" in failed["error"]
+    commit(sink, run, [manifest("run", "r", 4, 1)])
+    assert len(ClickHouseReader(store).records("run", "r")) == 1
+
+
+def test_finish_run_raises_when_the_files_cannot_be_synced(
+    open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
+
+    def fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_durable.os, "fsync", fsync)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    time.sleep(0.2)  # background passes fail meanwhile
+    with pytest.raises(StoreError, match="syncing the files of run run"):
+        commit(sink, run, [manifest("run", "r", 4, 1)])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from clickhouse_connect.driver.exceptions import OperationalError
 
-from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink, _commits
 from dmi_sglang.adapters.clickhouse._commits import COMMIT_INTERVAL_S
 from dmi_sglang.adapters.clickhouse._insert import open_inserter
 from dmi_sglang.columns import RecordBatch
@@ -99,3 +99,44 @@ def test_a_commit_behind_rows_that_failed_is_never_stored(
     with pytest.raises(StoreError):
         sink.close()
     assert ClickHouseReader(store).manifest("run", "r") is None
+
+
+def test_a_flush_does_not_wait_out_the_interval_between_commits(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_commits, "COMMIT_INTERVAL_S", 3600.0)
+    sink = open_sink()
+    sink.start_run(run_info("run", CAPTURES))
+    _put(sink, "first")
+    sink.commit_requests([manifest("run", "first", PROMPT, COMPLETION)])
+    sink.flush()  # the first insert of manifests: no interval before it
+    _put(sink, "second")
+    sink.commit_requests([manifest("run", "second", PROMPT, COMPLETION)])
+    flushed = threading.Thread(target=sink.flush, daemon=True)
+    flushed.start()
+    flushed.join(30)  # not the hour between two commits
+    assert not flushed.is_alive()
+    reader = ClickHouseReader(store)
+    assert [reader.manifest("run", r) is not None for r in ("first", "second")] == [True, True]
+    sink.close()
+
+
+def test_commits_keep_their_interval_while_nobody_waits(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_commits, "COMMIT_INTERVAL_S", 3600.0)
+    sink = open_sink()
+    sink.start_run(run_info("run", CAPTURES))
+    _put(sink, "first")
+    sink.commit_requests([manifest("run", "first", PROMPT, COMPLETION)])
+    sink.flush()
+    _put(sink, "second")
+    sink.commit_requests([manifest("run", "second", PROMPT, COMPLETION)])
+    time.sleep(1.0)  # rows stored, the manifest waits for the interval
+    reader = ClickHouseReader(store)
+    assert len(reader.records("run", "second")) == 3
+    assert reader.manifest("run", "second") is None
+    sink.close()  # closing cuts it short too: stored, not dropped
+    assert ClickHouseReader(store).manifest("run", "second") is not None

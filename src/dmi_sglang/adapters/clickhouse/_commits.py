@@ -7,7 +7,9 @@ in flight. :class:`RequestCommits` keeps each manifest with the record queue's i
 the time it came (:meth:`RecordQueue.mark`) and writes it, on its own thread, once every
 batch below that index is stored. Manifests that become ready together go in one insert,
 and inserts are at least :data:`COMMIT_INTERVAL_S` apart, so a server finishing hundreds of
-requests a second adds a few small parts a second to the manifests table, not hundreds.
+requests a second adds a few small parts a second to the manifests table, not hundreds;
+a caller waiting for them (:meth:`RequestCommits.wait_idle`: a flush, the run's stop) or
+closing cuts that interval short.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class RequestCommits:
         self._cond = threading.Condition()
         self._pending: deque[tuple[int, tuple[RequestManifest, ...]]] = deque()
         self._busy = False
+        self._waiters = 0
+        """Callers in :meth:`wait_idle`: the next insert does not wait for the interval."""
         self._closing = False
         self._failure: StoreError | None = None
         self.committed = 0
@@ -75,14 +79,20 @@ class RequestCommits:
             self._cond.notify_all()
 
     def wait_idle(self) -> None:
-        """Block until every manifest added so far is stored.
+        """Block until every manifest added so far is stored (an insert waiting for the
+        interval since the previous one goes at once).
 
         Raises:
             StoreError: a commit (or the sink) failed.
         """
         with self._cond:
-            while (self._pending or self._busy) and self._failure is None:
-                self._cond.wait()
+            self._waiters += 1
+            self._cond.notify_all()
+            try:
+                while (self._pending or self._busy) and self._failure is None:
+                    self._cond.wait()
+            finally:
+                self._waiters -= 1
             if self._failure is not None:
                 raise self._failure
 
@@ -106,7 +116,8 @@ class RequestCommits:
             try:
                 wait = last + COMMIT_INTERVAL_S - time.monotonic()
                 if wait > 0:
-                    time.sleep(wait)
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._waiters > 0 or self._closing, wait)
                 self._queue.wait_stored(index)
                 with self._cond:
                     ready = [m for i, ms in self._pending if i <= index for m in ms]

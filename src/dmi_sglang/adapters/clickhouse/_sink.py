@@ -15,7 +15,9 @@ queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close``
 
 On the embedded store, merges of the records table are held while a run captures
 (:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
-(:mod:`._durable`) before it returns.
+(:mod:`._durable`) before it returns. While the run captures, a background thread syncs
+the files written so far every :data:`SYNC_PASS_S`, so that sync is left only what the
+last pass could not see.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ from dmi_sglang.errors import StoreError
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["TOO_MANY_PARTS_WAIT_S", "ClickHouseSink", "SinkStats"]
+__all__ = ["SYNC_PASS_S", "TOO_MANY_PARTS_WAIT_S", "ClickHouseSink", "SinkStats"]
 
 log = structlog.get_logger(__name__)
 
 TOO_MANY_PARTS_WAIT_S = 120.0
 """Longest an insert refused with TOO_MANY_PARTS is repeated (merges running again)
 before the refusal becomes the sticky failure."""
+
+SYNC_PASS_S = 1.0
+"""While a run captures into an embedded store, the files written since the previous pass
+are synced this often in the background (``finish_run`` syncs what the last pass left:
+about this long of writes, plus the file clock's slack)."""
 
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
@@ -132,6 +139,10 @@ class ClickHouseSink:
         self._control: Client | None = None
         self._inserters: list[Inserter] = []
         self._sync_since_ns = time.time_ns() - _MTIME_SLACK_NS
+        self._sync_lock = threading.Lock()
+        """One sync at a time: each covers the files changed since the previous one began."""
+        self._sync_passes_stop = threading.Event()
+        self._syncer: threading.Thread | None = None
         try:
             self._control = self._factory(config)
             self._run_control("creating the capture tables", self._tables.ensure)
@@ -171,6 +182,7 @@ class ClickHouseSink:
         if self._config.kind is StoreKind.EMBEDDED:  # live before any reader can see the row
             mark_live(self._config.path, run.run_id)
             self._merges.hold()
+            self._start_sync_passes(run.run_id)
         self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
         if self._heartbeat_s > 0 and self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
@@ -239,8 +251,10 @@ class ClickHouseSink:
             self._write_control(self._tables.runs, [run_row(run)],
                                 f"finishing run {run.run_id}")
             if self._config.kind is StoreKind.EMBEDDED:
+                self._stop_sync_passes()
                 self._sync(run.run_id)
         finally:
+            self._stop_sync_passes()
             self._stop_heartbeat()
             self._not_live()
             self._merges.release("run finished")
@@ -257,6 +271,7 @@ class ClickHouseSink:
         if not self._closed:
             self._closed = True
             self._stop_heartbeat()
+            self._stop_sync_passes()
             self._not_live()
             self._queue.close()
             for t in self._threads:
@@ -320,18 +335,43 @@ class ClickHouseSink:
                 log.warning("store.close_failed", error=str(exc))
         close_quietly(self._control)
 
-    def _sync(self, run_id: str) -> None:
-        since, self._sync_since_ns = self._sync_since_ns, time.time_ns() - _MTIME_SLACK_NS
-        try:
-            report = sync_tree(self._config.path, since)
-        except OSError as exc:
-            self._sync_since_ns = since  # the next sync covers these files again
-            what = f"syncing the files of run {run_id} to disk"
-            raise store_error(what, exc, self._config) from exc
-        self._stats.synced(report.seconds)
-        log.info("store.synced", run_id=run_id, path=self._config.path, files=report.files,
-                 directories=report.directories, mb=round(report.nbytes / 1e6, 1),
-                 seconds=round(report.seconds, 3))
+    def _start_sync_passes(self, run_id: str) -> None:
+        if self._syncer is None:
+            self._sync_passes_stop.clear()
+            self._syncer = threading.Thread(target=self._sync_passes, args=(run_id,),
+                                            name="dmi-sink-sync", daemon=True)
+            self._syncer.start()
+
+    def _stop_sync_passes(self) -> None:
+        syncer, self._syncer = self._syncer, None
+        self._sync_passes_stop.set()
+        if syncer is not None:
+            syncer.join()
+
+    def _sync_passes(self, run_id: str) -> None:
+        """Every :data:`SYNC_PASS_S` while the run captures: sync what was written since
+        the previous pass. A pass that fails leaves its files to the next sync (the final
+        one raises if they still cannot be synced)."""
+        while not self._sync_passes_stop.wait(SYNC_PASS_S):
+            try:
+                self._sync(run_id, background=True)
+            except StoreError as exc:
+                log.warning("store.sync_pass_failed", run_id=run_id, error=str(exc))
+
+    def _sync(self, run_id: str, *, background: bool = False) -> None:
+        with self._sync_lock:
+            since, self._sync_since_ns = self._sync_since_ns, time.time_ns() - _MTIME_SLACK_NS
+            try:
+                report = sync_tree(self._config.path, since)
+            except OSError as exc:
+                self._sync_since_ns = since  # the next sync covers these files again
+                what = f"syncing the files of run {run_id} to disk"
+                raise store_error(what, exc, self._config) from exc
+        self._stats.synced(report.seconds, background=background)
+        (log.debug if background else log.info)(
+            "store.synced", run_id=run_id, path=self._config.path, files=report.files,
+            directories=report.directories, mb=round(report.nbytes / 1e6, 1),
+            seconds=round(report.seconds, 3), background=background)
 
     def _write_loop(self, inserter: Inserter) -> None:
         """Insert batches until the queue closes. Any exception, not only a store error

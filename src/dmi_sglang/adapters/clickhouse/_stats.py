@@ -32,6 +32,8 @@ class SinkStats:
             embedded engine's work that runs on the inserting thread; the engine's own
             threads not included).
         sync_seconds: time ``finish_run`` spent syncing the embedded store's new files.
+        background_sync_seconds: time the background passes spent syncing them while
+            runs captured (each pass what was written since the previous one).
         queued_bytes: bytes queued or in flight now (payload plus a row overhead).
     """
 
@@ -47,6 +49,7 @@ class SinkStats:
     insert_seconds: float = 0.0
     writer_cpu_seconds: float = 0.0
     sync_seconds: float = 0.0
+    background_sync_seconds: float = 0.0
     queued_bytes: int = 0
 
     @property
@@ -95,9 +98,13 @@ class StatsCounter:
         """Time one insert (with its retries) took."""
         self._add(insert_seconds=wall_s, writer_cpu_seconds=cpu_s)
 
-    def synced(self, seconds: float) -> None:
-        """A sync of the store's new files took ``seconds``."""
-        self._add(sync_seconds=seconds)
+    def synced(self, seconds: float, *, background: bool = False) -> None:
+        """A sync of the store's new files took ``seconds`` (``background``: a pass
+        while a run captured, else ``finish_run``'s)."""
+        if background:
+            self._add(background_sync_seconds=seconds)
+        else:
+            self._add(sync_seconds=seconds)
 
     def snapshot(self, *, queued_bytes: int = 0) -> SinkStats:
         """The counters now."""
