@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
@@ -184,3 +186,51 @@ def test_segments_wider_than_a_slab_go_out_in_row_runs(make_driver, monkeypatch,
                  if (r.request_id, r.act_name, r.layer_no) == ("a", "blocks.hook_resid_pre", 0)
                  and r.start_token_idx < 9]
     assert prefill_a == [(0, 8), (8, 9)]
+
+
+def test_direct_items_of_one_round_share_one_wait_before_release_and_hand_over(
+        make_driver, monkeypatch):
+    """Consecutive direct items are not waited for one by one: their copies are queued
+    as their records are built, and one wait covers them before any of their ring
+    regions is released or any batch goes to the sink; their request rows are held
+    after it, in order."""
+    from dmi_sglang.adapters.transport import _drain
+    from dmi_sglang.adapters.transport._device import DeviceOps
+
+    events: list[str] = []
+    real_queue, real_settle = DeviceOps.queue_to_host, DeviceOps.settle
+
+    def queue_to_host(self, markers, pairs):
+        events.append("queue")
+        return real_queue(self, markers, pairs)
+
+    def settle(self):
+        events.append("settle")
+        real_settle(self)
+
+    go = threading.Event()
+    real_linger = _drain.Drain._linger
+
+    def linger(self, item):
+        go.wait(30)  # every item below is queued before the drain takes the first
+        real_linger(self, item)
+
+    monkeypatch.setattr(DeviceOps, "queue_to_host", queue_to_host)
+    monkeypatch.setattr(DeviceOps, "settle", settle)
+    monkeypatch.setattr(_drain.Drain, "_linger", linger)
+    d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
+                          coalesce_decode=False)
+    real_release, real_put = d.t._alloc.release, sink.put
+    monkeypatch.setattr(d.t._alloc, "release", lambda: (events.append("release"),
+                                                        real_release())[1])
+    monkeypatch.setattr(sink, "put", lambda batch: (events.append("put"), real_put(batch)))
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    d.forward(BatchLayout.extend(["c"], [0], [4]))
+    d.forward(BatchLayout.decode(["a", "b", "c"], [6, 4, 5]))
+    go.set()
+    d.t.stop()
+    assert d.t.drain_counters()["direct_items"] == 3
+    first = events.index("queue")
+    round_ = events[first : events.index("put")]
+    assert round_ == ["queue", "queue", "queue", "settle", "release", "release", "release"]
+    d.verify(sink.records)  # the logits rows held after the wait, confirmed in order

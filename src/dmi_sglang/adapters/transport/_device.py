@@ -109,14 +109,22 @@ class DeviceOps:
             so for the device work before it on the drain's stream) and the seconds then
             waiting for the drain's stream (everything queued on it so far).
         """
+        call = self.queue_to_host(markers, pairs)
+        t1 = time.perf_counter()
+        self.settle()
+        return call, time.perf_counter() - t1
+
+    def queue_to_host(self, markers: Sequence[Marker],
+                      pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Queue the copies of :meth:`copies_to_host` without waiting for them (call
+        :meth:`settle` before the host reads a ``dst`` or the device writes a ``src``
+        again); returns the seconds the queueing took."""
         def copy() -> None:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=self.is_cuda)
         t0 = time.perf_counter()
         self.on_drain_stream(markers, copy)
-        t1 = time.perf_counter()
-        self.settle()
-        return t1 - t0, time.perf_counter() - t1
+        return time.perf_counter() - t0
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work

@@ -18,9 +18,13 @@ Per sealed item (a step, or one piece of a piecewise step), in commit order:
 
 *Direct* items skip staging: a step that is not coalesced and whose token groups' rows
 lie contiguous in the ring (a prefill, for instance) is copied from the ring straight
-into its payload slabs (one device-to-host copy per chunk of segments, one wait per
-item), so its token bytes cost the host no copy; only its request rows (one per
-request, held back a step) still pass through staging.
+into its payload slabs (one device-to-host copy per chunk of segments), so its token
+bytes cost the host no copy; only its request rows (one per request, held back a step)
+still pass through staging. Consecutive direct items are not waited for one by one: the
+next item's records are built while the copies queued before it run, and one wait
+covers them all before their batches go to the sink (every :data:`_EMIT_BYTES`), before
+anything else is drained and at the end of the wake-up; their ring regions are released
+and their request rows held after that wait, in item order.
 
 Finish notices (:class:`Finish`) travel through the same queue, so they are ordered after
 every step sealed before them; they settle the request rows held back (``_records``).
@@ -230,6 +234,8 @@ class Drain:
         self._unreleased = 0
         """Decode items whose rows were queued into the window but whose ring regions
         are not released yet (after the next settle)."""
+        # direct items whose copies were queued, not waited for (_settle_direct)
+        self._queued_direct: list[DrainItem] = []
         self._unfreed_slots: list[int] = []
         """Arena slots the drain stream's queued copies read (freed after the next wait
         for that stream)."""
@@ -253,8 +259,7 @@ class Drain:
         self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
         self.sink_seconds = 0.0
-        self.slot_items = 0
-        self.slot_rounds = 0
+        self.slot_items = self.slot_rounds = 0
         self.slot_seconds = 0.0
 
     @property
@@ -403,26 +408,15 @@ class Drain:
         while n < len(batch):
             self.gil.check()
             item = batch[n]
+            if self._queued_direct and not (isinstance(item, DrainItem)
+                                            and id(item) in direct):
+                self._settle_direct(out)  # everything else comes after their rows
             if isinstance(item, Finish):
                 self._finish(item, out)
                 n += 1
                 continue
             if id(item) in window_items:
-                assert window is not None
-                if not window.can_take(item.program, item.plan.layout):
-                    out = self._flush_window(out)
-                run = _window_run(batch, n, window_items,
-                                  window.room(item.program, item.plan.layout))
-                from_slots = in_slot_to_window(item)
-                window.append([it.seq for it in run], item.program, item.base,
-                              [it.plan.layout for it in run], [it.marker for it in run],
-                              arena_slot=item.slot if from_slots else -1)
-                if from_slots:
-                    self._unfreed_slots += [it.slot for it in run]
-                self._unreleased += len(run)
-                n += len(run)
-                if window.full or (window.due() and n == len(batch) and self._queue.empty()):
-                    out = self._flush_window(out)
+                n, out = self._to_window(batch, n, window_items, out)
                 continue
             n += 1
             if window is not None and window.rows:
@@ -432,20 +426,44 @@ class Drain:
                 self._release()
                 continue
             if id(item) in direct:
-                self._build_direct(item, out)
+                self._build_direct(item, out)  # released once its copies are waited for
             else:
                 before = out.bytes
                 build_records(self._run_id, item.plan, item.program, self._staging_np,
                               item.base, seq=item.seq, pool=self.pool, held=self.held,
                               out=out)
                 self.staged_copied_bytes += out.bytes - before
-            self._release()
+                self._release()
             if out.bytes >= _EMIT_BYTES:
                 out = self._hand_over(out)
+        self._settle_direct(out)
         self._release_window_items()
         self._free_slots()
         self.build_cpu_seconds += time.thread_time() - t0
         return out
+
+    def _to_window(self, batch: list[DrainItem | Finish], n: int, window_items: set[int],
+                   out: Emitted) -> tuple[int, Emitted]:
+        """Queue the run of window items that starts at ``batch[n]`` into the window
+        (flushing it first when they do not fit, and after when it is full or due);
+        the index after the run, and what is left to emit."""
+        window, item = self._window, batch[n]
+        assert window is not None
+        assert isinstance(item, DrainItem)
+        if not window.can_take(item.program, item.plan.layout):
+            out = self._flush_window(out)
+        run = _window_run(batch, n, window_items, window.room(item.program, item.plan.layout))
+        from_slots = in_slot_to_window(item)
+        window.append([it.seq for it in run], item.program, item.base,
+                      [it.plan.layout for it in run], [it.marker for it in run],
+                      arena_slot=item.slot if from_slots else -1)
+        if from_slots:
+            self._unfreed_slots += [it.slot for it in run]
+        self._unreleased += len(run)
+        n += len(run)
+        if window.full or (window.due() and n == len(batch) and self._queue.empty()):
+            out = self._flush_window(out)
+        return n, out
 
     def _out_of_slots(self, items: list[DrainItem], window_items: set[int]) -> None:
         """Queue the copies of the rows of the items still in arena slots that the window
@@ -536,8 +554,9 @@ class Drain:
 
     def _build_direct(self, item: DrainItem, out: Emitted) -> None:
         """Records of a direct item: token chunks are allocated and sliced into records
-        first, then filled by one batch of device-to-host copies (before anyone sees
-        them) that also brings the request rows' groups to staging; those are held last."""
+        first, then filled by device-to-host copies queued on the drain's stream, which
+        also bring the request rows' groups to staging. Not waited for here: see
+        :meth:`_settle_direct` (no batch reaches the sink before it)."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def fill(group: Group, span: Span, chunk: Chunk) -> None:
@@ -550,19 +569,38 @@ class Drain:
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
                       seq=item.seq, pool=self.direct_pool, held=self.held, out=out, fill=fill,
                       request_rows=False)
-        requests = [g for g in item.program.groups if g.request_rows]
-        for g in requests:
-            a = item.base + g.ring_offset
-            b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
-            pairs.append((self._staging[a:b], self._ring[a:b]))
-        cpu = time.thread_time()
-        self._copy_to_host([item.marker], pairs)
-        self._free_slots(settled=True)  # the copies waited for the drain's stream
+        for g in item.program.groups:
+            if g.request_rows:
+                a = item.base + g.ring_offset
+                b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
+                pairs.append((self._staging[a:b], self._ring[a:b]))
+        t0 = time.perf_counter()
+        self.d2h_call_seconds += self._ops.queue_to_host([item.marker], pairs)
+        self.d2h_seconds += time.perf_counter() - t0
+        self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
+        self._queued_direct.append(item)
         self.direct_items += 1
-        self.build_cpu_seconds -= time.thread_time() - cpu  # copy time is not build time
-        if requests:
-            hold_request_rows(self._run_id, item.seq, item.plan, requests, self._staging_np,
-                              item.base, self.held, out)
+
+    def _settle_direct(self, out: Emitted) -> None:
+        """Wait for the copies of the direct items queued so far, then release their ring
+        regions (the ring frees in order: nothing else was released after them) and hold
+        their request rows, in item order."""
+        items, self._queued_direct = self._queued_direct, []
+        if not items:
+            return
+        cpu, t0 = time.thread_time(), time.perf_counter()
+        self._ops.settle()
+        waited = time.perf_counter() - t0
+        self.d2h_seconds += waited
+        self.d2h_wait_seconds += waited
+        self.build_cpu_seconds -= time.thread_time() - cpu  # waiting is not build time
+        self._free_slots(settled=True)
+        for item in items:
+            self._release()
+            requests = [g for g in item.program.groups if g.request_rows]
+            if requests:
+                hold_request_rows(self._run_id, item.seq, item.plan, requests,
+                                  self._staging_np, item.base, self.held, out)
 
     def _flush_window(self, out: Emitted) -> Emitted:
         """Flush the window into ``out`` and hand it to the sink: a window's page-locked
@@ -575,6 +613,7 @@ class Drain:
         return self._hand_over(out)
 
     def _hand_over(self, out: Emitted) -> Emitted:
+        self._settle_direct(out)  # no payload goes out before its copy is done
         self._free_slots()  # before the sink, which may block
         cpu = time.thread_time()
         self._emit(out)
