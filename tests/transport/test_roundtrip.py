@@ -234,3 +234,37 @@ def test_direct_items_of_one_round_share_one_wait_before_release_and_hand_over(
     round_ = events[first : events.index("put")]
     assert round_ == ["queue", "queue", "queue", "settle", "release", "release", "release"]
     d.verify(sink.records)  # the logits rows held after the wait, confirmed in order
+
+
+def test_no_batch_of_a_direct_item_reaches_the_sink_before_its_copies_were_waited_for(
+        make_driver, monkeypatch):
+    """Batches handed over in the middle of a round (every ``_EMIT_BYTES``) wait for the
+    copies queued before them."""
+    from dmi_sglang.adapters.transport import _drain
+    from dmi_sglang.adapters.transport._device import DeviceOps
+
+    events: list[str] = []
+    real_queue, real_settle = DeviceOps.queue_to_host, DeviceOps.settle
+    monkeypatch.setattr(DeviceOps, "queue_to_host", lambda self, markers, pairs: (
+        events.append("queue"), real_queue(self, markers, pairs))[1])
+    monkeypatch.setattr(DeviceOps, "settle", lambda self: (events.append("settle"),
+                                                           real_settle(self))[1])
+    monkeypatch.setattr(_drain, "_EMIT_BYTES", 1)  # a hand-over after every item
+    go = threading.Event()
+    real_linger = _drain.Drain._linger
+    monkeypatch.setattr(_drain.Drain, "_linger",
+                        lambda self, item: (go.wait(30), real_linger(self, item))[1])
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, coalesce_decode=False)
+    real_put = sink.put
+    monkeypatch.setattr(sink, "put", lambda batch: (events.append("put"), real_put(batch)))
+    for rid in ("a", "b", "c"):
+        d.forward(BatchLayout.extend([rid], [0], [4]))
+    go.set()
+    d.t.stop()
+    assert events.count("queue") == 3
+    assert events.count("put") >= 3
+    for i, event in enumerate(events):
+        if event == "put":
+            queued = max(j for j in range(i) if events[j] == "queue")
+            assert "settle" in events[queued:i], events
+    d.verify(sink.records)

@@ -16,8 +16,10 @@ queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close``
 On the embedded store, merges of the records table are held while a run captures
 (:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
 (:mod:`._durable`) before it returns. While the run captures, a background thread syncs
-the files written so far every :data:`SYNC_PASS_S`, so that sync is left only what the
-last pass could not see.
+the files written so far every :data:`SYNC_PASS_S`, so that most files are already
+clean when that final sync (which still covers every file changed since the previous
+final sync: a pass may miss a part whose directory was renamed during its walk) fsyncs
+them.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ TOO_MANY_PARTS_WAIT_S = 120.0
 before the refusal becomes the sticky failure."""
 
 SYNC_PASS_S = 1.0
-"""While a run captures into an embedded store, the files written since the previous pass
-are synced this often in the background (``finish_run`` syncs what the last pass left:
-about this long of writes, plus the file clock's slack)."""
+"""While a run captures into an embedded store and something was written since the
+previous pass, the files changed since then are synced this often in the background, so
+that ``finish_run``'s sync finds them clean (fsync of a clean file costs little)."""
 
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
@@ -140,7 +142,11 @@ class ClickHouseSink:
         self._inserters: list[Inserter] = []
         self._sync_since_ns = time.time_ns() - _MTIME_SLACK_NS
         self._sync_lock = threading.Lock()
-        """One sync at a time: each covers the files changed since the previous one began."""
+        """One sync at a time."""
+        self._pass_since_ns = self._sync_since_ns
+        """The background passes' own cutoff (the final sync keeps ``_sync_since_ns``)."""
+        self._written = threading.Event()
+        """Set by every write; a background pass runs only when it was set."""
         self._sync_passes_stop = threading.Event()
         self._syncer: threading.Thread | None = None
         try:
@@ -182,8 +188,9 @@ class ClickHouseSink:
         if self._config.kind is StoreKind.EMBEDDED:  # live before any reader can see the row
             mark_live(self._config.path, run.run_id)
             self._merges.hold()
-            self._start_sync_passes(run.run_id)
         self._write_control(self._tables.runs, [run_row(run)], f"recording run {run.run_id}")
+        if self._config.kind is StoreKind.EMBEDDED:
+            self._start_sync_passes(run.run_id)
         if self._heartbeat_s > 0 and self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
                                                daemon=True)
@@ -349,16 +356,33 @@ class ClickHouseSink:
             syncer.join()
 
     def _sync_passes(self, run_id: str) -> None:
-        """Every :data:`SYNC_PASS_S` while the run captures: sync what was written since
-        the previous pass. A pass that fails leaves its files to the next sync (the final
-        one raises if they still cannot be synced)."""
+        """Every :data:`SYNC_PASS_S` while the run captures, when something was written
+        since the previous pass: sync the files changed since then. A failed pass is
+        logged; its files are left to the next pass and to the final sync."""
+        failures = 0
         while not self._sync_passes_stop.wait(SYNC_PASS_S):
+            if not self._written.is_set():
+                continue
+            self._written.clear()  # before the walk: a write during it sets it again
+            started = time.time_ns()
             try:
-                self._sync(run_id, background=True)
-            except StoreError as exc:
-                log.warning("store.sync_pass_failed", run_id=run_id, error=str(exc))
+                with self._sync_lock:
+                    report = sync_tree(self._config.path, self._pass_since_ns)
+                    self._pass_since_ns = started - _MTIME_SLACK_NS
+            except OSError as exc:
+                self._written.set()
+                failures += 1
+                if failures == 1:
+                    log.warning("store.sync_pass_failed", run_id=run_id, error=str(exc))
+                continue
+            if failures:
+                log.info("store.sync_pass_recovered", run_id=run_id, failed_passes=failures)
+                failures = 0
+            self._stats.synced(report.seconds, background=True)
 
-    def _sync(self, run_id: str, *, background: bool = False) -> None:
+    def _sync(self, run_id: str) -> None:
+        """Sync every file changed since the previous final sync (those the background
+        passes synced are clean by now: their fsync costs little)."""
         with self._sync_lock:
             since, self._sync_since_ns = self._sync_since_ns, time.time_ns() - _MTIME_SLACK_NS
             try:
@@ -367,11 +391,11 @@ class ClickHouseSink:
                 self._sync_since_ns = since  # the next sync covers these files again
                 what = f"syncing the files of run {run_id} to disk"
                 raise store_error(what, exc, self._config) from exc
-        self._stats.synced(report.seconds, background=background)
-        (log.debug if background else log.info)(
-            "store.synced", run_id=run_id, path=self._config.path, files=report.files,
-            directories=report.directories, mb=round(report.nbytes / 1e6, 1),
-            seconds=round(report.seconds, 3), background=background)
+            self._pass_since_ns = max(self._pass_since_ns, self._sync_since_ns)
+        self._stats.synced(report.seconds)
+        log.info("store.synced", run_id=run_id, path=self._config.path, files=report.files,
+                 directories=report.directories, mb=round(report.nbytes / 1e6, 1),
+                 seconds=round(report.seconds, 3))
 
     def _write_loop(self, inserter: Inserter) -> None:
         """Insert batches until the queue closes. Any exception, not only a store error
@@ -389,6 +413,7 @@ class ClickHouseSink:
                     self._stats.insert_time(time.monotonic() - started,
                                             time.thread_time() - cpu)
                 self._stats.inserted(taken)
+                self._written.set()
                 self._queue.done(taken)
                 parts = 1 + taken.payload_bytes // _SQUASH_BYTES + taken.records // _SQUASH_ROWS
                 del taken  # the payloads go back to their owner while this writer waits
@@ -460,6 +485,7 @@ class ClickHouseSink:
         for attempt in range(self._retries + 1):
             try:
                 self._run_control(what, lambda c: c.insert(table, rows, column_names=names))
+                self._written.set()
                 return
             except StoreError as failure:
                 cause = failure.__cause__
