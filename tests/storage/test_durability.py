@@ -281,6 +281,24 @@ def _wait_until(done: Callable[[], bool], seconds: float = 10.0) -> bool:
     return True
 
 
+def _record_passes(monkeypatch: pytest.MonkeyPatch, *, blind: bool = False) -> list[int]:
+    """Background passes every 0.05 s, each recorded (its cutoff); ``blind`` ones see
+    nothing and sync nothing (as a pass that missed every part)."""
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
+    real = _sink.sync_tree
+    passes: list[int] = []
+
+    def sync_tree(root: str, since_ns: int) -> _durable.SyncReport:
+        if threading.current_thread().name == "dmi-sink-sync":
+            passes.append(since_ns)
+            if blind:
+                return _durable.SyncReport(0, 0, 0, 0.001)
+        return real(root, since_ns)
+
+    monkeypatch.setattr(_sink, "sync_tree", sync_tree)
+    return passes
+
+
 def _sync_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dmi-sink-sync"]
 
@@ -320,17 +338,7 @@ def test_finish_run_syncs_what_the_background_passes_missed(
 ) -> None:
     """A pass can miss a part whose directory is renamed into place during its walk:
     the sync at finish does not rely on the passes."""
-    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
-    real = _sink.sync_tree
-    passes: list[int] = []
-
-    def missing_everything(root: str, since_ns: int) -> _durable.SyncReport:
-        if threading.current_thread().name == "dmi-sink-sync":
-            passes.append(since_ns)
-            return _durable.SyncReport(0, 0, 0, 0.001)  # saw nothing
-        return real(root, since_ns)
-
-    monkeypatch.setattr(_sink, "sync_tree", missing_everything)
+    passes = _record_passes(monkeypatch, blind=True)
     sink = open_sink()
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
@@ -348,16 +356,7 @@ def test_finish_run_syncs_what_the_background_passes_missed(
 def test_background_passes_wait_for_writes(
     open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
-    real = _sink.sync_tree
-    passes: list[int] = []
-
-    def counted(root: str, since_ns: int) -> _durable.SyncReport:
-        if threading.current_thread().name == "dmi-sink-sync":
-            passes.append(since_ns)
-        return real(root, since_ns)
-
-    monkeypatch.setattr(_sink, "sync_tree", counted)
+    passes = _record_passes(monkeypatch)
     sink = open_sink()
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)  # the run's row: one write

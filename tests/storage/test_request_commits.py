@@ -101,11 +101,13 @@ def test_a_commit_behind_rows_that_failed_is_never_stored(
     assert ClickHouseReader(store).manifest("run", "r") is None
 
 
-def test_a_flush_does_not_wait_out_the_interval_between_commits(
-    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_commits, "COMMIT_INTERVAL_S", 60.0)  # a regression: 60 s, not a hang
+def _second_commit_within_the_interval(
+    open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
+) -> ClickHouseSink:
+    """A sink whose first manifest is stored and whose second one, with its rows, came
+    right after: it waits for the interval between two commits (60 s, so a regression
+    fails instead of hanging)."""
+    monkeypatch.setattr(_commits, "COMMIT_INTERVAL_S", 60.0)
     sink = open_sink()
     sink.start_run(run_info("run", CAPTURES))
     _put(sink, "first")
@@ -113,6 +115,14 @@ def test_a_flush_does_not_wait_out_the_interval_between_commits(
     sink.flush()  # the first insert of manifests: no interval before it
     _put(sink, "second")
     sink.commit_requests([manifest("run", "second", PROMPT, COMPLETION)])
+    return sink
+
+
+def test_a_flush_does_not_wait_out_the_interval_between_commits(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink = _second_commit_within_the_interval(open_sink, monkeypatch)
     flushed = threading.Thread(target=sink.flush, daemon=True)
     flushed.start()
     flushed.join(20)  # not the minute between two commits
@@ -126,14 +136,7 @@ def test_commits_keep_their_interval_while_nobody_waits(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_commits, "COMMIT_INTERVAL_S", 60.0)  # a regression: 60 s, not a hang
-    sink = open_sink()
-    sink.start_run(run_info("run", CAPTURES))
-    _put(sink, "first")
-    sink.commit_requests([manifest("run", "first", PROMPT, COMPLETION)])
-    sink.flush()
-    _put(sink, "second")
-    sink.commit_requests([manifest("run", "second", PROMPT, COMPLETION)])
+    sink = _second_commit_within_the_interval(open_sink, monkeypatch)
     time.sleep(1.0)  # rows stored, the manifest waits for the interval
     reader = ClickHouseReader(store)
     assert len(reader.records("run", "second")) == 3

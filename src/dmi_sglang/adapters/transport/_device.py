@@ -94,31 +94,20 @@ class DeviceOps:
         event.record(stream)
         return event, stream.cuda_stream
 
-    def copies_to_host(self, markers: Sequence[Marker],
-                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """Copy each ``src`` (device) into its ``dst`` (host) once every marker completed;
-        blocks until all are done (one wait, one completion).
-
-        Runs on the drain's own stream, so the copies overlap the next forward; the GIL is
-        released while waiting. Markers of one stream complete in order, so only the last
-        marker of each stream is waited for. Each marker is used once: it is recycled here.
-
-        Returns:
-            The seconds queueing the copies (a ``copy_`` call returns at once for
-            page-locked memory; a pageable destination makes it wait for its copy, and
-            so for the device work before it on the drain's stream) and the seconds then
-            waiting for the drain's stream (everything queued on it so far).
-        """
-        call = self.queue_to_host(markers, pairs)
-        t1 = time.perf_counter()
-        self.settle()
-        return call, time.perf_counter() - t1
-
     def queue_to_host(self, markers: Sequence[Marker],
                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Queue the copies of :meth:`copies_to_host` without waiting for them (call
+        """Queue the copy of each ``src`` (device) into its ``dst`` (host) on the drain's
+        own stream, once every marker completed, without waiting for them: call
         :meth:`settle` before the host reads a ``dst`` or the device writes a ``src``
-        again); returns the seconds the queueing took."""
+        again. The copies overlap the next forward. Markers of one stream complete in
+        order, so only the last marker of each stream is waited for; each marker is used
+        once (recycled at the next settle).
+
+        Returns:
+            The seconds queueing took (a ``copy_`` call returns at once for page-locked
+            memory; a pageable destination makes it wait for its copy, and so for the
+            device work before it on the drain's stream).
+        """
         def copy() -> None:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=self.is_cuda)

@@ -252,7 +252,8 @@ class Drain:
         self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
-        # of d2h_seconds: queueing the copies, then waiting for them (_copy_to_host)
+        # of d2h_seconds: queueing the copies, then waiting for them (_queue_to_host,
+        # _wait_for_copies)
         self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
         self.direct_items = 0
         self.staged_copied_bytes = 0
@@ -538,15 +539,27 @@ class Drain:
 
     def _copy_to_host(self, markers: list[Marker],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The device-to-host copies of staged or direct items (blocks until done),
-        counted in ``d2h_bytes`` and ``d2h_seconds``, the latter split into queueing the
-        copies and waiting for them (:meth:`DeviceOps.copies_to_host`)."""
+        """The device-to-host copies of staged items, waited for."""
+        self._queue_to_host(markers, pairs)
+        self._wait_for_copies()
+
+    def _queue_to_host(self, markers: list[Marker],
+                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue device-to-host copies (:meth:`DeviceOps.queue_to_host`), counted in
+        ``d2h_bytes``, ``d2h_seconds`` and its queueing part."""
         t0 = time.perf_counter()
-        call, wait = self._ops.copies_to_host(markers, pairs)
+        self.d2h_call_seconds += self._ops.queue_to_host(markers, pairs)
         self.d2h_seconds += time.perf_counter() - t0
-        self.d2h_call_seconds += call
-        self.d2h_wait_seconds += wait
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
+
+    def _wait_for_copies(self) -> None:
+        """Wait for everything queued on the drain's stream, counted in ``d2h_seconds``
+        and its waiting part."""
+        t0 = time.perf_counter()
+        self._ops.settle()
+        waited = time.perf_counter() - t0
+        self.d2h_seconds += waited
+        self.d2h_wait_seconds += waited
 
     def _direct(self, item: DrainItem) -> bool:
         """True for an item copied from the ring straight into payload memory."""
@@ -574,10 +587,7 @@ class Drain:
                 a = item.base + g.ring_offset
                 b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
                 pairs.append((self._staging[a:b], self._ring[a:b]))
-        t0 = time.perf_counter()
-        self.d2h_call_seconds += self._ops.queue_to_host([item.marker], pairs)
-        self.d2h_seconds += time.perf_counter() - t0
-        self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
+        self._queue_to_host([item.marker], pairs)
         self._queued_direct.append(item)
         self.direct_items += 1
 
@@ -588,11 +598,8 @@ class Drain:
         items, self._queued_direct = self._queued_direct, []
         if not items:
             return
-        cpu, t0 = time.thread_time(), time.perf_counter()
-        self._ops.settle()
-        waited = time.perf_counter() - t0
-        self.d2h_seconds += waited
-        self.d2h_wait_seconds += waited
+        cpu = time.thread_time()
+        self._wait_for_copies()
         self.build_cpu_seconds -= time.thread_time() - cpu  # waiting is not build time
         self._free_slots(settled=True)
         for item in items:
