@@ -237,3 +237,27 @@ def test_one_further_means_every_value_exactly_one_more_in_order() -> None:
     assert not one_further([5, 9, 2], [4, 7, 1])  # one of them two further
     assert not one_further([5, 8], [4, 7, 1])  # a request left
     assert not one_further([4, 7, 1], [4, 7, 1])  # not moved
+    assert not one_further([5, 8, 3], [4, 7, 1])  # the same sum, not every one moved
+
+
+def test_a_decode_layout_follows_the_one_before_it_by_run_or_by_positions() -> None:
+    """``follows``: the next decode forward of the same requests, each one position
+    further; a layout moved on from another follows it by its run number and step,
+    any other pair is compared position by position."""
+    first = BatchLayout.decode(["a", "b"], [4, 9])
+    moved = first.moved_on()
+    assert moved.positions() == [("a", 4), ("b", 9)]
+    assert moved.follows(first)
+    assert moved.moved_on().follows(moved)
+    assert not first.follows(moved)
+    assert not moved.moved_on().follows(first)
+    assert moved.with_padding(8).follows(first.with_padding(8))
+    assert first.moved_on((5, 10)).follows(first)  # the caller's positions, as given
+    fresh = BatchLayout.decode(["a", "b"], [5, 10])  # another run: by positions
+    assert fresh.run != first.run
+    assert fresh.follows(first)
+    assert not fresh.follows(moved)
+    assert not BatchLayout.decode(["a", "c"], [5, 10]).follows(first)  # other requests
+    assert not BatchLayout.extend(["a", "b"], [4, 9], [1, 1]).follows(first)  # not decode
+    with pytest.raises(CommitError, match="3 positions for a decode batch of 2"):
+        first.moved_on((1, 2, 3))

@@ -58,8 +58,16 @@ def test_a_steady_decode_batch_moves_on_and_any_other_is_read_afresh() -> None:
     moved = layout_from_forward_batch(_fb("DECODE", list(rids), [8, 4, 13]))
     assert moved == BatchLayout.decode(("a", "b", "c"), [8, 4, 13])
     assert moved.request_ids is first.request_ids  # the same stored tuple
+    assert moved.follows(first)
+    assert moved.run == first.run
+    assert moved.run_step == first.run_step + 1
     jumped = layout_from_forward_batch(_fb("DECODE", rids, [9, 4, 14]))
     assert jumped.positions() == [("a", 8), ("b", 3), ("c", 13)]
+    assert not jumped.follows(moved)  # b did not move on
+    assert jumped.run != moved.run  # a run of its own
+    again = layout_from_forward_batch(_fb("DECODE", rids, [9, 4, 14]))  # read twice
+    assert not again.follows(jumped)
+    assert layout_from_forward_batch(_fb("DECODE", rids, [10, 5, 15])).follows(again)
     other = layout_from_forward_batch(_fb("DECODE", ["a", "c"], [10, 15]))
     assert other.positions() == [("a", 9), ("c", 14)]
     padded = layout_from_forward_batch(_fb("DECODE", ["a", "c"], [11, 16]), padded_batch_size=4)

@@ -700,7 +700,7 @@ def test_errors_of_the_captures_own_work_inside_the_forward_are_capture_errors(
 
     import torch
 
-    from dmi_sglang.adapters.sglang_v0519 import batch, runtime_hooks
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
     from dmi_sglang.adapters.transport._capturer import Capturer
     from dmi_sglang.errors import CaptureError
 
@@ -710,7 +710,7 @@ def test_errors_of_the_captures_own_work_inside_the_forward_are_capture_errors(
     mon = SimpleNamespace(in_forward=lambda: True, unfinished=frozenset(),
                           commit_eager=broken, add_host_seconds=lambda s: None)
     monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
-    monkeypatch.setattr(batch, "layout_from_forward_batch", lambda fb, **kw: "layout")
+    monkeypatch.setattr(runtime_hooks, "layout_from_forward_batch", lambda fb, **kw: "layout")
     with pytest.raises(CaptureError, match=r"the eager commit: KeyError\('rid-7'\)") as info:
         runtime_hooks.after_eager_load_batch(None, SimpleNamespace(), SimpleNamespace())
     assert isinstance(info.value.__cause__, KeyError)

@@ -289,7 +289,7 @@ def test_a_steady_decode_batch_costs_no_device_operation_a_step(make_driver) -> 
     for n in range(2):  # the run's first step uploads its index
         d.forward(BatchLayout.decode(["a", "b"], [4 + n, 4 + n], padded_batch_size=4),
                   padded=True)
-    rids = d.t._last_slots._run.request_ids  # the adapter passes an unchanged tuple
+    rids = d.t._last_slots._run.batch.request_ids  # the adapter passes an unchanged tuple
     layout = BatchLayout.decode(rids, [6, 6], padded_batch_size=4)
     d.step += 1
     with Ops() as ops:

@@ -41,7 +41,7 @@ from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
-from dmi_sglang.domain.plan import CommitPlan, StepProtocol, make_plan
+from dmi_sglang.domain.plan import CommitPlan, StepProtocol, StepState, make_plan
 from dmi_sglang.domain.ports import CaptureTransport, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
@@ -516,7 +516,7 @@ class SchedulerMonitor:
 
     def in_forward(self) -> bool:
         """True between :meth:`begin_forward` and :meth:`end_forward`."""
-        return self.protocol.state.value != "idle"
+        return self.protocol.state is not StepState.IDLE
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""

@@ -75,6 +75,14 @@ class BatchLayout:
     """Requests the forward runs with, padding included (== raw unless graph replay)."""
     token_rows: int
     """Real token rows (padding excluded)."""
+    run: int = attrs.field(default=0, eq=False)
+    """The run of decode forwards this layout belongs to: a number of its own for each
+    layout :meth:`decode` builds, kept by :meth:`moved_on` and :meth:`with_padding`
+    (0: no run; other constructors)."""
+    run_step: int = attrs.field(default=0, eq=False)
+    """Forwards this layout moved on from the first of its run (:meth:`moved_on`)."""
+    _uniform: bool | None = attrs.field(default=None, eq=False, repr=False)
+    """:attr:`is_uniform_decode`, when the constructor knew it (None: computed on use)."""
 
     @property
     def requests(self) -> tuple[RequestRows, ...]:
@@ -105,7 +113,21 @@ class BatchLayout:
     @property
     def is_uniform_decode(self) -> bool:
         """One row per request and every request emits (plain decode)."""
+        known = self._uniform
+        if known is not None:
+            return known
         return self.token_rows == self.raw_batch_size and all(self.emits)
+
+    def follows(self, other: BatchLayout) -> bool:
+        """True when this layout is the decode forward right after ``other``'s, of the same
+        requests, each one position further: known in O(1) for layouts of one run of
+        :meth:`moved_on` (the same ``request_ids`` tuple object, the next
+        :attr:`run_step`), else checked position by position."""
+        if self.kind is not ForwardKind.DECODE or other.kind is not ForwardKind.DECODE:
+            return False
+        if self.run == other.run != 0 and self.run_step == other.run_step + 1:
+            return True
+        return self.request_ids == other.request_ids and one_further(self.starts, other.starts)
 
     def positions(self) -> list[tuple[str, int]]:
         """``(request_id, position)`` of every real row, in row order."""
@@ -135,20 +157,28 @@ class BatchLayout:
             raise CommitError(msg)
         return cls._build(ForwardKind.DECODE, tuple(request_ids),
                           tuple([v - 1 for v in seq_lens]), (1,) * n, (True,) * n, n,
-                          padded_batch_size)
+                          padded_batch_size, run=next(_RUNS), uniform=True)
 
-    def moved_on(self) -> BatchLayout:
+    def moved_on(self, starts: tuple[int, ...] | None = None) -> BatchLayout:
         """The next decode forward of the same requests, each one position further (what
-        a steady decode batch becomes every step; nothing is checked again).
+        a steady decode batch becomes every step); ``starts``: those positions when the
+        caller has them already (a steady batch's new positions are its previous
+        ``seq_lens``), taken as they are.
 
         Raises:
-            CommitError: not a decode layout.
+            CommitError: not a decode layout, or ``starts`` of another length.
         """
         if self.kind is not ForwardKind.DECODE:
             msg = f"only a decode layout moves on by a position, not a {self.kind.value} one"
             raise CommitError(msg)
-        return BatchLayout(self.kind, self.request_ids, tuple(map(_ONE_MORE, self.starts)),
-                           self.counts, self.emits, self.padded_batch_size, self.token_rows)
+        if starts is None:
+            starts = tuple(map(_ONE_MORE, self.starts))
+        elif len(starts) != len(self.starts):
+            msg = f"{len(starts)} positions for a decode batch of {len(self.starts)} requests"
+            raise CommitError(msg)
+        return BatchLayout(self.kind, self.request_ids, starts, self.counts, self.emits,
+                           self.padded_batch_size, self.token_rows, self.run,
+                           self.run_step + 1, self._uniform)
 
     @classmethod
     def extend(
@@ -201,12 +231,17 @@ class BatchLayout:
         emits: tuple[bool, ...],
         token_rows: int,
         padded: int | None,
+        *,
+        run: int = 0,
+        run_step: int = 0,
+        uniform: bool | None = None,
     ) -> BatchLayout:
         padded_bs = len(rids) if padded is None else padded
         if padded_bs < len(rids):
             msg = f"padded batch size {padded_bs} is smaller than the {len(rids)} real requests"
             raise CommitError(msg)
-        return cls(kind, rids, starts, counts, emits, padded_bs, token_rows)
+        return cls(kind, rids, starts, counts, emits, padded_bs, token_rows, run, run_step,
+                   uniform)
 
     def subset(self, indices: Sequence[int],
                request_ids: tuple[str, ...] | None = None) -> BatchLayout:
@@ -219,18 +254,24 @@ class BatchLayout:
                            tuple(self.emits[i] for i in indices), sum(counts), None)
 
     def with_padding(self, padded_batch_size: int) -> BatchLayout:
-        """The same layout padded to another batch size."""
+        """The same layout padded to another batch size (itself when it has that size)."""
+        if padded_batch_size == self.padded_batch_size:
+            return self
         return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,
-                           self.token_rows, padded_batch_size)
+                           self.token_rows, padded_batch_size, run=self.run,
+                           run_step=self.run_step, uniform=self._uniform)
 
 
 _ONE_MORE = (1).__add__
+_RUNS = itertools.count(1)
+"""Numbers of decode runs (:attr:`BatchLayout.run`)."""
 
 
 def one_further(now: Sequence[int], before: Sequence[int]) -> bool:
     """True when ``now`` is ``before`` with every value one more, in order (a steady
     decode batch's positions or lengths, a step later)."""
-    return len(now) == len(before) and all(map(operator.eq, now, map(_ONE_MORE, before)))
+    n = len(now)
+    return n == len(before) and list(map(operator.sub, now, before)) == [1] * n
 
 
 def _same_length(**columns: Sequence[object]) -> None:

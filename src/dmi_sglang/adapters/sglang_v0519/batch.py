@@ -54,7 +54,8 @@ def layout_from_forward_batch(
             ``rids`` (the prefill graph's static batch), inconsistent lengths, or padding
             on a non-decode forward.
     """
-    mode = getattr(fb.forward_mode, "name", str(fb.forward_mode))
+    forward_mode = fb.forward_mode
+    mode = getattr(forward_mode, "name", None) or str(forward_mode)
     if mode not in CAPTURED_MODES:
         msg = f"forward mode {mode} cannot be captured; captured: {', '.join(CAPTURED_MODES)}"
         raise CommitError(msg)
@@ -106,13 +107,14 @@ _last_decode: tuple[tuple[str, ...], list[int], BatchLayout] | None = None
 def _decode(rids: tuple[str, ...], seq_lens: list[int], padded: int | None) -> BatchLayout:
     """The decode layout; for the same requests as the previous decode forward, each one
     token further (a steady batch: the same rids tuple, every seq_len one more), that
-    layout moved on instead of built and checked again."""
+    layout moved on (its new positions: the previous forward's seq_lens) instead of
+    built and checked again."""
     global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
     if padded is not None:
         return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded)
     last = _last_decode
     if last is not None and rids is last[0] and one_further(seq_lens, last[1]):
-        layout = last[2].moved_on()
+        layout = last[2].moved_on(tuple(last[1]))
     else:
         layout = BatchLayout.decode(rids, seq_lens)
     _last_decode = (rids, seq_lens, layout)

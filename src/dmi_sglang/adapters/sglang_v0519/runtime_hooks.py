@@ -18,6 +18,7 @@ import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.adapters.sglang_v0519._state import SERVER_MARK
+from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch, unfinished_rids
 from dmi_sglang.domain.ports import CaptureSession
 from dmi_sglang.domain.settings import (
     Settings,
@@ -224,8 +225,6 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
     mon = _forwarding()
     if not ok or mon is None:
         return ok
-    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
-
     t0 = perf_counter()
     try:
         layout = layout_from_forward_batch(fb)
@@ -259,8 +258,6 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
             except Exception as exc:  # the capture's own code: any failure is the capture's
                 _serve_on_or_raise(graph_runner.model_runner, idle, exc)
         return
-    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
-
     t0 = perf_counter()
     try:
         plan = mon.graph_plan(int(graph_runner.bs), lambda: layout_from_forward_batch(fb))
@@ -283,8 +280,6 @@ def after_eager_load_batch(result: Any, eager_runner: Any, fb: Any, *args: Any,
     mon = _forwarding()
     if mon is None:
         return
-    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
-
     t0 = perf_counter()
     try:
         layout = layout_from_forward_batch(result if result is not None else fb,
@@ -310,8 +305,6 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     """Remember the batch's Req objects (prompt/output lengths for the manifest)."""
     mon = _capturing()
     if mon is not None and batch is not None:
-        from dmi_sglang.adapters.sglang_v0519.batch import unfinished_rids
-
         t0 = perf_counter()
         try:
             mon.add_requests(batch.reqs, unfinished_rids(batch))

@@ -42,7 +42,7 @@ from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes, last_slot_groups
 from dmi_sglang.domain.hooks import RowBasis, Selection
-from dmi_sglang.domain.layout import one_further
+from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, emitting_rows
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
@@ -124,24 +124,21 @@ class _Run:
     """Consecutive decode graph steps of one batch, each request one position further:
     every replay of the run flips the device index to the next step's rows by itself."""
 
-    __slots__ = ("captured", "padded", "request_ids", "starts")
+    __slots__ = ("batch", "captured")
 
     def __init__(self, plan: CommitPlan) -> None:
-        batch = plan.batch
-        self.request_ids = batch.request_ids
-        self.padded = batch.padded_batch_size
+        self.batch = plan.batch
+        """The newest step's whole layout."""
         self.captured = plan.layout.request_ids
-        self.starts = batch.starts
 
     def follows(self, plan: CommitPlan) -> bool:
         """True when ``plan`` is the next step of the run (same requests, same padding,
         same requests captured, every request one position further)."""
         batch = plan.batch
-        return (batch.request_ids == self.request_ids
-                and batch.padded_batch_size == self.padded
+        return (batch.padded_batch_size == self.batch.padded_batch_size
                 and plan.layout.request_ids == self.captured
                 and batch.is_uniform_decode
-                and one_further(batch.starts, self.starts))
+                and batch.follows(self.batch))
 
 
 class LastSlots:
@@ -207,7 +204,7 @@ class LastSlots:
         self._stepped = False
         """The committed padded step run eagerly flipped the index already."""
         self._undo: list[tuple[str, int | None, int | None]] = []
-        self._flipped: tuple[_Run, tuple[int, ...]] | None = None
+        self._flipped: tuple[_Run, BatchLayout] | None = None
         self._began = False
         """A step began (and did not end or abort yet): what :meth:`abort` may undo."""
 
@@ -237,8 +234,8 @@ class LastSlots:
         self._began = True
         run = self._run
         if plan.padded and run is not None and run.follows(plan):
-            self._flipped = (run, run.starts)
-            run.starts = batch.starts
+            self._flipped = (run, run.batch)
+            run.batch = batch
             self._padded = True
             return
         self._end_run()
@@ -342,6 +339,8 @@ class LastSlots:
         """
         eager, padded = self._eager is not None, self._padded
         self._reset()
+        if padded and len(self._recorded) == len(self._keys):  # every point in the graphs
+            return
         ran = self._fired | self._recorded if padded else self._fired
         if (eager or padded) and not ran >= self._keys.keys():
             missing = sorted(set(self._keys) - ran)
@@ -352,8 +351,8 @@ class LastSlots:
         """The step's forward raised: what it may have written is not known, so the
         requests' newest positions go back to what the steps before left."""
         if self._flipped is not None:  # whether the replay flipped the index is not known
-            run, starts = self._flipped
-            run.starts = starts
+            run, batch = self._flipped
+            run.batch = batch
             self._end_run()  # the next graph step uploads its index again
         elif self._began:  # a run this step started holds its positions: forget it
             self._run = None
@@ -441,9 +440,10 @@ class LastSlots:
         run, self._run = self._run, None
         if run is None:
             return
-        for i, rid in enumerate(run.request_ids):
+        batch = run.batch
+        for rid, start in zip(batch.request_ids, batch.starts, strict=True):
             if rid in self._newest:
-                self._newest[rid] = run.starts[i]
+                self._newest[rid] = start
 
     def _slot(self, request_id: str) -> int | None:
         """The request's slot; None for a request notified already, or while none is

@@ -295,9 +295,10 @@ class TorchCaptureTransport:
             mode = Mode.ARENA if plan.padded else Mode.RING
             with self._cond:
                 base = self._alloc.reserve(program.reserve_bytes, program.entries)
-                usage = self._alloc.usage()  # only read when the step does not fit
             if base is None:
                 self._drain.hurry()
+                with self._cond:
+                    usage = self._alloc.usage()
                 decision = preflight(plan, usage, self.capacity).decision
                 if decision is Decision.PIECEWISE or decision is Decision.RUN_EAGER:
                     mode = Mode.PIECES if decision is Decision.PIECEWISE else Mode.ARENA_PIECES
