@@ -120,9 +120,10 @@ class BatchLayout:
 
     def follows(self, other: BatchLayout) -> bool:
         """True when this layout is the decode forward right after ``other``'s, of the same
-        requests, each one position further: known in O(1) for layouts of one run of
-        :meth:`moved_on` (the same ``request_ids`` tuple object, the next
-        :attr:`run_step`), else checked position by position."""
+        requests, each one position further: known in O(1) when this layout was moved on
+        from ``other`` (the same :attr:`run`, the next :attr:`run_step`; a run's
+        :meth:`moved_on` is trusted with the positions it was given), else checked
+        position by position."""
         if self.kind is not ForwardKind.DECODE or other.kind is not ForwardKind.DECODE:
             return False
         if self.run == other.run != 0 and self.run_step == other.run_step + 1:
