@@ -81,8 +81,6 @@ class BatchLayout:
     (0: no run; other constructors)."""
     run_step: int = attrs.field(default=0, eq=False)
     """Forwards this layout moved on from the first of its run (:meth:`moved_on`)."""
-    _uniform: bool | None = attrs.field(default=None, eq=False, repr=False)
-    """:attr:`is_uniform_decode`, when the constructor knew it (None: computed on use)."""
 
     @property
     def requests(self) -> tuple[RequestRows, ...]:
@@ -113,9 +111,6 @@ class BatchLayout:
     @property
     def is_uniform_decode(self) -> bool:
         """One row per request and every request emits (plain decode)."""
-        known = self._uniform
-        if known is not None:
-            return known
         return self.token_rows == self.raw_batch_size and all(self.emits)
 
     def follows(self, other: BatchLayout) -> bool:
@@ -158,7 +153,7 @@ class BatchLayout:
             raise CommitError(msg)
         return cls._build(ForwardKind.DECODE, tuple(request_ids),
                           tuple([v - 1 for v in seq_lens]), (1,) * n, (True,) * n, n,
-                          padded_batch_size, run=next(_RUNS), uniform=True)
+                          padded_batch_size, run=next(_RUNS))
 
     def moved_on(self, starts: tuple[int, ...] | None = None) -> BatchLayout:
         """The next decode forward of the same requests, each one position further (what
@@ -179,7 +174,7 @@ class BatchLayout:
             raise CommitError(msg)
         return BatchLayout(self.kind, self.request_ids, starts, self.counts, self.emits,
                            self.padded_batch_size, self.token_rows, self.run,
-                           self.run_step + 1, self._uniform)
+                           self.run_step + 1)
 
     @classmethod
     def extend(
@@ -235,14 +230,12 @@ class BatchLayout:
         *,
         run: int = 0,
         run_step: int = 0,
-        uniform: bool | None = None,
     ) -> BatchLayout:
         padded_bs = len(rids) if padded is None else padded
         if padded_bs < len(rids):
             msg = f"padded batch size {padded_bs} is smaller than the {len(rids)} real requests"
             raise CommitError(msg)
-        return cls(kind, rids, starts, counts, emits, padded_bs, token_rows, run, run_step,
-                   uniform)
+        return cls(kind, rids, starts, counts, emits, padded_bs, token_rows, run, run_step)
 
     def subset(self, indices: Sequence[int],
                request_ids: tuple[str, ...] | None = None) -> BatchLayout:
@@ -260,7 +253,7 @@ class BatchLayout:
             return self
         return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,
                            self.token_rows, padded_batch_size, run=self.run,
-                           run_step=self.run_step, uniform=self._uniform)
+                           run_step=self.run_step)
 
 
 _ONE_MORE = (1).__add__
