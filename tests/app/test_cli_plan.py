@@ -125,3 +125,23 @@ def test_the_capture_logs_its_plan_and_warns_below_the_asked_rate() -> None:
     assert warned[0]["stage"] == "store"
     assert warned[0]["keeps_up_with"] == pytest.approx(0.18, abs=0.005)
     assert warned[0]["log_level"] == "warning"
+
+
+def test_the_ring_advice_follows_the_prefill_chunk_and_the_ring(model, capsys,
+                                                              monkeypatch) -> None:
+    monkeypatch.delenv("DMX_RING_PAYLOAD_MB", raising=False)
+    monkeypatch.delenv("DMX_RING_PINNED_MB", raising=False)
+    assert main(["plan", "--model", str(model), "--hooks", "hidden-states"]) == 0
+    # 28 layers x 8,192 positions x 2 KiB = 470 MB: the default 1 GiB ring holds it
+    assert ("a prefill chunk of 8,192 tokens takes 470 MB of the ring (1,024 MiB): it fits"
+            in capsys.readouterr().out)
+    assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
+                 "--prefill-tokens", "32768"]) == 0
+    out = capsys.readouterr().out  # 1.88 GB: two chunks need 3.76 GB, in whole GiB 4
+    assert "takes 1.88 GB of the ring (1,024 MiB): it commits piecewise" in out
+    assert "DMX_RING_PAYLOAD_MB=4096 DMX_RING_PINNED_MB=4096 hold two chunks" in out
+    monkeypatch.setenv("DMX_RING_PAYLOAD_MB", "4096")
+    monkeypatch.setenv("DMX_RING_PINNED_MB", "2048")  # the ring holds the smaller
+    assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
+                 "--prefill-tokens", "32768"]) == 0
+    assert "takes 1.88 GB of the ring (2,048 MiB): it fits" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dmi_sglang.domain.capacity import (
+    MIB,
     Decision,
     RingAllocator,
     RingCapacity,
@@ -14,11 +15,13 @@ from dmi_sglang.domain.capacity import (
     arena_bytes,
     check_ring_fits,
     largest_capture_bytes,
+    prefill_ring_bytes,
     preflight,
+    ring_advice,
 )
 from dmi_sglang.domain.hooks import Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.plan import make_plan
+from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, make_plan
 from dmi_sglang.errors import CapacityError
 
 from .strategies import MODEL, SHAPE, decode_layouts, extend_layouts, selections
@@ -173,3 +176,31 @@ def test_ring_allocator_errors() -> None:
     assert ring.reserve(11) is None
     assert ring.reserve(4) == 0
     assert ring.reserve(1) is None  # out of entries
+
+
+def test_a_prefill_chunk_takes_every_position_of_every_layer() -> None:
+    sel = parse_selection("resid_pre").resolve(MODEL)
+    row, align = SHAPE.hidden * 2, DEFAULT_ALIGNMENT  # bf16 rows, each capture aligned
+    for tokens in (1, 7, 300):
+        want = SHAPE.num_layers * -(-tokens * row // align) * align
+        assert prefill_ring_bytes(sel, SHAPE, tokens) == want
+    # the ``last`` rule keeps its rows in slots of its own: nothing in the ring
+    assert prefill_ring_bytes(parse_selection("resid_pre:last").resolve(MODEL), SHAPE,
+                              300) == 0
+
+
+@given(selections(), st.integers(1, 400), st.integers(1, 400))
+def test_a_longer_prefill_never_takes_less_ring(sel: Selection, a: int, b: int) -> None:
+    lo, hi = sorted((a, b))
+    assert prefill_ring_bytes(sel, SHAPE, lo) <= prefill_ring_bytes(sel, SHAPE, hi)
+
+
+@given(capacities, st.integers(0, 10 << 30))
+def test_the_ring_advice_holds_two_chunks_in_whole_gib(cap: RingCapacity, chunk: int) -> None:
+    advised = ring_advice(cap, chunk)
+    if chunk <= cap.effective_bytes:
+        assert advised is None
+        return
+    assert advised is not None
+    assert advised % 1024 == 0
+    assert 2 * chunk <= advised * MIB < 2 * chunk + 1024 * MIB

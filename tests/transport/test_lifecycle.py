@@ -28,6 +28,26 @@ def test_ring_smaller_than_one_capture_tensor_is_refused_at_startup():
         _make(8192, options=TransportOptions(max_prefill_tokens=1000))
 
 
+def test_a_prefill_chunk_larger_than_the_ring_is_warned_with_the_ring_to_set():
+    import structlog
+
+    from dmi_sglang.adapters.transport import TransportOptions
+
+    opts = TransportOptions(max_prefill_tokens=1000)
+    with structlog.testing.capture_logs() as logs:
+        roomy = _make(65536, options=opts)  # 3 x 1000 rows of 16 B + a logits row: fits
+        tight = _make(16384, options=opts)  # one 16,000-byte tensor fits, the chunk not
+    warned = [e for e in logs if e["event"] == "dmi.prefill_larger_than_ring"]
+    assert len(warned) == 1
+    assert warned[0]["prefill_bytes"] == 3 * 16_000 + 48
+    assert warned[0]["ring_bytes"] == 16384
+    assert warned[0]["advised_ring_mb"] == 1024
+    assert "DMX_RING_PAYLOAD_MB=1024 and DMX_RING_PINNED_MB=1024" in warned[0]["hint"]
+    assert warned[0]["log_level"] == "warning"
+    roomy.stop()
+    tight.stop()
+
+
 def test_ring_size_must_be_a_multiple_of_16():
     with pytest.raises(CapacityError, match="multiple of 16"):
         _make(4100)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dmi_sglang.app.composition import model_rows
 from dmi_sglang.domain.bandwidth import DEFAULT_RATES, GB, BandwidthPlan, Rates, plan_bandwidth
+from dmi_sglang.domain.capacity import MIB, RingCapacity, prefill_ring_bytes, ring_advice
 from dmi_sglang.domain.hooks import parse_selection
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import UsageError
@@ -55,6 +56,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     p.add_argument("--prompt-len", type=positive, default=256, help="prompt tokens a request")
     p.add_argument("--output-len", type=positive, default=128,
                    help="generated tokens a request")
+    p.add_argument("--prefill-tokens", type=positive, default=8192,
+                   help="positions of one prefill chunk: the engine's chunked_prefill_size "
+                   "(the ring's advice)")
     p.add_argument("--no-store", action="store_true",
                    help="capture without storing (DMX_DB_URL=none): only D2H applies")
     p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_RATES.d2h_bps / GB,
@@ -105,7 +109,24 @@ def plan(args: argparse.Namespace) -> int:
         print(f"omitted (the model lacks them): {', '.join(selection.omitted)}")
     for line in _lines(result, args.compression):
         print(line)
+    env = Settings.from_env()
+    capacity = RingCapacity.from_mb(env.ring_payload_mb, env.ring_pinned_mb,
+                                    env.ring_task_entries)
+    print(_ring_line(capacity, args.prefill_tokens,
+                     prefill_ring_bytes(selection, shape, args.prefill_tokens)))
     return 0
+
+
+def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
+    """Whether one prefill chunk fits the ring (DMX_RING_*), and the advice when not."""
+    head = (f"a prefill chunk of {tokens:,} tokens takes {_bytes(chunk_bytes)} of the ring "
+            f"({capacity.effective_bytes // MIB:,} MiB)")
+    advised = ring_advice(capacity, chunk_bytes)
+    if advised is None:
+        return f"{head}: it fits"
+    return (f"{head}: it commits piecewise, each capture point waiting for the drain; "
+            f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold two chunks "
+            f"(device memory taken from the KV cache, and page-locked host memory)")
 
 
 def _lines(p: BandwidthPlan, compression: float) -> list[str]:

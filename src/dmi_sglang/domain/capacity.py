@@ -30,7 +30,8 @@ from collections import deque
 import attrs
 
 from dmi_sglang.domain.hooks import Hook, RowBasis, Selection
-from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up, make_plan
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError
@@ -51,7 +52,9 @@ __all__ = [
     "last_slot_bytes",
     "last_slot_groups",
     "last_slot_requests",
+    "prefill_ring_bytes",
     "preflight",
+    "ring_advice",
 ]
 
 MIB = 1 << 20
@@ -198,6 +201,32 @@ def check_ring_fits(
             f"prefill size / batch size"
         )
         raise CapacityError(msg)
+
+
+def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> int:
+    """Ring bytes of one eager forward of ``tokens`` positions: what a prefill chunk of
+    SGLang's ``chunked_prefill_size`` takes in the ring at once (one request with a prompt
+    of one token, so every rule keeps the most rows it can). A forward larger than the
+    free ring space commits piecewise: capture point by capture point, each waiting for
+    the drain to free its room."""
+    return make_plan(BatchLayout.extend(["-"], [0], [max(tokens, 1)]), selection, shape,
+                     padded=False, prompts=lambda _request_id: 1).total_bytes
+
+
+PREFILLS_IN_RING = 2
+"""Prefill chunks the advised ring holds whole (:func:`ring_advice`): one captured while
+the one before it drains."""
+
+
+def ring_advice(capacity: RingCapacity, chunk_bytes: int) -> int | None:
+    """``DMX_RING_PAYLOAD_MB`` (and ``_PINNED_MB``) to advise when one prefill chunk of
+    ``chunk_bytes`` does not fit the ring: room for :data:`PREFILLS_IN_RING` chunks, in
+    whole GiB; None when a chunk fits. Every MiB of it is device memory taken before
+    SGLang sizes its KV cache, and page-locked host memory (docs/settings.md)."""
+    if chunk_bytes <= capacity.effective_bytes:
+        return None
+    gib = 1024 * MIB
+    return -(-PREFILLS_IN_RING * chunk_bytes // gib) * 1024
 
 
 def arena_bytes(

@@ -35,11 +35,12 @@ from dmi_sglang.domain.capacity import (
     arena_slots,
     check_ring_fits,
     last_slot_requests,
+    prefill_ring_bytes,
     preflight,
+    ring_advice,
 )
 from dmi_sglang.domain.hooks import Selection, hook_by_name
-from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.plan import CommitPlan, make_plan, make_read_plan
+from dmi_sglang.domain.plan import CommitPlan, make_read_plan
 from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import RequestManifest
@@ -55,13 +56,21 @@ _NOTHING = Preflight(Decision.FITS, "captures nothing")
 _PROGRAM_CACHE = 512
 
 
-def _largest_prefill_bytes(selection: Selection, shape: ModelShape, opts: TransportOptions,
-                           max_graph_batch: int) -> int:
-    """Ring bytes of the longest eager forward the engine may run (one request)."""
-    rows = max(opts.max_prefill_tokens, max_graph_batch)
-    # A prompt of one token: generated then keeps every row (the most a rule keeps).
-    return make_plan(BatchLayout.extend(["-"], [0], [rows]), selection, shape,
-                     padded=False, prompts=lambda _request_id: 1).total_bytes
+def _prefill_room(selection: Selection, shape: ModelShape, capacity: RingCapacity,
+                  tokens: int) -> int:
+    """Ring bytes of the longest eager forward the engine may run (``tokens`` positions);
+    a warning with the advised ring size when one does not fit the ring whole."""
+    nbytes = prefill_ring_bytes(selection, shape, tokens)
+    advised = ring_advice(capacity, nbytes)
+    if advised is not None:
+        log.warning(
+            "dmi.prefill_larger_than_ring", prefill_tokens=tokens, prefill_bytes=nbytes,
+            ring_bytes=capacity.effective_bytes, advised_ring_mb=advised,
+            hint=f"every prefill chunk this large commits piecewise, each capture point "
+                 f"waiting for the drain; DMX_RING_PAYLOAD_MB={advised} and "
+                 f"DMX_RING_PINNED_MB={advised} hold two whole (that much device memory, "
+                 f"taken from the KV cache, and page-locked host memory: docs/settings.md)")
+    return nbytes
 
 
 def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapacity) -> int:
@@ -162,6 +171,8 @@ class TorchCaptureTransport:
             max_token_rows=max(opts.max_prefill_tokens, max_graph_batch),
             max_request_rows=max(opts.max_requests, max_graph_batch),
         )
+        prefill_bytes = _prefill_room(selection, shape, capacity,
+                                      max(opts.max_prefill_tokens, max_graph_batch))
         reads_per_plan = _reads_per_plan(selection, shape, capacity)
         self.options = opts
         self.capacity = capacity
@@ -199,8 +210,7 @@ class TorchCaptureTransport:
             direct_copies=opts.direct_copies, linger_s=opts.linger_s,
             gil_slice_s=opts.gil_slice_s, from_slot=self._from_slot, free_slot=self._free_slot,
             arena=arena.buffer, arena_slot_bytes=arena.slot_bytes,
-            direct_bytes=min(nbytes, _largest_prefill_bytes(selection, shape, opts,
-                                                             max_graph_batch)),
+            direct_bytes=min(nbytes, prefill_bytes),
         )
         self._drain.start()
         self._selection = selection
