@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dmi_sglang.domain.hooks import RowBasis, Selection, parse_selection
@@ -261,3 +261,29 @@ def test_a_decode_layout_follows_the_one_before_it_by_run_or_by_positions() -> N
     assert not BatchLayout.extend(["a", "b"], [4, 9], [1, 1]).follows(first)  # not decode
     with pytest.raises(CommitError, match="3 positions for a decode batch of 2"):
         first.moved_on((1, 2, 3))
+
+
+@given(extend_layouts(), selections(), st.data())
+def test_a_part_of_a_plan_is_its_segments_placed_apart(layout: BatchLayout, sel: Selection,
+                                                       data: st.DataObject) -> None:
+    plan = make_plan(layout, sel, SHAPE, padded=False)
+    segs = plan.segments
+    assume(segs)
+    start = data.draw(st.integers(0, len(segs) - 1))
+    room = data.draw(st.integers(0, plan.total_bytes + 64))
+    stop = plan.part_stop(start, room)
+    sizes = [s.aligned_bytes(plan.alignment) for s in segs]
+    assert start < stop <= len(segs)
+    assert sum(sizes[start:stop]) <= max(room, sizes[start])
+    assert stop == len(segs) or sum(sizes[start : stop + 1]) > room
+    part = plan.part(start, stop)
+    assert [(s.hook, s.layer_no, s.kept_rows) for s in part.segments] == [
+        (s.hook, s.layer_no, s.kept_rows) for s in segs[start:stop]]
+    assert part.total_bytes == sum(sizes[start:stop])
+    spans = sorted((s.offset, s.offset + s.aligned_bytes(plan.alignment))
+                   for s in part.segments)
+    assert spans[0][0] == 0
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # packed, no overlap
+    for s in part.segments:
+        assert part.segment_for(s.hook.name, s.layer_no) == s
+        assert part.slices(s) == plan.slices(segs[start + part.segments.index(s)])

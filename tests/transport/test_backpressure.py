@@ -6,8 +6,11 @@ import itertools
 import threading
 
 from dmi_sglang.domain.capacity import Decision
+from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.testing import MemorySink
+
+from .conftest import rows_tensor  # type: ignore[import-not-found]
 
 # resid_pre: 3 layers x 8 bf16 = 16 bytes per row and layer.
 
@@ -129,3 +132,70 @@ def test_task_entries_bound_tensors_in_flight(make_driver):
     stats = d.t.stop()
     d.verify(sink.records)
     assert stats.stalls >= 1
+
+
+# resid_pre, attn_out and mlp_out: 9 capture points of 63 x 16 = 1,008 bytes; 9,072 bytes
+# do not fit an 8,192-byte ring, whose parts take 2,048 bytes at most: two capture points.
+_PARTS = "resid_pre,attn_out,mlp_out"
+
+
+def _fire_in(d, layout: BatchLayout, order: list[tuple[str, int]]) -> None:
+    """Commit ``layout`` and fire its capture points in ``order`` (then seal)."""
+    d.step += 1
+    plan = d.plan(layout)
+    d.t.commit(plan, step=d.step)
+    for name, layer in order:
+        d.t.capturer.capture(name, layer, rows_tensor(hook_by_name(name), layer,
+                                                      layout.positions()))
+    d.t.seal()
+    for seg in plan.segments:
+        for sl in plan.slices(seg):
+            d.expected[(sl.request_id, seg.hook.act_name, seg.layer_no)].append(
+                (sl.start, sl.end))
+
+
+def test_a_piecewise_prefill_moves_runs_of_capture_points_as_one_item(make_driver):
+    d, sink = make_driver(_PARTS, payload_bytes=8192, max_prefill_tokens=63)
+    d.forward(_prefill("long", 63))
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.piecewise_steps == 1
+    # parts of 2, 2, 2, 2 and 1 capture points (an empty ring: room never runs short)
+    assert d.t.drain_counters()["direct_items"] == 5
+
+
+def test_a_piecewise_prefill_fired_out_of_order_stores_every_row(make_driver):
+    d, sink = make_driver(_PARTS, payload_bytes=8192, max_prefill_tokens=63)
+    points = [(h.name, layer) for h, layer in d.selection.capture_points()]
+    swapped = [points[1], points[0], *points[2:]]  # the second part completes first
+    _fire_in(d, _prefill("a", 63), swapped)
+    _fire_in(d, _prefill("b", 63), points[::-1])  # every part from its last point
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.piecewise_steps == 2
+
+
+def test_an_aborted_piecewise_prefill_frees_its_parts(make_driver):
+    d, sink = make_driver(_PARTS, payload_bytes=8192, max_prefill_tokens=63)
+    points = [(h.name, layer) for h, layer in d.selection.capture_points()]
+    layout = _prefill("gone", 63)
+    d.t.commit(d.plan(layout), step=1)
+    for name, layer in points[:3]:  # the first part is handed over, the second not
+        d.t.capturer.capture(name, layer, rows_tensor(hook_by_name(name), layer,
+                                                      layout.positions()))
+    d.t.abort()
+    d.step = 1
+    d.forward(_prefill("next", 63))  # needs the whole ring again: nothing leaked
+    d.t.stop()
+    kept = {(r.act_name, r.layer_no) for r in sink.records if r.request_id == "gone"}
+    assert kept == {(hook_by_name(n).act_name, layer) for n, layer in points[:2]}
+    d.verify([r for r in sink.records if r.request_id != "gone"])
+
+
+def test_a_part_never_takes_more_task_entries_than_are_free(make_driver):
+    d, sink = make_driver(_PARTS, payload_bytes=8192, entries=1, max_prefill_tokens=63)
+    d.forward(_prefill("long", 63))  # one tensor in flight at a time: parts of one
+    stats = d.t.stop()
+    d.verify(sink.records)
+    assert stats.piecewise_steps == 1
+    assert d.t.drain_counters()["direct_items"] == 9

@@ -155,7 +155,8 @@ def test_single_segment_groups_and_piecewise_pieces_are_direct(make_driver):
     d.t.stop()
     assert d.t.drain_counters()["direct_items"] == 2
     d.verify(sink.records)
-    # a prefill larger than the ring goes piece by piece: every piece is direct
+    # a prefill larger than the ring goes in parts (one capture point each: a part takes
+    # a quarter of the ring at most): every part is direct
     d2, sink2 = make_driver("resid_pre", payload_bytes=1024, coalesce_decode=False)
     d2.forward(BatchLayout.extend(["a"], [0], [40]))  # 3 layers x 40 rows x 16 B > 1 KiB
     stats = d2.t.stop()

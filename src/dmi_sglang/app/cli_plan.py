@@ -124,7 +124,7 @@ def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
     advised = ring_advice(capacity, chunk_bytes)
     if advised is None:
         return f"{head}: it fits"
-    return (f"{head}: it commits piecewise, each capture point waiting for the drain; "
+    return (f"{head}: it commits piecewise, in parts waiting for the drain; "
             f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold two chunks "
             f"(device memory taken from the KV cache, and page-locked host memory)")
 

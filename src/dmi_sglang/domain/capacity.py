@@ -14,7 +14,8 @@ Preflight, before a forward (never a silent drop):
 * **wait for the drain**: a decode graph step that fits an empty ring but not the free
   space now: block until the drain frees enough, then commit it whole;
 * **piecewise**: an eager step larger than the free space (a long prefill chunk): commit
-  capture point by capture point, waiting for the drain between pieces.
+  in parts (runs of capture points that fit the free space), waiting for the drain
+  between them.
 
 Refused at startup: a ring smaller than the largest single capture tensor the
 configuration can produce (:func:`check_ring_fits`). An ordinary long prompt is never
@@ -207,8 +208,8 @@ def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> 
     """Ring bytes of one eager forward of ``tokens`` positions: what a prefill chunk of
     SGLang's ``chunked_prefill_size`` takes in the ring at once (one request with a prompt
     of one token, so every rule keeps the most rows it can). A forward larger than the
-    free ring space commits piecewise: capture point by capture point, each waiting for
-    the drain to free its room."""
+    free ring space commits piecewise: in parts that fit the free space, each waiting
+    for the drain to free its room."""
     return make_plan(BatchLayout.extend(["-"], [0], [max(tokens, 1)]), selection, shape,
                      padded=False, prompts=lambda _request_id: 1).total_bytes
 

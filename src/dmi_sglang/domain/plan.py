@@ -216,6 +216,25 @@ class CommitPlan:
                                one.aligned_bytes(self.alignment), one.kept_bytes)
         return attrs.evolve(self, structure=structure)
 
+    def part(self, start: int, stop: int) -> CommitPlan:
+        """Segments ``[start, stop)`` (in firing order) as a plan of their own, placed from
+        offset 0 the way :func:`make_plan` places a step's (grouped by row size), for a
+        piecewise commit that moves several capture points at once."""
+        placed, total = _place(self.segments[start:stop], self.alignment)
+        structure = _Structure(placed, {(s.hook.name, s.layer_no): s for s in placed},
+                               total, sum(s.kept_bytes for s in placed))
+        return attrs.evolve(self, structure=structure)
+
+    def part_stop(self, start: int, room: int) -> int:
+        """The end of the longest run of segments from ``start`` whose ring bytes fit
+        ``room`` (:meth:`part`), one segment at least."""
+        segs, alignment = self.segments, self.alignment
+        stop, used = start + 1, segs[start].aligned_bytes(alignment)
+        while stop < len(segs) and used + segs[stop].aligned_bytes(alignment) <= room:
+            used += segs[stop].aligned_bytes(alignment)
+            stop += 1
+        return stop
+
     def pieces(self) -> Iterator[CommitPlan]:
         """The plan split into one-segment plans, for a piecewise commit."""
         for seg in self.segments:

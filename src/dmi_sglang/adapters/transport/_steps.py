@@ -12,14 +12,20 @@ Modes of a committed step:
 * ``ARENA_PIECES``: a padded plan too large for even an empty ring (the adapter should
   have run it eager): ``seal`` moves it segment by segment, waiting for the drain;
 * ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
-* ``PIECES``: an eager plan larger than the free space: each capture point reserves,
-  writes and seals its own piece, waiting for the drain in between;
+* ``PIECES``: an eager plan larger than the free space: it is committed in *parts*,
+  runs of consecutive capture points (in firing order) that fit the ring's free space
+  when the first of them fires (a quarter of the ring at most, one capture point at
+  least, waiting for the drain then). Each part is reserved, written by its capture
+  points and handed to the drain as one item once its last one fired; parts go to the
+  drain in the order they were reserved (the ring frees in order), so a part completed
+  out of turn waits for the ones before it;
 * ``EMPTY``: nothing is captured this forward.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -29,6 +35,7 @@ from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.adapters.transport._drain import DrainItem
 from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._program import Program, build_program
+from dmi_sglang.domain.capacity import RingUsage
 from dmi_sglang.domain.plan import CommitPlan, Segment
 from dmi_sglang.errors import CaptureError
 
@@ -45,10 +52,26 @@ class Mode(enum.Enum):
     PIECES = "ring, piecewise"
 
 
+class Part:
+    """A reserved run of a piecewise step's capture points (see the module docstring)."""
+
+    __slots__ = ("base", "left", "plan", "program", "start")
+
+    def __init__(self, plan: CommitPlan, program: Program, base: int, start: int) -> None:
+        self.plan = plan
+        self.program = program
+        self.base = base
+        self.start = start
+        """Index of its first segment in the step's plan."""
+        self.left = len(plan.segments)
+        """Its capture points that did not fire yet."""
+
+
 class OpenStep:
     """A committed, not yet sealed step."""
 
-    __slots__ = ("base", "captured", "drained", "mode", "plan", "program", "seq", "slot")
+    __slots__ = ("base", "captured", "drained", "mode", "order", "part_of", "parts", "plan",
+                 "program", "seq", "slot")
 
     def __init__(
         self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int,
@@ -65,6 +88,12 @@ class OpenStep:
         self.mode = mode
         self.base = base
         self.captured: set[CaptureKey] = set()
+        self.parts: deque[Part] = deque()
+        """A piecewise step's parts not handed to the drain yet, in reservation order."""
+        self.part_of: dict[int, Part] = {}
+        """Each segment (by index) of those parts, its part."""
+        self.order: dict[CaptureKey, int] = {}
+        """A piecewise step's segment index per capture (made at its first capture)."""
 
 
 Reserve = Callable[[int, int, int], int]
@@ -84,6 +113,8 @@ class StepWriter:
         *,
         last: LastSlots,
         free_slot: Callable[[int], None],
+        room: Callable[[], RingUsage] = lambda: RingUsage(0, 0),
+        part_bytes: int = 0,
     ) -> None:
         self._ops = ops
         self._arena = arena
@@ -94,6 +125,10 @@ class StepWriter:
         self._enqueue = enqueue
         self._last = last
         self._free_slot = free_slot
+        self._room = room
+        """The ring's free space now (what a piecewise step's next part may take)."""
+        self._part_bytes = part_bytes
+        """Most ring bytes of one part (0: one capture point a part)."""
         self.open: OpenStep | None = None
 
     def live(self, key: CaptureKey) -> bool:
@@ -140,12 +175,50 @@ class StepWriter:
             if key in step.captured:
                 msg = f"capture {key} fired twice in piecewise step {step.seq}"
                 raise CaptureError(msg)
-            piece = step.plan.piece(seg)
-            program = build_program(piece, self._arena)
-            base = self._reserve(program.reserve_bytes, program.entries, step.seq)
-            self._write_ring(base, piece.segments[0], key, tensor, program)
-            self._enqueue(DrainItem(step.seq, piece, program, base, self._ops.mark()))
+            self._write_part(step, key, tensor)
         step.captured.add(key)
+
+    def _write_part(self, step: OpenStep, key: CaptureKey, tensor: torch.Tensor) -> None:
+        """Write a piecewise step's capture into its part (reserved by the first of the
+        part's capture points that fires), then hand the parts completed in turn to the
+        drain."""
+        if not step.order:
+            step.order = {(sg.hook.name, sg.layer_no): i
+                          for i, sg in enumerate(step.plan.segments)}
+        index = step.order[key]
+        part = step.part_of.get(index)
+        if part is None:
+            part = self._open_part(step, index)
+        placed = part.plan.segments[index - part.start]
+        self._write_ring(part.base + placed.offset, placed, key, tensor, part.program)
+        part.left -= 1
+        while step.parts and not step.parts[0].left:
+            done = step.parts.popleft()
+            self._enqueue(DrainItem(step.seq, done.plan, done.program, done.base,
+                                    self._ops.mark()))
+
+    def _open_part(self, step: OpenStep, start: int) -> Part:
+        """Reserve the part of a piecewise step that starts with segment ``start``: the
+        segments after it that fit the free ring space (and :attr:`_part_bytes`), up to
+        the first one another part holds or that fired already (waits for the drain
+        when not even ``start``'s fits)."""
+        plan = step.plan
+        free = self._room()
+        stop = plan.part_stop(start, min(free.free_bytes, self._part_bytes))
+        stop = min(stop, start + max(free.free_entries, 1))
+        for i in range(start + 1, stop):
+            seg = plan.segments[i]
+            if i in step.part_of or (seg.hook.name, seg.layer_no) in step.captured:
+                stop = i
+                break
+        piece = plan.part(start, stop)
+        program = build_program(piece, self._arena)
+        base = self._reserve(program.reserve_bytes, program.entries, step.seq)
+        part = Part(piece, program, base, start)
+        step.parts.append(part)
+        for i in range(start, stop):
+            step.part_of[i] = part
+        return part
 
     def _write_ring(
         self, offset: int, seg: Segment, key: CaptureKey, tensor: torch.Tensor, program: Program

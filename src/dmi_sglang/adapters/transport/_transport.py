@@ -31,6 +31,7 @@ from dmi_sglang.domain.capacity import (
     Preflight,
     RingAllocator,
     RingCapacity,
+    RingUsage,
     arena_bytes,
     arena_slots,
     check_ring_fits,
@@ -54,6 +55,9 @@ log = structlog.get_logger("dmi_sglang.transport")
 _FITS = Preflight(Decision.FITS, "fits the free ring space")
 _NOTHING = Preflight(Decision.FITS, "captures nothing")
 _PROGRAM_CACHE = 512
+PART_SHARE = 4
+"""A part of a piecewise step takes at most 1/``PART_SHARE`` of the ring, so the drain
+moves one while the next ones are written."""
 
 
 def _prefill_room(selection: Selection, shape: ModelShape, capacity: RingCapacity,
@@ -66,8 +70,8 @@ def _prefill_room(selection: Selection, shape: ModelShape, capacity: RingCapacit
         log.warning(
             "dmi.prefill_larger_than_ring", prefill_tokens=tokens, prefill_bytes=nbytes,
             ring_bytes=capacity.effective_bytes, advised_ring_mb=advised,
-            hint=f"every prefill chunk this large commits piecewise, each capture point "
-                 f"waiting for the drain; DMX_RING_PAYLOAD_MB={advised} and "
+            hint=f"every prefill chunk this large commits piecewise, in parts waiting "
+                 f"for the drain; DMX_RING_PAYLOAD_MB={advised} and "
                  f"DMX_RING_PINNED_MB={advised} hold two whole (that much device memory, "
                  f"taken from the KV cache, and page-locked host memory: docs/settings.md)")
     return nbytes
@@ -227,7 +231,8 @@ class TorchCaptureTransport:
                                         max_graph_batch=max_graph_batch),
             max_graph_batch=max_graph_batch, ops=ops)
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
-                                  last=self._last_slots, free_slot=self._free_slot)
+                                  last=self._last_slots, free_slot=self._free_slot,
+                                  room=self._room, part_bytes=nbytes // PART_SHARE)
         self._payloads = _payloads(selection, shape, ops)
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
@@ -352,7 +357,7 @@ class TorchCaptureTransport:
     def abort(self) -> None:
         """The forward raised: free the open step's space without storing it (logged).
 
-        Pieces of a piecewise step that were already handed to the drain are stored.
+        Parts of a piecewise step that were already handed to the drain are stored.
         """
         step, self._writer.open = self._writer.open, None
         if step is not None and step.mode in (Mode.ARENA, Mode.ARENA_PIECES):
@@ -369,6 +374,9 @@ class TorchCaptureTransport:
                 DrainItem(step.seq, step.plan, step.program, step.base, self._ops.mark(),
                           discard=True)
             )
+        for part in step.parts:  # reserved, not handed over (the ring frees in order)
+            self._drain.put(DrainItem(step.seq, part.plan, part.program, part.base,
+                                      self._ops.mark(), discard=True))
 
     def uncommitted_replay(self) -> None:
         """A decode graph is about to replay with no committed step: what the graph
@@ -617,6 +625,11 @@ class TorchCaptureTransport:
         with self._cond:
             self._alloc.release()
             self._cond.notify_all()
+
+    def _room(self) -> RingUsage:
+        """The largest contiguous ring reservation possible now, and the free entries."""
+        with self._cond:
+            return self._alloc.usage()
 
     def _reserve(self, nbytes: int, entries: int, seq: int) -> int:
         with self._cond:
