@@ -138,10 +138,22 @@ def test_the_ring_advice_follows_the_prefill_chunk_and_the_ring(model, capsys,
     assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
                  "--prefill-tokens", "32768"]) == 0
     out = capsys.readouterr().out  # 1.88 GB: two chunks need 3.76 GB, in whole GiB 4
-    assert "takes 1.88 GB of the ring (1,024 MiB): it commits piecewise" in out
+    assert "takes 1.88 GB of the ring (1,024 MiB): it commits piecewise, in parts" in out
     assert "DMX_RING_PAYLOAD_MB=4096 DMX_RING_PINNED_MB=4096 hold two chunks" in out
     monkeypatch.setenv("DMX_RING_PAYLOAD_MB", "4096")
     monkeypatch.setenv("DMX_RING_PINNED_MB", "2048")  # the ring holds the smaller
     assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
                  "--prefill-tokens", "32768"]) == 0
     assert "takes 1.88 GB of the ring (2,048 MiB): it fits" in capsys.readouterr().out
+
+
+def test_a_chunk_larger_than_the_largest_ring_is_told_to_shrink(model, capsys,
+                                                                monkeypatch) -> None:
+    monkeypatch.setenv("DMX_RING_PAYLOAD_MB", "131072")
+    monkeypatch.setenv("DMX_RING_PINNED_MB", "131072")
+    monkeypatch.setenv("DMX_BOGUS_SETTING", "1")  # the plan reads the ring's alone
+    assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
+                 "--prefill-tokens", "3000000"]) == 0
+    out = capsys.readouterr().out  # 172 GB a chunk, 137 GB of ring at most
+    assert ("takes 172 GB of the ring (131,072 MiB): it commits piecewise, in parts "
+            "waiting for the drain; a smaller --chunked-prefill-size makes it fit") in out

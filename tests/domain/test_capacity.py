@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from dmi_sglang.domain.capacity import (
     MIB,
+    RING_MB_MAX,
     Decision,
     RingAllocator,
     RingCapacity,
@@ -204,3 +205,10 @@ def test_the_ring_advice_holds_two_chunks_in_whole_gib(cap: RingCapacity, chunk:
     assert advised is not None
     assert advised % 1024 == 0
     assert 2 * chunk <= advised * MIB < 2 * chunk + 1024 * MIB
+
+
+def test_the_ring_advice_stays_within_what_the_settings_accept() -> None:
+    ring = RingCapacity.from_mb(1024, 1024, 64)
+    assert ring_advice(ring, 84 * 10**9) == RING_MB_MAX  # 168 GB for two: the most
+    largest = RingCapacity.from_mb(RING_MB_MAX, RING_MB_MAX, 64)
+    assert ring_advice(largest, 200 * 10**9) is None  # nothing larger to advise

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import threading
 
+import pytest
+
 from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
@@ -164,15 +166,46 @@ def test_a_piecewise_prefill_moves_runs_of_capture_points_as_one_item(make_drive
     assert d.t.drain_counters()["direct_items"] == 5
 
 
-def test_a_piecewise_prefill_fired_out_of_order_stores_every_row(make_driver):
-    d, sink = make_driver(_PARTS, payload_bytes=8192, max_prefill_tokens=63)
+def _in_reservation_order(d) -> list[int]:
+    """Track the transport: the ring offsets it reserves, and the bases of the items its
+    steps hand to the drain, each in order (filled as it runs)."""
+    reserved: list[int] = []
+    handed: list[int] = []
+    alloc, writer = d.t._alloc, d.t._writer
+    reserve, enqueue = alloc.reserve, writer._enqueue
+
+    def tracked_reserve(nbytes: int, entries: int = 1) -> int | None:
+        base = reserve(nbytes, entries)
+        if base is not None:
+            reserved.append(base)
+        return base
+
+    def tracked_enqueue(item) -> None:
+        handed.append(item.base)
+        enqueue(item)
+
+    alloc.reserve, writer._enqueue = tracked_reserve, tracked_enqueue
+    return reserved, handed
+
+
+@pytest.mark.parametrize("order", ["swapped", "reversed", "one late"])
+def test_a_piecewise_prefill_fired_out_of_order_stores_every_row(make_driver, order):
+    d, sink = make_driver(_PARTS, payload_bytes=8192, max_prefill_tokens=63,
+                          stall_timeout_s=5)
+    reserved, handed = _in_reservation_order(d)
     points = [(h.name, layer) for h, layer in d.selection.capture_points()]
-    swapped = [points[1], points[0], *points[2:]]  # the second part completes first
-    _fire_in(d, _prefill("a", 63), swapped)
-    _fire_in(d, _prefill("b", 63), points[::-1])  # every part from its last point
+    fired = {"swapped": [points[1], points[0], *points[2:]],
+             "reversed": points[::-1],
+             # the first part waits for its second point while the ring fills up
+             "one late": [points[0], *points[2:], points[1]]}[order]
+    _fire_in(d, _prefill("a", 63), fired)
+    _fire_in(d, _prefill("b", 63), fired)
     stats = d.t.stop()
     d.verify(sink.records)
     assert stats.piecewise_steps == 2
+    assert stats.stall_seconds < 1  # never waited out a reservation that waits itself
+    assert handed == reserved  # the ring frees in order: items go in reservation order
+    assert d.t._alloc.live_regions == 0
 
 
 def test_an_aborted_piecewise_prefill_frees_its_parts(make_driver):
@@ -185,8 +218,9 @@ def test_an_aborted_piecewise_prefill_frees_its_parts(make_driver):
                                                       layout.positions()))
     d.t.abort()
     d.step = 1
-    d.forward(_prefill("next", 63))  # needs the whole ring again: nothing leaked
+    d.forward(_prefill("next", 63))
     d.t.stop()
+    assert d.t._alloc.live_regions == 0  # the open part's region was freed too
     kept = {(r.act_name, r.layer_no) for r in sink.records if r.request_id == "gone"}
     assert kept == {(hook_by_name(n).act_name, layer) for n, layer in points[:2]}
     d.verify([r for r in sink.records if r.request_id != "gone"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"omitted (the model lacks them): {', '.join(selection.omitted)}")
     for line in _lines(result, args.compression):
         print(line)
-    env = Settings.from_env()
+    env = Settings.from_env({k: v for k, v in os.environ.items()  # the ring's alone
+                             if k in ("DMX_RING_PAYLOAD_MB", "DMX_RING_PINNED_MB")})
     capacity = RingCapacity.from_mb(env.ring_payload_mb, env.ring_pinned_mb,
                                     env.ring_task_entries)
     print(_ring_line(capacity, args.prefill_tokens,
@@ -118,15 +120,16 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
-    """Whether one prefill chunk fits the ring (DMX_RING_*), and the advice when not."""
+    """Whether one prefill chunk fits the ring (DMX_RING_*), and what helps when not."""
     head = (f"a prefill chunk of {tokens:,} tokens takes {_bytes(chunk_bytes)} of the ring "
             f"({capacity.effective_bytes // MIB:,} MiB)")
-    advised = ring_advice(capacity, chunk_bytes)
-    if advised is None:
+    if chunk_bytes <= capacity.effective_bytes:
         return f"{head}: it fits"
-    return (f"{head}: it commits piecewise, in parts waiting for the drain; "
-            f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold two chunks "
-            f"(device memory taken from the KV cache, and page-locked host memory)")
+    advised = ring_advice(capacity, chunk_bytes)
+    helps = (f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold two chunks "
+             "(device memory taken from the KV cache, and page-locked host memory)"
+             if advised is not None else "a smaller --chunked-prefill-size makes it fit")
+    return f"{head}: it commits piecewise, in parts waiting for the drain; {helps}"
 
 
 def _lines(p: BandwidthPlan, compression: float) -> list[str]:

@@ -40,6 +40,7 @@ from dmi_sglang.errors import CapacityError
 __all__ = [
     "ARENA_SLOTS_BUDGET",
     "LANDING_MIN_PLACES",
+    "RING_MB_MAX",
     "Decision",
     "Preflight",
     "RingAllocator",
@@ -205,11 +206,13 @@ def check_ring_fits(
 
 
 def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> int:
-    """Ring bytes of one eager forward of ``tokens`` positions: what a prefill chunk of
-    SGLang's ``chunked_prefill_size`` takes in the ring at once (one request with a prompt
-    of one token, so every rule keeps the most rows it can). A forward larger than the
-    free ring space commits piecewise: in parts that fit the free space, each waiting
-    for the drain to free its room."""
+    """Ring bytes of one eager forward of ``tokens`` positions of one request: what a
+    prefill chunk of SGLang's ``chunked_prefill_size`` takes in the ring at once (a
+    prompt of one token, so every position rule keeps the most token rows it can). A
+    chunk of several requests holds as many token rows and one request row more per
+    request and request-row capture (``final_logits``, ``last_prompt`` rules): not
+    counted here. A forward larger than the free ring space commits piecewise: in parts
+    that fit the free space, each waiting for the drain to free its room."""
     return make_plan(BatchLayout.extend(["-"], [0], [max(tokens, 1)]), selection, shape,
                      padded=False, prompts=lambda _request_id: 1).total_bytes
 
@@ -219,15 +222,23 @@ PREFILLS_IN_RING = 2
 the one before it drains."""
 
 
+RING_MB_MAX = 131_072
+"""The largest ``DMX_RING_PAYLOAD_MB`` / ``DMX_RING_PINNED_MB`` the settings accept."""
+
+
 def ring_advice(capacity: RingCapacity, chunk_bytes: int) -> int | None:
     """``DMX_RING_PAYLOAD_MB`` (and ``_PINNED_MB``) to advise when one prefill chunk of
     ``chunk_bytes`` does not fit the ring: room for :data:`PREFILLS_IN_RING` chunks, in
-    whole GiB; None when a chunk fits. Every MiB of it is device memory taken before
-    SGLang sizes its KV cache, and page-locked host memory (docs/settings.md)."""
+    whole GiB, :data:`RING_MB_MAX` at most; None when a chunk fits, or when the ring is
+    that large already (a smaller chunked prefill size is what helps then). Every MiB of
+    it is device memory taken before SGLang sizes its KV cache, and page-locked host
+    memory (docs/settings.md). Whether prefills still commit piecewise depends on how
+    fast the drain frees the ring too."""
     if chunk_bytes <= capacity.effective_bytes:
         return None
     gib = 1024 * MIB
-    return -(-PREFILLS_IN_RING * chunk_bytes // gib) * 1024
+    advised = min(-(-PREFILLS_IN_RING * chunk_bytes // gib) * 1024, RING_MB_MAX)
+    return advised if advised * MIB > capacity.effective_bytes else None
 
 
 def arena_bytes(

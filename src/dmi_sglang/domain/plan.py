@@ -225,6 +225,15 @@ class CommitPlan:
                                total, sum(s.kept_bytes for s in placed))
         return attrs.evolve(self, structure=structure)
 
+    def subset(self, keep: Sequence[int]) -> CommitPlan:
+        """The plan with only its segments ``keep`` (indices, in order), at their offsets:
+        the region it reserves stays :attr:`total_bytes` (a part of a piecewise step cut
+        short, whose other capture points go to later parts)."""
+        segs = tuple(self.segments[i] for i in keep)
+        structure = _Structure(segs, {(s.hook.name, s.layer_no): s for s in segs},
+                               self.total_bytes, sum(s.kept_bytes for s in segs))
+        return attrs.evolve(self, structure=structure)
+
     def part_stop(self, start: int, room: int) -> int:
         """The end of the longest run of segments from ``start`` whose ring bytes fit
         ``room`` (:meth:`part`), one segment at least."""

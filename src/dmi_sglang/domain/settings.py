@@ -20,6 +20,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
 
+from dmi_sglang.domain.capacity import RING_MB_MAX
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
@@ -342,8 +343,8 @@ _VARS: dict[str, _Var] = {
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
     "CH_WRITERS": _Var("ch_writers", 4, _conv(*_bounded(1, 64))),
     "CH_TIMEOUT_S": _Var("ch_timeout_s", 30, _conv(*_bounded(1, 3600))),
-    "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(*_bounded(1, 131_072))),
-    "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, 131_072))),
+    "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
+    "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
     "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(*_bounded(1, 16_777_216))),
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
         "drain_flush_timeout_us", 400_000, _conv(*_bounded(1, 60_000_000))

@@ -14,18 +14,19 @@ Modes of a committed step:
 * ``RING``: an unpadded (eager) plan: capture points write the ring region directly;
 * ``PIECES``: an eager plan larger than the free space: it is committed in *parts*,
   runs of consecutive capture points (in firing order) that fit the ring's free space
-  when the first of them fires (a quarter of the ring at most, one capture point at
-  least, waiting for the drain then). Each part is reserved, written by its capture
-  points and handed to the drain as one item once its last one fired; parts go to the
-  drain in the order they were reserved (the ring frees in order), so a part completed
-  out of turn waits for the ones before it;
+  when the first of them fires (a quarter of the ring and 256 MiB at most, one capture
+  point at least, waiting for the drain then). A part is reserved by its first capture
+  point, written by the next ones and handed to the drain as one item once its last one
+  fired. A capture point that fires outside the open part ends that part first: it goes
+  to the drain with the capture points written so far (the others go to later parts),
+  so the ring, which frees in order, never holds a reservation that waits for a capture
+  point while the step waits for room;
 * ``EMPTY``: nothing is captured this forward.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -39,7 +40,7 @@ from dmi_sglang.domain.capacity import RingUsage
 from dmi_sglang.domain.plan import CommitPlan, Segment
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["Mode", "OpenStep", "StepWriter"]
+__all__ = ["Mode", "OpenStep", "Part", "StepWriter"]
 
 
 class Mode(enum.Enum):
@@ -55,7 +56,7 @@ class Mode(enum.Enum):
 class Part:
     """A reserved run of a piecewise step's capture points (see the module docstring)."""
 
-    __slots__ = ("base", "left", "plan", "program", "start")
+    __slots__ = ("base", "plan", "program", "start", "written")
 
     def __init__(self, plan: CommitPlan, program: Program, base: int, start: int) -> None:
         self.plan = plan
@@ -63,15 +64,19 @@ class Part:
         self.base = base
         self.start = start
         """Index of its first segment in the step's plan."""
-        self.left = len(plan.segments)
-        """Its capture points that did not fire yet."""
+        self.written: list[int] = []
+        """Its segments written so far (indices into :attr:`plan`), in firing order."""
+
+    def holds(self, index: int) -> bool:
+        """True when the step's segment ``index`` belongs to this part."""
+        return 0 <= index - self.start < len(self.plan.segments)
 
 
 class OpenStep:
     """A committed, not yet sealed step."""
 
-    __slots__ = ("base", "captured", "drained", "mode", "order", "part_of", "parts", "plan",
-                 "program", "seq", "slot")
+    __slots__ = ("base", "captured", "drained", "mode", "order", "part", "plan", "program",
+                 "seq", "slot")
 
     def __init__(
         self, seq: int, plan: CommitPlan, program: Program | None, mode: Mode, base: int,
@@ -88,10 +93,8 @@ class OpenStep:
         self.mode = mode
         self.base = base
         self.captured: set[CaptureKey] = set()
-        self.parts: deque[Part] = deque()
-        """A piecewise step's parts not handed to the drain yet, in reservation order."""
-        self.part_of: dict[int, Part] = {}
-        """Each segment (by index) of those parts, its part."""
+        self.part: Part | None = None
+        """A piecewise step's open part (reserved, not handed to the drain yet)."""
         self.order: dict[CaptureKey, int] = {}
         """A piecewise step's segment index per capture (made at its first capture)."""
 
@@ -179,46 +182,58 @@ class StepWriter:
         step.captured.add(key)
 
     def _write_part(self, step: OpenStep, key: CaptureKey, tensor: torch.Tensor) -> None:
-        """Write a piecewise step's capture into its part (reserved by the first of the
-        part's capture points that fires), then hand the parts completed in turn to the
-        drain."""
+        """Write a piecewise step's capture into the open part (ended first when it does
+        not hold the capture; opened when none is), and hand the part to the drain once
+        its last capture point fired."""
         if not step.order:
             step.order = {(sg.hook.name, sg.layer_no): i
                           for i, sg in enumerate(step.plan.segments)}
         index = step.order[key]
-        part = step.part_of.get(index)
+        part = step.part
+        if part is not None and not part.holds(index):
+            self.end_part(step)
+            part = None
         if part is None:
-            part = self._open_part(step, index)
+            part = step.part = self._open_part(step, index)
         placed = part.plan.segments[index - part.start]
         self._write_ring(part.base + placed.offset, placed, key, tensor, part.program)
-        part.left -= 1
-        while step.parts and not step.parts[0].left:
-            done = step.parts.popleft()
-            self._enqueue(DrainItem(step.seq, done.plan, done.program, done.base,
+        part.written.append(index - part.start)
+        if len(part.written) == len(part.plan.segments):
+            step.part = None
+            self._enqueue(DrainItem(step.seq, part.plan, part.program, part.base,
                                     self._ops.mark()))
+
+    def end_part(self, step: OpenStep, *, discard: bool = False) -> None:
+        """Hand a piecewise step's open part to the drain now: its capture points written
+        so far (``discard``: none, the region is only freed)."""
+        part, step.part = step.part, None
+        if part is None:
+            return
+        plan, program = part.plan, part.program
+        if part.written and len(part.written) < len(plan.segments) and not discard:
+            plan = plan.subset(sorted(part.written))
+            program = build_program(plan, self._arena)
+        self._enqueue(DrainItem(step.seq, plan, program, part.base, self._ops.mark(),
+                                discard=discard or not part.written))
 
     def _open_part(self, step: OpenStep, start: int) -> Part:
         """Reserve the part of a piecewise step that starts with segment ``start``: the
-        segments after it that fit the free ring space (and :attr:`_part_bytes`), up to
-        the first one another part holds or that fired already (waits for the drain
-        when not even ``start``'s fits)."""
+        segments after it that fit the free ring space (and :attr:`_part_bytes`) and the
+        free task entries, up to the first one that fired already (waits for the drain
+        when not even ``start``'s fits; no other part is open then)."""
         plan = step.plan
         free = self._room()
         stop = plan.part_stop(start, min(free.free_bytes, self._part_bytes))
         stop = min(stop, start + max(free.free_entries, 1))
         for i in range(start + 1, stop):
             seg = plan.segments[i]
-            if i in step.part_of or (seg.hook.name, seg.layer_no) in step.captured:
+            if (seg.hook.name, seg.layer_no) in step.captured:
                 stop = i
                 break
         piece = plan.part(start, stop)
         program = build_program(piece, self._arena)
         base = self._reserve(program.reserve_bytes, program.entries, step.seq)
-        part = Part(piece, program, base, start)
-        step.parts.append(part)
-        for i in range(start, stop):
-            step.part_of[i] = part
-        return part
+        return Part(piece, program, base, start)
 
     def _write_ring(
         self, offset: int, seg: Segment, key: CaptureKey, tensor: torch.Tensor, program: Program
@@ -250,6 +265,7 @@ class StepWriter:
                     if (s.hook.name, s.layer_no) not in step.captured
                 ]
                 msg = f"step {step.seq}: planned capture points never ran: {missing[:8]}"
+                self.end_part(step, discard=True)  # its region is freed, nothing stored
                 raise CaptureError(msg)
             if step.mode is Mode.RING:
                 self._enqueue(DrainItem(step.seq, step.plan, program, step.base, self._ops.mark()))
