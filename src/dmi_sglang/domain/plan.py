@@ -209,29 +209,23 @@ class CommitPlan:
         selections) by construction: a copy program made for one fits the other."""
         return self._structure is other._structure
 
-    def piece(self, segment: Segment) -> CommitPlan:
-        """A one-segment plan (offset 0) of this step, for a piecewise commit."""
-        one = attrs.evolve(segment, offset=0)
-        structure = _Structure((one,), {(one.hook.name, one.layer_no): one},
-                               one.aligned_bytes(self.alignment), one.kept_bytes)
-        return attrs.evolve(self, structure=structure)
-
     def part(self, start: int, stop: int) -> CommitPlan:
         """Segments ``[start, stop)`` (in firing order) as a plan of their own, placed from
         offset 0 the way :func:`make_plan` places a step's (grouped by row size), for a
         piecewise commit that moves several capture points at once."""
         placed, total = _place(self.segments[start:stop], self.alignment)
-        structure = _Structure(placed, {(s.hook.name, s.layer_no): s for s in placed},
-                               total, sum(s.kept_bytes for s in placed))
-        return attrs.evolve(self, structure=structure)
+        return self._with_segments(placed, total)
 
     def subset(self, keep: Sequence[int]) -> CommitPlan:
         """The plan with only its segments ``keep`` (indices, in order), at their offsets:
         the region it reserves stays :attr:`total_bytes` (a part of a piecewise step cut
         short, whose other capture points go to later parts)."""
-        segs = tuple(self.segments[i] for i in keep)
-        structure = _Structure(segs, {(s.hook.name, s.layer_no): s for s in segs},
-                               self.total_bytes, sum(s.kept_bytes for s in segs))
+        return self._with_segments(tuple(self.segments[i] for i in keep), self.total_bytes)
+
+    def _with_segments(self, segments: tuple[Segment, ...], total_bytes: int) -> CommitPlan:
+        """This step's plan holding ``segments`` (placed already) in ``total_bytes``."""
+        structure = _Structure(segments, {(s.hook.name, s.layer_no): s for s in segments},
+                               total_bytes, sum(s.kept_bytes for s in segments))
         return attrs.evolve(self, structure=structure)
 
     def part_stop(self, start: int, room: int) -> int:
@@ -246,8 +240,8 @@ class CommitPlan:
 
     def pieces(self) -> Iterator[CommitPlan]:
         """The plan split into one-segment plans, for a piecewise commit."""
-        for seg in self.segments:
-            yield self.piece(seg)
+        for i in range(len(self.segments)):
+            yield self.part(i, i + 1)
 
 
 def make_plan(

@@ -273,8 +273,7 @@ class TorchCaptureTransport:
         if not plan.segments:
             return _NOTHING
         program = self._program(plan)
-        with self._cond:
-            usage = self._alloc.usage()
+        usage = self._room()
         if program.reserve_bytes <= usage.free_bytes and program.entries <= usage.free_entries:
             return _FITS
         self._drain.hurry()
@@ -319,8 +318,7 @@ class TorchCaptureTransport:
                 base = self._alloc.reserve(program.reserve_bytes, program.entries)
             if base is None:
                 self._drain.hurry()
-                with self._cond:
-                    usage = self._alloc.usage()
+                usage = self._room()
                 decision = preflight(plan, usage, self.capacity).decision
                 if decision is Decision.PIECEWISE or decision is Decision.RUN_EAGER:
                     mode = Mode.PIECES if decision is Decision.PIECEWISE else Mode.ARENA_PIECES
