@@ -352,7 +352,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
             "captured_requests": captured,
-            "lateness": probe.summary(), "profile": top_functions(profile) if profile else None,
+            "lateness": probe.summary(),
+            "profile": top_functions(profile, 45) if profile else None,
             "stacks": sampler.top() if isinstance(sampler, StackSampler) else None}
 
 
