@@ -14,6 +14,7 @@ This module sits beside the domain (which never imports numpy), like
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -40,11 +41,16 @@ class CaptureKey:
     layer_no: int
     dtype: str
     dims: tuple[int, ...]
+    _row_nbytes: int = attrs.field(init=False, default=-1, eq=False, hash=False, repr=False)
 
     @property
     def row_nbytes(self) -> int:
         """Bytes of one row."""
-        return int(np.prod(self.dims, dtype=np.int64)) * DType.parse(self.dtype).itemsize
+        n = self._row_nbytes
+        if n < 0:  # every batch's check reads it (per capture, per batch): computed once
+            n = math.prod(self.dims) * DType.parse(self.dtype).itemsize
+            object.__setattr__(self, "_row_nbytes", n)
+        return n
 
 
 def _column(values: object, dtype: type[np.generic], name: str, n: int) -> np.ndarray:

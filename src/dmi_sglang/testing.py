@@ -34,8 +34,9 @@ class MemorySink:
         keep_records: False keeps only the counters (benchmarks: no memory growth).
 
     Attributes:
-        records: every stored record, in arrival order (payloads are read-only views of
-            the batches' memory, which they keep alive).
+        records: every stored record, in arrival order (payloads are read-only copies
+            taken in ``put``: a sink may read a batch any time after it was put, so its
+            bytes must be final then, and a test sees what a store would store).
         rows / payload_bytes: rows and payload bytes stored.
         puts: batches put (each ``put`` call, empty batches included); flushes: calls.
         runs / finished: ``start_run`` and ``finish_run`` arguments.
@@ -91,7 +92,7 @@ class MemorySink:
             self.payload_bytes += batch.nbytes
             self.rows += batch.rows
             if self.keep_records:
-                self.records.extend(batch.records())
+                self.records.extend(attrs.evolve(batch, payload=batch.payload.copy()).records())
 
     def flush(self) -> None:
         """Nothing is buffered; fails as configured."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, Decision, RingCapacity
 from dmi_sglang.domain.hooks import (
     CATALOG,
@@ -211,6 +211,14 @@ def two_requests(d: Driver, *, padded: bool) -> None:
     for n in range(4):
         d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n],
                                      padded_batch_size=4 if padded else None), padded=padded)
+
+
+@pytest.fixture(autouse=True)
+def _deferred_device_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain stream's work runs only when waited for, as on a GPU at the earliest:
+    a host read of an unwaited copy, or a ring region or arena slot reused before its
+    copy ran, gives wrong bytes (see ``DeviceOps.defer_on_cpu``)."""
+    monkeypatch.setattr(DeviceOps, "defer_on_cpu", True)
 
 
 @pytest.fixture(params=["slots", "one-slot"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -199,15 +200,15 @@ def test_direct_items_of_one_round_share_one_wait_before_release_and_hand_over(
     from dmi_sglang.adapters.transport._device import DeviceOps
 
     events: list[str] = []
-    real_queue, real_settle = DeviceOps.queue_to_host, DeviceOps.settle
+    real_queue, real_wait = DeviceOps.queue_to_host, DeviceOps.wait
 
     def queue_to_host(self, markers, pairs):
         events.append("queue")
         return real_queue(self, markers, pairs)
 
-    def settle(self):
-        events.append("settle")
-        real_settle(self)
+    def wait(self, fence):
+        events.append("wait")
+        real_wait(self, fence)
 
     go = threading.Event()
     real_linger = _drain.Drain._linger
@@ -217,7 +218,7 @@ def test_direct_items_of_one_round_share_one_wait_before_release_and_hand_over(
         real_linger(self, item)
 
     monkeypatch.setattr(DeviceOps, "queue_to_host", queue_to_host)
-    monkeypatch.setattr(DeviceOps, "settle", settle)
+    monkeypatch.setattr(DeviceOps, "wait", wait)
     monkeypatch.setattr(_drain.Drain, "_linger", linger)
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20,
                           coalesce_decode=False)
@@ -233,23 +234,33 @@ def test_direct_items_of_one_round_share_one_wait_before_release_and_hand_over(
     assert d.t.drain_counters()["direct_items"] == 3
     first = events.index("queue")
     round_ = events[first : events.index("put")]
-    assert round_ == ["queue", "queue", "queue", "settle", "release", "release", "release"]
+    assert round_ == ["queue", "queue", "queue", "wait", "release", "release", "release"]
     d.verify(sink.records)  # the logits rows held after the wait, confirmed in order
 
 
-def test_no_batch_of_a_direct_item_reaches_the_sink_before_its_copies_were_waited_for(
+def test_direct_items_are_handed_over_one_behind_and_only_after_their_copies(
         make_driver, monkeypatch):
-    """Batches handed over in the middle of a round (every ``_EMIT_BYTES``) wait for the
-    copies queued before them."""
+    """Batches handed over in the middle of a round (every ``_EMIT_BYTES``) go to the
+    sink only after a wait for a fence behind the copies that filled them, and one item
+    behind: the next item's copies are queued before the previous item's batches go
+    (its copies run while the next records are built)."""
     from dmi_sglang.adapters.transport import _drain
     from dmi_sglang.adapters.transport._device import DeviceOps
 
-    events: list[str] = []
-    real_queue, real_settle = DeviceOps.queue_to_host, DeviceOps.settle
-    monkeypatch.setattr(DeviceOps, "queue_to_host", lambda self, markers, pairs: (
-        events.append("queue"), real_queue(self, markers, pairs))[1])
-    monkeypatch.setattr(DeviceOps, "settle", lambda self: (events.append("settle"),
-                                                           real_settle(self))[1])
+    events: list[tuple[str, object]] = []
+    real_queue, real_wait = DeviceOps.queue_to_host, DeviceOps.wait
+
+    def queue_to_host(self, markers, pairs):
+        spent = real_queue(self, markers, pairs)
+        events.append(("queue", self._queued))  # work queued so far, this copy included
+        return spent
+
+    def wait(self, fence):
+        events.append(("wait", fence.upto))
+        real_wait(self, fence)
+
+    monkeypatch.setattr(DeviceOps, "queue_to_host", queue_to_host)
+    monkeypatch.setattr(DeviceOps, "wait", wait)
     monkeypatch.setattr(_drain, "_EMIT_BYTES", 1)  # a hand-over after every item
     go = threading.Event()
     real_linger = _drain.Drain._linger
@@ -257,15 +268,53 @@ def test_no_batch_of_a_direct_item_reaches_the_sink_before_its_copies_were_waite
                         lambda self, item: (go.wait(30), real_linger(self, item))[1])
     d, sink = make_driver("resid_pre", payload_bytes=1 << 20, coalesce_decode=False)
     real_put = sink.put
-    monkeypatch.setattr(sink, "put", lambda batch: (events.append("put"), real_put(batch)))
+    monkeypatch.setattr(sink, "put", lambda batch: (events.append(("put", batch.request_ids)),
+                                                    real_put(batch)))
     for rid in ("a", "b", "c"):
         d.forward(BatchLayout.extend([rid], [0], [4]))
     go.set()
     d.t.stop()
-    assert events.count("queue") == 3
-    assert events.count("put") >= 3
-    for i, event in enumerate(events):
-        if event == "put":
-            queued = max(j for j in range(i) if events[j] == "queue")
-            assert "settle" in events[queued:i], events
+    queued = [n for kind, n in events if kind == "queue"]
+    assert len(queued) == 3
+    filled = dict(zip(("a", "b", "c"), queued, strict=True))  # work that fills each
+    waited = 0
+    puts = {}
+    for i, (kind, value) in enumerate(events):
+        if kind == "wait":
+            waited = max(waited, value)
+        elif kind == "put":
+            (rid,) = value
+            assert waited >= filled[rid], events  # its copies were waited for
+            puts.setdefault(rid, i)
+    assert set(puts) == {"a", "b", "c"}
+    second_queue = next(i for i, (kind, n) in enumerate(events)
+                        if kind == "queue" and n == filled["b"])
+    assert second_queue < puts["a"], events  # b's copies queued before a's batches go
+    d.verify(sink.records)
+
+
+def test_an_idle_drain_lands_what_it_left_in_flight(make_driver, monkeypatch):
+    """A wake-up with more items queued behind it leaves its last flight in flight (its
+    copies run while the next items are built). Once nothing is queued, the drain lands
+    it before it waits for more: the ring is free again and every batch reached the
+    sink, with no further step and no stop (the scheduler may be waiting for that
+    space, and would never send another item)."""
+    from dmi_sglang.adapters.transport import _drain
+
+    monkeypatch.setattr(_drain, "_BATCH", 1)  # one item a wake-up: more queued behind it
+    go = threading.Event()
+    real_linger = _drain.Drain._linger
+    monkeypatch.setattr(_drain.Drain, "_linger",
+                        lambda self, item: (go.wait(30), real_linger(self, item))[1])
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, coalesce_decode=False)
+    for rid in ("a", "b", "c"):
+        d.forward(BatchLayout.extend([rid], [0], [4]))
+    go.set()
+    deadline = time.monotonic() + 10
+    while (d.t._alloc.live_regions or len({r.request_id for r in sink.records}) < 3) and (
+            time.monotonic() < deadline):
+        time.sleep(0.01)
+    assert d.t._alloc.live_regions == 0
+    assert {r.request_id for r in sink.records} == {"a", "b", "c"}
+    d.t.stop()
     d.verify(sink.records)

@@ -226,7 +226,10 @@ class CommitPlan:
         """This step's plan holding ``segments`` (placed already) in ``total_bytes``."""
         structure = _Structure(segments, {(s.hook.name, s.layer_no): s for s in segments},
                                total_bytes, sum(s.kept_bytes for s in segments))
-        return attrs.evolve(self, structure=structure)
+        plan = attrs.evolve(self, structure=structure)
+        # the same layout: where each request's rows sit is the same for every part
+        object.__setattr__(plan, "_slices", self._slices)
+        return plan
 
     def part_stop(self, start: int, room: int) -> int:
         """The end of the longest run of segments from ``start`` whose ring bytes fit

@@ -1,12 +1,16 @@
 """What the transport asks of the device: buffers, the capture probe, ordering, host copies.
 
-One class covers CUDA and CPU. On CPU (the unit tests) every copy is synchronous, the
-ordering markers are ``None`` and "pinned" staging is a plain host tensor, so the same
-transport code runs and its bookkeeping is tested without a GPU.
+One class covers CUDA and CPU. On CPU (the unit tests) the ordering markers are ``None``
+and "pinned" staging is a plain host tensor, so the same transport code runs and its
+bookkeeping is tested without a GPU. The drain stream's work runs at once on CPU, or,
+with :attr:`DeviceOps.defer_on_cpu`, only when it is waited for (:meth:`DeviceOps.wait`,
+:meth:`DeviceOps.settle`): the tests run that way, so a host read of a copy that was
+never waited for, or a ring region released before its copy ran, shows as wrong bytes.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import sys
@@ -17,7 +21,7 @@ import torch
 
 from dmi_sglang.domain.shapes import DType
 
-__all__ = ["TORCH_DTYPES", "DeviceOps", "Marker", "tune_host_malloc"]
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "tune_host_malloc"]
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BFLOAT16: torch.bfloat16,
@@ -49,6 +53,22 @@ def _never() -> bool:
     return False
 
 
+class Fence:
+    """A point in the work queued on the drain's stream (:meth:`DeviceOps.fence`): the
+    host may use what that work wrote, and the device memory it read may be written
+    again, once :meth:`DeviceOps.wait` returned for it."""
+
+    __slots__ = ("event", "markers", "upto")
+
+    def __init__(self, event: torch.cuda.Event | None, markers: list[torch.cuda.Event],
+                 upto: int) -> None:
+        self.event = event
+        self.markers = markers
+        """Markers the work before it waited for (recycled once it is waited for)."""
+        self.upto = upto
+        """Work items queued before it (CPU: the deferred ones it waits for)."""
+
+
 class DeviceOps:
     """Device primitives for one transport.
 
@@ -58,6 +78,10 @@ class DeviceOps:
             stream; defaults to ``torch.cuda.is_current_stream_capturing`` on CUDA and to
             "never" on CPU (tests pass their own to simulate a graph capture).
     """
+
+    defer_on_cpu = False
+    """On CPU, run the drain stream's work only when it is waited for, as a GPU would
+    have it done only then at the earliest (set by the tests; read at construction)."""
 
     def __init__(
         self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None
@@ -74,8 +98,16 @@ class DeviceOps:
         self._drain_stream = torch.cuda.Stream(dev) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self._done = torch.cuda.Event(blocking=True) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self._free_events: list[torch.cuda.Event] = []
+        self._free_fences: list[torch.cuda.Event] = []
         self._pending: list[torch.cuda.Event] = []
-        """Markers waited for by work queued on the drain stream, not settled yet."""
+        """Markers waited for by work queued on the drain stream since the last fence,
+        not settled yet."""
+        self._defer = not self.is_cuda and self.defer_on_cpu
+        self._deferred: collections.deque[Callable[[], None]] = collections.deque()
+        self._queued = 0
+        """Work items queued on the drain stream so far (CPU: run or deferred)."""
+        self._fenced = 0
+        """``_queued`` at the last fence."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -120,9 +152,13 @@ class DeviceOps:
         the markers follow; returns without waiting for it (on CPU it runs now). Call
         :meth:`settle` before the host reads what it wrote or the ring space it read is
         reused. Each marker is used once: it is recycled at the next settle."""
+        self._queued += 1
         stream = self._drain_stream
         if stream is None:
-            work()
+            if self._defer:
+                self._deferred.append(work)
+            else:
+                work()
             return
         events = [m for m in markers if m is not None]
         with torch.cuda.stream(stream):
@@ -131,9 +167,50 @@ class DeviceOps:
             work()
         self._pending.extend(event for event, _ in events)
 
+    def fence(self) -> Fence:
+        """A fence after the work queued on the drain's stream so far: :meth:`wait` for
+        it (once) before the host reads what that work wrote or the device memory it read
+        is reused; work queued later may still run."""
+        event = None
+        if self._drain_stream is not None:
+            event = self._free_fences.pop() if self._free_fences else torch.cuda.Event(  # type: ignore[no-untyped-call]
+                blocking=True)
+            event.record(self._drain_stream)
+        markers, self._pending = self._pending, []
+        self._fenced = self._queued
+        return Fence(event, markers, self._queued)
+
+    @property
+    def unfenced(self) -> bool:
+        """True when work was queued on the drain's stream after the last fence."""
+        return self._queued > self._fenced
+
+    def done(self, fence: Fence) -> bool:
+        """True when the work before ``fence`` is done (never blocks; CPU with deferred
+        work: only once it was waited for)."""
+        if fence.event is not None:
+            return bool(fence.event.query())  # type: ignore[no-untyped-call]
+        return self._queued - len(self._deferred) >= fence.upto
+
+    def wait(self, fence: Fence) -> None:
+        """Block until the work before ``fence`` is done (the GIL is released while
+        waiting); its markers are recycled."""
+        if fence.event is not None:
+            fence.event.synchronize()
+            self._free_fences.append(fence.event)
+            fence.event = None
+        else:
+            while self._queued - len(self._deferred) < fence.upto:
+                self._deferred.popleft()()
+        self._free_events.extend(fence.markers)
+        fence.markers = []
+
     def settle(self) -> None:
         """Block until the work queued on the drain's stream is done (the GIL is
-        released while waiting)."""
+        released while waiting). Fences not waited for yet are passed too (waiting for
+        them returns at once)."""
+        while self._deferred:
+            self._deferred.popleft()()
         if self._drain_stream is None or self._done is None:
             return
         self._done.record(self._drain_stream)

@@ -1,30 +1,31 @@
 """The drain thread: sealed steps -> record batches -> the sink.
 
-Per sealed item (a step, or one piece of a piecewise step), in commit order:
+Per sealed item (a step, or one part of a piecewise step), in commit order:
 
 0. a decode graph step still in its arena slot that does not join the window is copied
    to its ring region (a strided device copy per group, on the drain's own stream,
-   after the step's marker), and the slot is freed once that completed (one wait per
-   wake-up);
+   after the step's marker);
 1. plain decode steps join the :class:`~._window.DecodeWindow` on the device (a strided
    device copy per group for consecutive steps, on the drain's own stream, after the
-   items' markers: from their arena slots, or from the ring); their ring regions and
-   slots are released once those copies completed (one wait per wake-up);
-2. anything else first flushes the window (rows of a request stay in position order),
-   then its ring region is copied to the same offsets of pinned staging with ONE
-   device-to-host copy and becomes record batches (``_records``) over pooled memory
-   (``_pool``);
-3. release the region (the ring frees in order), then hand the batches to the sink.
+   items' markers: from their arena slots, or from the ring);
+2. *direct* items (a step that is not coalesced and whose token groups' rows lie
+   contiguous in the ring: a prefill, for instance) are copied from the ring straight
+   into their payload slabs (one device-to-host copy per chunk of segments, queued as
+   the records are built), so their token bytes cost the host no copy; only their
+   request rows (one per request, held back a step) pass through staging;
+3. anything else first waits for everything before it, then its ring region is copied to
+   the same offsets of pinned staging with ONE device-to-host copy and becomes record
+   batches (``_records``) over pooled memory (``_pool``).
 
-*Direct* items skip staging: a step that is not coalesced and whose token groups' rows
-lie contiguous in the ring (a prefill, for instance) is copied from the ring straight
-into its payload slabs (one device-to-host copy per chunk of segments), so its token
-bytes cost the host no copy; only its request rows (one per request, held back a step)
-still pass through staging. Consecutive direct items are not waited for one by one: the
-next item's records are built while the copies queued before it run, and one wait
-covers them all before their batches go to the sink (every :data:`_EMIT_BYTES`), before
-anything else is drained and at the end of the wake-up; their ring regions are released
-and their request rows held after that wait, in item order.
+Nothing waits for the drain's stream as work is queued: what the host does once the
+copies are done (free arena slots, release ring regions, hold direct items' request
+rows, hand batches to the sink) goes into a *flight* behind a fence on that stream
+(:meth:`Drain._launch`), and flights land in order (:meth:`Drain._land`), so the ring
+frees in order and the sink gets batches in item order. A flight is launched every
+:data:`_EMIT_BYTES` of batches and after each window flush, and landed one behind
+(:meth:`Drain._hand_over`): the copies of one run on the copy engine while the next
+records are built. Everything lands (waiting) before a finish notice, a staged item, a
+window flush (held rows are read there) and when the drain has nothing else to do.
 
 Finish notices (:class:`Finish`) travel through the same queue, so they are ordered after
 every step sealed before them; they settle the request rows held back (``_records``).
@@ -33,6 +34,7 @@ A failure anywhere is reported once (sticky, see the transport) and ends the thr
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -41,7 +43,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from dmi_sglang.adapters.transport._device import DeviceOps, Marker
+from dmi_sglang.adapters.transport._device import DeviceOps, Fence, Marker
 from dmi_sglang.adapters.transport._gil import GilSlice
 from dmi_sglang.adapters.transport._pool import Chunk, PayloadPool
 from dmi_sglang.adapters.transport._program import Bytes2D, Group, Program
@@ -135,6 +137,21 @@ def _window_run(batch: list[DrainItem | Finish], start: int, window_items: set[i
     return run
 
 
+class _Flight:
+    """Work queued on the drain's stream (behind ``fence``) and what the host does once
+    it is done: free ``slots``, apply ``steps`` (see ``Drain._steps``), hand ``out`` to
+    the sink."""
+
+    __slots__ = ("fence", "out", "slots", "steps")
+
+    def __init__(self, fence: Fence, out: Emitted, steps: list[int | DrainItem],
+                 slots: list[int]) -> None:
+        self.fence = fence
+        self.out = out
+        self.steps = steps
+        self.slots = slots
+
+
 class Finish:
     """A finish notice: where a request's stored request rows end (None: keep all), and
     the request's committed manifest when it finished cleanly (None: no commit)."""
@@ -174,8 +191,8 @@ class Drain:
             module docstring); False: every item through staging.
         gil_slice_s: longest stretch of the thread's Python between two hand-overs of
             the GIL (see ``_gil``); 0: only when it waits.
-        from_slot: queues the device copies of an item's rows from its arena slot to its
-            ring region on the current stream.
+        from_slot: queues the device copies of a step's rows (its program) from an arena
+            slot to its ring region (its base) on the current stream.
         free_slot: the arena slot may be written again (its copies completed).
         arena / arena_slot_bytes: the decode-graph arena and the distance between its
             slots (the window copies steps still in their slots from there).
@@ -197,7 +214,7 @@ class Drain:
         linger_s: float = 0.0,
         direct_bytes: int = 0,
         gil_slice_s: float = 0.0,
-        from_slot: Callable[[DrainItem], None],
+        from_slot: Callable[[Program, int, int], None],
         free_slot: Callable[[int], None],
         arena: torch.Tensor,
         arena_slot_bytes: int,
@@ -231,25 +248,24 @@ class Drain:
                          held=self.held, gil=self.gil)
             if window_bytes is not None else None
         )
-        self._unreleased = 0
-        """Decode items whose rows were queued into the window but whose ring regions
-        are not released yet (after the next settle)."""
-        # direct items whose copies were queued, not waited for (_settle_direct)
-        self._queued_direct: list[DrainItem] = []
+        self._steps: list[int | DrainItem] = []
+        """What the next flight does once the drain's stream passed its fence, in item
+        order: an int releases that many ring regions (decode steps queued into the
+        window, discarded items); a direct item releases its region and holds its
+        request rows."""
         self._unfreed_slots: list[int] = []
-        """Arena slots the drain stream's queued copies read (freed after the next wait
-        for that stream)."""
+        """Arena slots the drain stream's queued copies read (freed with the next
+        flight, or after the next wait for that stream)."""
+        self._flights: collections.deque[_Flight] = collections.deque()
+        """Work in flight on the drain's stream and what follows it on the host, oldest
+        first (see :meth:`_launch`)."""
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._commits: list[RequestManifest] = []
         """Manifests of finished requests whose rows may still wait in the window."""
         self.committed_requests = 0
         self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
-        self.rows = 0
-        self.bytes = 0
-        self.records = 0
-        self.batches = 0
-        self.discarded = 0
+        self.rows = self.bytes = self.records = self.batches = self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
         # of d2h_seconds: queueing the copies, then waiting for them (_queue_to_host,
@@ -338,9 +354,10 @@ class Drain:
                     out = self._process(batch, out)
                 if stop:
                     t0 = time.thread_time()
+                    out = self._settle(out)
                     if self._window is not None:
                         self._window.flush(out, final=True)
-                        self._release_window_items()
+                        out = self._settle(out)
                     self.held.release_all(out)
                     self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
@@ -353,8 +370,8 @@ class Drain:
         step in its arena slot, let the steps that follow it arrive (until ``linger_s``
         after the previous round, or a :meth:`hurry`), so they are moved together."""
         if (not self._linger_s or not isinstance(item, DrainItem) or not self._queue.empty()
-                or not (item.slot >= 0 or self._coalesce(item))):
-            return
+                or self._flights or not (item.slot >= 0 or self._coalesce(item))):
+            return  # (a flight in flight: the drain is busy, steps gather meanwhile)
         left = self._round_end + self._linger_s - time.monotonic()
         if self._window is not None and (due := self._window.seconds_left()) is not None:
             left = min(left, due)  # the flush timeout still bounds how long rows wait
@@ -376,9 +393,8 @@ class Drain:
             except queue.Empty:
                 assert self._window is not None
                 self.gil.restart()  # the wait released the GIL
-                out = Emitted()
                 t0 = time.thread_time()
-                self._window.flush(out)
+                out = self._settle(self._flush_window(Emitted()))
                 self.build_cpu_seconds += time.thread_time() - t0
                 self._emit(out)
 
@@ -409,10 +425,8 @@ class Drain:
         while n < len(batch):
             self.gil.check()
             item = batch[n]
-            if self._queued_direct and not (isinstance(item, DrainItem)
-                                            and id(item) in direct):
-                self._settle_direct(out)  # everything else comes after their rows
             if isinstance(item, Finish):
+                out = self._settle(out)  # the request's held rows, in item order
                 self._finish(item, out)
                 n += 1
                 continue
@@ -422,13 +436,13 @@ class Drain:
             n += 1
             if window is not None and window.rows:
                 out = self._flush_window(out)
-            self._release_window_items()
             if item.discard:
-                self._release()
+                self._release_later(1)
                 continue
             if id(item) in direct:
                 self._build_direct(item, out)  # released once its copies are waited for
             else:
+                out = self._settle(out)  # request rows held, regions released in order
                 before = out.bytes
                 build_records(self._run_id, item.plan, item.program, self._staging_np,
                               item.base, seq=item.seq, pool=self.pool, held=self.held,
@@ -437,9 +451,10 @@ class Drain:
                 self._release()
             if out.bytes >= _EMIT_BYTES:
                 out = self._hand_over(out)
-        self._settle_direct(out)
-        self._release_window_items()
-        self._free_slots()
+        # more to drain: the last flight's copies run while the next wake-up builds;
+        # else all lands now (the scheduler may wait for its ring space: no flight may
+        # stay in flight while the drain waits for items)
+        out = self._settle(out) if self._queue.empty() else self._hand_over(out)
         self.build_cpu_seconds += time.thread_time() - t0
         return out
 
@@ -460,7 +475,7 @@ class Drain:
                       arena_slot=item.slot if from_slots else -1)
         if from_slots:
             self._unfreed_slots += [it.slot for it in run]
-        self._unreleased += len(run)
+        self._release_later(len(run))
         n += len(run)
         if window.full or (window.due() and n == len(batch) and self._queue.empty()):
             out = self._flush_window(out)
@@ -480,10 +495,11 @@ class Drain:
         if not slotted:
             return
         from_slot = self._from_slot
+        moves = [(it.program, it.base, it.slot) for it in slotted]  # as they are now
 
         def copies() -> None:
-            for it in slotted:
-                from_slot(it)
+            for program, base, slot in moves:
+                from_slot(program, base, slot)
 
         t0 = time.perf_counter()
         self._ops.on_drain_stream([it.marker for it in slotted], copies)
@@ -493,12 +509,10 @@ class Drain:
             it.slot = -1
             it.marker = None
 
-    def _free_slots(self, *, settled: bool = False) -> None:
-        """Free the arena slots whose copies were queued, once the drain stream finished
-        them (waits for it unless ``settled``: a wait just did)."""
+    def _free_slots(self) -> None:
+        """Free the arena slots whose copies were queued (a wait for the drain's stream
+        just passed them)."""
         if self._unfreed_slots:
-            if not settled:
-                self._ops.settle()
             free = self._free_slot
             for slot in self._unfreed_slots:
                 free(slot)
@@ -515,15 +529,13 @@ class Drain:
         if notice.manifest is not None:
             self._commits.append(notice.manifest)
 
-    def _release_window_items(self) -> None:
-        """Release the ring regions of the decode steps queued into the window, once
-        their copies completed (the ring frees in order)."""
-        if self._unreleased:
-            self._ops.settle()
-            for _ in range(self._unreleased):
-                self._release()
-            self._unreleased = 0
-            self._free_slots(settled=True)
+    def _release_later(self, regions: int) -> None:
+        """Release the next ``regions`` ring regions with the next flight (the ring
+        frees in order)."""
+        if self._steps and isinstance(self._steps[-1], int):
+            self._steps[-1] += regions
+        else:
+            self._steps.append(regions)
 
     def _to_staging(self, items: list[DrainItem]) -> None:
         """Copy the items' ring regions to staging: one copy per contiguous span."""
@@ -535,7 +547,7 @@ class Drain:
                                    [(self._staging[lo:hi], self._ring[lo:hi])])
                 start = i
         if items:  # those waited for the drain's stream: the slots' copies are done
-            self._free_slots(settled=True)
+            self._free_slots()
 
     def _copy_to_host(self, markers: list[Marker],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -561,23 +573,46 @@ class Drain:
         self.d2h_seconds += waited
         self.d2h_wait_seconds += waited
 
+    def _wait_for(self, flight: _Flight) -> None:
+        """Wait for a flight's fence, counted like :meth:`_wait_for_copies` (not as build
+        time)."""
+        cpu, t0 = time.thread_time(), time.perf_counter()
+        self._ops.wait(flight.fence)
+        waited = time.perf_counter() - t0
+        self.d2h_seconds += waited
+        self.d2h_wait_seconds += waited
+        self.build_cpu_seconds -= time.thread_time() - cpu
+
     def _direct(self, item: DrainItem) -> bool:
         """True for an item copied from the ring straight into payload memory."""
         return self._direct_copies and item.program.direct and not item.discard
 
     def _build_direct(self, item: DrainItem, out: Emitted) -> None:
         """Records of a direct item: token chunks are allocated and sliced into records
-        first, then filled by device-to-host copies queued on the drain's stream, which
-        also bring the request rows' groups to staging. Not waited for here: see
-        :meth:`_settle_direct` (no batch reaches the sink before it)."""
+        first, then filled by device-to-host copies queued on the drain's stream as they
+        add up (every :data:`_EMIT_BYTES`, so the first run while the rest is built),
+        which also bring the request rows' groups to staging. Not waited for here: the
+        item's region is released and its request rows held by the flight that carries
+        it (:meth:`_land`), and no batch reaches the sink before that flight's wait."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        markers: list[Marker] = [item.marker]  # waited for by the first copies only
+        pending = 0
+
+        def queue() -> None:
+            nonlocal pairs, markers, pending
+            self._queue_to_host(markers, pairs)
+            pairs, markers, pending = [], [], 0
 
         def fill(group: Group, span: Span, chunk: Chunk) -> None:
+            nonlocal pending
             assert group.dense  # a direct item's kept rows: one span of the ring
             rb = group.row_nbytes
             a = item.base + group.ring_offset + (span.s0 * group.kept_rows + span.r0) * rb
             n = (span.s1 - span.s0) * (span.r1 - span.r0)  # whole segments, or rows of one
             pairs.append((chunk.tensor, self._ring[a : a + n * rb]))
+            pending += n * rb
+            if pending >= _EMIT_BYTES:
+                queue()
 
         build_records(self._run_id, item.plan, item.program, self._staging_np, item.base,
                       seq=item.seq, pool=self.direct_pool, held=self.held, out=out, fill=fill,
@@ -587,45 +622,72 @@ class Drain:
                 a = item.base + g.ring_offset
                 b = a + (g.count - 1) * g.ring_stride + g.ring_rows * g.row_nbytes
                 pairs.append((self._staging[a:b], self._ring[a:b]))
-        self._queue_to_host([item.marker], pairs)
-        self._queued_direct.append(item)
+        if pairs or markers:
+            queue()
+        self._steps.append(item)
         self.direct_items += 1
 
-    def _settle_direct(self, out: Emitted) -> None:
-        """Wait for the copies of the direct items queued so far, then release their ring
-        regions (the ring frees in order: nothing else was released after them) and hold
-        their request rows, in item order."""
-        items, self._queued_direct = self._queued_direct, []
-        if not items:
-            return
-        cpu = time.thread_time()
-        self._wait_for_copies()
-        self.build_cpu_seconds -= time.thread_time() - cpu  # waiting is not build time
-        self._free_slots(settled=True)
-        for item in items:
-            self._release()
-            requests = [g for g in item.program.groups if g.request_rows]
-            if requests:
-                hold_request_rows(self._run_id, item.seq, item.plan, requests,
-                                  self._staging_np, item.base, self.held, out)
-
     def _flush_window(self, out: Emitted) -> Emitted:
-        """Flush the window into ``out`` and hand it to the sink: a window's page-locked
-        buffer returns to the pool only once the sink let go of it, so they must not
-        pile up over a long batch. The flush waited for every queued copy, so the
-        window's ring regions are released too."""
+        """Flush the window into a flight of its own (:meth:`_hand_over`): its copies
+        run while the drain goes on. Everything before it lands first: the request rows
+        held by earlier items, and the rows the previous flush left held, are read by
+        this one."""
         assert self._window is not None
+        out = self._settle(out)
         self._window.flush(out)
-        self._release_window_items()
         return self._hand_over(out)
 
-    def _hand_over(self, out: Emitted) -> Emitted:
-        self._settle_direct(out)  # no payload goes out before its copy is done
-        self._free_slots()  # before the sink, which may block
-        cpu = time.thread_time()
-        self._emit(out)
-        self.build_cpu_seconds -= time.thread_time() - cpu  # sink time is not build time
+    def _launch(self, out: Emitted) -> Emitted:
+        """Put ``out``, the steps and the arena slots so far in flight: behind a fence
+        after everything queued on the drain's stream so far, landed in order by
+        :meth:`_land`. Returns a fresh :class:`Emitted` for what comes next."""
+        self._flights.append(_Flight(self._ops.fence(), out, self._steps,
+                                     self._unfreed_slots))
+        self._steps, self._unfreed_slots = [], []
         return Emitted()
+
+    def _land(self, keep: int) -> None:
+        """Land flights oldest first: those whose fence was passed, and, waiting for
+        them, more until at most ``keep`` are left. Landing frees the flight's arena
+        slots, releases its ring regions and holds its direct items' request rows in
+        item order, then hands its batches to the sink."""
+        flights = self._flights
+        while flights and (len(flights) > keep or self._ops.done(flights[0].fence)):
+            flight = flights.popleft()
+            self._wait_for(flight)
+            free = self._free_slot
+            for slot in flight.slots:
+                free(slot)
+            out = flight.out
+            for step in flight.steps:
+                self._release()
+                if isinstance(step, int):
+                    for _ in range(step - 1):
+                        self._release()
+                    continue
+                requests = [g for g in step.program.groups if g.request_rows]
+                if requests:
+                    hold_request_rows(self._run_id, step.seq, step.plan, requests,
+                                      self._staging_np, step.base, self.held, out)
+            cpu = time.thread_time()
+            self._emit(out)
+            self.build_cpu_seconds -= time.thread_time() - cpu  # sink time is not build time
+
+    def _settle(self, out: Emitted) -> Emitted:
+        """Land everything queued so far (waiting for it), ``out`` last; returns what to
+        build into next (``out`` itself when nothing was queued)."""
+        if not (self._flights or self._steps or self._unfreed_slots or self._ops.unfenced):
+            return out
+        out = self._launch(out)
+        self._land(0)
+        return out
+
+    def _hand_over(self, out: Emitted) -> Emitted:
+        """Put ``out`` in flight and land the flights before it, waiting for those but
+        not for it: its copies run while the next records are built."""
+        out = self._launch(out)
+        self._land(1)
+        return out
 
     def _emit(self, out: Emitted) -> None:
         self.discarded += out.discarded

@@ -270,23 +270,46 @@ def copy_row(row: Bytes1D) -> memoryview:
     return readonly(own)
 
 
+class _SliceRows:
+    """Slices as columns (rows, not bytes): request ids (distinct, in order), request
+    index, start, end, first row, rows; and whether they tile the rows they cover from
+    row 0 on."""
+
+    __slots__ = ("at", "end", "ids", "request", "size", "slices", "start", "tiled")
+
+    def __init__(self, slices: Sequence[RecordSlice]) -> None:
+        self.slices = slices  # kept alive: the cache below compares identities
+        ids: dict[str, int] = {}
+        n = len(slices)
+        self.request = np.empty(n, dtype=np.int32)
+        self.start = np.empty(n, dtype=np.int32)
+        self.end = np.empty(n, dtype=np.int32)
+        self.at = np.empty(n, dtype=np.int64)
+        self.size = np.empty(n, dtype=np.int64)
+        for i, sl in enumerate(slices):
+            self.request[i] = ids.setdefault(sl.request_id, len(ids))
+            self.start[i], self.end[i] = sl.start, sl.end
+            self.at[i], self.size[i] = sl.row_offset, sl.rows
+        self.ids = tuple(ids)
+        self.tiled = bool(n) and self.at[0] == 0 and bool(
+            np.all(self.at[1:] == self.at[:-1] + self.size[:-1]))
+
+
+_last_slices: list[_SliceRows] = []
+"""The slices last turned into columns: every group of a step (and every chunk of a
+group) has the same slices object, so they are converted once per step."""
+
+
 def _slice_columns(slices: Sequence[RecordSlice], rb: int) -> tuple[
         tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Per slice: request ids (distinct, in order), request index, start, end, byte offset
     in a segment, byte size; and whether the slices tile the segment's kept rows."""
-    ids: dict[str, int] = {}
-    n = len(slices)
-    request = np.empty(n, dtype=np.int32)
-    start = np.empty(n, dtype=np.int32)
-    end = np.empty(n, dtype=np.int32)
-    at = np.empty(n, dtype=np.int64)
-    size = np.empty(n, dtype=np.int64)
-    for i, sl in enumerate(slices):
-        request[i] = ids.setdefault(sl.request_id, len(ids))
-        start[i], end[i] = sl.start, sl.end
-        at[i], size[i] = sl.row_offset * rb, sl.rows * rb
-    tiled = bool(n) and at[0] == 0 and bool(np.all(at[1:] == at[:-1] + size[:-1]))
-    return tuple(ids), request, start, end, at, size, tiled
+    cols = _last_slices[0] if _last_slices else None
+    if cols is None or cols.slices is not slices:
+        cols = _SliceRows(slices)
+        _last_slices[:] = [cols]
+    return (cols.ids, cols.request, cols.start, cols.end, cols.at * rb, cols.size * rb,
+            cols.tiled)
 
 
 def chunk_batch(  # noqa: PLR0917 - one chunk's whole context

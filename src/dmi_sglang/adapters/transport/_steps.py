@@ -288,10 +288,10 @@ class StepWriter:
         if step.drained:  # later replays are queued after these copies
             self._free_slot(step.slot)
 
-    def from_slot(self, item: DrainItem) -> None:
-        """Queue the copies of ``item``'s rows from its arena slot to its ring region on
-        the current stream (the drain's)."""
-        self._copy_out(item.program, item.base, item.slot)
+    def from_slot(self, program: Program, base: int, slot: int) -> None:
+        """Queue the copies of a step's rows from arena ``slot`` to its ring region at
+        ``base`` on the current stream (the drain's)."""
+        self._copy_out(program, base, slot)
 
     def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int,
                     slot: int) -> None:

@@ -614,8 +614,8 @@ class TorchCaptureTransport:
         turns.next = (slot + 1) % slots
         return slot, True
 
-    def _from_slot(self, item: DrainItem) -> None:
-        self._writer.from_slot(item)
+    def _from_slot(self, program: Program, base: int, slot: int) -> None:
+        self._writer.from_slot(program, base, slot)
 
     def _free_slot(self, slot: int) -> None:
         turns = self._turns

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import attrs
 import numpy as np
@@ -69,6 +69,9 @@ both)."""
 _GATHER_SLACK = 64 << 10
 """Gather buffer bytes beyond the window's: a flush aligns each group's kept rows and its
 held rows apart (16 bytes at most each, so up to 2,048 groups)."""
+_INDEX_BYTES = 4 << 20
+"""Page-locked memory for a flush's gather indices (8 bytes a row gathered: a flush of
+64 requests x 8 steps x 1,000 captures takes 4 MiB)."""
 _HELD_SLABS = 2
 """Page-locked held-row slabs made when the first window with request rows opens."""
 _HELD_SLAB_BYTES = 64 << 20
@@ -212,6 +215,11 @@ class DecodeWindow:
         self._steps_hint: int | None = None
         """Steps the last timed-out window reached (x 1.25): the next window is sized to
         what arrives before the timeout."""
+        self._index_host: torch.Tensor | None = (
+            ops.host_buffer(_INDEX_BYTES).view(torch.int64) if ops.is_cuda else None)
+        """Page-locked memory the flushes' gather indices are uploaded from (made now:
+        page-locked allocation synchronises the device; grown when a flush needs more)."""
+        self._index_copied: torch.cuda.Event | None = None
         self.flushes = 0
         self.appends = 0
         """Appends so far (each moved one or more steps with one copy per group)."""
@@ -379,7 +387,10 @@ class DecodeWindow:
 
     def flush(self, out: Emitted, *, final: bool = False) -> None:
         """Batches of everything in the window (one record per request, capture and
-        run), each group's records as one :class:`RecordBatch`.
+        run), each group's records as one :class:`RecordBatch`, over page-locked memory
+        that copies queued on the drain's stream fill: wait for it (a fence) before the
+        batches go anywhere; the held rows it holds are read only after that too. Call it
+        once the previous flush was waited for (the held rows it left are read here).
 
         ``final`` (the run stops): nothing is held back any more.
         """
@@ -470,12 +481,40 @@ class DecodeWindow:
             index = np.concatenate([index, (cells + last[:, None]).ravel()])
         return _GroupOut(g, labels, jobs, counts[jobs], index, held)
 
+    def _upload(self, index: Ints) -> Callable[[], torch.Tensor]:
+        """What gives the device copy of ``index`` on the drain's stream (call it in the
+        queued work): on CUDA from page-locked memory without waiting for anything (a
+        pageable upload would wait for all the stream's queued work), the memory reused
+        once the previous upload completed."""
+        if not self._ops.is_cuda:
+            return lambda: torch.from_numpy(index)
+        if self._index_copied is not None:
+            self._index_copied.synchronize()  # the previous flush's upload (long done)
+        n = len(index)
+        if self._index_host is None or self._index_host.numel() < n:
+            size = max(n, 2 * self._index_host.numel() if self._index_host is not None
+                       else _INDEX_BYTES // 8)
+            self._index_host = self._ops.host_buffer(size * 8).view(torch.int64)
+        host = self._index_host[:n]
+        host.numpy()[:] = index
+        done = self._index_copied = self._index_copied or torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        device = self._ops.device
+
+        def upload() -> torch.Tensor:
+            dev = torch.empty(n, dtype=torch.int64, device=device)
+            dev.copy_(host, non_blocking=True)
+            done.record()
+            return dev
+        return upload
+
     def _gather(self, plans: list[_GroupOut], runs: _Runs, out: Emitted) -> None:
         """Gather every group's rows on the device, the kept rows of all groups first and
-        the held request rows after them, then copy each part to the host once: the kept
-        rows into a page-locked flush buffer (the batches' payloads), the held rows
-        straight into the held rows' own page-locked memory (the host copies none of
-        their bytes). Then make the batches and hold the held rows."""
+        the held request rows after them, then queue the copy of each part to the host:
+        the kept rows into a page-locked flush buffer (the batches' payloads), the held
+        rows straight into the held rows' own page-locked memory (the host copies none of
+        their bytes). Then make the batches and hold the held rows, over memory those
+        copies fill: the caller waits for the drain's stream (a fence) before anything
+        reads them."""
         places, kept_total, held_places, held_total = _places(plans)
         total = kept_total + held_total
         if not total:
@@ -486,18 +525,22 @@ class DecodeWindow:
         chunk = self.host.alloc(kept_total) if kept_total else None
         held_chunk = self._held_pool.alloc(held_total) if held_total else None
         cells, slots, steps = self._cells, self._slots, self._steps
-        device, gather = self._ops.device, self._gather_wide
+        gather = self._gather_wide
+        starts = np.zeros(len(plans) + 1, dtype=np.int64)
+        np.cumsum([len(p.index) for p in plans], out=starts[1:])
+        upload = self._upload(np.concatenate([p.index for p in plans]))
 
         def work() -> None:
-            for p, place, held_place, src in zip(plans, places, held_places, cells,
-                                                 strict=True):
+            indices = upload()
+            for p, place, held_place, src, at in zip(plans, places, held_places, cells,
+                                                     starts[:-1].tolist(), strict=True):
                 if not len(p.index):
                     continue
                 e = _elem(p.group)
                 w = p.group.row_nbytes // e
                 flat = src.as_strided((p.group.count * slots * steps, w), (w, 1),
                                       src.storage_offset())
-                index = torch.from_numpy(p.index).to(device)
+                index = indices[at : at + len(p.index)]
                 kept_rows = len(p.index) - len(p.held) * p.group.count
                 for rows, at_byte in ((index[:kept_rows], place),
                                       (index[kept_rows:], kept_total + held_place)):
@@ -512,7 +555,6 @@ class DecodeWindow:
                                         non_blocking=overlap)
 
         self._ops.on_drain_stream([], work)
-        self._ops.settle()
         self.gathered_bytes += total
         host = chunk.array if chunk is not None else np.zeros(0, dtype=np.uint8)
         rids = tuple(self._rids)
