@@ -94,3 +94,20 @@ def test_clipped_parts_keep_each_row_s_request_and_position(segment, rb, slab):
 def test_a_slice_whose_rows_are_not_its_positions_is_refused():
     with pytest.raises(CaptureError, match="3 rows over positions"):
         clip([RecordSlice("a", 0, 3, 0, 9)], 0, 2)
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 1, 100 << 20, 300 << 20, 700 << 20, 7 << 30])
+def test_the_direct_pool_slab_is_an_eighth_of_the_largest_direct_item_within_bounds(
+        direct_bytes: int) -> None:
+    from dmi_sglang.adapters.transport._drain import DIRECT_SLAB_MAX, direct_slab_bytes
+
+    slab = direct_slab_bytes(direct_bytes)
+    assert PayloadPool.SLAB_BYTES <= slab <= DIRECT_SLAB_MAX
+    assert slab % (1 << 20) == 0
+    eighth = direct_bytes / 8
+    if PayloadPool.SLAB_BYTES <= eighth <= DIRECT_SLAB_MAX:
+        assert eighth <= slab < eighth + (1 << 20)
+    elif eighth > DIRECT_SLAB_MAX:
+        assert slab == DIRECT_SLAB_MAX
+    else:
+        assert slab == PayloadPool.SLAB_BYTES

@@ -60,7 +60,7 @@ from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import RequestManifest
 
-__all__ = ["Drain", "DrainItem", "Finish", "coalescable"]
+__all__ = ["Drain", "DrainItem", "Finish", "coalescable", "direct_slab_bytes"]
 
 log = structlog.get_logger("dmi_sglang.transport.drain")
 
@@ -171,7 +171,20 @@ _BATCH = 1024
 _EMIT_BYTES = 64 << 20
 """Payload bytes after which a batch hands its records to the sink before going on."""
 DIRECT_MIN_SLABS = 8
-"""Page-locked slabs (32 MiB) reserved at startup at the least (see ``direct_bytes``)."""
+"""Page-locked slabs reserved at startup at the least (see ``direct_bytes``)."""
+DIRECT_SLAB_MAX = 128 << 20
+"""Largest slab of the direct items' pool (see :func:`direct_slab_bytes`)."""
+
+
+def direct_slab_bytes(direct_bytes: int) -> int:
+    """The slab of the direct items' pool for a largest direct item of ``direct_bytes``:
+    an eighth of it (whole MiB), between the pool's default and :data:`DIRECT_SLAB_MAX`.
+    Each slab's worth of a group is one device copy and one batch, so a large prefill
+    moves in fewer of both (each costs the drain's Python a quarter of a millisecond)."""
+    eighth = -(-direct_bytes // 8)
+    if eighth <= PayloadPool.SLAB_BYTES:
+        return PayloadPool.SLAB_BYTES
+    return min(DIRECT_SLAB_MAX, -(-eighth >> 20) << 20)
 
 
 class Drain:
@@ -236,8 +249,10 @@ class Drain:
         self._run_id = run_id
         self.pool = PayloadPool(max_free_slabs=8)
         """Slabs of staged steps and of compacted decode windows."""
-        slabs = max(DIRECT_MIN_SLABS, -(-direct_bytes * 5 // 4 // PayloadPool.SLAB_BYTES))
-        self.direct_pool = PayloadPool(max_free_slabs=slabs, buffer=ops.host_buffer)
+        slab = direct_slab_bytes(direct_bytes)
+        slabs = max(DIRECT_MIN_SLABS, -(-direct_bytes * 5 // 4 // slab))
+        self.direct_pool = PayloadPool(slab_bytes=slab, max_free_slabs=slabs,
+                                       buffer=ops.host_buffer)
         """Page-locked slabs that direct items are copied into (reserved at startup)."""
         if direct_copies:
             self.direct_pool.reserve(slabs)
