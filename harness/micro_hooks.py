@@ -385,10 +385,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
     print("\n".join(table_lines(table)) + f"\n{note}")
     for r in rows:
         d = r["drain"]
-        print(f"-- drain of the timed waves ({r['preset']}): device-to-host "
-              f"{d['d2h_bytes'] / 1e9:.2f} GB in {d['d2h_seconds']:.3f} s (in the copy calls "
-              f"{d['d2h_call_seconds']:.3f} s, waiting {d['d2h_wait_seconds']:.3f} s), "
-              f"windows {d['window_bytes'] / 1e9:.2f} GB in {d['window_flushes']:.0f} flushes")
+        print(f"-- drain of the timed waves ({r['preset']}): device-to-host, direct and "
+              f"staged {d['d2h_bytes'] / 1e9:.2f} GB, windows {d['window_bytes'] / 1e9:.2f} GB "
+              f"in {d['window_flushes']:.0f} flushes; queueing copies "
+              f"{d['d2h_call_seconds']:.3f} s, waiting for the drain's stream "
+              f"{d['d2h_wait_seconds']:.3f} s (window copies included)")
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
         for thread, stacks in (r["stacks"] or {}).items():

@@ -97,16 +97,18 @@ def test_a_slice_whose_rows_are_not_its_positions_is_refused():
 
 
 @pytest.mark.parametrize("direct_bytes", [0, 1, 100 << 20, 300 << 20, 700 << 20, 7 << 30])
-def test_the_direct_pool_slab_is_an_eighth_of_the_largest_direct_item_within_bounds(
+def test_the_direct_pool_slab_is_the_power_of_two_above_an_eighth_of_the_largest_item(
         direct_bytes: int) -> None:
+    """Torch rounds page-locked blocks up to a power of two: a slab of any other size
+    would pin up to twice what it holds."""
     from dmi_sglang.adapters.transport._drain import DIRECT_SLAB_MAX, direct_slab_bytes
 
     slab = direct_slab_bytes(direct_bytes)
     assert PayloadPool.SLAB_BYTES <= slab <= DIRECT_SLAB_MAX
-    assert slab % (1 << 20) == 0
+    assert slab & (slab - 1) == 0
     eighth = direct_bytes / 8
-    if PayloadPool.SLAB_BYTES <= eighth <= DIRECT_SLAB_MAX:
-        assert eighth <= slab < eighth + (1 << 20)
+    if PayloadPool.SLAB_BYTES < eighth <= DIRECT_SLAB_MAX:
+        assert eighth <= slab < 2 * eighth
     elif eighth > DIRECT_SLAB_MAX:
         assert slab == DIRECT_SLAB_MAX
     else:

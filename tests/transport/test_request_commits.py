@@ -147,3 +147,32 @@ def test_idle_never_raises_once_the_transport_failed_and_the_stop_reports_it(mak
     with pytest.raises(CaptureError, match="the drain failed"):
         mon.stop()
     assert "a" not in sink.at_commit
+
+
+@pytest.mark.parametrize("after", ["prefill", "decode into the window"])
+def test_a_commit_waits_for_the_rows_its_finish_released_while_they_are_in_flight(
+        make_driver, monkeypatch, after):
+    """The finish notice releases the request's held last logits row into batches that go
+    in flight with the items after it (their copies still running when the wake-up ends
+    with more queued behind); the manifest reaches the sink only after that row."""
+    from dmi_sglang.adapters.transport import _drain
+
+    monkeypatch.setattr(_drain, "_BATCH", 2)  # [notice, next item] a wake-up, more behind
+    monkeypatch.setattr(_drain.Drain, "start", lambda self: None)  # every item queued first
+    sink = _RecordingSink()
+    d, _ = make_driver("resid_pre,final_logits", sink=sink, payload_bytes=1 << 20)
+    # "a": a 5-token prompt and one generated token, no extra forward: its logits row at
+    # position 4 is held until the notice
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    d.forward(BatchLayout.extend(["x"], [0], [2]))  # pairs with the notice in a wake-up
+    d.t.finish_request("a", 5, RequestManifest("run-1", "a", 5, 1, committed=True))
+    if after == "prefill":
+        d.forward(BatchLayout.extend(["c"], [0], [4]))
+    else:
+        d.forward(BatchLayout.decode(["b"], [4]))
+    for n in range(3):
+        d.forward(BatchLayout.decode(["b"], [5 + n]))
+    d.t._drain._thread.start()
+    d.t.stop()
+    rows_of_a = sum(1 for r in sink.records if r.request_id == "a")
+    assert sink.at_commit["a"] == rows_of_a

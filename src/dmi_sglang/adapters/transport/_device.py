@@ -133,7 +133,7 @@ class DeviceOps:
         :meth:`settle` before the host reads a ``dst`` or the device writes a ``src``
         again. The copies overlap the next forward. Markers of one stream complete in
         order, so only the last marker of each stream is waited for; each marker is used
-        once (recycled at the next settle).
+        once (recycled once a fence after it was waited for, or at the next settle).
 
         Returns:
             The seconds queueing took (a ``copy_`` call returns at once for page-locked
@@ -151,7 +151,8 @@ class DeviceOps:
         """Queue ``work`` (device copies) on the drain's own stream after the device work
         the markers follow; returns without waiting for it (on CPU it runs now). Call
         :meth:`settle` before the host reads what it wrote or the ring space it read is
-        reused. Each marker is used once: it is recycled at the next settle."""
+        reused. Each marker is used once: it is recycled once a fence after it was waited
+        for, or at the next settle."""
         self._queued += 1
         stream = self._drain_stream
         if stream is None:

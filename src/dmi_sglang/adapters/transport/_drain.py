@@ -178,13 +178,15 @@ DIRECT_SLAB_MAX = 128 << 20
 
 def direct_slab_bytes(direct_bytes: int) -> int:
     """The slab of the direct items' pool for a largest direct item of ``direct_bytes``:
-    an eighth of it (whole MiB), between the pool's default and :data:`DIRECT_SLAB_MAX`.
-    Each slab's worth of a group is one device copy and one batch, so a large prefill
-    moves in fewer of both (each costs the drain's Python a quarter of a millisecond)."""
-    eighth = -(-direct_bytes // 8)
-    if eighth <= PayloadPool.SLAB_BYTES:
-        return PayloadPool.SLAB_BYTES
-    return min(DIRECT_SLAB_MAX, -(-eighth >> 20) << 20)
+    the power of two at or above an eighth of it, between the pool's default and
+    :data:`DIRECT_SLAB_MAX` (torch rounds page-locked blocks up to a power of two, so
+    any other size would pin more than it uses). Each slab's worth of a group is one
+    device copy and one batch, so a large prefill moves in fewer of both (each costs the
+    drain's Python a quarter of a millisecond)."""
+    slab = PayloadPool.SLAB_BYTES
+    while slab < DIRECT_SLAB_MAX and 8 * slab < direct_bytes:
+        slab *= 2
+    return slab
 
 
 class Drain:
@@ -720,13 +722,14 @@ class Drain:
             self.records += out.records
             self.rows += out.rows
             self.bytes += out.bytes
-        if self._commits:
+        if self._commits and not self._flights:  # rows in flight may be theirs
             self._commit_finished()
 
     def _commit_finished(self) -> None:
-        """Hand the sink the manifests of finished requests whose rows all went to it:
-        every item before a request's finish notice was built, so only rows waiting in
-        the decode window (flushed later) are left to wait for."""
+        """Hand the sink the manifests of finished requests whose rows all went to it
+        (called with no flight in flight): every item before a request's finish notice
+        was built and handed over, so only rows waiting in the decode window (flushed
+        later) are left to wait for."""
         window = self._window
         ready = [m for m in self._commits
                  if window is None or not window.has(m.request_id)]

@@ -299,8 +299,8 @@ class DecodeWindow:
         with ``arena_slot`` >= 0, their rows are still in consecutive arena slots from
         that one; so each group moves with ONE strided device copy for all of them.
         :meth:`can_take` said yes to the first, and the window has :meth:`room` for all.
-        The ring regions (arena slots) may be reused only after the next
-        :meth:`DeviceOps.settle`.
+        The ring regions (arena slots) may be reused only once the drain's stream passed
+        these copies (a fence waited for after them, or :meth:`DeviceOps.settle`).
         """
         k = len(layouts)
         rids = layouts[0].request_ids if k else ()
