@@ -96,20 +96,24 @@ def test_a_slice_whose_rows_are_not_its_positions_is_refused():
         clip([RecordSlice("a", 0, 3, 0, 9)], 0, 2)
 
 
-@pytest.mark.parametrize("direct_bytes", [0, 1, 100 << 20, 300 << 20, 700 << 20, 7 << 30])
-def test_the_direct_pool_slab_is_the_power_of_two_above_an_eighth_of_the_largest_item(
+@pytest.mark.parametrize("direct_bytes", [0, 1, 100 << 20, 205 << 20, (205 << 20) + 1,
+                                          300 << 20, 410 << 20, 700 << 20, 1 << 30, 7 << 30])
+def test_the_direct_pool_slab_is_a_power_of_two_whose_reserve_stays_within_its_share(
         direct_bytes: int) -> None:
-    """Torch rounds page-locked blocks up to a power of two: a slab of any other size
-    would pin up to twice what it holds."""
-    from dmi_sglang.adapters.transport._drain import DIRECT_SLAB_MAX, direct_slab_bytes
+    """Torch rounds page-locked blocks up to a power of two (a slab of any other size
+    would pin up to twice what it holds); the pool reserves 1.25 x the largest direct
+    item and at least eight slabs, so slabs above the default keep eight within that."""
+    from dmi_sglang.adapters.transport._drain import (
+        DIRECT_MIN_SLABS,
+        DIRECT_SLAB_MAX,
+        direct_slab_bytes,
+    )
 
     slab = direct_slab_bytes(direct_bytes)
     assert PayloadPool.SLAB_BYTES <= slab <= DIRECT_SLAB_MAX
     assert slab & (slab - 1) == 0
-    eighth = direct_bytes / 8
-    if PayloadPool.SLAB_BYTES < eighth <= DIRECT_SLAB_MAX:
-        assert eighth <= slab < 2 * eighth
-    elif eighth > DIRECT_SLAB_MAX:
-        assert slab == DIRECT_SLAB_MAX
-    else:
-        assert slab == PayloadPool.SLAB_BYTES
+    share = direct_bytes * 5 // 4
+    if slab > PayloadPool.SLAB_BYTES:
+        assert DIRECT_MIN_SLABS * slab <= share
+    if slab < DIRECT_SLAB_MAX:
+        assert DIRECT_MIN_SLABS * 2 * slab > share  # the largest such power of two

@@ -176,3 +176,34 @@ def test_a_commit_waits_for_the_rows_its_finish_released_while_they_are_in_fligh
     d.t.stop()
     rows_of_a = sum(1 for r in sink.records if r.request_id == "a")
     assert sink.at_commit["a"] == rows_of_a
+
+
+def test_a_commit_does_not_wait_for_the_backlog_behind_its_finish(make_driver, monkeypatch):
+    """A finished request's manifest waits for the flight that carries its last rows,
+    not for the drain to run out of work: with many prefills queued behind the notice,
+    it is committed long before they are all stored."""
+    from dmi_sglang.adapters.transport import _drain
+
+    monkeypatch.setattr(_drain, "_BATCH", 2)
+    monkeypatch.setattr(_drain.Drain, "start", lambda self: None)  # every item queued first
+    sink = _RecordingSink()
+    at_commit: dict[str, int] = {}
+    real_commit = sink.commit_requests
+
+    def commit_requests(manifests: Sequence[RequestManifest]) -> None:
+        for m in manifests:
+            at_commit[m.request_id] = len(sink.records)
+        real_commit(manifests)
+
+    monkeypatch.setattr(sink, "commit_requests", commit_requests)
+    d, _ = make_driver("resid_pre,final_logits", sink=sink, payload_bytes=1 << 20,
+                       coalesce_decode=False)
+    d.forward(BatchLayout.extend(["a"], [0], [5]))
+    d.forward(BatchLayout.extend(["x"], [0], [2]))  # pairs with "a": the notice, with p0
+    d.t.finish_request("a", 5, RequestManifest("run-1", "a", 5, 1, committed=True))
+    for n in range(40):  # p0's copies are in flight with a's released row
+        d.forward(BatchLayout.extend([f"p{n}"], [0], [4]))
+    d.t._drain._thread.start()
+    d.t.stop()
+    assert sink.at_commit["a"] == sum(1 for r in sink.records if r.request_id == "a")
+    assert at_commit["a"] < len(sink.records) // 4, (at_commit["a"], len(sink.records))

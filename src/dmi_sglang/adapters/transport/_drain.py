@@ -178,13 +178,14 @@ DIRECT_SLAB_MAX = 128 << 20
 
 def direct_slab_bytes(direct_bytes: int) -> int:
     """The slab of the direct items' pool for a largest direct item of ``direct_bytes``:
-    the power of two at or above an eighth of it, between the pool's default and
-    :data:`DIRECT_SLAB_MAX` (torch rounds page-locked blocks up to a power of two, so
-    any other size would pin more than it uses). Each slab's worth of a group is one
-    device copy and one batch, so a large prefill moves in fewer of both (each costs the
-    drain's Python a quarter of a millisecond)."""
+    the largest power of two (torch rounds page-locked blocks up to one: any other size
+    would pin more than it uses) of which :data:`DIRECT_MIN_SLABS` fit the 1.25 x
+    ``direct_bytes`` the pool reserves, between the pool's default and
+    :data:`DIRECT_SLAB_MAX`. Each slab's worth of a group is one device copy and one
+    batch, so a large prefill moves in fewer of both (each costs the drain's Python
+    about a quarter of a millisecond)."""
     slab = PayloadPool.SLAB_BYTES
-    while slab < DIRECT_SLAB_MAX and 8 * slab < direct_bytes:
+    while slab < DIRECT_SLAB_MAX and DIRECT_MIN_SLABS * 2 * slab <= direct_bytes * 5 // 4:
         slab *= 2
     return slab
 
@@ -279,7 +280,7 @@ class Drain:
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue[DrainItem | Finish | object] = queue.SimpleQueue()
         self._commits: list[RequestManifest] = []
-        """Manifests of finished requests whose rows may still wait in the window."""
+        """Manifests of finished requests not committed yet (:meth:`_commit_finished`)."""
         self.committed_requests = 0
         self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
         self.rows = self.bytes = self.records = self.batches = self.discarded = 0
@@ -366,18 +367,18 @@ class Drain:
                     assert isinstance(item, (DrainItem, Finish))
                     batch.append(item)
                     item = self._more(len(batch))
-                out = Emitted()
                 if batch:
-                    out = self._process(batch, out)
+                    self._process(batch)
                 if stop:
                     t0 = time.thread_time()
-                    out = self._settle(out)
+                    out = self._settle(Emitted())
                     if self._window is not None:
                         self._window.flush(out, final=True)
                         out = self._settle(out)
                     self.held.release_all(out)
+                    self._launch(out)
+                    self._land(0)
                     self.build_cpu_seconds += time.thread_time() - t0
-                self._emit(out)
                 self._round_end = time.monotonic()
         except BaseException as exc:  # reported to the transport, raised at stop
             self._on_failure(exc, "drain")
@@ -411,9 +412,8 @@ class Drain:
                 assert self._window is not None
                 self.gil.restart()  # the wait released the GIL
                 t0 = time.thread_time()
-                out = self._settle(self._flush_window(Emitted()))
+                self._settle(self._flush_window(Emitted()))
                 self.build_cpu_seconds += time.thread_time() - t0
-                self._emit(out)
 
     def _coalesce(self, item: DrainItem) -> bool:
         """True for an item that joins the decode window."""
@@ -421,7 +421,7 @@ class Drain:
                 and coalescable(item.plan, item.program)
                 and self._window.fits(item.program, item.plan.layout))
 
-    def _process(self, batch: list[DrainItem | Finish], out: Emitted) -> Emitted:
+    def _process(self, batch: list[DrainItem | Finish]) -> None:
         """Queue the batch's decode steps into the window, copy the other items to
         staging (direct items copy their own rows) and build their batches.
 
@@ -429,11 +429,13 @@ class Drain:
         behind a backlog its rows wait for the drain anyway, and flushing every step or
         two would multiply the records (one per request and capture each flush).
 
-        Returns what is left to emit (a long batch hands batches over as it goes)."""
+        What it builds goes out in flights; the last one lands before it returns, or,
+        with more queued, one behind."""
         items = [it for it in batch if isinstance(it, DrainItem)]
         window_items = {id(it) for it in items if self._coalesce(it)}
         self._out_of_slots(items, window_items)
         direct = {id(it) for it in items if id(it) not in window_items and self._direct(it)}
+        out = Emitted()
         self._to_staging([it for it in items if id(it) not in window_items
                           and id(it) not in direct])
         t0 = time.thread_time()
@@ -471,9 +473,9 @@ class Drain:
         # more to drain: the last flight's copies run while the next wake-up builds;
         # else all lands now (the scheduler may wait for its ring space: no flight may
         # stay in flight while the drain waits for items)
-        out = self._settle(out) if self._queue.empty() else self._hand_over(out)
+        self._launch(out)
+        self._land(1 if not self._queue.empty() else 0)
         self.build_cpu_seconds += time.thread_time() - t0
-        return out
 
     def _to_window(self, batch: list[DrainItem | Finish], n: int, window_items: set[int],
                    out: Emitted) -> tuple[int, Emitted]:
@@ -707,6 +709,8 @@ class Drain:
         return out
 
     def _emit(self, out: Emitted) -> None:
+        """Hand ``out`` to the sink, then the manifests it completes (called only as a
+        flight lands: see :meth:`_commit_finished`)."""
         self.discarded += out.discarded
         if out.discarded:
             log.debug("request rows discarded", rows=out.discarded, total=self.discarded)
@@ -722,23 +726,22 @@ class Drain:
             self.records += out.records
             self.rows += out.rows
             self.bytes += out.bytes
-        if self._commits and not self._flights:  # rows in flight may be theirs
+        if self._commits:
             self._commit_finished()
 
     def _commit_finished(self) -> None:
-        """Hand the sink the manifests of finished requests whose rows all went to it
-        (called with no flight in flight): every item before a request's finish notice
-        was built and handed over, so only rows waiting in the decode window (flushed
-        later) are left to wait for."""
+        """Hand the sink the manifests of finished requests whose rows all went to it.
+        Called as a flight lands, after its batches: a finish notice lands every flight
+        before it, so the rows it released ride in the first flight to land after it;
+        rows waiting in the decode window ride in the flight of the flush that takes
+        them, likewise the first to land after it (a flush lands everything first). So a
+        manifest waits only for its request to have left the window."""
         window = self._window
-        ready = [m for m in self._commits
-                 if window is None or not window.has(m.request_id)]
-        if not ready:
-            return
-        if len(ready) == len(self._commits):
-            self._commits = []
-        else:
-            self._commits = [m for m in self._commits
-                             if window is not None and window.has(m.request_id)]
-        self._sink.commit_requests(ready)
-        self.committed_requests += len(ready)
+        ready: list[RequestManifest] = []
+        waiting: list[RequestManifest] = []
+        for m in self._commits:
+            (waiting if window is not None and window.has(m.request_id) else ready).append(m)
+        if ready:
+            self._commits = waiting
+            self._sink.commit_requests(ready)
+            self.committed_requests += len(ready)
