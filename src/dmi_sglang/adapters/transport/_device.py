@@ -3,8 +3,8 @@
 One class covers CUDA and CPU. On CPU (the unit tests) the ordering markers are ``None``
 and "pinned" staging is a plain host tensor, so the same transport code runs and its
 bookkeeping is tested without a GPU. The drain stream's work runs at once on CPU, or,
-with :attr:`DeviceOps.defer_on_cpu`, only when it is waited for (:meth:`DeviceOps.wait`,
-:meth:`DeviceOps.settle`): the tests run that way, so a host read of a copy that was
+with :attr:`DeviceOps.defer_on_cpu`, only when it is waited for (:meth:`DeviceOps.wait`):
+the tests run that way, so a host read of a copy that was
 never waited for, or a ring region released before its copy ran, shows as wrong bytes.
 """
 
@@ -96,12 +96,11 @@ class DeviceOps:
             capture_probe = torch.cuda.is_current_stream_capturing if self.is_cuda else _never
         self.capturing: Callable[[], bool] = capture_probe
         self._drain_stream = torch.cuda.Stream(dev) if self.is_cuda else None  # type: ignore[no-untyped-call]
-        self._done = torch.cuda.Event(blocking=True) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self._free_events: list[torch.cuda.Event] = []
         self._free_fences: list[torch.cuda.Event] = []
         self._pending: list[torch.cuda.Event] = []
-        """Markers waited for by work queued on the drain stream since the last fence,
-        not settled yet."""
+        """Markers waited for by work queued on the drain stream since the last fence
+        (the next fence takes them)."""
         self._defer = not self.is_cuda and self.defer_on_cpu
         self._deferred: collections.deque[Callable[[], None]] = collections.deque()
         self._queued = 0
@@ -129,11 +128,11 @@ class DeviceOps:
     def queue_to_host(self, markers: Sequence[Marker],
                       pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Queue the copy of each ``src`` (device) into its ``dst`` (host) on the drain's
-        own stream, once every marker completed, without waiting for them: call
-        :meth:`settle` before the host reads a ``dst`` or the device writes a ``src``
-        again. The copies overlap the next forward. Markers of one stream complete in
-        order, so only the last marker of each stream is waited for; each marker is used
-        once (recycled once a fence after it was waited for, or at the next settle).
+        own stream, once every marker completed, without waiting for them: :meth:`wait`
+        for a :meth:`fence` after them before the host reads a ``dst`` or the device
+        writes a ``src`` again. The copies overlap the next forward. Markers of one stream
+        complete in order, so only the last marker of each stream is waited for; each
+        marker is used once (recycled once a fence after it was waited for).
 
         Returns:
             The seconds queueing took (a ``copy_`` call returns at once for page-locked
@@ -149,10 +148,10 @@ class DeviceOps:
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work
-        the markers follow; returns without waiting for it (on CPU it runs now). Call
-        :meth:`settle` before the host reads what it wrote or the ring space it read is
-        reused. Each marker is used once: it is recycled once a fence after it was waited
-        for, or at the next settle."""
+        the markers follow; returns without waiting for it (on CPU it runs now, unless
+        deferred). :meth:`wait` for a :meth:`fence` after it before the host reads what
+        it wrote or the ring space it read is reused. Each marker is used once: it is
+        recycled once a fence after it was waited for."""
         self._queued += 1
         stream = self._drain_stream
         if stream is None:
@@ -205,19 +204,6 @@ class DeviceOps:
                 self._deferred.popleft()()
         self._free_events.extend(fence.markers)
         fence.markers = []
-
-    def settle(self) -> None:
-        """Block until the work queued on the drain's stream is done (the GIL is
-        released while waiting). Fences not waited for yet are passed too (waiting for
-        them returns at once)."""
-        while self._deferred:
-            self._deferred.popleft()()
-        if self._drain_stream is None or self._done is None:
-            return
-        self._done.record(self._drain_stream)
-        self._done.synchronize()
-        self._free_events.extend(self._pending)
-        self._pending.clear()
 
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""

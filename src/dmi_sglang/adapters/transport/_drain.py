@@ -272,8 +272,8 @@ class Drain:
         window, discarded items); a direct item releases its region and holds its
         request rows."""
         self._unfreed_slots: list[int] = []
-        """Arena slots the drain stream's queued copies read (freed with the next
-        flight, or after the next wait for that stream)."""
+        """Arena slots the drain stream's queued copies read (freed as the next flight
+        lands)."""
         self._flights: collections.deque[_Flight] = collections.deque()
         """Work in flight on the drain's stream and what follows it on the host, oldest
         first (see :meth:`_launch`)."""
@@ -287,7 +287,7 @@ class Drain:
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0
         # of d2h_seconds: queueing the copies, then waiting for them (_queue_to_host,
-        # _wait_for_copies)
+        # _wait_for)
         self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
         self.direct_items = 0
         self.staged_copied_bytes = 0
@@ -528,15 +528,6 @@ class Drain:
             it.slot = -1
             it.marker = None
 
-    def _free_slots(self) -> None:
-        """Free the arena slots whose copies were queued (a wait for the drain's stream
-        just passed them)."""
-        if self._unfreed_slots:
-            free = self._free_slot
-            for slot in self._unfreed_slots:
-                free(slot)
-            self._unfreed_slots = []
-
     def _finish(self, notice: Finish, out: Emitted) -> None:
         """Apply a finish notice: to the window when rows of the request wait there (at
         its flush), else to the held rows now; its manifest waits for the next emit."""
@@ -557,22 +548,16 @@ class Drain:
             self._steps.append(regions)
 
     def _to_staging(self, items: list[DrainItem]) -> None:
-        """Copy the items' ring regions to staging: one copy per contiguous span."""
+        """Queue the copies of the items' ring regions to staging, one per contiguous
+        span (each staged item waits for them: :meth:`_process` lands everything before
+        building it)."""
         start = 0
         for i in range(1, len(items) + 1):
             if i == len(items) or items[i].base != items[i - 1].base + items[i - 1].nbytes:
                 lo, hi = items[start].base, items[i - 1].base + items[i - 1].nbytes
-                self._copy_to_host([it.marker for it in items[start:i]],
-                                   [(self._staging[lo:hi], self._ring[lo:hi])])
+                self._queue_to_host([it.marker for it in items[start:i]],
+                                    [(self._staging[lo:hi], self._ring[lo:hi])])
                 start = i
-        if items:  # those waited for the drain's stream: the slots' copies are done
-            self._free_slots()
-
-    def _copy_to_host(self, markers: list[Marker],
-                      pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The device-to-host copies of staged items, waited for."""
-        self._queue_to_host(markers, pairs)
-        self._wait_for_copies()
 
     def _queue_to_host(self, markers: list[Marker],
                        pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -583,20 +568,11 @@ class Drain:
         self.d2h_seconds += time.perf_counter() - t0
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
 
-    def _wait_for_copies(self) -> None:
-        """Wait for everything queued on the drain's stream, counted in ``d2h_seconds``
-        and its waiting part."""
-        t0 = time.perf_counter()
-        self._ops.settle()
-        waited = time.perf_counter() - t0
-        self.d2h_seconds += waited
-        self.d2h_wait_seconds += waited
-
-    def _wait_for(self, flight: _Flight) -> None:
-        """Wait for a flight's fence, counted like :meth:`_wait_for_copies` (not as build
-        time)."""
+    def _wait_for(self, fence: Fence) -> None:
+        """Wait for the drain's stream to pass ``fence``, counted in ``d2h_seconds`` and
+        its waiting part (not as build time)."""
         cpu, t0 = time.thread_time(), time.perf_counter()
-        self._ops.wait(flight.fence)
+        self._ops.wait(fence)
         waited = time.perf_counter() - t0
         self.d2h_seconds += waited
         self.d2h_wait_seconds += waited
@@ -673,7 +649,7 @@ class Drain:
         flights = self._flights
         while flights and (len(flights) > keep or self._ops.done(flights[0].fence)):
             flight = flights.popleft()
-            self._wait_for(flight)
+            self._wait_for(flight.fence)
             free = self._free_slot
             for slot in flight.slots:
                 free(slot)

@@ -289,18 +289,13 @@ class StepWriter:
             self._free_slot(step.slot)
 
     def from_slot(self, program: Program, base: int, slot: int) -> None:
-        """Queue the copies of a step's rows from arena ``slot`` to its ring region at
-        ``base`` on the current stream (the drain's)."""
-        self._copy_out(program, base, slot)
+        """Queue ``program``'s copies from arena ``slot`` to the ring region at ``base``
+        on the current stream (the drain's, when the drain asks)."""
+        program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide,
+                                slot_offset=slot * self._arena.slot_bytes)
 
     def _from_arena(self, seq: int, plan: CommitPlan, program: Program, base: int,
                     slot: int) -> None:
-        self._copy_out(program, base, slot)
+        self.from_slot(program, base, slot)
         self._enqueue(DrainItem(seq, plan, program, base, self._ops.mark()))
-
-    def _copy_out(self, program: Program, base: int, slot: int) -> None:
-        """Queue ``program``'s copies from arena ``slot`` to the ring region at ``base``
-        on the current stream."""
-        program.copy_from_arena(base, arena_wide=self._arena_wide, ring_wide=self._ring_wide,
-                                slot_offset=slot * self._arena.slot_bytes)
 

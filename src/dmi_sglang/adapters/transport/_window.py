@@ -300,7 +300,7 @@ class DecodeWindow:
         that one; so each group moves with ONE strided device copy for all of them.
         :meth:`can_take` said yes to the first, and the window has :meth:`room` for all.
         The ring regions (arena slots) may be reused only once the drain's stream passed
-        these copies (a fence waited for after them, or :meth:`DeviceOps.settle`).
+        these copies (a fence after them was waited for).
         """
         k = len(layouts)
         rids = layouts[0].request_ids if k else ()
@@ -547,7 +547,7 @@ class DecodeWindow:
                     if len(rows):
                         dst = gather[e][at_byte // e : at_byte // e + len(rows) * w]
                         torch.index_select(flat, 0, rows, out=dst.view(len(rows), w))
-            overlap = self._ops.is_cuda  # the copies return at once; settle() waits
+            overlap = self._ops.is_cuda  # the copies return at once; a fence waits
             if chunk is not None:
                 chunk.tensor.copy_(self._gather_buf[:kept_total], non_blocking=overlap)
             if held_chunk is not None:
