@@ -89,20 +89,21 @@ def cells_table(found: Found, docs: Path) -> str:
 
 
 def serving_table(found: Found, docs: Path) -> str:
-    """Per mode, its latest measured row of any serving benchmark (modes are often
-    measured by different invocations), with the workload and the result it comes from."""
-    rows: dict[str, tuple[Path, Json, Json]] = {}
+    """Per model and mode, its latest measured row of any serving benchmark (modes are
+    often measured by different invocations), with the workload and the result it comes
+    from."""
+    rows: dict[tuple[str, str], tuple[Path, Json, Json]] = {}
     for path, d in found:
         if d["kind"] == "serving" and d["name"] == "serving":
             for r in d.get("summary") or []:
                 if r.get("units"):
-                    rows[r["mode"]] = (path, d, r)
+                    rows[(str(d["settings"]["model"]), r["mode"])] = (path, d, r)
     if not rows:
         return ""
     lines = ["| mode | workload | engines | x stock (median) | spread | stock spread | bound | "
              "bound share | status | target | result |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for mode, (path, d, r) in rows.items():
+    for (_, mode), (path, d, r) in rows.items():
         s = d["settings"]
         work = (f"{s['model']}, {s['batch']} x {s['prompt_len']} + {s['output_len']}, "
                 f">= {s['min_seconds']:g} s")
@@ -110,13 +111,23 @@ def serving_table(found: Found, docs: Path) -> str:
             f"| {mode} | {work} | {r['units']} | {_f(r['ratio'], '.3f')} | "
             f"{_f(r['ratio_spread'], '.1%')} | {_f(r['stock_spread'], '.1%')} | "
             f"{_f(r['bound'], '.2f')} | {_f(r.get('bound_share', r.get('of_bound')), '.2f')} "
-            f"| {r['status']} | {_target(r)} | {_source(path, d, docs)} |")
+            f"| {r['status']} | {_target(d, r)} | {_source(path, d, docs)} |")
     return "\n".join(lines)
 
 
-def _target(row: Json) -> str:
-    """A summary row's target and verdict (results from before targets were stated: -)."""
-    return "-" if not row.get("target") else f"{row['target']}: {row['verdict']}"
+def _target(result: Json, row: Json) -> str:
+    """A summary row's target and verdict, judged against today's targets from the
+    result's units (:func:`harness.serving.verdict`); a result without units keeps the
+    verdict it was written with (before targets were stated: -)."""
+    from harness.serving import cell, verdict
+
+    units = [u for u in result.get("units") or []
+             if cell(u["settings"]["mode"], u["settings"].get("env")) == row["mode"]
+             and u.get("status") != "skipped"]
+    judged = verdict(row["mode"], {"ratio": row.get("ratio"),
+                                   "bound_share": row.get("bound_share", row.get("of_bound"))},
+                     units) if units else row
+    return "-" if not judged.get("target") else f"{judged['target']}: {judged['verdict']}"
 
 
 def rows_table(kind: str) -> Callable[[Found, Path], str]:

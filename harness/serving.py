@@ -43,6 +43,7 @@ from harness.bracket import Bracket
 from harness.constants import (
     ENGINE_OVERHEAD_S,
     MAX_TOTAL_TOKENS,
+    REFERENCE_MODEL,
     SEED,
     STORE_INGEST_BPS,
     TARGET_MIN_SECONDS,
@@ -268,14 +269,19 @@ def summarize(units: Sequence[Json]) -> list[Json]:
 
 
 def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
-    """The mode's target (:data:`~harness.constants.TARGETS`) and whether it is met:
-    PASS / FAIL, ``not measured``, or ``n/a`` off the reference workload."""
-    if mode not in TARGETS:
-        return {"target": None, "verdict": None}
-    figure, minimum = TARGETS[mode]
-    text = f"{figure} >= {minimum:g}"
+    """The cell's target on its units' model (:data:`~harness.constants.TARGETS`) and
+    whether it is met: PASS / FAIL, ``not measured``, or ``n/a`` off the reference
+    workload (another shape, or a model the cell has no target for: the reference
+    model's target is shown)."""
     config = units[0]["settings"] if units else {}
-    reference = all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
+    model = str(config.get("model", REFERENCE_MODEL))
+    stated = TARGETS.get((model, mode)) or TARGETS.get((REFERENCE_MODEL, mode))
+    if stated is None:
+        return {"target": None, "verdict": None}
+    figure, minimum = stated
+    text = f"{figure} >= {minimum:g}"
+    reference = (model, mode) in TARGETS and \
+        all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
         float(config.get("min_seconds", 0)) >= TARGET_MIN_SECONDS
     if not units or figures[figure] is None:
         return {"target": text, "verdict": "not measured"}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -157,6 +158,33 @@ def test_docs_blocks_are_generated_from_results_and_checked(tmp_path: Path) -> N
     assert docs.main(["--docs", str(tmp_path), "--check"]) == 0
 
 
+def test_the_serving_table_keeps_a_row_per_model_each_judged_by_its_own_target(
+        tmp_path: Path) -> None:
+    def serving(model: str, ratio: float) -> tuple[Path, dict[str, Any]]:
+        workload = {"model": model, "batch": 64, "prompt_len": 256, "output_len": 128,
+                    "min_seconds": 30.0}
+        data = result("serving", "serving", workload)
+        data["units"] = [{"settings": workload | {"mode": "transport:hidden-states"},
+                          "status": "passed"}]
+        # written before the model had a target: the table judges it by today's
+        data["summary"] = [{"mode": "transport:hidden-states", "units": 1,
+                            "status": "passed", "ratio": ratio, "ratio_spread": 0.0,
+                            "stock_spread": 0.01, "bound": 1.0, "bound_share": ratio,
+                            "target": "ratio >= 0.97",
+                            "verdict": "n/a (not the reference workload)"}]
+        return tmp_path / f"{model}.json", finish(data, "passed")
+
+    table = docs.serving_table([serving("0.6b", 0.9), serving("8b", 0.975)], tmp_path)
+    rows = [line for line in table.splitlines() if line.startswith("| transport:")]
+    assert len(rows) == 2
+    assert "| 0.6b, 64 x 256 + 128, >= 30 s |" in rows[0]
+    assert "| 0.900 |" in rows[0]
+    assert "| ratio >= 0.97: FAIL |" in rows[0]
+    assert "| 8b, 64 x 256 + 128, >= 30 s |" in rows[1]
+    assert "| 0.975 |" in rows[1]
+    assert "| ratio >= 0.97: PASS |" in rows[1]
+
+
 def test_the_deadline_setting_is_one_number_of_seconds() -> None:
     assert Deadline(env={}).left() == float("inf")
     assert Deadline(env={"DMI_HARNESS_DEADLINE_S": "60"}, clock=lambda: 0.0).at == 60.0
@@ -235,6 +263,23 @@ def test_serving_targets_are_judged_only_on_the_reference_workload() -> None:
         "verdict"] == "not measured"
     assert verdict("return-hidden-states", {"ratio": 0.1, "bound_share": None}, units) == {
         "target": None, "verdict": None}
+
+
+def test_a_serving_target_is_judged_on_the_model_it_is_stated_for() -> None:
+    from harness.serving import verdict
+
+    def on(model: str) -> list[dict[str, object]]:
+        return [{"settings": {"model": model, "batch": 64, "prompt_len": 256,
+                              "output_len": 128, "min_seconds": 30.0}}]
+
+    assert verdict("transport:hidden-states", {"ratio": 0.975, "bound_share": None},
+                   on("8b")) == {"target": "ratio >= 0.97", "verdict": "PASS"}
+    assert verdict("transport:hidden-states", {"ratio": 0.95, "bound_share": None},
+                   on("8b"))["verdict"] == "FAIL"
+    # no 8B target for sglang-full: the reference model's is shown, not judged
+    assert verdict("transport:sglang-full", {"ratio": 0.9, "bound_share": None},
+                   on("8b")) == {"target": "ratio >= 0.6",
+                                 "verdict": "n/a (not the reference workload)"}
 
 
 def _stat_line(pid: int, name: str, pgrp: int, utime: int, stime: int) -> str:
