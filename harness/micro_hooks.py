@@ -172,7 +172,7 @@ class _Waves:
         options = TransportOptions.from_settings(
             strip=env.gpu_padding_strip, flush_timeout_us=env.drain_flush_timeout_us,
             max_prefill_tokens=self.bs * args.prompt_len, linger_us=env.drain_linger_us,
-            gil_slice_us=env.drain_gil_slice_us)
+            gil_slice_us=env.drain_gil_slice_us, window_mb=env.drain_window_mb)
         self.transport = TorchCaptureTransport(
             capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20),
             selection=sel, shape=shape, max_graph_batch=self.bs, sink=self.sink,

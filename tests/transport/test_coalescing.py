@@ -200,6 +200,31 @@ def test_a_step_waiting_for_ring_space_ends_the_drains_linger(make_driver):
     assert sum(r.rows for r in sink.records) == 10 * 3 * 3
 
 
+def test_the_window_setting_sizes_the_decode_window_on_the_device() -> None:
+    from dmi_sglang.adapters.transport import create_transport
+    from dmi_sglang.domain.settings import Settings
+
+    from .conftest import SHAPE, select
+
+    assert Settings.from_env({}).drain_window_mb == 512
+
+    def device_bytes(window_mb: int) -> int:
+        settings = Settings.from_env({"DMX_DRAIN_WINDOW_MB": str(window_mb)})
+        transport = create_transport(
+            payload_mb=1, pinned_mb=1, task_entries=64, padding_strip=True,
+            flush_timeout_us=1000, selection=select("resid_pre"), shape=SHAPE,
+            max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
+            window_mb=settings.drain_window_mb)
+        try:
+            assert transport.options.coalesce_max_bytes == window_mb << 20
+            return transport.device_bytes
+        finally:
+            transport.stop()
+
+    # the window and its gather buffer: twice the setting
+    assert device_bytes(48) - device_bytes(16) == 2 * (32 << 20)
+
+
 def test_the_linger_and_gil_slice_settings_reach_the_drain() -> None:
     from dmi_sglang.adapters.transport import create_transport
     from dmi_sglang.domain.settings import Settings

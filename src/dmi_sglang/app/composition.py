@@ -274,6 +274,7 @@ class PipelineFactory:
                 flush_timeout_us=settings.drain_flush_timeout_us,
                 linger_us=settings.drain_linger_us,
                 gil_slice_us=settings.drain_gil_slice_us,
+                window_mb=settings.drain_window_mb,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

@@ -31,6 +31,7 @@ def create_transport(
     max_requests: int = 0,
     linger_us: int = 8_000,
     gil_slice_us: int = 200,
+    window_mb: int = 512,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -47,6 +48,7 @@ def create_transport(
         max_requests: most requests in one forward (startup check).
         linger_us: ``DMX_DRAIN_LINGER_US``.
         gil_slice_us: ``DMX_DRAIN_GIL_SLICE_US``.
+        window_mb: ``DMX_DRAIN_WINDOW_MB``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -66,5 +68,6 @@ def create_transport(
             max_requests=max_requests,
             linger_us=linger_us,
             gil_slice_us=gil_slice_us,
+            window_mb=window_mb,
         ),
     )

@@ -24,11 +24,14 @@ class TransportOptions:
             (sticky) instead of hanging the scheduler forever.
         coalesce_decode: coalesce consecutive decode rows into one record per request,
             capture and run of positions (see ``_window``).
-        coalesce_max_bytes: device bytes of the coalescing window; as much again holds
-            its gather buffer on the device, and each page-locked flush buffer on the
-            host (two reserved at start). 512 MiB hold ~5 decode steps of
-            ``sglang-full`` at batch 64 on Qwen3-0.6B (98 MB each) and ~140 of
-            ``hidden-states`` (3.7 MB).
+        coalesce_max_bytes: ``DMX_DRAIN_WINDOW_MB`` x 2**20: device bytes of the
+            coalescing window; as much again holds its gather buffer on the device, and
+            each page-locked flush buffer on the host (two reserved at start). 512 MiB
+            hold ~5 decode steps of ``sglang-full`` at batch 64 on Qwen3-0.6B (98 MB
+            each) and ~140 of ``hidden-states`` (3.7 MB). A flush costs the drain's
+            Python about the same whatever the window holds (one record per request,
+            capture and run of positions), so a larger window takes less of the GIL
+            per decode step when steps are large.
         max_prefill_tokens: most token rows one eager forward can hold (SGLang's
             ``chunked_prefill_size``); 0 means the largest decode batch. Startup check.
         max_requests: most requests one forward can hold (0: the largest decode batch).
@@ -79,9 +82,11 @@ class TransportOptions:
         max_requests: int = 0,
         linger_us: int = 30_000,
         gil_slice_us: int = 200,
+        window_mb: int = 512,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
-        ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` values."""
+        ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB``
+        values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -89,4 +94,5 @@ class TransportOptions:
             max_requests=max_requests,
             linger_s=max(linger_us, 0) / 1e6,
             gil_slice_s=max(gil_slice_us, 0) / 1e6,
+            coalesce_max_bytes=window_mb * MIB,
         )
