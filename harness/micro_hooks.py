@@ -44,7 +44,6 @@ import collections
 import contextlib
 import cProfile
 import functools
-import os
 import statistics
 import sys
 import threading
@@ -55,7 +54,7 @@ from pathlib import Path
 import torch
 
 from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
-from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.adapters.transport import TorchCaptureTransport
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.bandwidth import capture_bytes
 from dmi_sglang.domain.capacity import RingCapacity
@@ -68,7 +67,6 @@ from dmi_sglang.domain.hooks import (
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.records import RunInfo
 from dmi_sglang.domain.sampling import RequestSample
-from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
@@ -77,6 +75,8 @@ from harness.micro_transport import (
     Q06,
     BackgroundThread,
     LatenessProbe,
+    engine_env,
+    engine_options,
     model_shape,
     preset_names,
     top_functions,
@@ -168,11 +168,7 @@ class _Waves:
         capturing = [False]
         self.args, self.preset, self.bs = args, preset, args.batch
         self.sink = MemorySink(keep_records=False)
-        env = Settings.from_env()  # the drain's DMX_* tuning, as an engine reads it
-        options = TransportOptions.from_settings(
-            strip=env.gpu_padding_strip, flush_timeout_us=env.drain_flush_timeout_us,
-            max_prefill_tokens=self.bs * args.prompt_len, linger_us=env.drain_linger_us,
-            gil_slice_us=env.drain_gil_slice_us, window_mb=env.drain_window_mb)
+        options = engine_options(self.bs * args.prompt_len)  # as an engine reads it
         self.transport = TorchCaptureTransport(
             capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20),
             selection=sel, shape=shape, max_graph_batch=self.bs, sink=self.sink,
@@ -435,8 +431,6 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    env = {k: v for k, v in os.environ.items()  # only what the benchmark reads
-           if k.startswith("DMX_DRAIN_") or k == "DMX_GPU_PADDING_STRIP"}
-    settings = {**vars(args), "out": str(args.out), "device_name": device, "env": env,
+    settings = {**vars(args), "out": str(args.out), "device_name": device, "env": engine_env(),
                 "torch": torch.__version__, "python": sys.version.split()[0]}
     return run_benchmark("hooks", settings, lambda data: run(args, data), args.out)

@@ -35,6 +35,7 @@ import cProfile
 import gc
 import io
 import math
+import os
 import pstats
 import statistics
 import sys
@@ -51,6 +52,7 @@ from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.bounds import bound, measure_d2h_bps, spread_of
@@ -162,15 +164,34 @@ def decode_plans(sel: Selection, shape: ModelShape, bs: int,
     return plans, (time.perf_counter() - started) / max(n, 1) * 1e6
 
 
+def engine_options(max_prefill_tokens: int) -> TransportOptions:
+    """The transport's tuning from the ``DMX_DRAIN_*`` and ``DMX_GPU_PADDING_STRIP``
+    settings in the environment, read as an engine reads them (their defaults when
+    unset); see :func:`engine_env`."""
+    env = Settings.from_env()
+    return TransportOptions.from_settings(
+        strip=env.gpu_padding_strip, flush_timeout_us=env.drain_flush_timeout_us,
+        max_prefill_tokens=max_prefill_tokens, linger_us=env.drain_linger_us,
+        gil_slice_us=env.drain_gil_slice_us, window_mb=env.drain_window_mb)
+
+
+def engine_env() -> dict[str, str]:
+    """The settings :func:`engine_options` read from the environment, for the result's
+    ``settings.env``."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("DMX_DRAIN_") or k == "DMX_GPU_PADDING_STRIP"}
+
+
 def transport_for(args: argparse.Namespace, sel: Selection, shape: ModelShape, bs: int,
                   run_id: str, *, probe: Callable[[], bool] | None = None,
                   ) -> tuple[TorchCaptureTransport, MemorySink]:
-    """A transport of ``--ring-mb`` into a counting :class:`MemorySink`."""
+    """A transport of ``--ring-mb`` into a counting :class:`MemorySink`, tuned by the
+    environment's drain settings (:func:`engine_options`)."""
     sink = MemorySink(keep_records=False)
     transport = TorchCaptureTransport(
         capacity=RingCapacity.from_mb(args.ring_mb, args.ring_mb, 1 << 20), selection=sel,
         shape=shape, max_graph_batch=bs, sink=sink, run_id=run_id, device=args.device,
-        options=TransportOptions(max_prefill_tokens=bs), capture_probe=probe)
+        options=engine_options(bs), capture_probe=probe)
     return transport, sink
 
 
@@ -479,5 +500,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     settings = {**vars(args), "out": str(args.out), "device_name": device,
-                "torch": torch.__version__, "python": sys.version.split()[0]}
+                "env": engine_env(), "torch": torch.__version__,
+                "python": sys.version.split()[0]}
     return run_benchmark("transport", settings, lambda data: run(args, data), args.out)
