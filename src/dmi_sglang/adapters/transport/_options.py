@@ -30,8 +30,8 @@ class TransportOptions:
             hold ~5 decode steps of ``sglang-full`` at batch 64 on Qwen3-0.6B (98 MB
             each) and ~140 of ``hidden-states`` (3.7 MB). A flush costs the drain's
             Python about the same whatever the window holds (one record per request,
-            capture and run of positions), so a larger window takes less of the GIL
-            per decode step when steps are large.
+            capture and run of positions): a larger window makes fewer flushes and
+            records.
         max_prefill_tokens: most token rows one eager forward can hold (SGLang's
             ``chunked_prefill_size``); 0 means the largest decode batch. Startup check.
         max_requests: most requests one forward can hold (0: the largest decode batch).
