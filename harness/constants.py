@@ -52,8 +52,7 @@ TARGETS: dict[tuple[str, str], tuple[str, float]] = {
     ("0.6b", "store:hidden-states [DMX_REQUEST_SAMPLE=0]"): ("ratio", 0.97),
     ("8b", "transport:hidden-states"): ("ratio", 0.97),
 }
-"""The serving targets (ARCHITECTURE.md, "Performance targets"; the columnar-path issue's
-Qwen3-8B cell; the selective cells from the selective-capture issue): (``--model``, cell
+"""The project's serving targets (``docs/benchmarks.md``, "Targets"): (``--model``, cell
 (mode and ``--env``)) -> (summary figure, minimum). They apply to the reference workload
 only (:data:`TARGET_WORKLOAD` on that model)."""
 REFERENCE_MODEL = "0.6b"

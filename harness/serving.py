@@ -274,13 +274,13 @@ def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
     workload (another shape, or a model the cell has no target for: the reference
     model's target is shown)."""
     config = units[0]["settings"] if units else {}
-    model = str(config.get("model", REFERENCE_MODEL))
-    stated = TARGETS.get((model, mode)) or TARGETS.get((REFERENCE_MODEL, mode))
+    model = config.get("model")  # a unit that does not say is not the reference workload
+    stated = TARGETS.get((str(model), mode)) or TARGETS.get((REFERENCE_MODEL, mode))
     if stated is None:
         return {"target": None, "verdict": None}
     figure, minimum = stated
     text = f"{figure} >= {minimum:g}"
-    reference = (model, mode) in TARGETS and \
+    reference = (str(model), mode) in TARGETS and \
         all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
         float(config.get("min_seconds", 0)) >= TARGET_MIN_SECONDS
     if not units or figures[figure] is None:

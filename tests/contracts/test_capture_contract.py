@@ -157,6 +157,19 @@ def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
         assert open_store(url).handle(spec.run.run_id, "r1").available
 
 
+def test_the_pipeline_factory_sizes_the_decode_window_from_the_setting() -> None:
+    def device_bytes(window_mb: str) -> int:
+        settings = _settings(dmx_db_url="none", dmx_drain_window_mb=window_mb)
+        opened = PipelineFactory().open(_spec(settings))
+        try:
+            return opened.device_bytes
+        finally:
+            opened.session.stop()
+
+    # the window and its gather buffer, each as large as the setting
+    assert device_bytes("48") - device_bytes("16") == 2 * (32 << 20)
+
+
 def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -260,9 +260,13 @@ def test_docs_never_show_a_profiled_run_a_rehearsal_or_a_comparison(transport_ru
              "figures": {**data["figures"], "table": [{"test": "quick"}]}}
     compared = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
                 "figures": {**data["figures"], "table": [{"test": "compared"}]}}
+    tuned = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+             "settings": {**data["settings"], "env": {"DMX_DRAIN_WINDOW_MB": "2048"}},
+             "figures": {**data["figures"], "table": [{"test": "tuned"}]}}
     for name, result in (("transport", data), ("transport-profile", profiled),
                          ("transport-cpu", rehearsal), ("transport-quick", quick),
-                         ("comparison/transport-old-tree", compared)):
+                         ("comparison/transport-old-tree", compared),
+                         ("transport-window2048", tuned)):
         path = tmp_path / "evidence" / "2026-12-02-cpu" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
@@ -276,3 +280,19 @@ def test_docs_never_show_a_profiled_run_a_rehearsal_or_a_comparison(transport_ru
     assert "rehearsal" not in text
     assert "quick" not in text
     assert "compared" not in text  # a side-by-side run of two trees
+    assert "tuned" not in text  # a run with DMX_* tuning from the environment
+
+
+def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_torch()
+    from harness.micro_transport import engine_env, engine_options
+
+    monkeypatch.setenv("DMX_DRAIN_WINDOW_MB", "32")
+    monkeypatch.setenv("DMX_DRAIN_LINGER_US", "0")
+    monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.5")  # not the drain's: not recorded
+    options = engine_options(8)
+    assert options.coalesce_max_bytes == 32 << 20
+    assert options.linger_s == 0.0
+    assert options.max_prefill_tokens == 8
+    assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0"}

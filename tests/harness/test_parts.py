@@ -280,6 +280,11 @@ def test_a_serving_target_is_judged_on_the_model_it_is_stated_for() -> None:
     assert verdict("transport:sglang-full", {"ratio": 0.9, "bound_share": None},
                    on("8b")) == {"target": "ratio >= 0.6",
                                  "verdict": "n/a (not the reference workload)"}
+    # a unit that does not say its model is not the reference workload
+    unsaid = [{"settings": {"batch": 64, "prompt_len": 256, "output_len": 128,
+                            "min_seconds": 30.0}}]
+    assert verdict("transport:hidden-states", {"ratio": 0.99, "bound_share": None},
+                   unsaid)["verdict"] == "n/a (not the reference workload)"
 
 
 def _stat_line(pid: int, name: str, pgrp: int, utime: int, stime: int) -> str:

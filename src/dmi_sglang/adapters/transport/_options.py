@@ -28,10 +28,9 @@ class TransportOptions:
             coalescing window; as much again holds its gather buffer on the device, and
             each page-locked flush buffer on the host (two reserved at start). 512 MiB
             hold ~5 decode steps of ``sglang-full`` at batch 64 on Qwen3-0.6B (98 MB
-            each) and ~140 of ``hidden-states`` (3.7 MB). A flush costs the drain's
-            Python about the same whatever the window holds (one record per request,
-            capture and run of positions): a larger window makes fewer flushes and
-            records.
+            each) and ~140 of ``hidden-states`` (3.7 MB). A flush makes the same
+            records whatever the window holds (one per request, capture and run of
+            positions): a larger window makes fewer flushes and records.
         max_prefill_tokens: most token rows one eager forward can hold (SGLang's
             ``chunked_prefill_size``); 0 means the largest decode batch. Startup check.
         max_requests: most requests one forward can hold (0: the largest decode batch).
