@@ -57,7 +57,7 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
         store = work / "stores" / slug(key)
         spec = {"engine": kwargs, "factory": args.engine_class,
                 "env": monitored_env(str(mode.preset), store if mode.kind == "store" else None,
-                                     f"profile-{slug(key)}")}
+                                     f"profile-{slug(key)}", dict(mode.env))}
     engine = EngineProcess(f"profile-{key.replace(':', '-')}", spec, work / "engines", pgids)
     out: Json = {"mode": key}
     try:

@@ -6,7 +6,9 @@
 Modes (each its own engine, started ``--repeats`` times, modes interleaved):
 ``store:PRESET`` (embedded store; timing ends when ``dmi_stop_monitoring()`` returned, the
 data durable), ``transport:PRESET`` (``DMX_DB_URL=none``: capture transport only) and
-``return-hidden-states`` (SGLang's own ``return_hidden_states``). Every measured engine
+``return-hidden-states`` (SGLang's own ``return_hidden_states``); a store or transport mode
+may carry ``DMX_*`` settings of its own in brackets
+(``transport:sglang-full[DMX_DRAIN_WINDOW_MB=2048]``), added to ``--env``'s. Every measured engine
 runs between two runs of the same workload on the stock engine of the same ServerArgs
 (:mod:`harness.bracket`): ``stock, measured, stock, measured, ..., stock``.
 
@@ -80,10 +82,12 @@ READBACK_SAMPLE = 16
 
 @dataclass(frozen=True)
 class Mode:
-    """One measured engine configuration."""
+    """One measured engine configuration: the kind, the hook preset and the ``DMX_*``
+    settings of this mode alone (``transport:sglang-full[DMX_DRAIN_WINDOW_MB=2048]``)."""
 
     kind: str
     preset: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> str:
@@ -92,8 +96,14 @@ class Mode:
 
     @property
     def slug(self) -> str:
-        """The key as a file and run-id part (``store-final_logits-topk-64``)."""
-        return slug(self.key)
+        """The key and the mode's own settings as a file and run-id part
+        (``store-final_logits-topk-64``, ``transport-sglang-full-DMX_DRAIN_WINDOW_MB-2048``)."""
+        return slug(cell(self.key, dict(self.env)))
+
+
+def mode_env(args: argparse.Namespace, mode: Mode) -> dict[str, str]:
+    """The settings a monitored engine of ``mode`` gets: ``--env`` and the mode's own."""
+    return {**args.env, **dict(mode.env)}
 
 
 def slug(key: str) -> str:
@@ -103,18 +113,50 @@ def slug(key: str) -> str:
 
 
 def parse_modes(text: str) -> list[Mode]:
-    """``store:hidden-states,transport:sglang-full,...``; a clear error for anything else."""
+    """``store:hidden-states,transport:sglang-full,...``, each optionally with settings of
+    its own in brackets (``transport:sglang-full[DMX_DRAIN_WINDOW_MB=2048 DMX_...=...]``:
+    a setting measured against the mode without it in one bracketed run); a clear error
+    for anything else."""
     modes = []
     for token in filter(None, (t.strip() for t in text.split(","))):
-        kind, _, preset = token.partition(":")
-        if kind not in KINDS or bool(preset) != (kind != "return-hidden-states"):
+        found = re.fullmatch(r"([^\[\]]+?)\s*(?:\[([^\[\]]*)\])?", token)
+        base = found.group(1) if found else token
+        kind, _, preset = base.partition(":")
+        if not found or kind not in KINDS or \
+                bool(preset) != (kind != "return-hidden-states"):
             raise ValueError(f"mode {token!r}: accepted store:PRESET, transport:PRESET, "
-                             "return-hidden-states")
-        if Mode(kind, preset or None) not in modes:
-            modes.append(Mode(kind, preset or None))
+                             "return-hidden-states, each optionally followed by "
+                             "[DMX_NAME=VALUE ...]")
+        env = tuple(sorted(setting_pairs(found.group(2).split() if found.group(2) else [],
+                                         f"mode {token!r}").items()))
+        if env and kind == "return-hidden-states":
+            raise ValueError(f"mode {token!r}: return-hidden-states takes no DMX_* settings")
+        if Mode(kind, preset or None, env) not in modes:
+            modes.append(Mode(kind, preset or None, env))
     if not modes:
         raise ValueError("no mode selected")
     return modes
+
+
+OWN_SETTINGS = ("DMX_SGLANG_ENABLE", "DMX_HOOK_SELECTION", "DMX_DB_URL", "DMX_MODEL_ID")
+"""Settings every monitored engine's mode sets itself (never from ``--env``)."""
+
+
+def setting_pairs(items: Sequence[str], where: str) -> dict[str, str]:
+    """``DMX_NAME=VALUE`` items as a dict, each a valid setting the modes do not set
+    themselves; raises ValueError naming the first bad one and ``where`` it was given."""
+    pairs = [item.partition("=") for item in items]
+    bad = [item for item, (k, sep, _v) in zip(items, pairs, strict=True)
+           if not sep or not k.startswith("DMX_") or k in OWN_SETTINGS]
+    if bad:
+        raise ValueError(f"{where}: {bad[0]!r}: expected DMX_NAME=VALUE for a setting the "
+                         "modes do not set")
+    settings = {k: v for k, _s, v in pairs}
+    try:
+        Settings.from_env(settings)
+    except ConfigurationError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return settings
 
 
 def workloads(args: argparse.Namespace, mode: Mode | None) -> tuple[Workload, Workload]:
@@ -146,7 +188,8 @@ def estimate_s(args: argparse.Namespace, mode: Mode) -> float:
     timed = max(float(args.min_seconds), wave) + wave
     tail = 20.0 if mode.kind == "store" else 5.0
     if mode.kind == "store" and mode.preset:
-        stored = wave_bytes(args, mode.preset) * float(args.env.get("DMX_REQUEST_SAMPLE", 1.0))
+        share = float(mode_env(args, mode).get("DMX_REQUEST_SAMPLE", 1.0))
+        stored = wave_bytes(args, mode.preset) * share
         timed = max(timed, stored * timed / wave / STORE_INGEST_BPS)
     return model.startup_s + 2 * timed + tail + ENGINE_OVERHEAD_S
 
@@ -157,12 +200,12 @@ def wave_bytes(args: argparse.Namespace, preset: str) -> int:
     return expected_capture(preset, MODELS[args.model], reqs).bytes
 
 
-def sampled(args: argparse.Namespace, rids: Sequence[str]) -> set[str]:
-    """The request ids a monitored engine captures under ``--env DMX_REQUEST_SAMPLE``
-    (every one without it): the domain's own rule."""
+def sampled(env: dict[str, str], rids: Sequence[str]) -> set[str]:
+    """The request ids a monitored engine with settings ``env`` captures under
+    ``DMX_REQUEST_SAMPLE`` (every one without it): the domain's own rule."""
     from dmi_sglang.domain.sampling import RequestSample
 
-    sample = RequestSample(float(args.env.get("DMX_REQUEST_SAMPLE", 1.0)))
+    sample = RequestSample(float(env.get("DMX_REQUEST_SAMPLE", 1.0)))
     return {r for r in rids if sample.keeps(r)}
 
 
@@ -173,7 +216,7 @@ def monitored_spec(args: argparse.Namespace, mode: Mode, kwargs: Json, store: Pa
         return {"engine": kwargs | {"enable_return_hidden_states": True},
                 "env": STOCK_ENV, "factory": args.engine_class}
     env = monitored_env(str(mode.preset), store if mode.kind == "store" else None, run_id,
-                        args.env)
+                        mode_env(args, mode))
     return {"engine": kwargs, "factory": args.engine_class, "env": env}
 
 
@@ -193,7 +236,7 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     stopped = events.get("dmi.stopped") or {}
     warm_rids = [f"warmup-{i}" for i in range(args.batch)]
     main_rids = [f"main-{i}.w{k}" for k in range(main["waves"]) for i in range(args.batch)]
-    captured = sampled(args, warm_rids + main_rids)
+    captured = sampled(mode_env(args, mode), warm_rids + main_rids)
     if mode.preset:
         requests = [(min(args.prompt_len, 32), 8)] * sum(r in captured for r in warm_rids) + \
             [(args.prompt_len, args.output_len)] * sum(r in captured for r in main_rids)
@@ -328,13 +371,14 @@ class ServingRun:
     def unit(self, mode: Mode, rep: int) -> Json:
         """One unit: saved, skipped (it would not fit) or measured now."""
         name = f"{mode.slug}-r{rep}"
-        unit_settings = self.config | {"mode": mode.key, "repeat": rep}
+        unit_settings = self.config | {"mode": mode.key, "repeat": rep,
+                                       "env": dict(sorted(mode_env(self.args, mode).items()))}
         identity = stable_hash(unit_settings)
         saved = self.saved.get(name, identity)
         if saved is not None:
             return saved | {"reused": True}
         data = result("serving", name, unit_settings)
-        need = float(self.took.get(mode.key, estimate_s(self.args, mode)))
+        need = float(self.took.get(mode.slug, estimate_s(self.args, mode)))
         need *= 1.5 if self.bracket.stock is None else 1.1
         if not self.deadline.fits(need):
             return finish(data, "skipped", f"needs ~{need:.0f} s")
@@ -357,7 +401,7 @@ class ServingRun:
             finish(data, "error", str(exc)[-6000:])
         finally:
             shutil.rmtree(store, ignore_errors=True)
-        self.took[mode.key] = time.monotonic() - started
+        self.took[mode.slug] = time.monotonic() - started
         write_json(self.state / "took.json", self.took)
         self.saved.put(name, identity, data)
         return data
@@ -406,9 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _validate(p, args)
     if args.dry_run:
         for mode in args.mode_list:
-            share = float(args.env.get("DMX_REQUEST_SAMPLE", 1.0))
+            share = float(mode_env(args, mode).get("DMX_REQUEST_SAMPLE", 1.0))
             gb = share * wave_bytes(args, mode.preset) / 1e9 if mode.preset else 0.0
-            print(f"  {mode.key:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
+            name = cell(mode.key, dict(mode.env))
+            print(f"  {name:<28} ~{estimate_s(args, mode):>4.0f} s per unit x "
                   f"{args.repeats}, {gb:.3f} GB captured per wave")
         return 0
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
@@ -442,15 +487,21 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(exc))
     except Exception as exc:  # the domain's ConfigurationError for a bad preset
         p.error(f"--modes: {exc}")
-    pairs = [e.partition("=") for e in args.env]
-    bad = [e for e, (k, sep, _v) in zip(args.env, pairs, strict=True)
-           if not sep or not k.startswith("DMX_") or k in ("DMX_SGLANG_ENABLE",
-                                                            "DMX_HOOK_SELECTION",
-                                                            "DMX_DB_URL", "DMX_MODEL_ID")]
-    if bad:
-        p.error(f"--env {bad[0]!r}: expected DMX_NAME=VALUE for a setting the modes do not set")
-    args.env = {k: v for k, _s, v in pairs}
     try:
-        Settings.from_env(args.env)
-    except ConfigurationError as exc:
-        p.error(f"--env: {exc}")
+        args.env = setting_pairs(args.env, "--env")
+    except ValueError as exc:
+        p.error(str(exc))
+    _check_mode_settings(p, args)
+
+
+def _check_mode_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A mode's own settings and ``--env`` together: never the same one twice, valid
+    together."""
+    for mode in args.mode_list:
+        name = cell(mode.key, dict(mode.env))
+        if both := sorted(set(args.env) & {k for k, _v in mode.env}):
+            p.error(f"--modes {name!r}: {both[0]} is set by --env too: give it in one place")
+        try:
+            Settings.from_env(mode_env(args, mode))
+        except ConfigurationError as exc:
+            p.error(f"--modes {name!r} with --env: {exc}")

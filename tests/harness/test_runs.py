@@ -3,6 +3,7 @@ resumable results, the deadline."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -290,3 +291,49 @@ def test_cells_are_named_by_mode_and_env_and_carry_their_own_targets() -> None:
     assert rows["store:hidden-states"]["verdict"] == "FAIL"
     sampled = rows["store:hidden-states [DMX_REQUEST_SAMPLE=0.1]"]
     assert (sampled["target"], sampled["verdict"]) == ("ratio >= 0.9", "PASS")
+
+
+def test_a_mode_with_settings_of_its_own_is_measured_beside_the_plain_mode(
+        tmp_path: Path) -> None:
+    from harness.serving import Mode, mode_env, monitored_spec, parse_modes
+
+    both = parse_modes("transport:hidden-states, transport:hidden-states[DMX_DRAIN_WINDOW_MB=16 "
+                       "DMX_DRAIN_LINGER_US=0]")
+    assert both == [Mode("transport", "hidden-states"),
+                    Mode("transport", "hidden-states",
+                         (("DMX_DRAIN_LINGER_US", "0"), ("DMX_DRAIN_WINDOW_MB", "16")))]
+    args = argparse.Namespace(env={"DMX_CH_WRITERS": "2"}, engine_class="sglang:Engine")
+    assert mode_env(args, both[1]) == {"DMX_CH_WRITERS": "2", "DMX_DRAIN_LINGER_US": "0",
+                                       "DMX_DRAIN_WINDOW_MB": "16"}
+    spec = monitored_spec(args, both[1], {}, tmp_path, "run")
+    assert spec["env"]["DMX_DRAIN_WINDOW_MB"] == "16"
+    assert spec["env"]["DMX_CH_WRITERS"] == "2"
+    assert "DMX_DRAIN_WINDOW_MB" not in monitored_spec(args, both[0], {}, tmp_path, "run")["env"]
+
+    code, data = serve(tmp_path, "transport:hidden-states,"
+                       "transport:hidden-states[DMX_DRAIN_WINDOW_MB=16]",
+                       repeats=1, batch=4, prompt=8, output=4)
+    assert code == 0, data["summary"]
+    assert [u["name"] for u in data["units"]] == [
+        "transport-hidden-states-r0", "transport-hidden-states-DMX_DRAIN_WINDOW_MB-16-r0"]
+    assert [u["settings"]["env"] for u in data["units"]] == [{}, {"DMX_DRAIN_WINDOW_MB": "16"}]
+    assert [r["mode"] for r in data["summary"]] == [
+        "transport:hidden-states", "transport:hidden-states [DMX_DRAIN_WINDOW_MB=16]"]
+
+
+@pytest.mark.parametrize(("modes", "env", "words"), [
+    ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=8]", (), "an integer from 16 to 16,384"),
+    ("transport:hidden-states[DMX_DB_URL=none]", (), "a setting the modes do not set"),
+    ("transport:hidden-states[WINDOW=16]", (), "expected DMX_NAME=VALUE"),
+    ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=16", (), "accepted store:PRESET"),
+    ("return-hidden-states[DMX_DRAIN_WINDOW_MB=16]", (), "takes no DMX_* settings"),
+    ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=16]", ("DMX_DRAIN_WINDOW_MB=32",),
+     "is set by --env too"),
+], ids=["out-of-range", "owned", "not-dmx", "unclosed", "rhs", "twice"])
+def test_a_modes_own_settings_are_checked_before_any_engine_starts(
+        modes: str, env: tuple[str, ...], words: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serving.main(["--modes", modes, *(a for e in env for a in ("--env", e)), "--dry-run"])
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
