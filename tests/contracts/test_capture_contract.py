@@ -23,6 +23,7 @@ from dmi_sglang.app.composition import SGLANG_ADAPTERS, PipelineFactory
 from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.app.reading import open_store
 from dmi_sglang.app.store_owner import OwnedSink
+from dmi_sglang.domain.capacity import arena_bytes
 from dmi_sglang.domain.hooks import CATALOG, ModelHooks, Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import make_plan
@@ -168,6 +169,20 @@ def test_the_pipeline_factory_sizes_the_decode_window_from_the_setting() -> None
 
     # the window and its gather buffer, each as large as the setting
     assert device_bytes("48") - device_bytes("16") == 2 * (32 << 20)
+
+
+def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> None:
+    def device_bytes(slots_mb: str) -> int:
+        settings = _settings(dmx_db_url="none", dmx_arena_slots_mb=slots_mb)
+        opened = PipelineFactory().open(_spec(settings))
+        try:
+            return opened.device_bytes
+        finally:
+            opened.session.stop()
+
+    one = arena_bytes(_spec(_settings()).selection, SHAPE, max_graph_batch=4)
+    # 0 MiB: one slot; 1 MiB: 16 slots (the most), a spare and a landing slot
+    assert device_bytes("1") - device_bytes("0") == (16 + 2 - 1) * one
 
 
 def test_a_factory_whose_transport_cannot_be_made_closes_the_store(

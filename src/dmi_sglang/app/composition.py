@@ -275,6 +275,7 @@ class PipelineFactory:
                 linger_us=settings.drain_linger_us,
                 gil_slice_us=settings.drain_gil_slice_us,
                 window_mb=settings.drain_window_mb,
+                arena_slots_mb=settings.arena_slots_mb,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

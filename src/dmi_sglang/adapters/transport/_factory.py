@@ -32,6 +32,7 @@ def create_transport(
     linger_us: int = 8_000,
     gil_slice_us: int = 200,
     window_mb: int = 512,
+    arena_slots_mb: int = 256,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -49,6 +50,7 @@ def create_transport(
         linger_us: ``DMX_DRAIN_LINGER_US``.
         gil_slice_us: ``DMX_DRAIN_GIL_SLICE_US``.
         window_mb: ``DMX_DRAIN_WINDOW_MB``.
+        arena_slots_mb: ``DMX_ARENA_SLOTS_MB``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -69,5 +71,6 @@ def create_transport(
             linger_us=linger_us,
             gil_slice_us=gil_slice_us,
             window_mb=window_mb,
+            arena_slots_mb=arena_slots_mb,
         ),
     )

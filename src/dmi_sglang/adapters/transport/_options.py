@@ -48,7 +48,8 @@ class TransportOptions:
             slots or more waiting, or a step finding its slot still waiting, ends a
             linger at once, and the flush timeout still
             bounds how long rows wait. 0: wake for every step.
-        arena_slots_bytes: device bytes the decode-graph arena's slots may take together
+        arena_slots_bytes: ``DMX_ARENA_SLOTS_MB`` x 2**20: device bytes the
+            decode-graph arena's slots may take together
             (:func:`~dmi_sglang.domain.capacity.arena_slots`); an arena of which fewer
             than 4 fit keeps one slot.
         gil_slice_s: ``DMX_DRAIN_GIL_SLICE_US`` / 1e6: longest stretch of the drain's
@@ -82,10 +83,11 @@ class TransportOptions:
         linger_us: int = 30_000,
         gil_slice_us: int = 200,
         window_mb: int = 512,
+        arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
-        ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB``
-        values."""
+        ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
+        ``DMX_ARENA_SLOTS_MB`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -94,4 +96,5 @@ class TransportOptions:
             linger_s=max(linger_us, 0) / 1e6,
             gil_slice_s=max(gil_slice_us, 0) / 1e6,
             coalesce_max_bytes=window_mb * MIB,
+            arena_slots_bytes=arena_slots_mb * MIB,
         )
