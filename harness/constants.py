@@ -53,7 +53,7 @@ TARGETS: dict[tuple[str, str], tuple[str, float]] = {
     ("8b", "transport:hidden-states"): ("ratio", 0.97),
 }
 """The project's serving targets (``docs/benchmarks.md``, "Targets"): (``--model``, cell
-(mode and ``--env``)) -> (summary figure, minimum). They apply to the reference workload
+(mode and its settings)) -> (summary figure, minimum). They apply to the reference workload
 only (:data:`TARGET_WORKLOAD` on that model)."""
 REFERENCE_MODEL = "0.6b"
 """The model whose target a cell shows when its own model has none."""

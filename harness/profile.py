@@ -58,7 +58,7 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
         spec = {"engine": kwargs, "factory": args.engine_class,
                 "env": monitored_env(str(mode.preset), store if mode.kind == "store" else None,
                                      f"profile-{slug(key)}", dict(mode.env))}
-    engine = EngineProcess(f"profile-{key.replace(':', '-')}", spec, work / "engines", pgids)
+    engine = EngineProcess(f"profile-{slug(key)}", spec, work / "engines", pgids)
     out: Json = {"mode": key}
     try:
         out["ready"] = engine.start(deadline.timeout())

@@ -102,7 +102,10 @@ class Mode:
 
 
 def mode_env(args: argparse.Namespace, mode: Mode) -> dict[str, str]:
-    """The settings a monitored engine of ``mode`` gets: ``--env`` and the mode's own."""
+    """The settings a monitored engine of ``mode`` gets: ``--env`` and the mode's own
+    (none for ``return-hidden-states``, which runs with stock's)."""
+    if mode.kind == "return-hidden-states":
+        return {}
     return {**args.env, **dict(mode.env)}
 
 
@@ -128,7 +131,7 @@ def parse_modes(text: str) -> list[Mode]:
                              "return-hidden-states, each optionally followed by "
                              "[DMX_NAME=VALUE ...]")
         env = tuple(sorted(setting_pairs(found.group(2).split() if found.group(2) else [],
-                                         f"mode {token!r}").items()))
+                                         f"mode {base!r}").items()))
         if env and kind == "return-hidden-states":
             raise ValueError(f"mode {token!r}: return-hidden-states takes no DMX_* settings")
         if Mode(kind, preset or None, env) not in modes:
@@ -143,19 +146,28 @@ OWN_SETTINGS = ("DMX_SGLANG_ENABLE", "DMX_HOOK_SELECTION", "DMX_DB_URL", "DMX_MO
 
 
 def setting_pairs(items: Sequence[str], where: str) -> dict[str, str]:
-    """``DMX_NAME=VALUE`` items as a dict, each a valid setting the modes do not set
-    themselves; raises ValueError naming the first bad one and ``where`` it was given."""
-    pairs = [item.partition("=") for item in items]
-    bad = [item for item, (k, sep, _v) in zip(items, pairs, strict=True)
-           if not sep or not k.startswith("DMX_") or k in OWN_SETTINGS]
-    if bad:
-        raise ValueError(f"{where}: {bad[0]!r}: expected DMX_NAME=VALUE for a setting the "
-                         "modes do not set")
-    settings = {k: v for k, _s, v in pairs}
+    """``DMX_NAME=VALUE`` items as a dict, each a valid setting given once, not one the
+    modes set themselves (:data:`OWN_SETTINGS`) and not a secret (results name their
+    settings); raises ValueError naming the first bad one and ``where`` it was given."""
+    settings: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("DMX_"):
+            raise ValueError(f"{where}: {item!r}: expected DMX_NAME=VALUE")
+        if key in OWN_SETTINGS:
+            raise ValueError(f"{where}: {key} is set by every mode itself "
+                             f"({', '.join(OWN_SETTINGS)} are)")
+        if key in settings:
+            raise ValueError(f"{where}: {key} is given twice: give it once")
+        settings[key] = value
     try:
-        Settings.from_env(settings)
+        parsed = Settings.from_env(settings)
     except ConfigurationError as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    shown = parsed.to_env(include_secrets=False)
+    if hidden := sorted(k for k in settings if k in parsed.to_env() and k not in shown):
+        raise ValueError(f"{where}: {hidden[0]} is a secret, which results would name: "
+                         "not accepted here")
     return settings
 
 
@@ -276,14 +288,14 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
 
 
 def cell(mode: str, env: Json | None) -> str:
-    """A measured cell's name: the mode, and the ``--env`` settings it ran with
-    (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
+    """A measured cell's name: the mode, and the settings it ran with (``--env`` and the
+    mode's own) (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
     extra = " ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
     return f"{mode} [{extra}]" if extra else mode
 
 
 def summarize(units: Sequence[Json]) -> list[Json]:
-    """One row per cell (mode and ``--env``) over its units: the median ratio to stock,
+    """One row per cell (mode and its settings) over its units: the median ratio to stock,
     the spread of those ratios and of every stock run around them, the bound, the
     status."""
     rows = []
@@ -497,11 +509,16 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _check_mode_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A mode's own settings and ``--env`` together: never the same one twice, valid
     together."""
+    named: dict[str, str] = {}
     for mode in args.mode_list:
         name = cell(mode.key, dict(mode.env))
         if both := sorted(set(args.env) & {k for k, _v in mode.env}):
             p.error(f"--modes {name!r}: {both[0]} is set by --env too: give it in one place")
+        if (other := named.setdefault(mode.slug, name)) != name:
+            p.error(f"--modes {name!r} and {other!r} would share the unit name "
+                    f"{mode.slug!r}: make their settings differ in letters or digits")
+        run_id = f"bench-{mode.slug}-r{args.repeats - 1}-{compact_utc()}"
         try:
-            Settings.from_env(mode_env(args, mode))
+            Settings.from_env(mode_env(args, mode) | {"DMX_MODEL_ID": run_id})
         except ConfigurationError as exc:
             p.error(f"--modes {name!r} with --env: {exc}")

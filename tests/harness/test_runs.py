@@ -293,6 +293,22 @@ def test_cells_are_named_by_mode_and_env_and_carry_their_own_targets() -> None:
     assert (sampled["target"], sampled["verdict"]) == ("ratio >= 0.9", "PASS")
 
 
+def test_a_modes_own_request_sample_decides_what_its_units_are_checked_against(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    modes = "store:hidden-states,store:hidden-states[DMX_REQUEST_SAMPLE=0.5]"
+    assert serving.main(["--modes", modes, "--batch", "8", "--prompt-len", "8",
+                         "--output-len", "4", "--repeats", "1", "--dry-run"]) == 0
+    plain, sampled = (float(re.findall(r"([0-9.]+) GB captured per wave", line)[0])
+                      for line in capsys.readouterr().out.splitlines())
+    assert sampled == pytest.approx(plain / 2)
+    code, data = serve(tmp_path, modes, repeats=1, batch=8, prompt=8, output=4)
+    assert code == 0, [u["checks"] for u in data["units"]]
+    first, second = (u["figures"]["requests"] for u in data["units"])
+    assert first["captured"] == first["served"]
+    assert 0 < second["captured"] < second["served"]  # about half of them
+    assert data["units"][1]["checks"]["sample_complete"]["ok"]
+
+
 def test_a_mode_with_settings_of_its_own_is_measured_beside_the_plain_mode(
         tmp_path: Path) -> None:
     from harness.serving import Mode, mode_env, monitored_spec, parse_modes
@@ -323,17 +339,30 @@ def test_a_mode_with_settings_of_its_own_is_measured_beside_the_plain_mode(
 
 @pytest.mark.parametrize(("modes", "env", "words"), [
     ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=8]", (), "an integer from 16 to 16,384"),
-    ("transport:hidden-states[DMX_DB_URL=none]", (), "a setting the modes do not set"),
+    ("transport:hidden-states[DMX_DB_URL=none]", (), "DMX_DB_URL is set by every mode"),
     ("transport:hidden-states[WINDOW=16]", (), "expected DMX_NAME=VALUE"),
     ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=16", (), "accepted store:PRESET"),
     ("return-hidden-states[DMX_DRAIN_WINDOW_MB=16]", (), "takes no DMX_* settings"),
     ("transport:hidden-states[DMX_DRAIN_WINDOW_MB=16]", ("DMX_DRAIN_WINDOW_MB=32",),
      "is set by --env too"),
-], ids=["out-of-range", "owned", "not-dmx", "unclosed", "rhs", "twice"])
+    ("transport:hidden-states[DMX_DRAIN_LINGER_US=0 DMX_DRAIN_LINGER_US=5]", (),
+     "DMX_DRAIN_LINGER_US is given twice"),
+    ("transport:hidden-states[DMX_CH_PASSWORD=hunter2]", (), "DMX_CH_PASSWORD is a secret"),
+    ("transport:hidden-states", ("DMX_CH_PASSWORD=hunter2",), "DMX_CH_PASSWORD is a secret"),
+    ("transport:hidden-states[DMX_CH_USER=a-b],transport:hidden-states[DMX_CH_USER=a+b]",
+     (), "would share the unit name"),
+    ("transport:hidden-states[" + " ".join(f"DMX_DRAIN_{k}=1" for k in (
+        "LINGER_US", "GIL_SLICE_US", "FLUSH_TIMEOUT_US")) + " DMX_CH_WRITERS=2 "
+     "DMX_CH_INSERT_ROWS=1000 DMX_CH_QUEUE_MB=100 DMX_RING_TASK_ENTRIES=1000 "
+     "DMX_CH_TIMEOUT_S=10 DMX_STORE_MAX_GB=1]", (), "DMX_MODEL_ID"),
+], ids=["out-of-range", "owned", "not-dmx", "unclosed", "rhs", "twice", "repeated",
+        "secret", "secret-env", "same-slug", "run-id-too-long"])
 def test_a_modes_own_settings_are_checked_before_any_engine_starts(
         modes: str, env: tuple[str, ...], words: str,
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         serving.main(["--modes", modes, *(a for e in env for a in ("--env", e)), "--dry-run"])
     assert exited.value.code == 2
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words in err
+    assert "hunter2" not in err

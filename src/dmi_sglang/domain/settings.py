@@ -20,7 +20,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 import attrs
 
-from dmi_sglang.domain.capacity import RING_MB_MAX
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RING_MB_MAX
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
@@ -352,7 +352,8 @@ _VARS: dict[str, _Var] = {
     "DRAIN_LINGER_US": _Var("drain_linger_us", 30_000, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
-    "ARENA_SLOTS_MB": _Var("arena_slots_mb", 256, _conv(*_bounded(0, 16_384))),
+    "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
+                           _conv(*_bounded(0, 16_384))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
     "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
@@ -400,7 +401,7 @@ class Settings:
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     drain_window_mb: int = 512
-    arena_slots_mb: int = 256
+    arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
     plan_tok_s: int | None = None
     request_sample: float = 1.0
     store_max_gb: int = 0

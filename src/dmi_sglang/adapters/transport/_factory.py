@@ -7,7 +7,7 @@ import torch
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
 from dmi_sglang.columns import RecordSink
-from dmi_sglang.domain.capacity import RingCapacity
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RingCapacity
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.shapes import ModelShape
 
@@ -32,7 +32,7 @@ def create_transport(
     linger_us: int = 8_000,
     gil_slice_us: int = 200,
     window_mb: int = 512,
-    arena_slots_mb: int = 256,
+    arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
