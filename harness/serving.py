@@ -148,7 +148,9 @@ OWN_SETTINGS = ("DMX_SGLANG_ENABLE", "DMX_HOOK_SELECTION", "DMX_DB_URL", "DMX_MO
 def setting_pairs(items: Sequence[str], where: str) -> dict[str, str]:
     """``DMX_NAME=VALUE`` items as a dict, each a valid setting given once, not one the
     modes set themselves (:data:`OWN_SETTINGS`) and not a secret (results name their
-    settings); raises ValueError naming the first bad one and ``where`` it was given."""
+    settings), its value as the settings write it (``02048`` -> ``2048``, ``0.10`` ->
+    ``0.1``: one cell name per engine); raises ValueError naming the first bad one and
+    ``where`` it was given."""
     settings: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -168,7 +170,7 @@ def setting_pairs(items: Sequence[str], where: str) -> dict[str, str]:
     if hidden := sorted(k for k in settings if k in parsed.to_env() and k not in shown):
         raise ValueError(f"{where}: {hidden[0]} is a secret, which results would name: "
                          "not accepted here")
-    return settings
+    return {k: shown.get(k, v) for k, v in settings.items()}
 
 
 def workloads(args: argparse.Namespace, mode: Mode | None) -> tuple[Workload, Workload]:

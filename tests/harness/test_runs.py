@@ -318,6 +318,10 @@ def test_a_mode_with_settings_of_its_own_is_measured_beside_the_plain_mode(
     assert both == [Mode("transport", "hidden-states"),
                     Mode("transport", "hidden-states",
                          (("DMX_DRAIN_LINGER_US", "0"), ("DMX_DRAIN_WINDOW_MB", "16")))]
+    # values as the settings write them: one cell name per engine
+    assert parse_modes("store:hidden-states[DMX_REQUEST_SAMPLE=0.10 DMX_DRAIN_WINDOW_MB=016]") \
+        == [Mode("store", "hidden-states",
+                 (("DMX_DRAIN_WINDOW_MB", "16"), ("DMX_REQUEST_SAMPLE", "0.1")))]
     args = argparse.Namespace(env={"DMX_CH_WRITERS": "2"}, engine_class="sglang:Engine")
     assert mode_env(args, both[1]) == {"DMX_CH_WRITERS": "2", "DMX_DRAIN_LINGER_US": "0",
                                        "DMX_DRAIN_WINDOW_MB": "16"}
