@@ -120,11 +120,9 @@ def _target(result: Json, row: Json) -> str:
     """A summary row's target and verdict, judged against today's targets from the
     result's units (:func:`harness.serving.verdict`); a result without units keeps the
     verdict it was written with (before targets were stated: -)."""
-    from harness.serving import cell, verdict
+    from harness.serving import units_of, verdict
 
-    units = [u for u in result.get("units") or []
-             if cell(u["settings"]["mode"], u["settings"].get("env")) == row["mode"]
-             and u.get("status") != "skipped"]
+    units = units_of(result.get("units") or [], row["mode"])
     judged = verdict(row["mode"], {"ratio": row.get("ratio"),
                                    "bound_share": row.get("bound_share", row.get("of_bound"))},
                      units) if units else row

@@ -166,8 +166,8 @@ def setting_pairs(items: Sequence[str], where: str) -> dict[str, str]:
         parsed = Settings.from_env(settings)
     except ConfigurationError as exc:
         raise ValueError(f"{where}: {exc}") from exc
-    shown = parsed.to_env(include_secrets=False)
-    if hidden := sorted(k for k in settings if k in parsed.to_env() and k not in shown):
+    written, shown = parsed.to_env(), parsed.to_env(include_secrets=False)
+    if hidden := sorted(k for k in settings if k in written and k not in shown):
         raise ValueError(f"{where}: {hidden[0]} is a secret, which results would name: "
                          "not accepted here")
     return {k: shown.get(k, v) for k, v in settings.items()}
@@ -296,6 +296,12 @@ def cell(mode: str, env: Json | None) -> str:
     return f"{mode} [{extra}]" if extra else mode
 
 
+def units_of(units: Sequence[Json], name: str) -> list[Json]:
+    """The units of the cell ``name`` (:func:`cell`) that ran (not skipped)."""
+    return [u for u in units if cell(u["settings"]["mode"], u["settings"].get("env")) == name
+            and u.get("status") != "skipped"]
+
+
 def summarize(units: Sequence[Json]) -> list[Json]:
     """One row per cell (mode and its settings) over its units: the median ratio to stock,
     the spread of those ratios and of every stock run around them, the bound, the
@@ -303,8 +309,7 @@ def summarize(units: Sequence[Json]) -> list[Json]:
     rows = []
     for key in dict.fromkeys(cell(u["settings"]["mode"], u["settings"].get("env"))
                              for u in units):
-        mine = [u for u in units if cell(u["settings"]["mode"], u["settings"].get("env")) == key
-                and u["status"] != "skipped"]
+        mine = units_of(units, key)
         ratios = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
             "ratios", [])]
         stock = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(

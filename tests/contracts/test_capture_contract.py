@@ -158,31 +158,26 @@ def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
         assert open_store(url).handle(spec.run.run_id, "r1").available
 
 
-def test_the_pipeline_factory_sizes_the_decode_window_from_the_setting() -> None:
-    def device_bytes(window_mb: str) -> int:
-        settings = _settings(dmx_db_url="none", dmx_drain_window_mb=window_mb)
-        opened = PipelineFactory().open(_spec(settings))
-        try:
-            return opened.device_bytes
-        finally:
-            opened.session.stop()
+def _device_bytes(**setting: str) -> int:
+    """Device bytes of a capture the pipeline factory opens with ``setting`` (no store)."""
+    opened = PipelineFactory().open(_spec(_settings(dmx_db_url="none", **setting)))
+    try:
+        return opened.device_bytes
+    finally:
+        opened.session.stop()
 
+
+def test_the_pipeline_factory_sizes_the_decode_window_from_the_setting() -> None:
     # the window and its gather buffer, each as large as the setting
-    assert device_bytes("48") - device_bytes("16") == 2 * (32 << 20)
+    assert _device_bytes(dmx_drain_window_mb="48") - _device_bytes(dmx_drain_window_mb="16") \
+        == 2 * (32 << 20)
 
 
 def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> None:
-    def device_bytes(slots_mb: str) -> int:
-        settings = _settings(dmx_db_url="none", dmx_arena_slots_mb=slots_mb)
-        opened = PipelineFactory().open(_spec(settings))
-        try:
-            return opened.device_bytes
-        finally:
-            opened.session.stop()
-
     one = arena_bytes(_spec(_settings()).selection, SHAPE, max_graph_batch=4)
     # 0 MiB: one slot; 1 MiB: 16 slots (the most), a spare and a landing slot
-    assert device_bytes("1") - device_bytes("0") == (16 + 2 - 1) * one
+    assert _device_bytes(dmx_arena_slots_mb="1") - _device_bytes(dmx_arena_slots_mb="0") \
+        == (16 + 2 - 1) * one
 
 
 def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
