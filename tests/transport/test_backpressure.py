@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -61,31 +62,49 @@ def test_padded_step_that_does_not_fit_runs_eager(make_driver):
 class GateSink(MemorySink):
     """Blocks every put until the gate opens (a stuck store)."""
 
-    def __init__(self, open_after_s: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
-        threading.Timer(open_after_s, self.gate.set).start()
+        self.blocked = threading.Event()
 
     def put(self, records):
+        self.blocked.set()
         self.gate.wait()
         super().put(records)
 
 
+def _open_once_full(d, sink: GateSink, step_bytes: int, hold_s: float) -> None:
+    """Open the gate ``hold_s`` after the drain is stuck and a step no longer fits."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sink.blocked.is_set() and d.t._alloc.usage().free_bytes < step_bytes:
+            break
+        time.sleep(0.002)
+    time.sleep(hold_s)
+    sink.gate.set()
+
+
 def test_padded_step_waits_for_the_drain_when_it_fits_an_empty_ring(make_driver):
-    sink = GateSink(open_after_s=0.2)
+    # The drain frees a step's ring space before its put; stuck in a put it frees nothing
+    # more, so the third step has to wait until the store moves (timed from that moment,
+    # not from set-up, however slow the machine).
+    sink = GateSink()
     d, _ = make_driver("resid_pre", payload_bytes=1024, max_graph_batch=8,
                        max_prefill_tokens=16, coalesce_decode=False, sink=sink)
     d.graph_capture(8)
+    opener = threading.Thread(target=_open_once_full, args=(d, sink, 3 * 128, 0.2), daemon=True)
+    opener.start()
     rids = [f"r{i}" for i in range(8)]
     decisions = []
     for n in range(5):  # 3 x 128 bytes each: at most two steps in the ring
         layout = BatchLayout.decode(rids, [5 + n] * 8, padded_batch_size=8)
         decisions.append(d.forward(layout, padded=True))
     stats = d.t.stop()
+    opener.join()
     d.verify(sink.records)
     assert Decision.WAIT_FOR_DRAIN in decisions
     assert stats.stalls >= 1
-    assert stats.stall_seconds > 0.05
+    assert stats.stall_seconds > 0.1  # the producer waited out most of the hold
     assert stats.forced_eager == 0
 
 
