@@ -229,6 +229,10 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
      "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
     ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
+    ("micro_copies", ["--pieces-mb", "8,-1"],
+     "argument --pieces-mb: '8,-1': expected integers >= 0 separated by commas"),
+    ("micro_copies", ["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "8"],
+     "--pieces-mb 8: at most --bulk-mb 4"),
 ])
 def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -299,3 +303,33 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     assert options.arena_slots_bytes == 0
     assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0",
                             "DMX_ARENA_SLOTS_MB": "0"}
+
+
+def test_copy_pieces_cover_the_round_once() -> None:
+    from harness.micro_copies import pieces, variants
+
+    assert pieces(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert pieces(10, 0) == [(0, 10)]
+    assert pieces(8, 8) == [(0, 8)]
+    # a whole copy is one piece: only without an in-flight limit; no pair twice
+    assert variants([0, 8, 8, 2], [0, 2]) == [(0, 0), (8, 0), (8, 2), (2, 0), (2, 2)]
+
+
+@pytest.mark.torch
+def test_copies_on_cpu(tmp_path: Path) -> None:
+    _needs_torch()
+    from harness.micro_copies import main
+
+    out = tmp_path / "copies.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--device", "cpu", "--bulk-mb", "8", "--pieces-mb", "0,2",
+                     "--in-flight", "0,1", "--probes", "5", "--period-ms", "1", "--out", str(out)])
+    assert code == 0
+    data = _result(out, "copies")
+    rows = data["figures"]["rows"]
+    assert [r["variant"] for r in rows] == [
+        "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight"]
+    assert all(r["probes"] == 5 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
+    assert all(r["bulk_rounds"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
+    assert "2 MiB pieces, 1 in flight" in printed.getvalue()

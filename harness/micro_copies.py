@@ -1,0 +1,220 @@
+"""``python -m harness copies``: how long a small device-to-host copy waits behind large ones.
+
+SGLang's scheduler brings each step's sampled tokens to the host and waits for them. The
+capture's drain moves hundreds of MB a decode window with device-to-host copies on its
+own stream (one copy of the whole window's rows a flush). Where the copy engine runs
+copies in the order they were queued, across streams, a step's small copy waits for the
+large copy queued before it, and the step with it.
+
+This measures that wait. A "drain" thread copies ``--bulk-mb`` of device memory into
+page-locked host memory again and again on a stream of its own, cut into pieces of at
+most P MiB (``--pieces-mb``; 0: one copy), with at most F pieces queued ahead of the copy
+engine (``--in-flight``; 0: no limit; the thread waits for the oldest piece before it
+queues one more) and waiting for the last piece of each round, as the drain waits for
+its fence. Meanwhile the main thread (the "scheduler") queues every ``--period-ms`` a
+copy of 64 int64 on another stream and waits for it. Per variant, first without the
+drain: the small copy's latency (median, p99, max, µs) and the drain's copy rate (GB/s).
+A copy engine that lets the small copy through between another stream's pieces shows
+latencies near the idle row's once pieces are small; one that does not shows them only
+with few pieces in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from harness.micro_transport import BackgroundThread
+from harness.results import Json, run_benchmark
+
+__all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "variants"]
+
+PROBE_ELEMENTS = 64
+"""The small copy: a decode batch's sampled token ids (64 int64)."""
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        msg = f"{text!r}: expected integers >= 0 separated by commas, e.g. 0,64,8"
+        raise argparse.ArgumentTypeError(msg)
+    return values
+
+
+def variants(pieces_mb: Sequence[int], in_flight: Sequence[int]) -> list[tuple[int, int]]:
+    """The (piece MiB, pieces in flight) pairs measured, in order: each piece size with
+    each in-flight limit; a whole copy (piece 0) is one piece, so only with no limit."""
+    out: list[tuple[int, int]] = []
+    for piece in pieces_mb:
+        for flight in in_flight if piece else (0,):
+            if (piece, flight) not in out:
+                out.append((piece, flight))
+    return out
+
+
+def pieces(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` byte ranges covering ``nbytes`` in pieces of at most ``piece_bytes``
+    (0: one piece)."""
+    step = piece_bytes or nbytes
+    return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
+
+
+def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
+
+
+def _wait(event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+class BulkCopier(BackgroundThread):
+    """The drain's stand-in: rounds of ``src`` -> ``dst`` in pieces on its own stream
+    (see the module docstring); :attr:`copied` bytes in :attr:`seconds`."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, piece_bytes: int,
+                 in_flight: int) -> None:
+        super().__init__("bulk-copier", 0.0)
+        self._src, self._dst = src, dst
+        self._ranges = pieces(src.numel(), piece_bytes)
+        self._in_flight = in_flight
+        self.copied = 0
+        self.seconds = 0.0
+        self.rounds = 0
+
+    def _run(self) -> None:
+        stream = torch.cuda.Stream(self._src.device) if self._src.is_cuda else None  # type: ignore[no-untyped-call]
+        queued: collections.deque[torch.cuda.Event | None] = collections.deque()
+        started = time.perf_counter()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while not self._stop.is_set():
+                for lo, hi in self._ranges:
+                    if self._in_flight and len(queued) >= self._in_flight:
+                        _wait(queued.popleft())
+                    self._dst[lo:hi].copy_(self._src[lo:hi], non_blocking=stream is not None)
+                    if self._in_flight:
+                        queued.append(_event(stream))
+                _wait(_event(stream))  # the round's end: the drain's fence
+                queued.clear()
+                self.rounds += 1
+                self.copied += self._src.numel()
+                self.seconds = time.perf_counter() - started
+
+
+def small_copy_latencies(device: torch.device, probes: int, period_s: float) -> list[float]:
+    """Seconds from queueing a copy of :data:`PROBE_ELEMENTS` int64 to the host (on a
+    stream of its own) until it is waited for, ``probes`` times, one every ``period_s``."""
+    src = torch.arange(PROBE_ELEMENTS, dtype=torch.int64, device=device)
+    dst = torch.empty(PROBE_ELEMENTS, dtype=torch.int64, pin_memory=device.type == "cuda")
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+    out: list[float] = []
+    due = time.perf_counter()
+    for _ in range(probes):
+        due += period_s
+        time.sleep(max(0.0, due - time.perf_counter()))
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            dst.copy_(src, non_blocking=stream is not None)
+            event = _event(stream)
+        _wait(event)
+        out.append(time.perf_counter() - t0)
+        if int(dst[-1]) != PROBE_ELEMENTS - 1:
+            msg = f"the small copy delivered {int(dst[-1])}, expected {PROBE_ELEMENTS - 1}"
+            raise RuntimeError(msg)
+        dst.zero_()
+    return out
+
+
+def _percentiles_us(seconds: list[float]) -> Json:
+    s = sorted(seconds)
+    return {"p50_us": s[len(s) // 2] * 1e6,
+            "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+            "max_us": s[-1] * 1e6, "probes": len(s)}
+
+
+def run(args: argparse.Namespace, data: Json) -> None:
+    """Measure the idle row and every variant; fill ``data``'s figures and checks."""
+    dev = torch.device(args.device)
+    nbytes = args.bulk_mb << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    rows: list[Json] = []
+    small_copy_latencies(dev, 10, args.period_ms / 1e3)  # warm-up
+    rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "bulk_gbps": None,
+                 **_percentiles_us(small_copy_latencies(dev, args.probes, args.period_ms / 1e3))})
+    intact = True
+    for piece_mb, flight in variants(args.pieces_mb, args.in_flight):
+        with BulkCopier(src, dst, piece_mb << 20, flight) as bulk:
+            while bulk.rounds < 1:  # the copies are flowing before the first probe
+                time.sleep(0.001)
+            lat = small_copy_latencies(dev, args.probes, args.period_ms / 1e3)
+        intact = intact and bool(torch.equal(dst, src.cpu()))
+        rows.append({"variant": f"{piece_mb or args.bulk_mb} MiB pieces"
+                                + (f", {flight} in flight" if flight else ""),
+                     "piece_mb": piece_mb or args.bulk_mb, "in_flight": flight or None,
+                     "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
+                     "bulk_rounds": bulk.rounds, **_percentiles_us(lat)})
+    data["figures"] = {"rows": rows}
+    data["checks"] = {
+        "bulk_copies_intact": {"ok": intact, "required": True,
+                               "what": "the host copy equals the device bytes after each variant"},
+        "every_variant_measured": {"ok": all(r["probes"] == args.probes for r in rows),
+                                   "required": True},
+    }
+    print(render(rows))
+
+
+def render(rows: list[Json]) -> str:
+    """The table printed (and shown in docs)."""
+    head = (f"{'drain copies':34} {'small copy p50 µs':>18} {'p99 µs':>10} {'max µs':>10} "
+            f"{'drain GB/s':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        gbps = f"{r['bulk_gbps']:.1f}" if r["bulk_gbps"] else "-"
+        lines.append(f"{r['variant']:34} {r['p50_us']:18,.0f} {r['p99_us']:10,.0f} "
+                     f"{r['max_us']:10,.0f} {gbps:>11}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every check passed."""
+    p = argparse.ArgumentParser(prog="python -m harness copies", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--bulk-mb", type=int, default=512, help="bytes of one drain round, MiB")
+    p.add_argument("--pieces-mb", type=_positive_ints, default="0,128,32,8,2",
+                   help="piece sizes, MiB (0: the round in one copy)")
+    p.add_argument("--in-flight", type=_positive_ints, default="0,2",
+                   help="pieces queued ahead of the copy engine (0: no limit)")
+    p.add_argument("--probes", type=int, default=400, help="small copies per variant")
+    p.add_argument("--period-ms", type=float, default=2.7,
+                   help="between two small copies (a stock decode step at batch 64)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default $OUT/copies.json, else ./copies.json)")
+    args = p.parse_args(argv)
+    if args.bulk_mb <= 0 or args.probes <= 0 or args.period_ms <= 0:
+        p.error(f"--bulk-mb {args.bulk_mb}, --probes {args.probes} and --period-ms "
+                f"{args.period_ms} must be positive")
+    if max(args.pieces_mb) > args.bulk_mb:
+        p.error(f"--pieces-mb {max(args.pieces_mb)}: at most --bulk-mb {args.bulk_mb}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
+        return 2
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    settings = {**vars(args), "out": str(args.out), "device_name": device,
+                "torch": torch.__version__, "python": sys.version.split()[0]}
+    return run_benchmark("copies", settings, lambda data: run(args, data), args.out)
