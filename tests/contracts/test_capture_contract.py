@@ -180,6 +180,17 @@ def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> N
         == (16 + 2 - 1) * one
 
 
+def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain() -> None:
+    opened = PipelineFactory().open(_spec(_settings(
+        dmx_db_url="none", dmx_drain_copy_piece_mb="3", dmx_drain_copy_ahead="5")))
+    try:
+        ops = opened.session.transport._ops  # type: ignore[attr-defined]
+        assert (ops._piece_bytes, ops._ahead) == (3 << 20, 0)  # no limit to keep on CPU
+        assert opened.session.transport.options.copies_ahead == 5  # type: ignore[attr-defined]
+    finally:
+        opened.session.stop()
+
+
 def test_a_factory_whose_transport_cannot_be_made_closes_the_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

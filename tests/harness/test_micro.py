@@ -295,14 +295,16 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     monkeypatch.setenv("DMX_DRAIN_WINDOW_MB", "32")
     monkeypatch.setenv("DMX_DRAIN_LINGER_US", "0")
     monkeypatch.setenv("DMX_ARENA_SLOTS_MB", "0")
+    monkeypatch.setenv("DMX_DRAIN_COPY_PIECE_MB", "8")
     monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.5")  # not the drain's: not recorded
     options = engine_options(8)
     assert options.coalesce_max_bytes == 32 << 20
     assert options.linger_s == 0.0
     assert options.max_prefill_tokens == 8
     assert options.arena_slots_bytes == 0
+    assert options.copy_piece_bytes == 8 << 20
     assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0",
-                            "DMX_ARENA_SLOTS_MB": "0"}
+                            "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8"}
 
 
 def test_copy_pieces_cover_the_round_once() -> None:

@@ -276,6 +276,8 @@ class PipelineFactory:
                 gil_slice_us=settings.drain_gil_slice_us,
                 window_mb=settings.drain_window_mb,
                 arena_slots_mb=settings.arena_slots_mb,
+                copy_piece_mb=settings.drain_copy_piece_mb,
+                copy_ahead=settings.drain_copy_ahead,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

@@ -354,6 +354,8 @@ _VARS: dict[str, _Var] = {
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
     "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
                            _conv(*_bounded(0, 16_384))),
+    "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", 0, _conv(*_bounded(0, 16_384))),
+    "DRAIN_COPY_AHEAD": _Var("drain_copy_ahead", 0, _conv(*_bounded(0, 1_024))),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
     "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
@@ -402,6 +404,8 @@ class Settings:
     drain_gil_slice_us: int = 200
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
+    drain_copy_piece_mb: int = 0
+    drain_copy_ahead: int = 0
     plan_tok_s: int | None = None
     request_sample: float = 1.0
     store_max_gb: int = 0

@@ -15,7 +15,7 @@ import ctypes
 import ctypes.util
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -77,6 +77,11 @@ class DeviceOps:
         capture_probe: returns True while a CUDA graph is being captured on the current
             stream; defaults to ``torch.cuda.is_current_stream_capturing`` on CUDA and to
             "never" on CPU (tests pass their own to simulate a graph capture).
+        copy_piece_bytes: the largest single device-to-host copy :meth:`to_host` queues
+            (a larger one goes in pieces); 0: every copy whole.
+        copies_ahead: the most device-to-host pieces queued on the drain's stream and
+            not yet done: before queueing one more, :meth:`to_host` waits for the oldest
+            (CUDA only); 0: no limit.
     """
 
     defer_on_cpu = False
@@ -84,8 +89,13 @@ class DeviceOps:
     have it done only then at the earliest (set by the tests; read at construction)."""
 
     def __init__(
-        self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None
+        self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None,
+        *, copy_piece_bytes: int = 0, copies_ahead: int = 0,
     ) -> None:
+        if copy_piece_bytes < 0 or copies_ahead < 0:
+            msg = (f"copy_piece_bytes {copy_piece_bytes} and copies_ahead {copies_ahead}: "
+                   "expected >= 0 (0: no limit)")
+            raise ValueError(msg)
         dev = torch.device(device)
         self.is_cuda = dev.type == "cuda"
         if self.is_cuda and dev.index is None:
@@ -107,6 +117,13 @@ class DeviceOps:
         """Work items queued on the drain stream so far (CPU: run or deferred)."""
         self._fenced = 0
         """``_queued`` at the last fence."""
+        self._piece_bytes = copy_piece_bytes
+        self._ahead = copies_ahead if self.is_cuda else 0
+        self._ahead_events: collections.deque[torch.cuda.Event] = collections.deque()
+        self.copy_pieces = 0
+        """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
+        self.ahead_wait_seconds = 0.0
+        """Seconds :meth:`to_host` waited for a piece so as to queue the next."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -141,10 +158,34 @@ class DeviceOps:
         """
         def copy() -> None:
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=self.is_cuda)
+                self.to_host(dst, src)
         t0 = time.perf_counter()
         self.on_drain_stream(markers, copy)
         return time.perf_counter() - t0
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst`` (host, same shape) on the current stream, the
+        drain's inside :meth:`on_drain_stream`'s work: in pieces of at most
+        ``copy_piece_bytes`` (split along the first dimensions, whole rows where a row
+        fits), with at most ``copies_ahead`` of them queued and not yet done. A copy
+        engine runs the device-to-host copies of every stream one after another, so a
+        small copy SGLang's scheduler waits for (a step's sampled tokens) can wait for a
+        large one of the drain queued before it; bounded pieces bound that wait."""
+        for d, s in _pieces(dst, src, self._piece_bytes):
+            if self._ahead:
+                queued = self._ahead_events
+                if len(queued) >= self._ahead:
+                    t0 = time.perf_counter()
+                    event = queued.popleft()
+                    event.synchronize()
+                    self.ahead_wait_seconds += time.perf_counter() - t0
+                else:
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            d.copy_(s, non_blocking=self.is_cuda)
+            self.copy_pieces += 1
+            if self._ahead:
+                event.record()
+                queued.append(event)
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work
@@ -208,6 +249,26 @@ class DeviceOps:
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""
         return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor,
+            piece_bytes: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)`` views covering the pair once, each of at most ``piece_bytes``
+    (0: the pair whole; so is a pair of different shapes, which ``copy_`` broadcasts):
+    runs of whole rows of the first dimension, a row larger than a piece split along the
+    next."""
+    nbytes = dst.numel() * dst.element_size()
+    if not piece_bytes or nbytes <= piece_bytes or dst.dim() == 0 or dst.shape != src.shape:
+        yield dst, src
+        return
+    rows = dst.shape[0]
+    per_piece = piece_bytes // (nbytes // rows)
+    if per_piece == 0:
+        for i in range(rows):
+            yield from _pieces(dst[i], src[i], piece_bytes)
+        return
+    for lo in range(0, rows, per_piece):
+        yield dst[lo : lo + per_piece], src[lo : lo + per_piece]
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3

@@ -33,6 +33,8 @@ def create_transport(
     gil_slice_us: int = 200,
     window_mb: int = 512,
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
+    copy_piece_mb: int = 0,
+    copy_ahead: int = 0,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -51,6 +53,8 @@ def create_transport(
         gil_slice_us: ``DMX_DRAIN_GIL_SLICE_US``.
         window_mb: ``DMX_DRAIN_WINDOW_MB``.
         arena_slots_mb: ``DMX_ARENA_SLOTS_MB``.
+        copy_piece_mb: ``DMX_DRAIN_COPY_PIECE_MB``.
+        copy_ahead: ``DMX_DRAIN_COPY_AHEAD``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -72,5 +76,7 @@ def create_transport(
             gil_slice_us=gil_slice_us,
             window_mb=window_mb,
             arena_slots_mb=arena_slots_mb,
+            copy_piece_mb=copy_piece_mb,
+            copy_ahead=copy_ahead,
         ),
     )

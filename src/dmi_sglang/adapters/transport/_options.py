@@ -56,6 +56,13 @@ class TransportOptions:
             Python between two hand-overs of the GIL (``time.sleep(0)``), so a window
             flush does not hold the scheduler thread for milliseconds (see ``_gil``).
             0: the drain gives the GIL away only when it waits.
+        copy_piece_bytes: ``DMX_DRAIN_COPY_PIECE_MB`` x 2**20: the largest single
+            device-to-host copy the drain queues (a window flush, a staging span, a
+            direct item's rows); larger ones go in pieces
+            (:meth:`~dmi_sglang.adapters.transport._device.DeviceOps.to_host`). 0: whole.
+        copies_ahead: ``DMX_DRAIN_COPY_AHEAD``: the most of the drain's device-to-host
+            pieces queued and not yet done (the drain waits for the oldest before it
+            queues one more). 0: no limit.
     """
 
     strip: bool = True
@@ -71,6 +78,8 @@ class TransportOptions:
     gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
     arena_slots_bytes: int = attrs.field(default=ARENA_SLOTS_BUDGET,
                                          validator=attrs.validators.ge(0))
+    copy_piece_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    copies_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     @classmethod
     def from_settings(
@@ -84,10 +93,13 @@ class TransportOptions:
         gil_slice_us: int = 200,
         window_mb: int = 512,
         arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
+        copy_piece_mb: int = 0,
+        copy_ahead: int = 0,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
-        ``DMX_ARENA_SLOTS_MB`` values."""
+        ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD``
+        values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -97,4 +109,6 @@ class TransportOptions:
             gil_slice_s=max(gil_slice_us, 0) / 1e6,
             coalesce_max_bytes=window_mb * MIB,
             arena_slots_bytes=arena_slots_mb * MIB,
+            copy_piece_bytes=copy_piece_mb * MIB,
+            copies_ahead=copy_ahead,
         )

@@ -187,7 +187,8 @@ class TorchCaptureTransport:
         self.options = opts
         self.capacity = capacity
         self.run_id = run_id
-        ops = DeviceOps(device, capture_probe)
+        ops = DeviceOps(device, capture_probe, copy_piece_bytes=opts.copy_piece_bytes,
+                        copies_ahead=opts.copies_ahead)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
             opts.arena_slots_bytes))
@@ -507,8 +508,11 @@ class TorchCaptureTransport:
         early), the times the drain gave the GIL away between pieces of its work and
         the seconds that took, the decode graph steps it moved out of arena slots, in how
         many wake-ups, and the seconds it took to queue their copies to the ring (the
-        window's copies from slots not included), and the decode graph steps whose slot
-        still waited for the drain (their seal copied them out from the spare)."""
+        window's copies from slots not included), the decode graph steps whose slot
+        still waited for the drain (their seal copied them out from the spare), the
+        device-to-host copies queued (each piece of a copy cut by ``copy_piece_bytes``
+        counts) and the seconds the drain waited to keep at most ``copies_ahead`` of them
+        queued."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -528,6 +532,8 @@ class TorchCaptureTransport:
             "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
             "slot_items": d.slot_items, "slot_rounds": d.slot_rounds,
             "slot_seconds": d.slot_seconds, "slots_missed": self._slots_missed,
+            "d2h_pieces": self._ops.copy_pieces,
+            "d2h_ahead_wait_seconds": self._ops.ahead_wait_seconds,
         }
 
     # -- internals -------------------------------------------------------------------------

@@ -547,12 +547,11 @@ class DecodeWindow:
                     if len(rows):
                         dst = gather[e][at_byte // e : at_byte // e + len(rows) * w]
                         torch.index_select(flat, 0, rows, out=dst.view(len(rows), w))
-            overlap = self._ops.is_cuda  # the copies return at once; a fence waits
+            # the copies return at once (CUDA); a fence waits for them
             if chunk is not None:
-                chunk.tensor.copy_(self._gather_buf[:kept_total], non_blocking=overlap)
+                self._ops.to_host(chunk.tensor, self._gather_buf[:kept_total])
             if held_chunk is not None:
-                held_chunk.tensor.copy_(self._gather_buf[kept_total:total],
-                                        non_blocking=overlap)
+                self._ops.to_host(held_chunk.tensor, self._gather_buf[kept_total:total])
 
         self._ops.on_drain_stream([], work)
         self.gathered_bytes += total

@@ -1,0 +1,77 @@
+"""The drain's device-to-host copies in bounded pieces (``DMX_DRAIN_COPY_PIECE_MB``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmi_sglang.adapters.transport._device import DeviceOps, _pieces
+from dmi_sglang.domain.layout import BatchLayout
+
+
+def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.int64).to(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "piece", "expected"), [
+    ((10, 3), torch.int16, 13, 5),   # 6-byte rows: two a piece
+    ((2, 8), torch.int32, 10, 8),    # 32-byte rows larger than a piece: 2 elements a piece
+    ((100,), torch.uint8, 0, 1),     # 0: whole
+    ((100,), torch.uint8, 100, 1),   # fits
+    ((100,), torch.uint8, 99, 2),
+])
+def test_a_copy_goes_in_pieces_of_at_most_the_setting(shape, dtype, piece, expected) -> None:
+    ops = DeviceOps("cpu", copy_piece_bytes=piece)
+    src = _filled(shape, dtype)
+    dst = torch.zeros_like(src)
+    ops.to_host(dst, src)
+    assert torch.equal(dst, src)
+    assert ops.copy_pieces == expected
+
+
+def test_a_broadcasting_copy_goes_whole() -> None:
+    ops = DeviceOps("cpu", copy_piece_bytes=4)
+    dst = torch.zeros(8, 16, dtype=torch.uint8)
+    ops.to_host(dst, torch.arange(16, dtype=torch.uint8))
+    assert ops.copy_pieces == 1
+    assert torch.equal(dst[7], torch.arange(16, dtype=torch.uint8))
+
+
+def test_negative_limits_are_refused() -> None:
+    with pytest.raises(ValueError, match="copy_piece_bytes -1 and copies_ahead 0: expected >= 0"):
+        DeviceOps("cpu", copy_piece_bytes=-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+       itemsize=st.sampled_from([1, 2, 4, 8]), piece=st.integers(0, 300))
+def test_pieces_cover_the_copy_once_and_stay_within_the_limit(shape, itemsize, piece) -> None:
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    src = _filled(tuple(shape), dtype)
+    src[src == 0] = 1  # no zero byte copied: a zero in dst is one not yet covered
+    dst = torch.zeros_like(src)
+    parts = list(_pieces(dst, src, piece))
+    for d, s in parts:
+        assert d.shape == s.shape
+        assert d.numel() * itemsize <= max(piece, itemsize) or not piece
+        assert not bool(d.ne(0).any())  # no byte is covered twice
+        d.copy_(s)
+    assert torch.equal(dst, src)  # every byte covered
+    assert sum(d.numel() for d, _ in parts) == src.numel()
+
+
+def test_every_captured_byte_arrives_through_pieces(make_driver) -> None:
+    # staging spans, direct items and window flushes all go in pieces of 64 bytes
+    counts = []
+    for piece in (0, 64):
+        d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
+                              max_prefill_tokens=16)
+        d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
+        for n in range(6):
+            d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
+        d.t.stop()
+        d.verify(sink.records)
+        counts.append(d.t.drain_counters()["d2h_pieces"])
+    assert 0 < counts[0] < counts[1]
