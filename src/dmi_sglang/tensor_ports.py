@@ -34,7 +34,9 @@ class Capturer(Protocol):
         ...
 
     def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
-        """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``."""
+        """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``: its values as of
+        the call. The model may overwrite it in place once the call returns, so the
+        capturer copies it first (a copy queued on the current stream suffices)."""
         ...
 
 

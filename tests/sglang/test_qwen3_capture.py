@@ -116,6 +116,50 @@ def test_every_capture_matches_the_transformers_forward(
     assert recorder.get("final_logits", -1).abs().sum() > 0
 
 
+@pytest.mark.usefixtures("fake_attention")
+def test_q_and_k_are_taken_before_an_in_place_rope_rotates_them(
+    build_qwen3: Callable[..., Any], extend_batch: Callable[..., Any], demo_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA, RoPE rotates q and k in place (``forward_cuda``) right after their capture
+    points hand them over, uncloned; here the rotary embedding's own method (the one its
+    ``forward`` dispatches to) is made to do so too: its results written into its inputs."""
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519.qwen3 import (
+        install_capture_points,
+        remove_capture_points,
+    )
+
+    model = build_qwen3(torch.float32)
+    keys = {("q", 1), ("k", 1)}
+    recorder = Recorder(keys)
+    install_capture_points(model, recorder)
+    rope = model.model.layers[0].self_attn.rotary_emb  # shared, tapped once per process
+    rotate = rope._forward_method or rope.dispatch_forward()
+    rotated = []
+
+    def in_place(positions: Any, query: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        q, k = rotate(positions, query, key, *args, **kwargs)
+        query.copy_(q.view_as(query))
+        key.copy_(k.view_as(key))
+        rotated.append(True)
+        return query, key
+
+    monkeypatch.setattr(rope, "_forward_method", in_place)
+    try:
+        fb = extend_batch(PROMPTS)
+        model(fb.input_ids, fb.positions, fb)
+    finally:
+        remove_capture_points(model)
+    assert rotated  # the forward went through the in-place rotation
+    ref = _hf_reference(demo_checkpoint, PROMPTS)
+    for hook, layer in keys:
+        expected = ref[hook, layer]
+        torch.testing.assert_close(recorder.get(hook, layer).reshape(expected.shape), expected,
+                                   rtol=2e-4, atol=2e-4, msg=f"{hook}@{layer}")
+
+
 def test_firing_order_is_the_domain_plan_order(
     full_capture: tuple[Recorder, list[str], Any], demo_checkpoint: Path
 ) -> None:

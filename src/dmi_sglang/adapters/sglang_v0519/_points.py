@@ -161,12 +161,13 @@ def tap_rope(rope: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if _armed:
             tap = _armed[-1]
-            # Cloned now: RoPE rotates q and k in place on CUDA.
+            # RoPE rotates q and k in place on CUDA, after these calls: the capturer's
+            # copy (queued before it returns, on the same stream) precedes the rotation.
             if tap.want_q:
-                q = heads(arg(args, kwargs, 1, "query"), tap.heads, tap.head_dim, clone=True)
+                q = heads(arg(args, kwargs, 1, "query"), tap.heads, tap.head_dim)
                 emit(tap.capturer, "q", tap.layer, q)
             if tap.want_k:
-                k = heads(arg(args, kwargs, 2, "key"), tap.kv_heads, tap.head_dim, clone=True)
+                k = heads(arg(args, kwargs, 2, "key"), tap.kv_heads, tap.head_dim)
                 emit(tap.capturer, "k", tap.layer, k)
         return original(*args, **kwargs)
 
@@ -174,10 +175,9 @@ def tap_rope(rope: nn.Module) -> None:
     object.__setattr__(rope, _ROPE_TAPPED, True)
 
 
-def heads(t: torch.Tensor, n: int, head_dim: int, *, clone: bool) -> torch.Tensor:
+def heads(t: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
     """``[T, n*head_dim]`` (possibly a strided view of qkv) as ``[T, n, head_dim]``."""
-    rows = t.reshape(t.shape[0], n, head_dim)
-    return rows.clone(memory_format=torch.contiguous_format) if clone else rows
+    return t.reshape(t.shape[0], n, head_dim)
 
 
 def radix(c: Capturer, layer: int, *, kv: tuple[int, int] | None, z: bool) -> Make:
@@ -188,7 +188,7 @@ def radix(c: Capturer, layer: int, *, kv: tuple[int, int] | None, z: bool) -> Ma
             if kv is not None:
                 v = arg(args, kwargs, 2, "v")
                 if v is not None:
-                    emit(c, "v", layer, heads(v, kv[0], kv[1], clone=False))
+                    emit(c, "v", layer, heads(v, kv[0], kv[1]))
             out = original(*args, **kwargs)
             if z:
                 attn = out[0] if isinstance(out, tuple) else out
@@ -218,15 +218,16 @@ def mlp(c: Capturer, layer: int, *, want_in: bool, want_out: bool) -> Make:
 
 
 def logits(c: Capturer) -> Make:
-    """The logits processor: ``next_token_logits`` of its output, cloned."""
+    """The logits processor: ``next_token_logits`` of its output."""
 
     def make(original: Forward) -> Forward:
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             rows = getattr(out, "next_token_logits", None)
             if rows is not None:
-                # Clone: the sampler divides and soft-maxes these logits in place.
-                emit(c, "final_logits", GLOBAL_LAYER, rows.clone())
+                # The sampler divides and soft-maxes these logits in place later: the
+                # capturer's copy, queued before emit returns, comes first.
+                emit(c, "final_logits", GLOBAL_LAYER, rows)
             return out
 
         return forward

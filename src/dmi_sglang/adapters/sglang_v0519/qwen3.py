@@ -10,9 +10,10 @@ replay only that recorded work runs. docs/hooked-qwen3.md explains every wrap po
 Contract with the capturer: a tensor handed to ``capture`` is valid only during the call.
 SGLang's fused kernels overwrite several of them in place shortly after (the embedding is
 the residual that layer 1's fused add+RMSNorm overwrites; o_proj's and the MLP's outputs
-are overwritten by the next norm), so the capturer copies before returning (a
-stream-ordered copy suffices). q, k and the logits are cloned here because the very call
-the capture precedes (in-place RoPE) or a later one (the sampler) mutates them.
+are overwritten by the next norm; RoPE rotates q and k in place right after their capture;
+the sampler divides and soft-maxes the logits in place), so the capturer copies before
+returning (a stream-ordered copy suffices) and the capture points hand it the model's own
+tensors, never a clone of their own (a clone would be one more device copy per capture).
 Capture points do not fire for tensors without rows (SGLang's IDLE batches).
 """
 
