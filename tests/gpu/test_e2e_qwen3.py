@@ -5,7 +5,7 @@ Run on the H200 machine with the GPU kit::
     python -m pytest tests/gpu/test_e2e_qwen3.py -m gpu -q -s
 
 Stock and monitored engines run in separate processes (``harness.engine``). Checks:
-tokens identical to stock with the same forced settings; captured resid_pre (every
+tokens identical to stock with the same forced settings; captured resid_pre, q, k and v (every
 layer), final_ln and final_logits against a transformers forward (relative error <= 3 %
 per request and layer); exact row coverage for every selected hook, a prompt longer than
 2,000 tokens included (committed piecewise through a 16 MiB ring); unsupported
@@ -182,6 +182,13 @@ def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
 
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.bfloat16)
     hf = hf.cuda().eval()
+    # q and k as RoPE receives them (after q/k-norm; SGLang rotates them in place right
+    # after their capture), v as attention receives it: per layer, from transformers' modules
+    seen: dict[tuple[str, int], Any] = {}
+    taps = [(name, i, module) for i, layer in enumerate(hf.model.layers)
+            for name, module in (("q", layer.self_attn.q_norm), ("k", layer.self_attn.k_norm),
+                                 ("v", layer.self_attn.v_proj))]
+    handles = [module.register_forward_hook(_keep(seen, (name, i))) for name, i, module in taps]
     run_id = runs["monitored"]["run_id"]
     reader = _reader(runs["store"])
     worst: dict[str, float] = {}
@@ -191,18 +198,34 @@ def test_captures_match_transformers(runs: dict[str, Any], checkpoint: Path,
             ids = prompt_ids + out["output_ids"]
             hs = handle.hidden_states
             n = hs[0].shape[0]
+            seen.clear()
             with torch.no_grad():
                 ref = hf(torch.tensor([ids[:n]], device="cuda"), output_hidden_states=True)
             for layer, got in enumerate(hs):
                 _cmp(worst, f"resid_pre.{layer}", got, ref.hidden_states[layer][0])
+            for (name, layer), expected in seen.items():
+                _cmp(worst, f"{name}.{layer}", handle.get(name, layer).reshape(n, -1),
+                     expected.reshape(n, -1))
             final_ln = handle.get("final_ln")
             _cmp(worst, "final_ln", final_ln, ref.hidden_states[-1][0][: final_ln.shape[0]])
             logits = handle.logits
             start = out["prompt_tokens"] - 1
             _cmp(worst, "final_logits", logits,
                  ref.logits[0][start: start + logits.shape[0]].float())
+    for h in handles:
+        h.remove()
     evidence("e2e-parity", {"max_rel_err": worst, "tolerance": REL_TOL})
+    assert {k.split(".")[0] for k in worst} >= {"resid_pre", "q", "k", "v", "final_ln",
+                                                 "final_logits"}, sorted(worst)
     assert max(worst.values()) <= REL_TOL, worst
+
+
+def _keep(seen: dict[tuple[str, int], Any], key: tuple[str, int]) -> Any:
+    """A forward hook keeping a module's output (batch dimension dropped) under ``key``."""
+    def hook(_module: Any, _args: Any, out: Any) -> None:
+        seen[key] = out[0]
+
+    return hook
 
 
 def _prompt_ids(runs: dict[str, Any], checkpoint: Path) -> list[tuple[dict[str, Any],
