@@ -13,7 +13,9 @@ engine (``--in-flight``; 0: no limit; the thread waits for the oldest piece befo
 queues one more) and waiting for the last piece of each round, as the drain waits for
 its fence. Meanwhile the main thread (the "scheduler") queues every ``--period-ms`` a
 copy of 64 int64 on another stream and waits for it. Per variant, first without the
-drain: the small copy's latency (median, p99, max, µs) and the drain's copy rate (GB/s).
+drain: the small copy's latency (median, p99, max, µs) as the measuring thread saw it and
+on the device (CUDA events around it on its stream: from the stream reaching it to its
+end, the thread's waits for the GIL excluded), and the copying thread's rate (GB/s).
 A copy engine that lets the small copy through between another stream's pieces shows
 latencies near the idle row's once pieces are small; one that does not shows them only
 with few pieces in flight.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -69,10 +72,11 @@ def pieces(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
 
 
-def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+def _event(stream: torch.cuda.Stream | None, *, timing: bool = False) -> torch.cuda.Event | None:
     if stream is None:
         return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    # blocking: a wait sleeps (as the drain's fences do) instead of spinning a core
+    event = torch.cuda.Event(blocking=True, enable_timing=timing)  # type: ignore[no-untyped-call]
     event.record(stream)
     return event
 
@@ -84,7 +88,8 @@ def _wait(event: torch.cuda.Event | None) -> None:
 
 class BulkCopier(BackgroundThread):
     """The drain's stand-in: rounds of ``src`` -> ``dst`` in pieces on its own stream
-    (see the module docstring); :attr:`copied` bytes in :attr:`seconds`."""
+    (see the module docstring); :attr:`copied` bytes in :attr:`seconds`. An exception
+    of the thread is kept in :attr:`error` (and raised again when the block exits)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, piece_bytes: int,
                  in_flight: int) -> None:
@@ -95,55 +100,90 @@ class BulkCopier(BackgroundThread):
         self.copied = 0
         self.seconds = 0.0
         self.rounds = 0
+        self.error: BaseException | None = None
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self.error is not None:
+            raise RuntimeError(f"the copying thread failed: {self.error!r}") from self.error
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread copies (not failed, not stopped)."""
+        return self.error is None and self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._copy_rounds()
+        except BaseException as exc:  # kept for the measuring thread, raised at exit
+            self.error = exc
+
+    def _copy_rounds(self) -> None:
         stream = torch.cuda.Stream(self._src.device) if self._src.is_cuda else None  # type: ignore[no-untyped-call]
         queued: collections.deque[torch.cuda.Event | None] = collections.deque()
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not self._stop.is_set():
+                queued_bytes = 0
                 for lo, hi in self._ranges:
                     if self._in_flight and len(queued) >= self._in_flight:
                         _wait(queued.popleft())
                     self._dst[lo:hi].copy_(self._src[lo:hi], non_blocking=stream is not None)
+                    queued_bytes += hi - lo
                     if self._in_flight:
                         queued.append(_event(stream))
                 _wait(_event(stream))  # the round's end: the drain's fence
                 queued.clear()
                 self.rounds += 1
-                self.copied += self._src.numel()
+                self.copied += queued_bytes
                 self.seconds = time.perf_counter() - started
 
 
-def small_copy_latencies(device: torch.device, probes: int, period_s: float) -> list[float]:
-    """Seconds from queueing a copy of :data:`PROBE_ELEMENTS` int64 to the host (on a
-    stream of its own) until it is waited for, ``probes`` times, one every ``period_s``."""
+def small_copy_latencies(device: torch.device, probes: int,
+                         period_s: float) -> tuple[list[float], list[float]]:
+    """``probes`` copies of :data:`PROBE_ELEMENTS` int64 to the host on a stream of their
+    own, one every ``period_s``: for each, the seconds from queueing it until the thread
+    waited for it (the thread's own GIL waits included), and the seconds the device took
+    from reaching it on its stream to finishing it (CUDA events; none on CPU)."""
     src = torch.arange(PROBE_ELEMENTS, dtype=torch.int64, device=device)
     dst = torch.empty(PROBE_ELEMENTS, dtype=torch.int64, pin_memory=device.type == "cuda")
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-    out: list[float] = []
+    if stream is not None:
+        torch.cuda.synchronize(device)  # src is made before the stream reads it
+    host: list[float] = []
+    on_device: list[float] = []
     due = time.perf_counter()
     for _ in range(probes):
         due += period_s
         time.sleep(max(0.0, due - time.perf_counter()))
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            start = _event(stream, timing=True)
             dst.copy_(src, non_blocking=stream is not None)
-            event = _event(stream)
-        _wait(event)
-        out.append(time.perf_counter() - t0)
+            end = _event(stream, timing=True)
+        _wait(end)
+        host.append(time.perf_counter() - t0)
+        if start is not None and end is not None:
+            on_device.append(start.elapsed_time(end) / 1e3)
         if int(dst[-1]) != PROBE_ELEMENTS - 1:
             msg = f"the small copy delivered {int(dst[-1])}, expected {PROBE_ELEMENTS - 1}"
             raise RuntimeError(msg)
         dst.zero_()
-    return out
+    return host, on_device
 
 
-def _percentiles_us(seconds: list[float]) -> Json:
+def _percentiles_us(seconds: list[float], prefix: str = "") -> Json:
+    if not seconds:
+        return {f"{prefix}p50_us": None, f"{prefix}p99_us": None, f"{prefix}max_us": None}
     s = sorted(seconds)
-    return {"p50_us": s[len(s) // 2] * 1e6,
-            "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-            "max_us": s[-1] * 1e6, "probes": len(s)}
+    return {f"{prefix}p50_us": s[len(s) // 2] * 1e6,
+            f"{prefix}p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+            f"{prefix}max_us": s[-1] * 1e6}
+
+
+def _probe_row(host: list[float], on_device: list[float]) -> Json:
+    return {**_percentiles_us(host), **_percentiles_us(on_device, "device_"),
+            "probes": len(host)}
 
 
 def run(args: argparse.Namespace, data: Json) -> None:
@@ -152,26 +192,40 @@ def run(args: argparse.Namespace, data: Json) -> None:
     nbytes = args.bulk_mb << 20
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # src is filled before another stream reads it
+    period = args.period_ms / 1e3
     rows: list[Json] = []
-    small_copy_latencies(dev, 10, args.period_ms / 1e3)  # warm-up
+    small_copy_latencies(dev, 10, period)  # warm-up
     rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "bulk_gbps": None,
-                 **_percentiles_us(small_copy_latencies(dev, args.probes, args.period_ms / 1e3))})
-    intact = True
+                 "bulk_rounds": None, "rounds_while_probing": None,
+                 **_probe_row(*small_copy_latencies(dev, args.probes, period))})
+    intact: list[bool] = []
     for piece_mb, flight in variants(args.pieces_mb, args.in_flight):
+        dst.zero_()  # each variant's own copies must bring every byte
         with BulkCopier(src, dst, piece_mb << 20, flight) as bulk:
-            while bulk.rounds < 1:  # the copies are flowing before the first probe
+            while bulk.rounds < 1 and bulk.alive:  # copies flow before the first probe
                 time.sleep(0.001)
-            lat = small_copy_latencies(dev, args.probes, args.period_ms / 1e3)
-        intact = intact and bool(torch.equal(dst, src.cpu()))
+            before = bulk.rounds
+            lat = small_copy_latencies(dev, args.probes, period)
+            during = bulk.rounds - before if bulk.alive else 0
+        intact.append(bool(torch.equal(dst, src.cpu())))
         rows.append({"variant": f"{piece_mb or args.bulk_mb} MiB pieces"
                                 + (f", {flight} in flight" if flight else ""),
                      "piece_mb": piece_mb or args.bulk_mb, "in_flight": flight or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
-                     "bulk_rounds": bulk.rounds, **_percentiles_us(lat)})
+                     "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
+                     **_probe_row(*lat)})
     data["figures"] = {"rows": rows}
+    copying = [r["rounds_while_probing"] for r in rows[1:]]
     data["checks"] = {
-        "bulk_copies_intact": {"ok": intact, "required": True,
-                               "what": "the host copy equals the device bytes after each variant"},
+        "bulk_copies_intact": {"ok": all(intact), "required": True, "per_variant": intact,
+                               "what": "after each variant, the host buffer (zeroed before it) "
+                                       "equals the device bytes"},
+        "copying_while_probing": {"ok": all(n >= 1 for n in copying), "required": True,
+                                  "rounds": copying,
+                                  "what": "the copying thread finished rounds while the "
+                                          "probes ran, in every variant"},
         "every_variant_measured": {"ok": all(r["probes"] == args.probes for r in rows),
                                    "required": True},
     }
@@ -179,14 +233,20 @@ def run(args: argparse.Namespace, data: Json) -> None:
 
 
 def render(rows: list[Json]) -> str:
-    """The table printed (and shown in docs)."""
-    head = (f"{'drain copies':34} {'small copy p50 µs':>18} {'p99 µs':>10} {'max µs':>10} "
-            f"{'drain GB/s':>11}")
+    """The table printed: the small copy's latency as the thread saw it and on the device
+    (its GIL waits excluded), and the copying thread's rate."""
+    head = (f"{'drain copies':30} {'small copy p50 µs':>18} {'p99':>8} {'max':>8} "
+            f"{'on device p50 µs':>17} {'p99':>8} {'max':>8} {'drain GB/s':>11}")
     lines = [head, "-" * len(head)]
+
+    def us(v: float | None, width: int) -> str:
+        return f"{v:{width},.0f}" if v is not None else f"{'-':>{width}}"
+
     for r in rows:
         gbps = f"{r['bulk_gbps']:.1f}" if r["bulk_gbps"] else "-"
-        lines.append(f"{r['variant']:34} {r['p50_us']:18,.0f} {r['p99_us']:10,.0f} "
-                     f"{r['max_us']:10,.0f} {gbps:>11}")
+        lines.append(f"{r['variant']:30} {us(r['p50_us'], 18)} {us(r['p99_us'], 8)} "
+                     f"{us(r['max_us'], 8)} {us(r['device_p50_us'], 17)} "
+                     f"{us(r['device_p99_us'], 8)} {us(r['device_max_us'], 8)} {gbps:>11}")
     return "\n".join(lines)
 
 
@@ -199,22 +259,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pieces-mb", type=_positive_ints, default="0,128,32,8,2",
                    help="piece sizes, MiB (0: the round in one copy)")
     p.add_argument("--in-flight", type=_positive_ints, default="0,2",
-                   help="pieces queued ahead of the copy engine (0: no limit)")
+                   help="pieces queued ahead of the copy engine (0: no limit); for piece "
+                        "sizes above 0 (a whole copy is one piece)")
     p.add_argument("--probes", type=int, default=400, help="small copies per variant")
     p.add_argument("--period-ms", type=float, default=2.7,
                    help="between two small copies (a stock decode step at batch 64)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/copies.json, else ./copies.json)")
     args = p.parse_args(argv)
-    if args.bulk_mb <= 0 or args.probes <= 0 or args.period_ms <= 0:
-        p.error(f"--bulk-mb {args.bulk_mb}, --probes {args.probes} and --period-ms "
-                f"{args.period_ms} must be positive")
+    for name in ("bulk_mb", "probes", "period_ms"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} {value}: expected a positive number")
     if max(args.pieces_mb) > args.bulk_mb:
         p.error(f"--pieces-mb {max(args.pieces_mb)}: at most --bulk-mb {args.bulk_mb}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     settings = {**vars(args), "out": str(args.out), "device_name": device,
                 "torch": torch.__version__, "python": sys.version.split()[0]}
     return run_benchmark("copies", settings, lambda data: run(args, data), args.out)

@@ -233,6 +233,9 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
      "argument --pieces-mb: '8,-1': expected integers >= 0 separated by commas"),
     ("micro_copies", ["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "8"],
      "--pieces-mb 8: at most --bulk-mb 4"),
+    ("micro_copies", ["--device", "cpu", "--period-ms", "nan"],
+     "--period-ms nan: expected a positive number"),
+    ("micro_copies", ["--device", "bogus"], "--device 'bogus': expected cpu, cuda or cuda:N"),
 ])
 def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -333,5 +336,43 @@ def test_copies_on_cpu(tmp_path: Path) -> None:
     assert [r["variant"] for r in rows] == [
         "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight"]
     assert all(r["probes"] == 5 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
-    assert all(r["bulk_rounds"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
+    assert all(r["device_p50_us"] is None for r in rows)  # no device events on CPU
+    assert all(r["rounds_while_probing"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
+    assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 3
     assert "2 MiB pieces, 1 in flight" in printed.getvalue()
+
+
+@pytest.mark.torch
+def test_copies_fail_loudly_when_the_copying_thread_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_torch()
+    from harness import micro_copies
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("copy engine on fire")
+
+    monkeypatch.setattr(micro_copies.BulkCopier, "_copy_rounds", broken)
+    out = tmp_path / "copies.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = micro_copies.main(["--device", "cpu", "--bulk-mb", "2", "--pieces-mb", "0",
+                                  "--probes", "3", "--period-ms", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert (code, data["status"]) == (1, "error")
+    assert "copy engine on fire" in data["error"]
+
+
+@pytest.mark.torch
+def test_copies_that_bring_too_few_bytes_fail_their_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_torch()
+    from harness import micro_copies
+
+    whole = micro_copies.pieces
+    monkeypatch.setattr(micro_copies, "pieces", lambda n, p: whole(n, p)[:-1] or whole(n, p))
+    out = tmp_path / "copies.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = micro_copies.main(["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "0,1",
+                                  "--probes", "3", "--period-ms", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert (code, data["status"]) == (1, "failed")
+    assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, False, False]

@@ -77,7 +77,7 @@ def _open_once_full(d, sink: GateSink, step_bytes: int, hold_s: float) -> None:
     """Open the gate ``hold_s`` after the drain is stuck and a step no longer fits."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if sink.blocked.is_set() and d.t._alloc.usage().free_bytes < step_bytes:
+        if sink.blocked.is_set() and d.t._room().free_bytes < step_bytes:
             break
         time.sleep(0.002)
     time.sleep(hold_s)

@@ -42,7 +42,8 @@ def _scribbled(d) -> Scribbling:
 def test_rows_overwritten_after_their_capture_arrive_as_captured(make_driver, coalesce):
     # eager prefill into the ring, a prefill larger than the ring (piecewise), decode
     # graph steps through the arena (its slots and landing), padded and plain decodes
-    d, sink = make_driver("resid_pre,q,final_logits", payload_bytes=4096,
+    # (every(2): the ring keeps every other row of a forward, an index_select at capture)
+    d, sink = make_driver("resid_pre,q:every(2),final_logits", payload_bytes=4096,
                           max_prefill_tokens=64, coalesce_decode=coalesce)
     scribbling = _scribbled(d)
     d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
@@ -62,9 +63,10 @@ def test_rows_overwritten_after_their_capture_arrive_as_captured(make_driver, co
 def test_last_rows_overwritten_after_their_capture_arrive_as_captured(make_driver, padded):
     full, full_sink = make_driver("resid_pre,final_logits")
     some, some_sink = make_driver("resid_pre:last,final_logits:last")
-    _scribbled(some)
+    scribbling = _scribbled(some)
     for d in (full, some):
         _serve(d, padded=padded)
         d.t.stop()
     want = {row for row in stored_rows(full_sink.records) if row[3] == LAST[row[0]]}
     assert set(stored_rows(some_sink.records)) == want
+    assert scribbling.scribbled > 0

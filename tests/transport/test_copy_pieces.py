@@ -40,8 +40,22 @@ def test_a_broadcasting_copy_goes_whole() -> None:
 
 
 def test_negative_limits_are_refused() -> None:
-    with pytest.raises(ValueError, match="copy_piece_bytes -1 and copies_ahead 0: expected >= 0"):
+    with pytest.raises(ValueError, match=r"^copy_piece_bytes -1: expected >= 0"):
         DeviceOps("cpu", copy_piece_bytes=-1)
+    with pytest.raises(ValueError, match=r"^copies_ahead -2: expected >= 0"):
+        DeviceOps("cpu", copies_ahead=-2)
+
+
+@pytest.mark.parametrize(("ahead", "waits"), [(0, 0), (1, 6), (2, 5), (7, 0), (9, 0)])
+def test_at_most_the_limit_of_pieces_is_queued_ahead(ahead: int, waits: int) -> None:
+    ops = DeviceOps("cpu", copy_piece_bytes=16, copies_ahead=ahead)
+    src = _filled((100,), torch.uint8)
+    dst = torch.zeros_like(src)
+    ops.to_host(dst, src)  # 7 pieces: the oldest waited for once `ahead` are queued
+    assert torch.equal(dst, src)
+    assert (ops.copy_pieces, ops.ahead_waits) == (7, waits)
+    ops.to_host(dst[:16], src[:16])  # the limit holds across copies
+    assert ops.ahead_waits == waits + (1 if ahead and ahead <= 7 else 0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -63,15 +77,18 @@ def test_pieces_cover_the_copy_once_and_stay_within_the_limit(shape, itemsize, p
 
 
 def test_every_captured_byte_arrives_through_pieces(make_driver) -> None:
-    # staging spans, direct items and window flushes all go in pieces of 64 bytes
+    # staging spans, direct items and window flushes all go in pieces of 64 bytes, at
+    # most two of them queued
     counts = []
     for piece in (0, 64):
         d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
-                              max_prefill_tokens=16)
+                              copies_ahead=2 if piece else 0, max_prefill_tokens=16)
         d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
         for n in range(6):
             d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
         d.t.stop()
         d.verify(sink.records)
-        counts.append(d.t.drain_counters()["d2h_pieces"])
+        counters = d.t.drain_counters()
+        counts.append(counters["d2h_pieces"])
+        assert counters["d2h_ahead_waits"] == (counters["d2h_pieces"] - 2 if piece else 0)
     assert 0 < counts[0] < counts[1]

@@ -219,6 +219,20 @@ def _record_graph(model: ToyModel, bucket: int) -> tuple[torch.cuda.CUDAGraph, t
     return graph, static_ids, ref
 
 
+def test_copies_in_pieces_with_a_limit_ahead_equal_reference():
+    # window flushes, staging spans and direct chunks cut into 4 KiB pieces, at most two
+    # queued on the drain's stream: the waits for the oldest piece run on real events
+    for selection, coalesce in ((SELECTION, True), (DENSE, False)):
+        sink = MemorySink()
+        t = _transport(sink, selection=selection, coalesce_decode=coalesce,
+                       copy_piece_bytes=4096, copies_ahead=2)
+        expected = _run_eager(t, selection=selection)
+        stats = t.stop()
+        assert expected.verify(sink.records) == stats.rows
+        counters = t.drain_counters()
+        assert counters["d2h_ahead_waits"] == counters["d2h_pieces"] - 2 > 0
+
+
 def test_graph_replay_with_padding_stores_only_real_rows():
     for strip in (True, False):
         sink = MemorySink()

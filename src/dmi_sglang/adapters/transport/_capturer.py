@@ -109,7 +109,11 @@ class Capturer:
         return (hook_name, layer_no) in self._keys
 
     def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
-        """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``.
+        """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``: its rows are
+        copied (a copy queued on the current stream) before this returns, so the model
+        may change the tensor in place right after (the capture points rely on it: they
+        hand over RoPE's q and k and the sampler's logits uncloned). Casts and top-k
+        run now as well.
 
         Raises:
             CaptureError: the transport stopped or failed, the tensor does not match

@@ -81,7 +81,8 @@ class DeviceOps:
             (a larger one goes in pieces); 0: every copy whole.
         copies_ahead: the most device-to-host pieces queued on the drain's stream and
             not yet done: before queueing one more, :meth:`to_host` waits for the oldest
-            (CUDA only); 0: no limit.
+            (on CPU every copy is done when queued: the waits return at once); 0: no
+            limit.
     """
 
     defer_on_cpu = False
@@ -92,10 +93,11 @@ class DeviceOps:
         self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None,
         *, copy_piece_bytes: int = 0, copies_ahead: int = 0,
     ) -> None:
-        if copy_piece_bytes < 0 or copies_ahead < 0:
-            msg = (f"copy_piece_bytes {copy_piece_bytes} and copies_ahead {copies_ahead}: "
-                   "expected >= 0 (0: no limit)")
-            raise ValueError(msg)
+        for name, value in (("copy_piece_bytes", copy_piece_bytes),
+                            ("copies_ahead", copies_ahead)):
+            if value < 0:
+                msg = f"{name} {value}: expected >= 0 (0: no limit)"
+                raise ValueError(msg)
         dev = torch.device(device)
         self.is_cuda = dev.type == "cuda"
         if self.is_cuda and dev.index is None:
@@ -118,12 +120,14 @@ class DeviceOps:
         self._fenced = 0
         """``_queued`` at the last fence."""
         self._piece_bytes = copy_piece_bytes
-        self._ahead = copies_ahead if self.is_cuda else 0
-        self._ahead_events: collections.deque[torch.cuda.Event] = collections.deque()
+        self._ahead = copies_ahead
+        self._ahead_events: collections.deque[torch.cuda.Event | _Done] = collections.deque()
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
+        self.ahead_waits = 0
+        """Times :meth:`to_host` waited for its oldest piece before queueing one more."""
         self.ahead_wait_seconds = 0.0
-        """Seconds :meth:`to_host` waited for a piece so as to queue the next."""
+        """Seconds those waits took."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -154,14 +158,15 @@ class DeviceOps:
         Returns:
             The seconds queueing took (a ``copy_`` call returns at once for page-locked
             memory; a pageable destination makes it wait for its copy, and so for the
-            device work before it on the drain's stream).
+            device work before it on the drain's stream), the waits for ``copies_ahead``
+            not included (:attr:`ahead_wait_seconds`).
         """
         def copy() -> None:
             for dst, src in pairs:
                 self.to_host(dst, src)
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), self.ahead_wait_seconds
         self.on_drain_stream(markers, copy)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0 - (self.ahead_wait_seconds - waited)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (device) into ``dst`` (host, same shape) on the current stream, the
@@ -171,20 +176,24 @@ class DeviceOps:
         engine runs the device-to-host copies of every stream one after another, so a
         small copy SGLang's scheduler waits for (a step's sampled tokens) can wait for a
         large one of the drain queued before it; bounded pieces bound that wait."""
+        queued = self._ahead_events
         for d, s in _pieces(dst, src, self._piece_bytes):
+            event: torch.cuda.Event | _Done | None = None
             if self._ahead:
-                queued = self._ahead_events
                 if len(queued) >= self._ahead:
                     t0 = time.perf_counter()
                     event = queued.popleft()
-                    event.synchronize()
+                    event.synchronize()  # a blocking event: sleeps, the GIL released
+                    self.ahead_waits += 1
                     self.ahead_wait_seconds += time.perf_counter() - t0
+                elif self.is_cuda:
+                    event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 else:
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event = _Done()
             d.copy_(s, non_blocking=self.is_cuda)
             self.copy_pieces += 1
-            if self._ahead:
-                event.record()
+            if event is not None:
+                event.record()  # on the current stream: the drain's
                 queued.append(event)
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
@@ -249,6 +258,16 @@ class DeviceOps:
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""
         return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}
+
+
+class _Done:
+    """A CPU stand-in for a piece's CUDA event: CPU copies are done when queued."""
+
+    def record(self) -> None:
+        """Nothing to record: the copy ran."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
 
 
 def _pieces(dst: torch.Tensor, src: torch.Tensor,

@@ -511,8 +511,8 @@ class TorchCaptureTransport:
         window's copies from slots not included), the decode graph steps whose slot
         still waited for the drain (their seal copied them out from the spare), the
         device-to-host copies queued (each piece of a copy cut by ``copy_piece_bytes``
-        counts) and the seconds the drain waited to keep at most ``copies_ahead`` of them
-        queued."""
+        counts) and the times and seconds the drain waited to keep at most
+        ``copies_ahead`` of them queued."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -532,7 +532,7 @@ class TorchCaptureTransport:
             "gil_yields": d.gil.yields, "gil_yield_seconds": d.gil.yield_seconds,
             "slot_items": d.slot_items, "slot_rounds": d.slot_rounds,
             "slot_seconds": d.slot_seconds, "slots_missed": self._slots_missed,
-            "d2h_pieces": self._ops.copy_pieces,
+            "d2h_pieces": self._ops.copy_pieces, "d2h_ahead_waits": self._ops.ahead_waits,
             "d2h_ahead_wait_seconds": self._ops.ahead_wait_seconds,
         }
 
