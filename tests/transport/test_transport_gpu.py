@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions
+from dmi_sglang.adapters.transport._device import copy_rows
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import ModelHooks, Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
@@ -217,6 +218,15 @@ def _record_graph(model: ToyModel, bucket: int) -> tuple[torch.cuda.CUDAGraph, t
         model(static_ids)
     ref, model.ref = model.ref, None
     return graph, static_ids, ref
+
+
+def test_strided_rows_are_copied_as_wide_elements_and_exact_on_the_device():
+    # q, k and v reach the capture as column slices of SGLang's qkv
+    qkv = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    for lo, hi, element in ((0, 2048, 8), (2048, 3072, 8), (3072, 4096, 8), (1, 2049, 2)):
+        dst = torch.zeros(64, hi - lo, device="cuda", dtype=torch.bfloat16)
+        assert copy_rows(dst, qkv[:, lo:hi]) == element
+        assert torch.equal(dst, qkv[:, lo:hi])
 
 
 def test_copies_in_pieces_with_a_limit_ahead_equal_reference():

@@ -32,7 +32,12 @@ import math
 
 import torch
 
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, WIDE_DTYPES, DeviceOps
+from dmi_sglang.adapters.transport._device import (
+    TORCH_DTYPES,
+    WIDE_DTYPES,
+    DeviceOps,
+    copy_rows,
+)
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, arena_captures
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.plan import align_up
@@ -240,7 +245,7 @@ class Arena:
             if not rows:
                 return
             if self._index is None:
-                places[0, :rows].copy_(src)
+                copy_rows(places[0, :rows], src)
             else:
                 places[:, :rows].index_copy_(0, self._index, src.unsqueeze(0))
             return
@@ -253,7 +258,7 @@ class Arena:
         self._landed.add(key)
         self._landed_rows = max(self._landed_rows, rows)
         if rows:
-            places[0, :rows].copy_(src)
+            copy_rows(places[0, :rows], src)
         if self._landed >= self._landing_keys:
             self._move()
 

@@ -21,7 +21,7 @@ import torch
 
 from dmi_sglang.domain.shapes import DType
 
-__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "tune_host_malloc"]
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc"]
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BFLOAT16: torch.bfloat16,
@@ -258,6 +258,32 @@ class DeviceOps:
     def wide(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Views of a byte buffer as 8-, 4-, 2- and 1-byte elements (for raw copies)."""
         return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """``dst.copy_(src)`` (same shape and dtype), a strided ``src`` seen with ``dst`` as
+    the widest elements their layouts allow; returns the bytes an element was copied as.
+    A strided copy (q, k and v are column slices of SGLang's qkv) runs as an element-wise
+    kernel whose work goes with the element count: 8-byte elements are 4 bf16 values a
+    thread; a contiguous copy is one memcpy either way, so it is left as it is."""
+    if not src.is_contiguous() and dst.dim() and dst.shape == src.shape and dst.dtype == src.dtype:
+        size = src.element_size()
+        for wide in (8, 4):
+            if wide > size and _widens(dst, wide // size) and _widens(src, wide // size):
+                try:
+                    dst, src = dst.view(WIDE_DTYPES[wide]), src.view(WIDE_DTYPES[wide])
+                except RuntimeError:  # a layout torch does not view so: copy as it is
+                    continue
+                break
+    dst.copy_(src)
+    return dst.element_size()
+
+
+def _widens(t: torch.Tensor, ratio: int) -> bool:
+    """True when ``t`` can be seen with elements ``ratio`` times as wide."""
+    return bool(t.stride(-1) == 1 and t.shape[-1] % ratio == 0
+                and t.storage_offset() % ratio == 0
+                and all(s % ratio == 0 for s in t.stride()[:-1]))
 
 
 class _Done:

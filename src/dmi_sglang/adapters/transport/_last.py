@@ -39,7 +39,7 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes, last_slot_groups
 from dmi_sglang.domain.hooks import RowBasis, Selection
 from dmi_sglang.domain.layout import BatchLayout
@@ -326,7 +326,7 @@ class LastSlots:
                    f"{self._landed or landing.shape[0]} (the largest decode graph's batch, "
                    f"the same for every capture point of a step)")
             raise CaptureError(msg)
-        landing[:n].copy_(src)
+        copy_rows(landing[:n], src)
         self._landed = n
 
     def end(self) -> None:

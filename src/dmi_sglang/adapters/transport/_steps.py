@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey, as_rows
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows
 from dmi_sglang.adapters.transport._drain import DrainItem
 from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._program import Program, build_program
@@ -245,7 +245,7 @@ class StepWriter:
         dst = self._ring[offset : offset + seg.nbytes].view(TORCH_DTYPES[seg.row.dtype])
         dst = dst.view(seg.ring_rows, -1)
         if seg.source_index is None:
-            dst.copy_(src[: seg.ring_rows])
+            copy_rows(dst, src[: seg.ring_rows])
         else:
             torch.index_select(src, 0, program.index(seg.source_index, src.device), out=dst)
 
