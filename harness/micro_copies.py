@@ -15,7 +15,8 @@ its fence. Meanwhile the main thread (the "scheduler") queues every ``--period-m
 copy of 64 int64 on another stream and waits for it. Per variant, first without the
 drain: the small copy's latency (median, p99, max, µs) as the measuring thread saw it and
 on the device (CUDA events around it on its stream: from the stream reaching it to its
-end, the thread's waits for the GIL excluded), and the copying thread's rate (GB/s).
+end, so the thread's waits for the GIL after queueing it are left out), and the copying
+thread's rate (GB/s).
 A copy engine that lets the small copy through between another stream's pieces shows
 latencies near the idle row's once pieces are small; one that does not shows them only
 with few pieces in flight.
@@ -104,7 +105,7 @@ class BulkCopier(BackgroundThread):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        if self.error is not None:
+        if self.error is not None and exc[0] is None:  # the block's own error goes first
             raise RuntimeError(f"the copying thread failed: {self.error!r}") from self.error
 
     @property
@@ -226,15 +227,13 @@ def run(args: argparse.Namespace, data: Json) -> None:
                                   "rounds": copying,
                                   "what": "the copying thread finished rounds while the "
                                           "probes ran, in every variant"},
-        "every_variant_measured": {"ok": all(r["probes"] == args.probes for r in rows),
-                                   "required": True},
     }
     print(render(rows))
 
 
 def render(rows: list[Json]) -> str:
     """The table printed: the small copy's latency as the thread saw it and on the device
-    (its GIL waits excluded), and the copying thread's rate."""
+    (from its stream reaching it to its end), and the copying thread's rate."""
     head = (f"{'drain copies':30} {'small copy p50 µs':>18} {'p99':>8} {'max':>8} "
             f"{'on device p50 µs':>17} {'p99':>8} {'max':>8} {'drain GB/s':>11}")
     lines = [head, "-" * len(head)]
@@ -282,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} "
+                "CUDA device(s), cuda:0 to cuda:N-1")
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     settings = {**vars(args), "out": str(args.out), "device_name": device,
                 "torch": torch.__version__, "python": sys.version.split()[0]}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmi_sglang.adapters.transport._device import copy_rows
+from dmi_sglang.adapters.transport._device import copy_rows, widest
 from dmi_sglang.domain.layout import BatchLayout
 
 from .conftest import stored_rows
@@ -39,6 +39,17 @@ def test_a_strided_source_is_copied_as_wide_elements_and_exact(before, width, dt
     assert torch.equal(dst, src)
 
 
+def test_indexed_copies_take_the_wide_views_too() -> None:
+    src = _slice_of_wider(torch.randn(5, 16).to(torch.bfloat16), 4)
+    slots = torch.zeros(3, 5, 16, dtype=torch.bfloat16)
+    dst, wide_src = widest(slots, src.unsqueeze(0))
+    assert (dst.dtype, wide_src.dtype) == (torch.int64, torch.int64)
+    dst.index_copy_(0, torch.tensor([1]), wide_src)
+    assert torch.equal(slots[1], src)
+    assert not slots[0].any()
+    assert not slots[2].any()
+
+
 def test_a_contiguous_source_is_copied_as_it_is() -> None:
     src = torch.randn(4, 8).to(torch.bfloat16)
     dst = torch.zeros_like(src)
@@ -64,9 +75,12 @@ class Strided:
 
 
 @pytest.mark.parametrize("before", [0, 4, 1])
-def test_strided_captures_arrive_exact(make_driver, before) -> None:
-    d, sink = make_driver("resid_pre,q:every(2),final_logits", payload_bytes=4096,
-                          max_prefill_tokens=64)
+@pytest.mark.parametrize("selection", [
+    "resid_pre,q:every(2),final_logits",  # arena landing slot; ring rows kept by index
+    "q@1,final_logits",  # two places: arena slots written by index
+])
+def test_strided_captures_arrive_exact(make_driver, before, selection) -> None:
+    d, sink = make_driver(selection, payload_bytes=4096, max_prefill_tokens=64)
     d.t.capturer = Strided(d.t.capturer, before)
     d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
     d.forward(BatchLayout.extend(["long"], [0], [60]))  # piecewise

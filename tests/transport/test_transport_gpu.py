@@ -240,7 +240,8 @@ def test_copies_in_pieces_with_a_limit_ahead_equal_reference():
         stats = t.stop()
         assert expected.verify(sink.records) == stats.rows
         counters = t.drain_counters()
-        assert counters["d2h_ahead_waits"] == counters["d2h_pieces"] - 2 > 0
+        assert counters["d2h_pieces"] > 2
+        assert 0 <= counters["d2h_ahead_waits"] <= counters["d2h_pieces"] - 2
 
 
 def test_graph_replay_with_padding_stores_only_real_rows():

@@ -37,6 +37,7 @@ from dmi_sglang.adapters.transport._device import (
     WIDE_DTYPES,
     DeviceOps,
     copy_rows,
+    widest,
 )
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, arena_captures
 from dmi_sglang.domain.hooks import Selection
@@ -247,7 +248,8 @@ class Arena:
             if self._index is None:
                 copy_rows(places[0, :rows], src)
             else:
-                places[:, :rows].index_copy_(0, self._index, src.unsqueeze(0))
+                dst, wide_src = widest(places[:, :rows], src.unsqueeze(0))
+                dst.index_copy_(0, self._index, wide_src)
             return
         if key in self._landed:
             missed = self._missing()

@@ -21,7 +21,8 @@ import torch
 
 from dmi_sglang.domain.shapes import DType
 
-__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc"]
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc",
+           "widest"]
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BFLOAT16: torch.bfloat16,
@@ -125,7 +126,8 @@ class DeviceOps:
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0
-        """Times :meth:`to_host` waited for its oldest piece before queueing one more."""
+        """Times :meth:`to_host` found its oldest piece not yet done and waited for it
+        before queueing one more."""
         self.ahead_wait_seconds = 0.0
         """Seconds those waits took."""
 
@@ -181,11 +183,12 @@ class DeviceOps:
             event: torch.cuda.Event | _Done | None = None
             if self._ahead:
                 if len(queued) >= self._ahead:
-                    t0 = time.perf_counter()
                     event = queued.popleft()
-                    event.synchronize()  # a blocking event: sleeps, the GIL released
-                    self.ahead_waits += 1
-                    self.ahead_wait_seconds += time.perf_counter() - t0
+                    if not event.query():  # still queued: wait (a blocking event sleeps)
+                        t0 = time.perf_counter()
+                        event.synchronize()
+                        self.ahead_waits += 1
+                        self.ahead_wait_seconds += time.perf_counter() - t0
                 elif self.is_cuda:
                     event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 else:
@@ -260,29 +263,43 @@ class DeviceOps:
         return {size: buffer.view(dtype) for size, dtype in WIDE_DTYPES.items()}
 
 
+def widest(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and a strided ``src`` of the same dtype and row width, seen as the widest
+    elements (8 or 4 bytes) both layouts allow, for a copy between them (a plain or an
+    indexed one); as they are when ``src`` is contiguous (a plain copy is one memcpy
+    then) or no wider view fits. A strided copy (q, k and v are column slices of
+    SGLang's qkv) runs as an element-wise kernel whose work goes with the element
+    count: 8-byte elements are 4 bf16 values a thread."""
+    if (src.is_contiguous() or not dst.dim() or not src.dim() or dst.dtype != src.dtype
+            or dst.shape[-1] != src.shape[-1]):
+        return dst, src
+    size = src.element_size()
+    for wide in (8, 4):
+        if wide > size and _widens(dst, wide // size) and _widens(src, wide // size):
+            try:
+                return dst.view(WIDE_DTYPES[wide]), src.view(WIDE_DTYPES[wide])
+            except RuntimeError:  # a layout torch does not view so
+                continue
+    return dst, src
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """``dst.copy_(src)`` (same shape and dtype), a strided ``src`` seen with ``dst`` as
-    the widest elements their layouts allow; returns the bytes an element was copied as.
-    A strided copy (q, k and v are column slices of SGLang's qkv) runs as an element-wise
-    kernel whose work goes with the element count: 8-byte elements are 4 bf16 values a
-    thread; a contiguous copy is one memcpy either way, so it is left as it is."""
-    if not src.is_contiguous() and dst.dim() and dst.shape == src.shape and dst.dtype == src.dtype:
-        size = src.element_size()
-        for wide in (8, 4):
-            if wide > size and _widens(dst, wide // size) and _widens(src, wide // size):
-                try:
-                    dst, src = dst.view(WIDE_DTYPES[wide]), src.view(WIDE_DTYPES[wide])
-                except RuntimeError:  # a layout torch does not view so: copy as it is
-                    continue
-                break
-    dst.copy_(src)
-    return dst.element_size()
+    """``dst.copy_(src)`` (same shape and dtype) as :func:`widest` elements; returns the
+    bytes an element was copied as."""
+    if dst.shape != src.shape:
+        dst.copy_(src)
+        return dst.element_size()
+    wide_dst, wide_src = widest(dst, src)
+    wide_dst.copy_(wide_src)
+    return wide_dst.element_size()
 
 
 def _widens(t: torch.Tensor, ratio: int) -> bool:
-    """True when ``t`` can be seen with elements ``ratio`` times as wide."""
+    """True when ``t`` can be seen with elements ``ratio`` times as wide (its data
+    aligned to them too)."""
     return bool(t.stride(-1) == 1 and t.shape[-1] % ratio == 0
                 and t.storage_offset() % ratio == 0
+                and t.data_ptr() % (ratio * t.element_size()) == 0
                 and all(s % ratio == 0 for s in t.stride()[:-1]))
 
 
@@ -291,6 +308,10 @@ class _Done:
 
     def record(self) -> None:
         """Nothing to record: the copy ran."""
+
+    def query(self) -> bool:
+        """Done."""
+        return True
 
     def synchronize(self) -> None:
         """Nothing to wait for."""

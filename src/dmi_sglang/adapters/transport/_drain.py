@@ -562,10 +562,12 @@ class Drain:
     def _queue_to_host(self, markers: list[Marker],
                        pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Queue device-to-host copies (:meth:`DeviceOps.queue_to_host`), counted in
-        ``d2h_bytes``, ``d2h_seconds`` and its queueing part."""
-        t0 = time.perf_counter()
+        ``d2h_bytes``, ``d2h_seconds``, its queueing part and (the waits to keep at most
+        ``copies_ahead`` pieces queued) its waiting part."""
+        t0, waited = time.perf_counter(), self._ops.ahead_wait_seconds
         self.d2h_call_seconds += self._ops.queue_to_host(markers, pairs)
         self.d2h_seconds += time.perf_counter() - t0
+        self.d2h_wait_seconds += self._ops.ahead_wait_seconds - waited  # DMX_DRAIN_COPY_AHEAD
         self.d2h_bytes += sum(dst.numel() for dst, _ in pairs)
 
     def _wait_for(self, fence: Fence) -> None:

@@ -39,7 +39,7 @@ import structlog
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows, widest
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes, last_slot_groups
 from dmi_sglang.domain.hooks import RowBasis, Selection
 from dmi_sglang.domain.layout import BatchLayout
@@ -288,7 +288,8 @@ class LastSlots:
             if key in self._lands:
                 self._land(key, src)
             else:
-                self._buffers[key].index_copy_(0, self._control[0, :n], src)
+                wide_buffer, wide_src = widest(self._buffers[key], src)
+                wide_buffer.index_copy_(0, self._control[0, :n], wide_src)
             seen.add(key)
             if capturing:
                 self._recorded.add(key)
@@ -309,7 +310,8 @@ class LastSlots:
         self._fired.add(key)
         token_src, request_src, dst = self._eager
         src = as_rows(tensor, key, row)
-        buffer.index_copy_(0, dst, src.index_select(
+        wide_buffer, wide_src = widest(buffer, src)
+        wide_buffer.index_copy_(0, dst, wide_src.index_select(
             0, token_src if basis is RowBasis.TOKEN else request_src))
 
     def _land(self, key: CaptureKey, src: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey, as_rows
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows, widest
 from dmi_sglang.adapters.transport._drain import DrainItem
 from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._program import Program, build_program
@@ -247,7 +247,9 @@ class StepWriter:
         if seg.source_index is None:
             copy_rows(dst, src[: seg.ring_rows])
         else:
-            torch.index_select(src, 0, program.index(seg.source_index, src.device), out=dst)
+            wide_dst, wide_src = widest(dst, src)
+            torch.index_select(wide_src, 0, program.index(seg.source_index, src.device),
+                               out=wide_dst)
 
     def seal(self, step: OpenStep) -> None:
         """Queue the step's device work and hand it to the drain.
