@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = "dmi_sglang"
 COMPOSITION_ROOT = f"{PKG}.app.composition"
 VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assemble", "shards",
-                                                    "null_sink", "reference"))
+                                                    "null_sink", "reference", "gc_pauses"))
 """Application services that must work with any SGLang version and any store."""
 INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports", f"{PKG}.columns")
 FRAMEWORKS = ("sglang", "clickhouse_connect", "chdb")

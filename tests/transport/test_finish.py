@@ -7,6 +7,7 @@ stored; its final_logits row decides a token that is never generated and must no
 
 from __future__ import annotations
 
+import gc
 import time
 from types import SimpleNamespace
 
@@ -291,6 +292,8 @@ def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatc
     assert 0 < timing["host_seconds"] < 0.03
     assert timing["stall_seconds"] == stats.stall_seconds
     assert timing["drain_records"] == len(sink.records)
+    assert {"gc_collections", "gc_seconds", "gc_full_seconds"} <= set(timing)
+    assert mon.gc_pauses._callback not in gc.callbacks  # timed while the monitor ran
     # decode steps reach the host through the window's flushes, anything else as staged
     # or direct copies: together at least every stored byte, each byte once
     moved = timing["drain_d2h_bytes"] + timing["drain_window_bytes"]

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 import attrs
 import structlog
 
+from dmi_sglang.app.gc_pauses import GcPauses
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
@@ -450,6 +451,9 @@ class SchedulerMonitor:
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
+        self.gc_pauses = GcPauses()
+        """The process's garbage collections while this monitor runs (:meth:`timing`)."""
+        self.gc_pauses.start()
         self.stop_seconds: dict[str, float] = {}
         """The parts of :meth:`stop` that ran: ``transport`` (the drain emptied),
         ``finish_run`` (the sink's flush, manifests, run row and sync) and ``close`` (the
@@ -613,6 +617,7 @@ class SchedulerMonitor:
                 self._record_failure(exc, stopped_at)
                 raise CaptureError(f"dmi_stop_monitoring failed: {exc!r}") from exc
             finally:
+                self.gc_pauses.stop()
                 began = clock()
                 self._close_sink()
                 parts["close"] = clock() - began
@@ -643,6 +648,7 @@ class SchedulerMonitor:
                 return
             self._stopped = True
             self._failure = error
+            self.gc_pauses.stop()
             try:
                 self.transport.abandon()
             except Exception as exc:  # the run fails with ``error`` whatever this is
@@ -669,9 +675,10 @@ class SchedulerMonitor:
         their waits for the drain), in the capture points of eager forwards (and of the
         decode graphs' recording at startup), the parts of the stop once it ran
         (``stop_transport_seconds``, ``stop_finish_run_seconds``,
-        ``stop_close_seconds``: :attr:`stop_seconds`), and the drain's own counters where
-        the transport has them (device-to-host waits, CPU building records, time blocked
-        in ``sink.put``)."""
+        ``stop_close_seconds``: :attr:`stop_seconds`), the process's garbage collections
+        while the monitor ran (``gc_*``: each pauses the scheduler thread), and the
+        drain's own counters where the transport has them (device-to-host waits, CPU
+        building records, time blocked in ``sink.put``)."""
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
@@ -681,6 +688,7 @@ class SchedulerMonitor:
             "requests_captured": float(self.requests.captured_requests),
         }
         out.update({f"stop_{k}_seconds": v for k, v in self.stop_seconds.items()})
+        out.update(self.gc_pauses.counters())
         out.update({f"drain_{k}": float(v) for k, v in self.transport.drain_counters().items()})
         return out
 
