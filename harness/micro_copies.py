@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from harness.micro_transport import BackgroundThread
+from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
 
 __all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "variants"]
@@ -176,10 +176,9 @@ def small_copy_latencies(device: torch.device, probes: int,
 def _percentiles_us(seconds: list[float], prefix: str = "") -> Json:
     if not seconds:
         return {f"{prefix}p50_us": None, f"{prefix}p99_us": None, f"{prefix}max_us": None}
-    s = sorted(seconds)
-    return {f"{prefix}p50_us": s[len(s) // 2] * 1e6,
-            f"{prefix}p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-            f"{prefix}max_us": s[-1] * 1e6}
+    p50, p99, top = p50_p99_max(seconds)
+    return {f"{prefix}p50_us": p50 * 1e6, f"{prefix}p99_us": p99 * 1e6,
+            f"{prefix}max_us": top * 1e6}
 
 
 def _probe_row(host: list[float], on_device: list[float]) -> Json:
@@ -201,6 +200,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
     rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "bulk_gbps": None,
                  "bulk_rounds": None, "rounds_while_probing": None,
                  **_probe_row(*small_copy_latencies(dev, args.probes, period))})
+    expected = src.cpu()  # what every variant's copies must bring
     intact: list[bool] = []
     for piece_mb, flight in variants(args.pieces_mb, args.in_flight):
         dst.zero_()  # each variant's own copies must bring every byte
@@ -210,10 +210,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
             before = bulk.rounds
             lat = small_copy_latencies(dev, args.probes, period)
             during = bulk.rounds - before if bulk.alive else 0
-        intact.append(bool(torch.equal(dst, src.cpu())))
-        rows.append({"variant": f"{piece_mb or args.bulk_mb} MiB pieces"
-                                + (f", {flight} in flight" if flight else ""),
-                     "piece_mb": piece_mb or args.bulk_mb, "in_flight": flight or None,
+        intact.append(bool(torch.equal(dst, expected)))
+        size = piece_mb or args.bulk_mb
+        rows.append({"variant": f"{size} MiB pieces" + (f", {flight} in flight" if flight else ""),
+                     "piece_mb": size, "in_flight": flight or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
                      **_probe_row(*lat)})

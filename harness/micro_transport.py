@@ -270,6 +270,13 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
         "stall_seconds": stats.stall_seconds, "ring_high_water": stats.ring_high_water}
 
 
+def p50_p99_max(values: Iterable[float]) -> tuple[float, float, float]:
+    """The median, the 99th percentile (nearest rank below) and the largest of
+    ``values`` (at least one)."""
+    s = sorted(values)
+    return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))], s[-1]
+
+
 class BackgroundThread:
     """A daemon thread running :meth:`_run` for the length of a ``with`` block (``_run``
     returns once ``_stop`` is set)."""
@@ -307,10 +314,9 @@ class LatenessProbe(BackgroundThread):
 
     def summary(self) -> Json:
         """Lateness p50 / p99 / max in milliseconds, and the number of wake-ups."""
-        late = sorted(self.late_s) or [0.0]
-        return {"wakeups": len(self.late_s), "p50_ms": late[len(late) // 2] * 1e3,
-                "p99_ms": late[min(len(late) - 1, int(len(late) * 0.99))] * 1e3,
-                "max_ms": late[-1] * 1e3}
+        p50, p99, top = p50_p99_max(self.late_s or [0.0])
+        return {"wakeups": len(self.late_s), "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
+                "max_ms": top * 1e3}
 
 
 class SpinProbe(BackgroundThread):

@@ -320,18 +320,25 @@ def test_copy_pieces_cover_the_round_once() -> None:
     assert variants([0, 8, 8, 2], [0, 2]) == [(0, 0), (8, 0), (8, 2), (2, 0), (2, 2)]
 
 
-@pytest.mark.torch
-def test_copies_on_cpu(tmp_path: Path) -> None:
-    _needs_torch()
+def _copies(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any], str]:
+    """``python -m harness copies --device cpu ARGV`` (small and fast): exit status, the
+    result JSON and what it printed."""
     from harness.micro_copies import main
 
     out = tmp_path / "copies.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["--device", "cpu", "--bulk-mb", "8", "--pieces-mb", "0,2",
-                     "--in-flight", "0,1", "--probes", "5", "--period-ms", "1", "--out", str(out)])
+        code = main(["--device", "cpu", "--period-ms", "1", *argv, "--out", str(out)])
+    return code, json.loads(out.read_text()), printed.getvalue()
+
+
+@pytest.mark.torch
+def test_copies_on_cpu(tmp_path: Path) -> None:
+    _needs_torch()
+    code, _, printed = _copies(tmp_path, "--bulk-mb", "8", "--pieces-mb", "0,2",
+                               "--in-flight", "0,1", "--probes", "5")
     assert code == 0
-    data = _result(out, "copies")
+    data = _result(tmp_path / "copies.json", "copies")
     rows = data["figures"]["rows"]
     assert [r["variant"] for r in rows] == [
         "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight"]
@@ -339,7 +346,7 @@ def test_copies_on_cpu(tmp_path: Path) -> None:
     assert all(r["device_p50_us"] is None for r in rows)  # no device events on CPU
     assert all(r["rounds_while_probing"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 3
-    assert "2 MiB pieces, 1 in flight" in printed.getvalue()
+    assert "2 MiB pieces, 1 in flight" in printed
 
 
 @pytest.mark.torch
@@ -352,11 +359,7 @@ def test_copies_fail_loudly_when_the_copying_thread_fails(
         raise RuntimeError("copy engine on fire")
 
     monkeypatch.setattr(micro_copies.BulkCopier, "_copy_rounds", broken)
-    out = tmp_path / "copies.json"
-    with contextlib.redirect_stdout(io.StringIO()):
-        code = micro_copies.main(["--device", "cpu", "--bulk-mb", "2", "--pieces-mb", "0",
-                                  "--probes", "3", "--period-ms", "1", "--out", str(out)])
-    data = json.loads(out.read_text())
+    code, data, _ = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0", "--probes", "3")
     assert (code, data["status"]) == (1, "error")
     assert "copy engine on fire" in data["error"]
 
@@ -369,10 +372,6 @@ def test_copies_that_bring_too_few_bytes_fail_their_check(
 
     whole = micro_copies.pieces
     monkeypatch.setattr(micro_copies, "pieces", lambda n, p: whole(n, p)[:-1] or whole(n, p))
-    out = tmp_path / "copies.json"
-    with contextlib.redirect_stdout(io.StringIO()):
-        code = micro_copies.main(["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "0,1",
-                                  "--probes", "3", "--period-ms", "1", "--out", str(out)])
-    data = json.loads(out.read_text())
+    code, data, _ = _copies(tmp_path, "--bulk-mb", "4", "--pieces-mb", "0,1", "--probes", "3")
     assert (code, data["status"]) == (1, "failed")
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, False, False]

@@ -12,6 +12,7 @@ import math
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -113,6 +114,21 @@ class TrackedReq:
 
     def finished(self) -> bool:
         return self.done
+
+
+class WrappedCapturer:
+    """Stands in for a transport's capturer (``driver.t.capturer = Sub(driver.t.capturer)``):
+    :meth:`capture` passes each capture on (a subclass changes what or what after),
+    anything else goes to the wrapped capturer."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
+        self.inner.capture(hook_name, layer_no, tensor)
 
 
 class Driver:

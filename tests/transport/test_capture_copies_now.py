@@ -10,22 +10,17 @@ import torch
 
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import stored_rows
+from .conftest import WrappedCapturer, stored_rows
 from .test_last_rule import LAST, _serve
 
 
-class Scribbling:
-    """Stands in for the transport's capturer: captures, then overwrites the tensor."""
+class Scribbling(WrappedCapturer):
+    """Captures, then overwrites the tensor."""
 
-    def __init__(self, capturer) -> None:
-        self.inner = capturer
-        self.scribbled = 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    scribbled = 0
 
     def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
-        self.inner.capture(hook_name, layer_no, tensor)
+        super().capture(hook_name, layer_no, tensor)
         if tensor.is_floating_point():
             tensor.fill_(float("nan"))
         else:

@@ -9,7 +9,7 @@ import torch
 from dmi_sglang.adapters.transport._device import copy_rows, widest
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import stored_rows
+from .conftest import WrappedCapturer, stored_rows
 from .test_last_rule import LAST, _serve
 
 
@@ -57,21 +57,17 @@ def test_a_contiguous_source_is_copied_as_it_is() -> None:
     assert torch.equal(dst, src)
 
 
-class Strided:
-    """Stands in for the transport's capturer: hands it every tensor as a column slice of
-    a wider one (as SGLang hands over q, k and v)."""
+class Strided(WrappedCapturer):
+    """Hands on every tensor as a column slice of a wider one, ``before`` columns in (as
+    SGLang hands over q, k and v)."""
 
-    def __init__(self, capturer, before: int) -> None:
-        self.inner = capturer
+    def __init__(self, inner, before: int) -> None:
+        super().__init__(inner)
         self.before = before
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
     def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
-        if tensor.dim() >= 2:
-            tensor = _slice_of_wider(tensor, self.before)
-        self.inner.capture(hook_name, layer_no, tensor)
+        super().capture(hook_name, layer_no,
+                        _slice_of_wider(tensor, self.before) if tensor.dim() >= 2 else tensor)
 
 
 @pytest.mark.parametrize("before", [0, 4, 1])
