@@ -20,6 +20,11 @@ thread's rate (GB/s).
 A copy engine that lets the small copy through between another stream's pieces shows
 latencies near the idle row's once pieces are small; one that does not shows them only
 with few pieces in flight.
+
+``--kernel-programs N,...`` adds one variant per N where the "drain" copies each round
+with a kernel of N programs instead (``harness/sm_copy.py``: the GPU's cores store into
+the page-locked buffer; the copy engine is not used), to see whether that leaves the small
+copy's latency at the idle row's and what rate it reaches.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
+from harness.sm_copy import sm_copy
 
 __all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "variants"]
 
@@ -93,11 +99,12 @@ class BulkCopier(BackgroundThread):
     of the thread is kept in :attr:`error` (and raised again when the block exits)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, piece_bytes: int,
-                 in_flight: int) -> None:
+                 in_flight: int, programs: int = 0) -> None:
         super().__init__("bulk-copier", 0.0)
         self._src, self._dst = src, dst
         self._ranges = pieces(src.numel(), piece_bytes)
         self._in_flight = in_flight
+        self._programs = programs  # > 0: each round one copy kernel of that many programs
         self.copied = 0
         self.seconds = 0.0
         self.rounds = 0
@@ -126,7 +133,10 @@ class BulkCopier(BackgroundThread):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not self._stop.is_set():
                 queued_bytes = 0
-                for lo, hi in self._ranges:
+                if self._programs:
+                    sm_copy(self._dst, self._src, self._programs)
+                    queued_bytes = self._src.numel()
+                for lo, hi in [] if self._programs else self._ranges:
                     if self._in_flight and len(queued) >= self._in_flight:
                         _wait(queued.popleft())
                     self._dst[lo:hi].copy_(self._src[lo:hi], non_blocking=stream is not None)
@@ -197,14 +207,17 @@ def run(args: argparse.Namespace, data: Json) -> None:
     period = args.period_ms / 1e3
     rows: list[Json] = []
     small_copy_latencies(dev, 10, period)  # warm-up
-    rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "bulk_gbps": None,
+    rows.append({"variant": "idle", "piece_mb": None, "in_flight": None,
+                 "kernel_programs": None, "bulk_gbps": None,
                  "bulk_rounds": None, "rounds_while_probing": None,
                  **_probe_row(*small_copy_latencies(dev, args.probes, period))})
     expected = src.cpu()  # what every variant's copies must bring
     intact: list[bool] = []
-    for piece_mb, flight in variants(args.pieces_mb, args.in_flight):
+    kernels = [(0, 0, n) for n in args.kernel_programs if n]
+    for piece_mb, flight, programs in [(*v, 0) for v in variants(args.pieces_mb,
+                                                                  args.in_flight)] + kernels:
         dst.zero_()  # each variant's own copies must bring every byte
-        with BulkCopier(src, dst, piece_mb << 20, flight) as bulk:
+        with BulkCopier(src, dst, piece_mb << 20, flight, programs) as bulk:
             while bulk.rounds < 1 and bulk.alive:  # copies flow before the first probe
                 time.sleep(0.001)
             before = bulk.rounds
@@ -212,8 +225,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
             during = bulk.rounds - before if bulk.alive else 0
         intact.append(bool(torch.equal(dst, expected)))
         size = piece_mb or args.bulk_mb
-        rows.append({"variant": f"{size} MiB pieces" + (f", {flight} in flight" if flight else ""),
-                     "piece_mb": size, "in_flight": flight or None,
+        name = (f"kernel, {programs} programs" if programs else
+                f"{size} MiB pieces" + (f", {flight} in flight" if flight else ""))
+        rows.append({"variant": name, "piece_mb": size, "in_flight": flight or None,
+                     "kernel_programs": programs or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
                      **_probe_row(*lat)})
@@ -260,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=_positive_ints, default="0,2",
                    help="pieces queued ahead of the copy engine (0: no limit); for piece "
                         "sizes above 0 (a whole copy is one piece)")
+    p.add_argument("--kernel-programs", type=_positive_ints, default="0",
+                   help="per value N > 0 one more variant: each round copied by a kernel of "
+                        "N programs (the GPU's cores, not the copy engine); 0: none")
     p.add_argument("--probes", type=int, default=400, help="small copies per variant")
     p.add_argument("--period-ms", type=float, default=2.7,
                    help="between two small copies (a stock decode step at batch 64)")

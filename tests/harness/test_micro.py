@@ -9,6 +9,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -375,3 +377,51 @@ def test_copies_that_bring_too_few_bytes_fail_their_check(
     code, data, _ = _copies(tmp_path, "--bulk-mb", "4", "--pieces-mb", "0,1", "--probes", "3")
     assert (code, data["status"]) == (1, "failed")
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, False, False]
+
+
+_SM_COPY_ON_CPU = """
+import torch
+from harness.sm_copy import sm_copy
+for nbytes, offset in [(8 << 10, 0), (4100, 0), (1001, 0), (4096, 1)]:
+    src = torch.randint(0, 256, (nbytes + offset,), dtype=torch.uint8)[offset:]
+    dst = torch.zeros(nbytes + offset, dtype=torch.uint8)[offset:]
+    sm_copy(dst, src, 3)
+    assert torch.equal(dst, src), (nbytes, offset)
+for bad in (lambda: sm_copy(torch.zeros(4), torch.zeros(5), 1),
+            lambda: sm_copy(torch.zeros(4), torch.zeros(4), 0)):
+    try:
+        bad()
+    except ValueError as exc:
+        print("refused:", exc)
+    else:
+        raise AssertionError("accepted")
+"""
+
+
+@pytest.mark.torch
+def test_kernel_copies_bring_every_byte_under_the_triton_interpreter(tmp_path: Path) -> None:
+    """The copy kernel of ``python -m harness copies --kernel-programs``, run on CPU by
+    Triton's interpreter (which must be chosen before Triton is imported: a process of its
+    own): exact bytes for 8-, 4- and 1-byte words, unaligned sources; bad sizes refused."""
+    _needs_torch()
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _SM_COPY_ON_CPU], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("refused:") == 2
+    assert "20 bytes of src, 16 of dst" in done.stdout  # src is the second argument
+    assert "programs=0" in done.stdout
+
+    code = subprocess.run(
+        [sys.executable, "-m", "harness", "copies", "--device", "cpu", "--bulk-mb", "1",
+         "--pieces-mb", "0", "--kernel-programs", "4", "--probes", "10", "--period-ms", "30",
+         "--out", str(tmp_path / "copies.json")],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert code.returncode == 0, code.stdout[-2000:] + code.stderr[-2000:]
+    data = json.loads((tmp_path / "copies.json").read_text())
+    kernel = data["figures"]["rows"][-1]
+    assert (kernel["variant"], kernel["kernel_programs"]) == ("kernel, 4 programs", 4)
+    assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, True]
