@@ -22,9 +22,10 @@ latencies near the idle row's once pieces are small; one that does not shows the
 with few pieces in flight.
 
 ``--kernel-programs N,...`` adds one variant per N where the "drain" copies each round
-with a kernel of N programs instead (``harness/sm_copy.py``: the GPU's cores store into
-the page-locked buffer; the copy engine is not used), to see whether that leaves the small
-copy's latency at the idle row's and what rate it reaches.
+with a kernel of N programs instead (``dmi_sglang.adapters.transport.kernel_copy``, what
+``DMX_DRAIN_COPY_KERNEL`` uses: the GPU's cores store into the page-locked buffer; the copy
+engine is not used), to see whether that leaves the small copy's latency at the idle row's
+and what rate it reaches.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from pathlib import Path
 
 import torch
 
+from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
-from harness.sm_copy import sm_copy
 
 __all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "variants"]
 
@@ -134,7 +135,7 @@ class BulkCopier(BackgroundThread):
             while not self._stop.is_set():
                 queued_bytes = 0
                 if self._programs:
-                    sm_copy(self._dst, self._src, self._programs)
+                    kernel_copy(self._dst, self._src, self._programs)
                     queued_bytes = self._src.numel()
                 for lo, hi in [] if self._programs else self._ranges:
                     if self._in_flight and len(queued) >= self._in_flight:

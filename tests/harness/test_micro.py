@@ -381,14 +381,14 @@ def test_copies_that_bring_too_few_bytes_fail_their_check(
 
 _SM_COPY_ON_CPU = """
 import torch
-from harness.sm_copy import sm_copy
+from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
 for nbytes, offset in [(8 << 10, 0), (4100, 0), (1001, 0), (4096, 1)]:
     src = torch.randint(0, 256, (nbytes + offset,), dtype=torch.uint8)[offset:]
     dst = torch.zeros(nbytes + offset, dtype=torch.uint8)[offset:]
-    sm_copy(dst, src, 3)
+    kernel_copy(dst, src, 3)
     assert torch.equal(dst, src), (nbytes, offset)
-for bad in (lambda: sm_copy(torch.zeros(4), torch.zeros(5), 1),
-            lambda: sm_copy(torch.zeros(4), torch.zeros(4), 0)):
+for bad in (lambda: kernel_copy(torch.zeros(4), torch.zeros(5), 1),
+            lambda: kernel_copy(torch.zeros(4), torch.zeros(4), 0)):
     try:
         bad()
     except ValueError as exc:

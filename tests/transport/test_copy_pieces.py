@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -107,3 +112,45 @@ def test_every_captured_byte_arrives_through_pieces(make_driver) -> None:
         counts.append(counters["d2h_pieces"])
         assert counters["d2h_ahead_waits"] == (counters["d2h_pieces"] - 2 if piece else 0)
     assert 0 < counts[0] < counts[1]
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _INTERPRETED, reason="run by the next test, in a process of its own "
+                                             "with Triton's interpreter chosen")
+@pytest.mark.usefixtures("pending")
+@pytest.mark.parametrize("piece", [0, 64])
+def test_every_captured_byte_arrives_through_kernel_copies(make_driver, piece) -> None:
+    d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
+                          copies_ahead=2 if piece else 0, copy_kernel_programs=3,
+                          max_prefill_tokens=16)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
+    for n in range(4):
+        d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    counters = d.t.drain_counters()
+    assert counters["d2h_kernel_copies"] == counters["d2h_pieces"] > 0
+
+
+def test_kernel_copies_under_the_triton_interpreter() -> None:
+    """The transport with ``DMX_DRAIN_COPY_KERNEL`` on CPU: every device-to-host copy made
+    by the copy kernel (Triton's interpreter, chosen before Triton is imported, so in a
+    pytest process of its own), every captured byte delivered."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{Path(__file__).resolve()}::test_every_captured_byte_arrives_through_kernel_copies"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary, summary
+    assert "skipped" not in summary, summary
+
+
+def test_kernel_copies_are_refused_below_zero() -> None:
+    with pytest.raises(ValueError, match=r"^copy_kernel_programs -1: expected >= 0"):
+        DeviceOps("cpu", copy_kernel_programs=-1)

@@ -278,6 +278,7 @@ class PipelineFactory:
                 arena_slots_mb=settings.arena_slots_mb,
                 copy_piece_mb=settings.drain_copy_piece_mb,
                 copy_ahead=settings.drain_copy_ahead,
+                copy_kernel=settings.drain_copy_kernel,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

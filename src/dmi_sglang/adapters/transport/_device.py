@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
 from dmi_sglang.domain.shapes import DType
 
 __all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc",
@@ -84,6 +85,10 @@ class DeviceOps:
             not yet done: before queueing one more, :meth:`to_host` waits for the oldest
             (on CPU every copy is done when queued: the waits return at once); 0: no
             limit.
+        copy_kernel_programs: above 0, :meth:`to_host` copies each piece into
+            page-locked memory with a copy kernel of this many programs (the GPU's cores;
+            :mod:`~dmi_sglang.adapters.transport.kernel_copy`) instead of the copy engine;
+            on CPU with Triton's interpreter only (the tests). 0: the copy engine.
     """
 
     defer_on_cpu = False
@@ -92,10 +97,11 @@ class DeviceOps:
 
     def __init__(
         self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None,
-        *, copy_piece_bytes: int = 0, copies_ahead: int = 0,
+        *, copy_piece_bytes: int = 0, copies_ahead: int = 0, copy_kernel_programs: int = 0,
     ) -> None:
         for name, value in (("copy_piece_bytes", copy_piece_bytes),
-                            ("copies_ahead", copies_ahead)):
+                            ("copies_ahead", copies_ahead),
+                            ("copy_kernel_programs", copy_kernel_programs)):
             if value < 0:
                 msg = f"{name} {value}: expected >= 0 (0: no limit)"
                 raise ValueError(msg)
@@ -123,6 +129,7 @@ class DeviceOps:
         self._piece_bytes = copy_piece_bytes
         self._ahead = copies_ahead
         self._ahead_events: collections.deque[torch.cuda.Event | _Done] = collections.deque()
+        self._kernel_programs = copy_kernel_programs
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0
@@ -130,6 +137,8 @@ class DeviceOps:
         before queueing one more."""
         self.ahead_wait_seconds = 0.0
         """Seconds those waits took."""
+        self.kernel_copies = 0
+        """Of :attr:`copy_pieces`, those a copy kernel made (``copy_kernel_programs``)."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -193,11 +202,23 @@ class DeviceOps:
                     event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 else:
                     event = _Done()
-            d.copy_(s, non_blocking=self.is_cuda)
+            if self._by_kernel(d, s):
+                kernel_copy(d, s, self._kernel_programs)
+                self.kernel_copies += 1
+            else:
+                d.copy_(s, non_blocking=self.is_cuda)
             self.copy_pieces += 1
             if event is not None:
                 event.record()  # on the current stream: the drain's
                 queued.append(event)
+
+    def _by_kernel(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether a copy kernel can make this copy: asked for, same shape and dtype, both
+        contiguous, the destination page-locked (on CUDA: a kernel reaches no other host
+        memory). Else the copy engine makes it (a broadcasting or strided copy)."""
+        return (self._kernel_programs > 0 and dst.shape == src.shape
+                and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+                and (dst.is_pinned() if self.is_cuda else True))
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work

@@ -35,6 +35,7 @@ def create_transport(
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
     copy_piece_mb: int = 0,
     copy_ahead: int = 0,
+    copy_kernel: int = 0,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -55,6 +56,7 @@ def create_transport(
         arena_slots_mb: ``DMX_ARENA_SLOTS_MB``.
         copy_piece_mb: ``DMX_DRAIN_COPY_PIECE_MB``.
         copy_ahead: ``DMX_DRAIN_COPY_AHEAD``.
+        copy_kernel: ``DMX_DRAIN_COPY_KERNEL``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -78,5 +80,6 @@ def create_transport(
             arena_slots_mb=arena_slots_mb,
             copy_piece_mb=copy_piece_mb,
             copy_ahead=copy_ahead,
+            copy_kernel=copy_kernel,
         ),
     )

@@ -63,6 +63,10 @@ class TransportOptions:
         copies_ahead: ``DMX_DRAIN_COPY_AHEAD``: the most of the drain's device-to-host
             pieces queued and not yet done (the drain waits for the oldest before it
             queues one more). 0: no limit.
+        copy_kernel_programs: ``DMX_DRAIN_COPY_KERNEL``: above 0, the drain's
+            device-to-host copies into page-locked memory are made by a copy kernel of
+            this many programs (the GPU's cores) instead of the copy engine
+            (:mod:`~dmi_sglang.adapters.transport.kernel_copy`). 0: the copy engine.
     """
 
     strip: bool = True
@@ -80,6 +84,7 @@ class TransportOptions:
                                          validator=attrs.validators.ge(0))
     copy_piece_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copies_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     @classmethod
     def from_settings(
@@ -95,11 +100,12 @@ class TransportOptions:
         arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
         copy_piece_mb: int = 0,
         copy_ahead: int = 0,
+        copy_kernel: int = 0,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
-        ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD``
-        values."""
+        ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD`` /
+        ``DMX_DRAIN_COPY_KERNEL`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -111,4 +117,5 @@ class TransportOptions:
             arena_slots_bytes=arena_slots_mb * MIB,
             copy_piece_bytes=copy_piece_mb * MIB,
             copies_ahead=copy_ahead,
+            copy_kernel_programs=copy_kernel,
         )

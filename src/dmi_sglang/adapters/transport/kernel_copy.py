@@ -1,7 +1,12 @@
-"""A copy by the GPU's cores instead of its copy engine: a Triton kernel that loads device
-memory and stores it into page-locked host memory (reachable from kernels through unified
-addressing), used by ``python -m harness copies`` to see whether such copies leave the
-copy engine free for another stream's small copies.
+"""Device-to-host copies by the GPU's cores instead of its copy engine.
+
+A copy engine runs the device-to-host copies of all streams in turn, and another stream's
+copy queued while the drain's copies keep it busy waits until they run out (measured on
+the H200 with ``python -m harness copies``): SGLang's scheduler waits each step for such
+a small copy (the sampled tokens). :func:`kernel_copy` moves the bytes with a Triton
+kernel that loads device memory and stores into page-locked host memory, which kernels
+reach through unified addressing, leaving the copy engine to everyone else
+(``DMX_DRAIN_COPY_KERNEL``).
 
 Triton is imported on first use (it comes with SGLang and torch's GPU builds); with
 ``TRITON_INTERPRET=1`` set before that, the kernel runs on CPU tensors (the tests).
@@ -23,7 +28,7 @@ def _compiled() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit  # type: ignore[untyped-decorator]
+    @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
     def copy_kernel(src: Any, dst: Any, n: Any, block: tl.constexpr) -> None:
         first = tl.program_id(0) * block
         stride = tl.num_programs(0) * block
@@ -44,19 +49,21 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def sm_copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
+def kernel_copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
     """Queue ``dst.copy_(src)`` as ``programs`` kernel programs on the current stream.
 
     ``src`` and ``dst`` are contiguous with equal byte sizes; ``dst`` may be page-locked
-    host memory. Raises ``ValueError`` naming what is wrong otherwise.
+    host memory (a kernel cannot reach pageable memory). The copy is stream-ordered as
+    ``copy_(non_blocking=True)`` is: wait for an event recorded after it before reading
+    ``dst``. Raises ``ValueError`` naming what is wrong otherwise.
     """
     if programs < 1:
         raise ValueError(f"programs={programs}: expected an integer >= 1")
     if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("sm_copy: src and dst must be contiguous")
+        raise ValueError("kernel_copy: src and dst must be contiguous")
     nbytes = src.numel() * src.element_size()
     if nbytes != dst.numel() * dst.element_size():
-        raise ValueError(f"sm_copy: {nbytes} bytes of src, "
+        raise ValueError(f"kernel_copy: {nbytes} bytes of src, "
                          f"{dst.numel() * dst.element_size()} of dst: expected equal sizes")
     if nbytes == 0:
         return
