@@ -2,9 +2,9 @@
 
 Rewrites the blocks between ``<!-- BEGIN GENERATED: NAME ... -->`` and ``<!-- END
 GENERATED: NAME -->``: ``qualified-cells`` (latest result per cell), ``serving-bench``
-(latest serving benchmark) and ``hooks-bench`` / ``transport-bench`` / ``store-bench``
+(latest serving benchmark), ``hooks-bench`` / ``transport-bench`` / ``store-bench``
 (latest component benchmark: its ``figures["table"]``, a list of flat rows, and
-``figures["note"]``). A block
+``figures["note"]``) and ``copies-bench`` (latest ``python -m harness copies``). A block
 with no result of the current schema is left as it is.
 
     python -m harness docs            # rewrite the docs
@@ -146,6 +146,30 @@ def rows_table(kind: str) -> Callable[[Found, Path], str]:
     return render
 
 
+def copies_table(found: Found, docs: Path) -> str:
+    """The latest ``python -m harness copies`` result: per variant the small copy's
+    latency (its thread's view and the device's) and the drain's rate, with the settings
+    it suggests."""
+    latest = _latest(found, "copies")
+    if not latest:
+        return ""
+    path, d = max(latest.values(), key=lambda item: str(item[1]["ran_at_utc"]))
+    figures = d.get("figures") or {}
+    table = [{"drain copies": r["variant"], "small copy p50 µs": r["p50_us"],
+              "p99 µs": r["p99_us"], "max µs": r["max_us"],
+              "on device p50 µs": r["device_p50_us"], "on device p99 µs": r["device_p99_us"],
+              "drain GB/s": r["bulk_gbps"]} for r in figures.get("rows") or []]
+    if not table:
+        return ""
+    settings = d.get("settings") or {}
+    note = (f"; {settings.get('bulk_mb')} MiB a round, {settings.get('probes')} small copies "
+            f"a variant, one every {settings.get('period_ms')} ms")
+    if "suggested_env" in figures:
+        s = figures["suggested_env"]
+        note += "; suggested: " + ("none" if s is None else f"`{s}`" if s else "the defaults")
+    return "\n".join([_source(path, d, docs) + note, "", *table_lines(table, markdown=True)])
+
+
 def table_lines(rows: Sequence[Json], *, markdown: bool = False) -> list[str]:
     """Flat rows (short column names as keys) as text or markdown tables: one table per
     run of rows with the same columns, a blank line between tables."""
@@ -178,7 +202,7 @@ def _cell(value: Any) -> str:
 BLOCKS: dict[str, Callable[[Found, Path], str]] = {
     "qualified-cells": cells_table, "serving-bench": serving_table,
     "hooks-bench": rows_table("hooks"), "transport-bench": rows_table("transport"),
-    "store-bench": rows_table("store")}
+    "store-bench": rows_table("store"), "copies-bench": copies_table}
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED: ([\w-]+)[^>]*-->\n)(.*?)(<!-- END GENERATED: \2 -->)",
                     re.S)
 

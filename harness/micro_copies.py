@@ -45,10 +45,18 @@ from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
 
-__all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "variants"]
+__all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "suggested_env", "variants"]
 
 PROBE_ELEMENTS = 64
 """The small copy: a decode batch's sampled token ids (64 int64)."""
+
+SUGGEST_P99_US = 1000.0
+"""The small copy's p99 (as its thread saw it) a suggested variant keeps under: well
+within one stock decode step (2.7 ms at batch 64 on Qwen3-0.6B)."""
+
+SUGGEST_RATE_SHARE = 0.95
+"""Variants within this share of the best qualifying rate count as equally fast; the
+first measured of them (whole and larger pieces first, kernels by fewer programs) wins."""
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -184,6 +192,27 @@ def small_copy_latencies(device: torch.device, probes: int,
     return host, on_device
 
 
+def suggested_env(rows: Sequence[Json], intact: Sequence[bool]) -> str | None:
+    """The drain settings of the fastest variant that left the small copy's p99 under
+    :data:`SUGGEST_P99_US` and brought every byte, as ``DMX_*=V`` words (``""``: the
+    defaults, one whole copy); ``None`` when no variant did. ``rows`` are the variants'
+    rows (the idle row left out), ``intact`` their checks, in order."""
+    good = [r for r, ok in zip(rows, intact, strict=True)
+            if ok and r["bulk_gbps"] and r["p99_us"] is not None
+            and r["p99_us"] < SUGGEST_P99_US]
+    if not good:
+        return None
+    best = max(r["bulk_gbps"] for r in good)
+    row = next(r for r in good if r["bulk_gbps"] >= SUGGEST_RATE_SHARE * best)
+    if row["kernel_programs"]:
+        return f"DMX_DRAIN_COPY_KERNEL={row['kernel_programs']}"
+    whole = row["piece_mb"] == row["bulk_mb"]
+    words = [] if whole else [f"DMX_DRAIN_COPY_PIECE_MB={row['piece_mb']}"]
+    if row["in_flight"]:
+        words.append(f"DMX_DRAIN_COPY_AHEAD={row['in_flight']}")
+    return " ".join(words)
+
+
 def _percentiles_us(seconds: list[float], prefix: str = "") -> Json:
     if not seconds:
         return {f"{prefix}p50_us": None, f"{prefix}p99_us": None, f"{prefix}max_us": None}
@@ -228,12 +257,14 @@ def run(args: argparse.Namespace, data: Json) -> None:
         size = piece_mb or args.bulk_mb
         name = (f"kernel, {programs} programs" if programs else
                 f"{size} MiB pieces" + (f", {flight} in flight" if flight else ""))
-        rows.append({"variant": name, "piece_mb": size, "in_flight": flight or None,
+        rows.append({"variant": name, "piece_mb": size, "bulk_mb": args.bulk_mb,
+                     "in_flight": flight or None,
                      "kernel_programs": programs or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
                      **_probe_row(*lat)})
-    data["figures"] = {"rows": rows}
+    suggested = suggested_env(rows[1:], intact)
+    data["figures"] = {"rows": rows, "suggested_env": suggested}
     copying = [r["rounds_while_probing"] for r in rows[1:]]
     data["checks"] = {
         "bulk_copies_intact": {"ok": all(intact), "required": True, "per_variant": intact,
@@ -245,6 +276,9 @@ def run(args: argparse.Namespace, data: Json) -> None:
                                           "probes ran, in every variant"},
     }
     print(render(rows))
+    print("suggested drain settings: " + (
+        "none (every variant held the small copy past "
+        f"{SUGGEST_P99_US:,.0f} µs at p99)" if suggested is None else suggested or "the defaults"))
 
 
 def render(rows: list[Json]) -> str:

@@ -349,6 +349,11 @@ def test_copies_on_cpu(tmp_path: Path) -> None:
     assert all(r["rounds_while_probing"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 3
     assert "2 MiB pieces, 1 in flight" in printed
+    from harness.micro_copies import suggested_env
+
+    assert data["figures"]["suggested_env"] == suggested_env(
+        rows[1:], data["checks"]["bulk_copies_intact"]["per_variant"])
+    assert "suggested drain settings: " in printed
 
 
 @pytest.mark.torch
@@ -425,3 +430,30 @@ def test_kernel_copies_bring_every_byte_under_the_triton_interpreter(tmp_path: P
     kernel = data["figures"]["rows"][-1]
     assert (kernel["variant"], kernel["kernel_programs"]) == ("kernel, 4 programs", 4)
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, True]
+
+
+def _variant(piece: int, flight: int | None, programs: int | None, gbps: float,
+             p99: float) -> dict[str, Any]:
+    return {"piece_mb": piece, "bulk_mb": 512, "in_flight": flight,
+            "kernel_programs": programs, "bulk_gbps": gbps, "p99_us": p99}
+
+
+def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_quick() -> None:
+    from harness.micro_copies import suggested_env
+
+    rows = [_variant(512, None, None, 54.0, 9_800.0),   # fastest, but the small copy waits
+            _variant(8, 1, None, 40.0, 400.0),
+            _variant(2, 2, None, 35.0, 550.0),
+            _variant(512, None, 8, 20.0, 120.0),
+            _variant(512, None, 32, 48.0, 130.0),
+            _variant(512, None, 132, 49.0, 140.0)]
+    # 32 programs are within 5 % of 132's rate and measured first
+    assert suggested_env(rows, [True] * 6) == "DMX_DRAIN_COPY_KERNEL=32"
+    # a variant that lost bytes is never suggested
+    assert suggested_env(rows, [True] * 4 + [False] * 2) == \
+        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1"
+    assert suggested_env(rows[:1], [True]) is None
+    quick_whole = [_variant(512, None, None, 54.0, 300.0), *rows[1:]]
+    assert suggested_env(quick_whole, [True] * 6) == ""  # the defaults
+    assert suggested_env([_variant(8, None, None, 50.0, 100.0)], [True]) == \
+        "DMX_DRAIN_COPY_PIECE_MB=8"
