@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmi_sglang.adapters.transport import _device
+from dmi_sglang.adapters.transport import _device, kernel_copy
 from dmi_sglang.adapters.transport._device import DeviceOps, _pieces
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import UnsupportedConfigurationError
 
 
 def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +122,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
                                              "with Triton's interpreter chosen")
 @pytest.mark.usefixtures("pending")
 @pytest.mark.parametrize("piece", [0, 64])
-def test_every_captured_byte_arrives_through_kernel_copies(make_driver, piece) -> None:
+def test_interpreted_every_captured_byte_arrives_through_kernel_copies(make_driver, piece) -> None:
     d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
                           copies_ahead=2 if piece else 0, copy_kernel_programs=3,
                           max_prefill_tokens=16)
@@ -134,16 +135,24 @@ def test_every_captured_byte_arrives_through_kernel_copies(make_driver, piece) -
     assert counters["d2h_kernel_copies"] == counters["d2h_pieces"] > 0
 
 
+@pytest.mark.skipif(not _INTERPRETED, reason="run by the next test, in a process of its own "
+                                             "with Triton's interpreter chosen")
+def test_interpreted_the_kernel_warms_up_and_checks_itself() -> None:
+    kernel_copy.warm_up(torch.device("cpu"), 5)  # compiled, copied, checked: no error
+
+
 def test_kernel_copies_under_the_triton_interpreter() -> None:
     """The transport with ``DMX_DRAIN_COPY_KERNEL`` on CPU: every device-to-host copy made
     by the copy kernel (Triton's interpreter, chosen before Triton is imported, so in a
     pytest process of its own), every captured byte delivered."""
     pytest.importorskip("triton")
+    if _INTERPRETED:
+        pytest.skip("runs the interpreted tests: not from within them")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"{Path(__file__).resolve()}::test_every_captured_byte_arrives_through_kernel_copies"],
+         str(Path(__file__).resolve()), "-k", "test_interpreted_"],
         env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
@@ -154,3 +163,23 @@ def test_kernel_copies_under_the_triton_interpreter() -> None:
 def test_kernel_copies_are_refused_below_zero() -> None:
     with pytest.raises(ValueError, match=r"^copy_kernel_programs -1: expected >= 0"):
         DeviceOps("cpu", copy_kernel_programs=-1)
+
+
+@pytest.mark.parametrize(("broken", "words"), [
+    ("import", "ImportError: No module named 'triton'"),
+    ("bytes", "RuntimeError: the bytes copied differ from the source"),
+])
+def test_a_copy_kernel_that_does_not_work_is_refused_at_start(
+        monkeypatch: pytest.MonkeyPatch, broken: str, words: str) -> None:
+    def no_triton() -> None:
+        raise ImportError("No module named 'triton'")
+
+    if broken == "import":
+        monkeypatch.setattr(kernel_copy, "_compiled", no_triton)
+    else:  # a kernel that runs and brings nothing
+        monkeypatch.setattr(kernel_copy, "kernel_copy", lambda dst, src, programs: None)
+    with pytest.raises(UnsupportedConfigurationError) as info:
+        kernel_copy.warm_up(torch.device("cpu"), 6)
+    assert "DMX_DRAIN_COPY_KERNEL=6" in str(info.value)
+    assert words in str(info.value)
+    assert "DMX_DRAIN_COPY_KERNEL=0" in str(info.value)  # what to do instead

@@ -244,6 +244,21 @@ def test_copies_in_pieces_with_a_limit_ahead_equal_reference():
         assert 0 <= counters["d2h_ahead_waits"] <= counters["d2h_pieces"] - 2
 
 
+def test_copies_by_the_copy_kernel_equal_reference():
+    # DMX_DRAIN_COPY_KERNEL: window flushes, staging spans and direct chunks stored into
+    # page-locked memory by the GPU's cores, in pieces (unaligned offsets among them)
+    for selection, coalesce in ((SELECTION, True), (DENSE, False)):
+        sink = MemorySink()
+        t = _transport(sink, selection=selection, coalesce_decode=coalesce,
+                       copy_piece_bytes=4100, copies_ahead=2, copy_kernel_programs=16)
+        expected = _run_eager(t, selection=selection)
+        stats = t.stop()
+        assert expected.verify(sink.records) == stats.rows
+        counters = t.drain_counters()
+        assert counters["d2h_kernel_copies"] > 2
+        assert counters["d2h_kernel_copies"] <= counters["d2h_pieces"]
+
+
 def test_graph_replay_with_padding_stores_only_real_rows():
     for strip in (True, False):
         sink = MemorySink()

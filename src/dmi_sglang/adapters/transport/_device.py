@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
+from dmi_sglang.adapters.transport.kernel_copy import kernel_copy, warm_up
 from dmi_sglang.domain.shapes import DType
 
 __all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc",
@@ -130,6 +130,8 @@ class DeviceOps:
         self._ahead = copies_ahead
         self._ahead_events: collections.deque[torch.cuda.Event | _Done] = collections.deque()
         self._kernel_programs = copy_kernel_programs
+        if copy_kernel_programs and self.is_cuda:
+            warm_up(dev, copy_kernel_programs)  # compiled and checked before the first flush
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dmi_sglang.errors import UnsupportedConfigurationError
+
 BLOCK = 1024
 """Elements one program moves per iteration of its loop."""
 
@@ -71,3 +73,27 @@ def kernel_copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
     if s.dtype != d.dtype:  # different alignments: move bytes
         s, d = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
     _compiled()[(programs,)](s, d, s.numel(), block=BLOCK)
+
+
+def warm_up(device: torch.device, programs: int) -> None:
+    """Compile the kernel for the drain's usual copies (8-byte words, at 16-byte-aligned
+    and at 8-byte-offset addresses) and check what it copies, before the first flush
+    needs it: a Triton missing, or one that cannot reach page-locked memory here, fails
+    now with :class:`~dmi_sglang.errors.UnsupportedConfigurationError` naming the setting,
+    not in the drain's thread mid-run. On CPU (Triton's interpreter) host memory stands in
+    for page-locked memory."""
+    try:
+        src = torch.arange(1, 66, dtype=torch.int64, device=device)
+        host = torch.zeros(65, dtype=torch.int64, pin_memory=device.type == "cuda")
+        for lo in (0, 1):
+            kernel_copy(host[lo:lo + 64], src[lo:lo + 64], programs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if not torch.equal(host[lo:lo + 64], src[lo:lo + 64].cpu()):
+                raise RuntimeError("the bytes copied differ from the source")
+            host.zero_()
+    except Exception as exc:  # an ImportError, Triton's own, or the check above
+        reason = (f"DMX_DRAIN_COPY_KERNEL={programs}: the drain's copy kernel does not work "
+                  f"on {device} ({type(exc).__name__}: {exc}); set DMX_DRAIN_COPY_KERNEL=0 "
+                  "to copy with the copy engine")
+        raise UnsupportedConfigurationError((reason,)) from exc
