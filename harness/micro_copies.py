@@ -25,7 +25,10 @@ with few pieces in flight.
 with a kernel of N programs instead (``dmi_sglang.adapters.transport.kernel_copy``, what
 ``DMX_DRAIN_COPY_KERNEL`` uses: the GPU's cores store into the page-locked buffer; the copy
 engine is not used), to see whether that leaves the small copy's latency at the idle row's
-and what rate it reaches.
+and what rate it reaches. ``--gap-pieces-mb P,...`` adds one variant per P where a
+tiny kernel follows each piece of P MiB on the copying stream (``DMX_DRAIN_COPY_GAPS``):
+while it runs that stream has no copy queued, which may let the copy engine serve the
+small copy in between.
 """
 
 from __future__ import annotations
@@ -108,12 +111,13 @@ class BulkCopier(BackgroundThread):
     of the thread is kept in :attr:`error` (and raised again when the block exits)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, piece_bytes: int,
-                 in_flight: int, programs: int = 0) -> None:
+                 in_flight: int, *, programs: int = 0, gaps: bool = False) -> None:
         super().__init__("bulk-copier", 0.0)
         self._src, self._dst = src, dst
         self._ranges = pieces(src.numel(), piece_bytes)
         self._in_flight = in_flight
         self._programs = programs  # > 0: each round one copy kernel of that many programs
+        self._gaps = gaps  # a tiny kernel after each piece
         self.copied = 0
         self.seconds = 0.0
         self.rounds = 0
@@ -139,6 +143,7 @@ class BulkCopier(BackgroundThread):
         stream = torch.cuda.Stream(self._src.device) if self._src.is_cuda else None  # type: ignore[no-untyped-call]
         queued: collections.deque[torch.cuda.Event | None] = collections.deque()
         started = time.perf_counter()
+        counter = torch.zeros(1, dtype=torch.int64, device=self._src.device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not self._stop.is_set():
                 queued_bytes = 0
@@ -149,6 +154,8 @@ class BulkCopier(BackgroundThread):
                     if self._in_flight and len(queued) >= self._in_flight:
                         _wait(queued.popleft())
                     self._dst[lo:hi].copy_(self._src[lo:hi], non_blocking=stream is not None)
+                    if self._gaps:
+                        counter.add_(1)
                     queued_bytes += hi - lo
                     if self._in_flight:
                         queued.append(_event(stream))
@@ -210,6 +217,8 @@ def suggested_env(rows: Sequence[Json], intact: Sequence[bool]) -> str | None:
     words = [] if whole else [f"DMX_DRAIN_COPY_PIECE_MB={row['piece_mb']}"]
     if row["in_flight"]:
         words.append(f"DMX_DRAIN_COPY_AHEAD={row['in_flight']}")
+    if row.get("gaps"):
+        words.append("DMX_DRAIN_COPY_GAPS=1")
     return " ".join(words)
 
 
@@ -237,17 +246,18 @@ def run(args: argparse.Namespace, data: Json) -> None:
     period = args.period_ms / 1e3
     rows: list[Json] = []
     small_copy_latencies(dev, 10, period)  # warm-up
-    rows.append({"variant": "idle", "piece_mb": None, "in_flight": None,
+    rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "gaps": None,
                  "kernel_programs": None, "bulk_gbps": None,
                  "bulk_rounds": None, "rounds_while_probing": None,
                  **_probe_row(*small_copy_latencies(dev, args.probes, period))})
     expected = src.cpu()  # what every variant's copies must bring
     intact: list[bool] = []
-    kernels = [(0, 0, n) for n in args.kernel_programs if n]
-    for piece_mb, flight, programs in [(*v, 0) for v in variants(args.pieces_mb,
-                                                                  args.in_flight)] + kernels:
+    measured = ([(*v, 0, False) for v in variants(args.pieces_mb, args.in_flight)]
+                + [(p, 0, 0, True) for p in args.gap_pieces_mb if p]
+                + [(0, 0, n, False) for n in args.kernel_programs if n])
+    for piece_mb, flight, programs, gaps in measured:
         dst.zero_()  # each variant's own copies must bring every byte
-        with BulkCopier(src, dst, piece_mb << 20, flight, programs) as bulk:
+        with BulkCopier(src, dst, piece_mb << 20, flight, programs=programs, gaps=gaps) as bulk:
             while bulk.rounds < 1 and bulk.alive:  # copies flow before the first probe
                 time.sleep(0.001)
             before = bulk.rounds
@@ -256,9 +266,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
         intact.append(bool(torch.equal(dst, expected)))
         size = piece_mb or args.bulk_mb
         name = (f"kernel, {programs} programs" if programs else
-                f"{size} MiB pieces" + (f", {flight} in flight" if flight else ""))
+                f"{size} MiB pieces" + (f", {flight} in flight" if flight else "")
+                + (", gaps" if gaps else ""))
         rows.append({"variant": name, "piece_mb": size, "bulk_mb": args.bulk_mb,
-                     "in_flight": flight or None,
+                     "in_flight": flight or None, "gaps": gaps,
                      "kernel_programs": programs or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
@@ -310,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=_positive_ints, default="0,2",
                    help="pieces queued ahead of the copy engine (0: no limit); for piece "
                         "sizes above 0 (a whole copy is one piece)")
+    p.add_argument("--gap-pieces-mb", type=_positive_ints, default="0",
+                   help="per value P > 0 one more variant: pieces of P MiB, each followed by "
+                        "a tiny kernel on the copying stream; 0: none")
     p.add_argument("--kernel-programs", type=_positive_ints, default="0",
                    help="per value N > 0 one more variant: each round copied by a kernel of "
                         "N programs (the GPU's cores, not the copy engine); 0: none")
@@ -323,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             p.error(f"--{name.replace('_', '-')} {value}: expected a positive number")
-    if max(args.pieces_mb) > args.bulk_mb:
-        p.error(f"--pieces-mb {max(args.pieces_mb)}: at most --bulk-mb {args.bulk_mb}")
+    for name in ("pieces_mb", "gap_pieces_mb"):
+        if max(getattr(args, name)) > args.bulk_mb:
+            p.error(f"--{name.replace('_', '-')} {max(getattr(args, name))}: at most "
+                    f"--bulk-mb {args.bulk_mb}")
     try:
         dev = torch.device(args.device)
     except RuntimeError:

@@ -174,7 +174,8 @@ def engine_options(max_prefill_tokens: int) -> TransportOptions:
         max_prefill_tokens=max_prefill_tokens, linger_us=env.drain_linger_us,
         gil_slice_us=env.drain_gil_slice_us, window_mb=env.drain_window_mb,
         arena_slots_mb=env.arena_slots_mb, copy_piece_mb=env.drain_copy_piece_mb,
-        copy_ahead=env.drain_copy_ahead, copy_kernel=env.drain_copy_kernel)
+        copy_ahead=env.drain_copy_ahead, copy_kernel=env.drain_copy_kernel,
+        copy_gaps=env.drain_copy_gaps)
 
 
 def engine_env() -> dict[str, str]:

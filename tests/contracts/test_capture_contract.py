@@ -185,10 +185,11 @@ def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> N
 def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain() -> None:
     opened = PipelineFactory().open(_spec(_settings(
         dmx_db_url="none", dmx_drain_copy_piece_mb="3", dmx_drain_copy_ahead="5",
-        dmx_drain_copy_kernel="7")))
+        dmx_drain_copy_kernel="7", dmx_drain_copy_gaps="1")))
     try:
         ops = opened.session.transport._ops  # type: ignore[attr-defined]
         assert (ops._piece_bytes, ops._ahead, ops._kernel_programs) == (3 << 20, 5, 7)
+        assert ops._gap_counter is not None
     finally:
         opened.session.stop()
 

@@ -235,6 +235,9 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
      "argument --pieces-mb: '8,-1': expected integers >= 0 separated by commas"),
     ("micro_copies", ["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "8"],
      "--pieces-mb 8: at most --bulk-mb 4"),
+    ("micro_copies", ["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "0",
+                      "--gap-pieces-mb", "2,6"],
+     "--gap-pieces-mb 6: at most --bulk-mb 4"),
     ("micro_copies", ["--device", "cpu", "--period-ms", "nan"],
      "--period-ms nan: expected a positive number"),
     ("micro_copies", ["--device", "bogus"], "--device 'bogus': expected cpu, cuda or cuda:N"),
@@ -338,16 +341,18 @@ def _copies(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any], str]:
 def test_copies_on_cpu(tmp_path: Path) -> None:
     _needs_torch()
     code, _, printed = _copies(tmp_path, "--bulk-mb", "8", "--pieces-mb", "0,2",
-                               "--in-flight", "0,1", "--probes", "5")
+                               "--in-flight", "0,1", "--gap-pieces-mb", "4", "--probes", "5")
     assert code == 0
     data = _result(tmp_path / "copies.json", "copies")
     rows = data["figures"]["rows"]
     assert [r["variant"] for r in rows] == [
-        "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight"]
+        "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight",
+        "4 MiB pieces, gaps"]
+    assert [r["gaps"] for r in rows] == [None, False, False, False, True]
     assert all(r["probes"] == 5 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
     assert all(r["device_p50_us"] is None for r in rows)  # no device events on CPU
     assert all(r["rounds_while_probing"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
-    assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 3
+    assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 4
     assert "2 MiB pieces, 1 in flight" in printed
     from harness.micro_copies import suggested_env
 
@@ -457,3 +462,5 @@ def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_q
     assert suggested_env(quick_whole, [True] * 6) == ""  # the defaults
     assert suggested_env([_variant(8, None, None, 50.0, 100.0)], [True]) == \
         "DMX_DRAIN_COPY_PIECE_MB=8"
+    gapped = {**_variant(8, None, None, 50.0, 100.0), "gaps": True}
+    assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1"

@@ -160,6 +160,32 @@ def test_kernel_copies_under_the_triton_interpreter() -> None:
     assert "skipped" not in summary, summary
 
 
+def test_a_gap_kernel_follows_every_piece_of_the_copy_engine() -> None:
+    ops = DeviceOps("cpu", copy_piece_bytes=16, copy_gaps=True)
+    src = _filled((100,), torch.uint8)
+    dst = torch.zeros_like(src)
+    ops.to_host(dst, src)
+    ops.to_host(dst[:10], src[:10])
+    assert torch.equal(dst, src)
+    assert ops.copy_pieces == ops.gaps == 8
+    assert ops._gap_counter is not None
+    assert int(ops._gap_counter) == 8  # each gap is a real operation on the stream
+    assert DeviceOps("cpu", copy_piece_bytes=16).gaps == 0
+
+
+@pytest.mark.usefixtures("pending")
+def test_every_captured_byte_arrives_with_gaps_between_pieces(make_driver) -> None:
+    d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=64, copies_ahead=2,
+                          copy_gaps=True, max_prefill_tokens=16)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
+    for n in range(6):
+        d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    counters = d.t.drain_counters()
+    assert counters["d2h_gaps"] == counters["d2h_pieces"] > 2
+
+
 def test_kernel_copies_are_refused_below_zero() -> None:
     with pytest.raises(ValueError, match=r"^copy_kernel_programs -1: expected >= 0"):
         DeviceOps("cpu", copy_kernel_programs=-1)

@@ -244,6 +244,18 @@ def test_copies_in_pieces_with_a_limit_ahead_equal_reference():
         assert 0 <= counters["d2h_ahead_waits"] <= counters["d2h_pieces"] - 2
 
 
+def test_copies_with_gaps_between_pieces_equal_reference():
+    # DMX_DRAIN_COPY_GAPS: a tiny kernel after each piece on the drain's stream
+    sink = MemorySink()
+    t = _transport(sink, copy_piece_bytes=4096, copy_gaps=True)
+    expected = _run_eager(t)
+    stats = t.stop()
+    assert expected.verify(sink.records) == stats.rows
+    counters = t.drain_counters()
+    assert counters["d2h_gaps"] == counters["d2h_pieces"] > 2
+    assert int(t._ops._gap_counter) == counters["d2h_gaps"]  # every gap ran
+
+
 def test_copies_by_the_copy_kernel_equal_reference():
     # DMX_DRAIN_COPY_KERNEL: window flushes, staging spans and direct chunks stored into
     # page-locked memory by the GPU's cores, in pieces (unaligned offsets among them)

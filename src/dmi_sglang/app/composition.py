@@ -279,6 +279,7 @@ class PipelineFactory:
                 copy_piece_mb=settings.drain_copy_piece_mb,
                 copy_ahead=settings.drain_copy_ahead,
                 copy_kernel=settings.drain_copy_kernel,
+                copy_gaps=settings.drain_copy_gaps,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

@@ -357,6 +357,9 @@ _VARS: dict[str, _Var] = {
     "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", 0, _conv(*_bounded(0, 16_384))),
     "DRAIN_COPY_AHEAD": _Var("drain_copy_ahead", 0, _conv(*_bounded(0, 1_024))),
     "DRAIN_COPY_KERNEL": _Var("drain_copy_kernel", 0, _conv(*_bounded(0, 1_024))),
+    "DRAIN_COPY_GAPS": _Var(
+        "drain_copy_gaps", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+    ),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
     "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
@@ -408,6 +411,7 @@ class Settings:
     drain_copy_piece_mb: int = 0
     drain_copy_ahead: int = 0
     drain_copy_kernel: int = 0
+    drain_copy_gaps: bool = False
     plan_tok_s: int | None = None
     request_sample: float = 1.0
     store_max_gb: int = 0

@@ -89,6 +89,10 @@ class DeviceOps:
             page-locked memory with a copy kernel of this many programs (the GPU's cores;
             :mod:`~dmi_sglang.adapters.transport.kernel_copy`) instead of the copy engine;
             on CPU with Triton's interpreter only (the tests). 0: the copy engine.
+        copy_gaps: after each device-to-host piece :meth:`to_host` queues, queue a tiny
+            kernel on the same stream: while it runs the stream has no copy for the copy
+            engine, which can serve another stream's copy (SGLang's) in between, where
+            back-to-back copies of one stream would hold it until they run out.
     """
 
     defer_on_cpu = False
@@ -98,6 +102,7 @@ class DeviceOps:
     def __init__(
         self, device: str | torch.device, capture_probe: Callable[[], bool] | None = None,
         *, copy_piece_bytes: int = 0, copies_ahead: int = 0, copy_kernel_programs: int = 0,
+        copy_gaps: bool = False,
     ) -> None:
         for name, value in (("copy_piece_bytes", copy_piece_bytes),
                             ("copies_ahead", copies_ahead),
@@ -132,6 +137,7 @@ class DeviceOps:
         self._kernel_programs = copy_kernel_programs
         if copy_kernel_programs and self.is_cuda:
             warm_up(dev, copy_kernel_programs)  # compiled and checked before the first flush
+        self._gap_counter = torch.zeros(1, dtype=torch.int64, device=dev) if copy_gaps else None
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0
@@ -139,6 +145,9 @@ class DeviceOps:
         before queueing one more."""
         self.ahead_wait_seconds = 0.0
         """Seconds those waits took."""
+        self.gaps = 0
+        """Gap kernels queued after the copy engine's pieces (``copy_gaps``); on the
+        device the counter they add to holds the same number once they ran."""
         self.kernel_copies = 0
         """Of :attr:`copy_pieces`, those a copy kernel made (``copy_kernel_programs``)."""
 
@@ -209,6 +218,9 @@ class DeviceOps:
                 self.kernel_copies += 1
             else:
                 d.copy_(s, non_blocking=self.is_cuda)
+                if self._gap_counter is not None:
+                    self._gap_counter.add_(1)  # a kernel, not a copy: the stream's gap
+                    self.gaps += 1
             self.copy_pieces += 1
             if event is not None:
                 event.record()  # on the current stream: the drain's

@@ -36,6 +36,7 @@ def create_transport(
     copy_piece_mb: int = 0,
     copy_ahead: int = 0,
     copy_kernel: int = 0,
+    copy_gaps: bool = False,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -57,6 +58,7 @@ def create_transport(
         copy_piece_mb: ``DMX_DRAIN_COPY_PIECE_MB``.
         copy_ahead: ``DMX_DRAIN_COPY_AHEAD``.
         copy_kernel: ``DMX_DRAIN_COPY_KERNEL``.
+        copy_gaps: ``DMX_DRAIN_COPY_GAPS``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -81,5 +83,6 @@ def create_transport(
             copy_piece_mb=copy_piece_mb,
             copy_ahead=copy_ahead,
             copy_kernel=copy_kernel,
+            copy_gaps=copy_gaps,
         ),
     )

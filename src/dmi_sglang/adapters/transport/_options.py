@@ -67,6 +67,9 @@ class TransportOptions:
             device-to-host copies into page-locked memory are made by a copy kernel of
             this many programs (the GPU's cores) instead of the copy engine
             (:mod:`~dmi_sglang.adapters.transport.kernel_copy`). 0: the copy engine.
+        copy_gaps: ``DMX_DRAIN_COPY_GAPS``: a tiny kernel after each of the drain's
+            device-to-host pieces on its stream, so that stream has no copy queued while
+            it runs and the copy engine serves another stream's copy in between.
     """
 
     strip: bool = True
@@ -85,6 +88,7 @@ class TransportOptions:
     copy_piece_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copies_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    copy_gaps: bool = False
 
     @classmethod
     def from_settings(
@@ -101,11 +105,12 @@ class TransportOptions:
         copy_piece_mb: int = 0,
         copy_ahead: int = 0,
         copy_kernel: int = 0,
+        copy_gaps: bool = False,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
         ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD`` /
-        ``DMX_DRAIN_COPY_KERNEL`` values."""
+        ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -118,4 +123,5 @@ class TransportOptions:
             copy_piece_bytes=copy_piece_mb * MIB,
             copies_ahead=copy_ahead,
             copy_kernel_programs=copy_kernel,
+            copy_gaps=copy_gaps,
         )

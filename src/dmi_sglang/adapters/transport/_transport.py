@@ -189,7 +189,8 @@ class TorchCaptureTransport:
         self.run_id = run_id
         ops = DeviceOps(device, capture_probe, copy_piece_bytes=opts.copy_piece_bytes,
                         copies_ahead=opts.copies_ahead,
-                        copy_kernel_programs=opts.copy_kernel_programs)
+                        copy_kernel_programs=opts.copy_kernel_programs,
+                        copy_gaps=opts.copy_gaps)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
             opts.arena_slots_bytes))
@@ -535,7 +536,7 @@ class TorchCaptureTransport:
             "slot_seconds": d.slot_seconds, "slots_missed": self._slots_missed,
             "d2h_pieces": self._ops.copy_pieces, "d2h_ahead_waits": self._ops.ahead_waits,
             "d2h_ahead_wait_seconds": self._ops.ahead_wait_seconds,
-            "d2h_kernel_copies": self._ops.kernel_copies,
+            "d2h_kernel_copies": self._ops.kernel_copies, "d2h_gaps": self._ops.gaps,
         }
 
     # -- internals -------------------------------------------------------------------------
