@@ -182,7 +182,12 @@ def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> N
         == (16 + 2 - 1) * one
 
 
-def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain() -> None:
+def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.adapters.transport import _device
+
+    warmed: list[int] = []  # the kernel itself needs a GPU or Triton's interpreter
+    monkeypatch.setattr(_device, "warm_up", lambda device, programs: warmed.append(programs))
     opened = PipelineFactory().open(_spec(_settings(
         dmx_db_url="none", dmx_drain_copy_piece_mb="3", dmx_drain_copy_ahead="5",
         dmx_drain_copy_kernel="7", dmx_drain_copy_gaps="1")))
@@ -190,6 +195,7 @@ def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain() -> None:
         ops = opened.session.transport._ops  # type: ignore[attr-defined]
         assert (ops._piece_bytes, ops._ahead, ops._kernel_programs) == (3 << 20, 5, 7)
         assert ops._gap_counter is not None
+        assert warmed == [7]  # checked at start, before the first flush
     finally:
         opened.session.stop()
 

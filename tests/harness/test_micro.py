@@ -392,12 +392,15 @@ def test_copies_that_bring_too_few_bytes_fail_their_check(
 _SM_COPY_ON_CPU = """
 import torch
 from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
-for nbytes, offset in [(8 << 10, 0), (4100, 0), (1001, 0), (4096, 1)]:
-    src = torch.randint(0, 256, (nbytes + offset,), dtype=torch.uint8)[offset:]
-    dst = torch.zeros(nbytes + offset, dtype=torch.uint8)[offset:]
+# 8-, 4- and 1-byte words; unaligned sources; source and destination of other alignments
+for nbytes, at_src, at_dst in [(8 << 10, 0, 0), (4100, 0, 0), (1001, 0, 0), (4096, 1, 1),
+                               (4096, 4, 0), (4096, 2, 6)]:
+    src = torch.randint(0, 256, (nbytes + at_src,), dtype=torch.uint8)[at_src:]
+    dst = torch.zeros(nbytes + at_dst, dtype=torch.uint8)[at_dst:]
     kernel_copy(dst, src, 3)
-    assert torch.equal(dst, src), (nbytes, offset)
+    assert torch.equal(dst, src), (nbytes, at_src, at_dst)
 for bad in (lambda: kernel_copy(torch.zeros(4), torch.zeros(5), 1),
+            lambda: kernel_copy(torch.zeros(4), torch.zeros(4, dtype=torch.int32), 1),
             lambda: kernel_copy(torch.zeros(4), torch.zeros(4), 0)):
     try:
         bad()
@@ -417,12 +420,14 @@ def test_kernel_copies_bring_every_byte_under_the_triton_interpreter(tmp_path: P
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
+        p for p in [str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")] if p)}
     done = subprocess.run([sys.executable, "-c", _SM_COPY_ON_CPU], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("refused:") == 2
-    assert "20 bytes of src, 16 of dst" in done.stdout  # src is the second argument
+    assert done.stdout.count("refused:") == 3
+    # src is the second argument
+    assert "5 torch.float32 from src, 4 torch.float32 into dst" in done.stdout
+    assert "4 torch.int32 from src, 4 torch.float32 into dst" in done.stdout
     assert "programs=0" in done.stdout
 
     code = subprocess.run(

@@ -133,6 +133,7 @@ def test_interpreted_every_captured_byte_arrives_through_kernel_copies(make_driv
     d.verify(sink.records)
     counters = d.t.drain_counters()
     assert counters["d2h_kernel_copies"] == counters["d2h_pieces"] > 0
+    assert counters["d2h_kernel_declined"] == 0
 
 
 @pytest.mark.skipif(not _INTERPRETED, reason="run by the next test, in a process of its own "
@@ -187,13 +188,63 @@ def test_every_captured_byte_arrives_with_gaps_between_pieces(make_driver) -> No
 
 
 def test_kernel_copies_are_refused_below_zero() -> None:
-    with pytest.raises(ValueError, match=r"^copy_kernel_programs -1: expected >= 0"):
+    with pytest.raises(ValueError, match=r"^copy_kernel_programs -1: expected >= 0 "
+                                         r"\(0: the copy engine\)$"):
         DeviceOps("cpu", copy_kernel_programs=-1)
+
+
+def test_a_copy_the_kernel_cannot_make_goes_to_the_copy_engine_and_is_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    monkeypatch.setattr(_device, "warm_up", lambda device, programs: None)
+    monkeypatch.setattr(_device, "kernel_copy",
+                        lambda dst, src, programs: (made.append(programs), dst.copy_(src)))
+    ops = DeviceOps("cpu", copy_kernel_programs=4)
+    src = _filled((8, 16), torch.uint8)
+    dst = torch.zeros_like(src)
+    ops.to_host(dst, src[0])                # broadcast: the copy engine
+    assert torch.equal(dst[7], src[0])
+    ops.to_host(dst[:, :8], src[:, :8])     # strided: the copy engine
+    assert torch.equal(dst[:, :8], src[:, :8])
+    ops.to_host(dst, src)                   # contiguous, one shape: the kernel
+    assert torch.equal(dst, src)
+    assert made == [4]
+    assert (ops.copy_pieces, ops.kernel_copies, ops.kernel_declined) == (3, 1, 2)
+
+
+def test_kernel_copies_are_refused_at_start_without_a_working_kernel() -> None:
+    # no GPU and no interpreter here: the transport refuses the setting when it is made
+    if _INTERPRETED:
+        pytest.skip("the interpreter makes the kernel work on CPU")
+    with pytest.raises(UnsupportedConfigurationError, match="DMX_DRAIN_COPY_KERNEL=2"):
+        DeviceOps("cpu", copy_kernel_programs=2)
+
+
+def test_the_copy_kernel_compiles_for_the_h200() -> None:
+    """The kernel as the GPU's compiler sees it (Triton's interpreter checks less: a
+    kernel it runs may not compile), for every word type and 32- and 64-bit sizes, with a
+    64-bit loop (a 32-bit one would wrap past 2**31 elements)."""
+    triton = pytest.importorskip("triton")
+    if _INTERPRETED:
+        pytest.skip("compiles the real kernel: not under the interpreter")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for word in ("i64", "i32", "i16", "u8"):
+        for n in ("i32", "i64"):
+            source = ASTSource(fn=kernel_copy._compiled(), constexprs={"block": 1024},
+                               signature={"src": f"*{word}", "dst": f"*{word}", "n": n,
+                                          "block": "constexpr"})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"], (word, n)
+            loops = [ln for ln in compiled.asm["ttir"].splitlines() if "scf.for" in ln]
+            assert loops, (word, n)
+            assert all(ln.rstrip(" {").endswith(": i64") for ln in loops), loops
 
 
 @pytest.mark.parametrize(("broken", "words"), [
     ("import", "ImportError: No module named 'triton'"),
-    ("bytes", "RuntimeError: the bytes copied differ from the source"),
+    ("bytes", "RuntimeError: the bytes copied as torch.int64 differ from the source"),
 ])
 def test_a_copy_kernel_that_does_not_work_is_refused_at_start(
         monkeypatch: pytest.MonkeyPatch, broken: str, words: str) -> None:

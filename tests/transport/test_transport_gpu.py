@@ -267,8 +267,9 @@ def test_copies_by_the_copy_kernel_equal_reference():
         stats = t.stop()
         assert expected.verify(sink.records) == stats.rows
         counters = t.drain_counters()
-        assert counters["d2h_kernel_copies"] > 2
-        assert counters["d2h_kernel_copies"] <= counters["d2h_pieces"]
+        # every copy of the drain lands in page-locked memory: the kernel made them all
+        assert counters["d2h_kernel_copies"] == counters["d2h_pieces"] > 2
+        assert counters["d2h_kernel_declined"] == 0
 
 
 def test_graph_replay_with_padding_stores_only_real_rows():

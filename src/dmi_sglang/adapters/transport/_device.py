@@ -104,11 +104,12 @@ class DeviceOps:
         *, copy_piece_bytes: int = 0, copies_ahead: int = 0, copy_kernel_programs: int = 0,
         copy_gaps: bool = False,
     ) -> None:
-        for name, value in (("copy_piece_bytes", copy_piece_bytes),
-                            ("copies_ahead", copies_ahead),
-                            ("copy_kernel_programs", copy_kernel_programs)):
+        for name, value, zero in (("copy_piece_bytes", copy_piece_bytes, "no limit"),
+                                  ("copies_ahead", copies_ahead, "no limit"),
+                                  ("copy_kernel_programs", copy_kernel_programs,
+                                   "the copy engine")):
             if value < 0:
-                msg = f"{name} {value}: expected >= 0 (0: no limit)"
+                msg = f"{name} {value}: expected >= 0 (0: {zero})"
                 raise ValueError(msg)
         dev = torch.device(device)
         self.is_cuda = dev.type == "cuda"
@@ -135,7 +136,7 @@ class DeviceOps:
         self._ahead = copies_ahead
         self._ahead_events: collections.deque[torch.cuda.Event | _Done] = collections.deque()
         self._kernel_programs = copy_kernel_programs
-        if copy_kernel_programs and self.is_cuda:
+        if copy_kernel_programs:
             warm_up(dev, copy_kernel_programs)  # compiled and checked before the first flush
         self._gap_counter = torch.zeros(1, dtype=torch.int64, device=dev) if copy_gaps else None
         self.copy_pieces = 0
@@ -150,6 +151,9 @@ class DeviceOps:
         device the counter they add to holds the same number once they ran."""
         self.kernel_copies = 0
         """Of :attr:`copy_pieces`, those a copy kernel made (``copy_kernel_programs``)."""
+        self.kernel_declined = 0
+        """Of :attr:`copy_pieces`, those the copy engine made although
+        ``copy_kernel_programs`` asked for the kernel (see :meth:`_by_kernel`)."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A byte buffer on the device (outside any SGLang pool: a plain allocation)."""
@@ -217,6 +221,7 @@ class DeviceOps:
                 kernel_copy(d, s, self._kernel_programs)
                 self.kernel_copies += 1
             else:
+                self.kernel_declined += 1 if self._kernel_programs else 0
                 d.copy_(s, non_blocking=self.is_cuda)
                 if self._gap_counter is not None:
                     self._gap_counter.add_(1)  # a kernel, not a copy: the stream's gap

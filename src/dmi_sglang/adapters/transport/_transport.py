@@ -536,7 +536,8 @@ class TorchCaptureTransport:
             "slot_seconds": d.slot_seconds, "slots_missed": self._slots_missed,
             "d2h_pieces": self._ops.copy_pieces, "d2h_ahead_waits": self._ops.ahead_waits,
             "d2h_ahead_wait_seconds": self._ops.ahead_wait_seconds,
-            "d2h_kernel_copies": self._ops.kernel_copies, "d2h_gaps": self._ops.gaps,
+            "d2h_kernel_copies": self._ops.kernel_copies,
+            "d2h_kernel_declined": self._ops.kernel_declined, "d2h_gaps": self._ops.gaps,
         }
 
     # -- internals -------------------------------------------------------------------------
