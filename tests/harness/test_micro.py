@@ -469,3 +469,24 @@ def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_q
         "DMX_DRAIN_COPY_PIECE_MB=8"
     gapped = {**_variant(8, None, None, 50.0, 100.0), "gaps": True}
     assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1"
+
+
+@pytest.mark.torch
+def test_copies_keep_their_other_variants_when_the_copy_kernel_cannot_run(
+        tmp_path: Path) -> None:
+    # on CPU without Triton's interpreter the kernel cannot run: its variants are left
+    # out, the run fails its check and names why, the other variants are measured
+    _needs_torch()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs the kernel on CPU")
+    code, data, printed = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0",
+                                  "--kernel-programs", "4", "--probes", "3")
+    assert (code, data["status"]) == (1, "failed")
+    check = data["checks"]["copy_kernel_works"]
+    assert check["ok"] is False
+    assert "DMX_DRAIN_COPY_KERNEL=4" in check["error"]
+    assert [r["variant"] for r in data["figures"]["rows"]] == ["idle", "2 MiB pieces"]
+    assert "copy kernel variants left out" in printed
+    code, data, _ = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0", "--probes", "3")
+    assert code == 0
+    assert "copy_kernel_works" not in data["checks"]  # no kernel asked for: no check
