@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -202,14 +203,18 @@ def test_a_copy_the_kernel_cannot_make_goes_to_the_copy_engine_and_is_counted(
     ops = DeviceOps("cpu", copy_kernel_programs=4)
     src = _filled((8, 16), torch.uint8)
     dst = torch.zeros_like(src)
-    ops.to_host(dst, src[0])                # broadcast: the copy engine
-    assert torch.equal(dst[7], src[0])
-    ops.to_host(dst[:, :8], src[:, :8])     # strided: the copy engine
-    assert torch.equal(dst[:, :8], src[:, :8])
-    ops.to_host(dst, src)                   # contiguous, one shape: the kernel
-    assert torch.equal(dst, src)
+    with structlog.testing.capture_logs() as logs:
+        ops.to_host(dst, src[0])                # broadcast: the copy engine
+        assert torch.equal(dst[7], src[0])
+        ops.to_host(dst[:, :8], src[:, :8])     # strided: the copy engine
+        assert torch.equal(dst[:, :8], src[:, :8])
+        ops.to_host(dst, src)                   # contiguous, one shape: the kernel
+        assert torch.equal(dst, src)
     assert made == [4]
     assert (ops.copy_pieces, ops.kernel_copies, ops.kernel_declined) == (3, 1, 2)
+    declined = [e for e in logs if e["event"] == "dmi.copy_kernel_declined"]
+    assert len(declined) == 1  # said once, with why
+    assert (declined[0]["same_shape"], declined[0]["nbytes"]) == (False, 16)
 
 
 def test_kernel_copies_are_refused_at_start_without_a_working_kernel() -> None:
@@ -222,24 +227,29 @@ def test_kernel_copies_are_refused_at_start_without_a_working_kernel() -> None:
 
 def test_the_copy_kernel_compiles_for_the_h200() -> None:
     """The kernel as the GPU's compiler sees it (Triton's interpreter checks less: a
-    kernel it runs may not compile), for every word type and 32- and 64-bit sizes, with a
-    64-bit loop (a 32-bit one would wrap past 2**31 elements)."""
+    kernel it runs may not compile), for every word type, with pointers of unknown and of
+    16-byte alignment: a 64-bit loop (a 32-bit one would wrap past 2**31 elements), and
+    16-byte loads and stores over the whole blocks of aligned pointers."""
     triton = pytest.importorskip("triton")
     if _INTERPRETED:
         pytest.skip("compiles the real kernel: not under the interpreter")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for word in ("i64", "i32", "i16", "u8"):
-        for n in ("i32", "i64"):
-            source = ASTSource(fn=kernel_copy._compiled(), constexprs={"block": 1024},
-                               signature={"src": f"*{word}", "dst": f"*{word}", "n": n,
+    aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    for word, size in (("i64", 8), ("i32", 4), ("i16", 2), ("u8", 1)):
+        for attrs in (None, aligned):
+            source = ASTSource(fn=kernel_copy._compiled(), attrs=attrs,
+                               constexprs={"block": kernel_copy.BLOCK_BYTES // size},
+                               signature={"src": f"*{word}", "dst": f"*{word}", "n": "i32",
                                           "block": "constexpr"})
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            assert compiled.asm["cubin"], (word, n)
+            assert compiled.asm["cubin"], word
             loops = [ln for ln in compiled.asm["ttir"].splitlines() if "scf.for" in ln]
-            assert loops, (word, n)
+            assert loops, word
             assert all(ln.rstrip(" {").endswith(": i64") for ln in loops), loops
+            vector = [op for op in ("ld.global.v", "st.global.v") if op in compiled.asm["ptx"]]
+            assert vector == (["ld.global.v", "st.global.v"] if attrs else []), (word, attrs)
 
 
 @pytest.mark.parametrize(("broken", "words"), [

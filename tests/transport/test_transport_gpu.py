@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions
-from dmi_sglang.adapters.transport._device import copy_rows
+from dmi_sglang.adapters.transport._device import DeviceOps, copy_rows
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import ModelHooks, Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
@@ -242,6 +242,19 @@ def test_copies_in_pieces_with_a_limit_ahead_equal_reference():
         counters = t.drain_counters()
         assert counters["d2h_pieces"] > 2
         assert 0 <= counters["d2h_ahead_waits"] <= counters["d2h_pieces"] - 2
+
+
+def test_the_copy_kernel_leaves_pageable_destinations_to_the_copy_engine():
+    ops = DeviceOps("cuda", copy_kernel_programs=8)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.zeros(1 << 20, dtype=torch.uint8)
+    ops.to_host(pinned, src)
+    ops.to_host(pageable, src)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, src.cpu())
+    assert torch.equal(pageable, src.cpu())
+    assert (ops.copy_pieces, ops.kernel_copies, ops.kernel_declined) == (2, 1, 1)
 
 
 def test_copies_with_gaps_between_pieces_equal_reference():

@@ -17,10 +17,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import structlog
 import torch
 
 from dmi_sglang.adapters.transport.kernel_copy import kernel_copy, warm_up
 from dmi_sglang.domain.shapes import DType
+
+log = structlog.get_logger("dmi_sglang.transport.device")
 
 __all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc",
            "widest"]
@@ -221,7 +224,8 @@ class DeviceOps:
                 kernel_copy(d, s, self._kernel_programs)
                 self.kernel_copies += 1
             else:
-                self.kernel_declined += 1 if self._kernel_programs else 0
+                if self._kernel_programs:
+                    self._declined(d, s)
                 d.copy_(s, non_blocking=self.is_cuda)
                 if self._gap_counter is not None:
                     self._gap_counter.add_(1)  # a kernel, not a copy: the stream's gap
@@ -232,12 +236,25 @@ class DeviceOps:
                 queued.append(event)
 
     def _by_kernel(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """Whether a copy kernel can make this copy: asked for, same shape and dtype, both
-        contiguous, the destination page-locked (on CUDA: a kernel reaches no other host
-        memory). Else the copy engine makes it (a broadcasting or strided copy)."""
-        return (self._kernel_programs > 0 and dst.shape == src.shape
-                and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+        """Whether a copy kernel can make this copy: asked for, the source on this
+        device, same shape and dtype, both contiguous, the destination page-locked (on
+        CUDA: a kernel reaches no other host memory). Else the copy engine makes it (a
+        broadcasting, strided or pageable copy)."""
+        return (self._kernel_programs > 0 and src.device == self.device
+                and dst.shape == src.shape and dst.dtype == src.dtype
+                and dst.is_contiguous() and src.is_contiguous()
                 and (dst.is_pinned() if self.is_cuda else True))
+
+    def _declined(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Count a copy the kernel could not make; say so once, with why."""
+        self.kernel_declined += 1
+        if self.kernel_declined == 1:
+            log.warning("dmi.copy_kernel_declined", nbytes=src.numel() * src.element_size(),
+                        contiguous=dst.is_contiguous() and src.is_contiguous(),
+                        same_shape=dst.shape == src.shape,
+                        page_locked=dst.is_pinned() if self.is_cuda else None,
+                        note="the copy engine makes this copy and any like it "
+                             "(d2h_kernel_declined counts them)")
 
     def on_drain_stream(self, markers: Sequence[Marker], work: Callable[[], None]) -> None:
         """Queue ``work`` (device copies) on the drain's own stream after the device work

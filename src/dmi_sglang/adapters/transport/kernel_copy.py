@@ -22,11 +22,15 @@ import torch
 
 from dmi_sglang.errors import UnsupportedConfigurationError
 
-BLOCK = 1024
-"""Elements one program moves per iteration of its loop."""
+BLOCK_BYTES = 8192
+"""Bytes one program moves per iteration of its loop (whatever the word size)."""
 
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 """The element types the kernel moves bytes as, widest first."""
+
+LAUNCH_ELEMENTS = 1 << 30
+"""The most words one launch moves: a larger copy goes as several launches, so the size
+argument is always a 32-bit integer (one compiled kernel per word type and alignment)."""
 
 
 @functools.cache
@@ -34,19 +38,21 @@ def _compiled() -> Any:
     import triton
     import triton.language as tl
 
-    # n is not specialised (any size, one compiled kernel per word type), nor are the
-    # pointers on their alignment (pieces start at any row)
-    @triton.jit(do_not_specialize=["n"],  # type: ignore[untyped-decorator]
-                do_not_specialize_on_alignment=["src", "dst"])
-    def copy_kernel(src: tl.tensor, dst: tl.tensor, n: tl.tensor,
-                    block: tl.constexpr) -> None:
-        # 64-bit offsets: a loop in 32 bits would wrap past 2**31 elements
-        first = tl.program_id(0).to(tl.int64) * block
+    # n is not specialised (one compiled kernel whatever the size); the pointers are, on
+    # 16-byte alignment, where the full blocks become vector loads and stores
+    @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
+    def copy_kernel(src, dst, n, block: tl.constexpr):  # type: ignore[no-untyped-def]
+        # unannotated pointers: what every Triton version reads the same way
+        # 64-bit offsets: nothing wraps, whatever the grid
+        pid = tl.program_id(0).to(tl.int64)
         stride = tl.num_programs(0).to(tl.int64) * block
-        for lo in range(first, n, stride):
+        full = (n.to(tl.int64) // block) * block
+        for lo in range(pid * block, full, stride):  # whole blocks: no mask
             offs = lo + tl.arange(0, block)
-            inside = offs < n
-            tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
+            tl.store(dst + offs, tl.load(src + offs))
+        offs = full + tl.arange(0, block)  # the tail, by the first program
+        inside = (offs < n) & (pid == 0)
+        tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
 
     return copy_kernel
 
@@ -77,11 +83,15 @@ def kernel_copy(dst: torch.Tensor, src: torch.Tensor, programs: int) -> None:
         return
     w = word(nbytes, src.data_ptr(), dst.data_ptr())
     s, d = src.view(-1).view(torch.uint8).view(w), dst.view(-1).view(torch.uint8).view(w)
-    _compiled()[(programs,)](s, d, s.numel(), block=BLOCK)
+    kernel, block = _compiled(), BLOCK_BYTES // w.itemsize
+    for lo in range(0, s.numel(), LAUNCH_ELEMENTS):  # offsets keep the 16-byte alignment
+        hi = min(lo + LAUNCH_ELEMENTS, s.numel())
+        kernel[(programs,)](s[lo:hi], d[lo:hi], hi - lo, block=block)
 
 
 def warm_up(device: torch.device, programs: int) -> None:
-    """Compile the kernel for every word type and check what it copies, before the first
+    """Compile the kernel for every word type and pointer alignment and check what it
+    copies (nothing outside the destination either), before the first
     flush needs it: a Triton missing, or one that cannot reach page-locked memory here,
     fails now with :class:`~dmi_sglang.errors.UnsupportedConfigurationError` naming the
     setting, not in the drain's thread mid-run (where compiling would also hold the GIL
@@ -90,16 +100,23 @@ def warm_up(device: torch.device, programs: int) -> None:
     cuda = device.type == "cuda"
     try:
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-            src = torch.arange(1, 65, dtype=torch.uint8, device=device)
-            host = torch.zeros(64, dtype=torch.uint8, pin_memory=cuda)
-            for w in WORDS:  # bytes [lo, 64): as 8-, 4-, 2- and 1-byte words
-                lo = 0 if w == torch.int64 else w.itemsize
-                kernel_copy(host[lo:64], src[lo:], programs)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                if not torch.equal(host[lo:64], src[lo:].cpu()):
-                    raise RuntimeError(f"the bytes copied as {w} differ from the source")
-                host.zero_()
+            src = torch.arange(1, 97, dtype=torch.uint8, device=device)
+            host = torch.zeros(96, dtype=torch.uint8, pin_memory=cuda)
+            for w in WORDS:  # 8-, 4-, 2- and 1-byte words, each pointer aligned or not
+                size = w.itemsize
+                nbytes = 64 if size == 8 else 64 - size  # no wider word divides it
+                for at_src, at_dst in ((0, 0), (0, size), (size, 0), (size, size)):
+                    if word(nbytes, at_src, at_dst) != w:  # the buffers are aligned
+                        raise RuntimeError(f"the warm-up meant {w}, got another word")
+                    kernel_copy(host[at_dst:at_dst + nbytes], src[at_src:at_src + nbytes],
+                                programs)
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    expected = torch.zeros(96, dtype=torch.uint8)
+                    expected[at_dst:at_dst + nbytes] = src[at_src:at_src + nbytes].cpu()
+                    if not torch.equal(host, expected):  # nothing before or after either
+                        raise RuntimeError(f"the bytes copied as {w} differ from the source")
+                    host.zero_()
     except Exception as exc:  # an ImportError, Triton's own, or the check above
         reason = (f"DMX_DRAIN_COPY_KERNEL={programs}: the drain's copy kernel does not work "
                   f"on {device} ({type(exc).__name__}: {exc}); set DMX_DRAIN_COPY_KERNEL=0 "
