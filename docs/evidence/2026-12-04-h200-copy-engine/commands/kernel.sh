@@ -17,6 +17,6 @@ try:
 except Exception:
     s = None
 print(s if s else "DMX_DRAIN_COPY_PIECE_MB=2 DMX_DRAIN_COPY_AHEAD=2")' "$OUT/copies-kernel.json")
-echo "serving with: $setting"
+echo "serving with: $setting"; echo "$setting" > /root/suggested-drain-env  # for selective.sh
 DEADLINE=$((545-(SECONDS-S))) bash docs/evidence/2026-12-03-h200-serving-owner-landing/commands/serve.sh kernel \
     "transport:hidden-states[$setting],transport:sglang-full[$setting]" 1
