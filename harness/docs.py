@@ -158,7 +158,9 @@ def copies_table(found: Found, docs: Path) -> str:
     table = [{"drain copies": r["variant"], "small copy p50 µs": r["p50_us"],
               "p99 µs": r["p99_us"], "max µs": r["max_us"],
               "on device p50 µs": r["device_p50_us"], "on device p99 µs": r["device_p99_us"],
-              "drain GB/s": r["bulk_gbps"]} for r in figures.get("rows") or []]
+              "drain GB/s": r["bulk_gbps"],
+              **({"matmul beside µs": r["compute_p50_us"]} if "compute_p50_us" in r else {})}
+             for r in figures.get("rows") or []]
     if not table:
         return ""
     settings = d.get("settings") or {}

@@ -58,6 +58,15 @@ SUGGEST_P99_US = 1000.0
 """The small copy's p99 (as its thread saw it) a suggested variant keeps under: well
 within one stock decode step (2.7 ms at batch 64 on Qwen3-0.6B)."""
 
+SUGGEST_COMPUTE_SLOWDOWN = 1.05
+"""The most a suggested variant may slow the probe's matmul (its device time, median)
+against the idle row: the copy kernel's programs share the GPU with the model's."""
+
+COMPUTE_SHAPES = {"cuda": (64, 1024, 32768), "cpu": (64, 128, 512)}
+"""``m, k, n`` of the matmul timed beside each small copy, on its own stream: on the GPU
+a decode step's memory-bound shape (64 rows by a 1024 x 32768 bf16 weight, 64 MiB), on
+CPU a small one (the dry run)."""
+
 SUGGEST_RATE_SHARE = 0.95
 """Variants within this share of the best qualifying rate count as equally fast; the
 first measured of them (whole and larger pieces first, kernels by fewer programs) wins."""
@@ -167,19 +176,29 @@ class BulkCopier(BackgroundThread):
                 self.seconds = time.perf_counter() - started
 
 
-def small_copy_latencies(device: torch.device, probes: int,
-                         period_s: float) -> tuple[list[float], list[float]]:
+def small_copy_latencies(device: torch.device, probes: int, period_s: float,
+                         ) -> tuple[list[float], list[float], list[float]]:
     """``probes`` copies of :data:`PROBE_ELEMENTS` int64 to the host on a stream of their
     own, one every ``period_s``: for each, the seconds from queueing it until the thread
-    waited for it (the thread's own GIL waits included), and the seconds the device took
-    from reaching it on its stream to finishing it (CUDA events; none on CPU)."""
+    waited for it (the thread's own GIL waits included), the seconds the device took
+    from reaching it on its stream to finishing it (CUDA events; none on CPU), and the
+    seconds a matmul of :data:`COMPUTE_SHAPES` queued beside it on a third stream took
+    (CUDA events; on CPU, run after the copy and timed by the thread)."""
+    cuda = device.type == "cuda"
     src = torch.arange(PROBE_ELEMENTS, dtype=torch.int64, device=device)
-    dst = torch.empty(PROBE_ELEMENTS, dtype=torch.int64, pin_memory=device.type == "cuda")
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-    if stream is not None:
-        torch.cuda.synchronize(device)  # src is made before the stream reads it
+    dst = torch.empty(PROBE_ELEMENTS, dtype=torch.int64, pin_memory=cuda)
+    m, k, n = COMPUTE_SHAPES[device.type]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    product = torch.empty(m, n, device=device, dtype=dtype)
+    stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+    compute = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+    if cuda:
+        torch.cuda.synchronize(device)  # the inputs are made before other streams read them
     host: list[float] = []
     on_device: list[float] = []
+    matmul: list[float] = []
     due = time.perf_counter()
     for _ in range(probes):
         due += period_s
@@ -189,25 +208,42 @@ def small_copy_latencies(device: torch.device, probes: int,
             start = _event(stream, timing=True)
             dst.copy_(src, non_blocking=stream is not None)
             end = _event(stream, timing=True)
+        m0 = m1 = None
+        if compute is not None:  # beside the small copy, on the GPU at once
+            with torch.cuda.stream(compute):
+                m0 = _event(compute, timing=True)
+                torch.matmul(a, b, out=product)
+                m1 = _event(compute, timing=True)
         _wait(end)
         host.append(time.perf_counter() - t0)
-        if start is not None and end is not None:
+        if start is not None and end is not None and m0 is not None and m1 is not None:
             on_device.append(start.elapsed_time(end) / 1e3)
+            m1.synchronize()
+            matmul.append(m0.elapsed_time(m1) / 1e3)
+        else:
+            c0 = time.perf_counter()
+            torch.matmul(a, b, out=product)
+            matmul.append(time.perf_counter() - c0)
         if int(dst[-1]) != PROBE_ELEMENTS - 1:
             msg = f"the small copy delivered {int(dst[-1])}, expected {PROBE_ELEMENTS - 1}"
             raise RuntimeError(msg)
         dst.zero_()
-    return host, on_device
+    return host, on_device, matmul
 
 
-def suggested_env(rows: Sequence[Json], intact: Sequence[bool]) -> str | None:
+def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
+                  idle_compute_us: float | None = None) -> str | None:
     """The drain settings of the fastest variant that left the small copy's p99 under
-    :data:`SUGGEST_P99_US` and brought every byte, as ``DMX_*=V`` words (``""``: the
-    defaults, one whole copy); ``None`` when no variant did. ``rows`` are the variants'
-    rows (the idle row left out), ``intact`` their checks, in order."""
+    :data:`SUGGEST_P99_US`, brought every byte and (given the idle row's
+    ``idle_compute_us``) slowed the matmul beside it by at most
+    :data:`SUGGEST_COMPUTE_SLOWDOWN`, as ``DMX_*=V`` words (``""``: the defaults, one
+    whole copy); ``None`` when no variant did. ``rows`` are the variants' rows (the idle
+    row left out), ``intact`` their checks, in order."""
     good = [r for r, ok in zip(rows, intact, strict=True)
             if ok and r["bulk_gbps"] and r["p99_us"] is not None
-            and r["p99_us"] < SUGGEST_P99_US]
+            and r["p99_us"] < SUGGEST_P99_US
+            and (idle_compute_us is None
+                 or r["compute_p50_us"] <= SUGGEST_COMPUTE_SLOWDOWN * idle_compute_us)]
     if not good:
         return None
     best = max(r["bulk_gbps"] for r in good)
@@ -231,14 +267,15 @@ def _percentiles_us(seconds: list[float], prefix: str = "") -> Json:
             f"{prefix}max_us": top * 1e6}
 
 
-def _probe_row(host: list[float], on_device: list[float]) -> Json:
+def _probe_row(host: list[float], on_device: list[float], matmul: list[float]) -> Json:
     return {**_percentiles_us(host), **_percentiles_us(on_device, "device_"),
-            "probes": len(host)}
+            "compute_p50_us": p50_p99_max(matmul)[0] * 1e6, "probes": len(host)}
 
 
 def run(args: argparse.Namespace, data: Json) -> None:
     """Measure the idle row and every variant; fill ``data``'s figures and checks."""
     dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     nbytes = args.bulk_mb << 20
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
@@ -283,7 +320,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
                      **_probe_row(*lat)})
-    suggested = suggested_env(rows[1:], intact)
+    suggested = suggested_env(rows[1:], intact, rows[0]["compute_p50_us"] if cuda else None)
     data["figures"] = {"rows": rows, "suggested_env": suggested}
     copying = [r["rounds_while_probing"] for r in rows[1:]]
     data["checks"] = {
@@ -309,7 +346,8 @@ def render(rows: list[Json]) -> str:
     """The table printed: the small copy's latency as the thread saw it and on the device
     (from its stream reaching it to its end), and the copying thread's rate."""
     head = (f"{'drain copies':30} {'small copy p50 µs':>18} {'p99':>8} {'max':>8} "
-            f"{'on device p50 µs':>17} {'p99':>8} {'max':>8} {'drain GB/s':>11}")
+            f"{'on device p50 µs':>17} {'p99':>8} {'max':>8} {'drain GB/s':>11} "
+            f"{'matmul µs':>10}")
     lines = [head, "-" * len(head)]
 
     def us(v: float | None, width: int) -> str:
@@ -319,7 +357,8 @@ def render(rows: list[Json]) -> str:
         gbps = f"{r['bulk_gbps']:.1f}" if r["bulk_gbps"] else "-"
         lines.append(f"{r['variant']:30} {us(r['p50_us'], 18)} {us(r['p99_us'], 8)} "
                      f"{us(r['max_us'], 8)} {us(r['device_p50_us'], 17)} "
-                     f"{us(r['device_p99_us'], 8)} {us(r['device_max_us'], 8)} {gbps:>11}")
+                     f"{us(r['device_p99_us'], 8)} {us(r['device_max_us'], 8)} {gbps:>11} "
+                     f"{us(r['compute_p50_us'], 10)}")
     return "\n".join(lines)
 
 

@@ -341,7 +341,7 @@ def _copies(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any], str]:
 def test_copies_on_cpu(tmp_path: Path) -> None:
     _needs_torch()
     code, _, printed = _copies(tmp_path, "--bulk-mb", "8", "--pieces-mb", "0,2",
-                               "--in-flight", "0,1", "--gap-pieces-mb", "4", "--probes", "5")
+                               "--in-flight", "0,1", "--gap-pieces-mb", "4", "--probes", "25")
     assert code == 0
     data = _result(tmp_path / "copies.json", "copies")
     rows = data["figures"]["rows"]
@@ -349,8 +349,9 @@ def test_copies_on_cpu(tmp_path: Path) -> None:
         "idle", "8 MiB pieces", "2 MiB pieces", "2 MiB pieces, 1 in flight",
         "4 MiB pieces, gaps"]
     assert [r["gaps"] for r in rows] == [None, False, False, False, True]
-    assert all(r["probes"] == 5 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
+    assert all(r["probes"] == 25 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
     assert all(r["device_p50_us"] is None for r in rows)  # no device events on CPU
+    assert all(r["compute_p50_us"] > 0 for r in rows)  # the matmul beside every variant
     assert all(r["rounds_while_probing"] >= 1 and r["bulk_gbps"] > 0 for r in rows[1:])
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True] * 4
     assert "2 MiB pieces, 1 in flight" in printed
@@ -443,9 +444,10 @@ def test_kernel_copies_bring_every_byte_under_the_triton_interpreter(tmp_path: P
 
 
 def _variant(piece: int, flight: int | None, programs: int | None, gbps: float,
-             p99: float) -> dict[str, Any]:
+             p99: float, compute: float = 100.0) -> dict[str, Any]:
     return {"piece_mb": piece, "bulk_mb": 512, "in_flight": flight,
-            "kernel_programs": programs, "bulk_gbps": gbps, "p99_us": p99}
+            "kernel_programs": programs, "bulk_gbps": gbps, "p99_us": p99,
+            "compute_p50_us": compute}
 
 
 def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_quick() -> None:
@@ -467,6 +469,12 @@ def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_q
     assert suggested_env(quick_whole, [True] * 6) == ""  # the defaults
     assert suggested_env([_variant(8, None, None, 50.0, 100.0)], [True]) == \
         "DMX_DRAIN_COPY_PIECE_MB=8"
+    # a variant that slows the matmul beside it by more than 5 % is not suggested
+    slow_kernels = [*rows[:4], _variant(512, None, 32, 48.0, 130.0, compute=106.0),
+                    _variant(512, None, 132, 49.0, 140.0, compute=120.0)]
+    assert suggested_env(slow_kernels, [True] * 6, idle_compute_us=100.0) == \
+        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1"
+    assert suggested_env(slow_kernels, [True] * 6) == "DMX_DRAIN_COPY_KERNEL=32"  # not asked
     gapped = {**_variant(8, None, None, 50.0, 100.0), "gaps": True}
     assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1"
 
