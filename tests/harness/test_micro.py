@@ -394,8 +394,10 @@ _SM_COPY_ON_CPU = """
 import torch
 from dmi_sglang.adapters.transport.kernel_copy import kernel_copy
 # 8-, 4- and 1-byte words; unaligned sources; source and destination of other alignments
+# whole 8 KiB blocks shared by 3 programs, and a tail
 for nbytes, at_src, at_dst in [(8 << 10, 0, 0), (4100, 0, 0), (1001, 0, 0), (4096, 1, 1),
-                               (4096, 4, 0), (4096, 2, 6)]:
+                               (4096, 4, 0), (4096, 2, 6), (5 * 8192 + 24, 0, 0),
+                               (3 * 8192 + 5, 1, 1), (7 * 8192 + 4, 4, 4)]:
     src = torch.randint(0, 256, (nbytes + at_src,), dtype=torch.uint8)[at_src:]
     dst = torch.zeros(nbytes + at_dst, dtype=torch.uint8)[at_dst:]
     kernel_copy(dst, src, 3)
