@@ -278,8 +278,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
     cuda = dev.type == "cuda"
     nbytes = args.bulk_mb << 20
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    if dev.type == "cuda":
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    if cuda:
         torch.cuda.synchronize(dev)  # src is filled before another stream reads it
     period = args.period_ms / 1e3
     rows: list[Json] = []

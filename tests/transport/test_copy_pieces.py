@@ -97,20 +97,26 @@ def test_pieces_cover_the_copy_once_and_stay_within_the_limit(shape, itemsize, p
     assert sum(d.numel() for d, _ in parts) == src.numel()
 
 
+def _captured_counters(make_driver, decode_steps: int, **options: object) -> dict[str, float]:
+    """Two requests prefilled and decoded ``decode_steps`` times through a transport with
+    ``options``; every captured byte verified delivered; the drain's counters."""
+    d, sink = make_driver("resid_pre,final_logits", max_prefill_tokens=16, **options)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
+    for n in range(decode_steps):
+        d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    return d.t.drain_counters()
+
+
 @pytest.mark.usefixtures("pending")
 def test_every_captured_byte_arrives_through_pieces(make_driver) -> None:
     # staging spans, direct items and window flushes all go in pieces of 64 bytes, at
     # most two of them queued
     counts = []
     for piece in (0, 64):
-        d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
-                              copies_ahead=2 if piece else 0, max_prefill_tokens=16)
-        d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
-        for n in range(6):
-            d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
-        d.t.stop()
-        d.verify(sink.records)
-        counters = d.t.drain_counters()
+        counters = _captured_counters(make_driver, 6, copy_piece_bytes=piece,
+                                      copies_ahead=2 if piece else 0)
         counts.append(counters["d2h_pieces"])
         assert counters["d2h_ahead_waits"] == (counters["d2h_pieces"] - 2 if piece else 0)
     assert 0 < counts[0] < counts[1]
@@ -124,15 +130,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.usefixtures("pending")
 @pytest.mark.parametrize("piece", [0, 64])
 def test_interpreted_every_captured_byte_arrives_through_kernel_copies(make_driver, piece) -> None:
-    d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=piece,
-                          copies_ahead=2 if piece else 0, copy_kernel_programs=3,
-                          max_prefill_tokens=16)
-    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
-    for n in range(4):
-        d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
-    d.t.stop()
-    d.verify(sink.records)
-    counters = d.t.drain_counters()
+    counters = _captured_counters(make_driver, 4, copy_piece_bytes=piece,
+                                  copies_ahead=2 if piece else 0, copy_kernel_programs=3)
     assert counters["d2h_kernel_copies"] == counters["d2h_pieces"] > 0
     assert counters["d2h_kernel_declined"] == 0
 
@@ -177,14 +176,8 @@ def test_a_gap_kernel_follows_every_piece_of_the_copy_engine() -> None:
 
 @pytest.mark.usefixtures("pending")
 def test_every_captured_byte_arrives_with_gaps_between_pieces(make_driver) -> None:
-    d, sink = make_driver("resid_pre,final_logits", copy_piece_bytes=64, copies_ahead=2,
-                          copy_gaps=True, max_prefill_tokens=16)
-    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [7, 5]))
-    for n in range(6):
-        d.forward(BatchLayout.decode(["a", "b"], [8 + n, 6 + n]))
-    d.t.stop()
-    d.verify(sink.records)
-    counters = d.t.drain_counters()
+    counters = _captured_counters(make_driver, 6, copy_piece_bytes=64, copies_ahead=2,
+                                  copy_gaps=True)
     assert counters["d2h_gaps"] == counters["d2h_pieces"] > 2
 
 
