@@ -20,7 +20,7 @@ import torch
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.adapters.owner import RemoteSink, SinkService
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.columns import RecordBatch
+from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
@@ -417,3 +417,49 @@ def test_the_answer_to_the_call_in_hand_at_close_reaches_its_caller(private: Pat
         caller.join(10)
         assert outcome == ["answered"], f"attempt {attempt}: {outcome}"
         assert len(sink.batches) == 1
+
+
+
+def _numbered(n: int) -> RecordBatch:
+    """``n`` one-row records of request ``r`` (one int32 a row), positions 0..n-1."""
+    key = CaptureKey("resid_pre", 0, "torch.int32", (1,))
+    at = np.arange(n, dtype=np.int32)
+    return RecordBatch(RUN, ("r",), (key,), np.zeros(n, np.int32), np.zeros(n, np.int32),
+                       at, at + 1, np.full(n, 7, np.int64), np.arange(n + 1, dtype=np.int64) * 4,
+                       at.view(np.uint8))
+
+
+def test_columns_received_over_the_socket_are_aligned_and_insert_without_warnings(
+        private: Path, store: StoreConfig, capfd: pytest.CaptureFixture[str]) -> None:
+    """zmq hands received frames out of its read buffer at any byte; a batch's integer
+    columns must still be aligned (Arrow's readers warn on stderr, once per insert, and
+    read them slowly otherwise) and equal to what was sent."""
+    sent = [_numbered(n) for n in (1, 3, 5, 9, 13, 17, 33, 65, 100, 129, 1000)]
+    seen: list[RecordBatch] = []
+    sink = ClickHouseSink(store)
+    put = sink.put
+
+    def keep(batch: RecordBatch) -> None:
+        seen.append(batch)
+        put(batch)
+
+    sink.put = keep  # type: ignore[method-assign]
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        sink.start_run(RUN_INFO)
+        remote = RemoteSink(service.address, timeout_s=30)
+        for batch in sent:
+            remote.put(batch)
+        remote.flush()
+        finish(sink)
+    finally:
+        service.close()
+        sink.close()
+    assert len(seen) == len(sent)
+    for got, want in zip(seen, sent, strict=True):
+        for name in ("request", "capture", "start", "end", "seq", "offsets"):
+            column = getattr(got, name)
+            assert column.flags.aligned, (name, len(got))
+            assert column.flags.c_contiguous, (name, len(got))
+            assert np.array_equal(column, getattr(want, name)), name
+    assert "poorly aligned" not in capfd.readouterr().err
