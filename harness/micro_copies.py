@@ -7,7 +7,9 @@ copies in the order they were queued, across streams, a step's small copy waits 
 large copy queued before it, and the step with it.
 
 This measures that wait. A "drain" thread copies ``--bulk-mb`` of device memory into
-page-locked host memory again and again on a stream of its own, cut into pieces of at
+page-locked host memory again and again through the drain's own copy path
+(:class:`~dmi_sglang.adapters.transport.DeviceOps`, on its own stream, with the
+``DMX_DRAIN_COPY_*`` settings of the variant), cut into pieces of at
 most P MiB (``--pieces-mb``; 0: one copy), with at most F pieces queued ahead of the copy
 engine (``--in-flight``; 0: no limit; the thread waits for the oldest piece before it
 queues one more) and waiting for the last piece of each round, as the drain waits for
@@ -34,7 +36,6 @@ small copy in between.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import math
 import sys
@@ -44,12 +45,13 @@ from pathlib import Path
 
 import torch
 
-from dmi_sglang.adapters.transport.kernel_copy import kernel_copy, warm_up
+from dmi_sglang.adapters.transport import DeviceOps
+from dmi_sglang.adapters.transport.kernel_copy import warm_up
 from dmi_sglang.errors import UnsupportedConfigurationError
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
 
-__all__ = ["BulkCopier", "main", "pieces", "small_copy_latencies", "suggested_env", "variants"]
+__all__ = ["BulkCopier", "main", "small_copy_latencies", "suggested_env", "variants"]
 
 PROBE_ELEMENTS = 64
 """The small copy: a decode batch's sampled token ids (64 int64)."""
@@ -94,13 +96,6 @@ def variants(pieces_mb: Sequence[int], in_flight: Sequence[int]) -> list[tuple[i
     return out
 
 
-def pieces(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` byte ranges covering ``nbytes`` in pieces of at most ``piece_bytes``
-    (0: one piece)."""
-    step = piece_bytes or nbytes
-    return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
-
-
 def _event(stream: torch.cuda.Stream | None, *, timing: bool = False) -> torch.cuda.Event | None:
     if stream is None:
         return None
@@ -116,18 +111,20 @@ def _wait(event: torch.cuda.Event | None) -> None:
 
 
 class BulkCopier(BackgroundThread):
-    """The drain's stand-in: rounds of ``src`` -> ``dst`` in pieces on its own stream
-    (see the module docstring); :attr:`copied` bytes in :attr:`seconds`. An exception
-    of the thread is kept in :attr:`error` (and raised again when the block exits)."""
+    """The drain's copies: rounds of ``src`` -> ``dst`` on the drain's own stream, made by
+    the transport's own copy path (:class:`~dmi_sglang.adapters.transport.DeviceOps`, set
+    as the ``DMX_DRAIN_COPY_*`` settings of the variant set it: pieces, pieces ahead, a
+    copy kernel, gaps), each round waited for through a fence, as the drain waits before
+    it reads a window flush; :attr:`copied` bytes in :attr:`seconds`. An exception of
+    the thread is kept in :attr:`error` (and raised again when the block exits)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, piece_bytes: int,
                  in_flight: int, *, programs: int = 0, gaps: bool = False) -> None:
         super().__init__("bulk-copier", 0.0)
         self._src, self._dst = src, dst
-        self._ranges = pieces(src.numel(), piece_bytes)
-        self._in_flight = in_flight
-        self._programs = programs  # > 0: each round one copy kernel of that many programs
-        self._gaps = gaps  # a tiny kernel after each piece
+        self._ops = DeviceOps(src.device, copy_piece_bytes=piece_bytes,
+                              copies_ahead=in_flight, copy_kernel_programs=programs,
+                              copy_gaps=gaps)
         self.copied = 0
         self.seconds = 0.0
         self.rounds = 0
@@ -143,6 +140,11 @@ class BulkCopier(BackgroundThread):
         """True while the thread copies (not failed, not stopped)."""
         return self.error is None and self._thread.is_alive()
 
+    @property
+    def pieces(self) -> int:
+        """Device-to-host copies queued so far (a round in pieces counts each)."""
+        return self._ops.copy_pieces
+
     def _run(self) -> None:
         try:
             self._copy_rounds()
@@ -150,30 +152,14 @@ class BulkCopier(BackgroundThread):
             self.error = exc
 
     def _copy_rounds(self) -> None:
-        stream = torch.cuda.Stream(self._src.device) if self._src.is_cuda else None  # type: ignore[no-untyped-call]
-        queued: collections.deque[torch.cuda.Event | None] = collections.deque()
+        ops, src, dst = self._ops, self._src, self._dst
         started = time.perf_counter()
-        counter = torch.zeros(1, dtype=torch.int64, device=self._src.device)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while not self._stop.is_set():
-                queued_bytes = 0
-                if self._programs:
-                    kernel_copy(self._dst, self._src, self._programs)
-                    queued_bytes = self._src.numel()
-                for lo, hi in [] if self._programs else self._ranges:
-                    if self._in_flight and len(queued) >= self._in_flight:
-                        _wait(queued.popleft())
-                    self._dst[lo:hi].copy_(self._src[lo:hi], non_blocking=stream is not None)
-                    if self._gaps:
-                        counter.add_(1)
-                    queued_bytes += hi - lo
-                    if self._in_flight:
-                        queued.append(_event(stream))
-                _wait(_event(stream))  # the round's end: the drain's fence
-                queued.clear()
-                self.rounds += 1
-                self.copied += queued_bytes
-                self.seconds = time.perf_counter() - started
+        while not self._stop.is_set():
+            ops.on_drain_stream((), lambda: ops.to_host(dst, src))
+            ops.wait(ops.fence())  # the round's end: the drain's fence
+            self.rounds += 1
+            self.copied += src.numel() * src.element_size()
+            self.seconds = time.perf_counter() - started
 
 
 def small_copy_latencies(device: torch.device, probes: int, period_s: float,

@@ -315,12 +315,9 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
                             "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8"}
 
 
-def test_copy_pieces_cover_the_round_once() -> None:
-    from harness.micro_copies import pieces, variants
+def test_copy_variants_are_distinct_pairs() -> None:
+    from harness.micro_copies import variants
 
-    assert pieces(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert pieces(10, 0) == [(0, 10)]
-    assert pieces(8, 8) == [(0, 8)]
     # a whole copy is one piece: only without an in-flight limit; no pair twice
     assert variants([0, 8, 8, 2], [0, 2]) == [(0, 0), (8, 0), (8, 2), (2, 0), (2, 2)]
 
@@ -381,10 +378,18 @@ def test_copies_fail_loudly_when_the_copying_thread_fails(
 def test_copies_that_bring_too_few_bytes_fail_their_check(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_torch()
+    from dmi_sglang.adapters.transport import DeviceOps
     from harness import micro_copies
 
-    whole = micro_copies.pieces
-    monkeypatch.setattr(micro_copies, "pieces", lambda n, p: whole(n, p)[:-1] or whole(n, p))
+    class Short(DeviceOps):  # the copy path in pieces leaves the last byte behind
+        def __init__(self, *args: Any, copy_piece_bytes: int = 0, **kwargs: Any) -> None:
+            super().__init__(*args, copy_piece_bytes=copy_piece_bytes, **kwargs)
+            self.drop = copy_piece_bytes > 0
+
+        def to_host(self, dst: Any, src: Any) -> None:
+            super().to_host(dst[:-1] if self.drop else dst, src[:-1] if self.drop else src)
+
+    monkeypatch.setattr(micro_copies, "DeviceOps", Short)
     code, data, _ = _copies(tmp_path, "--bulk-mb", "4", "--pieces-mb", "0,1", "--probes", "3")
     assert (code, data["status"]) == (1, "failed")
     assert data["checks"]["bulk_copies_intact"]["per_variant"] == [True, False, False]
