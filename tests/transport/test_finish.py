@@ -560,3 +560,43 @@ def test_a_sink_that_fails_to_close_after_a_committed_finish_is_logged(make_driv
                             strip=True)
     with pytest.raises(CaptureError, match="injected failure on flush"):
         mon2.stop()
+
+
+EIGHT = [f"r{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(("text", "ring", "stored"), [
+    # final_logits (320 B a step of 8) and topk's two captures (64 B each) in a ring of
+    # 384 B: each decode step commits piecewise, one capture a part
+    ("final_logits,final_logits:topk(2)", 384,
+     [("final_logits", 1), ("logits_topk_ids", 1), ("logits_topk_values", 1)]),
+    # topk alone: its values and ids in two parts
+    ("final_logits:topk(2)", 112, [("logits_topk_ids", 1), ("logits_topk_values", 1)]),
+])
+def test_extra_forward_rows_of_a_piecewise_step_are_discarded(make_driver, text, ring,
+                                                              stored):
+    # Found in review: each part's request rows confirmed the rows an earlier part of
+    # the SAME step had just held, so the extra forward's rows were stored
+    d, sink = make_driver(text, payload_bytes=ring, max_graph_batch=8, max_requests=8,
+                          coalesce_decode=False)
+    d.forward(BatchLayout.extend(EIGHT, [0] * 8, [2] * 8, seq_lens=[2] * 8))  # 1 token
+    d.forward(BatchLayout.decode(EIGHT, [3] * 8))  # the overlap scheduler's extra forward
+    for rid in EIGHT:
+        d.t.finish_request(rid, 2)  # decisions end at position 2: prompt 2 + 1 token - 1
+    stats = d.t.stop()
+    assert stats.piecewise_steps >= 1
+    assert sorted({(r.act_name, r.start_token_idx) for r in sink.records}) == stored
+    assert len(sink.records) == 8 * len(stored)
+
+
+def test_request_rows_are_held_by_their_own_rule_in_a_shared_copy_group(make_driver):
+    # Found in review: vocab 10 makes final_logits and topk(10) rows 40 bytes alike, so
+    # they share a copy group, and the group's first rule (last_prompt: stored at once)
+    # was applied to topk's rows too; a request that generated nothing keeps none of them
+    d, sink = make_driver("final_logits:last_prompt,final_logits:topk(10)")
+    d.prompts = {"a": 3}
+    d.forward(BatchLayout.extend(["a"], [0], [3], seq_lens=[3]))
+    d.t.finish_request("a", 2)  # no token generated: the row at position 2 decided none
+    d.t.stop()
+    assert sorted({(r.act_name, r.start_token_idx) for r in sink.records}) == [
+        ("final_logits", 2)]

@@ -18,6 +18,7 @@ SELECTIONS = (
     "resid_pre,final_ln:positions(3-9),final_logits",
     "resid_pre:positions(2-5),mlp_out,final_logits:positions(0-6)",
     "token_ids,resid_pre:last_prompt,final_logits:last_prompt",
+    "resid_pre,final_logits,final_logits:last_prompt:topk(2)",
 )
 RIDS = ("a", "b", "c", "d")
 
@@ -77,3 +78,40 @@ def test_a_long_prefill_with_a_row_selection_is_planned_and_moved_without_a_cach
     d.t.stop()
     d.verify(sink.records)
     assert {r.request_id for r in sink.records} == {"a"}
+
+
+def _retracted_and_chunked() -> tuple[BatchLayout, BatchLayout]:
+    """Same token rows, another number of emitting requests: ``x`` prefilled to its
+    prompt beside ``y`` re-prefilled after a retraction (both emit), or beside ``z``'s
+    intermediate chunk (emits nothing)."""
+    return (BatchLayout.extend(["x", "y"], [0, 0], [3, 4], seq_lens=[3, 4]),
+            BatchLayout.extend(["x", "z"], [0, 0], [3, 4], seq_lens=[3, 9]))
+
+
+RULE_AROUND_LOGITS = "resid_pre,final_logits,final_logits:last_prompt:topk(2)"
+"""final_logits (no rule) between token rows and a ruled request-row capture: neither
+the first nor the last segment."""
+
+
+def test_logits_rows_between_other_segments_are_part_of_the_key() -> None:
+    # Found in review: the key missed the rows of a request-row segment without a rule
+    # that is neither first nor last, so these two plans shared one program
+    selection = select(RULE_AROUND_LOGITS)
+    prompts = {"x": 3, "y": 2, "z": 4}.get
+    both, one = (make_plan(layout, selection, SHAPE, padded=False, prompts=prompts)
+                 for layout in _retracted_and_chunked())
+    assert (both.segment_for("final_logits", -1).kept_rows,
+            one.segment_for("final_logits", -1).kept_rows) == (2, 1)
+    assert plan_key(both) != plan_key(one)
+
+
+def test_both_requests_logits_rows_are_stored_after_a_plan_with_one(make_driver) -> None:
+    d, sink = make_driver(RULE_AROUND_LOGITS)
+    d.prompts = {"x": 3, "y": 2, "z": 4}
+    both, one = _retracted_and_chunked()
+    d.forward(one)  # its program is cached first
+    d.forward(both)
+    for rid in ("x", "y", "z"):
+        d.t.finish_request(rid, None)
+    d.t.stop()
+    d.verify(sink.records)

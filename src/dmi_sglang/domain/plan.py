@@ -122,6 +122,9 @@ class _Structure:
     positions_free: bool = False
     """A decode structure whose rows kept do not depend on the requests' positions: the
     next decode step of the same requests has the same structure."""
+    logit_rows: tuple[tuple[int, ...] | None, int] = (None, 0)
+    """The source rows request-row captures without a position rule keep (the emitting
+    requests' rows; ``None``: all of them) and how many."""
 
 
 @attrs.frozen
@@ -191,6 +194,13 @@ class CommitPlan:
         this step (``None``: all of them) and how many; empty without rules. With
         :attr:`segments`' first and last, it determines the plan's structure."""
         return self._structure.ruled_rows
+
+    @property
+    def logit_rows(self) -> tuple[tuple[int, ...] | None, int]:
+        """The source rows request-row captures without a position rule keep this step
+        (``None``: all of them) and how many; with :attr:`ruled_rows` and
+        :attr:`segments`' first and last, it determines the plan's structure."""
+        return self._structure.logit_rows
 
     def slices(self, segment: Segment) -> tuple[RecordSlice, ...]:
         """Where each request's rows sit in ``segment`` (kept rows, in row order)."""
@@ -610,7 +620,7 @@ def _structure(
     positions_free = decode and all(rule.is_all or rule.last < rule.first
                                     for _, rule, _, _ in ruled)
     return _Structure(ordered, index_by_key, offset, sum(seg.kept_bytes for seg in ordered),
-                      ruled, indexed, positions_free)
+                      ruled, indexed, positions_free, (logit_index, logit_rows))
 
 
 class StepState(enum.Enum):

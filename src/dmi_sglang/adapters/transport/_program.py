@@ -198,8 +198,9 @@ def plan_key(plan: CommitPlan) -> Hashable:
 
     ``make_plan`` gives every token-row segment of one position rule the same rows and
     every request-row segment of one rule the same rows, so the forward's row counts,
-    the first and the last segment and the rows each rule keeps (``plan.ruled_rows``)
-    describe them all: the key costs O(1) per step instead of O(segments). Plans from
+    the first and the last segment, the rows each rule keeps (``plan.ruled_rows``) and
+    the rows request-row segments without a rule keep (``plan.logit_rows``) describe
+    them all: the key costs O(1) per step instead of O(segments). Plans from
     anything else must not share a transport's cache (pieces are never cached).
     """
     segs = plan.segments
@@ -212,7 +213,7 @@ def plan_key(plan: CommitPlan) -> Hashable:
         batch.raw_batch_size, batch.token_rows,
         first.hook.name, first.layer_no, first.source_rows, first.kept_rows, first.ring_rows,
         first.source_index, last.hook.name, last.layer_no, last.source_rows, last.kept_rows,
-        last.ring_rows, last.source_index, plan.ruled_rows,
+        last.ring_rows, last.source_index, plan.ruled_rows, plan.logit_rows,
     )
 
 

@@ -236,10 +236,21 @@ class HeldRows:
                 self.copied += sum(len(r.payload) for r in rows)
         self._pinned.clear()
 
-    def confirm(self, request_id: str, out: Emitted) -> None:
-        """A later row of the request arrived: its held row decided a real token."""
+    def confirm(self, request_id: str, out: Emitted, *, before: int | None = None) -> None:
+        """A later row of the request arrived: its held rows decided a real token.
+
+        ``before``: the capture step (``seq``) of the row that arrived; only rows of
+        earlier steps are confirmed (a piecewise step's parts share one ``seq``: the
+        rows an earlier part of the same step held stay held). None: every held row.
+        """
         rows = self._rows.pop(request_id, None)
-        self._pinned.discard(request_id)
+        if rows and before is not None:
+            waiting = [r for r in rows if r.seq >= before]
+            if waiting:
+                self._rows[request_id] = waiting
+                rows = [r for r in rows if r.seq < before]
+        if request_id not in self._rows:
+            self._pinned.discard(request_id)
         if rows:
             for r in rows:
                 out.add(r)
@@ -412,19 +423,21 @@ def hold_request_rows(  # noqa: PLR0917 - the step's whole context
     row decides the first generated token, never the overlap scheduler's extra forward,
     and no later row of the request would ever confirm it. So do ``last`` rows (a read
     plan's, of finished requests): they are final, and confirm nothing."""
-    per_group = [(g, host_rows(staging, base, g), plan.segments[g.positions[0]])
-                 for g in groups]
-    for _, _, seg in per_group:
+    # each segment by its own rule and slices: a copy group may join segments of
+    # different rules whose rows happen to be alike
+    segments = [(group.metas[s], rows[s], plan.segments[at])
+                for group in groups
+                for rows in (host_rows(staging, base, group),)
+                for s, at in enumerate(group.positions)]
+    for _, _, seg in segments:
         if seg.positions.rule is not PositionRule.LAST:
             for sl in plan.slices(seg):
-                held.confirm(sl.request_id, out)
-    for group, rows, seg in per_group:
+                held.confirm(sl.request_id, out, before=seq)
+    for meta, seg_rows, seg in segments:
         keep = out.add if seg.positions.rule in _FINAL else held.hold
-        for s, meta in enumerate(group.metas):
-            seg_rows = rows[s]
-            for sl in plan.slices(seg):  # request rows: one row per slice
-                payload = copy_row(np.ravel(seg_rows[sl.row_offset]))
-                keep(CaptureRecord(
-                    run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
-                    sl.end, meta.dtype, (1, *meta.dims), payload, seq,
-                ))
+        for sl in plan.slices(seg):  # request rows: one row per slice
+            payload = copy_row(np.ravel(seg_rows[sl.row_offset]))
+            keep(CaptureRecord(
+                run_id, sl.request_id, meta.act_name, meta.layer_no, 0, sl.start,
+                sl.end, meta.dtype, (1, *meta.dims), payload, seq,
+            ))
