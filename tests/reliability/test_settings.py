@@ -42,12 +42,17 @@ SECRET = "s3cret-pw"
         ("DMX_CH_TIMEOUT_S", "0", "an integer from 1 to 3,600"),
         ("DMX_RING_PAYLOAD_MB", "-5", "an integer from 1 to 131,072"),
         ("DMX_DB_URL", "chdb:///", "names /: give the store a directory"),
+        ("DMX_DB_URL", "chdb:///data/run#1", "has a query or a fragment"),
+        ("DMX_DB_URL", "chdb:///data/a?b", "has a query or a fragment"),
+        ("DMX_DB_URL", "http://h/db?secure=1", "has a query or a fragment"),
+        ("DMX_DB_URL", "http://h:0/db", "bad port 0"),
         ("DMX_DB_HOST", "a b", "a host name or IP address"),
         ("DMX_DB_HOST", "h:1", "the port goes in DMX_DB_PORT"),
     ],
     ids=["writers", "queue-mb", "flush-timeout", "linger", "gil-slice", "window", "arena",
          "copy-piece", "copy-ahead", "copy-kernel", "copy-gaps", "plan-tok-s", "timeout",
-         "ring", "chdb-root", "host-space", "host-port"],
+         "ring", "chdb-root", "chdb-fragment", "chdb-query", "server-query", "port-zero",
+         "host-space", "host-port"],
 )
 def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
                                                    words: str) -> None:
@@ -119,7 +124,8 @@ def test_bad_input_credentials_in_the_store_url(recorder: int) -> None:
     assert all(SECRET not in text for text in shown), shown
     assert "alice:***@" in settings.to_env(include_secrets=False)["DMX_DB_URL"]
     for hostile in (f"http://alice:{SECRET}@bad host/db", f"http://alice:{SECRET}/x@h:1:2/db",
-                    f"http://alice:{SECRET}@[::1/db"):
+                    f"http://alice:{SECRET}@[::1/db", f"alice:{SECRET}@h:8123",
+                    f"http:/alice:{SECRET}@h:8123", f"http:alice:{SECRET}@h"):
         with pytest.raises(ConfigurationError) as bad:
             Settings.from_env({"DMX_DB_URL": hostile})
         assert SECRET not in str(bad.value)

@@ -3,6 +3,7 @@ to disk before ``finish_run`` returns (embedded store)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -31,6 +32,7 @@ from dmi_sglang.adapters.clickhouse._client import (
 )
 from dmi_sglang.adapters.clickhouse._durable import sync_tree
 from dmi_sglang.adapters.clickhouse._insert import open_inserter
+from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
@@ -233,6 +235,53 @@ def test_sync_tree_syncs_files_changed_since_and_their_directories(
     assert (report.files, report.directories, report.nbytes) == (2, 4, 101)
 
 
+def _unlistable(monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]) -> list[str]:
+    """Directories for which ``which`` is true fail to list (EIO); the list of those
+    asked for."""
+    real = os.scandir
+    asked: list[str] = []
+
+    def scandir(path: Any = ".") -> Any:
+        if which(os.fspath(path)):
+            asked.append(os.fspath(path))
+            raise OSError(errno.EIO, "Input/output error", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    return asked
+
+
+def test_a_directory_the_sync_cannot_list_fails_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found in review: os.walk skipped such a directory silently, its files unsynced
+    part = tmp_path / "store" / "part"
+    part.mkdir(parents=True)
+    (part / "data.bin").write_bytes(b"x" * 100)
+    _unlistable(monkeypatch, lambda p: p.endswith("/part"))
+    with pytest.raises(OSError, match="Input/output error"):
+        sync_tree(str(tmp_path / "store"), 0)
+
+
+def test_a_run_whose_parts_cannot_be_listed_is_not_finished(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink = open_sink(writers=1)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(3, 8), [0, 1, 2, 3]))
+    sink.flush()
+    parts = {part for part, in _part_paths(store)}
+    asked = _unlistable(monkeypatch, lambda p: os.path.realpath(p).rstrip("/") in parts)
+    with pytest.raises(StoreError, match="syncing the files of run run"):
+        commit(sink, run, [manifest("run", "r", 3, 0)])
+    assert asked
+    monkeypatch.undo()
+    recorded = ClickHouseReader(store).run("run")
+    assert recorded is not None
+    assert recorded.status is RunStatus.FAILED
+
+
 def test_finish_run_syncs_the_runs_parts_to_disk(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
@@ -246,9 +295,10 @@ def test_finish_run_syncs_the_runs_parts_to_disk(
     with structlog.testing.capture_logs() as logs:
         commit(sink, run, [manifest("run", "r", 4, 1)])
     assert sink.stats().sync_seconds > 0
-    event = next(e for e in logs if e["event"] == "store.synced")
-    assert event["files"] == len([p for p in synced if os.path.isfile(p)]) > 0
-    assert event["seconds"] >= 0
+    events = [e for e in logs if e["event"] == "store.synced"]
+    assert len(events) == 2  # the data, then the manifests and the run's status
+    assert sum(e["files"] for e in events) == len([p for p in synced if os.path.isfile(p)])
+    assert all(e["files"] > 0 and e["seconds"] >= 0 for e in events)
     parts = [str(p) for p, in _part_paths(store)]
     assert parts
     for part in parts:  # every file of every part of the records table, and the part
@@ -258,18 +308,50 @@ def test_finish_run_syncs_the_runs_parts_to_disk(
     assert len(ClickHouseReader(store).records("run", "r")) == 1
 
 
-def _part_paths(store: StoreConfig) -> list[tuple[str]]:
+def test_the_data_is_on_disk_before_a_row_says_the_run_is_complete(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found in review: the committed status was written before the sync, so a power
+    # loss between the two could leave a committed run over data that never reached disk
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)  # finish_run's syncs alone
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink.flush()
+    data = _part_files(store)
+    events = _record_fsyncs(monkeypatch)
+    write = sink._write_control
+
+    def recorded(table: str, rows: list[Any], what: str) -> None:
+        events.append(f"write {what}")
+        write(table, rows, what)
+
+    monkeypatch.setattr(sink, "_write_control", recorded)
+    commit(sink, run, [manifest("run", "r", 4, 1)])
+    writes = [i for i, e in enumerate(events) if e.startswith("write ")]
+    assert len(writes) == 2  # the manifests, then the run's status
+    assert data <= set(events[: writes[0]]), data - set(events[: writes[0]])
+    status_parts = _part_files(store, "offload_runs") | _part_files(store, "offload_manifest")
+    late = status_parts - data
+    assert late  # the final rows' parts, synced after they were written
+    assert late <= set(events[writes[-1]:]), late - set(events[writes[-1]:])
+
+
+def _part_paths(store: StoreConfig, table: str = "offload") -> list[tuple[str]]:
     c = connect(store)
     try:
         rows = c.query("SELECT path FROM system.parts WHERE database = 'default' "
-                       "AND table = 'offload' AND active").result_rows
+                       f"AND table = '{table}' AND active").result_rows
         return [(os.path.realpath(str(r[0]).rstrip("/")),) for r in rows]
     finally:
         c.close()
 
 
-def _part_files(store: StoreConfig) -> set[str]:
-    return {os.path.join(part, n) for part, in _part_paths(store) for n in os.listdir(part)}
+def _part_files(store: StoreConfig, table: str = "offload") -> set[str]:
+    return {os.path.join(part, n) for part, in _part_paths(store, table)
+            for n in os.listdir(part)}
 
 
 def _wait_until(done: Callable[[], bool], seconds: float = 10.0) -> bool:

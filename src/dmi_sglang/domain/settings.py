@@ -201,10 +201,23 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
     return (scheme + sep, userinfo, host)
 
 
+_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and the runs table)."""
+    """``url`` with any password replaced by ``***`` (for logs, errors and the runs table).
+
+    A malformed URL (no ``://``) that still holds an ``@`` may carry ``user:password``
+    before it in any form (``user:pw@host``, ``http:/user:pw@host``): everything between
+    a leading scheme and the last ``@`` is hidden then."""
     head, userinfo, rest = _split_userinfo(url)
-    if userinfo is None or ":" not in userinfo:
+    if userinfo is None:
+        if "://" in url or "@" not in url:
+            return url
+        before, _, after = url.rpartition("@")
+        scheme = _SCHEME_PREFIX.match(before)
+        return f"{scheme.group(0) if scheme else ''}***@{after}"
+    if ":" not in userinfo:
         return url
     return f"{head}{userinfo.partition(':')[0]}:***@{rest}"
 
@@ -238,7 +251,13 @@ class StoreUrl:
         if url.lower() == "none":
             return cls(StoreKind.NONE)
         head, userinfo, rest = _split_userinfo(url)
-        parts = _urlsplit(head + rest if userinfo is not None else url, shown)
+        bare = head + rest if userinfo is not None else url
+        if "?" in bare or "#" in bare:
+            msg = (f"store URL {shown!r} has a query or a fragment ('?' or '#'): neither is "
+                   "accepted (a path or a database name holding them cannot be given; TLS: "
+                   "https://, the port after the host)")
+            raise ConfigurationError(msg)
+        parts = _urlsplit(bare, shown)
         if parts.scheme == "chdb":
             path = posixpath.normpath(parts.path) if parts.path else ""
             if parts.netloc or not path.startswith("/"):
@@ -256,11 +275,12 @@ class StoreUrl:
                 raw_user, has_password, raw_password = userinfo.partition(":")
                 user = unquote(raw_user)
                 password = unquote(raw_password) if has_password else None
-            try:
-                port = parts.port or (8443 if secure else 8123)
-            except ValueError:
-                msg = f"bad port in {shown!r}"
-                raise ConfigurationError(msg) from None
+            port = parts.port
+            if port is None:
+                port = 8443 if secure else 8123
+            elif not 0 < port < 65536:
+                msg = f"bad port {port} in {shown!r}: 1 to 65535"
+                raise ConfigurationError(msg)
             try:
                 _host(hostname)
             except ValueError:

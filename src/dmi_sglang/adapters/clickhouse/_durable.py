@@ -49,20 +49,27 @@ def _fsync(path: str, flags: int) -> bool:
     return True
 
 
+def _unless_vanished(error: OSError) -> None:
+    """``os.walk``'s error handler: a directory that vanished is skipped (the engine
+    removed a temporary or outdated part), any other error raised."""
+    if not isinstance(error, FileNotFoundError):
+        raise error
+
+
 def sync_tree(root: str, since_ns: int) -> SyncReport:
     """fsync the regular files under ``root`` modified at or after ``since_ns`` (a
     ``time.time_ns()`` value), then the directories holding them or modified since,
     deepest first. Symbolic links are neither followed nor synced.
 
     Raises:
-        OSError: a file or directory could not be opened or synced (a vanished one is
-            skipped).
+        OSError: a file or directory could not be listed, opened or synced (a vanished
+            one is skipped): its files would otherwise stay unsynced unnoticed.
     """
     started = time.perf_counter()
     files: list[str] = []
     directories: set[str] = set()
     nbytes = 0
-    for dirpath, _, filenames in os.walk(root):
+    for dirpath, _, filenames in os.walk(root, onerror=_unless_vanished):
         try:
             if os.lstat(dirpath).st_mtime_ns >= since_ns:
                 directories.add(dirpath)

@@ -228,10 +228,13 @@ class ClickHouseSink:
         self._commits.wait_idle()
 
     def finish_run(self, run: RunInfo, manifests: Sequence[RequestManifest]) -> None:
-        """Flush, write the manifests and, last, the run's final status; on the
-        embedded store then sync the files written since the previous sync (the run's
-        parts, its rows) to disk, so that they survive a power loss, and let merges run
-        again. On a server store, durability is the server's (its own fsync settings).
+        """Flush, write the manifests and, last, the run's final status, and let merges
+        run again. On the embedded store the files written since the previous sync are
+        synced to disk after the status is written, so that they survive a power loss;
+        for a committed run the run's parts are synced before the manifests and the
+        status too, so a power loss between the two never leaves a committed status over
+        data that was not on disk (a failed sync there records the run as failed). On a
+        server store, durability is the server's (its own fsync settings).
 
         A manifest is stored as committed only when it says so, the run's status is
         committed and the flush succeeded. When the sink has failed, the run is recorded
@@ -249,7 +252,16 @@ class ClickHouseSink:
                 self._record_failed_run(run, failure)
                 raise
             self._raise_if_unusable()
+            embedded = self._config.kind is StoreKind.EMBEDDED
             committed = run.status is RunStatus.COMMITTED
+            if embedded and committed:  # the data on disk before a row says it is complete
+                self._stop_sync_passes()
+                try:
+                    self._sync(run.run_id)
+                except StoreError as failure:
+                    self._stop_heartbeat()
+                    self._record_failed_run(run, failure)
+                    raise
             rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
             if rows:
                 self._write_control(self._tables.manifest, rows,
@@ -257,8 +269,7 @@ class ClickHouseSink:
             self._stop_heartbeat()  # no running row may land after the final one
             self._write_control(self._tables.runs, [run_row(run)],
                                 f"finishing run {run.run_id}")
-            if self._config.kind is StoreKind.EMBEDDED:
-                self._stop_sync_passes()
+            if embedded:
                 self._sync(run.run_id)
         finally:
             self._stop_sync_passes()
