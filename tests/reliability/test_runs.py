@@ -357,7 +357,8 @@ def test_fault_a_server_store_run_stops_beating(tmp_path: Path) -> None:
 
 def test_fault_the_heartbeat_keeps_a_flushing_run_alive(tmp_path: Path) -> None:
     """A sink with a heartbeat rewrites the running row while the run lives and stops
-    before the final row -> the final status is never overwritten by a late beat."""
+    before the final row, run after run -> the final status is never overwritten by a
+    late beat, and a later run of the same sink beats too."""
     import time
 
     class Recording(ClickHouseSink):
@@ -375,14 +376,22 @@ def test_fault_the_heartbeat_keeps_a_flushing_run_alive(tmp_path: Path) -> None:
     sink.put(RecordBatch.from_records([record(request="r", model_id="beating")]))
     commit(sink, run, {"r": 2})
     time.sleep(0.1)
+    first = len(Recording.writes)
+    second = run_info("beating-again")  # the same sink's next run beats too
+    sink.start_run(second)
+    time.sleep(0.3)
+    commit(sink, second, {})
     sink.close()
     writes = Recording.writes
-    assert writes[0] == "recording"
-    assert writes.count("heartbeat") >= 3
-    assert writes[-1] == "finishing"  # no beat after the final row
-    final = open_store(f"chdb://{config.path}").run("beating")
-    assert final is not None
-    assert final.status is RunStatus.COMMITTED
+    for one in (writes[:first], writes[first:]):
+        assert one[0] == "recording"
+        assert one.count("heartbeat") >= 3
+        assert one[-1] == "finishing"  # no beat after the final row
+    store = open_store(f"chdb://{config.path}")
+    for run_id in ("beating", "beating-again"):
+        final = store.run(run_id)
+        assert final is not None
+        assert final.status is RunStatus.COMMITTED
 
 
 def test_a_selection_from_the_last_prompt_position_keeps_the_radix_cache(

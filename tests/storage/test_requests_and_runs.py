@@ -12,6 +12,7 @@ from dmi_sglang.app.handle import CaptureHandle
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
 
 from ._support import (
     RESID,
@@ -148,6 +149,26 @@ def test_retraction_keeps_the_latest_row_per_position(
     assert len(ClickHouseReader(store).records("run", "r")) == len(first) + len(second) - 2
 
 
+def test_deleting_while_this_process_captures_is_refused_at_once(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    # Found in review: the capture holds the records table's merges, and a delete (a
+    # mutation) waited for them until that run finished
+    sink = open_sink(writers=1)
+    old = run_info("old", [(RESID, 0)])
+    sink.start_run(old)
+    sink.put(batch_of("old", "r", RESID, 0, torch.randn(3, 8), [0, 1, 2, 3]))
+    commit(sink, old, [manifest("old", "r", 3, 0)])
+    new = run_info("new", [(RESID, 0)])
+    sink.start_run(new)
+    reader = ClickHouseReader(store)
+    with pytest.raises(StoreError, match="while this process captures run 'new'"):
+        reader.delete_run("old")
+    commit(sink, new, [])
+    assert reader.delete_run("old") == 3
+    assert [r.run_id for r in reader.runs()] == ["new"]
+
+
 def test_delete_run_removes_only_that_run(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:
@@ -166,3 +187,19 @@ def test_delete_run_removes_only_that_run(
     assert reader.manifest("a", "r") is None
     assert not handle(store, "a", "r").available
     assert handle(store, "b", "r").available
+
+
+def test_an_empty_range_reads_as_no_rows_of_the_captures_shape_and_dtype(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    # Found in review: it read as a float32 tensor of shape (0,)
+    sink = open_sink(writers=1)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 32, dtype=torch.bfloat16), [0, 4]))
+    commit(sink, run, [manifest("run", "r", 4, 1)])
+    sink.close()
+    h = handle(store, "run", "r")
+    assert h.get(RESID, 0, start=1, end=3).shape == (2, 32)
+    empty = h.get(RESID, 0, start=2, end=2)
+    assert (tuple(empty.shape), empty.dtype) == ((0, 32), torch.bfloat16)

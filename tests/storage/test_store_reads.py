@@ -264,3 +264,42 @@ def test_batches_within_cut_the_rows_in_the_store(
     row = len(prefill.payload) // prefill.rows
     assert cut[0].payload == prefill.payload[row : 4 * row]
     assert cut[1].payload == whole[1].payload
+
+
+def test_handles_of_one_store_are_read_from_two_threads_at_once(
+        open_sink: Callable[..., ClickHouseSink], store: StoreConfig) -> None:
+    # Found in review: the handles share one reader, whose one session client a thread
+    # closed while the other read through it ("The client has been closed")
+    import threading
+
+    from dmi_sglang.app.reading import CaptureStore
+
+    from ._support import batch_of, commit, same_bits
+
+    sink = open_sink(writers=1)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    want = {f"r{k}": torch.randn(6, 32) for k in range(4)}
+    for rid, rows in want.items():
+        sink.put(batch_of("run", rid, RESID, 0, rows, [0, 3, 6]))
+    commit(sink, run, [manifest("run", rid, 6, 1) for rid in want])
+    sink.close()
+    captures = CaptureStore(store)
+    errors: list[str] = []
+
+    def read(ids: list[str]) -> None:
+        try:
+            for _ in range(15):
+                for rid in ids:
+                    got = captures.handle("run", rid).get(RESID, 0)
+                    assert same_bits(got, want[rid]), rid
+        except BaseException as exc:  # reported below, from the test's thread
+            errors.append(repr(exc)[:300])
+
+    threads = [threading.Thread(target=read, args=(ids,)) for ids in (["r0", "r1"],
+                                                                       ["r2", "r3"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]

@@ -23,7 +23,7 @@ from dmi_sglang.app.assemble import (
     narrowed,
     selected_positions,
 )
-from dmi_sglang.app.shards import combined_rows
+from dmi_sglang.app.shards import combined_rows, empty_rows
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import RequestManifest, RunInfo
@@ -174,7 +174,8 @@ class CaptureHandle:
             hook: short name (``resid_pre``) or stored act_name.
             layer: the layer of a per-layer hook (None for global hooks).
             start / end: absolute positions ``[start, end)``; default every position
-                the capture holds (:meth:`positions`).
+                the capture holds (:meth:`positions`). An empty range reads as no rows,
+                shaped ``[0, *row shape]`` in the stored dtype.
 
         Raises:
             IncompleteCaptureError: the capture is incomplete, or the hook / layer was
@@ -191,6 +192,13 @@ class CaptureHandle:
                     return self._tensors[key]
             with self._reader() as reader:
                 key = self._key(hook, layer, start, end, reader)
+                if key not in self._tensors and not key[2]:  # no rows: their shape only
+                    act, layer_no, _ = key
+                    layout = next((lay for lay in reader.extents(
+                        self.run_id, self.request_id).layouts
+                        if (lay.act_name, lay.layer_no) == (act, layer_no)), None)
+                    self._tensors[key] = empty_rows(layout, self._plan(act),
+                                                    f"{act} layer {layer_no}")
                 if key not in self._tensors:
                     act, layer_no, kept = key
                     recs = reader.records(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dmi_sglang.app.assemble import joined_rows, select_rows
+from dmi_sglang.domain.ports import RowLayout
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.domain.shapes import DType
 from dmi_sglang.domain.tensor_parallel import ShardPlan, TpRule
@@ -99,6 +100,22 @@ def combined_rows(records: Sequence[CaptureRecord], positions: range, plan: Shar
     if plan.parts == 1:
         return decode_rows(parts[0], positions)
     return combine(plan, [decode_rows(p, positions) for p in parts], what)
+
+
+def empty_rows(layout: RowLayout | None, plan: ShardPlan, what: str) -> torch.Tensor:
+    """No rows of one capture, shaped ``[0, *row shape]`` in its stored dtype as its
+    parts (one ``layout``) combine; ``[0]`` when nothing of it was stored (no layout).
+
+    Raises:
+        StoreError: a layout whose parts cannot combine as the plan says.
+    """
+    import torch
+
+    if layout is None:
+        return torch.empty((0,))
+    dtype = getattr(torch, DType.parse(layout.dtype).value.removeprefix("torch."))
+    part = torch.empty((0, *layout.row_shape), dtype=dtype)
+    return part if plan.parts == 1 else combine(plan, [part] * plan.parts, what)
 
 
 def decode_rows(records: Sequence[CaptureRecord], positions: range) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["is_live", "mark_done", "mark_live"]
+__all__ = ["is_live", "live_runs", "mark_done", "mark_live"]
 
 _LOCK = threading.Lock()
 _LIVE: set[tuple[str, str]] = set()
@@ -37,3 +37,10 @@ def is_live(path: str, run_id: str) -> bool:
     """Whether a sink of this process is capturing ``run_id`` at ``path``."""
     with _LOCK:
         return _key(path, run_id) in _LIVE
+
+
+def live_runs(path: str) -> list[str]:
+    """The runs a sink of this process is capturing at ``path`` now."""
+    where = os.path.realpath(path)
+    with _LOCK:
+        return sorted(run_id for at, run_id in _LIVE if at == where)

@@ -9,6 +9,7 @@ layout raise :class:`~dmi_sglang.errors.StoreError`.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from dmi_sglang.adapters.clickhouse._client import (
     connect,
     store_error,
 )
-from dmi_sglang.adapters.clickhouse._live import is_live
+from dmi_sglang.adapters.clickhouse._live import is_live, live_runs
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.columns import RecordBatch
@@ -54,6 +55,14 @@ _RECORD_COLUMNS = (
 )
 
 
+class _Session(threading.local):
+    """One thread's open client and what it found of the tables."""
+
+    def __init__(self) -> None:
+        self.client: Client | None = None
+        self.present: dict[str, bool] = {}
+
+
 class ClickHouseReader:
     """A :class:`~dmi_sglang.domain.ports.RecordReader` on ClickHouse.
 
@@ -70,21 +79,31 @@ class ClickHouseReader:
         self._config = config
         self._tables = StoreTables.named(config.database, config.table)
         self._factory = client_factory or (lambda c: connect(c, create=False))
-        self._client: Client | None = None
-        self._present: dict[str, bool] = {}
+        self._local = _Session()
+
+    @property
+    def _client(self) -> Client | None:
+        return self._local.client
+
+    @property
+    def _present(self) -> dict[str, bool]:
+        return self._local.present
 
     @contextlib.contextmanager
     def session(self) -> Iterator[ClickHouseReader]:
-        """Keep the store open for the calls inside the block (re-entrant)."""
-        if self._client is not None:
+        """Keep the store open for the calls inside the block (re-entrant). Each thread
+        has a session of its own (its own client): handles sharing one reader may be
+        read from several threads at once."""
+        local = self._local
+        if local.client is not None:
             yield self
             return
-        self._client = self._factory(self._config)
-        self._present = {}
+        local.client = self._factory(self._config)
+        local.present = {}
         try:
             yield self
         finally:
-            client, self._client = self._client, None
+            client, local.client = local.client, None
             close_quietly(client)
 
     def _query(self, layout: Layout, sql: str, params: dict[str, Any], **kw: Any) -> list[Any]:
@@ -292,8 +311,23 @@ class ClickHouseReader:
             for a, ln, sr, lo, hi, d, shp in rows)
 
     def delete_run(self, run_id: str) -> int:
-        """Delete a run's records, manifests and run rows; returns records deleted."""
+        """Delete a run's records, manifests and run rows; returns records deleted.
+
+        Raises:
+            StoreError: a sink of this process captures into the embedded store now and
+                the records table holds parts: the capture holds that table's merges,
+                which a delete (a mutation of its parts) would wait for until that run
+                finished.
+        """
         with self.session():
+            live = (live_runs(self._config.path)
+                    if self._config.kind is StoreKind.EMBEDDED else [])
+            if live and self._has_parts(self._tables.offload):
+                msg = (f"cannot delete run {run_id!r} while this process captures run "
+                       f"{', '.join(map(repr, live))} into {self._config.url}: the capture "
+                       "holds the store's merges, which a delete waits for; delete it "
+                       "after that run stopped")
+                raise StoreError(msg)
             n = self._query(
                 self._tables.offload,
                 "SELECT count() FROM {t} WHERE model_id = {run:String}",
@@ -306,6 +340,19 @@ class ClickHouseReader:
             ):
                 self._delete(layout, key, run_id)
             return int(n[0][0]) if n else 0
+
+    def _has_parts(self, layout: Layout) -> bool:
+        """Whether the table has an active part (inside a session)."""
+        client = self._client
+        assert client is not None
+        try:
+            rows = client.query(
+                "SELECT count() FROM system.parts WHERE database = {db:String} "
+                "AND table = {t:String} AND active",
+                parameters={"db": self._config.database, "t": layout.name}).result_rows
+        except Exception as exc:
+            raise store_error(f"reading {self._config.url}", exc) from exc
+        return bool(rows and int(rows[0][0]))
 
     def _delete(self, layout: Layout, key: str, run_id: str) -> None:
         client = self._client

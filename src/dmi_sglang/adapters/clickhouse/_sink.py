@@ -192,6 +192,7 @@ class ClickHouseSink:
         if self._config.kind is StoreKind.EMBEDDED:
             self._start_sync_passes(run.run_id)
         if self._heartbeat_s > 0 and self._heartbeat is None:
+            self._beating.clear()  # a run before this one stopped its beat
             self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
