@@ -145,7 +145,15 @@ def test_round_trip_and_captures_in_firing_order(items: list[tuple[str, object]]
 @pytest.mark.parametrize(
     ("text", "message"),
     [("resid_pre:fp8", "fp8 storage is not offered"),
-     ("resid_pre:int8", "unknown position rule 'int8'"),
+     ("resid_pre:int8", "unknown modifier 'int8'"),
+     # found in review: a mistyped dtype was told only the position rules
+     ("resid_pre:BF16", "payload modifiers: bf16, fp16, topk(K)"),
+     ("resid_pre:lst", "position rules: all, last_prompt, last, generated"),
+     ("resid_pre:every(\u0663)", "unknown position rule"),
+     # found in review: a layer range on a preset of global hooks was dropped silently,
+     # and int() took 1_0 as layer 10
+     ("logits@5", "holds only global hooks: no layer range"),
+     ("resid_pre@1_0", "bad layer range '1_0'"),
      ("resid_pre:topk(4)", "applies to final_logits only, not 'resid_pre'"),
      ("hf-only:topk(4)", "applies to final_logits only"),
      ("final_logits:topk(0)", "K must be at least 1"),

@@ -183,3 +183,51 @@ def test_bad_input_rm_of_a_run_that_is_still_running(tmp_path: Path,
         assert cli.main(["rm", "live", "--force", "--yes", *db]) == 0
     finally:
         sink.close()
+
+
+@pytest.fixture
+def qwen3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Qwen3-0.6B model directory (its config.json alone), no DMX_* in the environment."""
+    import json
+
+    from tests.app.test_cli_plan import QWEN3_06B
+
+    for key in [k for k in os.environ if k.startswith("DMX_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_06B))
+    return model
+
+
+@pytest.mark.parametrize("url", ["http://alice:s3cret-pw@db.example:8123/bad-name",
+                                 "http://alice:s3cret-pw@db.example:8123/db?x=1",
+                                 "alice:s3cret-pw@db.example:8123"])
+def test_bad_input_serve_with_a_bad_db_url_holding_a_password(
+        qwen3: Path, url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """serve --db with a bad URL that holds a password -> refused in one line that never
+    shows the password (found in review: serve echoed the raw flag)."""
+    assert cli.main(["serve", "--model-path", str(qwen3), "--db", url]) == 2
+    err = capsys.readouterr().err
+    assert "s3cret-pw" not in err, err
+    assert "alice:***@" in err, err
+
+
+@pytest.mark.parametrize(("command", "hooks", "words"), [
+    ("capture", "resid_pre@40", "outside the model's layers 0-27"),
+    ("capture", "final_logits:topk(200000)", "topk(200000) needs 1 <= K"),
+    ("serve", "resid_pre@40", "outside the model's layers 0-27"),
+    ("plan", "", "empty hook selection"),
+])
+def test_bad_input_a_selection_the_model_cannot_have(
+        qwen3: Path, command: str, hooks: str, words: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """capture / serve / plan --hooks that the model's config.json rules out (a layer it
+    lacks, topk beyond its vocabulary) or an empty --hooks -> refused in one line before
+    a GPU is looked for (found in review: capture and serve checked the syntax only, and
+    plan took an empty --hooks for the default)."""
+    flag = "--model-path" if command == "serve" else "--model"
+    assert cli.main([command, flag, str(qwen3), "--hooks", hooks]) == 2
+    _one_line_error(capsys, words)
+

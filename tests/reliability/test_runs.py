@@ -406,11 +406,15 @@ def test_a_selection_from_the_last_prompt_position_keeps_the_radix_cache(
         del os.environ[key]
     os.environ["DMX_DB_URL"] = "none"
     kept = []
-    for selection in ("resid_pre:last_prompt,final_logits:generated", "resid_pre"):
+    # found in review: final_logits (its rows decide tokens: from the last prompt
+    # position on) turned the cache off beside resid_pre:last
+    for selection in ("resid_pre:last_prompt,final_logits:generated", "resid_pre",
+                      "resid_pre:last,final_logits", "resid_pre:last,final_logits:topk(64)",
+                      "resid_pre:last,final_logits:positions(0-3)"):
         os.environ["DMX_HOOK_SELECTION"] = selection
         os.environ.pop("DMX_MODEL_ID", None)
         args = SimpleNamespace(model_path="/models/toy", disable_prefill_cuda_graph=True,
                                disable_radix_cache=False)
         runtime_hooks.before_resolve_once(args)
         kept.append(not args.disable_radix_cache)
-    assert kept == [True, False]
+    assert kept == [True, False, True, True, False]

@@ -150,3 +150,17 @@ def test_bad_input_special_characters_in_a_url_password(url: str, user: str,
     assert password not in repr(settings)
     raw_password = url.split("@", maxsplit=1)[0].rsplit(":", maxsplit=1)[-1]
     assert raw_password not in repr(settings)  # nor the raw form
+
+
+def test_bad_input_credentials_in_the_store_host_or_an_empty_store_url() -> None:
+    """DMX_DB_HOST holding user:password@ -> refused, saying where credentials go, without
+    the password; open_store("") -> refused, not read as "the default store" (both found
+    in review)."""
+    from dmi_sglang.app.reading import open_store
+
+    with pytest.raises(ConfigurationError) as bad:
+        Settings.from_env({"DMX_DB_HOST": f"alice:{SECRET}@db.example"})
+    assert SECRET not in str(bad.value)
+    assert "credentials go in DMX_CH_USER / DMX_CH_PASSWORD" in str(bad.value)
+    with pytest.raises(ConfigurationError, match="unsupported store URL ''"):
+        open_store("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import pytest
@@ -327,3 +328,26 @@ def test_every_k_on_the_logits_takes_any_bounds_inside_their_coverage(
     assert not kept
     assert 3 <= kept.start <= 6
     assert h.get("final_logits").numel() == 0
+
+
+def test_an_export_says_which_positions_a_strided_selections_rows_are(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig, tmp_path: Path
+) -> None:
+    # Found in review: the command's file held the rows of positions 0, 2, 4 and nothing
+    # said so (the server's export says it in the metadata), and --partial named them
+    # @0-6, "positions [0, 6)"
+    import json
+
+    from safetensors import safe_open
+
+    from dmi_sglang.app.cli import main
+
+    _ruled_run(open_sink, "strided", "every(2)", range(0, 6, 2))
+    db = ["--db", f"chdb://{store.path}"]
+    resid = "blocks.hook_resid_pre.0"
+    for extra, name in (((), resid), (("--partial",), f"{resid}@0-6:2")):
+        out = tmp_path / f"x{len(extra)}.safetensors"
+        assert main(["export", "strided", "r", "--out", str(out), *extra, *db]) == 0
+        with safe_open(str(out), framework="pt") as f:
+            assert json.loads(f.metadata()["positions"])[name] == [0, 6, 2]
+            assert f.get_tensor(name)[:, 0].tolist() == [0.0, 2.0, 4.0]

@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--force", action="store_true", help="replace an existing --out file")
     exp.add_argument("--partial", action="store_true",
                      help="what an interrupted or failed run stored, tensors named "
-                     "hook.layer@start-end (positions [start, end); never by default)")
+                     "hook.layer@start-end (positions [start, end); @start-end:K every K-th "
+                     "of them; never by default)")
     rm = with_db(sub.add_parser("rm", help="delete a run"))
     rm.add_argument("run")
     rm.add_argument("--force", action="store_true", help="also a run that is still running")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import stat
@@ -156,7 +157,8 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
             continue  # nothing of it was stored
         found = True
         name = act if layer < 0 else f"{act}.{layer}"
-        yield f"{name}@{kept.start}-{kept.stop}", kept, handle.get(act, layer_arg)
+        every = f":{kept.step}" if kept.step > 1 else ""
+        yield f"{name}@{kept.start}-{kept.stop}{every}", kept, handle.get(act, layer_arg)
     if not found:
         msg = (f"request '{_shown(request_id)}' of run '{_shown(run_id)}' has no stored "
                "positions in any capture: nothing to read, even with --partial")
@@ -192,9 +194,14 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     target = _export_target(out, force=force)
     from safetensors.torch import save
 
-    tensors = {name: t.contiguous() for name, _, t in _tensors(store, run_id, request_id,
-                                                                 partial)}
-    data = save(tensors, metadata={"run_id": run_id, "request_id": request_id})
+    tensors: dict[str, Any] = {}
+    positions: dict[str, list[int]] = {}  # as the server's export names them
+    for name, span, t in _tensors(store, run_id, request_id, partial):
+        if span:  # a capture that kept no position has no rows to write (nor does the server)
+            tensors[name] = t.contiguous()
+            positions[name] = [span.start, span.stop, span.step]
+    data = save(tensors, metadata={"run_id": run_id, "request_id": request_id,
+                                   "positions": json.dumps(positions)})
     if target is None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
@@ -387,7 +394,10 @@ def _validate_capture(args: argparse.Namespace) -> None:
                    if text.startswith(variable) else f"{flag} {value!r}: {text}")
             raise UsageError(msg) from None
     check_db_flag(args.db)
-    Settings.from_kwargs(_capture_settings(args))  # with the environment's DMX_*
+    settings = Settings.from_kwargs(_capture_settings(args))  # with the environment's DMX_*
+    from dmi_sglang.app.cli_plan import check_selection
+
+    check_selection(Path(args.model), settings.hook_selection)
 
 
 def _reference_prompts(args: argparse.Namespace, default: Sequence[str]) -> list[str]:

@@ -19,7 +19,12 @@ from dmi_sglang.domain.bandwidth import DEFAULT_RATES, GB, BandwidthPlan, Rates,
 from dmi_sglang.domain.capacity import MIB, RingCapacity, prefill_ring_bytes, ring_advice
 from dmi_sglang.domain.hooks import parse_selection
 from dmi_sglang.domain.settings import Settings
-from dmi_sglang.errors import UsageError
+from dmi_sglang.errors import (
+    ConfigurationError,
+    SelectionError,
+    UnsupportedConfigurationError,
+    UsageError,
+)
 
 __all__ = ["add_plan_parser", "plan"]
 
@@ -92,10 +97,35 @@ def _config(model: Path) -> dict[str, Any]:
     return raw
 
 
+def check_selection(model: Path, text: str) -> None:
+    """Refuse a hook selection the model at ``model`` (its ``config.json``) cannot have:
+    a layer it lacks, ``topk(K)`` beyond its vocabulary, a hook without a row shape
+    here; before a GPU is looked for or anything starts.
+
+    A model this cannot read (an architecture without a hooked model, sizes missing
+    from its ``config.json``) is left to the engine, which refuses it with the support
+    matrix's reasons.
+
+    Raises:
+        UsageError: the model directory, its ``config.json`` or the selection.
+    """
+    try:
+        hooks, shape = model_rows(_config(model))
+    except (UnsupportedConfigurationError, UsageError):
+        return
+    try:
+        selection = parse_selection(text).resolve(hooks)
+        for hook, layer in selection.captures():
+            shape.capture_row(selection, hook, layer)
+    except (SelectionError, ConfigurationError) as exc:
+        msg = f"hook selection {text!r} on {model}: {exc}"
+        raise UsageError(msg) from None
+
+
 def plan(args: argparse.Namespace) -> int:
     """Print the plan; 0, or a usage error for a bad model directory or selection."""
     hooks, shape = model_rows(_config(args.model))
-    text = args.hooks or Settings.from_env().hook_selection
+    text = args.hooks if args.hooks is not None else Settings.from_env().hook_selection
     selection = parse_selection(text).resolve(hooks)
     captures = selection.captures()
     rates = Rates(args.d2h_gbps * GB, args.store_gbps * GB, args.disk_gbps * GB,

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
-from dmi_sglang.domain.settings import PREFIX, Settings
+from dmi_sglang.domain.settings import PREFIX, Settings, redact_url
 from dmi_sglang.errors import ConfigurationError, UsageError
 
 __all__ = ["SERVE_HOOKS", "SERVE_REQUEST_SAMPLE", "add_serve_parser", "serve"]
@@ -143,7 +143,11 @@ def _settings(args: argparse.Namespace) -> Settings:
         try:
             Settings.from_kwargs({key: value}, env={})
         except ConfigurationError as exc:
-            msg = f"{flag} {value!r}: {exc}"
+            shown = redact_url(str(value)) if flag == "--db" else value
+            msg = f"{flag} {shown!r}: {exc}"
             raise UsageError(msg) from None
     settings = Settings.from_kwargs({k: v for k, v in flags.items() if v is not None}, env=env)
+    from dmi_sglang.app.cli_plan import check_selection
+
+    check_selection(model, settings.hook_selection)
     return settings.resolve(model_path=str(model))

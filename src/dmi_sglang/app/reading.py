@@ -34,7 +34,7 @@ from dmi_sglang.domain.records import (
     original_request_id,
     storable_request_id,
 )
-from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
+from dmi_sglang.domain.settings import PREFIX, Settings, StoreUrl, ignored_variables
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
@@ -52,7 +52,8 @@ def store_config(url: str | None = None) -> StoreConfig:
         ConfigurationError: the URL is not a store URL.
     """
     env = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
-    if url:
+    if url is not None:
+        StoreUrl.parse(url)  # "" too: an empty variable means unset, an empty URL is none
         env[PREFIX + "DB_URL"] = url
     store = Settings.from_env(env).resolve(model_path="reader").store()
     for variable, why in ignored_variables(env):

@@ -34,7 +34,9 @@ from typing import TypeVar
 
 import attrs
 
+from dmi_sglang.domain.payloads import ACCEPTED as PAYLOAD_MODIFIERS
 from dmi_sglang.domain.payloads import TOPK_HOOKS, Payload, is_payload_modifier
+from dmi_sglang.domain.positions import ACCEPTED as POSITION_RULES
 from dmi_sglang.domain.positions import PositionRule, Positions
 from dmi_sglang.errors import SelectionError
 
@@ -272,10 +274,16 @@ class HookSelection:
     @property
     def needs_prompt_positions(self) -> bool:
         """True unless every item keeps only positions from the last prompt position on
-        (``last_prompt``, ``generated``, ``last``): SGLang's radix cache always computes the last
-        prompt position of a request (it matches at most ``prompt - 1`` cached
-        positions), so such a selection captures all it asks for with the cache on."""
-        return not all(item.positions.rule in _FROM_LAST_PROMPT for item in self.items)
+        (``last_prompt``, ``generated``, ``last``, or request-row hooks such as
+        ``final_logits``, whose rows are the positions that decide tokens): SGLang's radix
+        cache always computes the last prompt position of a request (it matches at most
+        ``prompt - 1`` cached positions), so such a selection captures all it asks for
+        with the cache on."""
+        return not all(item.positions.rule in _FROM_LAST_PROMPT or (
+            item.positions.is_all and all(
+                _BY_NAME[name].row_basis is RowBasis.REQUEST
+                for name in (PRESETS[item.name] if item.is_preset else (item.name,))))
+            for item in self.items)
 
     def resolve(self, model: ModelHooks) -> Selection:
         """Bind the selection to a model: which hooks, which layers.
@@ -502,6 +510,10 @@ def parse_selection(text: str) -> HookSelection:
         if layers is not None and not is_preset and not _BY_NAME[name].per_layer:
             msg = f"{name!r} in {token!r} is a global hook and takes no layer range"
             raise SelectionError(msg)
+        if layers is not None and is_preset and not any(
+                _BY_NAME[member].per_layer for member in PRESETS[name]):
+            msg = f"preset {name!r} in {token!r} holds only global hooks: no layer range"
+            raise SelectionError(msg)
         items.append(SelectionItem(name=name, layers=layers, is_preset=is_preset,
                                    positions=positions, payload=payload))
     return HookSelection(tuple(items))
@@ -515,6 +527,10 @@ def _modifiers(parts: list[str], token: str) -> tuple[Positions, Payload]:
         if is_payload_modifier(part):
             payload = payload.with_modifier(part, token)
             continue
+        if not Positions.names_a_rule(part):
+            msg = (f"unknown modifier {part.strip()!r} in {token!r}; position rules: "
+                   f"{POSITION_RULES}; payload modifiers: {PAYLOAD_MODIFIERS}")
+            raise SelectionError(msg)
         if positions is not None:
             msg = f"two position rules in {token!r}; give one"
             raise SelectionError(msg)
@@ -523,8 +539,10 @@ def _modifiers(parts: list[str], token: str) -> tuple[Positions, Payload]:
 
 
 def _parse_layers(text: str, token: str) -> LayerRange:
-    first, dash, last = text.strip().partition("-")
+    first, dash, last = (p.strip() for p in text.strip().partition("-"))
     try:
+        if not all(p.isascii() and p.isdigit() for p in ((first, last) if dash else (first,))):
+            raise ValueError(text)  # int() would take "1_0" or other scripts' digits
         lo = int(first)
         hi = int(last) if dash else lo
     except ValueError:

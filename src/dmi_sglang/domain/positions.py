@@ -56,8 +56,10 @@ class PositionRule(enum.Enum):
     RANGE = "positions"
 
 
-_CALL = re.compile(r"^(every|positions)\((\d+)(?:-(\d+))?\)$")
+_CALL = re.compile(r"^(every|positions)\(([0-9]+)(?:-([0-9]+))?\)$")
 ACCEPTED = "all, last_prompt, last, generated, every(K), positions(A-B)"
+_NAMED = frozenset(r.value for r in (PositionRule.ALL, PositionRule.LAST_PROMPT,
+                                     PositionRule.LAST, PositionRule.GENERATED))
 """The rules the selection syntax accepts, as the error messages name them."""
 
 
@@ -70,6 +72,13 @@ class Positions:
     k: int = 1
     first: int = 0
     last: int = 0
+
+    @classmethod
+    def names_a_rule(cls, text: str) -> bool:
+        """Whether ``text`` is written as a position rule (a known name, ``every(...)``
+        or ``positions(...)``), valid or not."""
+        name = text.strip()
+        return name in _NAMED or name.startswith(("every(", "positions("))
 
     @classmethod
     def parse(cls, text: str, token: str = "") -> Positions:

@@ -183,6 +183,10 @@ def _host(text: str) -> str | None:
         return None
     if text.lower() == "none":
         return "none"
+    if "@" in text:
+        msg = ("credentials go in DMX_CH_USER / DMX_CH_PASSWORD or in a DMX_DB_URL, not in "
+               "the host")
+        raise ConfigurationError(msg)
     if ":" in text and not text.startswith("["):
         msg = "the port goes in DMX_DB_PORT, not in the host"
         raise ConfigurationError(msg)
@@ -349,7 +353,8 @@ _VARS: dict[str, _Var] = {
         _conv(_db_url, STORE_URL_FORMS, _shown_url),
         redact=redact_url,
     ),
-    "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none")),
+    "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none",
+                                           _shown_url)),
     "DB_PORT": _Var("db_port", 8123, _conv(_port, "a TCP port 1-65535")),
     "DB_DATABASE": _Var("db_database", "default", _conv(_name, "a ClickHouse identifier")),
     "DB_TABLE": _Var("db_table", "offload", _conv(_name, "a ClickHouse identifier")),
@@ -357,7 +362,8 @@ _VARS: dict[str, _Var] = {
     "CH_PASSWORD": _Var("ch_password", "", _conv(lambda t: t, "any string"), secret=True),
     "CH_SECURE": _Var("ch_secure", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"),
     "CH_COMPRESSION": _Var(
-        "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "none"), "lz4, zstd, none")
+        "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "gzip", "none"),
+                                       "lz4, zstd, gzip, none")
     ),
     "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
