@@ -600,3 +600,47 @@ def test_request_rows_are_held_by_their_own_rule_in_a_shared_copy_group(make_dri
     d.t.stop()
     assert sorted({(r.act_name, r.start_token_idx) for r in sink.records}) == [
         ("final_logits", 2)]
+
+
+def test_a_finished_request_in_the_batch_about_to_run_is_reported_after_it(make_driver):
+    # Found in review: with SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1 and mixed chunks,
+    # the mixed batch N+1 is built before a finishes (so it keeps a for its extra
+    # forward) and N's result is processed before N+1 runs: a finished and in the batch
+    # about to run. It was reported (manifest committed) before N+1 captured it once
+    # more, so the extra forward's logits row (a token never generated) was stored.
+    from dmi_sglang.domain.hooks import hook_by_name
+
+    d, sink = make_driver("resid_pre,final_logits")
+    mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+
+    def forward(layout, reqs, unfinished=frozenset()):
+        mon.add_requests(reqs, unfinished)
+        mon.begin_forward()
+        mon.commit_eager(layout)
+        d.fire(layout)
+        mon.end_forward()
+        d.step += 1
+
+    a, x, y = _Req("a", 3), _Req("x", 4), _Req("y", 2)
+    forward(BatchLayout.extend(["a"], [0], [3]), [a])
+    a.output_ids.append(1)
+    # N: x's first chunk beside a's decode (a's second and last token)
+    forward(BatchLayout.extend(["x", "a"], [0, 3], [2, 1], seq_lens=[5, 4]), [x, a],
+            frozenset({"x"}))
+    a.output_ids.append(2)
+    a.done = True  # N's result processed before N+1 runs
+    # N+1, built before a finished: x's last chunk, y new, and a's extra forward
+    forward(BatchLayout.extend(["x", "y", "a"], [2, 0, 4], [2, 2, 1]), [x, y, a])
+    x.output_ids.append(1)
+    y.output_ids.append(1)
+    forward(BatchLayout.decode(["x", "y"], [5, 3]), [x, y])
+    mon.stop()
+    (m,) = [m for m in sink.manifests if m.request_id == "a"]
+    assert m.committed
+    assert m.overlap_extra_forward
+    want = m.coverage(hook_by_name("final_logits"))
+    assert _coverage(sink.records, "a", LOGITS, -1) == list(range(want.start, want.end))
+    resid = m.coverage(hook_by_name("resid_pre"))
+    assert _coverage(sink.records, "a", "blocks.hook_resid_pre", 0) == list(
+        range(resid.start, resid.end))

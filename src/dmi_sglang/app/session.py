@@ -276,22 +276,25 @@ class RequestTracker:
         finishes only by a forward it is in, and the engine drops a finished request
         from its batch (SGLang's ``filter_batch``) before the batch runs again, so an
         unchanged batch means the finishes it brought were taken already."""
-        self._round += 1
-        while self._recent and self._recent[0][0] <= self._round - _LEAVING_ROUNDS:
-            self._recent_reqs.pop(self._recent.popleft()[1], None)
-        if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
-            while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
-                rid = self._leaving.popleft()[1]
-                if rid not in self._reused:
-                    self._skipped.discard(rid)
-            self._skip = frozenset(self._skipped)
+        self._next_round()
         given, changed = self._given, self._changed
         self._given = self._changed = False
         if given and not changed:
             return []
-        done = [(rid, seen.req) for rid, seen in self._live.items()
-                if seen.req is not None and seen.req.finished()]
-        if done:
+        # A finished request in the batch about to run is forwarded once more (a batch
+        # built before its result was processed: the overlap scheduler's extra forward,
+        # or a mixed chunk when consecutive prefills do not overlap): reported after it.
+        running = {id(req) for req in self._batch} if given else set()  # else: it ran
+        done, deferred = [], False
+        for rid, seen in self._live.items():
+            if seen.req is not None and seen.req.finished():
+                if id(seen.req) in running:
+                    deferred = True
+                else:
+                    done.append((rid, seen.req))
+        if deferred:
+            self._changed = True  # the next call looks again, the batch changed or not
+        elif done:
             self._batch = ()  # hold no finished Req
         out = []
         for rid, req in done:
@@ -308,6 +311,25 @@ class RequestTracker:
             else:
                 self._leaving.append((self._round, rid))
         return out
+
+    def _next_round(self) -> None:
+        """One more round: forget the finished requests of rounds long gone, and let the
+        left-out ones whose grace ended out of the skip set."""
+        self._round += 1
+        while self._recent and self._recent[0][0] <= self._round - _LEAVING_ROUNDS:
+            self._recent_reqs.pop(self._recent.popleft()[1], None)
+        if self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
+            while self._leaving and self._leaving[0][0] <= self._round - _LEAVING_ROUNDS:
+                rid = self._leaving.popleft()[1]
+                if rid not in self._reused:
+                    self._skipped.discard(rid)
+            self._skip = frozenset(self._skipped)
+
+    def ran(self) -> None:
+        """The batch given last ran and none is about to run (the engine is idle): its
+        finished requests are reported at the next :meth:`take_finished`."""
+        self._batch = ()
+        self._changed = True
 
     def take_all(self) -> list[tuple[str, int | None]]:
         """Every request not reported yet (the run stops): finished ones with
@@ -512,6 +534,7 @@ class SchedulerMonitor:
         let the transport queue what waits for a commit (see the port)."""
         if self._stopped or self.in_forward():
             return
+        self.requests.ran()
         try:
             self._report_finished()
             self.transport.settle()
