@@ -45,6 +45,22 @@ def test_capture_only_has_the_d2h_stage_alone(model, capsys) -> None:
     assert "50.00" in out
 
 
+def test_an_infinite_rate_is_refused(model, capsys) -> None:
+    with pytest.raises(SystemExit) as done:  # argparse's own refusal: usage and one line
+        main(["plan", "--model", str(model), "--tok-s", "inf"])
+    assert done.value.code == 2
+    assert "--tok-s: 'inf' is not a positive (finite) number" in capsys.readouterr().err
+
+
+def test_a_selection_that_captures_nothing_is_limited_by_nothing(model, capsys) -> None:
+    # found in review: it printed "limited by d2h" with no figure
+    assert main(["plan", "--model", str(model), "--hooks", "resid_pre:positions(1000-2000)",
+                 "--prompt-len", "16", "--output-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is captured at these lengths: no stage limits the serving" in out
+    assert "limited by" not in out
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--hooks", "bogus"], "unknown hook or preset 'bogus'"),
     (["--hooks", "resid_pre@40"], "outside the model's layers 0-27"),

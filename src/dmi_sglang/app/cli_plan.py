@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +36,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        msg = f"{text!r} is not a positive number"
+    if not 0 < value < math.inf:
+        msg = f"{text!r} is not a positive (finite) number"
         raise argparse.ArgumentTypeError(msg)
     return value
 
@@ -176,9 +177,9 @@ def _lines(p: BandwidthPlan, compression: float) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
-    tail = [f"limited by {p.limiting.stage}"
-            + (f": {p.limiting.max_tok_s:,.0f} generated tok/s at most"
-               if p.limiting.max_tok_s is not None else "")]
+    tail = [f"limited by {p.limiting.stage}: {p.limiting.max_tok_s:,.0f} generated tok/s "
+            "at most" if p.limiting.max_tok_s is not None
+            else "nothing is captured at these lengths: no stage limits the serving"]
     if p.tok_s and p.needed_bps is not None:
         tail.append(f"at {p.tok_s:,.0f} tok/s the capture needs {p.needed_bps / GB:.2f} GB/s"
                     + ("" if p.bound is None or p.bound >= 1.0
