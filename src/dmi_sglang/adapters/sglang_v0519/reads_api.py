@@ -13,7 +13,9 @@ server's own API. Every answer comes from a :class:`~dmi_sglang.domain.ports.Cap
   captures as one safetensors file, streamed piece by piece.
 
 Ids must be well formed (:func:`bad_id`): 400 otherwise; an id holding ``/`` cannot be
-named in a path (read such a request with ``dmi-sglang show`` or ``open_store``). A
+named in a path (read such a request with ``dmi-sglang show`` or ``open_store``): a path
+holding ``%2F`` is refused (400), since it is decoded before the route is matched and
+could name another endpoint of another id. A
 run or request the store does not hold: 404; an incomplete capture's file: 409 with the
 listing's reasons; a store that cannot be read (or an owner that does not answer): 503.
 Reads run on worker threads of their own (:data:`READ_WORKERS`), never on the server's
@@ -59,6 +61,7 @@ def bad_id(kind: str, value: str) -> str | None:
 def mount_reads(app: Any, reads: CaptureReads | None) -> None:
     """Add the read-back endpoints to SGLang's FastAPI ``app``; with ``reads`` None
     (the run stores nothing) each answers 404 saying so."""
+    from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     def problem(status: int, message: str) -> JSONResponse:
@@ -89,16 +92,28 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
     async def runs() -> Any:
         return await answer(lambda: JSONResponse({"runs": store().runs()}))
 
-    async def requests(run_id: str) -> Any:
-        return await answer(
+    def slashed(request: Request) -> JSONResponse | None:
+        """A 400 for a path whose id held an encoded ``/``: it was decoded before the
+        route was matched, so the path may name another endpoint of another id."""
+        if b"%2f" in bytes(request.scope.get("raw_path") or b"").lower():
+            return problem(400, "an id holding '/' (%2F) cannot be named in the path; "
+                                "read it with dmi-sglang or open_store()")
+        return None
+
+    async def requests(request: Request, run_id: str) -> Any:
+        return slashed(request) or await answer(
             lambda: JSONResponse({"run_id": run_id, "requests": store().requests(run_id)}),
             ("run id", run_id))
 
-    async def listing(run_id: str, request_id: str) -> Any:
-        return await answer(lambda: JSONResponse(store().listing(run_id, request_id)),
-                            ("run id", run_id), ("request id", request_id))
+    async def listing(request: Request, run_id: str, request_id: str) -> Any:
+        return slashed(request) or await answer(
+            lambda: JSONResponse(store().listing(run_id, request_id)),
+            ("run id", run_id), ("request id", request_id))
 
-    async def safetensors(run_id: str, request_id: str) -> Any:
+    async def safetensors(request: Request, run_id: str, request_id: str) -> Any:
+        refused = slashed(request)
+        if refused is not None:
+            return refused
         result = await answer(lambda: store().safetensors(run_id, request_id),
                               ("run id", run_id), ("request id", request_id))
         if not isinstance(result, tuple):
@@ -111,12 +126,20 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
             headers={"Content-Length": str(length),
                      "Content-Disposition": f'attachment; filename="{name}"'})
 
+    async def elsewhere(request: Request, rest: str) -> Any:
+        """Any other path under the root: an id that held ``/``, or no endpoint."""
+        return slashed(request) or problem(404, f"no read-back endpoint at {rest!r} under "
+                                                f"{RUNS_PATH}")
+
+    for endpoint in (requests, listing, safetensors, elsewhere):  # FastAPI resolves
+        endpoint.__annotations__["request"] = Request  # string annotations in globals
     base = RUNS_PATH
     app.add_api_route(base, runs, methods=["GET"])
     app.add_api_route(base + "/{run_id}/requests", requests, methods=["GET"])
     app.add_api_route(base + "/{run_id}/requests/{request_id}", listing, methods=["GET"])
     app.add_api_route(base + "/{run_id}/requests/{request_id}/safetensors", safetensors,
                       methods=["GET"])
+    app.add_api_route(base + "/{rest:path}", elsewhere, methods=["GET"])  # matched last
 
 
 @functools.cache
