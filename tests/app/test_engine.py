@@ -130,6 +130,23 @@ def test_bad_settings_refused_before_anything_starts(fake: FakeEngineCalls) -> N
     assert not fake.started.is_set()
 
 
+def test_a_selection_the_local_model_cannot_have_is_refused_before_anything_starts(
+        fake: FakeEngineCalls, tmp_path: Any) -> None:
+    # found in review: serve and capture checked it, DMIEngine let SGLang start first
+    import json
+
+    from tests.sglang.conftest import QWEN3_CONFIG
+
+    model = tmp_path / "qwen3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_CONFIG))  # 4 layers
+    from dmi_sglang.app.engine import DMIEngine
+
+    with pytest.raises(ConfigurationError, match="outside the model's layers 0-3"):
+        DMIEngine(model_path=str(model), dmx_model_id="r", dmx_hook_selection="resid_pre@9")
+    assert not fake.started.is_set()
+
+
 def test_no_cuda_is_one_clear_error_before_anything_starts(
         fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -191,6 +208,15 @@ def test_generate_sends_a_capture_choice_as_custom_params(fake: FakeEngineCalls,
     assert "sampling_params" not in fake.generated[-1]  # nothing added unless asked
     with pytest.raises(ValueError, match="dmi_capture=1 is invalid"):
         engine.generate(prompt="a", dmi_capture=1)
+    # found in review: SGLang fails on too few with a bare IndexError, drops too many
+    sent = len(fake.generated)
+    for kwargs, words in (({"prompt": ["a", "b", "c"]}, "2 values for 3 prompts"),
+                          ({"prompt": "a"}, "2 values for one prompt"),
+                          ({"input_ids": [1, 2, 3]}, "2 values for one prompt"),
+                          ({"input_ids": [[1], [2], [3]]}, "2 values for 3 prompts")):
+        with pytest.raises(ValueError, match=words):
+            engine.generate(**kwargs, dmi_capture=[True, False])
+    assert len(fake.generated) == sent  # nothing sent
 
 
 def test_stop_is_terminal_and_failures_stick(fake: FakeEngineCalls) -> None:

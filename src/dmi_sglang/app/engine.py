@@ -35,7 +35,13 @@ from dmi_sglang.domain.ports import EngineTap
 from dmi_sglang.domain.sampling import with_capture_param
 from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
 from dmi_sglang.domain.support import request_input_problem
-from dmi_sglang.errors import CaptureError, ConfigurationError, DMIWarning, RunExistsError
+from dmi_sglang.errors import (
+    CaptureError,
+    ConfigurationError,
+    DMIWarning,
+    RunExistsError,
+    UsageError,
+)
 
 __all__ = ["DMIEngine"]
 
@@ -62,6 +68,45 @@ def _scheduler_environment(values: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _check_selection(model_path: object, selection: str) -> None:
+    """Refuse a selection a local model (a directory with ``config.json``) cannot have,
+    before SGLang starts (a model id to download is left to the scheduler's check).
+
+    Raises:
+        ConfigurationError: a layer the model lacks, ``topk(K)`` beyond its vocabulary.
+    """
+    from pathlib import Path
+
+    from dmi_sglang.app.cli_plan import check_selection
+
+    model = Path(str(model_path))
+    if not (model / "config.json").is_file():
+        return
+    try:
+        check_selection(model, selection)
+    except UsageError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def _check_capture_count(capture: object, prompt: object, input_ids: object) -> None:
+    """Refuse one ``dmi_capture`` value per prompt that does not match the prompts
+    (SGLang would fail on too few with a bare IndexError and drop too many).
+
+    Raises:
+        ValueError: a list for one prompt, or another count than the prompts.
+    """
+    if not isinstance(capture, list):
+        return
+    given = prompt if prompt is not None else input_ids
+    if isinstance(given, str) or (isinstance(given, list) and given
+                                  and isinstance(given[0], int)):
+        msg = f"dmi_capture has {len(capture)} values for one prompt: give True or False"
+        raise ValueError(msg)
+    if isinstance(given, list) and len(given) != len(capture):
+        msg = f"dmi_capture has {len(capture)} values for {len(given)} prompts"
+        raise ValueError(msg)
+
+
 class DMIEngine(_Engine):  # type: ignore[misc]
     """``sglang.Engine`` with dmi-sglang monitoring attached in its scheduler.
 
@@ -70,7 +115,8 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             settings (``dmx_model_id``, ``dmx_hook_selection``, ``dmx_db_url``, ...).
 
     Raises:
-        ConfigurationError: an invalid ``dmx_*`` value (before anything starts).
+        ConfigurationError: an invalid ``dmx_*`` value, or a hook selection a local
+            model (its ``config.json``) cannot have (before anything starts).
         UnsupportedConfigurationError: the installed SGLang has no adapter (likewise).
         RunExistsError: the store already holds a run of ``dmx_model_id`` (a run id
             names exactly one run; remove it with ``dmi-sglang rm`` or pick another).
@@ -92,6 +138,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             log.warning("setting ignored",
                         variable=variable.lower() if variable in from_keyword else variable,
                         why=why)
+        _check_selection(kwargs["model_path"], settings.hook_selection)
         _require_cuda()
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""
@@ -138,7 +185,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             CaptureError: after :meth:`dmi_stop_monitoring` (monitoring is terminal).
             ValueError: ``stream=True`` (a streamed capture has no single handle),
                 multimodal inputs (no token ids to capture; refused before sending), or
-                an invalid ``dmi_capture``.
+                an invalid ``dmi_capture`` (a list of another length than the prompts).
         """
         if self._dmi_stopped or self._dmi_stop_error is not None:
             msg = ("monitoring was stopped (dmi_stop_monitoring): this engine captures no "
@@ -153,6 +200,8 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             msg = f"DMIEngine.generate({', '.join(multimodal)}=...) is refused: {problem}"
             raise ValueError(msg)
         if dmi_capture is not None:
+            _check_capture_count(dmi_capture, args[0] if args else kwargs.get("prompt"),
+                                 kwargs.get("input_ids"))
             if len(args) > 1:
                 args = (args[0], with_capture_param(args[1], dmi_capture), *args[2:])
             else:
