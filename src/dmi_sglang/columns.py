@@ -57,7 +57,9 @@ def _column(values: object, dtype: type[np.generic], name: str, n: int) -> np.nd
     # Contiguous and aligned to the element: a column received over a socket may start at
     # any byte (zmq slices messages out of its read buffer); such a column is copied (a
     # few bytes a record), since Arrow's readers expect aligned values and warn otherwise.
-    arr = np.require(values, dtype=dtype, requirements=("C", "A"))
+    arr = np.ascontiguousarray(values, dtype=dtype)
+    if not arr.flags.aligned:
+        arr = arr.copy()
     if arr.ndim != 1 or arr.shape[0] != n:
         msg = f"RecordBatch column {name!r} has shape {arr.shape}, expected ({n},)"
         raise ValueError(msg)

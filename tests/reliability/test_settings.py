@@ -125,10 +125,16 @@ def test_bad_input_credentials_in_the_store_url(recorder: int) -> None:
     assert "alice:***@" in settings.to_env(include_secrets=False)["DMX_DB_URL"]
     for hostile in (f"http://alice:{SECRET}@bad host/db", f"http://alice:{SECRET}/x@h:1:2/db",
                     f"http://alice:{SECRET}@[::1/db", f"alice:{SECRET}@h:8123",
-                    f"http:/alice:{SECRET}@h:8123", f"http:alice:{SECRET}@h"):
+                    f"http:/alice:{SECRET}@h:8123", f"http:alice:{SECRET}@h",
+                    f"http://h:8123/db?user=alice&password={SECRET}",
+                    f"http://h:8123/db#password={SECRET}"):
         with pytest.raises(ConfigurationError) as bad:
             Settings.from_env({"DMX_DB_URL": hostile})
         assert SECRET not in str(bad.value)
+    with pytest.raises(ConfigurationError) as bad:  # '://' inside the password
+        Settings.from_env({"DMX_DB_URL": "alice:pa://ss-word@h"})
+    assert "pa://" not in str(bad.value)
+    assert "ss-word" not in str(bad.value)
 
 
 @pytest.mark.parametrize(

@@ -573,12 +573,14 @@ EIGHT = [f"r{i}" for i in range(8)]
     # topk alone: its values and ids in two parts
     ("final_logits:topk(2)", 112, [("logits_topk_ids", 1), ("logits_topk_values", 1)]),
 ])
+@pytest.mark.parametrize("coalesce", [True, False], ids=["window", "no-window"])
 def test_extra_forward_rows_of_a_piecewise_step_are_discarded(make_driver, text, ring,
-                                                              stored):
+                                                              stored, coalesce):
     # Found in review: each part's request rows confirmed the rows an earlier part of
-    # the SAME step had just held, so the extra forward's rows were stored
+    # the SAME step had just held (by staging, and by the decode window, the default), so
+    # the extra forward's rows were stored
     d, sink = make_driver(text, payload_bytes=ring, max_graph_batch=8, max_requests=8,
-                          coalesce_decode=False)
+                          coalesce_decode=coalesce)
     d.forward(BatchLayout.extend(EIGHT, [0] * 8, [2] * 8, seq_lens=[2] * 8))  # 1 token
     d.forward(BatchLayout.decode(EIGHT, [3] * 8))  # the overlap scheduler's extra forward
     for rid in EIGHT:

@@ -175,7 +175,8 @@ class CaptureHandle:
             layer: the layer of a per-layer hook (None for global hooks).
             start / end: absolute positions ``[start, end)``; default every position
                 the capture holds (:meth:`positions`). An empty range reads as no rows,
-                shaped ``[0, *row shape]`` in the stored dtype.
+                shaped ``[0, *row shape]`` in the stored dtype (``[0]``, float32, when
+                the request stored no row of that capture: nothing says its shape).
 
         Raises:
             IncompleteCaptureError: the capture is incomplete, or the hook / layer was

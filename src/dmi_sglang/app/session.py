@@ -284,14 +284,13 @@ class RequestTracker:
         # A finished request in the batch about to run is forwarded once more (a batch
         # built before its result was processed: the overlap scheduler's extra forward,
         # or a mixed chunk when consecutive prefills do not overlap): reported after it.
-        running = {id(req) for req in self._batch} if given else set()  # else: it ran
-        done, deferred = [], False
-        for rid, seen in self._live.items():
-            if seen.req is not None and seen.req.finished():
-                if id(seen.req) in running:
-                    deferred = True
-                else:
-                    done.append((rid, seen.req))
+        done = [(rid, seen.req) for rid, seen in self._live.items()
+                if seen.req is not None and seen.req.finished()]
+        deferred = False
+        if done and given:  # else the batch given last ran already
+            running = {id(req) for req in self._batch}
+            kept = [(rid, req) for rid, req in done if id(req) not in running]
+            deferred, done = len(kept) < len(done), kept
         if deferred:
             self._changed = True  # the next call looks again, the batch changed or not
         elif done:

@@ -58,9 +58,9 @@ class PositionRule(enum.Enum):
 
 _CALL = re.compile(r"^(every|positions)\(([0-9]+)(?:-([0-9]+))?\)$")
 ACCEPTED = "all, last_prompt, last, generated, every(K), positions(A-B)"
+"""The rules the selection syntax accepts, as the error messages name them."""
 _NAMED = frozenset(r.value for r in (PositionRule.ALL, PositionRule.LAST_PROMPT,
                                      PositionRule.LAST, PositionRule.GENERATED))
-"""The rules the selection syntax accepts, as the error messages name them."""
 
 
 @attrs.frozen

@@ -206,24 +206,36 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
 
 
 _SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _no_query(text: str) -> str:
+    """``text`` with what follows its first ``?`` or ``#`` hidden (a query may hold
+    ``password=``)."""
+    cut = min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=-1)
+    return text if cut < 0 else text[: cut + 1] + "***"
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and the runs table).
+    """``url`` with any password replaced by ``***`` (for logs, errors and the runs table),
+    and any query or fragment hidden.
 
-    A malformed URL (no ``://``) that still holds an ``@`` may carry ``user:password``
-    before it in any form (``user:pw@host``, ``http:/user:pw@host``): everything between
-    a leading scheme and the last ``@`` is hidden then."""
+    A malformed URL (no ``scheme://``) that still holds an ``@`` may carry
+    ``user:password`` before it in any form (``user:pw@host``, ``http:/user:pw@host``,
+    ``user:p://w@host``): everything between a leading scheme and the last ``@`` is
+    hidden then."""
     head, userinfo, rest = _split_userinfo(url)
-    if userinfo is None:
-        if "://" in url or "@" not in url:
-            return url
+    if not _SCHEME.fullmatch(head):
+        if "@" not in url:
+            return _no_query(url)
         before, _, after = url.rpartition("@")
         scheme = _SCHEME_PREFIX.match(before)
-        return f"{scheme.group(0) if scheme else ''}***@{after}"
+        return f"{scheme.group(0) if scheme else ''}***@{_no_query(after)}"
+    if userinfo is None:
+        return head + _no_query(rest)
     if ":" not in userinfo:
-        return url
-    return f"{head}{userinfo.partition(':')[0]}:***@{rest}"
+        return f"{head}{userinfo}@{_no_query(rest)}"
+    return f"{head}{userinfo.partition(':')[0]}:***@{_no_query(rest)}"
 
 
 def _shown_url(text: str) -> str:

@@ -244,12 +244,10 @@ class HeldRows:
         rows an earlier part of the same step held stay held). None: every held row.
         """
         rows = self._rows.pop(request_id, None)
-        if rows and before is not None:
-            waiting = [r for r in rows if r.seq >= before]
-            if waiting:
-                self._rows[request_id] = waiting
-                rows = [r for r in rows if r.seq < before]
-        if request_id not in self._rows:
+        if rows and before is not None and rows[-1].seq >= before:  # held in step order
+            self._rows[request_id] = [r for r in rows if r.seq >= before]
+            rows = [r for r in rows if r.seq < before]
+        else:
             self._pinned.discard(request_id)
         if rows:
             for r in rows:

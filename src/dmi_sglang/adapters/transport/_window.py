@@ -451,7 +451,7 @@ class DecodeWindow:
             newest = j + 1 == nruns or slots[j + 1] != slot
             if j == 0 or slots[j - 1] != slot:  # the request's first run
                 if status is _LIVE:
-                    self._held.confirm(rid, out)
+                    self._held.confirm(rid, out, before=int(runs.seq[j]))
                 else:
                     self._held.finish(rid, status, out)  # type: ignore[arg-type]
             if status is _LIVE:
