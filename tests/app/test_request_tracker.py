@@ -187,3 +187,34 @@ def test_a_reused_id_stays_left_out_also_when_its_first_request_was_left_out() -
     again = Req("x", 5)
     assert all(forward([again, other]) for _ in range(6))
     assert tracker.reused_requests == 1
+
+
+def test_a_running_request_whose_id_a_new_request_takes_is_never_complete() -> None:
+    """Found in review: SGLang forgets a streamed request whose client went away while
+    the scheduler runs it on, and admits its id again. Rows carry only the id, so
+    neither request is captured from then on; the first one's capture, cut short, was
+    still committed. It is not now, whether its finish is taken while serving or at stop;
+    a finished request whose id comes back keeps its complete capture."""
+    for taken_while_serving in (True, False):
+        t = RequestTracker()
+        first, done = _req("req-1", 4, 0), _req("req-2", 4, 0)
+        for r in (first, done):
+            r.finished = lambda r=r: bool(r.output_ids) and r.output_ids[-1] == 0
+        t.add_reqs([first, done])
+        t.add_layout(BatchLayout.extend(["req-1", "req-2"], [0, 0], [4, 4]))
+        assert t.take_finished() == []
+        done.output_ids.append(0)  # req-2 finished; its finish is not taken yet
+        again, again_done = _req("req-1", 3, 0), _req("req-2", 3, 0)
+        t.add_reqs([first, again, again_done])
+        assert {"req-1", "req-2"} <= t.skipped  # the new ones are not captured
+        first.output_ids.append(0)
+        if taken_while_serving:
+            t.ran()
+            assert sorted(r for r, _ in t.take_finished()) == ["req-1", "req-2"]
+            assert t.commit("run", "req-1") is None
+            assert t.commit("run", "req-2") is not None
+        else:
+            by = {m.request_id: m for m in t.manifests("run", committed=True)}
+            assert not by["req-1"].committed
+            assert by["req-2"].committed
+        assert t.cancelled_requests == 1

@@ -646,3 +646,42 @@ def test_a_finished_request_in_the_batch_about_to_run_is_reported_after_it(make_
     resid = m.coverage(hook_by_name("resid_pre"))
     assert _coverage(sink.records, "a", "blocks.hook_resid_pre", 0) == list(
         range(resid.start, resid.end))
+
+
+@pytest.mark.sglang
+def test_a_store_failure_while_the_server_idles_ends_the_capture(make_driver, monkeypatch):
+    # Found in review: the idle commit swallowed the drain's sticky failure, so with no
+    # forward coming /dmi/status (dmi_assert_active) said "capturing" after the store failed
+    import time
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+    from dmi_sglang.errors import CaptureError
+    from dmi_sglang.testing import MemorySink
+
+    sink = MemorySink(fail_on_put=1)  # the store is gone: its first put fails
+    d, _ = make_driver("resid_pre", sink=sink)
+    mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+    a = _Req("a", 3)
+    layout = BatchLayout.extend(["a"], [0], [3])
+    mon.add_requests([a], frozenset())
+    mon.begin_forward()
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    a.output_ids.append(1)
+    a.done = True
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(
+        model_runner=SimpleNamespace(_dmi_monitor=mon)))
+    monkeypatch.setenv(runtime_hooks.SERVER_MARK, "1")
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.setattr(runtime_hooks, "_detach", lambda runner: None)
+    deadline = time.monotonic() + 10
+    while runtime_hooks._FAILED is None and time.monotonic() < deadline:  # idle rounds
+        monkeypatch.setattr(runtime_hooks, "_last_idle", 0.0)
+        runtime_hooks.after_scheduler_on_idle(None, scheduler)
+        time.sleep(0.05)
+    assert sink.puts >= 1
+    with pytest.raises(CaptureError, match=r"failed and was ended .*injected failure"):
+        runtime_hooks.dmi_assert_active(None, run_id="run-1")

@@ -132,7 +132,7 @@ def test_a_reused_request_id_is_not_captured_and_the_first_capture_stays(make_dr
     assert mon.requests.reused_requests == 1
 
 
-def test_idle_never_raises_once_the_transport_failed_and_the_stop_reports_it(make_driver):
+def test_idle_raises_a_transport_failure_once_and_the_stop_reports_it(make_driver):
     from dmi_sglang.errors import CaptureError
 
     sink = _RecordingSink()
@@ -143,7 +143,9 @@ def test_idle_never_raises_once_the_transport_failed_and_the_stop_reports_it(mak
     a.output_ids.append(1)
     a.done = True
     d.t._fail(CaptureError("the drain failed"), "test")
-    mon.idle()  # the scheduler idles on: nothing raised
+    with pytest.raises(CaptureError, match="the drain failed"):  # a server ends the
+        mon.idle()  # capture at once (an engine logs it); not again while it idles on
+    mon.idle()
     with pytest.raises(CaptureError, match="the drain failed"):
         mon.stop()
     assert "a" not in sink.at_commit

@@ -207,6 +207,8 @@ class RequestTracker:
                     self._refuse_reused(rid)
                 continue  # the overlap scheduler's extra forward of a finished request
             elif seen.req is not None and seen.req is not req:  # its finish not taken yet
+                if not seen.req.finished():  # the first still runs: its capture ends here
+                    self._end_capture_of(rid, seen)
                 self._refuse_reused(rid)
                 continue
             else:
@@ -219,6 +221,18 @@ class RequestTracker:
     def gate_refusal(self) -> str | None:
         """What the store gate says now (None: new requests may be captured)."""
         return self._gate()
+
+    def _end_capture_of(self, rid: str, seen: _Seen) -> None:
+        """A request still running whose id a new request took (SGLang forgets a streamed
+        request whose client went away while the scheduler runs it on): rows carry only
+        the id, so neither is captured from here on, and the first's capture, cut short,
+        is never complete (its manifest is not committed)."""
+        if seen.captured and not seen.cancelled:
+            seen.cancelled = True
+            self.cancelled_requests += 1
+            log.warning("dmi.request_id_taken_while_running", request_id=rid,
+                        why="a new request came with the id of one still running; the "
+                        "running one's capture ends incomplete, the new one is not captured")
 
     def _refuse_reused(self, rid: str) -> None:
         """A request arrived with the id of one that finished (SGLang admits an id again
@@ -420,7 +434,8 @@ class RequestTracker:
                 continue
             if req is not None:
                 prompt, completion = len(req.origin_input_ids), len(req.output_ids)
-                finished = bool(req.finished()) and not self._cancelled(req)
+                finished = (bool(req.finished()) and not seen.cancelled
+                            and not self._cancelled(req))
             elif seen.lengths is not None:
                 (prompt, completion), finished = seen.lengths, not seen.cancelled
             else:
@@ -459,6 +474,7 @@ class SchedulerMonitor:
             rule.needs_prompt for _, _, rule in selection.rules) else None
         self._lock = threading.Lock()
         self._stopped = False
+        self._idle_failure_raised = False
         self._failure: BaseException | None = None
         self._failing: threading.Thread | None = None
         """Writes a failed run's record (:meth:`fail`)."""
@@ -530,15 +546,28 @@ class SchedulerMonitor:
 
     def idle(self) -> None:
         """The engine has no batch to run: report what finished with the last one, and
-        let the transport queue what waits for a commit (see the port)."""
+        let the transport queue what waits for a commit (see the port).
+
+        Raises:
+            CaptureError: the transport failed (sticky; its drain or the store failed
+                while the engine idled): raised at the first idle that finds it, so a
+                server ends the capture and says so without waiting for a forward;
+                later idles leave it to the stop or a forward.
+        """
         if self._stopped or self.in_forward():
             return
         self.requests.ran()
         try:
             self._report_finished()
             self.transport.settle()
-        except CaptureError:  # the transport failed (sticky): the stop or a forward says so
-            return
+            failure = self.transport.failure
+            if failure is not None:
+                raise failure
+        except CaptureError:
+            if self._idle_failure_raised:
+                return
+            self._idle_failure_raised = True
+            raise
 
     def in_forward(self) -> bool:
         """True between :meth:`begin_forward` and :meth:`end_forward`."""

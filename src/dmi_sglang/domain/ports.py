@@ -349,6 +349,12 @@ class CaptureTransport(Protocol):
         """Where the drain's time went so far (seconds and counts, by name)."""
         ...
 
+    @property
+    def failure(self) -> Exception | None:
+        """The transport's sticky failure as the error ``stop`` would raise (None while
+        it works): cheap, for an idle engine to learn it without a forward."""
+        ...
+
 
 class TrackedRequest(Protocol):
     """What the capture session reads of an engine's request (SGLang's ``Req``)."""
@@ -429,7 +435,9 @@ class CaptureSession(Protocol):
 
     def idle(self) -> None:
         """The engine has no batch to run: report the requests that finished since the
-        last forward (their commits need not wait for another forward)."""
+        last forward (their commits need not wait for another forward). Raises the
+        capture's failure at the first idle that finds it (a server then ends the
+        capture without waiting for a forward), not at the later ones."""
         ...
 
     @property

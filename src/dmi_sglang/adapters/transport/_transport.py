@@ -683,11 +683,20 @@ class TorchCaptureTransport:
             self._unusable = True
             self._cond.notify_all()
 
+    @property
+    def failure(self) -> CaptureError | None:
+        """The sticky failure as :meth:`stop` would raise it (None while it works)."""
+        if self._failure is None:
+            return None
+        exc, where = self._failure
+        error = CaptureError(f"capture failed in {where}: {exc!r}")
+        error.__cause__ = exc
+        return error
+
     def _check_failed(self) -> None:
-        if self._failure is not None:
-            exc, where = self._failure
-            msg = f"capture failed in {where}: {exc!r}"
-            raise CaptureError(msg) from exc
+        failure = self.failure
+        if failure is not None:
+            raise failure
 
     def _check_usable(self) -> None:
         if self._unusable:
