@@ -260,6 +260,8 @@ def test_a_directory_the_sync_cannot_list_fails_it(tmp_path: Path,
     _unlistable(monkeypatch, lambda p: p.endswith("/part"))
     with pytest.raises(OSError, match="Input/output error"):
         sync_tree(str(tmp_path / "store"), 0)
+    with pytest.raises(FileNotFoundError, match="the store's directory is gone"):
+        sync_tree(str(tmp_path / "gone"), 0)  # a vanished store is not "synced"
 
 
 def test_a_run_whose_parts_cannot_be_listed_is_not_finished(

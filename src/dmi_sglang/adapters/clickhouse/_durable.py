@@ -10,6 +10,7 @@ of them.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -62,10 +63,13 @@ def sync_tree(root: str, since_ns: int) -> SyncReport:
     deepest first. Symbolic links are neither followed nor synced.
 
     Raises:
-        OSError: a file or directory could not be listed, opened or synced (a vanished
-            one is skipped): its files would otherwise stay unsynced unnoticed.
+        OSError: the store's directory is gone, or a file or directory under it could
+            not be listed, opened or synced (one that vanished is skipped): its files
+            would otherwise stay unsynced unnoticed.
     """
     started = time.perf_counter()
+    if not os.path.isdir(root):  # the store itself vanished: nothing of it is on disk
+        raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", root)
     files: list[str] = []
     directories: set[str] = set()
     nbytes = 0
