@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import structlog.testing
 
 from dmi_sglang.domain.layout import BatchLayout
 
@@ -82,16 +83,20 @@ def test_the_monitor_captures_the_requests_that_ask_or_are_sampled(make_driver) 
     mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
                            shape=SHAPE, transport=d.t, sink=sink, strip=True,
                            sample=RequestSample(0.0), asked=capture_param)
-    reqs = [_Req("a", 3, asked=True), _Req("b", 2, asked=False), _Req("c", 4)]
+    # "c" asks with a string (an HTTP client's JSON "true"): not a choice; said once
+    reqs = [_Req("a", 3, asked=True), _Req("b", 2, asked=False), _Req("c", 4, asked="true")]
     layouts = [BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [3, 2, 4]),
                BatchLayout.decode(["a", "b", "c"], [4, 3, 5]),
                BatchLayout.decode(["a", "b", "c"], [5, 4, 6])]
-    for layout in layouts:
-        mon.requests.add_reqs(reqs)
-        mon.begin_forward()
-        mon.commit_eager(layout)
-        d.fire(layout)
-        mon.end_forward()
+    with structlog.testing.capture_logs() as logs:
+        for layout in layouts:
+            mon.requests.add_reqs(reqs)
+            mon.begin_forward()
+            mon.commit_eager(layout)
+            d.fire(layout)
+            mon.end_forward()
+    told = [e for e in logs if e["event"] == "dmi.capture_choice_ignored"]
+    assert [(e["request_id"], e["value"]) for e in told] == [("c", "'true'")]
     assert mon.requests.skipped == {"b", "c"}
     timing = mon.timing(d.t.stats())
     assert (timing["requests_seen"], timing["requests_captured"]) == (3, 1)

@@ -156,6 +156,8 @@ class RequestTracker:
         """Their ids: left out for the rest of the run."""
         self.seen_requests = 0
         """Requests seen so far."""
+        self._odd_asked_told = False
+        """A request asked with a value other than true / false (logged once)."""
         self.captured_requests = 0
         """Of those, the requests captured (the others: sampled out or asked not to be)."""
         self._seen: dict[str, _Seen] = {}
@@ -252,7 +254,13 @@ class RequestTracker:
         (a request whose rows a forward already captured stays captured)."""
         self.seen_requests += 1
         seen.decided = True
-        seen.captured = seen.last_end > 0 or self._sample.decide(req.rid, self._asked(req))
+        asked = self._asked(req)
+        if asked is not None and not isinstance(asked, bool) and not self._odd_asked_told:
+            self._odd_asked_told = True  # once a run: a client's habit, not a request's
+            log.warning("dmi.capture_choice_ignored", request_id=rid, value=repr(asked)[:80],
+                        why="custom_params['dmi_capture'] takes true or false (JSON "
+                        "booleans); the request sample decides")
+        seen.captured = seen.last_end > 0 or self._sample.decide(req.rid, asked)
         if seen.captured and seen.last_end == 0:
             refusal = self._gate()
             if refusal is not None:
