@@ -93,12 +93,21 @@ def serving_table(found: Found, docs: Path) -> str:
     """Per model and mode, its latest measured row of any serving benchmark (modes are
     often measured by different invocations), with the workload and the result it comes
     from."""
+    from harness.serving import summarize
+
     rows: dict[tuple[str, str], tuple[Path, Json, Json]] = {}
     for path, d in found:
         if d["kind"] == "serving" and d["name"] == "serving":
-            for r in d.get("summary") or []:
+            stored = {r["mode"]: r for r in d.get("summary") or []}
+            # rows as today's summary names and judges them (a unit's --env settings in
+            # its name; a failed unit's figures left out); the written ones for results
+            # without units, and, where every unit passed, a figure older units did not
+            # keep (their stock rates, say) as the result wrote it
+            for made in summarize(d["units"]) if d.get("units") else list(stored.values()):
+                old = stored.get(made["mode"], {}) if made.get("status") == "passed" else {}
+                r = {k: old.get(k) if v is None else v for k, v in made.items()}
                 if r.get("units"):
-                    rows[(str(d["settings"]["model"]), r["mode"])] = (path, d, r)
+                    rows[(str(d["settings"]["model"]), str(r["mode"]))] = (path, d, r)
     if not rows:
         return ""
     lines = ["| mode | workload | engines | x stock (median) | spread | stock spread | bound | "

@@ -310,11 +310,12 @@ def summarize(units: Sequence[Json]) -> list[Json]:
     for key in dict.fromkeys(cell(u["settings"]["mode"], u["settings"].get("env"))
                              for u in units):
         mine = units_of(units, key)
-        ratios = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
-            "ratios", [])]
-        stock = [r for u in mine for r in (u["figures"].get("throughput") or {}).get(
-            "stock_rates", [])]
-        bounds = [u["bound"]["ratio"] for u in mine if (u.get("bound") or {}).get("ratio")]
+        passed = [u for u in mine if u["status"] == "passed"]  # a failed unit's figures
+        ratios = [r for u in passed for r in ((  # measure a wrong capture: left out
+            u.get("figures") or {}).get("throughput") or {}).get("ratios", [])]
+        stock = [r for u in passed for r in ((u.get("figures") or {}).get(
+            "throughput") or {}).get("stock_rates", [])]
+        bounds = [u["bound"]["ratio"] for u in passed if (u.get("bound") or {}).get("ratio")]
         ratio = statistics.median(ratios) if ratios else None
         share = ratio / min(bounds) if ratio is not None and bounds else None
         rows.append({
@@ -345,6 +346,8 @@ def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
     reference = (str(model), mode) in TARGETS and \
         all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
         float(config.get("min_seconds", 0)) >= TARGET_MIN_SECONDS
+    if any(u.get("status", "passed") not in ("passed", "skipped") for u in units):
+        return {"target": text, "verdict": "not judged (a check failed)"}
     if not units or figures[figure] is None:
         return {"target": text, "verdict": "not measured"}
     if not reference:
@@ -478,9 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "serving.json")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
     state = state_dir(Path(args.out).resolve().parent / ".state") / "serving"
-    kill_leftovers(state / "engines.pgids")
-    return ServingRun(args, state / re.sub(r"\W", "-", args.engine_class), work,
-                      Deadline()).run()
+    engine_state = state / re.sub(r"\W", "-", args.engine_class)
+    kill_leftovers(engine_state / "engines.pgids")  # where the Bracket records them
+    return ServingRun(args, engine_state, work, Deadline()).run()
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -399,7 +399,8 @@ _VARS: dict[str, _Var] = {
         "drain_copy_gaps", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
-    "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1")),
+    "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1"),
+                           lambda v: repr(float(v)).removesuffix(".0")),  # 0, 0.1, 1
     "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
     "GPU_PADDING_STRIP": _Var(
         "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"

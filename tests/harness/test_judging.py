@@ -1,0 +1,94 @@
+"""How a serving result is judged and shown: only units whose required checks passed
+enter a cell's figures, a cell with a failed unit is not judged, rows are named as their
+units ran, a cut-off invocation's engines do not outlive it. Each found in review."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+from harness import docs
+from harness.results import REPO, finish, result
+from harness.serving import cell, summarize
+
+from .test_runs import FAKE, _child, serve
+
+REFERENCE = {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128,
+             "min_seconds": 30.0}
+
+
+def _unit(status: str, ratio: float, mode: str = "transport:hidden-states",
+          env: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"settings": REFERENCE | {"mode": mode, "env": env or {}}, "status": status,
+            "bound": {"ratio": 1.0},
+            "checks": {"token_identity": {"ok": status == "passed", "required": True}},
+            "figures": {"throughput": {"ratios": [ratio], "stock_rates": [2e4, 2.01e4]}}}
+
+
+def test_a_failed_units_figures_are_left_out_and_its_cell_is_not_judged() -> None:
+    (alone,) = summarize([_unit("failed", 0.99)])
+    assert (alone["status"], alone["ratio"]) == ("failed", None)
+    assert alone["verdict"] == "not judged (a check failed)"
+    (row,) = summarize([_unit("passed", 0.95), _unit("failed", 0.99), _unit("failed", 0.99)])
+    assert row["ratio"] == 0.95  # the failed units' 0.99 no longer lifts the median
+    assert row["verdict"] == "not judged (a check failed)"
+    (ok,) = summarize([_unit("passed", 0.98), _unit("passed", 0.97)])
+    assert (ok["status"], ok["verdict"]) == ("passed", "PASS")
+
+
+def test_the_docs_table_never_shows_pass_beside_a_failed_status(tmp_path: Path) -> None:
+    data = result("serving", "serving", REFERENCE)
+    data["units"] = [_unit("failed", 0.99)]
+    data["summary"] = [{**summarize(data["units"])[0], "ratio": 0.99, "verdict": "PASS"}]
+    table = docs.serving_table([(tmp_path / "s.json", finish(data, "failed"))], tmp_path)
+    (row,) = [line for line in table.splitlines() if line.startswith("| transport:")]
+    assert "| failed |" in row
+    assert "not judged (a check failed)" in row
+
+
+def test_each_committed_row_is_named_as_its_units_ran() -> None:
+    # a 4-writer unit written before names carried --env showed as plain store:hidden-states
+    found = docs.evidence(REPO / "docs" / "evidence")
+    names = {cell(u["settings"]["mode"], u["settings"].get("env"))
+             for _, d in found if d["kind"] == "serving" and d["name"] == "serving"
+             for u in d.get("units") or []}
+    table = docs.serving_table(found, REPO / "docs")
+    shown = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[2:]]
+    assert shown
+    assert set(shown) <= names, set(shown) - names
+    (writers,) = [line for line in table.splitlines() if "DMX_CH_WRITERS=4" in line]
+    assert "serving-store-writers4.json" in writers
+
+
+def test_a_request_sample_of_zero_keeps_its_target() -> None:
+    from harness.constants import TARGETS
+    from harness.serving import setting_pairs
+
+    env = setting_pairs(["DMX_REQUEST_SAMPLE=0"], "--env")
+    name = cell("store:hidden-states", env)
+    assert ("0.6b", name) in TARGETS, name  # it was named ...=0.0, which has no target
+    (row,) = summarize([_unit("passed", 0.99, "store:hidden-states", env)])
+    assert row["verdict"] == "PASS"
+
+
+def test_serving_kills_the_engines_an_interrupted_invocation_left(
+        tmp_path: Path) -> None:
+    from harness.engine import EngineProcess, group_alive
+
+    state = Path(os.environ["DMI_HARNESS_STATE"]) / "serving" / re.sub(r"\W", "-", FAKE)
+    left = EngineProcess("left", _child(tmp_path).spec, tmp_path / "left",
+                         state / "engines.pgids")  # where a run's Bracket records them
+    left.start(30)
+    assert left.proc is not None
+    try:
+        code, _ = serve(tmp_path, "transport:hidden-states", repeats=1, batch=2, prompt=4,
+                        output=3)
+        assert code == 0
+        assert left.proc.poll() == -signal.SIGKILL, "the earlier invocation's engine runs"
+    finally:
+        if group_alive(left.proc.pid):
+            os.killpg(left.proc.pid, signal.SIGKILL)
+        left.proc.wait(10)
