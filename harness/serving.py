@@ -347,7 +347,7 @@ def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
         all(config.get(k) == v for k, v in TARGET_WORKLOAD.items()) and \
         float(config.get("min_seconds", 0)) >= TARGET_MIN_SECONDS
     if any(u.get("status", "passed") not in ("passed", "skipped") for u in units):
-        return {"target": text, "verdict": "not judged (a check failed)"}
+        return {"target": text, "verdict": "not judged (a unit failed or erred)"}
     if not units or figures[figure] is None:
         return {"target": text, "verdict": "not measured"}
     if not reference:
@@ -482,7 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-serving-"))
     state = state_dir(Path(args.out).resolve().parent / ".state") / "serving"
     engine_state = state / re.sub(r"\W", "-", args.engine_class)
-    kill_leftovers(engine_state / "engines.pgids")  # where the Bracket records them
+    for record in state.glob("*/engines.pgids"):  # where each engine class's Bracket
+        kill_leftovers(record)  # recorded its engines (another class may hold the GPU)
     return ServingRun(args, engine_state, work, Deadline()).run()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import structlog.testing
+
 from dmi_sglang.app.session import RequestTracker
 from dmi_sglang.domain.layout import BatchLayout
 
@@ -205,7 +207,11 @@ def test_a_running_request_whose_id_a_new_request_takes_is_never_complete() -> N
         assert t.take_finished() == []
         done.output_ids.append(0)  # req-2 finished; its finish is not taken yet
         again, again_done = _req("req-1", 3, 0), _req("req-2", 3, 0)
-        t.add_reqs([first, again, again_done])
+        with structlog.testing.capture_logs() as logs:
+            t.add_reqs([first, again, again_done])
+        assert sorted((e["event"], e["request_id"]) for e in logs) == [
+            ("dmi.request_id_reused", "req-2"),  # finished: its capture stays complete
+            ("dmi.request_id_taken_while_running", "req-1")]
         assert {"req-1", "req-2"} <= t.skipped  # the new ones are not captured
         first.output_ids.append(0)
         if taken_while_serving:

@@ -31,10 +31,10 @@ def _unit(status: str, ratio: float, mode: str = "transport:hidden-states",
 def test_a_failed_units_figures_are_left_out_and_its_cell_is_not_judged() -> None:
     (alone,) = summarize([_unit("failed", 0.99)])
     assert (alone["status"], alone["ratio"]) == ("failed", None)
-    assert alone["verdict"] == "not judged (a check failed)"
+    assert alone["verdict"] == "not judged (a unit failed or erred)"
     (row,) = summarize([_unit("passed", 0.95), _unit("failed", 0.99), _unit("failed", 0.99)])
     assert row["ratio"] == 0.95  # the failed units' 0.99 no longer lifts the median
-    assert row["verdict"] == "not judged (a check failed)"
+    assert row["verdict"] == "not judged (a unit failed or erred)"
     (ok,) = summarize([_unit("passed", 0.98), _unit("passed", 0.97)])
     assert (ok["status"], ok["verdict"]) == ("passed", "PASS")
 
@@ -46,7 +46,7 @@ def test_the_docs_table_never_shows_pass_beside_a_failed_status(tmp_path: Path) 
     table = docs.serving_table([(tmp_path / "s.json", finish(data, "failed"))], tmp_path)
     (row,) = [line for line in table.splitlines() if line.startswith("| transport:")]
     assert "| failed |" in row
-    assert "not judged (a check failed)" in row
+    assert "not judged (a unit failed or erred)" in row
 
 
 def test_each_committed_row_is_named_as_its_units_ran() -> None:

@@ -209,3 +209,30 @@ def test_a_commit_does_not_wait_for_the_backlog_behind_its_finish(make_driver, m
     d.t.stop()
     assert sink.at_commit["a"] == sum(1 for r in sink.records if r.request_id == "a")
     assert at_commit["a"] < len(sink.records) // 4, (at_commit["a"], len(sink.records))
+
+
+def test_idle_raises_a_failure_the_sinks_own_thread_found(make_driver):
+    """Found in review: the ClickHouse sink's put only queues (its insert fails later on
+    a writer thread, which sets the sink's failure): an idle server learns it too."""
+    import time
+
+    from dmi_sglang.errors import CaptureError, StoreError
+    from dmi_sglang.testing import MemorySink
+
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre", sink=sink)
+    mon = _monitor(d, sink)
+    a = _Req("a", 3)
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
+    a.output_ids.append(1)
+    a.done = True
+    mon.idle()
+    deadline = time.monotonic() + 10
+    while not sink.manifests and time.monotonic() < deadline:  # a committed, all handed over
+        mon.idle()
+        time.sleep(0.02)
+    assert [m.request_id for m in sink.manifests] == ["a"]
+    assert d.t.failure is None
+    sink.failure = StoreError("insert failed on the writer thread (disk full)")
+    with pytest.raises(CaptureError, match="the capture's store failed: insert failed"):
+        mon.idle()

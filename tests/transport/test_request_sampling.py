@@ -83,11 +83,13 @@ def test_the_monitor_captures_the_requests_that_ask_or_are_sampled(make_driver) 
     mon = SchedulerMonitor(run=RunInfo("run-1", "toy", (), (), "t"), selection=d.selection,
                            shape=SHAPE, transport=d.t, sink=sink, strip=True,
                            sample=RequestSample(0.0), asked=capture_param)
-    # "c" asks with a string (an HTTP client's JSON "true"): not a choice; said once
-    reqs = [_Req("a", 3, asked=True), _Req("b", 2, asked=False), _Req("c", 4, asked="true")]
-    layouts = [BatchLayout.extend(["a", "b", "c"], [0, 0, 0], [3, 2, 4]),
-               BatchLayout.decode(["a", "b", "c"], [4, 3, 5]),
-               BatchLayout.decode(["a", "b", "c"], [5, 4, 6])]
+    # "c" and "d" ask with a string and a number (an HTTP client's "true", 1): no choice;
+    # said once a run
+    reqs = [_Req("a", 3, asked=True), _Req("b", 2, asked=False), _Req("c", 4, asked="true"),
+            _Req("d", 2, asked=1)]
+    layouts = [BatchLayout.extend(["a", "b", "c", "d"], [0, 0, 0, 0], [3, 2, 4, 2]),
+               BatchLayout.decode(["a", "b", "c", "d"], [4, 3, 5, 3]),
+               BatchLayout.decode(["a", "b", "c", "d"], [5, 4, 6, 4])]
     with structlog.testing.capture_logs() as logs:
         for layout in layouts:
             mon.requests.add_reqs(reqs)
@@ -97,9 +99,9 @@ def test_the_monitor_captures_the_requests_that_ask_or_are_sampled(make_driver) 
             mon.end_forward()
     told = [e for e in logs if e["event"] == "dmi.capture_choice_ignored"]
     assert [(e["request_id"], e["value"]) for e in told] == [("c", "'true'")]
-    assert mon.requests.skipped == {"b", "c"}
+    assert mon.requests.skipped == {"b", "c", "d"}
     timing = mon.timing(d.t.stats())
-    assert (timing["requests_seen"], timing["requests_captured"]) == (3, 1)
+    assert (timing["requests_seen"], timing["requests_captured"]) == (4, 1)
     manifests = mon.requests.manifests("run-1", committed=False)
     assert [m.request_id for m in manifests] == ["a"]
     d.t.stop()

@@ -137,7 +137,8 @@ class RequestTracker:
         self.refusal: str | None = None
         """Why the gate refused the latest new request (None: it did not)."""
         self.cancelled_requests = 0
-        """Captured requests the engine ended by an abort: never complete."""
+        """Captured requests the engine ended by an abort, or whose id a new request
+        took while they ran: never complete."""
         self._skipped: set[str] = set()
         self._skip: frozenset[str] = frozenset()
         self._leaving: collections.deque[tuple[int, str]] = collections.deque()
@@ -151,7 +152,7 @@ class RequestTracker:
         self._recent_reqs: dict[str, weakref.ref[TrackedRequest] | int] = {}
         """... by id: a weak reference to (or the ``id`` of) the finished Req object."""
         self.reused_requests = 0
-        """Requests that came with the id of a finished one (not captured)."""
+        """Requests that came with the id of an earlier one (not captured)."""
         self._reused: set[str] = set()
         """Their ids: left out for the rest of the run."""
         self.seen_requests = 0
@@ -211,7 +212,9 @@ class RequestTracker:
             elif seen.req is not None and seen.req is not req:  # its finish not taken yet
                 if not seen.req.finished():  # the first still runs: its capture ends here
                     self._end_capture_of(rid, seen)
-                self._refuse_reused(rid)
+                    self._refuse_reused(rid, told=True)
+                else:
+                    self._refuse_reused(rid)
                 continue
             else:
                 seen.req = req
@@ -236,14 +239,17 @@ class RequestTracker:
                         why="a new request came with the id of one still running; the "
                         "running one's capture ends incomplete, the new one is not captured")
 
-    def _refuse_reused(self, rid: str) -> None:
+    def _refuse_reused(self, rid: str, *, told: bool = False) -> None:
         """A request arrived with the id of one that finished (SGLang admits an id again
         once its request finished): it is not captured, so the finished request's
-        capture, committed under that id, never changes."""
+        capture, committed under that id, never changes. ``told``: the caller logged
+        why already (the first request still ran)."""
         if rid in self._reused:
             return
-        log.warning("dmi.request_id_reused", request_id=rid,
-                    why="a request of that id finished already; this one is not captured")
+        if not told:
+            log.warning("dmi.request_id_reused", request_id=rid,
+                        why="a request of that id finished already; this one is not "
+                        "captured")
         self.reused_requests += 1
         self._reused.add(rid)  # never leaves the skip set (see take_finished)
         self._skipped.add(rid)
@@ -571,6 +577,13 @@ class SchedulerMonitor:
             failure = self.transport.failure
             if failure is not None:
                 raise failure
+            # a sink that learns its store failed on a thread of its own says so without
+            # a call (the ClickHouse sink's writers); the store owner's channel learns it
+            # at its next call (a forward's rows, or the stop)
+            failed = getattr(self.sink, "failure", None)
+            if isinstance(failed, Exception):
+                msg = f"the capture's store failed: {failed}"
+                raise CaptureError(msg) from failed
         except CaptureError:
             if self._idle_failure_raised:
                 return

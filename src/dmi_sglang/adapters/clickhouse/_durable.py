@@ -68,7 +68,11 @@ def sync_tree(root: str, since_ns: int) -> SyncReport:
             would otherwise stay unsynced unnoticed.
     """
     started = time.perf_counter()
-    if not os.path.isdir(root):  # the store itself vanished: nothing of it is on disk
+    try:  # the store itself vanished: nothing of it is on disk
+        found = stat.S_ISDIR(os.stat(root).st_mode)
+    except FileNotFoundError:
+        found = False
+    if not found:
         raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", root)
     files: list[str] = []
     directories: set[str] = set()
