@@ -124,7 +124,9 @@ class EngineProcess:
                 self._kill_group()
                 raise EngineError(f"{self.name}: no reply within {timeout_s:.0f} s "
                                   f"(killed){self._tail()}")
-            ready, _, _ = select.select([self._reply], [], [], min(wait or 1.0, 1.0))
+            poller = select.poll()  # not select(): a busy process's descriptors pass 1024
+            poller.register(self._reply, select.POLLIN | select.POLLHUP)
+            ready = poller.poll(min(wait or 1.0, 1.0) * 1000)
             chunk = os.read(self._reply, 1 << 20) if ready else None
             gone = self.proc is not None and self.proc.poll() is not None and not ready
             if chunk == b"" or gone:  # the pipe closed, or the child died (a grandchild
