@@ -102,6 +102,14 @@ def combined_rows(records: Sequence[CaptureRecord], positions: range, plan: Shar
     return combine(plan, [decode_rows(p, positions) for p in parts], what)
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a record's ``dtype`` column names."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, DType.parse(name).value.removeprefix("torch."))
+    return dtype
+
+
 def empty_rows(layout: RowLayout | None, plan: ShardPlan, what: str) -> torch.Tensor:
     """No rows of one capture, shaped ``[0, *row shape]`` in its stored dtype as its
     parts (one ``layout``) combine; ``[0]`` when nothing of it was stored (no layout).
@@ -113,8 +121,7 @@ def empty_rows(layout: RowLayout | None, plan: ShardPlan, what: str) -> torch.Te
 
     if layout is None:
         return torch.empty((0,))
-    dtype = getattr(torch, DType.parse(layout.dtype).value.removeprefix("torch."))
-    part = torch.empty((0, *layout.row_shape), dtype=dtype)
+    part = torch.empty((0, *layout.row_shape), dtype=_torch_dtype(layout.dtype))
     return part if plan.parts == 1 else combine(plan, [part] * plan.parts, what)
 
 
@@ -145,6 +152,6 @@ def decode_rows(records: Sequence[CaptureRecord], positions: range) -> torch.Ten
             )
             raise StoreError(msg)
     buf = joined_rows(records, slices, row_size)
-    dtype = getattr(torch, DType.parse(dtype_name).value.removeprefix("torch."))
+    dtype = _torch_dtype(dtype_name)
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty((0,), dtype=dtype)
     return flat.reshape(len(positions), *trailing).clone()

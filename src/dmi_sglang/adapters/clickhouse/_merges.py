@@ -24,7 +24,7 @@ import structlog
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["HELD_PARTS", "MergeHold"]
+__all__ = ["HELD_PARTS", "MergeHold", "active_parts"]
 
 log = structlog.get_logger(__name__)
 
@@ -107,14 +107,16 @@ class MergeHold:
 
     def _active_parts(self) -> int:
         found: list[int] = []
-
-        def count(c: Client) -> None:
-            rows = c.query(
-                "SELECT count() FROM system.parts WHERE database = {db:String} "
-                "AND table = {t:String} AND active",
-                parameters={"db": self._database, "t": self._table},
-            ).result_rows
-            found.append(int(rows[0][0]))
-
-        self._control("counting parts", count)
+        self._control("counting parts",
+                      lambda c: found.append(active_parts(c, self._database, self._table)))
         return found[0]
+
+
+def active_parts(client: Client, database: str, table: str) -> int:
+    """Active parts of ``database.table`` (``system.parts``)."""
+    rows = client.query(
+        "SELECT count() FROM system.parts WHERE database = {db:String} "
+        "AND table = {t:String} AND active",
+        parameters={"db": database, "t": table},
+    ).result_rows
+    return int(rows[0][0]) if rows else 0

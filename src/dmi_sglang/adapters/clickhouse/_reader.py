@@ -29,6 +29,7 @@ from dmi_sglang.adapters.clickhouse._client import (
     store_error,
 )
 from dmi_sglang.adapters.clickhouse._live import is_live, live_runs
+from dmi_sglang.adapters.clickhouse._merges import active_parts
 from dmi_sglang.adapters.clickhouse._rows import manifest_from_row, run_from_row
 from dmi_sglang.adapters.clickhouse._schema import Layout, StoreTables
 from dmi_sglang.columns import RecordBatch
@@ -346,13 +347,9 @@ class ClickHouseReader:
         client = self._client
         assert client is not None
         try:
-            rows = client.query(
-                "SELECT count() FROM system.parts WHERE database = {db:String} "
-                "AND table = {t:String} AND active",
-                parameters={"db": self._config.database, "t": layout.name}).result_rows
+            return active_parts(client, self._config.database, layout.name) > 0
         except Exception as exc:
             raise store_error(f"reading {self._config.url}", exc) from exc
-        return bool(rows and int(rows[0][0]))
 
     def _delete(self, layout: Layout, key: str, run_id: str) -> None:
         client = self._client
