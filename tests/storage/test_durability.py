@@ -32,7 +32,7 @@ from dmi_sglang.adapters.clickhouse._client import (
 )
 from dmi_sglang.adapters.clickhouse._durable import sync_tree
 from dmi_sglang.adapters.clickhouse._insert import open_inserter
-from dmi_sglang.domain.records import RunStatus
+from dmi_sglang.domain.records import RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
@@ -264,19 +264,28 @@ def test_a_directory_the_sync_cannot_list_fails_it(tmp_path: Path,
         sync_tree(str(tmp_path / "gone"), 0)  # a vanished store is not "synced"
 
 
+def _capturing(open_sink: Callable[..., ClickHouseSink],
+               monkeypatch: pytest.MonkeyPatch) -> tuple[ClickHouseSink, RunInfo]:
+    """A sink whose run ``run`` captures request ``r`` (4 positions of resid_pre layer 0,
+    put, not flushed), with no background sync pass: finish_run's syncs alone."""
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    return sink, run
+
+
 def test_a_run_whose_parts_cannot_be_listed_is_not_finished(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sink = open_sink(writers=1)
-    run = run_info("run", [(RESID, 0)])
-    sink.start_run(run)
-    sink.put(batch_of("run", "r", RESID, 0, torch.randn(3, 8), [0, 1, 2, 3]))
+    sink, run = _capturing(open_sink, monkeypatch)
     sink.flush()
     parts = {part for part, in _part_paths(store)}
     asked = _unlistable(monkeypatch, lambda p: os.path.realpath(p).rstrip("/") in parts)
     with pytest.raises(StoreError, match="syncing the files of run run"):
-        commit(sink, run, [manifest("run", "r", 3, 0)])
+        commit(sink, run, [manifest("run", "r", 4, 1)])
     assert asked
     monkeypatch.undo()
     recorded = ClickHouseReader(store).run("run")
@@ -288,11 +297,7 @@ def test_finish_run_syncs_the_runs_parts_to_disk(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)  # finish_run's sync alone
-    sink = open_sink()
-    run = run_info("run", [(RESID, 0)])
-    sink.start_run(run)
-    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink, run = _capturing(open_sink, monkeypatch)
     synced = _record_fsyncs(monkeypatch)
     with structlog.testing.capture_logs() as logs:
         commit(sink, run, [manifest("run", "r", 4, 1)])
@@ -316,11 +321,7 @@ def test_the_data_is_on_disk_before_a_row_says_the_run_is_complete(
 ) -> None:
     # Found in review: the committed status was written before the sync, so a power
     # loss between the two could leave a committed run over data that never reached disk
-    monkeypatch.setattr(_sink, "SYNC_PASS_S", 3600.0)  # finish_run's syncs alone
-    sink = open_sink()
-    run = run_info("run", [(RESID, 0)])
-    sink.start_run(run)
-    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink, run = _capturing(open_sink, monkeypatch)
     sink.flush()
     data = _part_files(store)
     events = _record_fsyncs(monkeypatch)

@@ -48,6 +48,16 @@ def _forward(mon: SchedulerMonitor, d, layout: BatchLayout, reqs) -> None:
     d.step += 1
 
 
+def _prefilled_and_done(mon: SchedulerMonitor, d) -> _Req:
+    """Request "a" (a 3-token prompt) prefilled by one captured forward, which decided
+    its one generated token and finished it."""
+    a = _Req("a", 3)
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
+    a.output_ids.append(1)
+    a.done = True
+    return a
+
+
 @pytest.mark.parametrize("selection", ["resid_pre,final_logits", "resid_pre:last"])
 @pytest.mark.parametrize("window", [True, False])
 def test_a_finished_request_is_committed_after_its_rows_while_the_run_goes_on(
@@ -116,10 +126,7 @@ def test_a_reused_request_id_is_not_captured_and_the_first_capture_stays(make_dr
     sink = _RecordingSink()
     d, _ = make_driver("resid_pre", sink=sink)
     mon = _monitor(d, sink)
-    first = _Req("a", 3)
-    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [first])
-    first.output_ids.append(1)
-    first.done = True
+    _first = _prefilled_and_done(mon, d)  # alive, as the scheduler holds its Req
     second = _Req("a", 5)  # a client sends the id again once the first finished
     _forward(mon, d, BatchLayout.extend(["a"], [0], [5]), [second])
     _forward(mon, d, BatchLayout.decode(["a"], [6]), [second])
@@ -138,10 +145,7 @@ def test_idle_raises_a_transport_failure_once_and_the_stop_reports_it(make_drive
     sink = _RecordingSink()
     d, _ = make_driver("resid_pre:last", sink=sink)
     mon = _monitor(d, sink)
-    a = _Req("a", 3)
-    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
-    a.output_ids.append(1)
-    a.done = True
+    _prefilled_and_done(mon, d)
     d.t._fail(CaptureError("the drain failed"), "test")
     with pytest.raises(CaptureError, match="the drain failed"):  # a server ends the
         mon.idle()  # capture at once (an engine logs it); not again while it idles on
@@ -222,10 +226,7 @@ def test_idle_raises_a_failure_the_sinks_own_thread_found(make_driver):
     sink = MemorySink()
     d, _ = make_driver("resid_pre", sink=sink)
     mon = _monitor(d, sink)
-    a = _Req("a", 3)
-    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
-    a.output_ids.append(1)
-    a.done = True
+    _prefilled_and_done(mon, d)
     mon.idle()
     deadline = time.monotonic() + 10
     while not sink.manifests and time.monotonic() < deadline:  # a committed, all handed over
