@@ -35,6 +35,13 @@ ENGINE_OVERHEAD_S = 20.0
 """Process start, imports and shutdown per engine, beyond SGLang's own startup (estimate)."""
 STORE_INGEST_BPS = 300e6
 """Embedded store ingest rate assumed by time estimates."""
+STORED_CELL_CAPTURE_BYTES = 20e9
+"""A stored serving cell's timed waves stop once they captured this much (or ran
+``--min-seconds``, whichever comes first): the targets' measuring rule (">= 30 s of
+steady decoding or >= 20 GB captured"), and what keeps a store of every position within
+the GPU host's disk."""
+MAX_WAVES = 10_000
+"""Timed waves of a serving engine at most (``--min-seconds`` ends them first)."""
 READBACK_S_PER_REQUEST = 0.05
 """Completeness read-back per request (estimate)."""
 DISK_PROBE_BYTES = 1 << 30

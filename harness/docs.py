@@ -177,7 +177,9 @@ def copies_table(found: Found, docs: Path) -> str:
             f"a variant, one every {settings.get('period_ms')} ms")
     if "suggested_env" in figures:
         s = figures["suggested_env"]
-        note += "; suggested: " + ("none" if s is None else f"`{s}`" if s else "the defaults")
+        why = figures.get("no_suggestion")
+        note += "; suggested: " + (("none" + (f" ({why})" if why else "")) if s is None
+                                   else f"`{s}`" if s else "the defaults")
     return "\n".join([_source(path, d, docs) + note, "", *table_lines(table, markdown=True)])
 
 

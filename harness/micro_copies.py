@@ -51,7 +51,8 @@ from dmi_sglang.errors import UnsupportedConfigurationError
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
 
-__all__ = ["BulkCopier", "main", "small_copy_latencies", "suggested_env", "variants"]
+__all__ = ["BulkCopier", "main", "no_suggestion_reason", "small_copy_latencies", "suggested_env",
+           "variants"]
 
 PROBE_ELEMENTS = 64
 """The small copy: a decode batch's sampled token ids (64 int64)."""
@@ -245,6 +246,23 @@ def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
     return " ".join(words)
 
 
+def no_suggestion_reason(rows: Sequence[Json], intact: Sequence[bool],
+                         idle_compute_us: float | None = None) -> str:
+    """Why :func:`suggested_env` found no variant (same arguments): each test it applies,
+    with the number of variants that passed it and those before it."""
+    kept = [r for r, ok in zip(rows, intact, strict=True) if ok and r["bulk_gbps"]]
+    words = [f"{len(kept)} of {len(rows)} variants brought every byte"]
+    kept = [r for r in kept if r["p99_us"] is not None and r["p99_us"] < SUGGEST_P99_US]
+    words.append(f"{len(kept)} of them kept the small copy under {SUGGEST_P99_US:,.0f} µs "
+                 "at p99")
+    if idle_compute_us is not None:
+        kept = [r for r in kept
+                if r["compute_p50_us"] <= SUGGEST_COMPUTE_SLOWDOWN * idle_compute_us]
+        words.append(f"{len(kept)} of those slowed the matmul beside it by at most "
+                     f"{SUGGEST_COMPUTE_SLOWDOWN:g}x its idle {idle_compute_us:,.0f} µs")
+    return "; ".join(words)
+
+
 def _percentiles_us(seconds: list[float], prefix: str = "") -> Json:
     if not seconds:
         return {f"{prefix}p50_us": None, f"{prefix}p99_us": None, f"{prefix}max_us": None}
@@ -306,8 +324,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
                      **_probe_row(*lat)})
-    suggested = suggested_env(rows[1:], intact, rows[0]["compute_p50_us"] if cuda else None)
+    idle_compute = rows[0]["compute_p50_us"] if cuda else None
+    suggested = suggested_env(rows[1:], intact, idle_compute)
     data["figures"] = {"rows": rows, "suggested_env": suggested}
+    if suggested is None:
+        data["figures"]["no_suggestion"] = no_suggestion_reason(rows[1:], intact, idle_compute)
     copying = [r["rounds_while_probing"] for r in rows[1:]]
     data["checks"] = {
         **({"copy_kernel_works": {
@@ -324,8 +345,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
     }
     print(render(rows))
     print("suggested drain settings: " + (
-        "none (every variant held the small copy past "
-        f"{SUGGEST_P99_US:,.0f} µs at p99)" if suggested is None else suggested or "the defaults"))
+        f"none ({data['figures']['no_suggestion']})" if suggested is None
+        else suggested or "the defaults"))
 
 
 def render(rows: list[Json]) -> str:

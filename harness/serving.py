@@ -13,7 +13,8 @@ runs between two runs of the same workload on the stock engine of the same Serve
 (:mod:`harness.bracket`): ``stock, measured, stock, measured, ..., stock``.
 
 Workload: BATCH requests x PROMPT random ids x OUTPUT tokens (greedy, ignore_eos), one
-warm-up wave, then waves for at least ``--min-seconds``. Per mode: the median ratio to the
+warm-up wave, then waves for at least ``--min-seconds``, a stored cell's until they
+captured 20 GB if that comes first (:func:`timed_waves_at_most`). Per mode: the median ratio to the
 stock runs around it, the spread of the ratios and of stock, and the bound measured in
 the same run: pinned D2H for transport modes, synced disk write x on-disk compression for
 store modes, over the capture rate stock speed needs. Checks: tokens identical to stock
@@ -25,6 +26,7 @@ next invocation (run the same command again: units are resumed from the state di
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import re
@@ -45,9 +47,11 @@ from harness.bracket import Bracket
 from harness.constants import (
     ENGINE_OVERHEAD_S,
     MAX_TOTAL_TOKENS,
+    MAX_WAVES,
     REFERENCE_MODEL,
     SEED,
     STORE_INGEST_BPS,
+    STORED_CELL_CAPTURE_BYTES,
     TARGET_MIN_SECONDS,
     TARGET_WORKLOAD,
     TARGETS,
@@ -180,15 +184,37 @@ def workloads(args: argparse.Namespace, mode: Mode | None) -> tuple[Workload, Wo
     warm = Workload("warmup", n * (min(args.prompt_len, 32),), n * (8,), timed=False,
                     return_hidden_states=rhs, keep_outputs=False)
     main = Workload("main", n * (args.prompt_len,), n * (args.output_len,),
-                    min_seconds=args.min_seconds, max_waves=10_000, return_hidden_states=rhs)
+                    min_seconds=args.min_seconds, max_waves=timed_waves_at_most(args, mode),
+                    return_hidden_states=rhs)
     return warm, main
+
+
+def timed_waves_at_most(args: argparse.Namespace, mode: Mode | None) -> int:
+    """The timed waves an engine of ``mode`` runs at most: a stored cell stops once its
+    waves captured :data:`~harness.constants.STORED_CELL_CAPTURE_BYTES` (its requests'
+    share of each wave's bytes), every other engine at
+    :data:`~harness.constants.MAX_WAVES`; ``--min-seconds`` may end them sooner."""
+    per_wave = stored_wave_bytes(args, mode)
+    if per_wave <= 0:
+        return MAX_WAVES
+    return max(1, min(MAX_WAVES, math.ceil(STORED_CELL_CAPTURE_BYTES / per_wave)))
+
+
+def stored_wave_bytes(args: argparse.Namespace, mode: Mode | None) -> float:
+    """Bytes one timed wave of a stored cell captures (its sampled share of
+    :func:`wave_bytes`); 0 for stock and capture-only engines."""
+    if mode is None or mode.kind != "store" or not mode.preset:
+        return 0.0
+    share = float(mode_env(args, mode).get("DMX_REQUEST_SAMPLE", 1.0))
+    return wave_bytes(args, mode.preset) * share
 
 
 def settings(args: argparse.Namespace) -> Json:
     """What decides the results (the state is keyed by its hash)."""
     return {"model": args.model, "config_json": qwen3_config(MODELS[args.model]),
             "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "min_seconds": args.min_seconds, "seed": SEED,
+            "min_seconds": args.min_seconds,
+            "stored_cell_capture_bytes": STORED_CELL_CAPTURE_BYTES, "seed": SEED,
             "engine": engine_kwargs("<model>", graphs=True, max_bs=args.batch,
                                     chunked_prefill_size=0),
             "env": dict(sorted(args.env.items()))}
@@ -199,13 +225,14 @@ def estimate_s(args: argparse.Namespace, mode: Mode) -> float:
     model = MODELS[args.model]
     wave = model.generate_s(args.batch * (args.prompt_len,), args.batch * (args.output_len,),
                             True)
-    timed = max(float(args.min_seconds), wave) + wave
+    timed = max(float(args.min_seconds), wave) + wave  # stock's waves, or a monitored
+    monitored = timed  # engine's at stock speed; a stored one waits for its store
     tail = 20.0 if mode.kind == "store" else 5.0
-    if mode.kind == "store" and mode.preset:
-        share = float(mode_env(args, mode).get("DMX_REQUEST_SAMPLE", 1.0))
-        stored = wave_bytes(args, mode.preset) * share
-        timed = max(timed, stored * timed / wave / STORE_INGEST_BPS)
-    return model.startup_s + 2 * timed + tail + ENGINE_OVERHEAD_S
+    per_wave = stored_wave_bytes(args, mode)
+    if per_wave > 0:
+        waves = min(timed / wave, timed_waves_at_most(args, mode))
+        monitored = max(timed, per_wave * waves / STORE_INGEST_BPS)
+    return model.startup_s + timed + monitored + tail + ENGINE_OVERHEAD_S
 
 
 def wave_bytes(args: argparse.Namespace, preset: str) -> int:

@@ -486,6 +486,23 @@ def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_q
     assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1"
 
 
+def test_no_suggestion_names_the_test_every_variant_failed() -> None:
+    """The H200 run of 2026-12-05 kept the small copy under 1 ms in nine of ten variants
+    and printed that every variant held it past 1 ms: the matmul test had left none."""
+    from harness.micro_copies import no_suggestion_reason, suggested_env
+
+    quick_but_slowing = [_variant(8, 1, None, 41.0, 577.0, compute=97.0),
+                         _variant(8, 2, None, 53.0, 10_137.0, compute=111.0),
+                         _variant(512, None, 8, 50.0, 919.0, compute=194.0)]
+    assert suggested_env(quick_but_slowing, [True] * 3, idle_compute_us=75.0) is None
+    assert no_suggestion_reason(quick_but_slowing, [True] * 3, 75.0) == (
+        "3 of 3 variants brought every byte; 2 of them kept the small copy under 1,000 µs "
+        "at p99; 0 of those slowed the matmul beside it by at most 1.05x its idle 75 µs")
+    assert no_suggestion_reason(quick_but_slowing, [False, True, True]) == (
+        "2 of 3 variants brought every byte; 1 of them kept the small copy under 1,000 µs "
+        "at p99")
+
+
 @pytest.mark.torch
 def test_copies_keep_their_other_variants_when_the_copy_kernel_cannot_run(
         tmp_path: Path) -> None:

@@ -93,12 +93,13 @@ def test_work_past_the_deadline_is_skipped_then_resumed(tmp_path: Path) -> None:
 
 
 def serve(tmp_path: Path, mode: str, *, repeats: int, batch: int, prompt: int,
-          output: int, env: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
+          output: int, env: tuple[str, ...] = (), min_seconds: float = 0.01,
+          ) -> tuple[int, dict[str, Any]]:
     """The serving benchmark on the fake engine: its exit status and result JSON."""
     out = tmp_path / "serving.json"
     code = serving.main(["--out", str(out), "--modes", mode, "--repeats", str(repeats),
                          "--batch", str(batch), "--prompt-len", str(prompt),
-                         "--output-len", str(output), "--min-seconds", "0.01",
+                         "--output-len", str(output), "--min-seconds", str(min_seconds),
                          "--engine-class", FAKE, "--work", str(tmp_path / "work"),
                          *(a for e in env for a in ("--env", e))])
     data = load_json(out)
@@ -202,6 +203,31 @@ def test_the_stored_mode_reads_back_and_states_the_disk_bound(tmp_path: Path) ->
     assert unit["bound"]["disk_bps"] > 0
     assert unit["bound"]["compression"] > 0
     assert unit["figures"]["on_disk_bytes"] > 0
+
+
+def test_a_stored_cell_stops_once_its_waves_captured_the_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """">= 30 s of steady decoding or >= 20 GB captured, whichever comes first": a stored
+    cell's timed waves end at the cap (its sampled share of each wave counted), a
+    capture-only cell's at ``--min-seconds``; every check still holds."""
+    args = argparse.Namespace(model="0.6b", batch=4, prompt_len=8, output_len=4, env={},
+                              engine_class=FAKE, min_seconds=1.0)
+    per_wave = serving.wave_bytes(args, "hidden-states")
+    monkeypatch.setattr(serving, "STORED_CELL_CAPTURE_BYTES", 2.5 * per_wave)
+    stored, sampled, transport = serving.parse_modes(
+        "store:hidden-states,store:hidden-states[DMX_REQUEST_SAMPLE=0.5],"
+        "transport:hidden-states")
+    assert serving.timed_waves_at_most(args, stored) == 3
+    assert serving.timed_waves_at_most(args, sampled) == 5
+    assert serving.timed_waves_at_most(args, transport) == serving.MAX_WAVES
+    assert serving.timed_waves_at_most(args, None) == serving.MAX_WAVES
+    assert serving.workloads(args, stored)[1].max_waves == 3
+    code, data = serve(tmp_path, "store:hidden-states,transport:hidden-states", repeats=1,
+                       batch=4, prompt=8, output=4, min_seconds=1.0)
+    assert code == 0, [u["checks"] for u in data["units"]]
+    store_unit, transport_unit = data["units"]
+    assert store_unit["figures"]["waves"] == 3
+    assert transport_unit["figures"]["waves"] > 3  # ran its second
 
 
 def test_a_store_run_that_samples_no_request_passes_with_nothing_stored(
