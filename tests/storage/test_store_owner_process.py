@@ -53,6 +53,35 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
 
 
+def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) -> None:
+    """An engine that idles asks its sink's ``failure`` (no call to the owner): an owner
+    killed while the run is open is reported at once; one this sink ended is not a
+    failure."""
+    url = f"chdb://{tmp_path / 'store'}"
+    sink = open_capture_sink(_settings(url))
+    assert isinstance(sink, OwnedSink)
+    sink.start_run(RUN_INFO)
+    assert sink.failure is None
+    os.kill(sink.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sink.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    failure = sink.failure
+    assert isinstance(failure, StoreError)
+    assert f"pid {sink.pid}" in str(failure)
+    assert f"exit status {-signal.SIGKILL}" in str(failure)
+    with pytest.raises(StoreError):
+        sink.close()
+
+    healthy = open_capture_sink(_settings(f"chdb://{tmp_path / 'other'}"))
+    assert isinstance(healthy, OwnedSink)
+    healthy.start_run(RUN_INFO)
+    finish(healthy)
+    healthy.close()  # ends the owner: its exit is not the run's failure
+    assert ended(healthy.pid)
+    assert healthy.failure is None
+
+
 def _owner(tmp_path: Path, url: str, *,
            piped: bool = False) -> tuple[subprocess.Popen[bytes], bytes]:
     """An owner process started as :func:`open_owned_sink` starts one (``piped``: its

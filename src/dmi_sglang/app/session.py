@@ -577,9 +577,9 @@ class SchedulerMonitor:
             failure = self.transport.failure
             if failure is not None:
                 raise failure
-            # a sink that learns its store failed on a thread of its own says so without
-            # a call (the ClickHouse sink's writers); the store owner's channel learns it
-            # at its next call (a forward's rows, or the stop)
+            # a sink that learns its store failed without a call says so (the ClickHouse
+            # sink's writers; the store owner's sink: an earlier call failed, or the
+            # owner process ended)
             failed = getattr(self.sink, "failure", None)
             if isinstance(failed, Exception):
                 msg = f"the capture's store failed: {failed}"

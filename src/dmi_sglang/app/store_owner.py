@@ -81,6 +81,22 @@ class OwnedSink:
         self._serves_reads = serves_reads
         self.pid = process.pid
         """The owner process's pid."""
+        self._ending = False
+
+    @property
+    def failure(self) -> StoreError | None:
+        """Cheap, for an engine that idles (no call to the owner): an earlier call's
+        sticky failure, or the owner process ended before this sink ended it (what it had
+        not inserted is lost with it); None while neither."""
+        failed = getattr(self._remote, "failure", None)
+        if isinstance(failed, StoreError):
+            return failed
+        code = None if self._ending else self._process.poll()
+        if code is None:
+            return None
+        msg = (f"the store owner (pid {self.pid}) ended with exit status {code} while the "
+               f"run was open; what it had not inserted is lost")
+        return StoreError(msg)
 
     def start_run(self, run: RunInfo) -> None:
         """The owner's sink records the run's start."""
@@ -111,6 +127,7 @@ class OwnedSink:
                 failure), the owner failed to close its sink, it did not exit in time
                 (a later one is logged).
         """
+        self._ending = True
         first: BaseException | None = None
         try:
             self._remote.close()
@@ -132,6 +149,7 @@ class OwnedSink:
         Raises:
             StoreError: the owner failed to close its sink, or did not exit in time.
         """
+        self._ending = True
         _end_owner(self._process, self._directory)
 
 

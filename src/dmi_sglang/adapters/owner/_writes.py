@@ -175,6 +175,11 @@ class RemoteSink:
         """An exchange got no answer (the socket is unusable, the owner gone or hung)."""
         self._closed = False
 
+    @property
+    def failure(self) -> StoreError | None:
+        """The sticky failure of an earlier call (None while every call succeeded)."""
+        return self._failure
+
     def start_run(self, run: RunInfo) -> None:
         """The owner's sink records the run's start."""
         self._call({"method": "start_run", "run": _run_fields(run)})
