@@ -115,8 +115,9 @@ def serving_table(found: Found, docs: Path) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (_, mode), (path, d, r) in rows.items():
         s = d["settings"]
+        cap = s.get("stored_cell_capture_bytes") if str(mode).startswith("store:") else None
         work = (f"{s['model']}, {s['batch']} x {s['prompt_len']} + {s['output_len']}, "
-                f">= {s['min_seconds']:g} s")
+                f">= {s['min_seconds']:g} s" + (f" or {cap / 1e9:g} GB" if cap else ""))
         lines.append(
             f"| {mode} | {work} | {r['units']} | {_f(r['ratio'], '.3f')} | "
             f"{_f(r['ratio_spread'], '.1%')} | {_f(r['stock_spread'], '.1%')} | "

@@ -159,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--steps {args.steps}: at most --output-len - 2 = {args.output_len - 2}, so "
                 "that the profiled wave runs the forwards the profiler waits for")
     args.min_seconds = 0.0
+    args.env = {}  # serving.workloads reads the settings (a mode's own ones only here)
     args.out = args.out or str(Path(os.environ.get("OUT", ".")) / "profile.json")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dmi-profile-"))
     pgids = state_dir(Path(args.out).resolve().parent / ".state") / "profile.pgids"

@@ -26,7 +26,6 @@ next invocation (run the same command again: units are resumed from the state di
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import re
@@ -194,10 +193,21 @@ def timed_waves_at_most(args: argparse.Namespace, mode: Mode | None) -> int:
     waves captured :data:`~harness.constants.STORED_CELL_CAPTURE_BYTES` (its requests'
     share of each wave's bytes), every other engine at
     :data:`~harness.constants.MAX_WAVES`; ``--min-seconds`` may end them sooner."""
-    per_wave = stored_wave_bytes(args, mode)
-    if per_wave <= 0:
+    if mode is None or not mode.preset or stored_wave_bytes(args, mode) <= 0:
         return MAX_WAVES
-    return max(1, min(MAX_WAVES, math.ceil(STORED_CELL_CAPTURE_BYTES / per_wave)))
+    env = mode_env(args, mode)
+    per_request = wave_bytes(args, mode.preset) / args.batch
+    captured = 0.0
+    for k in range(MAX_WAVES):  # the requests the sample keeps, as the checks count them
+        captured += per_request * len(sampled(env, wave_rids(args, k)))
+        if captured >= STORED_CELL_CAPTURE_BYTES:
+            return k + 1
+    return MAX_WAVES
+
+
+def wave_rids(args: argparse.Namespace, wave: int) -> list[str]:
+    """The request ids of timed wave ``wave`` (from 0) of a monitored engine."""
+    return [f"main-{i}.w{wave}" for i in range(args.batch)]
 
 
 def stored_wave_bytes(args: argparse.Namespace, mode: Mode | None) -> float:
@@ -229,9 +239,10 @@ def estimate_s(args: argparse.Namespace, mode: Mode) -> float:
     monitored = timed  # engine's at stock speed; a stored one waits for its store
     tail = 20.0 if mode.kind == "store" else 5.0
     per_wave = stored_wave_bytes(args, mode)
-    if per_wave > 0:
-        waves = min(timed / wave, timed_waves_at_most(args, mode))
-        monitored = max(timed, per_wave * waves / STORE_INGEST_BPS)
+    if per_wave > 0:  # its waves end at the cap, and its stop waits for the store
+        cap = timed_waves_at_most(args, mode)
+        waves = min(timed / wave, cap)
+        monitored = max(min(timed, (cap + 1) * wave), per_wave * waves / STORE_INGEST_BPS)
     return model.startup_s + timed + monitored + tail + ENGINE_OVERHEAD_S
 
 
@@ -276,7 +287,7 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     events = measured["events"]
     stopped = events.get("dmi.stopped") or {}
     warm_rids = [f"warmup-{i}" for i in range(args.batch)]
-    main_rids = [f"main-{i}.w{k}" for k in range(main["waves"]) for i in range(args.batch)]
+    main_rids = [rid for k in range(main["waves"]) for rid in wave_rids(args, k)]
     captured = sampled(mode_env(args, mode), warm_rids + main_rids)
     if mode.preset:
         requests = [(min(args.prompt_len, 32), 8)] * sum(r in captured for r in warm_rids) + \

@@ -230,6 +230,33 @@ def test_a_stored_cell_stops_once_its_waves_captured_the_cap(
     assert transport_unit["figures"]["waves"] > 3  # ran its second
 
 
+@pytest.mark.parametrize("share", ["1", "0.4", "0.25", "0.65"])
+def test_a_capped_cell_stops_at_the_first_wave_that_reaches_the_cap(share: str) -> None:
+    """The cap counts the requests the sample keeps (by their ids, as the checks count
+    them), not the nominal share: the waves run reach it, one wave fewer does not."""
+    args = argparse.Namespace(model="0.6b", batch=64, prompt_len=256, output_len=128,
+                              min_seconds=30.0, env={}, engine_class=FAKE)
+    mode = serving.parse_modes(f"store:hidden-states[DMX_REQUEST_SAMPLE={share}]")[0]
+    waves = serving.timed_waves_at_most(args, mode)
+    per_request = serving.wave_bytes(args, "hidden-states") / args.batch
+    env = serving.mode_env(args, mode)
+
+    def captured(n: int) -> float:
+        return per_request * sum(len(serving.sampled(env, serving.wave_rids(args, k)))
+                                 for k in range(n))
+
+    assert captured(waves) >= serving.STORED_CELL_CAPTURE_BYTES > captured(waves - 1)
+
+
+def test_a_capped_cells_estimate_counts_its_waves_not_min_seconds() -> None:
+    args = argparse.Namespace(model="0.6b", batch=64, prompt_len=256, output_len=128,
+                              min_seconds=600.0, env={}, engine_class=FAKE)
+    stored, transport = serving.parse_modes("store:hidden-states,transport:hidden-states")
+    # the stored engine stops at 20 GB, long before 600 s of waves: its estimate is the
+    # stock block's 600 s plus its capped waves' ingest, well under two blocks of 600 s
+    assert serving.estimate_s(args, stored) < serving.estimate_s(args, transport)
+
+
 def test_a_store_run_that_samples_no_request_passes_with_nothing_stored(
         tmp_path: Path) -> None:
     code, data = serve(tmp_path, "store:hidden-states", repeats=1, batch=4, prompt=8,
@@ -288,6 +315,20 @@ def test_the_profile_command_summarizes_each_modes_trace(tmp_path: Path,
     printed = capsys.readouterr().out
     assert "transport:hidden-states" in printed
     assert "around_forward" in printed
+
+
+def test_the_profile_command_profiles_a_stored_mode(tmp_path: Path) -> None:
+    from harness import profile
+
+    out = tmp_path / "profile.json"
+    code = profile.main(["--modes", "stock,store:hidden-states", "--steps", "5",
+                         "--batch", "2", "--prompt-len", "4", "--output-len", "7",
+                         "--engine-class", FAKE, "--work", str(tmp_path / "work"),
+                         "--out", str(out)])
+    data = load_json(out)
+    assert data is not None
+    assert code == 0, data
+    assert [m["mode"] for m in data["figures"]["modes"]] == ["stock", "store:hidden-states"]
 
 
 def test_the_profile_command_refuses_more_steps_than_a_wave_runs(
