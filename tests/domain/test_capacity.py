@@ -212,3 +212,15 @@ def test_the_ring_advice_stays_within_what_the_settings_accept() -> None:
     assert ring_advice(ring, 84 * 10**9) == RING_MB_MAX  # 168 GB for two: the most
     largest = RingCapacity.from_mb(RING_MB_MAX, RING_MB_MAX, 64)
     assert ring_advice(largest, 200 * 10**9) is None  # nothing larger to advise
+
+
+@given(st.integers(1, 64), st.integers(0, 200), st.integers(0, 64), st.integers(0, 200))
+def test_no_chunk_of_one_request_takes_more_than_prefill_ring_bytes(
+        tokens: int, first: int, width: int, prefix: int) -> None:
+    """The advice's chunk bound holds for a positions(A-B) rule whatever the chunk's
+    start (a bound planned from position 0 alone said 0 bytes for positions(5000-9000))."""
+    sel = parse_selection(
+        f"resid_pre:positions({first}-{first + width}),final_logits").resolve(MODEL)
+    chunk = make_plan(BatchLayout.extend(["r"], [prefix], [tokens]), sel, SHAPE,
+                      padded=False, prompts=lambda _rid: prefix + tokens)
+    assert chunk.total_bytes <= prefill_ring_bytes(sel, SHAPE, tokens)

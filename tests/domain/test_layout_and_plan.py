@@ -287,3 +287,39 @@ def test_a_part_of_a_plan_is_its_segments_placed_apart(layout: BatchLayout, sel:
     for s in part.segments:
         assert part.segment_for(s.hook.name, s.layer_no) == s
         assert part.slices(s) == plan.slices(segs[start + part.segments.index(s)])
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=6), st.booleans())
+def test_a_request_without_rows_moves_no_other_requests_rows(counts: list[int],
+                                                            skip_last: bool) -> None:
+    """An extend may hold a request of 0 tokens: as many rows as requests is then not
+    one row each, and no other request's rows (or logits row) move onto its place."""
+    rids = [f"r{i}" for i in range(len(counts))]
+    layout = BatchLayout.extend(rids, [5] * len(counts), counts)
+    skip = frozenset(rids[-1:]) if skip_last else frozenset()
+    sel = parse_selection("resid_pre@0,final_logits").resolve(MODEL)
+    plan = make_plan(layout, sel, SHAPE, padded=False, skip=skip)
+    for name, layer in (("resid_pre", 0), ("final_logits", -1)):
+        seg = plan.segment_for(name, layer)
+        if seg is None:
+            continue
+        if seg.hook.row_basis is RowBasis.REQUEST:  # a request's logits row: its last
+            source = [(r, s + n - 1) for r, s, n in
+                      zip(layout.request_ids, layout.starts, layout.counts, strict=True)]
+        else:
+            source = layout.positions()
+        index = seg.source_index if seg.source_index is not None else range(seg.kept_rows)
+        kept = [source[i] for i in index]
+        named = [(sl.request_id, p) for sl in plan.slices(seg) for p in range(sl.start, sl.end)]
+        assert kept == named, (name, counts)
+        assert not any(rid in skip for rid, _ in kept)
+
+
+def test_a_request_without_rows_has_no_logits_row() -> None:
+    layout = BatchLayout.extend(["a", "b", "c"], [0, 0, 5], [2, 0, 1])
+    assert not layout.is_uniform_decode
+    plan = make_plan(layout, parse_selection("final_logits").resolve(MODEL), SHAPE,
+                     padded=False)
+    seg = plan.segment_for("final_logits", -1)
+    assert seg is not None
+    assert (seg.kept_rows, seg.source_index) == (2, (0, 2))  # a's and c's rows, not b's

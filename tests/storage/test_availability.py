@@ -279,6 +279,49 @@ def test_every_k_positions_read_back_in_order_with_their_positions(
     assert partial.get("resid_pre", 0)[:, 0].tolist() == [0.0, 2.0, 4.0]
 
 
+def test_a_partial_read_keeps_to_the_positions_asked_for(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    """A failed run read with ``partial=True``: ``start``/``end`` select positions as they
+    do on a complete capture, inside what was stored (outside it is an error)."""
+    from dmi_sglang.adapters.clickhouse import ClickHouseReader
+    from dmi_sglang.app.handle import CaptureHandle
+
+    sink = open_sink()
+    run = run_info("cut", [(RESID, 0)])
+    sink.start_run(run)
+    rows = torch.arange(8, dtype=torch.float32).repeat_interleave(2).reshape(8, 2)
+    sink.put(RecordBatch.from_records(records_of("cut", "r", RESID, 0, rows, [0, 4, 8])))
+    sink.finish_run(attrs.evolve(run, status=RunStatus.FAILED, error="boom"), [])
+    partial = CaptureHandle("cut", "r", lambda: ClickHouseReader(store), partial=True)
+    assert partial.partial_positions("resid_pre", 0) == range(0, 8)
+    assert partial.get("resid_pre", 0, start=2, end=5)[:, 0].tolist() == [2.0, 3.0, 4.0]
+    assert partial.get("resid_pre", 0, start=6)[:, 0].tolist() == [6.0, 7.0]
+    assert partial.get("resid_pre", 0).shape == (8, 2)
+    with pytest.raises(ValueError, match=r"positions \[5, 9\) are outside .* \[0, 8\)"):
+        partial.get("resid_pre", 0, start=5, end=9)
+
+
+def test_a_tensor_changed_in_place_leaves_later_reads_as_stored(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    sink = open_sink()
+    run = run_info("own", [(RESID, 0), (RESID, 1)])
+    sink.start_run(run)
+    rows = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    for layer in (0, 1):
+        sink.put(RecordBatch.from_records(records_of("own", "r", RESID, layer, rows, [0, 6])))
+    commit(sink, run, [manifest("own", "r", 4, 3)])
+    h = handle(store, "own", "r")
+    first = h.get("resid_pre", 0)
+    first.sub_(first.mean(dim=0))  # centred in place by its caller
+    assert torch.equal(h.get("resid_pre", 0), rows)
+    layers = h.hidden_states
+    layers[1].zero_()
+    assert torch.equal(h.hidden_states[1], rows)
+    assert torch.equal(h.get("resid_pre", 1), rows)
+
+
 def test_a_missing_position_of_every_k_is_reported(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:

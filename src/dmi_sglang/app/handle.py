@@ -174,9 +174,11 @@ class CaptureHandle:
             hook: short name (``resid_pre``) or stored act_name.
             layer: the layer of a per-layer hook (None for global hooks).
             start / end: absolute positions ``[start, end)``; default every position
-                the capture holds (:meth:`positions`). An empty range reads as no rows,
-                shaped ``[0, *row shape]`` in the stored dtype (``[0]``, float32, when
-                the request stored no row of that capture: nothing says its shape).
+                the capture holds (:meth:`positions`; a partial handle: what was stored,
+                :meth:`partial_positions`). An empty range reads as no rows, shaped
+                ``[0, *row shape]`` in the stored dtype (``[0]``, float32, when the
+                request stored no row of that capture: nothing says its shape).
+                Each call returns a tensor of its own.
 
         Raises:
             IncompleteCaptureError: the capture is incomplete, or the hook / layer was
@@ -185,12 +187,12 @@ class CaptureHandle:
                 captured positions.
         """
         if self._partial:
-            return self._partial_get(hook, layer)
+            return self._partial_get(hook, layer, start, end)
         with self._lock:
             if self._state is not None:  # cached: no I/O at all
                 key = self._key(hook, layer, start, end)
                 if key in self._tensors:
-                    return self._tensors[key]
+                    return self._tensors[key].clone()  # a caller may change its own
             with self._reader() as reader:
                 key = self._key(hook, layer, start, end, reader)
                 if key not in self._tensors and not key[2]:  # no rows: their shape only
@@ -211,7 +213,7 @@ class CaptureHandle:
                         end=kept.stop,
                     )
                     self._tensors[key] = combined_rows(recs, kept, self._plan(act), act, layer_no)
-                return self._tensors[key]
+                return self._tensors[key].clone()
 
     @property
     def hidden_states(self) -> tuple[torch.Tensor, ...]:
@@ -221,7 +223,7 @@ class CaptureHandle:
             if self._state is not None:
                 keys = self._resid_keys()
                 if all(k in self._tensors for k in keys):
-                    return tuple(self._tensors[k] for k in keys)
+                    return tuple(self._tensors[k].clone() for k in keys)
             with self._reader() as reader:
                 self._complete(reader)
                 keys = self._resid_keys()
@@ -237,7 +239,7 @@ class CaptureHandle:
                 mine = [r for r in recs if r.layer_no == layer_no]
                 self._tensors[(act, layer_no, kept)] = combined_rows(mine, kept, plan, act,
                                                                      layer_no)
-            return tuple(self._tensors[k] for k in keys)
+            return tuple(self._tensors[k].clone() for k in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
         """A per-layer hook of every layer, as a tuple indexed by layer (DMI's shape of a
@@ -344,9 +346,17 @@ class CaptureHandle:
                 raise IncompleteCaptureError(msg)
         return (h.act_name, layer_no, kept), plan
 
-    def _partial_get(self, hook: str, layer: int | None) -> torch.Tensor:
+    def _partial_get(self, hook: str, layer: int | None, start: int | None,
+                     end: int | None) -> torch.Tensor:
         with self._lock, self._reader() as reader:
             (act, layer_no, kept), plan = self._partial_key(reader, hook, layer)
+            lo = kept.start if start is None else start
+            hi = kept.stop if end is None else end
+            if lo < kept.start or hi > kept.stop or hi < lo:
+                msg = (f"positions [{lo}, {hi}) are outside {act} layer {layer_no}'s stored "
+                       f"[{kept.start}, {kept.stop})")
+                raise ValueError(msg)
+            kept = narrowed(kept, lo, hi)
             recs = reader.records(self.run_id, self.request_id, act_name=act,
                                   layer_no=layer_no, start=kept.start, end=kept.stop)
             return combined_rows(recs, kept, plan, act, layer_no)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 
@@ -212,9 +213,26 @@ def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> 
     chunk of several requests holds as many token rows and one request row more per
     request and request-row capture (``final_logits``, ``last_prompt`` rules): not
     counted here. A forward larger than the free ring space commits piecewise: in parts
-    that fit the free space, each waiting for the drain to free its room."""
-    return make_plan(BatchLayout.extend(["-"], [0], [max(tokens, 1)]), selection, shape,
-                     padded=False, prompts=lambda _request_id: 1).total_bytes
+    that fit the free space, each waiting for the drain to free its room.
+
+    A ``positions(A-B)`` rule keeps most from a chunk that starts at ``A``: a chunk from
+    0 and one from each such ``A`` are planned, and each capture counts its largest."""
+    starts = {0} | {rule.first for _, _, rule in selection.rules
+                    if rule.rule is PositionRule.RANGE}
+    worst: dict[tuple[str, int], int] = {}
+    for start in sorted(starts):
+        plan = make_plan(BatchLayout.extend(["-"], [start], [max(tokens, 1)]), selection,
+                         shape, padded=False, prompts=_one_past(start))
+        for seg in plan.segments:
+            key = (seg.hook.name, seg.layer_no)
+            worst[key] = max(worst.get(key, 0), seg.aligned_bytes(plan.alignment))
+    return sum(worst.values())
+
+
+def _one_past(start: int) -> Callable[[str], int]:
+    """Every request's prompt ends one position past ``start``: a chunk from ``start``
+    holds the most token rows any position rule can keep."""
+    return lambda _request_id: start + 1
 
 
 PREFILLS_IN_RING = 2

@@ -110,8 +110,10 @@ class BatchLayout:
 
     @property
     def is_uniform_decode(self) -> bool:
-        """One row per request and every request emits (plain decode)."""
-        return self.token_rows == self.raw_batch_size and all(self.emits)
+        """One row per request and every request emits (plain decode). An extend with as
+        many rows as requests is one only when no request has none (0 tokens)."""
+        return self.token_rows == self.raw_batch_size and all(self.emits) and (
+            self.kind is ForwardKind.DECODE or 0 not in self.counts)
 
     def follows(self, other: BatchLayout) -> bool:
         """True when this layout is the decode forward right after ``other``'s, of the same
