@@ -35,7 +35,7 @@ def _store() -> MemorySink:
     return sink
 
 
-def _client(reads: Any, api_key: str | None = "sekret") -> Any:
+def _client(reads: Any, api_key: str | None = "sekret", admin: str | None = None) -> Any:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
     from sglang.srt.utils.auth import add_api_key_middleware
@@ -44,9 +44,27 @@ def _client(reads: Any, api_key: str | None = "sekret") -> Any:
 
     app = FastAPI()
     mount_reads(app, reads)
-    if api_key is not None:  # what SGLang's server does after the hook mounted
-        add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
+    if api_key is not None or admin is not None:  # as SGLang's server does after the hook
+        add_api_key_middleware(app, api_key=api_key, admin_api_key=admin)
     return TestClient(app)
+
+
+@pytest.mark.parametrize("api_key", [None, "sekret"])
+def test_with_an_admin_key_only_the_admin_reads_every_users_captures(
+        api_key: str | None) -> None:
+    """The reads serve every request's captures (``token_ids`` are the prompts): with
+    ``--admin-api-key`` they need it, as the stop does; the plain API key (or none, when
+    only the admin key is set) is refused."""
+    client = _client(StoreReads(lambda: MemoryReader(_store())), api_key=api_key,
+                     admin="admin-sekret")
+    for path in ("/dmi/runs", "/dmi/runs/run-1/requests", "/dmi/runs/run-1/requests/done",
+                 "/dmi/runs/run-1/requests/done/safetensors", "/dmi/runs/x/y/z/w"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers=KEY).status_code == 401, path
+        answered = client.get(path, headers={"Authorization": "Bearer admin-sekret"})
+        assert answered.status_code in (200, 404), path
+    assert client.get("/dmi/runs", headers={"Authorization": "Bearer admin-sekret"}
+                      ).json()["runs"]
 
 
 def test_the_reads_answer_only_with_the_servers_key() -> None:

@@ -87,6 +87,8 @@ PINNED_SIGNATURES: Mapping[str, tuple[str, ...] | None] = {
     f"{_RUN}.eager_runner:EagerRunner.load_batch": (
         *_SELF, *_FB, "pp_proxy_tensors", "**kwargs"),
     f"{_RUN}.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph": (*_SELF, *_FB),
+    "sglang.srt.beam_search.coordinator:BeamCoordinator.validate_and_init": (
+        *_SELF, "req", "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler": None,
     "sglang.srt.managers.scheduler:Scheduler.handle_shutdown": (*_SELF, "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler.on_idle": _SELF,

@@ -133,6 +133,11 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
 
     for endpoint in (requests, listing, safetensors, elsewhere):  # FastAPI resolves
         endpoint.__annotations__["request"] = Request  # string annotations in globals
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    admin = auth_level(AuthLevel.ADMIN_OPTIONAL)  # every user's prompts: admin endpoints
+    for guarded in (runs, requests, listing, safetensors, elsewhere):
+        admin(guarded)
     base = RUNS_PATH
     app.add_api_route(base, runs, methods=["GET"])
     app.add_api_route(base + "/{run_id}/requests", requests, methods=["GET"])

@@ -314,6 +314,24 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     return original(worker, batch, *args, **kw)
 
 
+BEAM_REFUSED = ("beam search (sampling_params.beam_width > 1) is not supported while "
+                "dmi-sglang captures: its beam rows carry no request id in the batch")
+"""The error SGLang returns (HTTP 400) for a beam-search request while a capture runs."""
+
+
+def around_beam_validate(original: Callable[..., Any], coordinator: Any, req: Any,
+                         recv_req: Any, *args: Any, **kw: Any) -> str | None:
+    """AROUND ``BeamCoordinator.validate_and_init``: while this scheduler captures, a
+    beam-search request is refused through SGLang's own path (its error string aborts
+    that request with HTTP 400). SGLang adds a beam's member rows to every decode batch
+    without request ids (``append_beam_tail``), so no layout can say whose rows they are;
+    admitted, the request would end the whole capture at its first decode step."""
+    if _capturing() is not None:
+        return BEAM_REFUSED
+    result: str | None = original(coordinator, req, recv_req, *args, **kw)
+    return result
+
+
 def before_scheduler_shutdown(scheduler: Any, *args: Any, **kw: Any) -> None:
     """BEFORE ``Scheduler.handle_shutdown``: SGLang's server asks each scheduler to shut
     down once SIGTERM drained its requests; the run is made durable and marked stopped
@@ -453,6 +471,8 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_EAGER}.load_batch", "AFTER", after_eager_load_batch),
     (f"{_PREFILL}.can_run_graph", "AROUND", around_prefill_can_run_graph),
     (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
+    ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init", "AROUND",
+     around_beam_validate),
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
     ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
