@@ -237,3 +237,25 @@ def test_idle_raises_a_failure_the_sinks_own_thread_found(make_driver):
     sink.failure = StoreError("insert failed on the writer thread (disk full)")
     with pytest.raises(CaptureError, match="the capture's store failed: insert failed"):
         mon.idle()
+
+
+@pytest.mark.parametrize("rule", ["positions(0-4)", "every(2)"])
+def test_a_finish_into_a_window_without_request_rows_stores_the_held_row_first(
+        make_driver, rule):
+    """Request "a"'s prefill holds its final_logits row (position 4, kept by the rule);
+    its next decode (position 5, the overlap scheduler's extra forward) keeps no logits
+    row under the rule, so it joins a decode window without request rows, and the finish
+    notice goes to that window. The held row decided a real token: it reaches the sink
+    before "a" is committed (it waited for the stop before)."""
+    sink = _RecordingSink()
+    d, _ = make_driver(f"resid_pre,final_logits:{rule}", sink=sink, payload_bytes=1 << 20)
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 5]))
+    d.forward(BatchLayout.decode(["a", "b"], [6, 6]))  # both at 5: no logits row kept
+    d.t.finish_request("a", 5, RequestManifest("run-1", "a", 5, 1, committed=True))
+    for n in range(3):
+        d.forward(BatchLayout.decode(["b"], [7 + n]))
+    d.t.stop()
+    logits = [(r.start_token_idx, r.end_token_idx) for r in sink.records
+              if r.request_id == "a" and r.act_name == "final_logits"]
+    assert logits == [(4, 5)]
+    assert sink.at_commit["a"] == sum(1 for r in sink.records if r.request_id == "a")

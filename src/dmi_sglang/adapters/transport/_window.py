@@ -407,6 +407,9 @@ class DecodeWindow:
             self._gil.check()
             keep, holds = self._resolve(runs, out, final=final)
             self._held.detach_pinned()  # rows the flush did not confirm: still waiting
+        else:  # no request rows in here: a finished request's rows held from an earlier
+            for rid, logits_end in self._finished.items():  # step settle now, before
+                self._held.finish(rid, logits_end, out)  # its commit follows this flush
         plans = []
         for g, labels in zip(groups, self._labels, strict=True):
             self._gil.check()
