@@ -163,18 +163,45 @@ def test_after_the_owners_sink_failed_the_runs_failure_still_reaches_it(
         remote.close()
 
 
-def test_after_a_lost_exchange_nothing_more_is_sent(held: tuple[_Held, SinkService]) -> None:
+def test_after_a_lost_exchange_only_the_failed_finish_is_sent(
+        held: tuple[_Held, SinkService]) -> None:
+    """A server's owner outlives the capture: once it got through the call whose answer
+    was lost, it records the run failed (else the run would read running, live, for as
+    long as the server lives). Nothing else is sent after the loss."""
     sink, service = held
     finished: list[RunInfo] = []
     sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
     remote = RemoteSink(service.address, timeout_s=0.3)
     with pytest.raises(StoreError, match="did not take put"):
         remote.put(one_batch())
+    with pytest.raises(StoreError, match="did not take put"):  # raised at once, not sent
+        remote.flush()
     sink.release.set()
-    with pytest.raises(StoreError, match="did not take put"):  # not sent: no answer came
+    failed = attrs.evolve(RUN_INFO, status=RunStatus.FAILED, error="lost")
+    with pytest.raises(StoreError, match="did not take put"):  # the first failure, after
+        remote.finish_run(failed, [])  # the finish was delivered
+    assert finished == [failed]
+    assert len(sink.batches) == 1  # the lost put, stored once
+    with pytest.raises(StoreError, match="did not take put"):
+        remote.close()
+
+
+def test_a_finish_after_a_lost_exchange_to_an_owner_still_stuck_gives_up(
+        held: tuple[_Held, SinkService], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.adapters.owner import _writes
+
+    monkeypatch.setattr(_writes, "AFTER_LOSS_TIMEOUT_S", 0.3)
+    sink, service = held
+    finished: list[RunInfo] = []
+    sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
+    remote = RemoteSink(service.address, timeout_s=0.3)
+    with pytest.raises(StoreError, match="did not take put"):
+        remote.put(one_batch())
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="did not take put"):
         remote.finish_run(attrs.evolve(RUN_INFO, status=RunStatus.FAILED), [])
-    RemoteSink(service.address, timeout_s=30).flush()  # the owner has answered the put
-    assert finished == []
+    assert time.monotonic() - started < 10  # bounded by AFTER_LOSS_TIMEOUT_S, not 300 s
+    assert finished == []  # the owner is still in the lost put
 
 
 def test_a_closed_remote_sink_takes_nothing(held: tuple[_Held, SinkService]) -> None:

@@ -82,6 +82,26 @@ def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) 
     assert healthy.failure is None
 
 
+def test_the_owner_opens_the_store_of_the_settings_it_is_handed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keywords win over ``DMX_*`` variables: ``dmx_null_mode=False`` and a store URL in a
+    shell that exported ``DMX_NULL_MODE=1`` capture into that store; the owner process
+    must not read the variable the keyword overrode (it refused to open the store)."""
+    monkeypatch.setenv("DMX_NULL_MODE", "1")
+    url = f"chdb://{tmp_path / 'store'}"
+    settings = Settings.from_kwargs({"dmx_null_mode": False, "dmx_db_url": url}).resolve(
+        model_path="/m/toy")
+    sink = open_capture_sink(settings)
+    try:
+        sink.start_run(RUN_INFO)
+        finish(sink)
+    finally:
+        sink.close()
+    run = ClickHouseReader(settings.store()).run(RUN)
+    assert run is not None
+    assert run.status is RunStatus.COMMITTED
+
+
 def _owner(tmp_path: Path, url: str, *,
            piped: bool = False) -> tuple[subprocess.Popen[bytes], bytes]:
     """An owner process started as :func:`open_owned_sink` starts one (``piped``: its

@@ -303,3 +303,38 @@ def test_handles_of_one_store_are_read_from_two_threads_at_once(
     for t in threads:
         t.join(120)
     assert not errors, errors[:3]
+
+
+def test_an_answer_in_hand_when_the_channel_closes_reaches_its_caller(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner closes its read channel (its parent is gone) right after answering: the
+    answer (an export's can be hundreds of MB) is written out before the socket closes,
+    not dropped so that its caller waits out its timeout."""
+    import contextlib
+    import threading
+
+    from dmi_sglang.adapters.owner import _service
+
+    monkeypatch.setattr(_service, "LATE_ANSWER_GRACE_S", 0.0)  # no grace to hide behind
+    tmp_path.chmod(0o700)
+    big = "x" * (64 << 20)
+
+    class Big:
+        @contextlib.contextmanager
+        def session(self) -> Iterator[Big]:
+            yield self
+
+        def runs(self) -> str:
+            return big
+
+    service = ReadService(Big(), f"ipc://{tmp_path}/reads")  # type: ignore[arg-type]
+    got: list[int] = []
+    caller = threading.Thread(target=lambda: got.append(
+        len(RemoteReader(service.address, timeout_s=20).runs())), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 20
+    while service.answered == 0 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    service.close()
+    caller.join(25)
+    assert got == [len(big)]

@@ -36,13 +36,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import structlog
 
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.settings import PREFIX as SETTINGS_PREFIX
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import channel_directory
 from dmi_sglang.errors import StoreError
@@ -192,6 +193,13 @@ def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float
             _remove_directory(directory)
 
 
+def _without_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without its ``DMX_*`` variables: the owner reads the settings it is
+    handed (:meth:`Settings.to_env`), never one of the parent's that a keyword overrode
+    (``to_env`` leaves unset values out, so such a variable would come back)."""
+    return {k: v for k, v in environ.items() if not k.startswith(SETTINGS_PREFIX)}
+
+
 def open_owned_sink(settings: Settings, read_address: str,
                     remote: Callable[[str], RecordSink]) -> OwnedSink:
     """Start a store owner for ``settings``' embedded store and return the sink that writes
@@ -215,7 +223,7 @@ def open_owned_sink(settings: Settings, read_address: str,
     try:
         process = subprocess.Popen(
             [*argv, "--ready-fd", str(ready_w)], stdin=subprocess.PIPE, pass_fds=(ready_w,),
-            env={**os.environ, **settings.to_env()})
+            env={**_without_settings(os.environ), **settings.to_env()})
     except BaseException:
         os.close(ready_r)
         os.close(ready_w)

@@ -133,6 +133,7 @@ class SocketService:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         answered_at = float("-inf")
+        last: Any = None  # the last answer's tracker: done once zmq has written it out
         try:
             while not self._closed.is_set():
                 try:
@@ -140,7 +141,8 @@ class SocketService:
                     if self._socket not in ready:
                         continue  # woken by close
                     frames = self._socket.recv_multipart(copy=False)
-                    self._socket.send_multipart(self._answer(frames), copy=False)
+                    last = self._socket.send_multipart(self._answer(frames), copy=False,
+                                                       track=True)
                     self.answered += 1
                     answered_at = time.monotonic()
                 except Exception as exc:  # one exchange lost; the channel goes on
@@ -151,6 +153,9 @@ class SocketService:
                     self._socket = self._bound(zmq)
                     poller.register(self._socket, zmq.POLLIN)
         finally:
+            if last is not None:  # a large answer (an export's) takes longer than the
+                with contextlib.suppress(Exception):  # grace to write out: wait for it
+                    last.wait(CLOSE_WAIT_S)
             left = answered_at + LATE_ANSWER_GRACE_S - time.monotonic()
             if left > 0:  # let the last answer reach its caller first
                 time.sleep(left)

@@ -20,8 +20,11 @@ Where it differs from a local sink: every call waits for its exchange, behind th
 ahead of it (of this process, and of the owner's other writers), so ``commit_requests``
 can wait while another writer's ``put`` is held by backpressure; a call the owner does not
 answer within :data:`WRITE_TIMEOUT_S` fails the remote sink for good (the owner may still
-store what it was given; no later call is sent, so the run, never finished, reads
-``interrupted``: none of it reads as complete).
+store what it was given). Only ``finish_run`` is still sent after that, on a new socket,
+waiting at most :data:`AFTER_LOSS_TIMEOUT_S`: an owner that got through the lost call
+records the run failed (a server's owner outlives the capture, and a run left running
+there would read live for as long as the server lives); one that did not answer leaves
+the run unfinished, ``interrupted`` once the owner is gone. None of it reads as complete.
 ``close`` ends this process's use only: the owner's sink stays open and its owner closes
 it. With several writers (the ranks of a tensor-parallel run) one of them starts and
 finishes the run and commits requests; the others put and flush only.
@@ -55,6 +58,8 @@ log = structlog.get_logger(__name__)
 WRITE_TIMEOUT_S = 300.0
 """Longest a remote sink call waits for the owner (a ``put`` waits while the owner's
 queue is full; a ``finish_run`` syncs the run's files)."""
+AFTER_LOSS_TIMEOUT_S = 30.0
+"""Longest the ``finish_run`` sent after a lost exchange waits (behind the lost call)."""
 
 
 
@@ -203,8 +208,8 @@ class RemoteSink:
         """The owner's sink flushes, syncs, and writes the manifests and the run's end.
 
         Sent also after the owner's sink reported a failure, with the run's status
-        failed (the owner records it so, as a local sink does); not after an exchange was
-        lost (no owner answered)."""
+        failed (the owner records it so, as a local sink does), and after a lost exchange
+        (on a new socket, waiting at most :data:`AFTER_LOSS_TIMEOUT_S`)."""
         failure = self._failure
         if failure is not None and run.status is RunStatus.COMMITTED:
             run = attrs.evolve(run, status=RunStatus.FAILED, error=run.error or str(failure))
@@ -228,21 +233,28 @@ class RemoteSink:
     def _call(self, header: dict[str, Any], frames: Sequence[Any] = (), *,
               past_failure: bool = False) -> None:
         """One exchange. After a failure every call raises it at once, except one made
-        ``past_failure`` while the owner still answers (its own sink failed); such a
-        call raises the first failure after its exchange."""
+        ``past_failure``, which is still sent (after a lost exchange on a new socket,
+        waiting at most :data:`AFTER_LOSS_TIMEOUT_S`) and raises the first failure after
+        its exchange."""
         with self._lock:
             earlier = self._failure
-            if earlier is not None and (not past_failure or self._lost):
+            if earlier is not None and not past_failure:
                 raise earlier
             if self._closed:
                 msg = f"the remote sink of {self.address} is closed"
                 raise StoreError(msg)
+            timeout_ms = self._timeout_ms
+            if self._lost:  # the old socket still waits for the lost answer: a new one,
+                timeout_ms = min(timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000))  # served
+                if self._socket is not None:  # after the lost call (one call at a time)
+                    self._socket.close()
+                    self._socket = None
             try:
                 if self._socket is None:
-                    self._socket = request_socket(self.address, self._timeout_ms, "writes")
+                    self._socket = request_socket(self.address, timeout_ms, "writes")
                 answer = json.loads(exchange(
                     self._socket, [json.dumps(header).encode(), *frames], address=self.address,
-                    timeout_ms=self._timeout_ms, channel="writes",
+                    timeout_ms=timeout_ms, channel="writes",
                     method=header["method"])[0].bytes)
             except StoreError as exc:
                 self._lost = True  # a lost exchange leaves the REQ socket unusable
