@@ -92,7 +92,9 @@ def _check_request(h: CaptureHandle, data: dict[str, torch.Tensor]) -> None:
         assert same_bits(hs[n], data[f"layer{n}"])
     assert same_bits(h.token_ids, data["token_ids"])
     assert same_bits(h.logits, data["logits"])
-    assert h.hidden_states[0] is hs[0]  # cached
+    again = h.hidden_states[0]  # read again: a tensor of its own, the same bits
+    assert again is not hs[0]
+    assert same_bits(again, hs[0])
 
 
 def test_token_range_readback(

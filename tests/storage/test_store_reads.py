@@ -330,11 +330,11 @@ def test_an_answer_in_hand_when_the_channel_closes_reaches_its_caller(
     service = ReadService(Big(), f"ipc://{tmp_path}/reads")  # type: ignore[arg-type]
     got: list[int] = []
     caller = threading.Thread(target=lambda: got.append(
-        len(RemoteReader(service.address, timeout_s=20).runs())), daemon=True)
+        len(RemoteReader(service.address, timeout_s=60).runs())), daemon=True)
     caller.start()
     deadline = time.monotonic() + 20
     while service.answered == 0 and time.monotonic() < deadline:
         time.sleep(0.0005)
     service.close()
-    caller.join(25)
+    caller.join(90)
     assert got == [len(big)]

@@ -1,8 +1,9 @@
 """A lazy per-request view of a capture: :class:`CaptureHandle` (any store backend).
 
 Free until used: the constructor does no I/O. Each access opens the store through the
-reader factory, reads and closes it; results are cached (a "not complete" verdict is
-not, so a handle made before the run stopped sees the committed data later).
+reader factory, reads and closes it; the run and the request's completeness are cached
+once read (a "not complete" verdict is not, so a handle made before the run stopped sees
+the committed data later), tensors never: each read returns tensors of its own.
 
 Incomplete captures: ``available`` is False and every data access raises
 :class:`~dmi_sglang.errors.IncompleteCaptureError` listing what is missing (``missing``
@@ -72,7 +73,7 @@ class CaptureHandle:
     selects the half-open range ``[start, end)`` within the hook's coverage.
     """
 
-    __slots__ = ("_factory", "_lock", "_partial", "_state", "_tensors", "request_id", "run_id")
+    __slots__ = ("_factory", "_lock", "_partial", "_state", "request_id", "run_id")
 
     def __init__(
         self, run_id: str, request_id: str, reader_factory: Callable[[], RecordReader], *,
@@ -84,7 +85,6 @@ class CaptureHandle:
         self._partial = partial
         self._lock = threading.RLock()
         self._state: tuple[RunInfo, RequestManifest] | None = None
-        self._tensors: dict[_Key, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"CaptureHandle(run_id={self.run_id!r}, request_id={self.request_id!r})"
@@ -188,42 +188,25 @@ class CaptureHandle:
         """
         if self._partial:
             return self._partial_get(hook, layer, start, end)
-        with self._lock:
-            if self._state is not None:  # cached: no I/O at all
-                key = self._key(hook, layer, start, end)
-                if key in self._tensors:
-                    return self._tensors[key].clone()  # a caller may change its own
-            with self._reader() as reader:
-                key = self._key(hook, layer, start, end, reader)
-                if key not in self._tensors and not key[2]:  # no rows: their shape only
-                    act, layer_no, _ = key
-                    layout = next((lay for lay in reader.extents(
-                        self.run_id, self.request_id).layouts
-                        if (lay.act_name, lay.layer_no) == (act, layer_no)), None)
-                    self._tensors[key] = empty_rows(layout, self._plan(act),
-                                                    f"{act} layer {layer_no}")
-                if key not in self._tensors:
-                    act, layer_no, kept = key
-                    recs = reader.records(
-                        self.run_id,
-                        self.request_id,
-                        act_name=act,
-                        layer_no=layer_no,
-                        start=kept.start,
-                        end=kept.stop,
-                    )
-                    self._tensors[key] = combined_rows(recs, kept, self._plan(act), act, layer_no)
-                return self._tensors[key].clone()
+        with self._lock, self._reader() as reader:
+            act, layer_no, kept = self._key(hook, layer, start, end, reader)
+            if not kept:  # no rows: their shape only
+                return self._no_rows(reader, act, layer_no, self._plan(act))
+            recs = reader.records(
+                self.run_id,
+                self.request_id,
+                act_name=act,
+                layer_no=layer_no,
+                start=kept.start,
+                end=kept.stop,
+            )
+            return combined_rows(recs, kept, self._plan(act), act, layer_no)
 
     @property
     def hidden_states(self) -> tuple[torch.Tensor, ...]:
         """``resid_pre`` of every layer: entry i = layer i's input = Hugging Face
         ``hidden_states[i]``; each ``[positions, hidden]``. Needs layers 0..L-1."""
         with self._lock:
-            if self._state is not None:
-                keys = self._resid_keys()
-                if all(k in self._tensors for k in keys):
-                    return tuple(self._tensors[k].clone() for k in keys)
             with self._reader() as reader:
                 self._complete(reader)
                 keys = self._resid_keys()
@@ -235,11 +218,8 @@ class CaptureHandle:
                     end=max(k[2].stop for k in keys),
                 )
             plan = self._plan("blocks.hook_resid_pre")
-            for act, layer_no, kept in keys:
-                mine = [r for r in recs if r.layer_no == layer_no]
-                self._tensors[(act, layer_no, kept)] = combined_rows(mine, kept, plan, act,
-                                                                     layer_no)
-            return tuple(self._tensors[k].clone() for k in keys)
+            return tuple(combined_rows([r for r in recs if r.layer_no == layer_no], kept,
+                                       plan, act, layer_no) for act, layer_no, kept in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
         """A per-layer hook of every layer, as a tuple indexed by layer (DMI's shape of a
@@ -357,9 +337,18 @@ class CaptureHandle:
                        f"[{kept.start}, {kept.stop})")
                 raise ValueError(msg)
             kept = narrowed(kept, lo, hi)
+            if not kept:
+                return self._no_rows(reader, act, layer_no, plan)
             recs = reader.records(self.run_id, self.request_id, act_name=act,
                                   layer_no=layer_no, start=kept.start, end=kept.stop)
             return combined_rows(recs, kept, plan, act, layer_no)
+
+    def _no_rows(self, reader: RecordReader, act: str, layer_no: int,
+                 plan: ShardPlan) -> torch.Tensor:
+        """No rows of one capture, shaped as its stored rows (:func:`empty_rows`)."""
+        layout = next((lay for lay in reader.extents(self.run_id, self.request_id).layouts
+                       if (lay.act_name, lay.layer_no) == (act, layer_no)), None)
+        return empty_rows(layout, plan, f"{act} layer {layer_no}")
 
     # -- internals -------------------------------------------------------------------
 

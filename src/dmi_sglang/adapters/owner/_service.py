@@ -24,8 +24,9 @@ _SEND_TIMEOUT_MS = 1000
 LATE_ANSWER_GRACE_S = 0.02
 """How long after its last answer a closing service keeps its socket: closed at once, it
 can lose that answer on its way (a caller with ``IMMEDIATE`` drops what a peer that
-vanished meanwhile sent), and the caller waits out its timeout. Only a close within this
-time of an answer waits (the rest of it)."""
+vanished meanwhile sent), and the caller waits out its timeout. A closing service first
+waits (up to :data:`CLOSE_WAIT_S`) until zmq wrote its last answer out, then for the rest
+of this time after it."""
 _WORDS = {"reads": ("answers reads", "answer", "reading"),
           "writes": ("takes writes", "take", "writing")}
 """Per channel, how its errors say it: no owner ``...`` at; did not ``...`` a call;
@@ -166,6 +167,7 @@ class SocketService:
         """A REP socket bound at the service's address (closed again if the bind fails)."""
         socket = zmq.Context.instance().socket(zmq.REP)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.copy_threshold = 0  # every answer frame tracked, a small last one too
         try:
             socket.bind(self.address)
         except zmq.ZMQError:

@@ -245,7 +245,7 @@ class RemoteSink:
                 raise StoreError(msg)
             timeout_ms = self._timeout_ms
             if self._lost:  # the old socket still waits for the lost answer: a new one,
-                timeout_ms = min(timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000))  # served
+                timeout_ms = int(AFTER_LOSS_TIMEOUT_S * 1000)  # served
                 if self._socket is not None:  # after the lost call (one call at a time)
                     self._socket.close()
                     self._socket = None

@@ -1,8 +1,9 @@
 """The server's read-back endpoints: runs, requests and one request's captures over HTTP.
 
 Mounted on SGLang's FastAPI app by the server's main process (``server.around_http_server``)
-before SGLang adds its API-key middleware, so they are protected exactly like the
-server's own API. Every answer comes from a :class:`~dmi_sglang.domain.ports.CaptureReads`
+before SGLang adds its API-key middleware, which covers them as admin endpoints (they
+serve every user's prompts and activations): with ``--admin-api-key`` they need that key,
+else ``--api-key``'s. Every answer comes from a :class:`~dmi_sglang.domain.ports.CaptureReads`
 (the composition root's: the embedded store is read through its owner, the scheduler).
 
 * ``GET /dmi/runs``: every run of the store;
