@@ -105,7 +105,8 @@ def serving_table(found: Found, docs: Path) -> str:
             # keep (their stock rates, say) as the result wrote it
             for made in summarize(d["units"]) if d.get("units") else list(stored.values()):
                 old = stored.get(made["mode"], {}) if made.get("status") == "passed" else {}
-                r = {k: old.get(k) if v is None else v for k, v in made.items()}
+                r = {k: old.get(k) if v is None and k != "ratio_spread" else v
+                     for k, v in made.items()}  # one unit's spread: none, not 0 %
                 if r.get("units"):
                     rows[(str(d["settings"]["model"]), str(r["mode"]))] = (path, d, r)
     if not rows:

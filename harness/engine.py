@@ -313,7 +313,8 @@ def parse_log_events(text: str, events: Iterable[str]) -> dict[str, Json]:
 def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     """Run one workload in waves; timings, counts and (when kept) outputs."""
     waves = max(int(wl.get("max_waves") or 1), 1)
-    repeat = float(wl.get("min_seconds") or 0.0) > 0 or waves > 1
+    repeat = bool(wl.get("named_waves")) or float(wl.get("min_seconds") or 0.0) > 0 \
+        or waves > 1
     res: Json = {"name": wl["name"], "timed": bool(wl.get("timed", True)), "waves": 0,
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
                  "hidden_state_values": 0, "outputs": []}

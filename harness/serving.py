@@ -184,7 +184,7 @@ def workloads(args: argparse.Namespace, mode: Mode | None) -> tuple[Workload, Wo
                     return_hidden_states=rhs, keep_outputs=False)
     main = Workload("main", n * (args.prompt_len,), n * (args.output_len,),
                     min_seconds=args.min_seconds, max_waves=timed_waves_at_most(args, mode),
-                    return_hidden_states=rhs)
+                    return_hidden_states=rhs, named_waves=True)  # as wave_rids names them
     return warm, main
 
 
@@ -361,7 +361,7 @@ def summarize(units: Sequence[Json]) -> list[Json]:
             "status": "passed" if mine and all(u["status"] == "passed" for u in mine)
             else "incomplete" if not mine else "failed",
             "ratio": ratio,
-            "ratio_spread": spread_of(ratios) if ratios else None,
+            "ratio_spread": spread_of(ratios) if len(ratios) > 1 else None,  # one: none
             "stock_spread": spread_of(stock) if stock else None,
             "bound": min(bounds) if bounds else None,
             "bound_share": share,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,8 +17,9 @@ from harness.models import ModelSpec
 class Workload:
     """One ``generate`` call of ``len(prompt_lens)`` greedy, ignore_eos requests.
 
-    With ``min_seconds`` > 0 the call is repeated in waves (request ids suffixed ``.wN``)
-    until it generated for that long or ran ``max_waves`` waves.
+    With ``min_seconds`` > 0 the call is repeated in waves (request ids suffixed ``.wN``,
+    as with ``named_waves`` or ``max_waves`` > 1) until it generated for that long or ran
+    ``max_waves`` waves.
     """
 
     name: str
@@ -30,6 +32,8 @@ class Workload:
     keep_outputs: bool = True
     ids_from: str = ""
     """Draw the prompt ids of this workload name instead (a warm-up of the same shapes)."""
+    named_waves: bool = False
+    """Suffix the request ids with their wave (``.w0``) even when one wave runs."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_lens) != len(self.output_lens) or not self.prompt_lens:
@@ -67,8 +71,30 @@ class Workload:
                                 for n in self.output_lens],
             "timed": self.timed, "min_seconds": self.min_seconds,
             "max_waves": self.max_waves, "return_hidden_states": self.return_hidden_states,
-            "keep_outputs": self.keep_outputs,
+            "keep_outputs": self.keep_outputs, "named_waves": self.named_waves,
         }
+
+
+def _extra_forwards(preset: str, model: ModelSpec, requests: Sequence[tuple[int, int]],
+                    rows: int, nbytes: int) -> int | None:
+    """How many requests' extra forwards add up to exactly ``rows`` rows and ``nbytes``
+    bytes; None when no whole number of each kind does. Requests are grouped by what
+    their extra forward adds (usually one kind; a position range can keep a short
+    warm-up request's extra forward and not a long one's): the sums reachable with whole
+    requests of each kind are walked, kind by kind, never past the target."""
+    kinds: collections.Counter[tuple[int, int]] = collections.Counter()
+    for (p, c), n in collections.Counter(requests).items():
+        without = expected_capture(preset, model, [(p, c, False)])
+        with_it = expected_capture(preset, model, [(p, c, True)])
+        kinds[(with_it.rows - without.rows, with_it.bytes - without.bytes)] += n
+    reach: dict[tuple[int, int], int] = {(0, 0): 0}  # (rows, bytes) -> requests
+    for (dr, db), n in kinds.items():
+        if (dr, db) == (0, 0):
+            continue
+        reach = {(r + k * dr, b + k * db): m + k
+                 for (r, b), m in reach.items() for k in range(n + 1)
+                 if r + k * dr <= rows and b + k * db <= nbytes}
+    return reach.get((rows, nbytes))
 
 
 def spread(n: int, lo: int, hi: int) -> tuple[int, ...]:
@@ -109,21 +135,16 @@ def check_transport_rows(stats: Mapping[str, Any], preset: str, model: ModelSpec
     """Capture without storage: do the transport's stop statistics account for every row?
 
     Each request may or may not have had the overlap scheduler's extra forward, so rows
-    handed to the sink must be ``base + k * extra`` for one whole ``k`` in
-    ``[0, len(requests)]``, and the bytes must agree with the same ``k``.
+    and bytes handed to the sink must be the requests' without it plus the extra forwards
+    of a whole number of requests of each shape (one count for rows and bytes alike);
+    ``requests_with_extra_forward`` is that number (of the requests whose extra forward
+    adds rows at all).
     """
     base = expected_capture(preset, model, ((p, c, False) for p, c in requests))
     full = expected_capture(preset, model, ((p, c, True) for p, c in requests))
-    n = len(requests)
-    per_rows = (full.rows - base.rows) // n if n else 0
-    per_bytes = (full.bytes - base.bytes) // n if n else 0
     rows, nbytes = int(stats.get("rows", -1)), int(stats.get("bytes", -1))
-    if per_rows:
-        k = (rows - base.rows) // per_rows
-        ok = (rows - base.rows) % per_rows == 0 and 0 <= k <= n
-    else:  # no token-row hook (logits only): no extra rows
-        k, ok = 0, rows == base.rows
-    ok = ok and nbytes == base.bytes + k * per_bytes  # no request captured: 0 rows, 0 bytes
+    k = _extra_forwards(preset, model, requests, rows - base.rows, nbytes - base.bytes)
+    ok = k is not None  # no request captured: 0 rows, 0 bytes
     return {"ok": ok, "rows": rows, "bytes": nbytes, "expected_rows_range": [base.rows,
             full.rows], "expected_bytes_range": [base.bytes, full.bytes],
             "requests_with_extra_forward": k if ok else None}

@@ -92,3 +92,33 @@ def test_serving_kills_the_engines_an_interrupted_invocation_left(
         if group_alive(left.proc.pid):
             os.killpg(left.proc.pid, signal.SIGKILL)
         left.proc.wait(10)
+
+
+def test_one_engine_has_no_spread_of_ratios() -> None:
+    """One unit measures no spread: the summary (and the docs table) says none, not
+    0.0 %, which reads as perfectly repeatable."""
+    (one,) = summarize([_unit("passed", 0.9)])
+    assert one["units"] == 1
+    assert one["ratio_spread"] is None
+    (two,) = summarize([_unit("passed", 0.9), _unit("passed", 0.99)])
+    assert abs(two["ratio_spread"] - (0.99 / 0.9 - 1)) < 1e-9  # max / min - 1
+
+
+def test_a_complete_position_range_capture_is_accounted_for() -> None:
+    """The reference workload's warm-up requests (32 + 8 tokens) have their extra forward
+    (position 39) inside positions(0-63), the timed ones (256 + 128: position 383) not:
+    the extra forwards add rows to some requests only, and a complete capture passes."""
+    from harness.models import MODELS
+    from harness.workloads import check_transport_rows, expected_capture
+
+    model, preset = MODELS["0.6b"], "resid_pre:positions(0-63)"
+    requests = [(32, 8)] * 64 + [(256, 128)] * 64 * 66
+    for extra in (True, False):
+        got = expected_capture(preset, model, [(p, c, extra) for p, c in requests])
+        check = check_transport_rows({"rows": got.rows, "bytes": got.bytes}, preset, model,
+                                     requests)
+        assert check["ok"], check
+        assert check["requests_with_extra_forward"] == (64 if extra else 0)
+        short = check_transport_rows({"rows": got.rows - 1, "bytes": got.bytes}, preset,
+                                     model, requests)
+        assert not short["ok"]

@@ -230,6 +230,21 @@ def test_a_stored_cell_stops_once_its_waves_captured_the_cap(
     assert transport_unit["figures"]["waves"] > 3  # ran its second
 
 
+def test_a_stored_cell_capped_at_one_wave_names_and_checks_it_as_a_wave(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One wave reaches the cap and ``--min-seconds 0``: its request ids still carry the
+    wave (``.w0``), as the checks look for them."""
+    args = argparse.Namespace(model="0.6b", batch=4, prompt_len=8, output_len=4, env={},
+                              engine_class=FAKE, min_seconds=0.0)
+    monkeypatch.setattr(serving, "STORED_CELL_CAPTURE_BYTES",
+                        0.5 * serving.wave_bytes(args, "hidden-states"))
+    code, data = serve(tmp_path, "store:hidden-states", repeats=1, batch=4, prompt=8,
+                       output=4, min_seconds=0.0)
+    unit = data["units"][0]
+    assert code == 0, unit["checks"]
+    assert unit["figures"]["waves"] == 1
+
+
 @pytest.mark.parametrize("share", ["1", "0.4", "0.25", "0.65"])
 def test_a_capped_cell_stops_at_the_first_wave_that_reaches_the_cap(share: str) -> None:
     """The cap counts the requests the sample keeps (by their ids, as the checks count
