@@ -226,11 +226,7 @@ def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
     :data:`SUGGEST_COMPUTE_SLOWDOWN`, as ``DMX_*=V`` words (``""``: the defaults, one
     whole copy); ``None`` when no variant did. ``rows`` are the variants' rows (the idle
     row left out), ``intact`` their checks, in order."""
-    good = [r for r, ok in zip(rows, intact, strict=True)
-            if ok and r["bulk_gbps"] and r["p99_us"] is not None
-            and r["p99_us"] < SUGGEST_P99_US
-            and (idle_compute_us is None
-                 or r["compute_p50_us"] <= SUGGEST_COMPUTE_SLOWDOWN * idle_compute_us)]
+    good = _qualifying(rows, intact, idle_compute_us)[-1]
     if not good:
         return None
     best = max(r["bulk_gbps"] for r in good)
@@ -246,19 +242,31 @@ def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
     return " ".join(words)
 
 
+def _qualifying(rows: Sequence[Json], intact: Sequence[bool],
+                idle_compute_us: float | None) -> list[list[Json]]:
+    """The variants left after each test :func:`suggested_env` applies, in order: every
+    byte brought; the small copy's p99 under :data:`SUGGEST_P99_US`; (given the idle
+    row's ``idle_compute_us``) the matmul slowed by at most
+    :data:`SUGGEST_COMPUTE_SLOWDOWN`."""
+    stages = [[r for r, ok in zip(rows, intact, strict=True) if ok and r["bulk_gbps"]]]
+    stages.append([r for r in stages[-1]
+                   if r["p99_us"] is not None and r["p99_us"] < SUGGEST_P99_US])
+    if idle_compute_us is not None:
+        stages.append([r for r in stages[-1]
+                       if r["compute_p50_us"] <= SUGGEST_COMPUTE_SLOWDOWN * idle_compute_us])
+    return stages
+
+
 def no_suggestion_reason(rows: Sequence[Json], intact: Sequence[bool],
                          idle_compute_us: float | None = None) -> str:
     """Why :func:`suggested_env` found no variant (same arguments): each test it applies,
     with the number of variants that passed it and those before it."""
-    kept = [r for r, ok in zip(rows, intact, strict=True) if ok and r["bulk_gbps"]]
-    words = [f"{len(kept)} of {len(rows)} variants brought every byte"]
-    kept = [r for r in kept if r["p99_us"] is not None and r["p99_us"] < SUGGEST_P99_US]
-    words.append(f"{len(kept)} of them kept the small copy under {SUGGEST_P99_US:,.0f} µs "
-                 "at p99")
+    stages = _qualifying(rows, intact, idle_compute_us)
+    words = [f"{len(stages[0])} of {len(rows)} variants brought every byte",
+             f"{len(stages[1])} of them kept the small copy under {SUGGEST_P99_US:,.0f} µs "
+             "at p99"]
     if idle_compute_us is not None:
-        kept = [r for r in kept
-                if r["compute_p50_us"] <= SUGGEST_COMPUTE_SLOWDOWN * idle_compute_us]
-        words.append(f"{len(kept)} of those slowed the matmul beside it by at most "
+        words.append(f"{len(stages[2])} of those slowed the matmul beside it by at most "
                      f"{SUGGEST_COMPUTE_SLOWDOWN:g}x its idle {idle_compute_us:,.0f} µs")
     return "; ".join(words)
 

@@ -163,17 +163,25 @@ def test_after_the_owners_sink_failed_the_runs_failure_still_reaches_it(
         remote.close()
 
 
-def test_after_a_lost_exchange_only_the_failed_finish_is_sent(
-        held: tuple[_Held, SinkService]) -> None:
-    """A server's owner outlives the capture: once it got through the call whose answer
-    was lost, it records the run failed (else the run would read running, live, for as
-    long as the server lives). Nothing else is sent after the loss."""
+def _lost_put(held: tuple[_Held, SinkService]) -> tuple[RemoteSink, list[RunInfo]]:
+    """A remote sink whose put's answer was lost (the owner's sink holds it), and the
+    runs the owner's sink will be asked to finish."""
     sink, service = held
     finished: list[RunInfo] = []
     sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
     remote = RemoteSink(service.address, timeout_s=0.3)
     with pytest.raises(StoreError, match="did not take put"):
         remote.put(one_batch())
+    return remote, finished
+
+
+def test_after_a_lost_exchange_only_the_failed_finish_is_sent(
+        held: tuple[_Held, SinkService]) -> None:
+    """A server's owner outlives the capture: once it got through the call whose answer
+    was lost, it records the run failed (else the run would read running, live, for as
+    long as the server lives). Nothing else is sent after the loss."""
+    sink, _ = held
+    remote, finished = _lost_put(held)
     with pytest.raises(StoreError, match="did not take put"):  # raised at once, not sent
         remote.flush()
     sink.release.set()
@@ -191,12 +199,7 @@ def test_a_finish_after_a_lost_exchange_to_an_owner_still_stuck_gives_up(
     from dmi_sglang.adapters.owner import _writes
 
     monkeypatch.setattr(_writes, "AFTER_LOSS_TIMEOUT_S", 0.3)
-    sink, service = held
-    finished: list[RunInfo] = []
-    sink.finish_run = lambda run, manifests: finished.append(run)  # type: ignore[method-assign]
-    remote = RemoteSink(service.address, timeout_s=0.3)
-    with pytest.raises(StoreError, match="did not take put"):
-        remote.put(one_batch())
+    remote, finished = _lost_put(held)
     started = time.monotonic()
     with pytest.raises(StoreError, match="did not take put"):
         remote.finish_run(attrs.evolve(RUN_INFO, status=RunStatus.FAILED), [])

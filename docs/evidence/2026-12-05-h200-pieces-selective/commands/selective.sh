@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call 3 of this lease (run as written): issue 16's stored cells and issue 15's stored
+# Call 3 of this lease as a script (the call ran serve.sh with these modes): issue 16's stored cells and issue 15's stored
 # hidden-states on the reference workload, with the drain's defaults. A second call resumes.
 #   bash docs/evidence/2026-12-05-h200-pieces-selective/commands/selective.sh
 set -o pipefail
