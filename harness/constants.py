@@ -31,6 +31,11 @@ SHUTDOWN_GRACE_S = 120.0
 """How long a shutting-down engine may take before its process group is killed (a grace
 for cleanup, not a limit on the work: the work is bounded by the deadline alone)."""
 
+THREADS_REPORTED = 8
+"""Threads of an engine's processes reported per timed run, the busiest first
+(``figures.threads`` of a serving unit: how the CPU time was spent, stock against
+monitored)."""
+
 ENGINE_OVERHEAD_S = 20.0
 """Process start, imports and shutdown per engine, beyond SGLang's own startup (estimate)."""
 STORE_INGEST_BPS = 300e6

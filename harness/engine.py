@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.constants import SHUTDOWN_GRACE_S, TRITON_CACHE_DIR
+from harness.constants import SHUTDOWN_GRACE_S, THREADS_REPORTED, TRITON_CACHE_DIR
 from harness.results import REPO, Json
 
 STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed")
@@ -194,6 +194,59 @@ def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
     return found
 
 
+def group_threads(pgid: int, proc: Path = Path("/proc")) -> dict[str, tuple[float, int, int]]:
+    """Every thread of process group ``pgid`` so far: ``(CPU seconds, voluntary context
+    switches, involuntary ones)`` keyed ``"NAME PID/TID"`` (``NAME`` as in
+    :func:`group_cpu`; a process's main thread has ``TID == PID``). A thread that waits
+    for a lock (Python's GIL, say) gives up its core voluntarily; one preempted while
+    runnable, involuntarily. Empty where ``/proc`` is not there."""
+    found: dict[str, tuple[float, int, int]] = {}
+    for key in group_cpu(pgid, proc):
+        name, _, pid = key.rpartition(" ")
+        try:
+            tasks = [t for t in (proc / pid / "task").iterdir() if t.name.isdigit()]
+        except OSError:
+            continue
+        for task in tasks:
+            stat = _stat(task)
+            switches = _switches(task)
+            if stat is not None and switches is not None:
+                found[f"{name} {pid}/{task.name}"] = (_cpu_seconds(stat[1]), *switches)
+    return found
+
+
+def _switches(task: Path) -> tuple[int, int] | None:
+    """A thread's ``voluntary_ctxt_switches`` and ``nonvoluntary_ctxt_switches``."""
+    try:
+        lines = task.joinpath("status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.partition(":")[::2] for line in lines)
+    try:
+        return (int(fields["voluntary_ctxt_switches"]),
+                int(fields["nonvoluntary_ctxt_switches"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def threads_between(before: Mapping[str, tuple[float, int, int]],
+                    after: Mapping[str, tuple[float, int, int]],
+                    top: int = THREADS_REPORTED) -> list[Json]:
+    """The ``top`` threads by CPU seconds used between two :func:`group_threads`
+    readings (a thread that started in between counts from zero), each with its
+    context switches in that time."""
+    rows: list[Json] = []
+    for key, (cpu, vol, invol) in after.items():
+        was = before.get(key, (0.0, 0, 0))
+        name, _, ids = key.rpartition(" ")
+        pid, _, tid = ids.partition("/")
+        rows.append({"process": name, "pid": int(pid), "tid": int(tid), "main": pid == tid,
+                     "cpu_s": round(cpu - was[0], 2), "voluntary": vol - was[1],
+                     "involuntary": invol - was[2]})
+    rows.sort(key=lambda r: -r["cpu_s"])
+    return rows[:top]
+
+
 def process_cpu(pid: int, proc: Path = Path("/proc")) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far (0 when it is gone or
     ``/proc`` is not there)."""
@@ -318,6 +371,7 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     res: Json = {"name": wl["name"], "timed": bool(wl.get("timed", True)), "waves": 0,
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
                  "hidden_state_values": 0, "outputs": []}
+    threads = group_threads(os.getpgid(0))
     while True:
         rids = wl["rids"] if not repeat else [f"{r}.w{res['waves']}" for r in wl["rids"]]
         args: Json = {"sampling_params": wl["sampling_params"], "rid": rids}
@@ -345,6 +399,7 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
                     "completion_tokens": meta["completion_tokens"], "text": out.get("text"),
                     "num_retractions": meta.get("num_retractions")})
         if res["waves"] >= waves or res["seconds"] >= float(wl.get("min_seconds") or 0.0):
+            res["threads"] = threads_between(threads, group_threads(os.getpgid(0)))
             return res
 
 

@@ -318,6 +318,9 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
                                    "captured": len(captured)},
                       "wave_seconds": {"measured": main["wave_seconds"], **{
                           k: [w["wave_seconds"] for w in unit[k] if w["name"] == "main"]
+                          for k in ("stock_before", "stock_after")}},
+                      "threads": {"measured": main.get("threads"), **{
+                          k: [w.get("threads") for w in unit[k] if w["name"] == "main"]
                           for k in ("stock_before", "stock_after")}}}
     if mode.preset:
         out["bound"] = bound(

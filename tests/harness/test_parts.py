@@ -19,7 +19,13 @@ from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, R
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness import checks, docs
 from harness.bounds import bound, directory_bytes, measure_disk_bps
-from harness.engine import cpu_between, group_cpu, parse_log_events
+from harness.engine import (
+    cpu_between,
+    group_cpu,
+    group_threads,
+    parse_log_events,
+    threads_between,
+)
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
 
@@ -311,6 +317,65 @@ def test_group_cpu_reads_the_groups_processes_and_names_with_blanks(tmp_path: Pa
                                       "python3 12": 2.0}
     assert group_cpu(9, tmp_path) == {}
     assert group_cpu(7, tmp_path / "absent") == {}
+
+
+def _status(voluntary: int, involuntary: int) -> str:
+    return (f"Name:\tpython\nState:\tS (sleeping)\nvoluntary_ctxt_switches:\t{voluntary}\n"
+            f"nonvoluntary_ctxt_switches:\t{involuntary}\n")
+
+
+def test_group_threads_reads_each_thread_of_the_groups_processes(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid, pgrp, tasks in [(10, 7, [(10, 3, 5, 1), (12, 2, 900, 4)]),
+                             (11, 8, [(11, 50, 0, 0)])]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat_line(pid, "sched", pgrp, ticks, 0))
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"sglang::scheduler_TP0\0")
+        for tid, cpu, vol, invol in tasks:
+            task = tmp_path / str(pid) / "task" / str(tid)
+            task.mkdir(parents=True)
+            task.joinpath("stat").write_text(_stat_line(tid, "sched", pgrp, cpu * ticks, 0))
+            task.joinpath("status").write_text(_status(vol, invol))
+    (tmp_path / "10" / "task" / "13").mkdir()  # a thread that ended meanwhile
+    assert group_threads(7, tmp_path) == {"sglang::scheduler_TP0 10/10": (3.0, 5, 1),
+                                          "sglang::scheduler_TP0 10/12": (2.0, 900, 4)}
+    assert group_threads(7, tmp_path / "absent") == {}
+
+
+def test_threads_between_reports_the_busiest_threads_from_zero_when_new() -> None:
+    before = {"sched 10/10": (3.0, 5, 1), "sched 10/12": (2.0, 900, 4)}
+    after = {"sched 10/10": (7.5, 25, 3), "sched 10/12": (2.25, 1900, 4),
+             "detok 20/20": (0.5, 3, 0), "sched 10/14": (1.0, 10, 2)}
+    assert threads_between(before, after, top=3) == [
+        {"process": "sched", "pid": 10, "tid": 10, "main": True, "cpu_s": 4.5,
+         "voluntary": 20, "involuntary": 2},
+        {"process": "sched", "pid": 10, "tid": 14, "main": False, "cpu_s": 1.0,
+         "voluntary": 10, "involuntary": 2},
+        {"process": "detok", "pid": 20, "tid": 20, "main": True, "cpu_s": 0.5,
+         "voluntary": 3, "involuntary": 0}]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+def test_group_threads_sees_a_busy_thread_of_a_child() -> None:
+    code = ("import threading, time\n"
+            "def burn():\n t=time.thread_time()\n while time.thread_time()-t<0.5: pass\n"
+            "threading.Thread(target=burn).start()\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        spent: dict[str, tuple[float, int, int]] = {}
+        while time.monotonic() < deadline:
+            spent = group_threads(child.pid)
+            if any(cpu >= 0.3 for cpu, _, _ in spent.values()):
+                break
+            time.sleep(0.1)
+        busy = [k for k, (cpu, _, _) in spent.items() if cpu >= 0.3]
+        assert len(busy) == 1
+        assert busy[0].split()[-1].startswith(f"{child.pid}/")
+        assert busy[0].split()[-1] != f"{child.pid}/{child.pid}"  # not the main thread
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:

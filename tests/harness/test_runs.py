@@ -119,6 +119,12 @@ def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
     assert row["ratio_spread"] is not None
     assert data["units"][0]["bound"]["kind"] == "d2h"
     assert data["units"][0]["checks"]["rows_accounted"]["ok"]
+    threads = data["units"][0]["figures"]["threads"]  # each engine child's own threads
+    assert len(threads["stock_before"]) == len(threads["stock_after"]) == 1
+    for run in (threads["measured"], *threads["stock_before"], *threads["stock_after"]):
+        assert run
+        assert any(t["main"] for t in run)
+        assert all(t["cpu_s"] >= 0 and t["voluntary"] >= 0 for t in run)
 
 
 def test_a_sampled_store_run_is_checked_against_the_requests_it_captured(
