@@ -31,6 +31,10 @@ SHUTDOWN_GRACE_S = 120.0
 """How long a shutting-down engine may take before its process group is killed (a grace
 for cleanup, not a limit on the work: the work is bounded by the deadline alone)."""
 
+GPU_BUSY_PERIOD_S = 0.1
+"""How often a timed run reads the GPU's utilization (``figures.gpu_busy`` of a serving
+unit)."""
+
 THREADS_REPORTED = 8
 """Threads of an engine's processes reported per timed run, the busiest first
 (``figures.threads`` of a serving unit: how the CPU time was spent, stock against

@@ -32,13 +32,19 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.constants import SHUTDOWN_GRACE_S, THREADS_REPORTED, TRITON_CACHE_DIR
+from harness.constants import (
+    GPU_BUSY_PERIOD_S,
+    SHUTDOWN_GRACE_S,
+    THREADS_REPORTED,
+    TRITON_CACHE_DIR,
+)
 from harness.results import REPO, Json
 
 STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed")
@@ -162,6 +168,66 @@ class EngineProcess:
             return ""
         tail = self.log.read_text(errors="replace").splitlines()[-lines:]
         return "\n--- log tail " + str(self.log) + "\n" + "\n".join(tail)
+
+
+class GpuBusy:
+    """The share of time the GPU ran a kernel while a ``with`` block ran: NVML's
+    utilization (each reading: the share of the driver's last sample period, a sixth of
+    a second to a second, in which a kernel ran), read every ``period_s`` on a thread of
+    its own and averaged. An engine whose scheduler thread cannot keep the GPU fed
+    shows it here (stock SGLang at batch 64 on a small model, say). ``read`` returns one
+    reading in percent; None (the default) reads the first visible GPU through NVML,
+    and :attr:`summary` is None where NVML is not there (no GPU, no ``pynvml``)."""
+
+    def __init__(self, period_s: float = GPU_BUSY_PERIOD_S,
+                 read: Callable[[], float] | None = None) -> None:
+        self._period = period_s
+        self._read = read if read is not None else _nvml_reader()
+        self._readings: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-busy", daemon=True)
+
+    def __enter__(self) -> GpuBusy:
+        if self._read is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        assert self._read is not None
+        while not self._stop.wait(self._period):
+            try:
+                self._readings.append(float(self._read()))
+            except Exception:  # a reading that failed is not a reading
+                continue
+
+    @property
+    def summary(self) -> Json | None:
+        """``{"mean_pct", "readings"}``, or None without readings."""
+        if not self._readings:
+            return None
+        return {"mean_pct": round(sum(self._readings) / len(self._readings), 1),
+                "readings": len(self._readings)}
+
+
+def _nvml_reader() -> Callable[[], float] | None:
+    """NVML's GPU utilization of the first visible device, or None without NVML."""
+    try:
+        pynvml: Any = importlib.import_module("pynvml")  # SGLang's dependency on a GPU host
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+    except Exception:  # no pynvml, no driver, no device: not measured
+        return None
+
+    def read() -> float:
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+    return read
 
 
 def group_alive(pgid: int) -> bool:
@@ -364,7 +430,9 @@ def parse_log_events(text: str, events: Iterable[str]) -> dict[str, Json]:
 
 # -- the child ---------------------------------------------------------------------------------
 def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
-    """Run one workload in waves; timings, counts and (when kept) outputs."""
+    """Run one workload in waves; timings, counts and (when kept) outputs, with the
+    engine processes' busiest threads (:func:`threads_between`) and the GPU's busy share
+    (:class:`GpuBusy`) over the waves."""
     waves = max(int(wl.get("max_waves") or 1), 1)
     repeat = bool(wl.get("named_waves")) or float(wl.get("min_seconds") or 0.0) > 0 \
         or waves > 1
@@ -372,6 +440,15 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
                  "hidden_state_values": 0, "outputs": []}
     threads = group_threads(os.getpgid(0))
+    with GpuBusy() as busy:
+        _waves(engine, wl, res, waves, repeat)
+    res["threads"] = threads_between(threads, group_threads(os.getpgid(0)))
+    res["gpu_busy"] = busy.summary
+    return res
+
+
+def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bool) -> None:
+    """The workload's waves into ``res``, until ``max_waves`` or ``min_seconds``."""
     while True:
         rids = wl["rids"] if not repeat else [f"{r}.w{res['waves']}" for r in wl["rids"]]
         args: Json = {"sampling_params": wl["sampling_params"], "rid": rids}
@@ -399,8 +476,7 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
                     "completion_tokens": meta["completion_tokens"], "text": out.get("text"),
                     "num_retractions": meta.get("num_retractions")})
         if res["waves"] >= waves or res["seconds"] >= float(wl.get("min_seconds") or 0.0):
-            res["threads"] = threads_between(threads, group_threads(os.getpgid(0)))
-            return res
+            return
 
 
 PROFILE_WAIT_S = 300.0

@@ -319,9 +319,10 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
                       "wave_seconds": {"measured": main["wave_seconds"], **{
                           k: [w["wave_seconds"] for w in unit[k] if w["name"] == "main"]
                           for k in ("stock_before", "stock_after")}},
-                      "threads": {"measured": main.get("threads"), **{
-                          k: [w.get("threads") for w in unit[k] if w["name"] == "main"]
-                          for k in ("stock_before", "stock_after")}}}
+                      **{figure: {"measured": main.get(figure), **{
+                          k: [w.get(figure) for w in unit[k] if w["name"] == "main"]
+                          for k in ("stock_before", "stock_after")}}
+                         for figure in ("threads", "gpu_busy")}}
     if mode.preset:
         out["bound"] = bound(
             captured_bytes_per_token=per_token, stock_tok_s=tput["stock_tok_s"],

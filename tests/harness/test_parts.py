@@ -20,6 +20,7 @@ from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness import checks, docs
 from harness.bounds import bound, directory_bytes, measure_disk_bps
 from harness.engine import (
+    GpuBusy,
     cpu_between,
     group_cpu,
     group_threads,
@@ -376,6 +377,37 @@ def test_group_threads_sees_a_busy_thread_of_a_child() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_gpu_busy_averages_the_readings_taken_while_the_block_ran() -> None:
+    values = iter([80.0, 60.0, 100.0, 40.0] + [70.0] * 10_000)
+    calls: list[int] = []
+    returned: list[float] = []
+
+    def read() -> float:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("NVML hiccup")  # a failed reading is not a reading
+        returned.append(next(values))
+        return returned[-1]
+
+    with GpuBusy(period_s=0.001, read=read) as busy:
+        deadline = time.monotonic() + 10
+        while len(returned) < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    taken = list(returned)  # the thread has stopped: nothing more is read
+    time.sleep(0.01)
+    assert returned == taken
+    assert len(calls) == len(taken) + 1
+    assert busy.summary == {"mean_pct": round(sum(taken) / len(taken), 1),
+                            "readings": len(taken)}
+    assert taken[:4] == [80.0, 60.0, 100.0, 40.0]
+
+
+def test_gpu_busy_without_readings_is_not_measured() -> None:
+    with GpuBusy(period_s=60, read=lambda: 50.0) as slow:
+        pass  # stopped before its first reading
+    assert slow.summary is None
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:

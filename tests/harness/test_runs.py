@@ -125,6 +125,8 @@ def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
         assert run
         assert any(t["main"] for t in run)
         assert all(t["cpu_s"] >= 0 and t["voluntary"] >= 0 for t in run)
+    busy = data["units"][0]["figures"]["gpu_busy"]  # None where NVML is not there
+    assert set(busy) == {"measured", "stock_before", "stock_after"}
 
 
 def test_a_sampled_store_run_is_checked_against_the_requests_it_captured(
