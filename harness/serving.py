@@ -331,6 +331,43 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     return out
 
 
+SCHEDULER_PROCESS = "sglang::scheduler"
+"""How the name of SGLang's scheduler process starts (its process title)."""
+
+
+def scheduler_use(threads: Sequence[Json] | None, busy: Json | None, waves: int) -> Json:
+    """One timed run's use of the host and the GPU, per wave: the scheduler process's
+    main thread (CPU seconds, voluntary context switches: waits for a lock such as the
+    GIL) and its other threads together, and the GPU's busy share."""
+    sched = [t for t in threads or [] if str(t["process"]).startswith(SCHEDULER_PROCESS)]
+    main = [t for t in sched if t["main"]]
+    n = max(waves, 1)
+    return {"main_cpu_s": sum(t["cpu_s"] for t in main) / n if main else None,
+            "main_voluntary": sum(t["voluntary"] for t in main) / n if main else None,
+            "others_cpu_s": sum(t["cpu_s"] for t in sched if not t["main"]) / n,
+            "gpu_busy_pct": (busy or {}).get("mean_pct")}
+
+
+def use_line(figures: Json) -> str:
+    """A unit's :func:`scheduler_use`, monitored against the stock runs around it."""
+    threads, busy, waves = (figures.get(k) or {} for k in
+                            ("threads", "gpu_busy", "wave_seconds"))
+    sides = [("monitored", scheduler_use(threads.get("measured"), busy.get("measured"),
+                                         len(waves.get("measured") or [])))]
+    for side in ("stock_before", "stock_after"):
+        for t, b, w in zip(threads.get(side) or [], busy.get(side) or [],
+                           waves.get(side) or [], strict=False):
+            sides.append((side.replace("_", " "), scheduler_use(t, b, len(w))))
+
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    return "; ".join(f"{name}: scheduler {f(u['main_cpu_s'], '.3f')} s CPU "
+                     f"({f(u['main_voluntary'], '.0f')} waits), others "
+                     f"{f(u['others_cpu_s'], '.3f')} s, GPU {f(u['gpu_busy_pct'], '.0f')} %"
+                     for name, u in sides) + " (per wave)"
+
+
 def cell(mode: str, env: Json | None) -> str:
     """A measured cell's name: the mode, and the settings it ran with (``--env`` and the
     mode's own) (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
@@ -479,6 +516,8 @@ class ServingRun:
                 for mode in self.args.mode_list:
                     units.append(self.unit(mode, rep))
                     print(f"[serving] {units[-1]['name']}: {units[-1]['status']}", flush=True)
+                    if units[-1].get("figures") and not units[-1].get("reused"):
+                        print(f"[serving]   {use_line(units[-1]['figures'])}", flush=True)
         finally:
             self.bracket.close()
         rows = summarize(units)

@@ -29,6 +29,7 @@ from harness.engine import (
 )
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
+from harness.serving import scheduler_use, use_line
 
 RUN = "harness-run"
 RESID = "blocks.hook_resid_pre"
@@ -408,6 +409,36 @@ def test_gpu_busy_without_readings_is_not_measured() -> None:
     with GpuBusy(period_s=60, read=lambda: 50.0) as slow:
         pass  # stopped before its first reading
     assert slow.summary is None
+
+
+def _thread(process: str, tid: int, *, main: bool, cpu: float, vol: int) -> dict[str, Any]:
+    return {"process": process, "pid": 10, "tid": tid, "main": main, "cpu_s": cpu,
+            "voluntary": vol, "involuntary": 0}
+
+
+def test_scheduler_use_is_the_scheduler_process_per_wave() -> None:
+    threads = [_thread("sglang::scheduler_TP0", 10, main=True, cpu=8.0, vol=400),
+               _thread("sglang::scheduler_TP0", 11, main=False, cpu=1.0, vol=5),
+               _thread("sglang::scheduler_TP0", 12, main=False, cpu=0.5, vol=5),
+               _thread("python3", 20, main=True, cpu=3.0, vol=9)]  # the engine's process
+    use = scheduler_use(threads, {"mean_pct": 81.5, "readings": 300}, 20)
+    assert use == {"main_cpu_s": 0.4, "main_voluntary": 20.0, "others_cpu_s": 0.075,
+                   "gpu_busy_pct": 81.5}
+    assert scheduler_use(None, None, 0) == {"main_cpu_s": None, "main_voluntary": None,
+                                            "others_cpu_s": 0.0, "gpu_busy_pct": None}
+
+
+def test_use_line_sets_the_monitored_run_beside_each_stock_run() -> None:
+    sched = [_thread("sglang::scheduler_TP0", 10, main=True, cpu=4.0, vol=100)]
+    figures = {"threads": {"measured": sched, "stock_before": [sched], "stock_after": [[]]},
+               "gpu_busy": {"measured": {"mean_pct": 70.0}, "stock_before": [None],
+                            "stock_after": [{"mean_pct": 90.0}]},
+               "wave_seconds": {"measured": [0.4] * 10, "stock_before": [[0.4] * 8],
+                                "stock_after": [[0.4] * 8]}}
+    line = use_line(figures)
+    assert line.startswith("monitored: scheduler 0.400 s CPU (10 waits), others 0.000 s, "
+                           "GPU 70 %; stock before: scheduler 0.500 s CPU (12 waits)")
+    assert "stock after: scheduler - s CPU (- waits), others 0.000 s, GPU 90 %" in line
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:
