@@ -133,7 +133,9 @@ def narrowed(kept: range, start: int | None, end: int | None) -> range:
     """The positions of ``kept`` in ``[start, end)`` (None: no bound on that side)."""
     lo = 0 if start is None else max(0, -(-(start - kept.start) // kept.step))
     hi = len(kept) if end is None else max(0, -(-(end - kept.start) // kept.step))
-    return kept[lo:hi]
+    out = kept[lo:hi]  # a slice of a stepped range ends on a whole step, maybe past both
+    limit = kept.stop if end is None else min(kept.stop, max(end, kept.start))
+    return range(out.start, max(out.start, min(out.stop, limit)), out.step)
 
 
 def covered_prefix(spans: Sequence[tuple[int, int]], first: int, step: int) -> range:

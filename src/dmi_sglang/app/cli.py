@@ -143,8 +143,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _logs_to_stderr() -> None:
+    """Log lines go to standard error, which they share with the commands' errors:
+    standard output carries a command's data (an export's bytes with ``--out -``, a
+    listing). A caller's own structlog configuration is kept; clickhouse-connect's own
+    warnings (an unreachable server) are left out: the command's error says it once."""
+    import logging
+
+    import structlog
+
+    if not structlog.is_configured():  # the stream is looked up per line (it may change)
+        structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
+    logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmi-sglang`` command."""
+    _logs_to_stderr()
     args, extra = _parser().parse_known_args(argv)
     if extra and args.command not in ("capture", "serve"):
         print(f"dmi-sglang {args.command}: unknown arguments {' '.join(extra)}",

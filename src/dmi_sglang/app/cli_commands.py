@@ -99,9 +99,11 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
 
 
 def _tensors(store: StoreConfig, run_id: str, request_id: str,
-             partial: bool = False) -> Iterator[tuple[str, range, Any]]:
-    """``(name, positions, tensor)`` of every capture of a request, in the run's capture
-    order. ``partial``: what was stored, each hook up to its first missing position."""
+             partial: bool = False) -> Iterator[tuple[str, str, range, Any]]:
+    """``(request id, name, positions, tensor)`` of every capture of a request, in the
+    run's capture order; the request id as stored (``request_id`` may be the escaped form
+    ``ls`` printed). ``partial``: what was stored, each hook up to its first missing
+    position."""
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
@@ -111,7 +113,8 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
                    f"(`dmi-sglang ls {_shown(run_id)}{_db_flag(store)}` lists its requests)")
             raise NotInStoreError(msg)
         if partial:
-            yield from _partial_tensors(captures, run_id, request_id)
+            for name, kept, tensor in _partial_tensors(captures, run_id, request_id):
+                yield request_id, name, kept, tensor
             return
         handle = captures.handle(run_id, request_id)
         missing = handle.missing
@@ -123,7 +126,17 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
         for act, layer in handle.captures:
             name = act if layer < 0 else f"{act}.{layer}"
             which = None if layer < 0 else layer
-            yield name, handle.positions(act, which), handle.get(act, which)
+            yield request_id, name, handle.positions(act, which), handle.get(act, which)
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (safetensors metadata): not an id holding
+    a lone surrogate, which only its escaped form can name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
@@ -170,7 +183,7 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
     header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
               + ("  (partial: stored positions only)" if partial else ""),
               f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
-    for name, span, tensor in _tensors(store, run_id, request_id, partial):
+    for _, name, span, tensor in _tensors(store, run_id, request_id, partial):
         for line in header:  # only once the request resolved
             _out(line)
         header = []
@@ -196,11 +209,13 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
 
     tensors: dict[str, Any] = {}
     positions: dict[str, list[int]] = {}  # as the server's export names them
-    for name, span, t in _tensors(store, run_id, request_id, partial):
+    named = request_id
+    for stored, name, span, t in _tensors(store, run_id, request_id, partial):
+        named = stored if _encodable(stored) else request_id  # the id, not its escaped form
         if span:  # a capture that kept no position has no rows to write (nor does the server)
             tensors[name] = t.contiguous()
             positions[name] = [span.start, span.stop, span.step]
-    data = save(tensors, metadata={"run_id": run_id, "request_id": request_id,
+    data = save(tensors, metadata={"run_id": run_id, "request_id": named,
                                    "positions": json.dumps(positions)})
     if target is None:
         sys.stdout.buffer.write(data)
@@ -256,7 +271,11 @@ def rm(store: StoreConfig, run_id: str, *, force: bool = False, yes: bool = Fals
         if not sys.stdin.isatty():
             msg = f"rm deletes run {run_id!r} for good: pass --yes (no terminal to ask on)"
             raise UsageError(msg)
-        answer = input(f"delete run {_shown(run_id)} from {store.url} for good? [y/N] ")
+        try:
+            answer = input(f"delete run {_shown(run_id)} from {store.url} for good? [y/N] ")
+        except EOFError:  # end of input (Ctrl-D): no answer is no
+            _out()
+            answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             _out("kept")
             return 1
