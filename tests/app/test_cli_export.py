@@ -134,3 +134,27 @@ def test_an_unreachable_server_store_is_one_line_on_stderr() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("dmi-sglang ls: cannot reach"), done.stderr
+
+
+def test_rm_of_a_run_the_store_does_not_hold_asks_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    db = _store(tmp_path / "store")
+    asked: list[str] = []
+    monkeypatch.setattr("sys.stdin", _Terminal("y\n"))
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    assert main(["rm", "no-such-run", "--db", db]) == 2
+    assert asked == []
+    assert "no-such-run" in capsys.readouterr().err
+    assert main(["rm", "run", "--db", db]) == 0  # an existing one is asked about
+    assert len(asked) == 1
+
+
+def test_export_force_keeps_the_replaced_files_mode(tmp_path: Path) -> None:
+    db = _store(tmp_path / "store")
+    out = tmp_path / "private.safetensors"
+    out.write_bytes(b"old")
+    out.chmod(0o600)
+    assert main(["export", "run", "r", "--out", str(out), "--force", "--db", db]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert set(load(out.read_bytes())) == {f"{RESID}.0", f"{RESID}.1"}

@@ -222,11 +222,15 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
         sys.stdout.buffer.flush()
         return 0
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     umask = os.umask(0)
     os.umask(umask)
+    try:  # a replaced file keeps its mode (a private capture stays private)
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~umask  # as a plain new file would be, not mkstemp's 0600
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        os.fchmod(fd, 0o666 & ~umask)  # as a plain new file would be, not mkstemp's 0600
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -268,6 +272,7 @@ def rm(store: StoreConfig, run_id: str, *, force: bool = False, yes: bool = Fals
     elsewhere ``yes`` is required."""
     captures = CaptureStore(store)
     if not yes:
+        captures.check_deletable(run_id, force=force)  # no question about what cannot go
         if not sys.stdin.isatty():
             msg = f"rm deletes run {run_id!r} for good: pass --yes (no terminal to ask on)"
             raise UsageError(msg)

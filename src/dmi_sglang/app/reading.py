@@ -26,7 +26,7 @@ import structlog
 
 from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle
-from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary
+from dmi_sglang.domain.ports import HookTotal, RecordReader, RequestSummary, RunClaims
 from dmi_sglang.domain.records import (
     RequestManifest,
     RunInfo,
@@ -154,19 +154,32 @@ class CaptureStore:
             StoreError: no such run or claim, or a running run without ``force``.
         """
         claims = composition.run_claims(self.config)
-        claimed = claims is not None and claims.claimed(run_id)
         with self.session():
-            run = self._reader.run(run_id)
-            if run is None and not claimed:
-                self._require(run_id)
-            if run is not None and run.status is RunStatus.RUNNING and not force:
-                msg = (f"run {run_id!r} is running (owner {run.owner or 'unknown'}); stop it "
-                       "first, or pass --force to delete it anyway")
-                raise StoreError(msg)
+            self._check_deletable(run_id, force=force, claims=claims)
             deleted = self._reader.delete_run(run_id)
         if claims is not None:
             claims.release(run_id)
         return deleted
+
+    def check_deletable(self, run_id: str, *, force: bool = False) -> None:
+        """Raise what :meth:`delete_run` would raise now, deleting nothing (so a command
+        asks no question about a run it cannot delete).
+
+        Raises:
+            StoreError: no such run or claim, or a running run without ``force``.
+        """
+        with self.session():
+            self._check_deletable(run_id, force=force,
+                                  claims=composition.run_claims(self.config))
+
+    def _check_deletable(self, run_id: str, *, force: bool, claims: RunClaims | None) -> None:
+        run = self._reader.run(run_id)
+        if run is None and not (claims is not None and claims.claimed(run_id)):
+            self._require(run_id)
+        if run is not None and run.status is RunStatus.RUNNING and not force:
+            msg = (f"run {run_id!r} is running (owner {run.owner or 'unknown'}); stop it "
+                   "first, or pass --force to delete it anyway")
+            raise StoreError(msg)
 
     def _require(self, run_id: str) -> RunInfo:
         run = self._reader.run(run_id)
