@@ -224,3 +224,30 @@ def test_a_running_request_whose_id_a_new_request_takes_is_never_complete() -> N
             assert not by["req-1"].committed
             assert by["req-2"].committed
         assert t.cancelled_requests == 1
+
+
+class _Running:
+    """A Req that finishes when told (SGLang's ``finished()``)."""
+
+    def __init__(self, rid: str, prompt: int, completion: int = 0) -> None:
+        self.rid, self.origin_input_ids = rid, [1] * prompt
+        self.output_ids = [2] * completion
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def test_a_finished_request_in_the_batch_about_to_run_waits_beside_a_reused_id() -> None:
+    tracker = RequestTracker()
+    old_r, a = _Running("r", 3, 1), _Running("a", 4, 1)
+    tracker.add_reqs([old_r, a])
+    assert tracker.take_finished() == []
+    old_r.done = True
+    tracker.add_reqs([a])
+    assert tracker.take_finished() == [("r", 3)]
+    a.done = True  # a batch built before this result was processed runs "a" once more
+    tracker.add_reqs([a, _Running("r", 2)])  # ... beside a new request reusing "r"
+    assert tracker.take_finished() == []  # reported after that forward
+    tracker.add_reqs([_Running("x", 2)])
+    assert tracker.take_finished() == [("a", 4)]

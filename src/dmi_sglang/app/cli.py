@@ -146,13 +146,14 @@ def _positive(text: str) -> int:
 def _logs_to_stderr() -> None:
     """Log lines go to standard error, which they share with the commands' errors:
     standard output carries a command's data (an export's bytes with ``--out -``, a
-    listing). A caller's own structlog configuration is kept; clickhouse-connect's own
+    listing). A caller's own structlog logger factory is kept; clickhouse-connect's own
     warnings (an unreachable server) are left out: the command's error says it once."""
     import logging
 
     import structlog
 
-    if not structlog.is_configured():  # the stream is looked up per line (it may change)
+    if isinstance(structlog.get_config()["logger_factory"], structlog.PrintLoggerFactory):
+        # structlog's own printing (to stdout by default): to stderr, looked up per line
         structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
     logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
 

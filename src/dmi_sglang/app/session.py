@@ -69,7 +69,7 @@ class _Seen:
     """The engine ended it by an abort (kept when its Req is let go)."""
     committed: bool = False
     """Its committed manifest went to the transport when it finished (see
-    :meth:`RequestTracker.commit`): the stop writes no other."""
+    :meth:`RequestTracker.handed_over`): the stop writes no other."""
 
 
 def _not_asked(_req: TrackedRequest) -> object:
@@ -170,7 +170,11 @@ class RequestTracker:
         reuses while the batch is unchanged) only move one position further, so only the
         newest one's ends matter (the run's first was folded)."""
         self._batch: tuple[TrackedRequest, ...] = ()
-        """The Req objects of the batch :meth:`add_reqs` was given last."""
+        """The Req objects of the batch :meth:`add_reqs` was given last (let go once it
+        holds a finished one)."""
+        self._running: frozenset[int] = frozenset()
+        """The ``id`` of each Req of the batch :meth:`add_reqs` was given last (alive while
+        it runs: the engine holds them): a finished one among them runs once more."""
         self._given = False
         """:meth:`add_reqs` was called since the last :meth:`take_finished`."""
         self._changed = False
@@ -192,6 +196,7 @@ class RequestTracker:
         if batch == self._batch:  # identity first: the same Req objects
             return
         self._batch, self._changed = batch, True
+        self._running = frozenset(map(id, batch))
         known = self._known
         # Every Req already known (a batch that lost some): one pass in C. ``known`` holds
         # each of its Req objects alive, so an id found there is that same object's.
@@ -316,7 +321,7 @@ class RequestTracker:
                 if seen.req is not None and seen.req.finished()]
         deferred = False
         if done and given:  # else the batch given last ran already
-            running = {id(req) for req in self._batch}
+            running = self._running
             kept = [(rid, req) for rid, req in done if id(req) not in running]
             deferred, done = len(kept) < len(done), kept
         if deferred:
@@ -356,6 +361,7 @@ class RequestTracker:
         """The batch given last ran and none is about to run (the engine is idle): its
         finished requests are reported at the next :meth:`take_finished`."""
         self._batch = ()
+        self._running = frozenset()
         self._changed = True
 
     def take_all(self) -> list[tuple[str, int | None]]:
@@ -373,6 +379,7 @@ class RequestTracker:
         self._live.clear()
         self._known.clear()
         self._batch = ()
+        self._running = frozenset()
         return out
 
     def _note_cancelled(self, seen: _Seen, req: TrackedRequest) -> None:
@@ -406,15 +413,20 @@ class RequestTracker:
 
     def commit(self, run_id: str, request_id: str) -> RequestManifest | None:
         """The committed manifest of a captured request :meth:`take_finished` just
-        reported, when it finished cleanly (None: cancelled, or not captured); the
-        request's manifest is then left out of :meth:`manifests`. Call
-        :meth:`fold_pending` first (once for all the requests of one report)."""
+        reported, when it finished cleanly (None: cancelled, or not captured); once the
+        caller handed it over (:meth:`handed_over`) it is left out of :meth:`manifests`.
+        Call :meth:`fold_pending` first (once for all the requests of one report)."""
         seen = self._seen.get(request_id)
         if seen is None or not seen.captured or seen.lengths is None or seen.cancelled:
             return None
-        seen.committed = True
         prompt, completion = seen.lengths
         return self._manifest(run_id, request_id, seen, prompt, completion, committed=True)
+
+    def handed_over(self, request_id: str) -> None:
+        """The committed manifest :meth:`commit` made went to the transport: the stop
+        writes no other (a failed run's record asks the transport for the ones the
+        sink never took)."""
+        self._seen[request_id].committed = True
 
     def fold_pending(self) -> None:
         """Fold the newest decode layout into the requests' positions (kept as the
@@ -556,7 +568,10 @@ class SchedulerMonitor:
             run_id = self.run.run_id
             self.requests.fold_pending()
             for rid, end in finished:
-                self.transport.finish_request(rid, end, self.requests.commit(run_id, rid))
+                manifest = self.requests.commit(run_id, rid)
+                self.transport.finish_request(rid, end, manifest)
+                if manifest is not None:  # the transport took it (it raises when failed)
+                    self.requests.handed_over(rid)
 
     def idle(self) -> None:
         """The engine has no batch to run: report what finished with the last one, and
@@ -769,6 +784,8 @@ class SchedulerMonitor:
                            error=repr(exc))
         try:
             manifests = self.requests.manifests(self.run.run_id, committed=False)
+            manifests += [attrs.evolve(m, committed=False)  # handed over, never stored
+                          for m in self.transport.undelivered_manifests()]
             self.sink.finish_run(run, manifests)
         except BaseException as again:  # the store itself may be what failed
             log.error("dmi.failure_not_recorded", run_id=self.run.run_id, error=repr(again))

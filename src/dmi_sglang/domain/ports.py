@@ -345,6 +345,12 @@ class CaptureTransport(Protocol):
         stored (``RecordSink.commit_requests``), while the run goes on."""
         ...
 
+    def undelivered_manifests(self) -> list[RequestManifest]:
+        """The manifests :meth:`finish_request` was given that the sink has not taken
+        (``commit_requests`` did not return yet, or never will: the run failed first).
+        A failed run's record writes them uncommitted: the store never saw them."""
+        ...
+
     def drain_counters(self) -> Mapping[str, float]:
         """Where the drain's time went so far (seconds and counts, by name)."""
         ...

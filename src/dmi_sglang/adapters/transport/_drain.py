@@ -38,7 +38,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
@@ -212,6 +212,8 @@ class Drain:
         free_slot: the arena slot may be written again (its copies completed).
         arena / arena_slot_bytes: the decode-graph arena and the distance between its
             slots (the window copies steps still in their slots from there).
+        on_committed: told (on this thread) the manifests each ``commit_requests`` of
+            the sink took, once it returned.
     """
 
     def __init__(
@@ -234,8 +236,10 @@ class Drain:
         free_slot: Callable[[int], None],
         arena: torch.Tensor,
         arena_slot_bytes: int,
+        on_committed: Callable[[Sequence[RequestManifest]], None] | None = None,
     ) -> None:
         self._ops = ops
+        self._on_committed = on_committed
         self._from_slot = from_slot
         self._free_slot = free_slot
         self.gil = GilSlice(gil_slice_s)
@@ -723,3 +727,5 @@ class Drain:
             self._commits = waiting
             self._sink.commit_requests(ready)
             self.committed_requests += len(ready)
+            if self._on_committed is not None:
+                self._on_committed(ready)

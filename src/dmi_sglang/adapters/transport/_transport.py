@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import structlog
@@ -223,7 +223,7 @@ class TorchCaptureTransport:
             direct_copies=opts.direct_copies, linger_s=opts.linger_s,
             gil_slice_s=opts.gil_slice_s, from_slot=self._from_slot, free_slot=self._free_slot,
             arena=arena.buffer, arena_slot_bytes=arena.slot_bytes,
-            direct_bytes=min(nbytes, prefill_bytes),
+            direct_bytes=min(nbytes, prefill_bytes), on_committed=self._delivered,
         )
         self._drain.start()
         self._selection = selection
@@ -232,8 +232,11 @@ class TorchCaptureTransport:
         self._fp16_overflows = 0
         self._read_programs: dict[int, Program] = {}
         self._reads_per_plan = reads_per_plan
+        # committed manifests by request id: of finished requests whose ``last`` reads
+        # wait; and every one handed over that the sink did not take yet (the drain's
+        # thread removes what the sink took)
         self._manifests: dict[str, RequestManifest] = {}
-        """Committed manifests of finished requests whose ``last`` reads wait."""
+        self._undelivered: dict[str, RequestManifest] = {}
         self._last_slots = LastSlots(
             selection, shape,
             requests=last_slot_requests(max_requests=opts.max_requests,
@@ -445,12 +448,24 @@ class TorchCaptureTransport:
             CaptureError: the transport stopped or failed (sticky).
         """
         self._check_usable()
+        if manifest is not None:
+            self._undelivered[request_id] = manifest
         if self._last_slots:
             if manifest is not None:
                 self._manifests[request_id] = manifest
             self._last_slots.finished(request_id, logits_end)
             return
         self._drain.finish(request_id, logits_end, manifest)
+
+    def undelivered_manifests(self) -> list[RequestManifest]:
+        """See the port: the manifests the sink has not taken."""
+        return list(self._undelivered.values())
+
+    def _delivered(self, manifests: Sequence[RequestManifest]) -> None:
+        """The sink took these (the drain's thread, after ``commit_requests`` returned)."""
+        for m in manifests:
+            if self._undelivered.get(m.request_id) is m:
+                del self._undelivered[m.request_id]
 
     def stop(self) -> TransportStats:
         """Drain everything, flush the sink; terminal and idempotent.

@@ -1,0 +1,123 @@
+"""A failed run's record names every captured request it saw (uncommitted), and a
+finished request still in the batch about to run is reported after that forward."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from dmi_sglang.app.session import SchedulerMonitor
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.records import RunInfo, RunStatus
+from dmi_sglang.errors import CaptureError
+from dmi_sglang.testing import MemorySink
+
+from .conftest import SHAPE  # type: ignore[import-not-found]
+from .conftest import TrackedReq as _Req  # type: ignore[import-not-found]
+
+
+def _monitor(d: Any, sink: MemorySink) -> SchedulerMonitor:
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    return SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                            sink=sink, strip=True)
+
+
+def _forward(mon: SchedulerMonitor, d: Any, layout: BatchLayout, reqs: list[_Req]) -> None:
+    mon.add_requests(reqs, frozenset())
+    mon.begin_forward()
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    d.step += 1
+
+
+def _failed_record(sink: MemorySink) -> set[str]:
+    run, manifests = sink.finished[-1]
+    assert run.status is RunStatus.FAILED
+    assert not any(m.committed for m in manifests)
+    return {m.request_id for m in manifests}
+
+
+def test_a_finish_the_failed_transport_refused_keeps_its_manifest(make_driver: Any) -> None:
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre", sink=sink)
+    mon = _monitor(d, sink)
+    a = _Req("a", 3)
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
+    a.output_ids.append(1)
+    a.done = True
+    d.t._fail(CaptureError("the drain failed"), "test")
+    with pytest.raises(CaptureError):
+        mon.idle()  # reports "a": the transport refuses its finish
+    with pytest.raises(CaptureError):
+        mon.stop()
+    assert "a" in _failed_record(sink)
+
+
+def test_a_manifest_waiting_for_its_last_read_is_in_the_failed_record(
+        make_driver: Any) -> None:
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre:last", sink=sink)
+    mon = _monitor(d, sink)
+    a = _Req("a", 3)
+    _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
+    a.output_ids.append(1)
+    a.done = True
+    b = _Req("b", 2)
+    mon.add_requests([b], frozenset())
+    mon.begin_forward()  # reports "a": its manifest waits for this step's commit
+    mon.abort_forward()  # the forward failed before its commit
+    mon.fail(CaptureError("the capture failed"))
+    assert mon._failing is not None
+    mon._failing.join(10)
+    assert "a" in _failed_record(sink)
+    assert "a" not in {m.request_id for m in sink.manifests if m.committed}
+
+
+def test_a_delivered_manifest_is_not_written_again_by_the_failed_record(
+        make_driver: Any) -> None:
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre", sink=sink)
+    mon = _monitor(d, sink)
+    a, b = _Req("a", 3), _Req("b", 2)
+    _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
+    a.output_ids.append(1)
+    a.done = True
+    _forward(mon, d, BatchLayout.decode(["b"], [2]), [b])  # reports and commits "a"
+    mon.idle()
+    deadline = time.monotonic() + 10  # the drain delivers on its own thread
+    while d.t.undelivered_manifests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert d.t.undelivered_manifests() == []
+    mon.fail(CaptureError("the capture failed"))
+    assert mon._failing is not None
+    mon._failing.join(10)
+    assert _failed_record(sink) == {"b"}  # "a" stays committed
+    assert "a" in {m.request_id for m in sink.manifests if m.committed}
+
+
+def test_a_reused_id_beside_it_does_not_report_a_finished_request_before_its_last_forward(
+        make_driver: Any) -> None:
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre,final_logits", sink=sink)
+    mon = _monitor(d, sink)
+    old_r, a = _Req("r", 3), _Req("a", 4)
+    _forward(mon, d, BatchLayout.extend(["r", "a"], [0, 0], [3, 4]), [old_r, a])
+    old_r.output_ids.append(1)
+    a.output_ids.append(1)
+    old_r.done = True
+    _forward(mon, d, BatchLayout.decode(["a"], [5]), [a])  # "r" reported here
+    a.output_ids.append(2)
+    a.done = True  # its last token came from that forward
+    new_r = _Req("r", 2)  # a client sends the id "r" again
+    # a batch built before "a"'s result was processed runs it once more, with new_r
+    _forward(mon, d, BatchLayout.extend(["a", "r"], [5, 0], [1, 2]), [a, new_r])
+    x = _Req("x", 2)
+    _forward(mon, d, BatchLayout.extend(["x"], [0], [2]), [x])
+    mon.stop()
+    logits_a = sorted(p for r in sink.records if r.request_id == "a"
+                      and r.act_name == "final_logits"
+                      for p in range(r.start_token_idx, r.end_token_idx))
+    assert logits_a == [3, 4]  # 4 + 2 - 1 = 5: the row at 5 decided nothing
