@@ -26,13 +26,14 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from dmi_sglang.domain.settings import redact_url
 from harness.constants import DEADLINE_ENV, SCHEMA, STATE_DIR, STATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,12 +99,32 @@ def git_commit(repo: Path = REPO, env: Mapping[str, str] | None = None) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+"""Command-line flags whose value is a secret (SGLang's server keys)."""
+
+
+def masked(argv: Sequence[str]) -> list[str]:
+    """``argv`` as a result may record it: the value of each :data:`SECRET_FLAGS` flag
+    (``--api-key KEY`` or ``--api-key=KEY``) hidden, and a password in a URL argument."""
+    out = []
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if i and argv[i - 1] in SECRET_FLAGS:
+            out.append("***")
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}=***")
+        else:  # not hook selections such as resid_pre@0-3: URLs only
+            out.append(redact_url(arg) if "://" in arg else arg)
+    return out
+
+
 def command_line() -> str:
-    """This process's command line, shell-quoted (``python -m harness ...`` as typed)."""
+    """This process's command line, shell-quoted (``python -m harness ...`` as typed),
+    secrets hidden (:func:`masked`)."""
     args = list(sys.argv)
     if args and args[0].endswith(("harness/__main__.py", "harness\\__main__.py")):
         args[0:1] = ["-m", "harness"]
-    return " ".join(shlex.quote(a) for a in [sys.executable, *args])
+    return " ".join(shlex.quote(a) for a in masked([sys.executable, *args]))
 
 
 def result(kind: str, name: str, settings: Mapping[str, Any]) -> Json:

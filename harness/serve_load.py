@@ -127,7 +127,16 @@ from harness.constants import (
 )
 from harness.engine import cpu_between, group_alive, group_cpu, kill_leftovers, track_group
 from harness.models import MODELS, STOCK_ENV
-from harness.results import REPO, Deadline, Json, finish, result, state_dir, write_json
+from harness.results import (
+    REPO,
+    Deadline,
+    Json,
+    finish,
+    masked,
+    result,
+    state_dir,
+    write_json,
+)
 from harness.serving import slug
 
 if TYPE_CHECKING:
@@ -196,7 +205,7 @@ class Plan:
                 "max_concurrency": self.max_concurrency,
                 "cancel_requests": self.cancel_requests, "subset_prompts": SUBSET_PROMPTS,
                 "subset_new_tokens": SUBSET_NEW_TOKENS, "warmup_requests": WARMUP_REQUESTS,
-                "server_flags": [*SERVER_FLAGS, *self.extra_flags], "seed": SEED,
+                "server_flags": masked([*SERVER_FLAGS, *self.extra_flags]), "seed": SEED,
                 "export_gb": self.export_gb, "export_rounds": self.export_rounds,
                 "api_key": self.api_key is not None}
 
@@ -295,11 +304,6 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
-
-
-def masked(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the value of ``--api-key`` hidden."""
-    return ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
 
 
 # -- prompts -----------------------------------------------------------------------------------

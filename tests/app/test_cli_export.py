@@ -158,3 +158,19 @@ def test_export_force_keeps_the_replaced_files_mode(tmp_path: Path) -> None:
     assert main(["export", "run", "r", "--out", str(out), "--force", "--db", db]) == 0
     assert out.stat().st_mode & 0o777 == 0o600
     assert set(load(out.read_bytes())) == {f"{RESID}.0", f"{RESID}.1"}
+
+
+SECRET = "S3CRET-pw"
+
+
+@pytest.mark.parametrize("argv", [
+    ["ls", f"--db-url=http://alice:{SECRET}@h:8123/db"],  # the variable's name as a flag
+    ["show", "run", "req", "--db-url", f"http://alice:{SECRET}@h/db"],
+    ["rm", "run", f"http://alice:{SECRET}@h/db"],  # --db forgotten
+])
+def test_unknown_arguments_are_named_without_a_password(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert SECRET not in captured.out + captured.err
+    assert "unknown arguments" in captured.err

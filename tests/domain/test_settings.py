@@ -28,7 +28,7 @@ def test_defaults_match_the_settings_table() -> None:
     assert s.drain_flush_timeout_us == 400_000
     assert s.gpu_padding_strip is True
     assert s.allow_prefix_cache is False
-    assert (s.db_port, s.db_database, s.db_table) == (8123, "default", "offload")
+    assert (s.db_port, s.db_database, s.db_table) == (None, "default", "offload")
     assert (s.ch_user, s.ch_password, s.ch_secure, s.ch_compression) == ("default", "", False,
                                                                          "lz4")
     assert (s.ch_insert_rows, s.ch_queue_mb) == (131_072, 1024)

@@ -594,3 +594,27 @@ def test_past_the_deadline_nothing_starts_and_every_mode_is_skipped(tmp_path: Pa
     assert not list(tmp_path.glob("server-*.log"))  # no server was started
     load.mode_s = 100.0
     assert load.mode_estimate() == pytest.approx(120.0)
+
+
+KEY = "S3CRET-key"
+
+
+def test_a_result_records_its_command_without_the_api_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.results import result
+
+    monkeypatch.setattr(sys, "argv", ["/repo/harness/__main__.py", "serve-load",
+                                      "--api-key", KEY, "--db", f"http://u:{KEY}@h/db",
+                                      "--modes", "resid_pre@0-3"])
+    recorded = json.dumps(result("serve-load", "serve-load", {}))
+    assert KEY not in recorded
+    assert "resid_pre@0-3" in recorded  # a hook selection is not a URL
+
+
+@pytest.mark.parametrize("flags", [("--admin-api-key", KEY), ("--api-key", KEY),
+                                   (f"--api-key={KEY}",), (f"--admin-api-key={KEY}",)])
+def test_no_form_of_a_server_key_reaches_the_settings_or_the_argv(
+        flags: tuple[str, ...]) -> None:
+    assert KEY not in json.dumps(sl.Plan(extra_flags=flags).settings())
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", "m", *flags]
+    assert KEY not in " ".join(sl.masked(argv))

@@ -163,8 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _logs_to_stderr()
     args, extra = _parser().parse_known_args(argv)
     if extra and args.command not in ("capture", "serve"):
-        print(f"dmi-sglang {args.command}: unknown arguments {' '.join(extra)}",
-              file=sys.stderr)
+        from dmi_sglang.domain.settings import redact_url
+
+        shown = " ".join(redact_url(a) if "@" in a or "://" in a else a  # a mistyped --db
+                         for a in extra)
+        print(f"dmi-sglang {args.command}: unknown arguments {shown}", file=sys.stderr)
         return EXIT_ERROR
     from dmi_sglang.app import cli_commands as cmd
 

@@ -187,6 +187,8 @@ def _host(text: str) -> str | None:
         msg = ("credentials go in DMX_CH_USER / DMX_CH_PASSWORD or in a DMX_DB_URL, not in "
                "the host")
         raise ConfigurationError(msg)
+    if text.count(":") >= 2 and not text.startswith("["):  # a bare IPv6 address
+        text = f"[{text}]"
     if ":" in text and not text.startswith("["):
         msg = "the port goes in DMX_DB_PORT, not in the host"
         raise ConfigurationError(msg)
@@ -267,6 +269,8 @@ class StoreUrl:
         if url.lower() == "none":
             return cls(StoreKind.NONE)
         head, userinfo, rest = _split_userinfo(url)
+        if head.lower() == "chdb://":  # a path: an '@' in it is part of it
+            userinfo, rest = None, url[len(head):]
         bare = head + rest if userinfo is not None else url
         if "?" in bare or "#" in bare:
             msg = (f"store URL {shown!r} has a query or a fragment ('?' or '#'): neither is "
@@ -275,45 +279,58 @@ class StoreUrl:
             raise ConfigurationError(msg)
         parts = _urlsplit(bare, shown)
         if parts.scheme == "chdb":
-            path = posixpath.normpath(parts.path) if parts.path else ""
-            if parts.netloc or not path.startswith("/"):
-                msg = f"embedded store URL {shown!r} needs an absolute path: chdb:///abs/path"
-                raise ConfigurationError(msg)
-            if path == "/":
-                msg = f"embedded store URL {shown!r} names /: give the store a directory"
-                raise ConfigurationError(msg)
-            return cls(StoreKind.EMBEDDED, path=path)
-        hostname = parts.hostname
-        if parts.scheme in ("http", "https") and hostname:
-            secure = parts.scheme == "https"
-            user = password = None
-            if userinfo is not None:  # percent-encoded characters are decoded, as in URLs
-                raw_user, has_password, raw_password = userinfo.partition(":")
-                user = unquote(raw_user)
-                password = unquote(raw_password) if has_password else None
-            port = parts.port
-            if port is None:
-                port = 8443 if secure else 8123
-            elif not 0 < port < 65536:
-                msg = f"bad port {port} in {shown!r}: 1 to 65535"
-                raise ConfigurationError(msg)
-            try:
-                _host(hostname)
-            except ValueError:
-                msg = f"bad host {hostname!r} in {shown!r}"
-                raise ConfigurationError(msg) from None
-            database = parts.path.strip("/") or None
-            if database is not None:
-                try:
-                    _name(database)
-                except ValueError:
-                    msg = (f"bad database name {database!r} in {shown!r}: letters, digits "
-                           "and _, not starting with a digit")
-                    raise ConfigurationError(msg) from None
-            return cls(StoreKind.SERVER, host=hostname, port=port, secure=secure,
-                       database=database, user=user, password=password)
-        msg = f"unsupported store URL {shown!r}"
+            return cls._embedded(parts, shown)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            return cls._server(parts, userinfo, shown)
+        msg = f"unsupported store URL {shown!r}; accepted: {STORE_URL_FORMS}"
         raise ConfigurationError(msg)
+
+    @classmethod
+    def _embedded(cls, parts: SplitResult, shown: str) -> StoreUrl:
+        path = posixpath.normpath(parts.path) if parts.path else ""
+        if parts.netloc or not path.startswith("/"):
+            msg = f"embedded store URL {shown!r} needs an absolute path: chdb:///abs/path"
+            raise ConfigurationError(msg)
+        if path == "/":
+            msg = f"embedded store URL {shown!r} names /: give the store a directory"
+            raise ConfigurationError(msg)
+        return cls(StoreKind.EMBEDDED, path=path)
+
+    @classmethod
+    def _server(cls, parts: SplitResult, userinfo: str | None, shown: str) -> StoreUrl:
+        hostname = parts.hostname or ""
+        secure = parts.scheme == "https"
+        user = password = None
+        if userinfo is not None:  # percent-encoded characters are decoded, as in URLs
+            raw_user, has_password, raw_password = userinfo.partition(":")
+            user = unquote(raw_user)
+            password = unquote(raw_password) if has_password else None
+        port = parts.port
+        if port is None:
+            port = 8443 if secure else 8123
+        elif not 0 < port < 65536:
+            msg = f"bad port {port} in {shown!r}: 1 to 65535"
+            raise ConfigurationError(msg)
+        elif port == NATIVE_PORT:
+            msg = (f"port {NATIVE_PORT} in {shown!r} is ClickHouse's native-protocol port, "
+                   "DMI's default; dmi-sglang speaks ClickHouse's HTTP protocol, by default "
+                   "on 8123 (8443 with https://)")
+            raise ConfigurationError(msg)
+        try:
+            _host(f"[{hostname}]" if ":" in hostname else hostname)  # IPv6, bracketed
+        except ValueError:
+            msg = f"bad host {hostname!r} in {shown!r}"
+            raise ConfigurationError(msg) from None
+        database = parts.path.strip("/") or None
+        if database is not None:
+            try:
+                _name(database)
+            except ValueError:
+                msg = (f"bad database name {database!r} in {shown!r}: letters, digits "
+                       "and _, not starting with a digit")
+                raise ConfigurationError(msg) from None
+        return cls(StoreKind.SERVER, host=hostname, port=port, secure=secure,
+                   database=database, user=user, password=password)
 
 
 def _urlsplit(url: str, shown: str) -> SplitResult:
@@ -367,7 +384,7 @@ _VARS: dict[str, _Var] = {
     ),
     "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none",
                                            _shown_url)),
-    "DB_PORT": _Var("db_port", 8123, _conv(_port, "a TCP port 1-65535")),
+    "DB_PORT": _Var("db_port", None, _conv(_port, "a TCP port 1-65535")),
     "DB_DATABASE": _Var("db_database", "default", _conv(_name, "a ClickHouse identifier")),
     "DB_TABLE": _Var("db_table", "offload", _conv(_name, "a ClickHouse identifier")),
     "CH_USER": _Var("ch_user", "default", _conv(lambda t: t, "a user name")),
@@ -428,7 +445,8 @@ class Settings:
     db_url: str | None = attrs.field(
         default=None, repr=lambda u: repr(None if u is None else redact_url(u)))
     db_host: str | None = None
-    db_port: int = 8123
+    db_port: int | None = None
+    """None: 8123, or 8443 with ``ch_secure`` (ClickHouse's HTTP and HTTPS ports)."""
     db_database: str = "default"
     db_table: str = "offload"
     ch_user: str = "default"
@@ -549,8 +567,9 @@ class Settings:
         db_url = self.db_url
         if db_url is None:
             if self.db_host is not None:
+                port = self.db_port or (8443 if self.ch_secure else 8123)
                 db_url = "none" if self.db_host.lower() == "none" else (
-                    f"http{'s' if self.ch_secure else ''}://{self.db_host}:{self.db_port}/"
+                    f"http{'s' if self.ch_secure else ''}://{self.db_host}:{port}/"
                     f"{self.db_database}"
                 )
             else:
@@ -564,6 +583,11 @@ class Settings:
             msg = "settings are not resolved: call Settings.resolve() first"
             raise ConfigurationError(msg)
         url = StoreUrl.parse(self.db_url)
+        if url.kind is StoreKind.SERVER and self.ch_secure and not url.secure:
+            msg = (f"DMX_CH_SECURE=1 contradicts the store URL {redact_url(self.db_url)!r} "
+                   "(plain http://: its password would travel unencrypted); accepted: an "
+                   "https:// URL, or DMX_CH_SECURE unset")
+            raise ConfigurationError(msg)
         return StoreConfig(
             kind=url.kind,
             path=url.path,

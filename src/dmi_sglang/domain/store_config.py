@@ -88,4 +88,5 @@ class StoreConfig:
         if self.kind is StoreKind.NONE:
             return "none"
         scheme = "https" if self.secure else "http"
-        return f"{scheme}://{self.host}:{self.port}/{self.database}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        return f"{scheme}://{host}:{self.port}/{self.database}"
