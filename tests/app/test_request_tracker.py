@@ -8,6 +8,7 @@ import structlog.testing
 
 from dmi_sglang.app.session import RequestTracker
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.sampling import RequestSample
 
 
 def _req(rid: str, prompt: int, completion: int) -> SimpleNamespace:
@@ -251,3 +252,21 @@ def test_a_finished_request_in_the_batch_about_to_run_waits_beside_a_reused_id()
     assert tracker.take_finished() == []  # reported after that forward
     tracker.add_reqs([_Running("x", 2)])
     assert tracker.take_finished() == [("a", 4)]
+
+
+def test_a_long_run_that_leaves_requests_out_keeps_nothing_of_them() -> None:
+    """With a sample of 0 (``serve`` without --request-sample) nothing is stored, so
+    nothing of a finished request needs keeping once its grace rounds passed."""
+    tracker = RequestTracker(RequestSample(0.0))
+    for wave in range(50):
+        reqs = [_Running(f"w{wave}-{i}", 4, 1) for i in range(8)]
+        tracker.add_reqs(reqs)
+        tracker.add_layout(BatchLayout.extend([r.rid for r in reqs], [0] * 8, [4] * 8))
+        assert tracker.take_finished() == []
+        for r in reqs:
+            r.done = True
+        tracker.ran()
+        assert tracker.take_finished() == []  # left out: nothing to report
+    assert len(tracker._seen) <= 3 * 8  # the last waves' grace rounds, not 400
+    assert tracker.seen_requests == 400
+    assert tracker.captured_requests == 0

@@ -118,8 +118,9 @@ class RequestTracker:
     """Requests seen by forwards, for the manifest written at stop.
 
     Holds SGLang's ``Req`` objects (prompt and output ids) of the live requests, the
-    lengths of the finished ones (their Req objects are let go, so a long serving run
-    keeps two integers per finished request), and the positions our forwards computed:
+    lengths of the finished captured ones (their Req objects are let go, so a long
+    serving run keeps a small record per captured request, and nothing of a left-out one
+    once its grace rounds passed), and the positions our forwards computed:
     the first position (prefix-cache hits start later) and one past the last (the
     overlap scheduler forwards the last generated token once more).
     """
@@ -355,6 +356,11 @@ class RequestTracker:
                 rid = self._leaving.popleft()[1]
                 if rid not in self._reused:
                     self._skipped.discard(rid)
+                    # nothing of it was stored, so nothing under its id needs keeping: a
+                    # long serving run that leaves most requests out stays bounded
+                    seen = self._seen.get(rid)
+                    if seen is not None and not seen.captured and seen.notified:
+                        del self._seen[rid]
             self._skip = frozenset(self._skipped)
 
     def ran(self) -> None:
