@@ -121,3 +121,37 @@ def test_a_reused_id_beside_it_does_not_report_a_finished_request_before_its_las
                       and r.act_name == "final_logits"
                       for p in range(r.start_token_idx, r.end_token_idx))
     assert logits_a == [3, 4]  # 4 + 2 - 1 = 5: the row at 5 decided nothing
+
+
+def test_a_request_the_engine_let_go_unfinished_ends_incomplete_and_frees_its_slot(
+        make_driver: Any) -> None:
+    """SGLang's abort of a request waiting to run (a retracted one) lets its Req go
+    without finishing it: reported, its capture ends incomplete, its ``last`` slot is
+    free again and nothing of the tracker keeps the Req alive."""
+    import gc
+    import weakref
+
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre:last", sink=sink)
+    mon = _monitor(d, sink)
+    a, b = _Req("a", 3), _Req("b", 2)
+    _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
+    a.output_ids.append(1)
+    b.output_ids.append(1)
+    _forward(mon, d, BatchLayout.decode(["b"], [2]), [b])  # "a" was retracted
+    held = d.t._last_slots
+    slots_before = len(held._free)
+    mon.requests_dropped([a])  # ... then aborted while it waited
+    gone = weakref.ref(a)
+    del a
+    _forward(mon, d, BatchLayout.decode(["b"], [3]), [b])
+    gc.collect()
+    assert gone() is None
+    assert len(held._free) == slots_before + 1
+    assert mon.requests.cancelled_requests == 1
+    b.done = True
+    mon.stop()
+    by = {m.request_id: m for m in sink.manifests}
+    assert not by["a"].committed
+    assert by["a"].completion_tokens == 1
+    assert by["b"].committed

@@ -180,6 +180,8 @@ class RequestTracker:
         """:meth:`add_reqs` was called since the last :meth:`take_finished`."""
         self._changed = False
         """... with a batch other than the one before, at least once."""
+        self._dropped: list[tuple[str, TrackedRequest]] = []
+        """Live requests the engine let go unfinished (:meth:`dropped`), to report."""
         self._known: dict[int, TrackedRequest] = {}
         """Req objects already remembered and not finished, by ``id`` (each is held here,
         so its id is not reused while it is): a batch's known requests cost one lookup."""
@@ -228,6 +230,18 @@ class RequestTracker:
                 self._decide(rid, seen, req)
             known[id(req)] = req
             self._live[rid] = seen
+
+    def dropped(self, reqs: Iterable[TrackedRequest]) -> None:
+        """The engine let these Req objects go without finishing them (SGLang's abort
+        of a request in its waiting queue, a retracted one say): those this tracker holds
+        live are reported by the next :meth:`take_finished`, ended by an abort (never
+        complete; ``logits_end`` None). Finished ones are left to ``finished()``."""
+        for req in reqs:
+            rid = storable_request_id(req.rid)
+            seen = self._live.get(rid)
+            if seen is not None and seen.req is req and not req.finished():
+                self._dropped.append((rid, req))
+                self._changed = True  # the next take_finished looks, batch changed or not
 
     def gate_refusal(self) -> str | None:
         """What the store gate says now (None: new requests may be captured)."""
@@ -303,7 +317,7 @@ class RequestTracker:
         """Live requests the capture leaves out (their rows are never copied)."""
         return self._skip
 
-    def take_finished(self) -> list[tuple[str, int]]:
+    def take_finished(self) -> list[tuple[str, int | None]]:
         """Requests that finished since the last call, with :func:`logits_end`; each is
         reported once. O(live requests): one ``finished()`` call each, skipped when
         :meth:`add_reqs` was given only the batch it had before since the last call: a request
@@ -329,7 +343,7 @@ class RequestTracker:
             self._changed = True  # the next call looks again, the batch changed or not
         elif done:
             self._batch = ()  # hold no finished Req
-        out = []
+        out: list[tuple[str, int | None]] = self._take_dropped()
         for rid, req in done:
             seen = self._live.pop(rid)
             seen.notified = True
@@ -341,6 +355,29 @@ class RequestTracker:
             self._known.pop(id(req), None)
             if seen.captured:
                 out.append((rid, logits_end(req)))
+            else:
+                self._leaving.append((self._round, rid))
+        return out
+
+    def _take_dropped(self) -> list[tuple[str, int | None]]:
+        """The requests :meth:`dropped` named, let go: captured ones with None (their
+        capture ended by an abort)."""
+        out: list[tuple[str, int | None]] = []
+        dropped, self._dropped = self._dropped, []
+        for rid, req in dropped:
+            seen = self._live.get(rid)
+            if seen is None or seen.req is not req:  # reported already
+                continue
+            del self._live[rid]
+            seen.notified = True
+            seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
+            if seen.captured and not seen.cancelled:
+                seen.cancelled = True
+                self.cancelled_requests += 1
+            seen.req = None
+            self._known.pop(id(req), None)
+            if seen.captured:
+                out.append((rid, None))
             else:
                 self._leaving.append((self._round, rid))
         return out
@@ -554,6 +591,10 @@ class SchedulerMonitor:
     def add_host_seconds(self, seconds: float) -> None:
         """Count scheduler-thread time the runtime hooks spent for the capture."""
         self.host_seconds += seconds
+
+    def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:
+        """See the port: reported ended at the next forward or idle."""
+        self.requests.dropped(reqs)
 
     # -- one forward -------------------------------------------------------------------
     def begin_forward(self) -> int:

@@ -460,6 +460,12 @@ class CaptureSession(Protocol):
         """Count scheduler-thread time the adapter's hooks spent for the capture."""
         ...
 
+    def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:
+        """The engine let these requests go without finishing them (an abort of a
+        request waiting to run): each is reported ended, never complete, at the next
+        forward or idle; requests that finished, or never ran, are ignored."""
+        ...
+
     def begin_forward(self) -> int:
         """A forward starts; returns its step number."""
         ...

@@ -314,6 +314,28 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     return original(worker, batch, *args, **kw)
 
 
+def around_abort_request(original: Callable[..., Any], scheduler: Any, recv_req: Any,
+                         *args: Any, **kw: Any) -> Any:
+    """AROUND ``Scheduler.abort_request``: SGLang pops an aborted request that waits to
+    run (one retracted under memory pressure, say) from its waiting queue and lets it go
+    without finishing it, so no ``finished()`` will ever report it: the capture learns it
+    here (its capture ends incomplete, its ``last`` slot and held rows are let go)."""
+    mon = _capturing()
+    queue = getattr(scheduler, "waiting_queue", None)
+    if mon is None or not queue:
+        return original(scheduler, recv_req, *args, **kw)
+    waiting = list(queue)
+    result = original(scheduler, recv_req, *args, **kw)
+    t0 = perf_counter()
+    still = {id(req) for req in scheduler.waiting_queue}
+    try:
+        mon.requests_dropped([req for req in waiting if id(req) not in still])
+    except Exception as exc:  # the capture's own code: any failure is the capture's
+        _serve_on_or_raise(scheduler.tp_worker.model_runner, mon, exc)
+    mon.add_host_seconds(perf_counter() - t0)
+    return result
+
+
 BEAM_REFUSED = ("beam search (sampling_params.beam_width > 1) is not supported while "
                 "dmi-sglang captures: its beam rows carry no request id in the batch")
 """The error SGLang returns (HTTP 400) for a beam-search request while a capture runs."""
@@ -473,6 +495,7 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
     ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init", "AROUND",
      around_beam_validate),
+    ("sglang.srt.managers.scheduler.Scheduler.abort_request", "AROUND", around_abort_request),
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
     ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
