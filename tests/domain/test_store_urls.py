@@ -64,3 +64,15 @@ def test_an_unsupported_scheme_names_what_is_accepted() -> None:
 
 def test_an_embedded_path_holding_an_at_sign_is_taken_whole() -> None:
     assert StoreUrl.parse("chdb:///data/run@1/store").path == "/data/run@1/store"
+
+
+@pytest.mark.parametrize("url", [f"http://alice:{SECRET}/db", f"https://alice:{SECRET}"])
+def test_a_password_without_its_host_is_not_shown_as_a_port(url: str) -> None:
+    """``user:password`` whose ``@host`` was left out reads as a host and a port: the
+    error says the port is not a number without showing it."""
+    with pytest.raises(ConfigurationError, match="not a number") as info:
+        StoreUrl.parse(url)
+    assert SECRET not in str(info.value)
+    with pytest.raises(ConfigurationError) as again:
+        Settings.from_env({"DMX_DB_URL": url})
+    assert SECRET not in str(again.value)

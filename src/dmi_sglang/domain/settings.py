@@ -234,10 +234,20 @@ def redact_url(url: str) -> str:
         scheme = _SCHEME_PREFIX.match(before)
         return f"{scheme.group(0) if scheme else ''}***@{_no_query(after)}"
     if userinfo is None:
-        return head + _no_query(rest)
+        return head + _hidden_port(_no_query(rest))
     if ":" not in userinfo:
         return f"{head}{userinfo}@{_no_query(rest)}"
     return f"{head}{userinfo.partition(':')[0]}:***@{_no_query(rest)}"
+
+
+def _hidden_port(rest: str) -> str:
+    """``host:port/...`` with a port that is not a number hidden: ``user:password/...``
+    whose ``@host`` was left out reads as a host and a port."""
+    netloc, slash, path = rest.partition("/")
+    host, colon, port = netloc.rpartition(":")
+    if not colon or netloc.startswith("[") or port.isdigit() or not port:
+        return rest
+    return f"{host}:***{slash}{path}"
 
 
 def _shown_url(text: str) -> str:
@@ -336,9 +346,13 @@ class StoreUrl:
 def _urlsplit(url: str, shown: str) -> SplitResult:
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 -- validates the port now
     except ValueError as exc:
         msg = f"malformed store URL {shown!r}: {exc}"
+        raise ConfigurationError(msg) from None
+    try:
+        parts.port  # noqa: B018 -- validates the port now
+    except ValueError:  # its text may be a password (user:password without @host)
+        msg = f"malformed store URL {shown!r}: the port after the host is not a number"
         raise ConfigurationError(msg) from None
     return parts
 
