@@ -195,7 +195,7 @@ class GpuBusy:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=10 * self._period + 5)  # a hung NVML call: let it be
 
     def _run(self) -> None:
         assert self._read is not None
@@ -293,6 +293,28 @@ def _switches(task: Path) -> tuple[int, int] | None:
                 int(fields["nonvoluntary_ctxt_switches"]))
     except (KeyError, ValueError):
         return None
+
+
+def processes_between(before: Mapping[str, tuple[float, int, int]],
+                      after: Mapping[str, tuple[float, int, int]]) -> list[Json]:
+    """Per process, between two :func:`group_threads` readings: its main thread's CPU
+    seconds and context switches, and the CPU seconds of all its other threads
+    together (a thread that started in between counts from zero)."""
+    procs: dict[str, Json] = {}
+    for key, (cpu, vol, invol) in after.items():
+        was = before.get(key, (0.0, 0, 0))
+        name, _, ids = key.rpartition(" ")
+        pid, _, tid = ids.partition("/")
+        row = procs.setdefault(pid, {"process": name, "pid": int(pid), "main_cpu_s": 0.0,
+                                     "main_voluntary": 0, "main_involuntary": 0,
+                                     "others_cpu_s": 0.0, "threads": 0})
+        row["threads"] += 1
+        if pid == tid:
+            row.update(main_cpu_s=round(cpu - was[0], 2), main_voluntary=vol - was[1],
+                       main_involuntary=invol - was[2])
+        else:
+            row["others_cpu_s"] = round(row["others_cpu_s"] + cpu - was[0], 2)
+    return sorted(procs.values(), key=lambda r: -(r["main_cpu_s"] + r["others_cpu_s"]))
 
 
 def threads_between(before: Mapping[str, tuple[float, int, int]],
@@ -431,7 +453,8 @@ def parse_log_events(text: str, events: Iterable[str]) -> dict[str, Json]:
 # -- the child ---------------------------------------------------------------------------------
 def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     """Run one workload in waves; timings, counts and (when kept) outputs, with the
-    engine processes' busiest threads (:func:`threads_between`) and the GPU's busy share
+    engine processes' busiest threads (:func:`threads_between`), each process's main
+    thread and other threads (:func:`processes_between`) and the GPU's busy share
     (:class:`GpuBusy`) over the waves."""
     waves = max(int(wl.get("max_waves") or 1), 1)
     repeat = bool(wl.get("named_waves")) or float(wl.get("min_seconds") or 0.0) > 0 \
@@ -442,7 +465,9 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     threads = group_threads(os.getpgid(0))
     with GpuBusy() as busy:
         _waves(engine, wl, res, waves, repeat)
-    res["threads"] = threads_between(threads, group_threads(os.getpgid(0)))
+    after = group_threads(os.getpgid(0))
+    res["threads"] = threads_between(threads, after)
+    res["processes"] = processes_between(threads, after)
     res["gpu_busy"] = busy.summary
     return res
 

@@ -322,7 +322,7 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
                       **{figure: {"measured": main.get(figure), **{
                           k: [w.get(figure) for w in unit[k] if w["name"] == "main"]
                           for k in ("stock_before", "stock_after")}}
-                         for figure in ("threads", "gpu_busy")}}
+                         for figure in ("threads", "processes", "gpu_busy")}}
     if mode.preset:
         out["bound"] = bound(
             captured_bytes_per_token=per_token, stock_tok_s=tput["stock_tok_s"],
@@ -335,27 +335,26 @@ SCHEDULER_PROCESS = "sglang::scheduler"
 """How the name of SGLang's scheduler process starts (its process title)."""
 
 
-def scheduler_use(threads: Sequence[Json] | None, busy: Json | None, waves: int) -> Json:
+def scheduler_use(processes: Sequence[Json] | None, busy: Json | None, waves: int) -> Json:
     """One timed run's use of the host and the GPU, per wave: the scheduler process's
     main thread (CPU seconds, voluntary context switches: waits for a lock such as the
-    GIL) and its other threads together, and the GPU's busy share."""
-    sched = [t for t in threads or [] if str(t["process"]).startswith(SCHEDULER_PROCESS)]
-    main = [t for t in sched if t["main"]]
+    GIL) and all its other threads together, and the GPU's busy share."""
+    sched = [p for p in processes or [] if str(p["process"]).startswith(SCHEDULER_PROCESS)]
     n = max(waves, 1)
-    return {"main_cpu_s": sum(t["cpu_s"] for t in main) / n if main else None,
-            "main_voluntary": sum(t["voluntary"] for t in main) / n if main else None,
-            "others_cpu_s": sum(t["cpu_s"] for t in sched if not t["main"]) / n,
+    return {"main_cpu_s": sum(p["main_cpu_s"] for p in sched) / n if sched else None,
+            "main_voluntary": sum(p["main_voluntary"] for p in sched) / n if sched else None,
+            "others_cpu_s": sum(p["others_cpu_s"] for p in sched) / n if sched else None,
             "gpu_busy_pct": (busy or {}).get("mean_pct")}
 
 
 def use_line(figures: Json) -> str:
     """A unit's :func:`scheduler_use`, monitored against the stock runs around it."""
-    threads, busy, waves = (figures.get(k) or {} for k in
-                            ("threads", "gpu_busy", "wave_seconds"))
-    sides = [("monitored", scheduler_use(threads.get("measured"), busy.get("measured"),
+    procs, busy, waves = (figures.get(k) or {} for k in
+                          ("processes", "gpu_busy", "wave_seconds"))
+    sides = [("monitored", scheduler_use(procs.get("measured"), busy.get("measured"),
                                          len(waves.get("measured") or [])))]
     for side in ("stock_before", "stock_after"):
-        for t, b, w in zip(threads.get(side) or [], busy.get(side) or [],
+        for t, b, w in zip(procs.get(side) or [], busy.get(side) or [],
                            waves.get(side) or [], strict=False):
             sides.append((side.replace("_", " "), scheduler_use(t, b, len(w))))
 

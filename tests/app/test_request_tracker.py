@@ -270,3 +270,41 @@ def test_a_long_run_that_leaves_requests_out_keeps_nothing_of_them() -> None:
     assert len(tracker._seen) <= 3 * 8  # the last waves' grace rounds, not 400
     assert tracker.seen_requests == 400
     assert tracker.captured_requests == 0
+
+
+class _Asking(_Running):
+    def __init__(self, rid: str, prompt: int, completion: int = 0,
+                 capture: bool | None = None) -> None:
+        super().__init__(rid, prompt, completion)
+        self.capture = capture
+
+
+def _asked(req: _Asking) -> object:
+    return req.capture
+
+
+def test_a_forgotten_left_out_request_is_not_brought_back_by_a_pending_decode_layout() -> None:
+    """Found in review: the idle report leaves the newest decode layout pending; once a
+    left-out request in it was forgotten, the next fold made it anew, as captured."""
+    tracker = RequestTracker(asked=_asked)
+    c, left = _Asking("c", 4, 1), _Asking("l", 4, 1, capture=False)
+    tracker.add_reqs([c, left])
+    tracker.add_layout(BatchLayout.extend(["c", "l"], [0, 0], [4, 4]))
+    assert tracker.take_finished() == []
+    assert tracker.skipped == {"l"}
+    tracker.add_layout(BatchLayout.decode(("c", "l"), [5, 5]))
+    c.done = left.done = True
+    tracker.ran()  # the engine idles
+    assert tracker.take_finished() == [("c", 4)]
+    tracker.fold_pending()  # as the monitor's report does
+    for _ in range(3):  # idle rounds: "l"'s grace rounds pass, it is forgotten
+        tracker.ran()
+        assert tracker.take_finished() == []
+    assert "l" not in tracker._seen
+    x = _Asking("x", 3)
+    tracker.add_reqs([x])
+    tracker.add_layout(BatchLayout.extend(["x"], [0], [3]))  # folds what was pending
+    assert "l" not in tracker._seen
+    tracker.add_reqs([_Asking("l", 2, capture=False)])  # its id again, asking out
+    assert "l" in tracker.skipped
+    assert [rid for rid, _ in tracker.take_all()] == ["x"]

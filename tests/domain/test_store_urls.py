@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import dmi_sglang
-from dmi_sglang.domain.settings import Settings, StoreUrl
+from dmi_sglang.domain.settings import Settings, StoreUrl, redact_url
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import ConfigurationError
 
@@ -76,3 +76,11 @@ def test_a_password_without_its_host_is_not_shown_as_a_port(url: str) -> None:
     with pytest.raises(ConfigurationError) as again:
         Settings.from_env({"DMX_DB_URL": url})
     assert SECRET not in str(again.value)
+
+
+def test_an_embedded_path_is_shown_whole_whatever_it_holds() -> None:
+    url = "chdb:///data/run-12:30@gpu0/store"
+    assert StoreUrl.parse(url).path == "/data/run-12:30@gpu0/store"
+    assert redact_url(url) == url  # a path holds no password: logs and errors name it
+    assert Settings.from_env({"DMX_DB_URL": url}).to_env(include_secrets=False)[
+        "DMX_DB_URL"] == url

@@ -25,6 +25,7 @@ from harness.engine import (
     group_cpu,
     group_threads,
     parse_log_events,
+    processes_between,
     threads_between,
 )
 from harness.qualify import select_cells
@@ -411,26 +412,39 @@ def test_gpu_busy_without_readings_is_not_measured() -> None:
     assert slow.summary is None
 
 
-def _thread(process: str, tid: int, *, main: bool, cpu: float, vol: int) -> dict[str, Any]:
-    return {"process": process, "pid": 10, "tid": tid, "main": main, "cpu_s": cpu,
-            "voluntary": vol, "involuntary": 0}
+def test_processes_between_counts_every_thread_of_each_process() -> None:
+    before = {f"sglang::scheduler 100/{100 + i}": (0.0, 0, 0) for i in range(12)}
+    after = {"sglang::scheduler 100/100": (10.0, 5, 1), "python3 7/7": (2.0, 3, 0)}
+    after |= {f"sglang::scheduler 100/{100 + i}": (1.0, 1, 0) for i in range(1, 12)}
+    after["sglang::scheduler 100/120"] = (0.5, 0, 0)  # started in between
+    procs = processes_between(before, after)
+    assert procs == [
+        {"process": "sglang::scheduler", "pid": 100, "main_cpu_s": 10.0,
+         "main_voluntary": 5, "main_involuntary": 1, "others_cpu_s": 11.5, "threads": 13},
+        {"process": "python3", "pid": 7, "main_cpu_s": 2.0, "main_voluntary": 3,
+         "main_involuntary": 0, "others_cpu_s": 0.0, "threads": 1}]
+    assert len(threads_between(before, after)) == 8  # the busiest only: not for totals
+
+
+def _proc(name: str, *, main: float, vol: int, others: float) -> dict[str, Any]:
+    return {"process": name, "pid": 10, "main_cpu_s": main, "main_voluntary": vol,
+            "main_involuntary": 0, "others_cpu_s": others, "threads": 9}
 
 
 def test_scheduler_use_is_the_scheduler_process_per_wave() -> None:
-    threads = [_thread("sglang::scheduler_TP0", 10, main=True, cpu=8.0, vol=400),
-               _thread("sglang::scheduler_TP0", 11, main=False, cpu=1.0, vol=5),
-               _thread("sglang::scheduler_TP0", 12, main=False, cpu=0.5, vol=5),
-               _thread("python3", 20, main=True, cpu=3.0, vol=9)]  # the engine's process
-    use = scheduler_use(threads, {"mean_pct": 81.5, "readings": 300}, 20)
+    procs = [_proc("sglang::scheduler_TP0", main=8.0, vol=400, others=1.5),
+             _proc("python3", main=3.0, vol=9, others=4.0)]  # the engine's own process
+    use = scheduler_use(procs, {"mean_pct": 81.5, "readings": 300}, 20)
     assert use == {"main_cpu_s": 0.4, "main_voluntary": 20.0, "others_cpu_s": 0.075,
                    "gpu_busy_pct": 81.5}
     assert scheduler_use(None, None, 0) == {"main_cpu_s": None, "main_voluntary": None,
-                                            "others_cpu_s": 0.0, "gpu_busy_pct": None}
+                                            "others_cpu_s": None, "gpu_busy_pct": None}
 
 
 def test_use_line_sets_the_monitored_run_beside_each_stock_run() -> None:
-    sched = [_thread("sglang::scheduler_TP0", 10, main=True, cpu=4.0, vol=100)]
-    figures = {"threads": {"measured": sched, "stock_before": [sched], "stock_after": [[]]},
+    sched = [_proc("sglang::scheduler_TP0", main=4.0, vol=100, others=0.0)]
+    figures = {"processes": {"measured": sched, "stock_before": [sched],
+                             "stock_after": [[]]},
                "gpu_busy": {"measured": {"mean_pct": 70.0}, "stock_before": [None],
                             "stock_after": [{"mean_pct": 90.0}]},
                "wave_seconds": {"measured": [0.4] * 10, "stock_before": [[0.4] * 8],
@@ -438,7 +452,7 @@ def test_use_line_sets_the_monitored_run_beside_each_stock_run() -> None:
     line = use_line(figures)
     assert line.startswith("monitored: scheduler 0.400 s CPU (10 waits), others 0.000 s, "
                            "GPU 70 %; stock before: scheduler 0.500 s CPU (12 waits)")
-    assert "stock after: scheduler - s CPU (- waits), others 0.000 s, GPU 90 %" in line
+    assert "stock after: scheduler - s CPU (- waits), others - s, GPU 90 %" in line
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:

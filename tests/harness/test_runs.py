@@ -125,6 +125,8 @@ def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
         assert run
         assert any(t["main"] for t in run)
         assert all(t["cpu_s"] >= 0 and t["voluntary"] >= 0 for t in run)
+    procs = data["units"][0]["figures"]["processes"]
+    assert all(p["threads"] >= 1 for p in procs["measured"])
     busy = data["units"][0]["figures"]["gpu_busy"]  # None where NVML is not there
     assert set(busy) == {"measured", "stock_before", "stock_after"}
 

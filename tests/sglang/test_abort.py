@@ -15,15 +15,24 @@ pytestmark = pytest.mark.sglang
 TARGET = "sglang.srt.managers.scheduler.Scheduler.abort_request"
 
 
-def test_sglang_pops_an_aborted_waiting_request_without_finishing_it() -> None:
+def test_sglang_lets_waiting_requests_go_unfinished_where_the_hooks_wrap() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
+    from dmi_sglang.adapters.sglang_v0519.runtime_hooks import WAITING_ABORTS
+
+    assert TARGET in WAITING_ABORTS
     source = inspect.getsource(Scheduler.abort_request)
-    waiting = source[source.index("for i in reversed(to_del)"):]
+    waiting = source[source.index("for i in reversed(to_del)"):]  # the waiting queue's
     waiting = waiting[: waiting.index("\n\n")]
+    blocks = [waiting, *(inspect.getsource(getattr(Scheduler, t.rpartition(".")[2]))
+                         for t in WAITING_ABORTS if t != TARGET)]
+    for block in blocks:
+        assert "waiting_queue" in block
+        assert ".finished_reason =" not in block  # nothing marks them finished
+        assert "to_finish" not in block
     assert "self.waiting_queue.pop(i)" in waiting
-    assert "finished_reason" not in waiting
-    assert "to_finish" not in waiting
+    timeout = inspect.getsource(Scheduler._abort_on_waiting_timeout)
+    assert "self.waiting_queue = [" in timeout  # the queue is rebuilt without them
 
 
 class _Req:
@@ -60,3 +69,24 @@ def test_the_hook_reports_the_requests_the_abort_let_go(
     scheduler.waiting_queue = [keep]
     assert around(abort_request, scheduler, SimpleNamespace(rid="keep")) == "done"
     assert dropped == [[gone]]
+
+
+def test_a_failure_to_report_them_never_fails_an_engines_abort(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    def broken(reqs: Any) -> None:
+        raise RuntimeError("the capture's own bug")
+
+    mon = SimpleNamespace(active=True, requests_dropped=broken,
+                          add_host_seconds=lambda s: None, run=SimpleNamespace(run_id="r"))
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.delenv(runtime_hooks.SERVER_MARK, raising=False)
+    scheduler = SimpleNamespace(waiting_queue=[_Req("gone")])
+
+    def abort(sched: Any) -> None:  # as _abort_on_waiting_timeout: the queue rebuilt
+        sched.waiting_queue = []
+
+    assert runtime_hooks.around_waiting_abort(abort, scheduler) is None
+    assert scheduler.waiting_queue == []

@@ -155,3 +155,25 @@ def test_a_request_the_engine_let_go_unfinished_ends_incomplete_and_frees_its_sl
     assert not by["a"].committed
     assert by["a"].completion_tokens == 1
     assert by["b"].committed
+
+
+def test_a_let_go_request_keeps_only_the_logits_rows_of_the_tokens_it_kept(
+        make_driver: Any) -> None:
+    """Retracted after a decode forward whose token it did not keep, then aborted while
+    waiting: that forward's final_logits row decided nothing the request kept."""
+    sink = MemorySink()
+    d, _ = make_driver("resid_pre,final_logits", sink=sink)
+    mon = _monitor(d, sink)
+    a, b = _Req("a", 3), _Req("b", 2)
+    _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
+    a.output_ids.append(1)  # decided by the row at position 2
+    b.output_ids.append(1)
+    _forward(mon, d, BatchLayout.decode(["a", "b"], [4, 3]), [a, b])  # a's token lost:
+    mon.requests_dropped([a])  # retracted, then aborted while it waited
+    _forward(mon, d, BatchLayout.decode(["b"], [4]), [b])
+    b.done = True
+    mon.stop()
+    logits_a = sorted(p for r in sink.records if r.request_id == "a"
+                      and r.act_name == "final_logits"
+                      for p in range(r.start_token_idx, r.end_token_idx))
+    assert logits_a == [2]  # 3 + 1 - 1 = 3: the row at 3 decided nothing a kept

@@ -165,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command not in ("capture", "serve"):
         from dmi_sglang.domain.settings import redact_url
 
-        shown = " ".join(redact_url(a) if "@" in a or "://" in a else a  # a mistyped --db
-                         for a in extra)
+        shown = " ".join(redact_url(a) if _may_hold_a_password(a) else a for a in extra)
         print(f"dmi-sglang {args.command}: unknown arguments {shown}", file=sys.stderr)
         return EXIT_ERROR
     from dmi_sglang.app import cli_commands as cmd
@@ -211,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DMIError, OSError, ValueError) as exc:
         print(f"dmi-sglang {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _may_hold_a_password(arg: str) -> bool:
+    """A URL, or ``user:password@host`` (a mistyped ``--db``), not ``resid_pre@0-3``."""
+    before, at, _ = arg.partition("@")
+    return "://" in arg or (bool(at) and ":" in before)
 
 
 def _store(db: str | None) -> StoreConfig:

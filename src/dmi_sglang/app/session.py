@@ -235,7 +235,7 @@ class RequestTracker:
         """The engine let these Req objects go without finishing them (SGLang's abort
         of a request in its waiting queue, a retracted one say): those this tracker holds
         live are reported by the next :meth:`take_finished`, ended by an abort (never
-        complete; ``logits_end`` None). Finished ones are left to ``finished()``."""
+        complete). Finished ones are left to ``finished()``."""
         for req in reqs:
             rid = storable_request_id(req.rid)
             seen = self._live.get(rid)
@@ -360,8 +360,8 @@ class RequestTracker:
         return out
 
     def _take_dropped(self) -> list[tuple[str, int | None]]:
-        """The requests :meth:`dropped` named, let go: captured ones with None (their
-        capture ended by an abort)."""
+        """The requests :meth:`dropped` named, let go (their capture ended by an abort):
+        captured ones with :func:`logits_end` of the tokens they kept."""
         out: list[tuple[str, int | None]] = []
         dropped, self._dropped = self._dropped, []
         for rid, req in dropped:
@@ -376,8 +376,8 @@ class RequestTracker:
                 self.cancelled_requests += 1
             seen.req = None
             self._known.pop(id(req), None)
-            if seen.captured:
-                out.append((rid, None))
+            if seen.captured:  # its rows past the tokens it kept decided nothing kept
+                out.append((rid, logits_end(req)))
             else:
                 self._leaving.append((self._round, rid))
         return out
@@ -397,6 +397,7 @@ class RequestTracker:
                     # long serving run that leaves most requests out stays bounded
                     seen = self._seen.get(rid)
                     if seen is not None and not seen.captured and seen.notified:
+                        self._settle_decoding()  # a pending layout would bring it back
                         del self._seen[rid]
             self._skip = frozenset(self._skipped)
 
@@ -471,6 +472,12 @@ class RequestTracker:
         sink never took)."""
         self._seen[request_id].committed = True
 
+    def _settle_decoding(self) -> None:
+        """Fold the pending decode layout and let it go (the next one is folded whole)."""
+        if self._decoding is not None:
+            self._fold(self._decoding)
+            self._decoding = None
+
     def fold_pending(self) -> None:
         """Fold the newest decode layout into the requests' positions (kept as the
         newest: folding twice changes nothing); :meth:`commit` reads them."""
@@ -493,9 +500,7 @@ class RequestTracker:
         """One manifest per request seen and not committed when it finished (see
         :meth:`commit`); finished requests only count as complete, and a cancelled one
         (ended by an abort) never does: its manifest is not committed."""
-        if self._decoding is not None:
-            self._fold(self._decoding)
-            self._decoding = None
+        self._settle_decoding()
         out = []
         for rid, seen in self._seen.items():
             req = seen.req

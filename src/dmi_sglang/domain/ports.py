@@ -348,7 +348,7 @@ class CaptureTransport(Protocol):
     def undelivered_manifests(self) -> list[RequestManifest]:
         """The manifests :meth:`finish_request` was given that the sink has not taken
         (``commit_requests`` did not return yet, or never will: the run failed first).
-        A failed run's record writes them uncommitted: the store never saw them."""
+        A failed run's record writes them uncommitted (none of them was handed on)."""
         ...
 
     def drain_counters(self) -> Mapping[str, float]:

@@ -227,6 +227,8 @@ def redact_url(url: str) -> str:
     ``user:p://w@host``): everything between a leading scheme and the last ``@`` is
     hidden then."""
     head, userinfo, rest = _split_userinfo(url)
+    if head.lower() == "chdb://":  # a path holds no password, whatever it holds
+        return head + _no_query(url[len(head):])
     if not _SCHEME.fullmatch(head):
         if "@" not in url:
             return _no_query(url)

@@ -92,6 +92,8 @@ PINNED_SIGNATURES: Mapping[str, tuple[str, ...] | None] = {
     "sglang.srt.managers.scheduler:Scheduler": None,
     "sglang.srt.managers.scheduler:Scheduler.handle_shutdown": (*_SELF, "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler.abort_request": (*_SELF, "recv_req"),
+    "sglang.srt.managers.scheduler:Scheduler._abort_on_waiting_timeout": _SELF,
+    "sglang.srt.managers.scheduler:Scheduler._abort_on_queued_limit": (*_SELF, "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler.on_idle": _SELF,
     "sglang.srt.managers.scheduler:Scheduler.maybe_sleep_on_idle": _SELF,
     "sglang.srt.entrypoints.engine:Engine.collective_rpc": (*_SELF, "method", "**kwargs"),

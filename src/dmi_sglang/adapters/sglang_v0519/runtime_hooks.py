@@ -28,7 +28,7 @@ from dmi_sglang.domain.settings import (
 )
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["HOOKS", "SCHEDULER_RPCS", "SERVER_MARK", "current_monitor"]
+__all__ = ["HOOKS", "SCHEDULER_RPCS", "SERVER_MARK", "WAITING_ABORTS", "current_monitor"]
 
 log = structlog.get_logger(__name__)
 
@@ -314,26 +314,39 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
     return original(worker, batch, *args, **kw)
 
 
-def around_abort_request(original: Callable[..., Any], scheduler: Any, recv_req: Any,
-                         *args: Any, **kw: Any) -> Any:
-    """AROUND ``Scheduler.abort_request``: SGLang pops an aborted request that waits to
-    run (one retracted under memory pressure, say) from its waiting queue and lets it go
-    without finishing it, so no ``finished()`` will ever report it: the capture learns it
-    here (its capture ends incomplete, its ``last`` slot and held rows are let go)."""
+def around_waiting_abort(original: Callable[..., Any], scheduler: Any, *args: Any,
+                         **kw: Any) -> Any:
+    """AROUND each ``Scheduler`` method that aborts requests waiting to run
+    (:data:`WAITING_ABORTS`): SGLang pops them from its waiting queue (one retracted under
+    memory pressure among them, say) and lets them go without finishing them, so no
+    ``finished()`` will ever report them: the capture learns it here (their captures end
+    incomplete; a ``last`` slot and held rows are let go). Never raises for the capture:
+    the abort happened either way (a server ends the capture, an engine logs)."""
     mon = _capturing()
     queue = getattr(scheduler, "waiting_queue", None)
     if mon is None or not queue:
-        return original(scheduler, recv_req, *args, **kw)
+        return original(scheduler, *args, **kw)
     waiting = list(queue)
-    result = original(scheduler, recv_req, *args, **kw)
+    result = original(scheduler, *args, **kw)
     t0 = perf_counter()
-    still = {id(req) for req in scheduler.waiting_queue}
     try:
+        still = {id(req) for req in scheduler.waiting_queue}
         mon.requests_dropped([req for req in waiting if id(req) not in still])
     except Exception as exc:  # the capture's own code: any failure is the capture's
-        _serve_on_or_raise(scheduler.tp_worker.model_runner, mon, exc)
+        if os.environ.get(SERVER_MARK) == "1":
+            _serve_on_or_raise(scheduler.tp_worker.model_runner, mon, exc)
+        else:  # an engine's run reports its failures at its stop
+            log.error("dmi.dropped_requests_failed", run_id=mon.run.run_id, error=repr(exc))
     mon.add_host_seconds(perf_counter() - t0)
     return result
+
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+WAITING_ABORTS = (f"{_SCHED}.abort_request", f"{_SCHED}._abort_on_waiting_timeout",
+                  f"{_SCHED}._abort_on_queued_limit")
+"""SGLang 0.5.19's ways of letting requests that wait to run go unfinished: a client's
+abort, ``SGLANG_REQ_WAITING_TIMEOUT``, and ``--max-queued-requests`` (a full queue, or a
+higher priority request, evicts one)."""
 
 
 BEAM_REFUSED = ("beam search (sampling_params.beam_width > 1) is not supported while "
@@ -495,7 +508,7 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_WORKER}.forward_batch_generation", "AROUND", around_forward_batch_generation),
     ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init", "AROUND",
      around_beam_validate),
-    ("sglang.srt.managers.scheduler.Scheduler.abort_request", "AROUND", around_abort_request),
+    *((target, "AROUND", around_waiting_abort) for target in WAITING_ABORTS),
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
     ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
