@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import structlog.testing
+
 from dmi_sglang.app.session import RequestTracker
-from dmi_sglang.app.store_budget import MIN_FREE_BYTES, REFRESH_S, StoreBudget
+from dmi_sglang.app.store_budget import MIN_FREE_BYTES, REFRESH_S, RESUME_FREE_BYTES, StoreBudget
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
@@ -87,3 +89,25 @@ def test_a_disk_that_cannot_be_checked_refuses_instead_of_failing_the_run(
     refusal = budget()
     assert refusal is not None
     assert "cannot be checked" in refusal
+
+
+def test_a_disk_hovering_at_the_threshold_does_not_pause_and_resume_every_check(
+        tmp_path: Path) -> None:
+    now = [0.0]
+    free = [MIN_FREE_BYTES - (4 << 20), MIN_FREE_BYTES + (4 << 20)]  # parts come and go
+    budget = StoreBudget(StoreConfig(kind=StoreKind.EMBEDDED, path=str(tmp_path)), 0,
+                         lambda: 0, free_bytes=lambda _p: free[int(now[0]) % 2],
+                         clock=lambda: now[0])
+    tracker = RequestTracker(gate=budget)
+    with structlog.testing.capture_logs() as logs:
+        for k in range(20):  # one new request a second
+            tracker.add_reqs([SimpleNamespace(rid=f"r{k}", origin_input_ids=[1, 2, 3],
+                                              output_ids=[], finished=lambda: False)])
+            now[0] += REFRESH_S
+    events = [e["event"] for e in logs if e["event"].startswith("dmi.capture_")]
+    assert events == ["dmi.capture_paused"]
+    assert tracker.captured_requests == 0
+    free[:] = [RESUME_FREE_BYTES + 1] * 2  # room again: captures start again
+    tracker.add_reqs([SimpleNamespace(rid="later", origin_input_ids=[1], output_ids=[],
+                                      finished=lambda: False)])
+    assert tracker.captured_requests == 1

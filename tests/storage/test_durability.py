@@ -509,3 +509,61 @@ def test_finish_run_raises_when_the_files_cannot_be_synced(
     time.sleep(0.2)  # background passes fail meanwhile
     with pytest.raises(StoreError, match="syncing the files of run run"):
         commit(sink, run, [manifest("run", "r", 4, 1)])
+
+
+class _StartFailsOnce:
+    """The sink's control client; its first ``SYSTEM START MERGES`` fails with a
+    transient engine error, everything else passes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.failed = False
+
+    def command(self, sql: str, *args: Any, **kw: Any) -> Any:
+        if "START MERGES" in sql and not self.failed:
+            self.failed = True
+            raise RuntimeError("Code: 241. DB::Exception: Memory limit exceeded "
+                               "(MEMORY_LIMIT_EXCEEDED)")
+        return self._inner.command(sql, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _start_fails_once() -> tuple[Callable[[StoreConfig], Any], list[_StartFailsOnce]]:
+    made: list[_StartFailsOnce] = []
+
+    def factory(config: StoreConfig) -> Any:
+        made.append(_StartFailsOnce(connect(config)))
+        return made[-1]
+
+    return factory, made
+
+
+def test_merges_start_at_close_when_the_finishs_start_failed(
+        open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any]) -> None:
+    factory, controls = _start_fails_once()
+    sink = open_sink(client_factory=factory)
+    other = client()  # the engine stays open in this process (reads, the store owner)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    _put_flushed(sink, "r", 3)
+    commit(sink, run, [manifest("run", "r", 3, 1)])  # its START MERGES fails once
+    assert controls[0].failed
+    sink.close()  # "finish_run and close start them again"
+    assert _optimize(other) is None
+
+
+def test_too_many_parts_survives_a_failed_start_of_merges(
+        open_sink: Callable[..., ClickHouseSink], client: Callable[[], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_sink, "TOO_MANY_PARTS_WAIT_S", 5.0)
+    factory, controls = _start_fails_once()
+    sink = open_sink(client_factory=factory, retries=0, backoff_s=0.02)
+    client().command("ALTER TABLE default.offload MODIFY SETTING parts_to_throw_insert = 10, "
+                     "parts_to_delay_insert = 0")
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    _put_flushed(sink, "r", 12)  # the 11th insert finds 10 parts: TOO_MANY_PARTS
+    assert controls[0].failed
+    commit(sink, run, [manifest("run", "r", 12, 1)])

@@ -5,7 +5,8 @@ A run's store grows by what the capture hands its sink. :class:`StoreBudget` add
 (payload bytes, before the store's compression: an overestimate) to the embedded store's
 size when the run began, and compares it with ``DMX_STORE_MAX_GB`` (0: no cap); for the
 embedded store it also refuses while the store's file system has less than
-:data:`MIN_FREE_BYTES` free. It is asked once per new request, answers from a value at
+:data:`MIN_FREE_BYTES` free (and, once it refused for that, until it has
+:data:`RESUME_FREE_BYTES`). It is asked once per new request, answers from a value at
 most :data:`REFRESH_S` old, and never stops a request already captured (those finish and
 commit; the overshoot is bounded by the requests in flight).
 """
@@ -18,10 +19,14 @@ from collections.abc import Callable
 
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
-__all__ = ["MIN_FREE_BYTES", "REFRESH_S", "StoreBudget", "directory_bytes"]
+__all__ = ["MIN_FREE_BYTES", "REFRESH_S", "RESUME_FREE_BYTES", "StoreBudget", "directory_bytes"]
 
 MIN_FREE_BYTES = 2 << 30
 """New captures stop while the embedded store's file system has less free than this."""
+RESUME_FREE_BYTES = 3 << 30
+"""... and once stopped for it, start again only with this much free: a disk hovering
+at the threshold (parts written and merged away) does not pause and resume the capture
+every check."""
 REFRESH_S = 1.0
 """Longest an answer is reused."""
 _GB = 1e9
@@ -64,6 +69,7 @@ class StoreBudget:
         """The embedded store's size when the run began (counted when capped)."""
         self._at = -REFRESH_S
         self._answer: str | None = None
+        self._disk_short = False
 
     def __call__(self) -> str | None:
         now = self._clock()
@@ -83,9 +89,11 @@ class StoreBudget:
             except OSError as exc:  # the store's directory is gone or unreadable: refuse
                 self._answer = f"the store's disk cannot be checked: {exc}"
                 return self._answer
-            if free < MIN_FREE_BYTES:
+            need = RESUME_FREE_BYTES if self._disk_short else MIN_FREE_BYTES
+            self._disk_short = free < need
+            if self._disk_short:
                 self._answer = (f"the store's disk has {free / _GB:,.1f} GB free, below "
-                                f"{MIN_FREE_BYTES / _GB:,.1f} GB")
+                                f"{need / _GB:,.1f} GB")
         return self._answer
 
 

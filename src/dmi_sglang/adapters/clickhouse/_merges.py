@@ -91,11 +91,12 @@ class MergeHold:
         self.release("parts")
 
     def release(self, reason: str) -> None:
-        """Start merges again (when held); ``reason`` is logged."""
+        """Start merges again (when held); ``reason`` is logged. A start that failed
+        leaves them held, so the next release (the run's finish, the sink's close, the
+        next too-many-parts wait) tries again."""
         with self._lock:
             if not self._held:
                 return
-            self._held = False
             try:
                 self._control("starting merges",
                               lambda c: c.command(f"SYSTEM START MERGES {self._qualified}"))
@@ -103,6 +104,7 @@ class MergeHold:
                 log.warning("store.merges_not_started", table=self._qualified, reason=reason,
                             error=str(exc))
                 return
+            self._held = False
             log.info("store.merges_started", table=self._qualified, reason=reason)
 
     def _active_parts(self) -> int:

@@ -452,7 +452,7 @@ class ClickHouseSink:
                     now = time.monotonic()
                     if parts_deadline is None:
                         parts_deadline = now + TOO_MANY_PARTS_WAIT_S
-                        self._merges.release("too many parts")
+                    self._merges.release("too many parts")  # again if a start failed
                     if now >= parts_deadline:
                         what = (
                             f"inserting {taken.records} records into {table} failed: the "
