@@ -567,3 +567,18 @@ def test_too_many_parts_survives_a_failed_start_of_merges(
     _put_flushed(sink, "r", 12)  # the 11th insert finds 10 parts: TOO_MANY_PARTS
     assert controls[0].failed
     commit(sink, run, [manifest("run", "r", 12, 1)])
+
+
+def test_a_sink_closed_without_finishing_its_run_syncs_what_it_committed(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store owner closes its sink when the capturing process died: the requests
+    committed while the run went on are as durable as a finished run's."""
+    sink, _run = _capturing(open_sink, monkeypatch)  # no background pass
+    sink.commit_requests([manifest("run", "r", 4, 1)])
+    sink.flush()
+    synced = _record_fsyncs(monkeypatch)
+    sink.close()
+    written = _part_files(store) | _part_files(store, "offload_manifest")
+    assert written <= set(synced), written - set(synced)

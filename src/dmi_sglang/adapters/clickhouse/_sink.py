@@ -289,6 +289,7 @@ class ClickHouseSink:
         """
         if not self._closed:
             self._closed = True
+            unfinished = self._running
             self._stop_heartbeat()
             self._stop_sync_passes()
             self._not_live()
@@ -296,6 +297,8 @@ class ClickHouseSink:
             for t in self._threads:
                 t.join()
             self._commits.close()
+            if unfinished is not None and self._config.kind is StoreKind.EMBEDDED:
+                self._sync_unfinished(unfinished.run_id)
             self._merges.release("sink closed")
             self._close_connections()
             log.info("store.closed", url=self._config.url, writers=len(self._threads),
@@ -408,6 +411,15 @@ class ClickHouseSink:
         log.info("store.synced", run_id=run_id, path=self._config.path, files=report.files,
                  directories=report.directories, mb=round(report.nbytes / 1e6, 1),
                  seconds=round(report.seconds, 3))
+
+    def _sync_unfinished(self, run_id: str) -> None:
+        """Closing without ``finish_run`` (the run's process died, say): the requests it
+        committed meanwhile, and the rows under them, go to disk as a finished run's
+        would. A failure is logged: no row says the run itself is complete."""
+        try:
+            self._sync(run_id)
+        except StoreError as exc:
+            log.warning("store.close_sync_failed", run_id=run_id, error=str(exc))
 
     def _write_loop(self, inserter: Inserter) -> None:
         """Insert batches until the queue closes. Any exception, not only a store error
