@@ -3,13 +3,20 @@ disk runs short, and requests already captured go on."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import structlog.testing
 
 from dmi_sglang.app.session import RequestTracker
-from dmi_sglang.app.store_budget import MIN_FREE_BYTES, REFRESH_S, RESUME_FREE_BYTES, StoreBudget
+from dmi_sglang.app.store_budget import (
+    MIN_FREE_BYTES,
+    REFRESH_S,
+    RESUME_FREE_BYTES,
+    StoreBudget,
+    directory_bytes,
+)
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 
@@ -111,3 +118,13 @@ def test_a_disk_hovering_at_the_threshold_does_not_pause_and_resume_every_check(
     tracker.add_reqs([SimpleNamespace(rid="later", origin_input_ids=[1], output_ids=[],
                                       finished=lambda: False)])
     assert tracker.captured_requests == 1
+
+
+def test_a_file_linked_twice_in_the_store_counts_once(tmp_path: Path) -> None:
+    part = tmp_path / "store" / "part_1"
+    part.mkdir(parents=True)
+    (part / "data.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "store" / "part_2").mkdir()
+    os.link(part / "data.bin", tmp_path / "store" / "part_2" / "data.bin")  # a mutation's
+    (tmp_path / "store" / "other.bin").write_bytes(b"y" * 10)
+    assert directory_bytes(str(tmp_path / "store")) == 1010

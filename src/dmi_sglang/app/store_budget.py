@@ -33,14 +33,21 @@ _GB = 1e9
 
 
 def directory_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    """Bytes of the files under ``path`` (0 when it does not exist), each file once
+    however many links it has (the engine hard-links a part's files into new parts)."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for root, _dirs, files in os.walk(path):
         for name in files:
             try:
-                total += os.lstat(os.path.join(root, name)).st_size
+                st = os.lstat(os.path.join(root, name))
             except OSError:  # a part merged away meanwhile
                 continue
+            if st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
     return total
 
 
