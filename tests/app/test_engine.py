@@ -57,8 +57,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngineCalls:
         if calls.fail_start is not None:
             raise calls.fail_start
 
-    def generate(self: Any, prompt: Any = None, **kwargs: Any) -> Any:
-        calls.generated.append(kwargs)
+    def generate(self: Any, prompt: Any = None, sampling_params: Any = None,
+                 input_ids: Any = None, **kwargs: Any) -> Any:  # SGLang's leading ones
+        calls.generated.append({**kwargs, "sampling_params": sampling_params,
+                                "input_ids": input_ids})
         items = [{"text": "x", "output_ids": [1], "meta_info": {"id": f"rid-{i}"}}
                  for i, _ in enumerate(prompt if isinstance(prompt, list) else [prompt])]
         return items if isinstance(prompt, list) else items[0]
@@ -205,7 +207,7 @@ def test_generate_sends_a_capture_choice_as_custom_params(fake: FakeEngineCalls,
         {"max_new_tokens": 1, "custom_params": {"dmi_capture": True}},
         {"max_new_tokens": 1, "custom_params": {"dmi_capture": False}}]
     engine.generate(prompt="a")
-    assert "sampling_params" not in fake.generated[-1]  # nothing added unless asked
+    assert fake.generated[-1]["sampling_params"] is None  # nothing added unless asked
     with pytest.raises(ValueError, match="dmi_capture=1 is invalid"):
         engine.generate(prompt="a", dmi_capture=1)
     # found in review: SGLang fails on too few with a bare IndexError, drops too many
@@ -303,3 +305,66 @@ def test_ignored_settings_are_logged_from_the_environment_and_keywords(
         _engine(dmx_model_id="r", dmx_step_debug=1)
     ignored = sorted(e["variable"] for e in logs if e["event"] == "setting ignored")
     assert ignored == ["DMX_CH_PARALLELISM", "dmx_step_debug"]
+
+
+# -- found in review: keywords, enable, dmi_capture, positional arguments, shutdown ------
+def test_a_store_keyword_replaces_every_store_variable(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMX_DB_URL", "chdb:///data/old-store")
+    engine = _engine(dmx_model_id="r", dmx_db_host="none")  # "store nothing" wins
+    assert engine.dmi_settings.store().url == "none"
+    assert fake.env_at_start["DMX_DB_URL"] == "none"
+
+
+def test_a_store_keyword_wins_over_an_environment_null_mode(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("DMX_NULL_MODE", "1")
+    engine = _engine(dmx_model_id="r", dmx_db_url=f"chdb://{tmp_path}/new-store")
+    assert engine.dmi_settings.store().url == f"chdb://{tmp_path}/new-store"
+
+
+def test_sglang_enable_0_is_refused_before_anything_starts(fake: FakeEngineCalls) -> None:
+    with pytest.raises(ConfigurationError, match="dmx_sglang_enable=0"):
+        _engine(dmx_model_id="r", dmx_sglang_enable=0)
+    assert not fake.started.is_set()
+
+
+@pytest.mark.parametrize("capture", [(True, False), (True, False, True, False)])
+def test_a_dmi_capture_tuple_of_another_length_is_refused(
+        fake: FakeEngineCalls, tmp_path: Any, capture: tuple[bool, ...]) -> None:
+    engine = _engine(dmx_model_id="r", dmx_db_url=f"chdb://{tmp_path}/s")
+    sent = len(fake.generated)
+    with pytest.raises(ValueError, match="dmi_capture"):
+        engine.generate(prompt=["a", "b", "c"], sampling_params={"max_new_tokens": 1},
+                        dmi_capture=capture)
+    assert len(fake.generated) == sent
+
+
+def test_arguments_by_position_get_the_same_checks(
+        fake: FakeEngineCalls, tmp_path: Any) -> None:
+    engine = _engine(dmx_model_id="r", dmx_db_url=f"chdb://{tmp_path}/s")
+    with pytest.raises(ValueError, match="image_data"):
+        engine.generate("a", {"max_new_tokens": 1}, None, "x.png")
+    with pytest.raises(ValueError, match="2 values for 3 prompts"):
+        engine.generate(None, None, [[1], [2], [3]], dmi_capture=[True, False])
+    with pytest.raises(TypeError, match="sampling_params"):
+        engine.generate("a", {"max_new_tokens": 1}, sampling_params={})
+    engine.generate(["a", "b"], {"max_new_tokens": 1}, dmi_capture=[True, False])
+    sent = fake.generated[-1]["sampling_params"]
+    assert [p["custom_params"]["dmi_capture"] for p in sent] == [True, False]
+
+
+def test_stop_after_shutdown_is_a_capture_error(
+        fake: FakeEngineCalls, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.entrypoints.engine import Engine
+
+    engine = _engine(dmx_model_id="r")
+    monkeypatch.setattr(Engine, "shutdown", lambda self: None)
+    with pytest.warns(DMIWarning):
+        engine.shutdown()
+    with pytest.raises(CaptureError, match="after shutdown"):
+        engine.dmi_stop_monitoring()
+    with pytest.raises(CaptureError, match="after shutdown"):  # the same, every time
+        engine.dmi_stop_monitoring()
+    with pytest.raises(CaptureError, match="captures no more"):
+        engine.generate(prompt="a")

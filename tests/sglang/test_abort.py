@@ -90,3 +90,4 @@ def test_a_failure_to_report_them_never_fails_an_engines_abort(
 
     assert runtime_hooks.around_waiting_abort(abort, scheduler) is None
     assert scheduler.waiting_queue == []
+

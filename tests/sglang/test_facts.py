@@ -178,3 +178,16 @@ def test_model_shape_and_hooks(qwen3_dir: Path, moe_dir: Path) -> None:
     assert {"resid_pre", "q", "k", "v", "z", "mlp_post", "final_logits"} <= QWEN3_HOOKS
     with pytest.raises(UnsupportedConfigurationError, match="Qwen3MoeForCausalLM"):
         model_hooks(AutoConfig.from_pretrained(moe_dir))
+
+
+def test_the_engines_checks_name_sglangs_leading_generate_parameters() -> None:
+    """DMIEngine.generate checks arguments however they were passed: its names of
+    SGLang's first parameters, in order, are SGLang 0.5.19's."""
+    import inspect
+
+    from sglang.srt.entrypoints.engine import Engine
+
+    from dmi_sglang.app.engine import _GENERATE_LEADING
+
+    params = list(inspect.signature(Engine.generate).parameters)[1:]
+    assert tuple(params[: len(_GENERATE_LEADING)]) == _GENERATE_LEADING

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,7 +33,7 @@ from dmi_sglang.app import composition
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
 from dmi_sglang.domain.ports import EngineTap
 from dmi_sglang.domain.sampling import with_capture_param
-from dmi_sglang.domain.settings import PREFIX, Settings, ignored_variables
+from dmi_sglang.domain.settings import PREFIX, Enable, Settings, ignored_variables
 from dmi_sglang.domain.support import request_input_problem
 from dmi_sglang.errors import (
     CaptureError,
@@ -51,6 +51,9 @@ _ADAPTER = composition.nearest_sglang_adapter()  # refused at construction when 
 _Engine: Any = _ADAPTER.engine_base()
 _STARTING = threading.Lock()
 _MULTIMODAL = ("image_data", "audio_data", "video_data")
+_GENERATE_LEADING = ("prompt", "sampling_params", "input_ids", *_MULTIMODAL)
+"""The first parameters of SGLang 0.5.19's ``Engine.generate``, in order: those that
+:meth:`DMIEngine.generate` checks, whether passed by position or by name."""
 
 
 @contextmanager
@@ -95,7 +98,7 @@ def _check_capture_count(capture: object, prompt: object, input_ids: object) -> 
     Raises:
         ValueError: a list for one prompt, or another count than the prompts.
     """
-    if not isinstance(capture, list):
+    if isinstance(capture, (bool, str, bytes)) or not isinstance(capture, Sequence):
         return
     given = prompt if prompt is not None else input_ids
     if isinstance(given, str) or (isinstance(given, list) and given
@@ -138,6 +141,11 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             log.warning("setting ignored",
                         variable=variable.lower() if variable in from_keyword else variable,
                         why=why)
+        if settings.enable is Enable.OFF:
+            msg = ("dmx_sglang_enable=0 (or DMX_SGLANG_ENABLE=0) asks for no monitoring, "
+                   "which a DMIEngine always does; accepted: 1 or auto, or sglang.Engine "
+                   "for an unmonitored baseline")
+            raise ConfigurationError(msg)
         _check_selection(kwargs["model_path"], settings.hook_selection)
         _require_cuda()
         self.dmi_settings = settings
@@ -187,27 +195,31 @@ class DMIEngine(_Engine):  # type: ignore[misc]
                 multimodal inputs (no token ids to capture; refused before sending), or
                 an invalid ``dmi_capture`` (a list of another length than the prompts).
         """
-        if self._dmi_stopped or self._dmi_stop_error is not None:
-            msg = ("monitoring was stopped (dmi_stop_monitoring): this engine captures no "
-                   "more; build a new DMIEngine to capture again")
+        if self._dmi_stopped or self._dmi_stop_error is not None or \
+                getattr(self, "_dmi_shut_down", False):
+            msg = ("monitoring was stopped (dmi_stop_monitoring, or shutdown): this engine "
+                   "captures no more; build a new DMIEngine to capture again")
             raise CaptureError(msg)
-        if kwargs.get("stream"):
+        leading = _GENERATE_LEADING[: len(args)]
+        twice = sorted(set(leading) & set(kwargs))
+        if twice:
+            msg = f"generate() got multiple values for argument {twice[0]!r}"
+            raise TypeError(msg)
+        given = {**dict(zip(leading, args, strict=False)), **kwargs}  # by name, however passed
+        if given.get("stream"):
             msg = "DMIEngine.generate(stream=True) is not supported; use stream=False"
             raise ValueError(msg)
-        multimodal = [k for k in _MULTIMODAL if kwargs.get(k) is not None]
+        multimodal = [k for k in _MULTIMODAL if given.get(k) is not None]
         problem = request_input_problem(has_token_ids=not multimodal, has_input_embeds=False)
         if problem is not None:
             msg = f"DMIEngine.generate({', '.join(multimodal)}=...) is refused: {problem}"
             raise ValueError(msg)
         if dmi_capture is not None:
-            _check_capture_count(dmi_capture, args[0] if args else kwargs.get("prompt"),
-                                 kwargs.get("input_ids"))
-            if len(args) > 1:
-                args = (args[0], with_capture_param(args[1], dmi_capture), *args[2:])
-            else:
-                kwargs["sampling_params"] = with_capture_param(
-                    kwargs.get("sampling_params"), dmi_capture)
-        out = super().generate(*args, **kwargs)
+            _check_capture_count(dmi_capture, given.get("prompt"), given.get("input_ids"))
+            given["sampling_params"] = with_capture_param(given.get("sampling_params"),
+                                                          dmi_capture)
+        positional = (*(given.pop(name) for name in leading), *args[len(leading):])
+        out = super().generate(*positional, **given)
         for item in out if isinstance(out, list) else [out]:
             item["dmi_internal"] = self.dmi_handle(item["meta_info"]["id"])
         return out
@@ -229,6 +241,11 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise self._dmi_stop_error
         if self._dmi_stopped:
             return
+        if getattr(self, "_dmi_shut_down", False):
+            self._dmi_stop_error = CaptureError(
+                f"dmi_stop_monitoring() after shutdown(): the engine's scheduler is gone, "
+                f"the captures of run {self.dmi_run_id!r} are incomplete")
+            raise self._dmi_stop_error
         try:
             self._dmi_tap.stop_monitoring()
         except CaptureError as exc:
@@ -249,6 +266,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
                 DMIWarning,
                 stacklevel=2,
             )
+        self._dmi_shut_down = True
         super().shutdown()
 
 

@@ -113,6 +113,11 @@ def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
     return parse, f"an integer from {low:,} to {high:,}"
 
 
+STORE_TARGET = frozenset({"DB_URL", "DB_HOST", "DB_PORT", "DB_DATABASE", "CH_SECURE",
+                          "NULL_MODE"})
+"""Settings that say together where captures go: keywords naming one replace the
+variables of them all (:meth:`Settings.from_kwargs`)."""
+
 STORE_URL_FORMS = ("chdb:///absolute/path, http(s)://[user[:password]@]host[:port]"
                    "[/database], or none")
 """The store URLs accepted (``DMX_DB_URL``, ``--db``), in words."""
@@ -527,9 +532,13 @@ class Settings:
     def from_kwargs(
         cls, kwargs: Mapping[str, object], env: Mapping[str, str] | None = None
     ) -> Settings:
-        """Parse ``dmx_*`` keywords over ``DMX_*`` variables (keywords win)."""
+        """Parse ``dmx_*`` keywords over ``DMX_*`` variables (keywords win). A keyword
+        naming where captures go (:data:`STORE_TARGET`) wins over every variable that
+        does: the store variables the keywords leave out are dropped, not combined."""
         merged = {k: v for k, v in (os.environ if env is None else env).items()
                   if k.startswith(PREFIX)}
+        if any(k.upper()[len(PREFIX):] in STORE_TARGET for k in kwargs):
+            merged = {k: v for k, v in merged.items() if k[len(PREFIX):] not in STORE_TARGET}
         for key, value in kwargs.items():
             name = key.upper()
             bare = name[len(PREFIX):]
