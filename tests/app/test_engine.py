@@ -368,3 +368,30 @@ def test_stop_after_shutdown_is_a_capture_error(
         engine.dmi_stop_monitoring()
     with pytest.raises(CaptureError, match="captures no more"):
         engine.generate(prompt="a")
+
+
+def test_async_generate_gets_the_same_checks_and_handles(
+        fake: FakeEngineCalls, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from sglang.srt.entrypoints.engine import Engine
+
+    sent: list[dict[str, Any]] = []
+
+    async def async_generate(self: Any, prompt: Any = None, sampling_params: Any = None,
+                             **kwargs: Any) -> Any:
+        sent.append({"prompt": prompt, "sampling_params": sampling_params, **kwargs})
+        return [{"meta_info": {"id": f"rid-{i}"}} for i, _ in enumerate(prompt)]
+
+    monkeypatch.setattr(Engine, "async_generate", async_generate)
+    engine = _engine(dmx_model_id="r", dmx_db_url=f"chdb://{tmp_path}/s")
+    out = asyncio.run(engine.async_generate(["a", "b"], {"max_new_tokens": 1},
+                                            dmi_capture=[True, False]))
+    assert [o["dmi_internal"].request_id for o in out] == ["rid-0", "rid-1"]
+    assert [p["custom_params"]["dmi_capture"] for p in sent[-1]["sampling_params"]] == [
+        True, False]
+    with pytest.raises(ValueError, match="stream=True"):
+        asyncio.run(engine.async_generate(prompt=["a"], stream=True))
+    with pytest.raises(ValueError, match="2 values for 3 prompts"):
+        asyncio.run(engine.async_generate(prompt=["a", "b", "c"], dmi_capture=[True, False]))
+    assert len(sent) == 1  # nothing else sent

@@ -195,6 +195,25 @@ class DMIEngine(_Engine):  # type: ignore[misc]
                 multimodal inputs (no token ids to capture; refused before sending), or
                 an invalid ``dmi_capture`` (a list of another length than the prompts).
         """
+        positional, given = self._checked(args, kwargs, dmi_capture)
+        out = super().generate(*positional, **given)
+        return self._with_handles(out)
+
+    async def async_generate(self, *args: Any, dmi_capture: bool | list[bool] | None = None,
+                             **kwargs: Any) -> Any:
+        """``sglang.Engine.async_generate``, as :meth:`generate` (the same checks and
+        ``dmi_capture``; each output dict gains a lazy ``dmi_internal``).
+
+        Raises:
+            CaptureError / ValueError: as :meth:`generate`.
+        """
+        positional, given = self._checked(args, kwargs, dmi_capture)
+        return self._with_handles(await super().async_generate(*positional, **given))
+
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 dmi_capture: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments to send, checked (see :meth:`generate`), whether given by
+        position or by name; ``dmi_capture`` travels in the sampling parameters."""
         if self._dmi_stopped or self._dmi_stop_error is not None or \
                 getattr(self, "_dmi_shut_down", False):
             msg = ("monitoring was stopped (dmi_stop_monitoring, or shutdown): this engine "
@@ -207,7 +226,8 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise TypeError(msg)
         given = {**dict(zip(leading, args, strict=False)), **kwargs}  # by name, however passed
         if given.get("stream"):
-            msg = "DMIEngine.generate(stream=True) is not supported; use stream=False"
+            msg = ("DMIEngine.generate(stream=True) is not supported (a streamed capture "
+                   "has no single handle); use stream=False")
             raise ValueError(msg)
         multimodal = [k for k in _MULTIMODAL if given.get(k) is not None]
         problem = request_input_problem(has_token_ids=not multimodal, has_input_embeds=False)
@@ -219,7 +239,10 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             given["sampling_params"] = with_capture_param(given.get("sampling_params"),
                                                           dmi_capture)
         positional = (*(given.pop(name) for name in leading), *args[len(leading):])
-        out = super().generate(*positional, **given)
+        return positional, given
+
+    def _with_handles(self, out: Any) -> Any:
+        """``out`` (an output dict or a list of them), each with its ``dmi_internal``."""
         for item in out if isinstance(out, list) else [out]:
             item["dmi_internal"] = self.dmi_handle(item["meta_info"]["id"])
         return out
