@@ -4,10 +4,11 @@
 # targets, so the targets' cells come first with the three repeats the targets ask for:
 # call this three times on the same machine (it resumes with the units measured).
 #   bash docs/evidence/2026-12-05-h200-pieces-selective/commands/next.sh
-# Every unit also records each engine's busiest threads (CPU seconds, context switches)
-# and the GPU's busy share over its timed waves, stock's included (figures.threads,
-# figures.gpu_busy): whether stock's scheduler keeps the GPU fed, and where the monitored
-# engines' extra scheduler time goes.
+# Every unit also records, over its timed waves, stock's included, each engine process's
+# main thread and other threads (CPU seconds, context switches: figures.processes), the
+# busiest threads (figures.threads) and the GPU's busy share (figures.gpu_busy), and the
+# log prints them per wave after each unit: whether stock's scheduler keeps the GPU fed,
+# and where the monitored engines' extra scheduler time goes.
 # Afterwards, if a call is left: store:hidden-states on the reference workload (its waves
 # stop at 20 GB captured; about 190 s) and the gaps variant
 # transport:hidden-states[DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1].
