@@ -190,3 +190,22 @@ def test_serve_names_no_credentials_for_an_embedded_store(
     monkeypatch.setattr(os, "environ", dict(os.environ))
     assert _serve(["--model-path", str(model)])[0] == 0
     assert "password" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("exported", "value"), [("DMX_NULL_MODE", "1"),
+                                                  ("DMX_DB_PORT", "9000")])
+def test_db_replaces_the_exported_store_variables_in_the_servers_environment_too(
+        exported: str, value: str, model: Path, clean_env: None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found in review: --db wins over every store variable, and serve printed that
+    store, but the variables it replaced stayed in the environment of the server it
+    became, whose own reading of the settings then refused to start."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ[exported] = value
+    store = f"chdb://{tmp_path}/elsewhere"
+    code, execs = _serve(["--model-path", str(model), "--db", store])
+    assert code == 0
+    assert execs
+    assert f"into {store}" in capsys.readouterr().out
+    # what the server's plugin makes of the environment it inherits
+    assert Settings.from_env().resolve(model_path=str(model)).store().url == store

@@ -91,3 +91,35 @@ def test_a_failure_to_report_them_never_fails_an_engines_abort(
     assert runtime_hooks.around_waiting_abort(abort, scheduler) is None
     assert scheduler.waiting_queue == []
 
+
+
+def test_the_checks_sglang_runs_every_iteration_cost_nothing_while_their_setting_is_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang calls the waiting-time check every scheduler iteration and the queue limit
+    for every new request; each does nothing unless its setting is on, and then neither
+    does the hook (no copy of the queue, no report)."""
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    reports: list[list[Any]] = []
+    mon = SimpleNamespace(active=True, requests_dropped=reports.append,
+                          add_host_seconds=lambda s: None)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    monkeypatch.delenv("SGLANG_REQ_WAITING_TIMEOUT", raising=False)
+
+    def _abort_on_waiting_timeout(sched: Any) -> None:
+        return None
+
+    def _abort_on_queued_limit(sched: Any, recv_req: Any) -> bool:
+        return False
+
+    scheduler = SimpleNamespace(waiting_queue=[_Req("w")], max_queued_requests=None)
+    around = runtime_hooks.around_waiting_abort
+    around(_abort_on_waiting_timeout, scheduler)
+    around(_abort_on_queued_limit, scheduler, _Req("new"))
+    assert reports == []
+    monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "30")
+    scheduler.max_queued_requests = 8
+    around(_abort_on_waiting_timeout, scheduler)
+    around(_abort_on_queued_limit, scheduler, _Req("new"))
+    assert reports == [[], []]  # looked: nothing was let go

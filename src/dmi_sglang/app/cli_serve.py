@@ -82,6 +82,8 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
         return EXIT_NO_GPU
     store = settings.store()
     run_id = settings.model_id or ""
+    for key in [k for k in os.environ if k.startswith(PREFIX)]:  # the resolved settings
+        del os.environ[key]  # are the server's whole truth (a flag replaced some of them)
     os.environ.update({**settings.to_env(), PREFIX + "SGLANG_ENABLE": "1"})
     who = (f"requests that ask (custom_params {{\"{CAPTURE_PARAM}\": true}})"
            if settings.request_sample == 0 else

@@ -324,7 +324,7 @@ def around_waiting_abort(original: Callable[..., Any], scheduler: Any, *args: An
     the abort happened either way (a server ends the capture, an engine logs)."""
     mon = _capturing()
     queue = getattr(scheduler, "waiting_queue", None)
-    if mon is None or not queue:
+    if mon is None or not queue or not _may_drop(original, scheduler):
         return original(scheduler, *args, **kw)
     waiting = list(queue)
     result = original(scheduler, *args, **kw)
@@ -339,6 +339,20 @@ def around_waiting_abort(original: Callable[..., Any], scheduler: Any, *args: An
             log.error("dmi.dropped_requests_failed", run_id=mon.run.run_id, error=repr(exc))
     mon.add_host_seconds(perf_counter() - t0)
     return result
+
+
+def _may_drop(original: Callable[..., Any], scheduler: Any) -> bool:
+    """Whether the wrapped method can let a waiting request go now: SGLang calls the
+    waiting-time check every iteration and the queue limit for every new request, but
+    each does nothing unless its setting is on (then the queue is copied, not before)."""
+    name = getattr(original, "__name__", "")
+    if name == "_abort_on_waiting_timeout":
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_REQ_WAITING_TIMEOUT.get() > 0)
+    if name == "_abort_on_queued_limit":
+        return getattr(scheduler, "max_queued_requests", None) is not None
+    return True
 
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
