@@ -209,3 +209,23 @@ def test_db_replaces_the_exported_store_variables_in_the_servers_environment_too
     assert f"into {store}" in capsys.readouterr().out
     # what the server's plugin makes of the environment it inherits
     assert Settings.from_env().resolve(model_path=str(model)).store().url == store
+
+
+@pytest.mark.parametrize("flag", ["--encoder-only", "--smg-grpc-mode", "--grpc-mode",
+                                  "--use-ray", "--use-ray=true"])
+def test_a_server_the_capture_does_not_follow_is_refused_in_one_line(
+        flag: str, model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found in review: SGLang starts another server than its HTTP one for these, so no
+    /dmi route, no stop at exit; its schedulers would capture all the same."""
+    from dmi_sglang.app.cli import main
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    execs: list[Any] = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append(argv))
+    assert main(["serve", "--model-path", str(model), flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert flag.partition("=")[0] in err
+    assert execs == []
+    assert "DMX_SGLANG_ENABLE" not in os.environ

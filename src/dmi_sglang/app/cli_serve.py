@@ -74,6 +74,7 @@ def serve(args: argparse.Namespace, extra: Sequence[str], *,
     Raises:
         UsageError: a bad argument, named, before anything else is looked at.
     """
+    _refuse_other_servers(extra)
     settings = _settings(args)
     _plugin_will_load()
     problem = gpu_problem()
@@ -122,6 +123,23 @@ def _plugin_will_load() -> None:
         msg = (f"SGLANG_PLUGINS={allowed!r} leaves out the {PLUGIN!r} plugin: add it, or "
                "unset SGLANG_PLUGINS")
         raise UsageError(msg)
+
+
+OTHER_SERVERS = ("--encoder-only", "--smg-grpc-mode", "--grpc-mode", "--use-ray")
+"""SGLang 0.5.19 flags that start another server than its HTTP server (``launch_server``
+picks it before the HTTP server), which the capture does not follow: no ``/dmi`` routes,
+no stop at exit, and a capture failure would end the scheduler."""
+
+
+def _refuse_other_servers(extra: Sequence[str]) -> None:
+    """Raises UsageError for a flag of :data:`OTHER_SERVERS` among SGLang's arguments."""
+    for arg in extra:
+        flag = arg.partition("=")[0]
+        if flag in OTHER_SERVERS:
+            msg = (f"{flag} starts another server than SGLang's HTTP server, which the "
+                   "capture does not follow (no /dmi routes, no stop at exit); accepted: "
+                   "SGLang's HTTP server (leave out " + ", ".join(OTHER_SERVERS) + ")")
+            raise UsageError(msg)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
