@@ -582,3 +582,16 @@ def test_a_sink_closed_without_finishing_its_run_syncs_what_it_committed(
     sink.close()
     written = _part_files(store) | _part_files(store, "offload_manifest")
     assert written <= set(synced), written - set(synced)
+
+
+def test_a_server_error_no_retry_changes_is_not_retried_whatever_its_class() -> None:
+    from clickhouse_connect.driver.exceptions import OperationalError
+
+    refused = OperationalError("connection refused")  # the network: retried
+    assert is_transient(refused)
+    unknown = OperationalError("HTTP driver received HTTP status 404: Unknown table")
+    unknown.code = 60  # type: ignore[attr-defined]  # clickhouse-connect sets it when known
+    assert not is_transient(unknown)
+    busy = OperationalError("too many simultaneous queries")
+    busy.code = 202  # type: ignore[attr-defined]
+    assert is_transient(busy)  # TOO_MANY_SIMULTANEOUS_QUERIES: retried

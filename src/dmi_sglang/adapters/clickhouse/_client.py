@@ -243,7 +243,10 @@ def is_transient(exc: BaseException) -> bool:
 
     if disk_full(exc):
         return False
-    if isinstance(exc, OperationalError | OSError | TimeoutError):
+    if isinstance(exc, OperationalError):  # the connection, unless the server answered
+        code = error_code(exc)  # with an error of its own that no retry changes
+        return code is None or code in _TRANSIENT_CODES
+    if isinstance(exc, OSError | TimeoutError):
         return True
     if isinstance(exc, DatabaseError | RuntimeError):
         return error_code(exc) in _TRANSIENT_CODES
