@@ -123,3 +123,31 @@ def test_the_checks_sglang_runs_every_iteration_cost_nothing_while_their_setting
     around(_abort_on_waiting_timeout, scheduler)
     around(_abort_on_queued_limit, scheduler, _Req("new"))
     assert reports == [[], []]  # looked: nothing was let go
+
+
+def test_requests_a_retraction_ends_for_good_are_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under memory pressure ``retract_decode`` may end requests for good (its third
+    value): they leave the batch with ``to_finish`` set but are never processed, so
+    ``finished()`` never reports them."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
+
+    source = inspect.getsource(ScheduleBatch.retract_decode)
+    assert "return retracted_reqs, new_estimate_ratio, reqs_to_abort" in source
+    assert "to_finish = FINISH_ABORT(" in source
+    hooks = {target: (kind, fn) for target, kind, fn in runtime_hooks.HOOKS}
+    kind, after = hooks["sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"]
+    assert kind == "AFTER"
+    reports: list[list[Any]] = []
+    mon = SimpleNamespace(active=True, requests_dropped=reports.append)
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", mon)
+    monkeypatch.setattr(runtime_hooks, "_FAILED", None)
+    ended = _Req("ended")
+    assert after(([_Req("retracted")], 0.5, [ended]), object()) is None  # result kept
+    after(([_Req("retracted")], 0.5, []), object())  # nothing ended: nothing to say
+    assert reports == [[ended]]
+    monkeypatch.setattr(runtime_hooks, "_MONITOR", None)
+    after(([], 0.5, [ended]), object())
+    assert reports == [[ended]]

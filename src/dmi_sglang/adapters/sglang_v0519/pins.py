@@ -92,6 +92,7 @@ PINNED_SIGNATURES: Mapping[str, tuple[str, ...] | None] = {
     "sglang.srt.managers.scheduler:Scheduler": None,
     "sglang.srt.managers.scheduler:Scheduler.handle_shutdown": (*_SELF, "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler.abort_request": (*_SELF, "recv_req"),
+    "sglang.srt.managers.schedule_batch:ScheduleBatch.retract_decode": _SELF,
     "sglang.srt.managers.scheduler:Scheduler._abort_on_waiting_timeout": _SELF,
     "sglang.srt.managers.scheduler:Scheduler._abort_on_queued_limit": (*_SELF, "recv_req"),
     "sglang.srt.managers.scheduler:Scheduler.on_idle": _SELF,

@@ -355,6 +355,22 @@ def _may_drop(original: Callable[..., Any], scheduler: Any) -> bool:
     return True
 
 
+def after_retract_decode(result: Any, batch: Any, *args: Any, **kw: Any) -> None:
+    """AFTER ``ScheduleBatch.retract_decode`` (memory pressure): besides the requests it
+    retracts, it may end some for good (``reqs_to_abort``: no room even for one more
+    token), which leave the batch unprocessed, so no ``finished()`` reports them: the
+    capture learns it here, as for :func:`around_waiting_abort`."""
+    del batch, args, kw
+    mon = _capturing()
+    ended = result[2] if isinstance(result, tuple) and len(result) == 3 else None
+    if mon is None or not ended:
+        return
+    try:
+        mon.requests_dropped(list(ended))
+    except Exception as exc:  # never fails the engine's own recovery
+        log.error("dmi.dropped_requests_failed", run_id=mon.run.run_id, error=repr(exc))
+
+
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 WAITING_ABORTS = (f"{_SCHED}.abort_request", f"{_SCHED}._abort_on_waiting_timeout",
                   f"{_SCHED}._abort_on_queued_limit")
@@ -523,6 +539,8 @@ HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init", "AROUND",
      around_beam_validate),
     *((target, "AROUND", around_waiting_abort) for target in WAITING_ABORTS),
+    ("sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode", "AFTER",
+     after_retract_decode),
     ("sglang.srt.managers.scheduler.Scheduler.handle_shutdown", "BEFORE",
      before_scheduler_shutdown),
     ("sglang.srt.managers.scheduler.Scheduler.on_idle", "AFTER", after_scheduler_on_idle),
