@@ -386,3 +386,89 @@ def test_the_last_rule_stores_the_row_that_decided_the_last_token(
         assert some.positions("resid_pre", 1) == range(last, last + 1)
         assert torch.equal(some.get("resid_pre", 1), full.get("resid_pre", 1)[last:last + 1])
         assert torch.equal(some.logits, full.logits[-1:])
+
+
+# -- found in review: what is refused before any work, what a failure records ----------
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.app import composition
+
+    def no_work(*_a: object, **_k: object) -> None:
+        raise AssertionError("the capture began")
+
+    monkeypatch.setattr(composition, "run_reference_capture", no_work)
+    monkeypatch.setattr(composition, "write_demo_checkpoint", no_work)
+
+
+@pytest.mark.parametrize(("argv", "env", "words"), [
+    (["--hooks", "final_logits:topk(5000)"], {}, "--hooks 'final_logits:topk(5000)'"),
+    ([], {"DMX_HOOK_SELECTION": "final_logits:topk(5000)"}, "DMX_HOOK_SELECTION="),
+    (["--max-new-tokens", "5000"], {}, "--max-new-tokens 5000"),
+    ([], {"DMX_REQUEST_SAMPLE": "0"}, "DMX_REQUEST_SAMPLE=0")])
+def test_what_the_reference_cannot_do_is_refused_before_any_work(
+        argv: list[str], env: dict[str, str], words: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _no_work(monkeypatch)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    store = tmp_path / "captures"
+    assert main(["reference-capture", "--db", f"chdb://{store}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert words in err
+    assert not store.exists()
+
+
+def test_a_row_the_model_cannot_have_fails_before_the_run_starts() -> None:
+    from dmi_sglang.app.reference import ReferenceRequest, capture_reference
+    from dmi_sglang.domain.records import RunInfo
+    from dmi_sglang.errors import ConfigurationError
+    from dmi_sglang.testing import MemorySink
+
+    class Model:
+        shape = ModelShape(num_layers=1, hidden=2, heads=1, kv_heads=1, head_dim=2,
+                           intermediate=4, vocab=3, activation_dtype=DType.FLOAT32)
+
+        def generate(self, *_a: object, **_k: object) -> object:
+            raise AssertionError("not reached")
+
+    selection = parse_selection("final_logits:topk(5):last").resolve(
+        ModelHooks("Qwen3ForCausalLM", frozenset({"final_logits"}), 1))
+    sink = MemorySink()
+    with pytest.raises(ConfigurationError, match="topk"):
+        capture_reference(Model(), sink, RunInfo("r", "/m", (), (), "t"),  # type: ignore[arg-type]
+                          selection, [ReferenceRequest("a", (1, 2))], max_new_tokens=2)
+    assert not sink.runs  # no run left "running"
+
+
+@pytest.mark.torch
+def test_the_last_rule_counts_no_extra_forward(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from dmi_sglang import open_store
+
+    url = f"chdb://{tmp_path / 'captures'}"
+    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "fw-1",
+                 "--hooks", "resid_pre@0:last", "--max-new-tokens", "3",
+                 "--prompt", "w1 w2 w3"]) == 0
+    out = capsys.readouterr().out
+    completion = open_store(url).manifest("fw-1", "req-0").completion_tokens
+    assert f"generated {completion}; {completion} forwards in " in out, out
+
+
+@pytest.mark.torch
+def test_a_prompt_and_its_new_tokens_beyond_the_context_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from dmi_sglang import open_store
+
+    url = f"chdb://{tmp_path / 'captures'}"
+    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "ctx-1",
+                 "--hooks", "token_ids", "--max-new-tokens", "4095",
+                 "--prompt", "w1 w2 w3"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 4095" in err
+    assert "at most 4093" in err
+    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "ctx-1",
+                 "--hooks", "token_ids", "--max-new-tokens", "2",
+                 "--prompt", "w1 w2 w3"]) == 0  # the id was not taken by the refusal
+    assert open_store(url).manifest("ctx-1", "req-0") is not None

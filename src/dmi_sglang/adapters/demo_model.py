@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["SPECIAL_TOKENS", "write_demo_checkpoint"]
+__all__ = ["DEMO_GEOMETRY", "SPECIAL_TOKENS", "demo_config", "write_demo_checkpoint"]
 
 log = structlog.get_logger(__name__)
 
@@ -27,16 +27,30 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 _STD = 0.05
 
 
+DEMO_GEOMETRY = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 64, "intermediate_size": 512, "vocab_size": 1024,
+                 "max_position_embeddings": 4096}
+"""The demo checkpoint's geometry by default (``config.json``'s keys): what a run of it
+can be checked against before it is written."""
+
+
+def demo_config(layers: int) -> dict[str, Any]:
+    """The ``config.json`` values that size :func:`write_demo_checkpoint`'s default
+    checkpoint of ``layers`` layers (architecture and geometry)."""
+    return {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers,
+            **DEMO_GEOMETRY}
+
+
 def write_demo_checkpoint(
     path: str | Path,
     *,
     layers: int = 4,
-    hidden: int = 256,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 64,
-    intermediate: int = 512,
-    vocab: int = 1024,
+    hidden: int = DEMO_GEOMETRY["hidden_size"],
+    heads: int = DEMO_GEOMETRY["num_attention_heads"],
+    kv_heads: int = DEMO_GEOMETRY["num_key_value_heads"],
+    head_dim: int = DEMO_GEOMETRY["head_dim"],
+    intermediate: int = DEMO_GEOMETRY["intermediate_size"],
+    vocab: int = DEMO_GEOMETRY["vocab_size"],
     seed: int = 0,
     dtype: str = "bfloat16",
 ) -> Path:
@@ -89,7 +103,7 @@ def write_demo_checkpoint(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=DEMO_GEOMETRY["max_position_embeddings"],
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},

@@ -17,8 +17,10 @@ from typing import Any
 
 from dmi_sglang.app.reading import CaptureStore
 from dmi_sglang.app.reference import ENGINE_KEY
+from dmi_sglang.domain.hooks import ModelHooks
 from dmi_sglang.domain.records import RunSource
 from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import (
     ConfigurationError,
@@ -532,23 +534,10 @@ def _validate_reference(args: argparse.Namespace, default_layers: int,
                         default_prompts: Sequence[str]) -> tuple[Settings, list[str]]:
     """The resolved settings and the prompts of ``reference-capture``; every bad argument
     is refused here, before a model is made, loaded or the store opened."""
-    from dmi_sglang.app.composition import DEMO_MODEL_NAME, reference_hooks
+    from dmi_sglang.app.composition import DEMO_MODEL_NAME
     from dmi_sglang.domain.hooks import parse_selection
 
-    if args.model is not None:
-        if args.layers is not None:
-            msg = (f"--layers {args.layers} sets the layers of the generated demo checkpoint; "
-                   f"--model {args.model} has its own: give one of them")
-            raise UsageError(msg)
-        if not (args.model / "config.json").is_file():
-            what = "does not exist" if not args.model.exists() else "holds no config.json"
-            msg = f"--model {args.model} {what}; give a Qwen3ForCausalLM checkpoint directory"
-            raise UsageError(msg)
-    try:
-        hooks = reference_hooks(args.model, layers=args.layers or default_layers)
-    except ConfigurationError as exc:
-        msg = f"--model {args.model}: {exc}"
-        raise UsageError(msg) from None
+    hooks, shape = _reference_model(args, args.layers or default_layers)
     prompts = _reference_prompts(args, default_prompts)
     if args.run_id is not None:
         try:
@@ -565,8 +554,48 @@ def _validate_reference(args: argparse.Namespace, default_layers: int,
             raise UsageError(msg) from None
     settings = Settings.from_kwargs(_capture_settings(args)).resolve(
         model_path=str(args.model) if args.model is not None else DEMO_MODEL_NAME)
-    settings.selection.resolve(hooks)  # $DMX_HOOK_SELECTION, when --hooks is unset
+    where = f"--hooks {args.hooks!r}" if args.hooks is not None else \
+        f"DMX_HOOK_SELECTION={settings.hook_selection!r}"
+    try:  # the selection ($DMX_HOOK_SELECTION when --hooks is unset) and its row shapes
+        selection = settings.selection.resolve(hooks)
+        for hook, layer in selection.captures():
+            shape.capture_row(selection, hook, layer)
+    except ConfigurationError as exc:
+        msg = f"{where}: {exc}"
+        raise UsageError(msg) from None
+    if settings.request_sample < 1:
+        msg = (f"DMX_REQUEST_SAMPLE={settings.request_sample:g}: a reference capture stores "
+               "every prompt it is given; accepted: 1 (unset it)")
+        raise UsageError(msg)
     if settings.store().kind.value == "none":
         msg = "the store is 'none': a reference capture would store nothing; pass --db URL"
         raise UsageError(msg)
     return settings, prompts
+
+
+def _reference_model(args: argparse.Namespace, layers: int) -> tuple[ModelHooks, ModelShape]:
+    """The hooks and row shapes of ``reference-capture``'s model (``--model``, else the
+    demo checkpoint of ``layers`` layers), from its config alone; ``--model``,
+    ``--layers`` and ``--max-new-tokens`` checked against it."""
+    from dmi_sglang.app.composition import reference_hooks, reference_limits
+
+    if args.model is not None:
+        if args.layers is not None:
+            msg = (f"--layers {args.layers} sets the layers of the generated demo checkpoint; "
+                   f"--model {args.model} has its own: give one of them")
+            raise UsageError(msg)
+        if not (args.model / "config.json").is_file():
+            what = "does not exist" if not args.model.exists() else "holds no config.json"
+            msg = f"--model {args.model} {what}; give a Qwen3ForCausalLM checkpoint directory"
+            raise UsageError(msg)
+    try:
+        hooks = reference_hooks(args.model, layers=layers)
+        shape, context = reference_limits(args.model, layers=layers)
+    except ConfigurationError as exc:
+        msg = f"--model {args.model}: {exc}"
+        raise UsageError(msg) from None
+    if context is not None and args.max_new_tokens >= context:
+        msg = (f"--max-new-tokens {args.max_new_tokens} reaches the model's context of "
+               f"{context} tokens with any prompt; accepted: fewer, prompt included")
+        raise UsageError(msg)
+    return hooks, shape

@@ -479,11 +479,37 @@ def reference_hooks(model_dir: Path | None, *, layers: int) -> ModelHooks:
         ConfigurationError: no readable ``config.json``, or not a ``Qwen3ForCausalLM``
             checkpoint.
     """
-    from dmi_sglang.adapters.transformers_ref import ARCHITECTURE, model_hooks, read_config
+    from dmi_sglang.adapters.transformers_ref import model_hooks
 
-    config = (read_config(model_dir) if model_dir is not None
-              else {"architectures": [ARCHITECTURE], "num_hidden_layers": layers})
-    return model_hooks(config)
+    return model_hooks(_reference_config(model_dir, layers))
+
+
+def reference_limits(model_dir: Path | None, *, layers: int) -> tuple[ModelShape, int | None]:
+    """The row shapes of a reference capture of ``model_dir`` (None: the demo checkpoint
+    of ``layers`` layers) and its context length (None: its ``config.json`` says none),
+    from the config alone, so a selection or a length it cannot take is refused before
+    any model is made or loaded.
+
+    Raises:
+        ConfigurationError: as :func:`reference_hooks`, or sizes missing from the config.
+    """
+    from dmi_sglang.adapters.transformers_ref import model_shape
+
+    config = _reference_config(model_dir, layers)
+    try:
+        shape = model_shape(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        msg = f"its config.json gives no usable size {exc}"
+        raise ConfigurationError(msg) from None
+    positions = config.get("max_position_embeddings")
+    return shape, int(positions) if positions else None
+
+
+def _reference_config(model_dir: Path | None, layers: int) -> dict[str, Any]:
+    from dmi_sglang.adapters.demo_model import demo_config
+    from dmi_sglang.adapters.transformers_ref import read_config
+
+    return dict(read_config(model_dir)) if model_dir is not None else demo_config(layers)
 
 
 def run_reference_capture(
@@ -529,6 +555,13 @@ def run_reference_capture(
             empty = [i for i, r in enumerate(requests) if not r.prompt_ids]
             if empty:
                 msg = f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens"
+                raise UsageError(msg)
+            _, context = reference_limits(model_dir, layers=layers)
+            longest = max(len(r.prompt_ids) for r in requests)
+            if context is not None and longest + max_new_tokens > context:
+                msg = (f"--max-new-tokens {max_new_tokens} with a prompt of {longest} "
+                       f"tokens exceeds the model's context of {context} (SGLang refuses "
+                       f"such a request); accepted: at most {context - longest}")
                 raise UsageError(msg)
             selection = settings.selection.resolve(model.hooks)
             run = reference_run(settings, model, selection, model_note=note,

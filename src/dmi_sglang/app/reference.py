@@ -134,12 +134,14 @@ def capture_reference(
         StoreError: the sink failed.
     """
     started = time.perf_counter()
-    sink.start_run(run)
-    manifests: list[RequestManifest] = []
     selected = {(hook.name, layer) for hook, layer in selection.captures()}
+    for hook, layer in selection.captures():  # a row the model cannot have: before the run
+        model.shape.capture_row(selection, hook, layer)
     last = {(hook.name, layer): model.shape.capture_row(selection, hook, layer).nbytes
             for hook, layer in selection.captures_kept_by(PositionRule.LAST)}
-    seq = records = rows = nbytes = 0
+    sink.start_run(run)
+    manifests: list[RequestManifest] = []
+    seq = forwards = records = rows = nbytes = 0
     try:
         for request in requests:
             rid = storable_request_id(request.request_id)
@@ -153,6 +155,7 @@ def capture_reference(
                     newest[key] = data[len(data) - size:]
                 layout = _layout(rid, request, fwd, first=completion == 0, end=end)
                 seq += 1
+                forwards += 1
                 plan = make_plan(layout, selection, model.shape, padded=False,
                                  prompts=_prompt_of(len(request.prompt_ids)))
                 out = forward_records(plan, fwd.payloads, run_id=run.run_id, seq=seq,
@@ -188,8 +191,8 @@ def capture_reference(
         raise
     seconds = time.perf_counter() - started
     log.info("dmi.reference.committed", run_id=run.run_id, requests=len(manifests),
-             forwards=seq, records=records, seconds=round(seconds, 3))
-    return ReferenceResult(done, tuple(manifests), seq, records, rows, nbytes, seconds)
+             forwards=forwards, records=records, seconds=round(seconds, 3))
+    return ReferenceResult(done, tuple(manifests), forwards, records, rows, nbytes, seconds)
 
 
 def _prompt_of(length: int) -> Callable[[str], int | None]:
