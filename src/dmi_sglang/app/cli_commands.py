@@ -274,10 +274,10 @@ def rm(store: StoreConfig, run_id: str, *, force: bool = False, yes: bool = Fals
     elsewhere ``yes`` is required."""
     captures = CaptureStore(store)
     if not yes:
-        captures.check_deletable(run_id, force=force)  # no question about what cannot go
         if not sys.stdin.isatty():
             msg = f"rm deletes run {run_id!r} for good: pass --yes (no terminal to ask on)"
             raise UsageError(msg)
+        captures.check_deletable(run_id, force=force)  # no question about what cannot go
         try:
             answer = input(f"delete run {_shown(run_id)} from {store.url} for good? [y/N] ")
         except EOFError:  # end of input (Ctrl-D): no answer is no
