@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,10 @@ def test_demo_model_writes_a_checkpoint(tmp_path: Path,
     assert main(["demo-model", str(tmp_path / "m"), "--layers", "2"]) == 0
     assert (tmp_path / "m" / "config.json").exists()
     assert "dmi-sglang capture --model" in capsys.readouterr().out
+    spaced = tmp_path / "my models" / "m"  # the hint runs as printed, spaces and all
+    assert main(["demo-model", str(spaced), "--layers", "1"]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1].removeprefix("try: ")
+    assert shlex.split(hint)[:4] == ["dmi-sglang", "capture", "--model", str(spaced)]
 
 
 def test_unknown_options_only_for_capture(capsys: pytest.CaptureFixture[str]) -> None:

@@ -867,3 +867,19 @@ def test_the_read_address_stays_bindable_under_a_long_tmpdir(
         assert list(deep.iterdir()) == []
     finally:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def test_a_stop_at_the_end_that_fails_makes_the_servers_exit_say_so(tmp_path,
+                                                                    monkeypatch) -> None:
+    """Found in review: after SIGINT the server exited the same way whether its stop made
+    the run durable or not; now a failed stop is a non-zero exit status."""
+    from dmi_sglang.adapters.sglang_v0519.server import EXIT_NOT_DURABLE
+
+    (out, _), fake = _around(tmp_path, monkeypatch,
+                             [(True, ""), (False, "the store failed")], lambda: "served")
+    assert isinstance(out, SystemExit)
+    assert out.code == EXIT_NOT_DURABLE
+    assert [m for m, _ in fake.calls] == ["dmi_assert_active", "dmi_stop_monitoring"]
+    (out, _), _fake = _around(tmp_path, monkeypatch, [(True, ""), (True, "")],
+                              lambda: "served")
+    assert out == "served"  # durable: SGLang's own exit

@@ -297,7 +297,7 @@ def demo_model(path: Path, *, layers: int) -> int:
 
     where = write_demo_checkpoint(path, layers=layers)
     _out(f"wrote a {layers}-layer random-weight Qwen3 checkpoint to {where}")
-    _out("try: dmi-sglang capture --model " + str(where) + ' --prompt "w1 w2 w3"')
+    _out(f"try: dmi-sglang capture --model {shlex.quote(str(where))} --prompt 'w1 w2 w3'")
     return 0
 
 

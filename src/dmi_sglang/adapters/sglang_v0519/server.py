@@ -413,12 +413,19 @@ def _watching_for_shutdown(receive: Any) -> Any:
     return watching
 
 
+EXIT_NOT_DURABLE = 3
+"""The server's exit status when the stop at its end did not make the run durable
+(failed, or still running when the wait ran out)."""
+
+
 def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer_manager: Any,
                        template_manager: Any, port_args: Any, *args: Any, **kw: Any) -> Any:
     """AROUND ``http_server._setup_and_run_http_server``: check, mount, serve, stop.
 
     Raises:
         CaptureError: the schedulers do not monitor the run (nothing is served).
+        SystemExit: :data:`EXIT_NOT_DURABLE`, when the server ended (SIGINT) and the stop
+            that followed did not make the run durable (a script can tell).
     """
     from dmi_sglang.domain.settings import Settings
 
@@ -426,6 +433,7 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
     control = RunControl.bind(port_args.rpc_ipc_name, settings.model_id or "",
                               settings.store().url)
     checked = False
+    outcome: RunState | None = None
     try:
         control.check()
         checked = True
@@ -437,8 +445,8 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
         mount_reads(_sglang_app(), reads)
         log.info("dmi.serving", run_id=control.run_id, store=control.store_url,
                  status=STATUS_PATH, stop=STOP_PATH)
-        return original(server_args, tokenizer_manager, template_manager, port_args,
-                        *args, **kw)
+        result = original(server_args, tokenizer_manager, template_manager, port_args,
+                          *args, **kw)
     finally:
         # SGLang's SIGTERM path asks the schedulers to shut down, and each stops the run
         # first (runtime_hooks.before_scheduler_shutdown): a stop from here would wait for
@@ -448,9 +456,14 @@ def around_http_server(original: Callable[..., Any], server_args: Any, tokenizer
             from sglang.srt.arg_groups.overrides import resolution_result
 
             watchdog = resolution_result(server_args, "watchdog_timeout")
-            control.stop(float(watchdog) if watchdog else STOP_ANSWER_S)
+            outcome = control.stop(float(watchdog) if watchdog else STOP_ANSWER_S)
         control.close()
         _remove_read_address(os.environ.get(_state.READS_ADDRESS, ""))
+    if outcome is not None and outcome.state != "stopped":  # the server ended normally
+        log.error("dmi.exit_not_durable", run_id=control.run_id, state=outcome.state,
+                  reason=outcome.reason)
+        raise SystemExit(EXIT_NOT_DURABLE)
+    return result
 
 
 def _children_running(children: Iterable[Any] | None = None) -> bool:
