@@ -229,3 +229,17 @@ def test_a_server_the_capture_does_not_follow_is_refused_in_one_line(
     assert flag.partition("=")[0] in err
     assert execs == []
     assert "DMX_SGLANG_ENABLE" not in os.environ
+
+
+def test_serve_refuses_an_exported_sglang_enable_0(
+        model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dmi_sglang.app.cli import main
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ["DMX_SGLANG_ENABLE"] = "0"
+    execs: list[Any] = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append(argv))
+    assert main(["serve", "--model-path", str(model)]) == 2
+    assert "DMX_SGLANG_ENABLE=0" in capsys.readouterr().err
+    assert execs == []

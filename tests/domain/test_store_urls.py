@@ -3,6 +3,8 @@ errors that say what is accepted without showing a password."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import dmi_sglang
@@ -84,3 +86,34 @@ def test_an_embedded_path_is_shown_whole_whatever_it_holds() -> None:
     assert redact_url(url) == url  # a path holds no password: logs and errors name it
     assert Settings.from_env({"DMX_DB_URL": url}).to_env(include_secrets=False)[
         "DMX_DB_URL"] == url
+
+
+def test_a_store_keyword_replaces_where_but_never_drops_tls() -> None:
+    """Found in review: a URL keyword dropped an exported DMX_CH_SECURE=1, so an http://
+    URL went unencrypted without a word; a port keyword alone dropped the exported host,
+    so captures went to ./dmi-captures."""
+    secure = {"DMX_CH_SECURE": "1"}
+    with pytest.raises(ConfigurationError, match="DMX_CH_SECURE=1 contradicts"):
+        Settings.from_kwargs({"dmx_db_url": "http://h:8123/db"}, env=secure).resolve(
+            model_path="m").store()
+    host = {"DMX_DB_HOST": "ch.example", "DMX_DB_PORT": "8124"}
+    store = Settings.from_kwargs({"dmx_db_port": 8125}, env=host).resolve(
+        model_path="m").store()
+    assert (store.host, store.port) == ("ch.example", 8125)
+    store = Settings.from_kwargs({"dmx_db_url": "http://other/db"}, env=host).resolve(
+        model_path="m").store()
+    assert (store.host, store.port) == ("other", 8123)  # the exported port went with it
+
+
+def test_a_reading_commands_url_replaces_where_the_environment_says(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from dmi_sglang.app.reading import store_config
+
+    monkeypatch.setenv("DMX_NULL_MODE", "1")  # exported for an earlier capture
+    monkeypatch.setenv("DMX_DB_PORT", "9000")
+    assert store_config(f"chdb://{tmp_path}/s").path == f"{tmp_path}/s"
+    monkeypatch.delenv("DMX_NULL_MODE")
+    monkeypatch.delenv("DMX_DB_PORT")
+    monkeypatch.setenv("DMX_CH_SECURE", "1")
+    with pytest.raises(ConfigurationError, match="contradicts"):
+        store_config("http://h:8123/db")

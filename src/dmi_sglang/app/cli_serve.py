@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
-from dmi_sglang.domain.settings import PREFIX, Settings, redact_url
+from dmi_sglang.domain.settings import PREFIX, Enable, Settings, redact_url
 from dmi_sglang.errors import ConfigurationError, UsageError
 
 __all__ = ["SERVE_HOOKS", "SERVE_REQUEST_SAMPLE", "add_serve_parser", "serve"]
@@ -167,6 +167,11 @@ def _settings(args: argparse.Namespace) -> Settings:
             msg = f"{flag} {shown!r}: {exc}"
             raise UsageError(msg) from None
     settings = Settings.from_kwargs({k: v for k, v in flags.items() if v is not None}, env=env)
+    if settings.enable is Enable.OFF:
+        msg = ("DMX_SGLANG_ENABLE=0 asks for no monitoring, which dmi-sglang serve always "
+               "does; accepted: 1 or auto (unset it), or python -m sglang.launch_server "
+               "for an unmonitored server")
+        raise UsageError(msg)
     from dmi_sglang.app.cli_plan import check_selection
 
     check_selection(model, settings.hook_selection)

@@ -27,6 +27,8 @@ from dmi_sglang.errors import ConfigurationError
 
 __all__ = [
     "PREFIX",
+    "STORE_PLACE",
+    "STORE_TARGET",
     "STORE_URL_FORMS",
     "Enable",
     "Settings",
@@ -113,10 +115,12 @@ def _bounded(low: int, high: int) -> tuple[Callable[[str], int], str]:
     return parse, f"an integer from {low:,} to {high:,}"
 
 
-STORE_TARGET = frozenset({"DB_URL", "DB_HOST", "DB_PORT", "DB_DATABASE", "CH_SECURE",
-                          "NULL_MODE"})
-"""Settings that say together where captures go: keywords naming one replace the
-variables of them all (:meth:`Settings.from_kwargs`)."""
+STORE_TARGET = frozenset({"DB_URL", "DB_HOST", "NULL_MODE"})
+"""Settings that name where captures go: a keyword (or a ``--db``) naming one replaces
+the variables of :data:`STORE_PLACE` (:meth:`Settings.from_kwargs`)."""
+STORE_PLACE = STORE_TARGET | {"DB_PORT", "DB_DATABASE"}
+"""The variables that say together where captures go (``DMX_CH_SECURE`` is not one of
+them: a URL that contradicts it is refused, never quietly made plain HTTP)."""
 
 STORE_URL_FORMS = ("chdb:///absolute/path, http(s)://[user[:password]@]host[:port]"
                    "[/database], or none")
@@ -534,11 +538,11 @@ class Settings:
     ) -> Settings:
         """Parse ``dmx_*`` keywords over ``DMX_*`` variables (keywords win). A keyword
         naming where captures go (:data:`STORE_TARGET`) wins over every variable that
-        does: the store variables the keywords leave out are dropped, not combined."""
+        says where (:data:`STORE_PLACE`): those are dropped, not combined with it."""
         merged = {k: v for k, v in (os.environ if env is None else env).items()
                   if k.startswith(PREFIX)}
         if any(k.upper()[len(PREFIX):] in STORE_TARGET for k in kwargs):
-            merged = {k: v for k, v in merged.items() if k[len(PREFIX):] not in STORE_TARGET}
+            merged = {k: v for k, v in merged.items() if k[len(PREFIX):] not in STORE_PLACE}
         for key, value in kwargs.items():
             name = key.upper()
             bare = name[len(PREFIX):]

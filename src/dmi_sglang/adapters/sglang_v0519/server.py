@@ -413,7 +413,7 @@ def _watching_for_shutdown(receive: Any) -> Any:
     return watching
 
 
-EXIT_NOT_DURABLE = 3
+EXIT_NOT_DURABLE = 4
 """The server's exit status when the stop at its end did not make the run durable
 (failed, or still running when the wait ran out)."""
 
