@@ -232,10 +232,9 @@ class TorchCaptureTransport:
         self._fp16_overflows = 0
         self._read_programs: dict[int, Program] = {}
         self._reads_per_plan = reads_per_plan
-        # committed manifests by request id: of finished requests whose ``last`` reads
-        # wait; and every one handed over that the sink did not take yet (the drain's
-        # thread removes what the sink took)
-        self._manifests: dict[str, RequestManifest] = {}
+        # every committed manifest handed over that the sink did not take yet, by request
+        # id (the drain's thread removes what the sink took): those of finished requests
+        # whose ``last`` reads wait among them
         self._undelivered: dict[str, RequestManifest] = {}
         self._last_slots = LastSlots(
             selection, shape,
@@ -450,9 +449,7 @@ class TorchCaptureTransport:
         self._check_usable()
         if manifest is not None:
             self._undelivered[request_id] = manifest
-        if self._last_slots:
-            if manifest is not None:
-                self._manifests[request_id] = manifest
+        if self._last_slots:  # its manifest waits in _undelivered for the read
             self._last_slots.finished(request_id, logits_end)
             return
         self._drain.finish(request_id, logits_end, manifest)
@@ -580,7 +577,7 @@ class TorchCaptureTransport:
             self._steps += 1
             self._tensors += program.entries
         for rid, end in notices:
-            self._drain.finish(rid, end, self._manifests.pop(rid, None))
+            self._drain.finish(rid, end, self._undelivered.get(rid))
 
     def _program(self, plan: CommitPlan) -> Program:
         last_plan, last_program = self._last
