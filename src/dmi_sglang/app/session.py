@@ -343,44 +343,35 @@ class RequestTracker:
             self._changed = True  # the next call looks again, the batch changed or not
         elif done:
             self._batch = ()  # hold no finished Req
-        out: list[tuple[str, int | None]] = self._take_dropped()
-        for rid, req in done:
-            seen = self._live.pop(rid)
-            seen.notified = True
-            self._recent.append((self._round, rid))
-            self._recent_reqs[rid] = _reference(req)
-            seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
-            self._note_cancelled(seen, req)
-            seen.req = None
-            self._known.pop(id(req), None)
-            if seen.captured:
-                out.append((rid, logits_end(req)))
-            else:
-                self._leaving.append((self._round, rid))
-        return out
-
-    def _take_dropped(self) -> list[tuple[str, int | None]]:
-        """The requests :meth:`dropped` named, let go (their capture ended by an abort):
-        captured ones with :func:`logits_end` of the tokens they kept."""
         out: list[tuple[str, int | None]] = []
         dropped, self._dropped = self._dropped, []
-        for rid, req in dropped:
+        for rid, req in dropped:  # their capture ended by an abort
             seen = self._live.get(rid)
-            if seen is None or seen.req is not req:  # reported already
-                continue
-            del self._live[rid]
-            seen.notified = True
-            seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
-            if seen.captured and not seen.cancelled:
-                seen.cancelled = True
-                self.cancelled_requests += 1
-            seen.req = None
-            self._known.pop(id(req), None)
-            if seen.captured:  # its rows past the tokens it kept decided nothing kept
-                out.append((rid, logits_end(req)))
-            else:
-                self._leaving.append((self._round, rid))
+            if seen is not None and seen.req is req:  # not reported already
+                self._let_go(rid, req, out, aborted=True)
+        for rid, req in done:
+            self._recent.append((self._round, rid))
+            self._recent_reqs[rid] = _reference(req)
+            self._let_go(rid, req, out, aborted=False)
         return out
+
+    def _let_go(self, rid: str, req: TrackedRequest, out: list[tuple[str, int | None]], *,
+                aborted: bool) -> None:
+        """A live request is reported: its Req is let go (its lengths kept), a captured
+        one goes into ``out`` with :func:`logits_end` of the tokens it kept, a left-out one
+        starts its grace rounds. ``aborted``: the engine let it go unfinished (never
+        complete); else its finish reason says whether an abort ended it."""
+        seen = self._live.pop(rid)
+        seen.notified = True
+        seen.lengths = (len(req.origin_input_ids), len(req.output_ids))
+        if aborted or self._cancelled(req):
+            self._note_cancelled(seen)
+        seen.req = None
+        self._known.pop(id(req), None)
+        if seen.captured:
+            out.append((rid, logits_end(req)))
+        else:
+            self._leaving.append((self._round, rid))
 
     def _next_round(self) -> None:
         """One more round: forget the finished requests of rounds long gone, and let the
@@ -417,8 +408,8 @@ class RequestTracker:
                 continue
             seen.notified = True
             req = seen.req
-            if req is not None and req.finished():
-                self._note_cancelled(seen, req)
+            if req is not None and req.finished() and self._cancelled(req):
+                self._note_cancelled(seen)
             out.append((rid, logits_end(req) if req is not None and req.finished() else None))
         self._live.clear()
         self._known.clear()
@@ -426,8 +417,9 @@ class RequestTracker:
         self._running = frozenset()
         return out
 
-    def _note_cancelled(self, seen: _Seen, req: TrackedRequest) -> None:
-        if seen.captured and not seen.cancelled and self._cancelled(req):
+    def _note_cancelled(self, seen: _Seen) -> None:
+        """A captured request an abort ended: never complete, counted once."""
+        if seen.captured and not seen.cancelled:
             seen.cancelled = True
             self.cancelled_requests += 1
 
