@@ -34,13 +34,7 @@ from dmi_sglang.domain.records import (
     original_request_id,
     storable_request_id,
 )
-from dmi_sglang.domain.settings import (
-    PREFIX,
-    STORE_PLACE,
-    Settings,
-    StoreUrl,
-    ignored_variables,
-)
+from dmi_sglang.domain.settings import PREFIX, Settings, StoreUrl, ignored_variables
 from dmi_sglang.domain.store_config import StoreConfig
 from dmi_sglang.errors import StoreError
 
@@ -58,11 +52,12 @@ def store_config(url: str | None = None) -> StoreConfig:
         ConfigurationError: the URL is not a store URL.
     """
     env = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
-    if url is not None:  # a URL given replaces where the environment says, as a keyword
+    if url is None:
+        settings = Settings.from_env(env)
+    else:  # a URL given replaces where the environment says, as a keyword does
         StoreUrl.parse(url)  # "" too: an empty variable means unset, an empty URL is none
-        env = {k: v for k, v in env.items() if k[len(PREFIX):] not in STORE_PLACE}
-        env[PREFIX + "DB_URL"] = url
-    store = Settings.from_env(env).resolve(model_path="reader").store()
+        settings = Settings.from_kwargs({"dmx_db_url": url}, env=env)
+    store = settings.resolve(model_path="reader").store()
     for variable, why in ignored_variables(env):
         log.warning("setting ignored", variable=variable, why=why)
     return store

@@ -338,7 +338,7 @@ class StoreUrl:
                    "on 8123 (8443 with https://)")
             raise ConfigurationError(msg)
         try:
-            _host(f"[{hostname}]" if ":" in hostname else hostname)  # IPv6, bracketed
+            _host(hostname)  # (an IPv6 address: urlsplit took its brackets, _host adds them)
         except ValueError:
             msg = f"bad host {hostname!r} in {shown!r}"
             raise ConfigurationError(msg) from None
