@@ -577,7 +577,7 @@ def _reference_model(args: argparse.Namespace, layers: int) -> tuple[ModelHooks,
     """The hooks and row shapes of ``reference-capture``'s model (``--model``, else the
     demo checkpoint of ``layers`` layers), from its config alone; ``--model``,
     ``--layers`` and ``--max-new-tokens`` checked against it."""
-    from dmi_sglang.app.composition import reference_hooks, reference_limits
+    from dmi_sglang.app.composition import reference_limits
 
     if args.model is not None:
         if args.layers is not None:
@@ -589,8 +589,7 @@ def _reference_model(args: argparse.Namespace, layers: int) -> tuple[ModelHooks,
             msg = f"--model {args.model} {what}; give a Qwen3ForCausalLM checkpoint directory"
             raise UsageError(msg)
     try:
-        hooks = reference_hooks(args.model, layers=layers)
-        shape, context = reference_limits(args.model, layers=layers)
+        hooks, shape, context = reference_limits(args.model, layers=layers)
     except ConfigurationError as exc:
         msg = f"--model {args.model}: {exc}"
         raise UsageError(msg) from None

@@ -484,25 +484,27 @@ def reference_hooks(model_dir: Path | None, *, layers: int) -> ModelHooks:
     return model_hooks(_reference_config(model_dir, layers))
 
 
-def reference_limits(model_dir: Path | None, *, layers: int) -> tuple[ModelShape, int | None]:
-    """The row shapes of a reference capture of ``model_dir`` (None: the demo checkpoint
-    of ``layers`` layers) and its context length (None: its ``config.json`` says none),
-    from the config alone, so a selection or a length it cannot take is refused before
-    any model is made or loaded.
+def reference_limits(model_dir: Path | None, *,
+                     layers: int) -> tuple[ModelHooks, ModelShape, int | None]:
+    """The hooks (:func:`reference_hooks`), row shapes and context length (None: its
+    ``config.json`` says none) of a reference capture of ``model_dir`` (None: the demo
+    checkpoint of ``layers`` layers), from one read of the config, so a selection or a
+    length it cannot take is refused before any model is made or loaded.
 
     Raises:
         ConfigurationError: as :func:`reference_hooks`, or sizes missing from the config.
     """
-    from dmi_sglang.adapters.transformers_ref import model_shape
+    from dmi_sglang.adapters.transformers_ref import model_hooks, model_shape
 
     config = _reference_config(model_dir, layers)
+    hooks = model_hooks(config)
     try:
         shape = model_shape(config)
     except (KeyError, TypeError, ValueError) as exc:
         msg = f"its config.json gives no usable size {exc}"
         raise ConfigurationError(msg) from None
     positions = config.get("max_position_embeddings")
-    return shape, int(positions) if positions else None
+    return hooks, shape, int(positions) if positions else None
 
 
 def _reference_config(model_dir: Path | None, layers: int) -> dict[str, Any]:
@@ -556,7 +558,7 @@ def run_reference_capture(
             if empty:
                 msg = f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens"
                 raise UsageError(msg)
-            _, context = reference_limits(model_dir, layers=layers)
+            _, _, context = reference_limits(model_dir, layers=layers)
             longest = max(len(r.prompt_ids) for r in requests)
             if context is not None and longest + max_new_tokens > context:
                 msg = (f"--max-new-tokens {max_new_tokens} with a prompt of {longest} "

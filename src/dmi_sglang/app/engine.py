@@ -151,6 +151,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
         self.dmi_settings = settings
         self.dmi_run_id: str = settings.model_id or ""
         self._dmi_stopped = False
+        self._dmi_shut_down = False
         self._dmi_started = False
         self._dmi_stop_error: CaptureError | None = None
         self._dmi_tap: EngineTap = _ADAPTER.engine_tap(self)
@@ -214,8 +215,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
                  dmi_capture: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments to send, checked (see :meth:`generate`), whether given by
         position or by name; ``dmi_capture`` travels in the sampling parameters."""
-        if self._dmi_stopped or self._dmi_stop_error is not None or \
-                getattr(self, "_dmi_shut_down", False):
+        if self._dmi_stopped or self._dmi_stop_error is not None or self._dmi_shut_down:
             msg = ("monitoring was stopped (dmi_stop_monitoring, or shutdown): this engine "
                    "captures no more; build a new DMIEngine to capture again")
             raise CaptureError(msg)
@@ -264,7 +264,7 @@ class DMIEngine(_Engine):  # type: ignore[misc]
             raise self._dmi_stop_error
         if self._dmi_stopped:
             return
-        if getattr(self, "_dmi_shut_down", False):
+        if self._dmi_shut_down:
             self._dmi_stop_error = CaptureError(
                 f"dmi_stop_monitoring() after shutdown(): the engine's scheduler is gone, "
                 f"the captures of run {self.dmi_run_id!r} are incomplete")
