@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -295,42 +295,47 @@ def _switches(task: Path) -> tuple[int, int] | None:
         return None
 
 
-def processes_between(before: Mapping[str, tuple[float, int, int]],
-                      after: Mapping[str, tuple[float, int, int]]) -> list[Json]:
-    """Per process, between two :func:`group_threads` readings: its main thread's CPU
-    seconds and context switches, and the CPU seconds of all its other threads
-    together (a thread that started in between counts from zero)."""
-    procs: dict[str, Json] = {}
+Readings = Mapping[str, tuple[float, int, int]]
+"""What :func:`group_threads` reads."""
+
+
+def _thread_deltas(before: Readings,
+                   after: Readings) -> Iterator[tuple[str, str, str, float, int, int]]:
+    """``(process name, pid, tid, CPU seconds, voluntary, involuntary switches)`` each
+    thread used between two :func:`group_threads` readings (a thread that started in
+    between counts from zero)."""
     for key, (cpu, vol, invol) in after.items():
         was = before.get(key, (0.0, 0, 0))
         name, _, ids = key.rpartition(" ")
         pid, _, tid = ids.partition("/")
+        yield name, pid, tid, cpu - was[0], vol - was[1], invol - was[2]
+
+
+def processes_between(before: Readings, after: Readings) -> list[Json]:
+    """Per process, between two :func:`group_threads` readings: its main thread's CPU
+    seconds and context switches, and the CPU seconds of all its other threads
+    together (a thread that started in between counts from zero)."""
+    procs: dict[str, Json] = {}
+    for name, pid, tid, cpu, vol, invol in _thread_deltas(before, after):
         row = procs.setdefault(pid, {"process": name, "pid": int(pid), "main_cpu_s": 0.0,
                                      "main_voluntary": 0, "main_involuntary": 0,
                                      "others_cpu_s": 0.0, "threads": 0})
         row["threads"] += 1
         if pid == tid:
-            row.update(main_cpu_s=round(cpu - was[0], 2), main_voluntary=vol - was[1],
-                       main_involuntary=invol - was[2])
+            row.update(main_cpu_s=round(cpu, 2), main_voluntary=vol, main_involuntary=invol)
         else:
-            row["others_cpu_s"] = round(row["others_cpu_s"] + cpu - was[0], 2)
+            row["others_cpu_s"] = round(row["others_cpu_s"] + cpu, 2)
     return sorted(procs.values(), key=lambda r: -(r["main_cpu_s"] + r["others_cpu_s"]))
 
 
-def threads_between(before: Mapping[str, tuple[float, int, int]],
-                    after: Mapping[str, tuple[float, int, int]],
+def threads_between(before: Readings, after: Readings,
                     top: int = THREADS_REPORTED) -> list[Json]:
     """The ``top`` threads by CPU seconds used between two :func:`group_threads`
     readings (a thread that started in between counts from zero), each with its
     context switches in that time."""
-    rows: list[Json] = []
-    for key, (cpu, vol, invol) in after.items():
-        was = before.get(key, (0.0, 0, 0))
-        name, _, ids = key.rpartition(" ")
-        pid, _, tid = ids.partition("/")
-        rows.append({"process": name, "pid": int(pid), "tid": int(tid), "main": pid == tid,
-                     "cpu_s": round(cpu - was[0], 2), "voluntary": vol - was[1],
-                     "involuntary": invol - was[2]})
+    rows: list[Json] = [{"process": name, "pid": int(pid), "tid": int(tid), "main": pid == tid,
+                         "cpu_s": round(cpu, 2), "voluntary": vol, "involuntary": invol}
+                        for name, pid, tid, cpu, vol, invol in _thread_deltas(before, after)]
     rows.sort(key=lambda r: -r["cpu_s"])
     return rows[:top]
 

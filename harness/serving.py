@@ -331,6 +331,11 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     return out
 
 
+def _shown(value: Any, fmt: str) -> str:
+    """``value`` formatted for a table or a log line; ``-`` for None."""
+    return "-" if value is None else format(value, fmt)
+
+
 SCHEDULER_PROCESS = "sglang::scheduler"
 """How the name of SGLang's scheduler process starts (its process title)."""
 
@@ -358,9 +363,7 @@ def use_line(figures: Json) -> str:
                            waves.get(side) or [], strict=False):
             sides.append((side.replace("_", " "), scheduler_use(t, b, len(w))))
 
-    def f(v: Any, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
+    f = _shown
     return "; ".join(f"{name}: scheduler {f(u['main_cpu_s'], '.3f')} s CPU "
                      f"({f(u['main_voluntary'], '.0f')} waits), others "
                      f"{f(u['others_cpu_s'], '.3f')} s, GPU {f(u['gpu_busy_pct'], '.0f')} %"
@@ -435,9 +438,7 @@ def verdict(mode: str, figures: Json, units: Sequence[Json]) -> Json:
 
 def render(rows: Sequence[Json]) -> str:
     """The summary rows as a table."""
-    def f(v: Any, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
+    f = _shown
     head = f"{'mode':<28} {'units':>5} {'x stock':>8} {'spread':>7} {'stock sp':>8} " \
            f"{'bound':>6} {'share':>6}  status    target"
     lines = [head, "-" * len(head)]
