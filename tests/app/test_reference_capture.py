@@ -440,6 +440,13 @@ def test_a_row_the_model_cannot_have_fails_before_the_run_starts() -> None:
     assert not sink.runs  # no run left "running"
 
 
+def _one_layer(url: str, run_id: str, hooks: str, *, new_tokens: int) -> int:
+    """``reference-capture`` of a one-layer demo checkpoint, the prompt ``w1 w2 w3``."""
+    return main(["reference-capture", "--db", url, "--layers", "1", "--run-id", run_id,
+                 "--hooks", hooks, "--max-new-tokens", str(new_tokens),
+                 "--prompt", "w1 w2 w3"])
+
+
 @pytest.mark.torch
 def test_the_last_rule_counts_no_extra_forward(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -447,9 +454,7 @@ def test_the_last_rule_counts_no_extra_forward(
     from dmi_sglang import open_store
 
     url = f"chdb://{tmp_path / 'captures'}"
-    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "fw-1",
-                 "--hooks", "resid_pre@0:last", "--max-new-tokens", "3",
-                 "--prompt", "w1 w2 w3"]) == 0
+    assert _one_layer(url, "fw-1", "resid_pre@0:last", new_tokens=3) == 0
     out = capsys.readouterr().out
     completion = open_store(url).manifest("fw-1", "req-0").completion_tokens
     assert f"generated {completion}; {completion} forwards in " in out, out
@@ -462,13 +467,9 @@ def test_a_prompt_and_its_new_tokens_beyond_the_context_are_refused(
     from dmi_sglang import open_store
 
     url = f"chdb://{tmp_path / 'captures'}"
-    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "ctx-1",
-                 "--hooks", "token_ids", "--max-new-tokens", "4095",
-                 "--prompt", "w1 w2 w3"]) == 2
+    assert _one_layer(url, "ctx-1", "token_ids", new_tokens=4095) == 2
     err = capsys.readouterr().err
     assert "--max-new-tokens 4095" in err
     assert "at most 4093" in err
-    assert main(["reference-capture", "--db", url, "--layers", "1", "--run-id", "ctx-1",
-                 "--hooks", "token_ids", "--max-new-tokens", "2",
-                 "--prompt", "w1 w2 w3"]) == 0  # the id was not taken by the refusal
+    assert _one_layer(url, "ctx-1", "token_ids", new_tokens=2) == 0  # the id is free
     assert open_store(url).manifest("ctx-1", "req-0") is not None

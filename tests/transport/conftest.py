@@ -19,6 +19,7 @@ import torch
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
+from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, Decision, RingCapacity
 from dmi_sglang.domain.hooks import (
     CATALOG,
@@ -31,7 +32,7 @@ from dmi_sglang.domain.hooks import (
 )
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
-from dmi_sglang.domain.records import CaptureRecord
+from dmi_sglang.domain.records import CaptureRecord, RunInfo
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 
@@ -216,6 +217,24 @@ class Driver:
             want_positions = [p for a, b in want_ranges for p in range(a, b)]
             got_positions = [p for a, b in got[key] for p in range(a, b)]
             assert got_positions == want_positions, key
+
+
+def monitor_of(d: Driver, sink: MemorySink, **kw: Any) -> SchedulerMonitor:
+    """The capture session of run ``run-1`` over ``d``'s transport and selection."""
+    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
+    return SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
+                            sink=sink, strip=True, **kw)
+
+
+def captured_forward(mon: SchedulerMonitor, d: Driver, layout: BatchLayout,
+                     reqs: Sequence[TrackedReq]) -> None:
+    """One captured eager forward of ``reqs``, as the runtime hooks drive it."""
+    mon.add_requests(reqs, frozenset())
+    mon.begin_forward()
+    mon.commit_eager(layout)
+    d.fire(layout)
+    mon.end_forward()
+    d.step += 1
 
 
 def two_requests(d: Driver, *, padded: bool) -> None:

@@ -10,27 +10,27 @@ import pytest
 
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.records import RunInfo, RunStatus
+from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.errors import CaptureError
 from dmi_sglang.testing import MemorySink
 
-from .conftest import SHAPE  # type: ignore[import-not-found]
 from .conftest import TrackedReq as _Req  # type: ignore[import-not-found]
+from .conftest import captured_forward as _forward  # type: ignore[import-not-found]
+from .conftest import monitor_of as _monitor  # type: ignore[import-not-found]
 
 
-def _monitor(d: Any, sink: MemorySink) -> SchedulerMonitor:
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    return SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                            sink=sink, strip=True)
+def _session(make_driver: Any, text: str) -> tuple[MemorySink, Any, SchedulerMonitor]:
+    """A sink, a driver capturing ``text`` into it, and the capture session over both."""
+    sink = MemorySink()
+    d, _ = make_driver(text, sink=sink)
+    return sink, d, _monitor(d, sink)
 
 
-def _forward(mon: SchedulerMonitor, d: Any, layout: BatchLayout, reqs: list[_Req]) -> None:
-    mon.add_requests(reqs, frozenset())
-    mon.begin_forward()
-    mon.commit_eager(layout)
-    d.fire(layout)
-    mon.end_forward()
-    d.step += 1
+def _fail(mon: SchedulerMonitor) -> None:
+    """A server's capture failure, and the wait for the failed run's record."""
+    mon.fail(CaptureError("the capture failed"))
+    assert mon._failing is not None
+    mon._failing.join(10)
 
 
 def _failed_record(sink: MemorySink) -> set[str]:
@@ -41,9 +41,7 @@ def _failed_record(sink: MemorySink) -> set[str]:
 
 
 def test_a_finish_the_failed_transport_refused_keeps_its_manifest(make_driver: Any) -> None:
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre")
     a = _Req("a", 3)
     _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
     a.output_ids.append(1)
@@ -58,9 +56,7 @@ def test_a_finish_the_failed_transport_refused_keeps_its_manifest(make_driver: A
 
 def test_a_manifest_waiting_for_its_last_read_is_in_the_failed_record(
         make_driver: Any) -> None:
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre:last", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre:last")
     a = _Req("a", 3)
     _forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [a])
     a.output_ids.append(1)
@@ -69,18 +65,14 @@ def test_a_manifest_waiting_for_its_last_read_is_in_the_failed_record(
     mon.add_requests([b], frozenset())
     mon.begin_forward()  # reports "a": its manifest waits for this step's commit
     mon.abort_forward()  # the forward failed before its commit
-    mon.fail(CaptureError("the capture failed"))
-    assert mon._failing is not None
-    mon._failing.join(10)
+    _fail(mon)
     assert "a" in _failed_record(sink)
     assert "a" not in {m.request_id for m in sink.manifests if m.committed}
 
 
 def test_a_delivered_manifest_is_not_written_again_by_the_failed_record(
         make_driver: Any) -> None:
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre")
     a, b = _Req("a", 3), _Req("b", 2)
     _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
     a.output_ids.append(1)
@@ -91,18 +83,14 @@ def test_a_delivered_manifest_is_not_written_again_by_the_failed_record(
     while d.t.undelivered_manifests() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert d.t.undelivered_manifests() == []
-    mon.fail(CaptureError("the capture failed"))
-    assert mon._failing is not None
-    mon._failing.join(10)
+    _fail(mon)
     assert _failed_record(sink) == {"b"}  # "a" stays committed
     assert "a" in {m.request_id for m in sink.manifests if m.committed}
 
 
 def test_a_reused_id_beside_it_does_not_report_a_finished_request_before_its_last_forward(
         make_driver: Any) -> None:
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre,final_logits", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre,final_logits")
     old_r, a = _Req("r", 3), _Req("a", 4)
     _forward(mon, d, BatchLayout.extend(["r", "a"], [0, 0], [3, 4]), [old_r, a])
     old_r.output_ids.append(1)
@@ -131,9 +119,7 @@ def test_a_request_the_engine_let_go_unfinished_ends_incomplete_and_frees_its_sl
     import gc
     import weakref
 
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre:last", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre:last")
     a, b = _Req("a", 3), _Req("b", 2)
     _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
     a.output_ids.append(1)
@@ -161,9 +147,7 @@ def test_a_let_go_request_keeps_only_the_logits_rows_of_the_tokens_it_kept(
         make_driver: Any) -> None:
     """Retracted after a decode forward whose token it did not keep, then aborted while
     waiting: that forward's final_logits row decided nothing the request kept."""
-    sink = MemorySink()
-    d, _ = make_driver("resid_pre,final_logits", sink=sink)
-    mon = _monitor(d, sink)
+    sink, d, mon = _session(make_driver, "resid_pre,final_logits")
     a, b = _Req("a", 3), _Req("b", 2)
     _forward(mon, d, BatchLayout.extend(["a", "b"], [0, 0], [3, 2]), [a, b])
     a.output_ids.append(1)  # decided by the row at position 2

@@ -11,11 +11,12 @@ import pytest
 
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.records import RequestManifest, RunInfo
+from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.testing import MemorySink
 
-from .conftest import SHAPE  # type: ignore[import-not-found]
 from .conftest import TrackedReq as _Req  # type: ignore[import-not-found]
+from .conftest import captured_forward as _forward  # type: ignore[import-not-found]
+from .conftest import monitor_of as _monitor  # type: ignore[import-not-found]
 
 
 class _RecordingSink(MemorySink):
@@ -30,22 +31,6 @@ class _RecordingSink(MemorySink):
             self.at_commit[m.request_id] = sum(
                 1 for r in self.records if r.request_id == m.request_id)
         super().commit_requests(manifests)
-
-
-def _monitor(d, sink: _RecordingSink, **kw) -> SchedulerMonitor:
-    run = RunInfo("run-1", "toy", (), (), "2026-01-01T00:00:00+00:00")
-    return SchedulerMonitor(run=run, selection=d.selection, shape=SHAPE, transport=d.t,
-                            sink=sink, strip=True, **kw)
-
-
-def _forward(mon: SchedulerMonitor, d, layout: BatchLayout, reqs) -> None:
-    """One captured forward of ``reqs``, as the runtime hooks drive it."""
-    mon.add_requests(reqs, frozenset())
-    mon.begin_forward()
-    mon.commit_eager(layout)
-    d.fire(layout)
-    mon.end_forward()
-    d.step += 1
 
 
 def _prefilled_and_done(mon: SchedulerMonitor, d) -> _Req:
