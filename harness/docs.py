@@ -95,7 +95,7 @@ def serving_table(found: Found, docs: Path) -> str:
     from."""
     from harness.serving import summarize
 
-    rows: dict[tuple[str, str], tuple[Path, Json, Json]] = {}
+    rows: dict[tuple[str, str, str], tuple[Path, Json, Json]] = {}
     for path, d in found:
         if d["kind"] == "serving" and d["name"] == "serving":
             stored = {r["mode"]: r for r in d.get("summary") or []}
@@ -108,23 +108,38 @@ def serving_table(found: Found, docs: Path) -> str:
                 r = {k: old.get(k) if v is None and k != "ratio_spread" else v
                      for k, v in made.items()}  # one unit's spread: none, not 0 %
                 if r.get("units"):
-                    rows[(str(d["settings"]["model"]), str(r["mode"]))] = (path, d, r)
+                    key = (str(d["settings"]["model"]), str(r["mode"]), card(d))
+                    rows[key] = (path, d, r)
+    known = {(model, mode) for model, mode, gpu in rows if gpu != "-"}
+    rows = {k: v for k, v in rows.items() if k[2] != "-" or k[:2] not in known}
     if not rows:
         return ""
-    lines = ["| mode | workload | engines | x stock (median) | spread | stock spread | bound | "
-             "bound share | status | target | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (_, mode), (path, d, r) in rows.items():
+    lines = ["| mode | card | workload | engines | x stock (median) | spread | stock spread | "
+             "bound | bound share | status | target | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (_, mode, gpu), (path, d, r) in rows.items():
         s = d["settings"]
         cap = s.get("stored_cell_capture_bytes") if str(mode).startswith("store:") else None
         work = (f"{s['model']}, {s['batch']} x {s['prompt_len']} + {s['output_len']}, "
                 f">= {s['min_seconds']:g} s" + (f" or {cap / 1e9:g} GB" if cap else ""))
         lines.append(
-            f"| {mode} | {work} | {r['units']} | {_f(r['ratio'], '.3f')} | "
+            f"| {mode} | {gpu} | {work} | {r['units']} | {_f(r['ratio'], '.3f')} | "
             f"{_f(r['ratio_spread'], '.1%')} | {_f(r['stock_spread'], '.1%')} | "
             f"{_f(r['bound'], '.2f')} | {_f(r.get('bound_share', r.get('of_bound')), '.2f')} "
             f"| {r['status']} | {_target(d, r)} | {_source(path, d, docs)} |")
     return "\n".join(lines)
+
+
+def card(result: Json) -> str:
+    """The GPU a serving result ran on, as its units' software check compared it (``-``
+    for results that did not record it): ratios of different cards are not comparable, so
+    each card keeps its own rows."""
+    for unit in result.get("units") or []:
+        compared = ((unit.get("checks") or {}).get("same_software") or {}).get("compared")
+        devices = (compared or {}).get("device") or []
+        if devices and devices[0]:
+            return str(devices[0]).removeprefix("NVIDIA ")
+    return "-"
 
 
 def _target(result: Json, row: Json) -> str:

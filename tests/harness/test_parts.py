@@ -194,6 +194,35 @@ def test_the_serving_table_keeps_a_row_per_model_each_judged_by_its_own_target(
     assert "| ratio >= 0.97: PASS |" in rows[1]
 
 
+def test_the_serving_table_keeps_each_cards_latest_row_and_names_the_card(
+        tmp_path: Path) -> None:
+    """Ratios of different GPUs are not comparable: an H100 result does not replace the
+    H200 row of its mode; a result that recorded no card gives way to one that did."""
+    def serving(name: str, ratio: float, device: str | None) -> tuple[Path, dict[str, Any]]:
+        workload = {"model": "0.6b", "batch": 64, "prompt_len": 256, "output_len": 128,
+                    "min_seconds": 30.0}
+        data = result("serving", "serving", workload)
+        checks = ({"same_software": {"ok": True, "compared": {"device": [device, device]}}}
+                  if device else {})
+        data["units"] = [{"settings": workload | {"mode": "store:resid_pre:last"},
+                          "status": "passed", "checks": checks}]
+        data["summary"] = [{"mode": "store:resid_pre:last", "units": 1, "status": "passed",
+                            "ratio": ratio, "ratio_spread": None, "stock_spread": 0.01,
+                            "bound": 1.0, "bound_share": ratio}]
+        return tmp_path / f"{name}.json", finish(data, "passed")
+
+    found = [serving("old", 0.5, None), serving("h200", 0.895, "NVIDIA H200"),
+             serving("h100", 0.914, "NVIDIA H100 80GB HBM3")]
+    rows = [line for line in docs.serving_table(found, tmp_path).splitlines()
+            if line.startswith("| store:")]
+    assert len(rows) == 2, rows
+    assert rows[0].startswith("| store:resid_pre:last | H200 |") and "| 0.895 |" in rows[0]
+    assert rows[1].startswith("| store:resid_pre:last | H100 80GB HBM3 |")
+    assert "| 0.914 |" in rows[1]
+    alone = docs.serving_table([serving("old", 0.5, None)], tmp_path)
+    assert "| store:resid_pre:last | - |" in alone
+
+
 def test_the_deadline_setting_is_one_number_of_seconds() -> None:
     assert Deadline(env={}).left() == float("inf")
     assert Deadline(env={"DMI_HARNESS_DEADLINE_S": "60"}, clock=lambda: 0.0).at == 60.0
