@@ -5,6 +5,7 @@ reported."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ from safetensors.torch import load as load_safetensors
 
 from dmi_sglang.app.export import StoreReads
 from dmi_sglang.app.handle import CaptureHandle
+from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.hooks import hook_by_name
+from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.errors import IncompleteCaptureError, StoreError
 
-from ._tp_data import PROMPT, RUN, whole_tensors, write
+from ._tp_data import PROMPT, RUN, RUN_INFO, finish, stored, whole_tensors, write
 from .conftest import Backend
 
 
@@ -97,3 +100,50 @@ def test_batches_within_answer_one_batch_per_part_in_shard_order(backend: Backen
     acts = [[r.act_name for r in b.records()] for b in batches]
     assert acts == [["blocks.attn.hook_q"] * 2 + ["blocks.hook_resid_pre"] * 2,
                     ["blocks.attn.hook_q"] * 2]
+
+
+def _write_with_negative_stray(backend: Backend) -> None:
+    """The TP=2 run of ``_tp_data`` plus one record of resid_pre as ``shard_rank -1``, a
+    part no plan has (the Int32 column and RecordBatch both take it)."""
+    wholes = whole_tensors()
+    backend.sink.start_run(RUN_INFO)
+    for batch in stored(wholes):
+        backend.sink.put(batch)
+    rows = (wholes["resid_pre"][:PROMPT] * 0 + 999).contiguous()
+    backend.sink.put(RecordBatch.from_records([CaptureRecord(
+        model_id=RUN, request_id="r", act_name=hook_by_name("resid_pre").act_name,
+        layer_no=0, shard_rank=-1, start_token_idx=0, end_token_idx=PROMPT,
+        dtype="torch.float32", shape=tuple(rows.shape), payload=rows.numpy().tobytes(),
+        seq=5)]))
+    finish(backend.sink)
+
+
+def _write_with_uneven_q(backend: Backend) -> None:
+    """The TP=2 run of ``_tp_data``, but shard_rank 1 of q holds one head where shard 0
+    holds two: parts that cannot be joined (SGLang splits heads evenly)."""
+    wholes = whole_tensors()
+    backend.sink.start_run(RUN_INFO)
+    for batch in stored(wholes, drop={("q", 1, 0), ("q", 1, 1)}):
+        backend.sink.put(batch)
+    for seq, (start, end) in enumerate(((0, PROMPT), (PROMPT, PROMPT + 1))):
+        rows = wholes["q"][start:end, 3:4].contiguous()
+        backend.sink.put(RecordBatch.from_records([CaptureRecord(
+            model_id=RUN, request_id="r", act_name=hook_by_name("q").act_name, layer_no=0,
+            shard_rank=1, start_token_idx=start, end_token_idx=end, dtype="torch.float32",
+            shape=tuple(rows.shape), payload=rows.numpy().tobytes(), seq=seq)]))
+    finish(backend.sink)
+
+
+@pytest.mark.parametrize("write_damaged", [_write_with_negative_stray, _write_with_uneven_q],
+                         ids=["negative-shard-rank", "parts-of-two-shapes"])
+def test_a_damaged_store_is_incomplete_and_its_export_is_refused_before_any_byte(
+        backend: Backend, write_damaged: Callable[[Backend], None]) -> None:
+    """A part no plan has, or parts whose rows cannot be joined: ``get()`` refuses them,
+    so the capture is not reported available and an export sends nothing (it once sent
+    its header, a 200 with its length, and then failed mid-stream)."""
+    write_damaged(backend)
+    assert CaptureHandle(RUN, "r", backend.reader).missing != ()
+    reads = StoreReads(backend.reader)
+    assert reads.listing(RUN, "r")["complete"] is False
+    with pytest.raises(LookupError):
+        reads.safetensors(RUN, "r")

@@ -101,6 +101,20 @@ def test_a_layout_sglang_cannot_have_is_refused(kwargs: dict[str, object], named
         TensorParallel(**kwargs)  # type: ignore[arg-type]
 
 
+@given(layouts(), st.sampled_from(CATALOG))
+def test_a_rank_beyond_the_runs_ranks_is_refused_not_told_to_store_nothing(
+        tp: TensorParallel, hook: Hook) -> None:
+    """None means "a replica another rank stores": a rank the run does not have (a global
+    rank, another run's tp_size) would drop its part silently."""
+    with pytest.raises(ValueError, match=f"rank={tp.tp_size}"):
+        tp.plan(hook).shard_of(tp.tp_size)
+
+
+def test_an_unknown_act_is_one_part_every_rank_holds() -> None:
+    plan = TensorParallel(4, 4).plan_for_act("not_a_hook")
+    assert [plan.shard_of(r) for r in range(4)] == [0, None, None, None]
+
+
 @pytest.mark.parametrize(("make", "named"), [
     (lambda: ShardPlan(TpRule.SHARDED, 0), "parts=0"),
     (lambda: ShardPlan(TpRule.SHARDED, 2, replicas=0), "replicas=0"),

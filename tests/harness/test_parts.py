@@ -216,7 +216,8 @@ def test_the_serving_table_keeps_each_cards_latest_row_and_names_the_card(
     rows = [line for line in docs.serving_table(found, tmp_path).splitlines()
             if line.startswith("| store:")]
     assert len(rows) == 2, rows
-    assert rows[0].startswith("| store:resid_pre:last | H200 |") and "| 0.895 |" in rows[0]
+    assert rows[0].startswith("| store:resid_pre:last | H200 |")
+    assert "| 0.895 |" in rows[0]
     assert rows[1].startswith("| store:resid_pre:last | H100 80GB HBM3 |")
     assert "| 0.914 |" in rows[1]
     alone = docs.serving_table([serving("old", 0.5, None)], tmp_path)

@@ -9,7 +9,7 @@ then sliced out of their records and concatenated in position order.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -52,6 +52,8 @@ def missing(
     run: RunInfo | None,
     manifest: RequestManifest | None,
     ranges: Sequence[tuple[str, int, int, int, int]],
+    *,
+    mixed: Collection[tuple[str, int]] = (),
 ) -> tuple[str, ...]:
     """Why a request's capture is not complete; empty when it is.
 
@@ -64,8 +66,10 @@ def missing(
     ``RecordSink.commit_requests``), or when the run stopped cleanly; so a committed
     request stays complete whatever becomes of its run later.
 
-    A record of a part the run does not store (``shard_rank`` beyond its parts) makes
-    the capture incomplete too: the store is damaged, and nothing of it is read.
+    A record of a part the run does not store (``shard_rank`` outside its parts), or
+    records of one ``(act_name, layer)`` in more than one dtype or row shape (``mixed``:
+    the reader's :attr:`~dmi_sglang.domain.ports.RequestExtents.mixed`), make the
+    capture incomplete too: the store is damaged, and nothing of it is read.
 
     Raises:
         StoreError: the run's tensor-parallel setting is damaged.
@@ -83,7 +87,8 @@ def missing(
     for act, layer in run.captures:
         kept = selected_positions(manifest, act, rules.get((act, layer)))
         parts = tp.plan_for_act(act).parts
-        stray = sorted(sh for a, n, sh in by_key if (a, n) == (act, layer) and sh >= parts)
+        stray = sorted(sh for a, n, sh in by_key
+                       if (a, n) == (act, layer) and not 0 <= sh < parts)
         if stray:  # a damaged store: refused here, before any export starts
             reasons.append(f"{act} layer {layer}: records of shard_rank {stray}, but the run "
                            f"stores {parts} part(s) of it")
@@ -98,6 +103,9 @@ def missing(
                 part = f" shard_rank {shard}" if parts > 1 else ""
                 reasons.append(f"{act} layer {layer}{part}: positions "
                                f"{', '.join(gaps[:4])}{more} missing")
+        if (act, layer) in mixed:
+            reasons.append(f"{act} layer {layer}: records of more than one dtype or row "
+                           "shape (a damaged store: its rows or parts cannot be joined)")
     return tuple(reasons)
 
 

@@ -298,7 +298,8 @@ def _listing(reader: RecordReader, run_id: str,
     if manifest is None and not extents.ranges:
         msg = f"run {run_id!r} holds nothing of request {request_id!r}"
         raise NotInStoreError(msg)
-    reasons = missing(run_id, request_id, run, manifest, extents.ranges)
+    reasons = missing(run_id, request_id, run, manifest, extents.ranges,
+                      mixed=extents.mixed)
     tensors = _tensors(extents.layouts, run, manifest) if not reasons and manifest else []
     out: dict[str, object] = {
         "run_id": run_id, "request_id": request_id, "run_status": run.status.value,

@@ -114,8 +114,10 @@ class CaptureHandle:
                 return ()
             run = reader.run(self.run_id)
             manifest = reader.manifest(self.run_id, self.request_id)
-            ranges = reader.ranges(self.run_id, self.request_id) if manifest else []
-            reasons = missing(self.run_id, self.request_id, run, manifest, ranges)
+            extents = reader.extents(self.run_id, self.request_id) if manifest else None
+            reasons = missing(self.run_id, self.request_id, run, manifest,
+                              extents.ranges if extents else (),
+                              mixed=extents.mixed if extents else ())
             if not reasons and run is not None and manifest is not None:
                 self._state = (run, manifest)
             return reasons

@@ -29,7 +29,8 @@ from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo
 from dmi_sglang.domain.settings import Settings
-from dmi_sglang.domain.shapes import ModelShape
+from dmi_sglang.domain.shapes import DType, ModelShape
+from dmi_sglang.errors import ConfigurationError
 
 __all__ = [
     "CaptureReads",
@@ -107,6 +108,9 @@ class RequestExtents:
 
     ranges: tuple[StoredRange, ...]
     layouts: tuple[RowLayout, ...]
+    mixed: tuple[tuple[str, int], ...] = ()
+    """The ``(act_name, layer_no)`` whose records (of any part) name more than one dtype
+    or row shape: a damaged store, whose rows or parts cannot be joined."""
 
     @classmethod
     def from_rows(cls, rows: Iterable[tuple[str, int, int, int, int, str, Sequence[int]]],
@@ -116,11 +120,25 @@ class RequestExtents:
         ``(act_name, layer_no)`` in sorted order)."""
         ranges: set[StoredRange] = set()
         layouts: dict[tuple[str, int], RowLayout] = {}
+        mixed: set[tuple[str, int]] = set()
         for act, layer, shard, start, end, dtype, row_shape in sorted(
                 rows, key=lambda r: (r[0], r[1], r[2], r[3], r[4])):
             ranges.add((act, layer, shard, start, end))
-            layouts.setdefault((act, layer), RowLayout(act, layer, dtype, tuple(row_shape)))
-        return cls(tuple(sorted(ranges)), tuple(layouts[k] for k in sorted(layouts)))
+            layout = RowLayout(act, layer, dtype, tuple(row_shape))
+            first = layouts.setdefault((act, layer), layout)
+            if (first.row_shape != layout.row_shape
+                    or _dtype_key(first.dtype) != _dtype_key(layout.dtype)):
+                mixed.add((act, layer))
+        return cls(tuple(sorted(ranges)), tuple(layouts[k] for k in sorted(layouts)),
+                   tuple(sorted(mixed)))
+
+
+def _dtype_key(name: str) -> str:
+    """A stored dtype name in one spelling (an unknown name as it is)."""
+    try:
+        return DType.parse(name).value
+    except ConfigurationError:
+        return name
 
 
 @runtime_checkable

@@ -97,15 +97,13 @@ class ShardPlan:
         that rank stores nothing (a replica another rank stores).
 
         Raises:
-            ValueError: a negative rank.
+            ValueError: a rank outside ``0 .. parts * replicas - 1`` (the run's ranks).
         """
-        if rank < 0:
-            msg = f"rank={rank}; accepted: a rank from 0"
+        ranks = self.parts * self.replicas
+        if not 0 <= rank < ranks:
+            msg = f"rank={rank}; accepted: a rank from 0 to {ranks - 1}"
             raise ValueError(msg)
-        if rank % self.replicas:
-            return None
-        shard = rank // self.replicas
-        return shard if shard < self.parts else None
+        return None if rank % self.replicas else rank // self.replicas
 
 
 def _partial_names(values: Iterable[str]) -> frozenset[str]:
@@ -167,9 +165,12 @@ class TensorParallel:
         return ShardPlan(TpRule.SHARDED, self.tp_size)
 
     def plan_for_act(self, act_name: str) -> ShardPlan:
-        """:meth:`plan` of the hook stored under ``act_name`` (unknown names: one part)."""
+        """:meth:`plan` of the hook stored under ``act_name`` (unknown names: one part,
+        which every rank holds)."""
         hook = _BY_ACT.get(act_name)
-        return self.plan(hook) if hook is not None else ShardPlan(TpRule.REPLICATED, 1)
+        if hook is None:
+            return ShardPlan(TpRule.REPLICATED, 1, replicas=self.tp_size)
+        return self.plan(hook)
 
     def to_setting(self) -> str:
         """The :data:`TP_KEY` value: ``tp=2;kv_heads=8;partial=attn_out``."""
