@@ -316,3 +316,20 @@ def test_held_rows_of_staged_steps_count_their_host_copies(make_driver) -> None:
     d.t.stop()
     d.verify(sink.records)
     assert d.t.drain_counters()["host_copied_bytes"] == 2 * 4 * 3 * 40
+
+
+def test_the_held_rows_page_locked_slabs_are_made_once_not_at_every_window(make_driver):
+    """final_logits rows are held back at each flush in page-locked slabs reserved when
+    the first window with request rows opens; a later window reserving them again made
+    a third slab mid-run (on the drain thread: page-locked allocation synchronises the
+    device) though the first was nowhere near full."""
+    d, sink = make_driver("resid_pre,final_logits", coalesce_max_bytes=400,
+                          sink=MemorySink())
+    d.forward(BatchLayout.extend(["a", "b"], [0, 0], [5, 3]))
+    for n in range(40):
+        d.forward(BatchLayout.decode(["a", "b"], [6 + n, 4 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    window = d.t._drain._window
+    assert window.flushes >= 10
+    assert window._held_pool.allocated == 2

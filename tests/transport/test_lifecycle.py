@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from dmi_sglang.adapters.transport import TorchCaptureTransport
+from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
 from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import CapacityError, CaptureError, CommitError, StoreError
@@ -229,3 +231,13 @@ def test_capture_seconds_count_the_time_spent_in_the_capture_points(make_driver)
     assert d.t.stats().capture_seconds > first
     assert d.t.stop().capture_seconds >= d.t.stats().capture_seconds > first
     d.verify(sink.records)
+
+
+@pytest.mark.parametrize("field", ["flush_timeout_s", "stall_timeout_s", "linger_s"])
+@pytest.mark.parametrize("value", [math.inf, 1e10])
+def test_a_timeout_no_wait_can_take_is_refused_when_the_options_are_made(field, value):
+    """Beyond ``threading.TIMEOUT_MAX`` (about 9.2e9 s) a queue, event or condition wait
+    raises OverflowError: the drain thread (flush, linger) or the scheduler thread waiting
+    for ring space (stall) failed the run at its first decode step instead."""
+    with pytest.raises(ValueError, match=field):
+        TransportOptions(**{field: value})

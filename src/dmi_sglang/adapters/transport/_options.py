@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
@@ -9,6 +11,9 @@ from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
 __all__ = ["TransportOptions"]
 
 MIB = 1 << 20
+_WAIT_AT_MOST = attrs.validators.le(threading.TIMEOUT_MAX)
+"""The longest timeout ``threading`` and ``queue`` waits take (a longer one raises
+OverflowError in the waiting thread, the drain's or the scheduler's, mid-run)."""
 
 
 @attrs.frozen
@@ -73,15 +78,18 @@ class TransportOptions:
     """
 
     strip: bool = True
-    flush_timeout_s: float = attrs.field(default=0.4, validator=attrs.validators.gt(0.0))
-    stall_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0.0))
+    flush_timeout_s: float = attrs.field(default=0.4, validator=[attrs.validators.gt(0.0),
+                                                                 _WAIT_AT_MOST])
+    stall_timeout_s: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0.0),
+                                                                   _WAIT_AT_MOST])
     coalesce_decode: bool = True
     coalesce_max_bytes: int = attrs.field(default=512 * MIB, validator=attrs.validators.gt(0))
     max_prefill_tokens: int = 0
     max_requests: int = 0
     tune_host_malloc: bool = True
     direct_copies: bool = True
-    linger_s: float = attrs.field(default=0.03, validator=attrs.validators.ge(0.0))
+    linger_s: float = attrs.field(default=0.03, validator=[attrs.validators.ge(0.0),
+                                                           _WAIT_AT_MOST])
     gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
     arena_slots_bytes: int = attrs.field(default=ARENA_SLOTS_BUDGET,
                                          validator=attrs.validators.ge(0))

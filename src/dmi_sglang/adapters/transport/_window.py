@@ -192,6 +192,7 @@ class DecodeWindow:
                                       buffer=ops.host_buffer)
         """Page-locked memory the held request rows of a flush are copied into from the
         device (made when the first window with request rows opens)."""
+        self._held_reserved = False
         self._key: Hashable = None
         self._groups: tuple[Group, ...] = ()
         self._labels: tuple[tuple[RecordKey, ...], ...] = ()
@@ -372,8 +373,9 @@ class DecodeWindow:
                 (g.count, slots, steps, w), (slots * steps * w, steps * w, w, 1), at // e))
             at += _align(g.count * slots * steps * g.row_nbytes)
         self._cells = cells
-        if any(g.request_rows for g in program.groups):
-            self._held_pool.reserve(_HELD_SLABS)  # once: the pool keeps its free slabs
+        if not self._held_reserved and any(g.request_rows for g in program.groups):
+            self._held_pool.reserve(_HELD_SLABS)  # once: the pool keeps its slabs after
+            self._held_reserved = True
         self._key, self._groups, self._labels = program.host_key, program.groups, program.labels
         self._slots, self._steps = slots, steps
         self._slot = {r: i for i, r in enumerate(rids)}
