@@ -105,17 +105,36 @@ SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 def masked(argv: Sequence[str]) -> list[str]:
     """``argv`` as a result may record it: the value of each :data:`SECRET_FLAGS` flag
-    (``--api-key KEY`` or ``--api-key=KEY``) hidden, and a password in a URL argument."""
+    (``--api-key KEY`` or ``--api-key=KEY``, also inside one argument of several words
+    such as ``--server-flags "--api-key KEY --tp 1"``) hidden, and a password in a URL
+    argument."""
     out = []
     for i, arg in enumerate(argv):
-        flag, eq, _ = arg.partition("=")
+        flag, eq, value = arg.partition("=")
         if i and argv[i - 1] in SECRET_FLAGS:
             out.append("***")
         elif eq and flag in SECRET_FLAGS:
             out.append(f"{flag}=***")
+        elif arg not in SECRET_FLAGS and any(s in arg for s in SECRET_FLAGS):  # passed on
+            out.append(f"{flag}={_masked_words(value)}" if eq and flag.startswith("-")
+                       else _masked_words(arg))
         else:  # not hook selections such as resid_pre@0-3: URLs only
             out.append(redact_url(arg) if "://" in arg else arg)
     return out
+
+
+def _masked_words(text: str) -> str:
+    """``text``, a command line of its own, with :func:`masked` applied to its words; one
+    word naming a secret flag hides its value, and all of it is hidden when it does not
+    split."""
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return "***"
+    if len(words) > 1:
+        return shlex.join(masked(words))
+    flag, eq, _ = (words or [""])[0].partition("=")
+    return f"{flag}=***" if eq and flag in SECRET_FLAGS else "***"
 
 
 def command_line() -> str:

@@ -33,7 +33,8 @@ after its exit the store is read directly (``dmi_sglang.open_store``).
 Checks: every bench request of every server succeeded; subset output ids equal stock's,
 request by request; the HTTP readback equals the direct read for every tensor (shape,
 dtype, positions, values); every request that finished is complete and every cancelled
-one is not; the run is committed; every server exits after SIGINT. Figures per server
+one is not, and the store holds every bench's completed requests and warm-up; the run is
+committed; every server runs until its SIGINT and then exits with status 0. Figures per server
 (from bench_serving's output file): request throughput, output tokens/s, TTFT / ITL / E2E
 p50, p90, p99; per mode the ratios to stock; per bench the CPU seconds each process of the
 server used during its main run (``/proc``: the HTTP main process, the scheduler, the
@@ -164,6 +165,11 @@ RATES = {"request_throughput": "request_throughput", "output_tok_s": "output_thr
          "input_tok_s": "input_throughput"}
 """Our figure -> bench_serving's output field, for the rates."""
 PERCENTILES = ("p50", "p90", "p99")
+BENCH_WARMUP_REQUESTS = 1
+"""bench_serving's ``--warmup-requests``: sent before its main run, captured as the rest."""
+UNFINISHED_OUTCOMES = ("cancelled", "server_abort", "error")
+"""Outcomes of the cancelling client's requests that need not read complete (one that
+``finished`` or whose abort was ignored ran to its end, as any other)."""
 
 
 class DeadlineReachedError(RuntimeError):
@@ -290,7 +296,7 @@ def bench_argv(plan: Plan, port: int, tokenizer: Path, out_file: Path,
             "--random-range-ratio", str(plan.range_ratio),
             "--num-prompts", str(plan.num_prompts),
             "--max-concurrency", str(plan.max_concurrency),
-            "--seed", str(SEED), "--warmup-requests", "1",
+            "--seed", str(SEED), "--warmup-requests", str(BENCH_WARMUP_REQUESTS),
             "--ready-check-timeout-sec", str(BENCH_READY_S),
             "--output-file", str(out_file), "--output-details", "--disable-tqdm"]
 
@@ -584,13 +590,15 @@ def cancelled_ids(outcomes: Sequence[Json]) -> list[str]:
 
 def check_complete(direct: Mapping[str, Any], *, cancels: Sequence[Json],
                    known: Sequence[str], bench_completed: int | None) -> Json:
-    """Every stored request that was not cancelled, and every ``known`` request (warm-up,
-    subset), is complete; at least as many bench requests are stored complete as
-    bench_serving completed."""
+    """Every stored request but those the cancelling client did not let finish, and
+    every ``known`` request (warm-up, subset), is complete; at least as many bench
+    requests are stored as ``bench_completed`` (every bench's completed requests and its
+    own warm-up)."""
     missing: Mapping[str, Sequence[str]] = direct.get("missing") or {}
     cancel_ids = {str(o["rid"]) for o in cancels}
+    unfinished = {str(o["rid"]) for o in cancels if o.get("outcome") in UNFINISHED_OUTCOMES}
     stored = set(direct.get("stored") or [])
-    expected = (stored - cancel_ids) | set(known)
+    expected = (stored - unfinished) | set(known)
     unread = sorted(r for r in expected if r not in missing)
     incomplete = {r: list(missing[r])[:2] for r in sorted(expected) if missing.get(r)}
     bench = len(stored - cancel_ids - set(known))
@@ -624,6 +632,16 @@ def check_cancelled(direct: Mapping[str, Any], cancels: Sequence[Json]) -> Json:
             "read_complete": complete[:10], "not_read": unread[:10]}
 
 
+def check_export_benches(rounds: Sequence[Json], num_prompts: int) -> Json:
+    """Every request of both benches of every export round succeeded (the export bench's
+    throughput is the export's cost figure)."""
+    short = [f"round {i} {k}: {(r.get(k) or {}).get('completed')} completed"
+             for i, r in enumerate(rounds, 1) for k in ("bench", "after")
+             if (r.get(k) or {}).get("completed") != num_prompts]
+    return {"ok": bool(rounds) and not short, "required": True, "expected": num_prompts,
+            "short": short}
+
+
 def check_committed(direct: Mapping[str, Any]) -> Json:
     """The run reads ``committed`` once the server is gone."""
     status = direct.get("run_status")
@@ -632,9 +650,11 @@ def check_committed(direct: Mapping[str, Any]) -> Json:
 
 
 def check_exit(stopped: Mapping[str, Any] | None) -> Json:
-    """The server exited by itself after SIGINT (its group was not killed for it)."""
+    """The server was running until the SIGINT, then exited by itself with status 0 (its
+    group was not killed for it; ``serve`` exits 4 when its final stop was not durable)."""
     s = stopped or {}
-    return {"ok": bool(s) and not s.get("killed"), "required": True, **s}
+    return {"ok": bool(s) and not s.get("killed") and not s.get("exited_before_stop")
+            and s.get("returncode") == 0, "required": True, **s}
 
 
 # -- summary -----------------------------------------------------------------------------------
@@ -820,7 +840,8 @@ class Server:
             return {}
         t0 = time.monotonic()
         killed = False
-        if self.proc.poll() is None:
+        exited_before = self.proc.poll() is not None
+        if not exited_before:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGINT)
             try:
@@ -830,7 +851,7 @@ class Server:
         exit_s = time.monotonic() - t0
         leftover = self._end_group()
         return {"exit_s": round(exit_s, 2), "returncode": self.proc.returncode,
-                "killed": killed, "leftover": leftover}
+                "killed": killed, "leftover": leftover, "exited_before_stop": exited_before}
 
     def _end_group(self) -> bool:
         """Wait briefly for the group to empty, then kill what is left; whether any was."""
@@ -861,9 +882,10 @@ def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) 
     """POST a streamed ``/generate``, cancel it after ``events`` events with SGLang's
     ``POST /abort_request`` while the stream is still open, and read the stream to its
     end (within ``timeout_s`` in all): ``cancelled`` when its last event reports an
-    ``abort`` finish, ``abort_ignored`` when the abort was sent and the request finished
-    otherwise, ``finished`` when it ended before the abort, ``error`` when the stream
-    broke, reported an error or did not end in time.
+    ``abort`` finish after the abort was sent, ``server_abort`` when the server aborted
+    it before (a refusal, not a cancel), ``abort_ignored`` when the abort was sent and the
+    request finished otherwise, ``finished`` when it ended before the abort, ``error``
+    when the stream broke, reported an error or did not end in time.
 
     The abort is sent before the connection closes because SGLang 0.5.19 forgets a
     streamed request whose client went away (``TokenizerManager.generate_request``
@@ -897,7 +919,8 @@ def stream_and_close(server: Server, body: Json, events: int, timeout_s: float) 
         return {"rid": body["rid"], "outcome": "error", "events": seen, "error": repr(exc)}
     reason = ((last or {}).get("meta_info") or {}).get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
-    outcome = ("cancelled" if kind == "abort" else
+    outcome = ("server_abort" if kind == "abort" and abort_status is None else
+               "cancelled" if kind == "abort" else
                "finished" if abort_status is None else "abort_ignored")
     return {"rid": body["rid"], "outcome": outcome, "events": seen,
             "abort_status": abort_status, "finish": kind}
@@ -1508,9 +1531,15 @@ class ServeLoad:
         c["http_listing"] = check_listing(web["list"] | {"body": web["list"]["ids"]},
                                           subset_ids, direct.get("stored"))
         c["readback_equal"] = check_readback(subset_ids, web["requests"], tensors, direct)
-        c["captures_complete"] = check_complete(
+        rounds = (run.detail.get("export") or {}).get("rounds") or []
+        benches = [run.figures, *(r.get(k) for r in rounds for k in ("bench", "after"))]
+        completed = [n for f in benches if isinstance(n := (f or {}).get("completed"), int)]
+        c["captures_complete"] = check_complete(  # each bench: its requests and warm-up
             direct, cancels=cancels, known=[*subset_ids, *warm_ids],
-            bench_completed=(run.figures or {}).get("completed"))
+            bench_completed=sum(n + BENCH_WARMUP_REQUESTS for n in completed)
+            if len(completed) == len(benches) else None)
+        if rounds:
+            c["export_benches_complete"] = check_export_benches(rounds, self.plan.num_prompts)
         c["cancelled_incomplete"] = check_cancelled(direct, cancels)
         c["run_committed"] = check_committed(direct)
         c["server_exit"] = check_exit(run.detail.get("exit"))
@@ -1654,7 +1683,7 @@ def _export_round(bench: Json, before: Json | None, after: Json) -> Json:
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
     """The command line and its plan (exit 2 on anything the benchmark cannot run)."""
-    p = argparse.ArgumentParser(prog="python -m harness serve-load",
+    p = argparse.ArgumentParser(prog="python -m harness serve-load", allow_abbrev=False,
                                 description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default=None, help="result JSON (default $OUT/serve-load.json)")
     p.add_argument("--modes", default=MODE_SEPARATOR.join(DEFAULT_MODES),
@@ -1690,7 +1719,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Plan]:
         extra = tuple(shlex.split(args.server_flags))
     except ValueError as exc:
         p.error(str(exc))
-    if args.export_gb < 0:
+    if not math.isfinite(args.export_gb) or args.export_gb < 0:
         p.error(f"--export-gb {args.export_gb}: a number of GB, 0 (no export phase) or more")
     plan = Plan(modes=modes, model=args.model, num_prompts=args.num_prompts,
                 input_len=args.input_len, output_len=args.output_len,

@@ -232,7 +232,7 @@ def test_bench_and_exit_checks() -> None:
     assert not sl.check_bench({"figures": fig}, 321)["ok"]
     assert not sl.check_bench({"error": "crashed"}, 320)["ok"]
     assert not sl.check_bench(None, 320)["ok"]
-    assert sl.check_exit({"killed": False, "exit_s": 3.0})["ok"]
+    assert sl.check_exit({"killed": False, "exit_s": 3.0, "returncode": 0})["ok"]
     assert not sl.check_exit({"killed": True, "exit_s": 90.0})["ok"]
     assert not sl.check_exit(None)["ok"]
 
@@ -618,3 +618,161 @@ def test_no_form_of_a_server_key_reaches_the_settings_or_the_argv(
     assert KEY not in json.dumps(sl.Plan(extra_flags=flags).settings())
     argv = ["python", "-m", "sglang.launch_server", "--model-path", "m", *flags]
     assert KEY not in " ".join(sl.masked(argv))
+
+
+@pytest.mark.parametrize("words", [["--server-flags", f"--api-key {KEY}"],
+                                   ["--server-flags", f"--admin-api-key {KEY} --tp 1"],
+                                   [f"--server-flags=--admin-api-key={KEY}"],
+                                   ["--server-flags", f"--api-key '{KEY}"]])
+def test_a_key_inside_one_argument_of_several_words_is_hidden_too(
+        words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--server-flags`` is the only way to pass ``--admin-api-key`` to the servers."""
+    from harness.results import result
+
+    monkeypatch.setattr(sys, "argv", ["/repo/harness/__main__.py", "serve-load", *words])
+    recorded = json.dumps(result("serve-load", "serve-load", {}))
+    assert KEY not in recorded
+    assert "--server-flags" in recorded
+
+
+def test_an_abbreviated_key_flag_is_refused_not_recorded(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took ``--api KEY`` for ``--api-key`` and the result recorded the key."""
+    with pytest.raises(SystemExit) as exc:
+        sl.parse_args(["--api", KEY])
+    assert exc.value.code == 2
+    assert KEY not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gb", ["inf", "nan"])
+def test_a_non_finite_export_size_is_refused_before_any_work(gb: str) -> None:
+    """``inf`` crashed every monitored server's run at ``int(inf * 1e9)`` after its load
+    was measured; ``nan`` ran no export and wrote NaN (not JSON) into the settings."""
+    with pytest.raises(SystemExit) as exc:
+        sl.parse_args(["--export-gb", gb])
+    assert exc.value.code == 2
+
+
+# -- the checks of a monitored server, on a scenario where every one passes ----------------------
+SUBSET = ["subset-0", "subset-1"]
+PROMPTS = 8
+
+
+def _bench(completed: int, cancel: str, *, exported: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {"figures": {"completed": completed, "request_throughput": 10.0},
+                           "cancels": [{"rid": cancel, "outcome": "cancelled"}],
+                           "cpu_seconds": {}}
+    if exported:
+        out["export"] = {"bytes": exported, "files": 1, "errors": 0, "bytes_after_stop": 0}
+    return out
+
+
+def _checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, bench_stored: int,
+             export: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``check_mode`` of a monitored server whose main bench completed :data:`PROMPTS`
+    requests; ``export``: one round whose export bench and plain bench completed that many;
+    ``bench_stored``: bench requests the store holds (bench_serving's warm-ups included)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save
+
+    run_id = "run-1"
+    tensors = {rid: torch.arange(4, dtype=torch.float32).reshape(2, 2) + i
+               for i, rid in enumerate(SUBSET)}
+    subset = [{"key": rid, "id": rid, "output_ids": [5, 6, 7], "run_id_header": run_id}
+              for rid in SUBSET]
+    stock = sl.ServerRun("stock", None, subset=[dict(o) for o in subset])
+    run = sl.ServerRun("resid_pre:last", "resid_pre:last", subset=subset)
+    main = _bench(PROMPTS, "cancel-m-00000")
+    run.detail = {"run_id": run_id, "warmup": {"ids": ["warmup-0"]}, "bench": main, "http": {},
+                  "exit": {"exit_s": 1.0, "returncode": 0, "killed": False, "leftover": False,
+                           "exited_before_stop": False}}
+    run.figures = main["figures"]
+    cancels = [main["cancels"][0]["rid"]]
+    if export is not None:
+        rnd = sl._export_round(_bench(export[0], "cancel-e-00000", exported=100),
+                               run.figures, _bench(export[1], "cancel-a-00000"))
+        run.detail["export"] = {"rounds": [rnd], "cancels": rnd["cancels"]}
+        cancels += [c["rid"] for c in rnd["cancels"]]
+    meta = [{"name": "resid_pre.0", "hook": "resid_pre", "layer": 0, "dtype": "float32",
+             "shape": [2, 2], "positions": [0, 2, 1]}]
+    requests = {}
+    for rid in SUBSET:
+        file = tmp_path / f"{rid}.st"
+        file.write_bytes(save({"resid_pre.0": tensors[rid]}))
+        requests[rid] = {"status": 200, "safetensors_status": 200, "file": str(file),
+                         "fetched": "before stop", "bytes": file.stat().st_size,
+                         "listing": {"complete": True, "missing": [], "tensors": meta}}
+    stored = [*SUBSET, "warmup-0", *(f"bench-{i}" for i in range(bench_stored)), *cancels]
+    direct = {"run_status": "committed", "stored": stored,
+              "missing": {r: [] for r in stored} | {c: ["not committed"] for c in cancels},
+              "tensors": {rid: {"resid_pre.0": tensors[rid]} for rid in SUBSET},
+              "positions": {rid: {"resid_pre.0": [0, 2, 1]} for rid in SUBSET},
+              "errors": {}, "read_s": 0.0}
+    monkeypatch.setattr(sl, "direct_read", lambda *_a, **_k: direct)
+    web = {"status": {"status": 200, "body": {"state": "capturing", "run_id": run_id}},
+           "stop": {"state": "stopped"}, "before_stop": dict.fromkeys(SUBSET, True),
+           "list": {"status": 200, "ids": sorted(stored), "body_head": ""},
+           "requests": requests}
+    load = sl.ServeLoad(sl.Plan(num_prompts=PROMPTS), tmp_path, sl.Deadline(), None)
+    load.check_mode(run, stock, web, "chdb:///unused")
+    return run.checks
+
+
+def test_the_checks_scenario_passes_when_every_bench_request_is_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _checked(tmp_path, monkeypatch, bench_stored=PROMPTS + 1)
+    assert sl.overall_status(checks, []) == "passed", checks
+    checks = _checked(tmp_path, monkeypatch, bench_stored=3 * (PROMPTS + 1),
+                      export=(PROMPTS, PROMPTS))
+    assert sl.overall_status(checks, []) == "passed", checks
+
+
+@pytest.mark.parametrize(("stored", "export"), [(PROMPTS, None),
+                                                (PROMPTS + 1, (PROMPTS, PROMPTS))],
+                         ids=["warm-up-stands-in", "export-benches-uncounted"])
+def test_every_bench_request_must_be_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: int,
+        export: tuple[int, int] | None) -> None:
+    """Each bench stores its completed requests and bench_serving's own warm-up: the check
+    once asked only for the main bench's count, so bench_serving's warm-up stood in for a
+    missing request, and an export round's two benches (18 requests here) went unchecked."""
+    checks = _checked(tmp_path, monkeypatch, bench_stored=stored, export=export)
+    assert not checks["captures_complete"]["ok"], checks["captures_complete"]
+
+
+def test_a_failed_request_of_an_export_bench_fails_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = _checked(tmp_path, monkeypatch, bench_stored=40, export=(PROMPTS - 3, PROMPTS))
+    assert not checks["export_benches_complete"]["ok"]
+    assert sl.overall_status(checks, []) == "failed"
+
+
+def test_a_cancelling_client_request_that_finished_must_read_complete() -> None:
+    """``finished``: its stream ended before the abort was sent; it was not cancelled."""
+    stored = ["b-0", "cancel-0", "cancel-1"]
+    direct = {"run_status": "committed", "stored": stored,
+              "missing": {"b-0": [], "cancel-0": ["not committed"],
+                          "cancel-1": ["resid_pre layer 0: positions [0, 40) missing"]}}
+    cancels = [{"rid": "cancel-0", "outcome": "cancelled"},
+               {"rid": "cancel-1", "outcome": "finished"}]
+    assert not sl.check_complete(direct, cancels=cancels, known=[], bench_completed=1)["ok"]
+
+
+@pytest.mark.parametrize(("exit_", "ok"), [
+    ({"exit_s": 1.0, "returncode": 0, "killed": False, "exited_before_stop": False}, True),
+    ({"exit_s": 0.0, "returncode": 1, "killed": False, "exited_before_stop": True}, False),
+    ({"exit_s": 1.0, "returncode": 4, "killed": False, "exited_before_stop": False}, False),
+], ids=["clean", "died-before-the-sigint", "stop-not-durable"])
+def test_the_exit_check_needs_a_server_that_ran_until_the_sigint_and_exited_0(
+        exit_: dict[str, Any], ok: bool) -> None:
+    assert sl.check_exit(exit_)["ok"] is ok
+
+
+def test_stop_reports_a_server_that_was_gone_before_its_sigint(tmp_path: Path) -> None:
+    server = sl.Server("s", [], {}, port=0, log=tmp_path / "log", api_key=None)
+    server.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"],
+                                   start_new_session=True)
+    server.proc.wait(timeout=30)
+    stopped = server.stop(2.0)
+    assert stopped["exited_before_stop"] is True
+    assert not sl.check_exit(stopped)["ok"]
