@@ -16,7 +16,7 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import Arena
 from dmi_sglang.adapters.transport._device import DeviceOps
-from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, arena_slots
+from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, ARENA_SLOTS_MAX, arena_slots
 from dmi_sglang.domain.hooks import hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import CaptureError
@@ -35,6 +35,8 @@ def _decode(d: Driver, n: int) -> None:
 
 
 SLOTTED = pytest.mark.parametrize("make_driver", ["slots"], indirect=True)
+SLOTS = ARENA_SLOTS_MAX
+"""The slots of the ``slots`` driver's arena (its steps are small: as many as allowed)."""
 
 
 def _decode_steps(d: Driver, steps: int) -> None:
@@ -43,17 +45,18 @@ def _decode_steps(d: Driver, steps: int) -> None:
 
 
 def test_the_slot_count_follows_the_arena_size():
-    assert arena_slots(1 << 20) == 16
+    assert arena_slots(1 << 20) == ARENA_SLOTS_MAX == 64
+    assert arena_slots(ARENA_SLOTS_BUDGET // 40) == 38  # and the spare and the landing slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 7) == 5  # and the spare and the landing slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 5) == 1  # too few to wait in: one slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 7, budget_bytes=0) == 1
-    assert arena_slots(0) == 16
+    assert arena_slots(0) == ARENA_SLOTS_MAX
 
 
 def _forty_lingered_steps(make_driver, skip: frozenset[str] = frozenset(),
                           **options: object) -> dict[str, float]:
     """40 decode graph steps of requests a and b (less ``skip``) while the drain lingers
-    30 s: every row exact, several steps per wake-up (half the 16 slots waiting wakes the
+    30 s: every row exact, several steps per wake-up (half the slots waiting wakes the
     drain; a step that finds its slot still waiting, as these back-to-back ones may, is
     copied out at its seal). Returns the drain's counters."""
     d, sink = make_driver("resid_pre,final_logits", payload_bytes=1 << 20, linger_s=30.0,
@@ -105,8 +108,8 @@ def test_a_step_whose_slot_still_waits_is_copied_out_at_seal_without_waiting(mak
     d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink, coalesce_decode=False)
     _start(d)
     assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
-    _decode_steps(d, 24)  # more steps than slots: from the 17th on, the slots all wait
-    assert d.t.drain_counters()["slots_missed"] >= 24 - 16
+    _decode_steps(d, SLOTS + 8)  # more steps than slots: the last 8 find them all waiting
+    assert d.t.drain_counters()["slots_missed"] >= 8
     sink.release.set()
     stats = d.t.stop()
     d.verify(sink.records)
@@ -150,20 +153,20 @@ def test_missed_steps_spare_writers_and_an_abort_leave_every_row_exact(make_driv
     d, _ = make_driver("resid_pre", payload_bytes=1 << 20, sink=sink)
     _start(d)
     assert sink.entered.wait(10)  # the drain holds the prefill's batch in put
-    _decode_steps(d, 16)  # every slot waits
-    _decode(d, 16)  # missed: writes the spare, copied out at its seal
+    _decode_steps(d, SLOTS)  # every slot waits
+    _decode(d, SLOTS)  # missed: writes the spare, copied out at its seal
     d.t.uncommitted_replay()
     _garbage(d)  # the spare overwritten after that copy
     d.skip = frozenset({"a", "b"})
-    _decode(d, 17)  # stores nothing: the spare again
+    _decode(d, SLOTS + 1)  # stores nothing: the spare again
     d.skip = frozenset()
     _garbage(d)
     plan = d.plan(BatchLayout.decode(["a", "b"], [99, 99], padded_batch_size=4), padded=True)
     d.step += 1
     d.t.commit(plan, step=d.step)
     d.t.abort()  # a missed step aborted: nothing to free, no turn taken
-    assert (d.t._turns.count, d.t._turns.next) == (16, 0)
-    _decode(d, 18)
+    assert (d.t._turns.count, d.t._turns.next) == (SLOTS, 0)
+    _decode(d, SLOTS + 2)
     assert d.t.drain_counters()["slots_missed"] == 3
     sink.release.set()
     stats = d.t.stop()
