@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Planned for the next lease (not run yet). One unit a cell measured on different days
+# Run on 2026-12-05 on an H100 (two units: ../../2026-12-05-h100-scheduler-figures/). One unit a cell measured on different days
 # differs by up to 4 % (store:resid_pre:last 0.937 and 0.895), as much as the gaps to the
 # targets, so the targets' cells come first with the three repeats the targets ask for:
 # call this three times on the same machine (it resumes with the units measured).
