@@ -173,3 +173,42 @@ def test_a_chunk_larger_than_the_largest_ring_is_told_to_shrink(model, capsys,
     out = capsys.readouterr().out  # 172 GB a chunk, 137 GB of ring at most
     assert ("takes 172 GB of the ring (131,072 MiB): it commits piecewise, in parts "
             "waiting for the drain; a smaller --chunked-prefill-size makes it fit") in out
+
+
+@pytest.mark.parametrize("bad", [
+    {"num_attention_heads": 0, "head_dim": None}, {"hidden_size": -5},
+    {"num_hidden_layers": 0}, {"vocab_size": 0},
+    {"num_hidden_layers": None}, {"num_hidden_layers": "MISSING"},
+])
+def test_impossible_model_sizes_are_one_line_errors(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: dict[str, object]) -> None:
+    """They were tracebacks (a missing layer count, heads of 0) or plans of negative and
+    zero bytes with status 0."""
+    config = {k: v for k, v in {**QWEN3_06B, **bad}.items() if v != "MISSING"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path), "--hooks", "resid_pre,final_logits"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_plan_counts_only_the_sampled_requests(
+        model: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenth of the requests captured needs a tenth of the bytes a second: each stage
+    follows ten times the tokens."""
+    def limit(args: list[str]) -> str:
+        assert main(["plan", "--model", str(model), "--hooks", "hidden-states", *args]) == 0
+        out = capsys.readouterr().out
+        return next(line for line in out.splitlines() if line.startswith("limited by"))
+
+    full = limit([])
+    tenth = limit(["--request-sample", "0.1"])
+    monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.1")
+    assert limit([]) == tenth != full
+    rate = {t: float(t.split(": ")[1].split(" ")[0].replace(",", "")) for t in (full, tenth)}
+    assert rate[tenth] == pytest.approx(10 * rate[full], rel=1e-3)
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", str(model), "--request-sample", "1.5"])
+    assert done.value.code == 2
+    assert "'1.5' is not a number from 0 to 1" in capsys.readouterr().err

@@ -91,3 +91,20 @@ def test_every_k_adds_a_kth_of_a_row_per_prompt_token_whatever_the_prompt(prompt
     plan = plan_bandwidth(captures("resid_pre@0:every(8)"), QWEN3_06B, prompt_tokens=prompt,
                           completion_tokens=10)
     assert plan.bytes_per_prompt_token == 1024 * 2 / 8  # one bf16 row every 8 positions
+
+
+def test_the_bounds_count_only_the_sampled_share_of_requests() -> None:
+    full = plan_bandwidth(captures("hidden-states"), QWEN3_06B, prompt_tokens=256,
+                          completion_tokens=128, tok_s=21_000)
+    tenth = plan_bandwidth(captures("hidden-states"), QWEN3_06B, prompt_tokens=256,
+                           completion_tokens=128, tok_s=21_000, sample=0.1)
+    assert tenth.bytes_per_request == full.bytes_per_request  # a captured request's
+    assert tenth.needed_bps == pytest.approx(full.needed_bps * 0.1)
+    for a, b in zip(full.stages, tenth.stages, strict=True):
+        assert b.max_tok_s == pytest.approx(10 * a.max_tok_s)
+    nothing = plan_bandwidth(captures("hidden-states"), QWEN3_06B, prompt_tokens=256,
+                             completion_tokens=128, tok_s=21_000, sample=0.0)
+    assert nothing.bound is None or nothing.bound == 1.0
+    with pytest.raises(ValueError, match=r"request sample 1\.5"):
+        plan_bandwidth(captures("resid_pre"), QWEN3_06B, prompt_tokens=1,
+                       completion_tokens=1, sample=1.5)

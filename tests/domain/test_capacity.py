@@ -15,6 +15,7 @@ from dmi_sglang.domain.capacity import (
     RingUsage,
     arena_bytes,
     check_ring_fits,
+    chunks_held,
     largest_capture_bytes,
     prefill_ring_bytes,
     preflight,
@@ -224,3 +225,51 @@ def test_no_chunk_of_one_request_takes_more_than_prefill_ring_bytes(
     chunk = make_plan(BatchLayout.extend(["r"], [prefix], [tokens]), sel, SHAPE,
                       padded=False, prompts=lambda _rid: prefix + tokens)
     assert chunk.total_bytes <= prefill_ring_bytes(sel, SHAPE, tokens)
+
+
+def test_a_last_rule_selection_is_not_refused_for_rows_it_never_puts_in_the_ring() -> None:
+    """``last`` rows wait in slots of their own (its reads are sized apart); ``last_prompt``
+    keeps one row per request a forward: a 16 MiB ring takes either at 16,384 prefill
+    tokens (both were refused, with advice to take 32 MiB)."""
+    from .test_bandwidth import HOOKS, QWEN3_06B
+
+    ring = RingCapacity.from_mb(16, 16, 65536)
+    for text in ("resid_pre:last", "resid_pre:last_prompt"):
+        sel = parse_selection(text).resolve(HOOKS)
+        check_ring_fits(ring, sel, QWEN3_06B, max_token_rows=16384, max_request_rows=256)
+    with pytest.raises(CapacityError):
+        check_ring_fits(ring, parse_selection("resid_pre").resolve(HOOKS), QWEN3_06B,
+                        max_token_rows=16384, max_request_rows=256)
+
+
+def test_the_ring_advice_never_names_a_ring_smaller_than_one_chunk() -> None:
+    ring = RingCapacity.from_mb(1024, 1024, 64)
+    assert ring_advice(ring, 200 * 10**9) is None  # beyond RING_MB_MAX: a smaller chunk
+    advised = ring_advice(ring, 100 * 10**9)  # one chunk fits the largest ring, two do not
+    assert advised == RING_MB_MAX
+    assert chunks_held(advised, 100 * 10**9) == "one chunk"
+    assert chunks_held(4096, 10**9) == "two chunks"
+
+
+@pytest.mark.parametrize(("text", "prefix", "tokens"), [
+    ("final_logits:last_prompt", 0, 8),
+    ("final_logits:every(2)", 1, 2),
+    ("final_logits:positions(10)", 7, 4),
+])
+def test_no_chunk_of_one_request_takes_more_than_prefill_ring_bytes_request_rows(
+        text: str, prefix: int, tokens: int) -> None:
+    """A prompt's last chunk keeps its request row under these rules; the chunk planned
+    with a one-token prompt never kept it, so the chunk's size read 0."""
+    sel = parse_selection(text).resolve(MODEL)
+    chunk = make_plan(BatchLayout.extend(["r"], [prefix], [tokens]), sel, SHAPE,
+                      padded=False, prompts=lambda _rid: prefix + tokens)
+    assert chunk.total_bytes > 0
+    assert chunk.total_bytes <= prefill_ring_bytes(sel, SHAPE, tokens)
+
+
+def test_a_huge_prefill_chunk_under_a_position_rule_is_sized_at_once() -> None:
+    """It was planned row by row: ten billion positions took about 100 GB of memory."""
+    sel = parse_selection("resid_pre:every(2)").resolve(MODEL)
+    per_row = SHAPE.capture_row(sel, *sel.captures()[0]).nbytes
+    total = prefill_ring_bytes(sel, SHAPE, 10**10)
+    assert total == len(sel.captures()) * (5 * 10**9 * per_row)

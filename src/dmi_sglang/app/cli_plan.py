@@ -17,7 +17,13 @@ from typing import Any
 
 from dmi_sglang.app.composition import model_rows
 from dmi_sglang.domain.bandwidth import DEFAULT_RATES, GB, BandwidthPlan, Rates, plan_bandwidth
-from dmi_sglang.domain.capacity import MIB, RingCapacity, prefill_ring_bytes, ring_advice
+from dmi_sglang.domain.capacity import (
+    MIB,
+    RingCapacity,
+    chunks_held,
+    prefill_ring_bytes,
+    ring_advice,
+)
 from dmi_sglang.domain.hooks import parse_selection
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import (
@@ -66,6 +72,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     p.add_argument("--prefill-tokens", type=positive, default=8192,
                    help="positions of one prefill chunk: the engine's chunked_prefill_size "
                    "(the ring's advice)")
+    p.add_argument("--request-sample", type=_fraction, default=None,
+                   help="share of requests captured (0 to 1); unset: $DMX_REQUEST_SAMPLE, "
+                   "else 1")
     p.add_argument("--no-store", action="store_true",
                    help="capture without storing (DMX_DB_URL=none): only D2H applies")
     p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_RATES.d2h_bps / GB,
@@ -76,6 +85,18 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="the disk's synced write GB/s")
     p.add_argument("--compression", type=_positive_float, default=DEFAULT_RATES.compression,
                    help="captured bytes / bytes on disk")
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        msg = f"{text!r} is not a number from 0 to 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def _config(model: Path) -> dict[str, Any]:
@@ -131,14 +152,19 @@ def plan(args: argparse.Namespace) -> int:
     captures = selection.captures()
     rates = Rates(args.d2h_gbps * GB, args.store_gbps * GB, args.disk_gbps * GB,
                   args.compression)
+    sample = (args.request_sample if args.request_sample is not None else Settings.from_env(
+        {k: v for k, v in os.environ.items() if k == "DMX_REQUEST_SAMPLE"}).request_sample)
     result = plan_bandwidth(selection, shape, prompt_tokens=args.prompt_len,
                             completion_tokens=args.output_len, tok_s=args.tok_s,
-                            stored=not args.no_store, rates=rates)
+                            stored=not args.no_store, rates=rates, sample=sample)
     print(f"selection {text} on {hooks.architecture} ({shape.num_layers} layers, hidden "
           f"{shape.hidden}, {shape.activation_dtype.value.removeprefix('torch.')}): "
           f"{len(captures)} tensors a forward")
     if selection.omitted:
         print(f"omitted (the model lacks them): {', '.join(selection.omitted)}")
+    if sample < 1:
+        print(f"a share {sample:g} of the requests is captured: the rates and bounds below "
+              "count only those")
     for line in _lines(result, args.compression):
         print(line)
     env = Settings.from_env({k: v for k, v in os.environ.items()  # the ring's alone
@@ -157,8 +183,9 @@ def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
     if chunk_bytes <= capacity.effective_bytes:
         return f"{head}: it fits"
     advised = ring_advice(capacity, chunk_bytes)
-    helps = (f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold two chunks "
-             "(device memory taken from the KV cache, and page-locked host memory)"
+    helps = (f"DMX_RING_PAYLOAD_MB={advised} DMX_RING_PINNED_MB={advised} hold "
+             f"{chunks_held(advised, chunk_bytes)} (device memory taken from the KV cache, "
+             "and page-locked host memory)"
              if advised is not None else "a smaller --chunked-prefill-size makes it fit")
     return f"{head}: it commits piecewise, in parts waiting for the drain; {helps}"
 

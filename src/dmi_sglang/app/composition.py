@@ -257,7 +257,7 @@ class PipelineFactory:
 
         settings = spec.settings
         log_plan(spec.selection, spec.shape, stored=settings.store().kind is not StoreKind.NONE,
-                 tok_s=settings.plan_tok_s)
+                 tok_s=settings.plan_tok_s, sample=settings.request_sample)
         try:
             sink = open_capture_sink(settings, spec.read_address)  # a bad store fails here
         except BaseException:
@@ -385,13 +385,15 @@ plan``'s defaults)."""
 
 
 def log_plan(selection: Selection, shape: ModelShape, *, stored: bool,
-             tok_s: int | None) -> None:
-    """Log the bandwidth plan of this capture (``dmi.plan``); with ``DMX_PLAN_TOK_S`` set,
-    warn when a stage cannot follow that many generated tokens per second."""
+             tok_s: int | None, sample: float = 1.0) -> None:
+    """Log the bandwidth plan of this capture (``dmi.plan``; of the ``sample`` of requests
+    it captures); with ``DMX_PLAN_TOK_S`` set, warn when a stage cannot follow that many
+    generated tokens per second."""
     from dmi_sglang.domain.bandwidth import plan_bandwidth
 
     plan = plan_bandwidth(selection, shape, prompt_tokens=PLAN_REQUEST[0],
-                          completion_tokens=PLAN_REQUEST[1], tok_s=tok_s, stored=stored)
+                          completion_tokens=PLAN_REQUEST[1], tok_s=tok_s, stored=stored,
+                          sample=sample)
     limits = {s.stage: round(s.max_tok_s) for s in plan.stages if s.max_tok_s is not None}
     log.info("dmi.plan", request=f"{PLAN_REQUEST[0]}+{PLAN_REQUEST[1]}",
              bytes_per_request=plan.bytes_per_request,
@@ -418,12 +420,22 @@ def model_rows(config: Mapping[str, Any]) -> tuple[ModelHooks, ModelShape]:
     from dmi_sglang.adapters.sglang_v0519.facts import model_hooks, model_shape, served_dtype
 
     hf = SimpleNamespace(**config)
-    hooks = model_hooks(hf)
     try:
-        return hooks, model_shape(hf, served_dtype(dict(config)) or "bfloat16")
-    except (AttributeError, TypeError, ValueError) as exc:
+        hooks = model_hooks(hf)
+        shape = model_shape(hf, served_dtype(dict(config)) or "bfloat16")
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
         msg = f"config.json lacks a usable model size ({exc})"
         raise UsageError(msg) from None
+    sizes = {"num_hidden_layers": shape.num_layers, "hidden_size": shape.hidden,
+             "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+             "head_dim": shape.head_dim, "intermediate_size": shape.intermediate,
+             "vocab_size": shape.vocab}
+    bad = [f"{name}={value}" for name, value in sizes.items()
+           if value < (0 if name == "intermediate_size" else 1)]  # 0: no MLP
+    if bad:
+        msg = f"config.json lacks a usable model size ({', '.join(bad)}: out of range)"
+        raise UsageError(msg)
+    return hooks, shape
 
 
 def register_plugin() -> None:

@@ -180,13 +180,21 @@ def plan_bandwidth(
     tok_s: float | None = None,
     stored: bool = True,
     rates: Rates = DEFAULT_RATES,
+    sample: float = 1.0,
 ) -> BandwidthPlan:
     """The plan of one selection for requests of ``prompt_tokens`` + ``completion_tokens``
-    served at ``tok_s`` generated tokens per second (see the module docstring).
+    served at ``tok_s`` generated tokens per second (see the module docstring), of which
+    the share ``sample`` is captured (``DMX_REQUEST_SAMPLE``): the bytes a second and the
+    stages' bounds count only those (the bytes per request and token are a captured
+    request's).
 
     Raises:
-        ValueError: a prompt shorter than one token, no completion, or a rate <= 0.
+        ValueError: a prompt shorter than one token, no completion, a rate <= 0, or a
+            sample outside 0 .. 1.
     """
+    if not 0.0 <= sample <= 1.0:
+        msg = f"request sample {sample}: accepted: a number from 0 to 1"
+        raise ValueError(msg)
     if prompt_tokens < 1 or completion_tokens < 1:
         msg = (f"prompt {prompt_tokens} and completion {completion_tokens} tokens: both "
                "must be at least 1")
@@ -201,12 +209,13 @@ def plan_bandwidth(
     longer = capture_bytes(selection, shape,
                            [(prompt_tokens + stride, completion_tokens, True)]).bytes
     per_token = one / completion_tokens
-    needed = per_token * tok_s if tok_s is not None else None
+    moved = per_token * sample  # per generated token served: the sampled share's bytes
+    needed = moved * tok_s if tok_s is not None else None
     limits = [("d2h", rates.d2h_bps)]
     if stored:
         limits += [("store", rates.store_bps), ("disk", rates.disk_bps * rates.compression)]
     stages = tuple(
-        StageBound(name, limit, limit / per_token if per_token else None,
+        StageBound(name, limit, limit / moved if moved else None,
                    throughput_bound(needed, limit) if needed is not None else None)
         for name, limit in limits)
     return BandwidthPlan(prompt_tokens, completion_tokens, one, (longer - one) / stride,

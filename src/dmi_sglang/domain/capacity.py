@@ -27,13 +27,11 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Callable
 
 import attrs
 
 from dmi_sglang.domain.hooks import Hook, RowBasis, Selection
-from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up, make_plan
+from dmi_sglang.domain.plan import DEFAULT_ALIGNMENT, CommitPlan, align_up
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError
@@ -172,7 +170,12 @@ def largest_capture_bytes(
     """
     best = (0, "")
     for hook, layer_no in selection.captures():
+        rule = selection.positions_of(hook.name, layer_no).rule
         rows = max_request_rows if hook.row_basis is RowBasis.REQUEST else max_token_rows
+        if rule is PositionRule.LAST:  # rows wait in slots of their own; reads are apart
+            rows = 0
+        elif rule is PositionRule.LAST_PROMPT:  # one row per request a forward at most
+            rows = min(rows, max_request_rows)
         size = align_up(rows * shape.capture_row(selection, hook, layer_no).nbytes, alignment)
         best = max(best, (size, hook.name))
     return best
@@ -215,24 +218,29 @@ def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> 
     counted here. A forward larger than the free ring space commits piecewise: in parts
     that fit the free space, each waiting for the drain to free its room.
 
-    A ``positions(A-B)`` rule keeps most from a chunk that starts at ``A``: a chunk from
-    0 and one from each such ``A`` are planned, and each capture counts its largest."""
-    starts = {0} | {rule.first for _, _, rule in selection.rules
-                    if rule.rule is PositionRule.RANGE}
-    worst: dict[tuple[str, int], int] = {}
-    for start in sorted(starts):
-        plan = make_plan(BatchLayout.extend(["-"], [start], [max(tokens, 1)]), selection,
-                         shape, padded=False, prompts=_one_past(start))
-        for seg in plan.segments:
-            key = (seg.hook.name, seg.layer_no)
-            worst[key] = max(worst.get(key, 0), seg.aligned_bytes(plan.alignment))
-    return sum(worst.values())
-
-
-def _one_past(start: int) -> Callable[[str], int]:
-    """Every request's prompt ends one position past ``start``: a chunk from ``start``
-    holds the most token rows any position rule can keep."""
-    return lambda _request_id: start + 1
+    Per capture, the most rows such a chunk can keep, in closed form (no plan is built:
+    a chunk of billions of positions costs no more to size): a request-row capture one
+    (the chunk's row, kept when its last position is); ``last_prompt`` one; ``every(K)``
+    one in K of a chunk from 0; ``positions(A-B)`` as many of the range as the chunk
+    holds (a chunk from ``A``); every other rule all of them; ``last`` none (its rows wait
+    in slots of their own)."""
+    tokens = max(tokens, 1)
+    total = 0
+    for hook, layer_no in selection.captures():
+        rule = selection.positions_of(hook.name, layer_no)
+        if rule.rule is PositionRule.LAST:
+            continue
+        if hook.row_basis is RowBasis.REQUEST or rule.rule is PositionRule.LAST_PROMPT:
+            rows = 1
+        elif rule.rule is PositionRule.EVERY:
+            rows = -(-tokens // rule.k)
+        elif rule.rule is PositionRule.RANGE:
+            rows = min(tokens, rule.last - rule.first + 1)
+        else:
+            rows = tokens
+        total += align_up(rows * shape.capture_row(selection, hook, layer_no).nbytes,
+                          DEFAULT_ALIGNMENT)
+    return total
 
 
 PREFILLS_IN_RING = 2
@@ -256,7 +264,17 @@ def ring_advice(capacity: RingCapacity, chunk_bytes: int) -> int | None:
         return None
     gib = 1024 * MIB
     advised = min(-(-PREFILLS_IN_RING * chunk_bytes // gib) * 1024, RING_MB_MAX)
-    return advised if advised * MIB > capacity.effective_bytes else None
+    # a ring that cannot hold one chunk is no advice: a smaller chunk is what helps
+    fits = advised * MIB > capacity.effective_bytes and advised * MIB >= chunk_bytes
+    return advised if fits else None
+
+
+def chunks_held(ring_mb: int, chunk_bytes: int) -> str:
+    """How many whole prefill chunks of ``chunk_bytes`` a ring of ``ring_mb`` MiB holds,
+    in words, up to :data:`PREFILLS_IN_RING` (the advice at :data:`RING_MB_MAX` may hold
+    only one)."""
+    held = min(PREFILLS_IN_RING, ring_mb * MIB // max(chunk_bytes, 1))
+    return {0: "no chunk", 1: "one chunk", 2: "two chunks"}.get(held, f"{held} chunks")
 
 
 def arena_bytes(

@@ -35,6 +35,7 @@ from dmi_sglang.domain.capacity import (
     arena_bytes,
     arena_slots,
     check_ring_fits,
+    chunks_held,
     last_slot_requests,
     prefill_ring_bytes,
     preflight,
@@ -71,9 +72,10 @@ def _prefill_bytes(selection: Selection, shape: ModelShape, capacity: RingCapaci
     nbytes = prefill_ring_bytes(selection, shape, tokens)
     if nbytes > capacity.effective_bytes:
         advised = ring_advice(capacity, nbytes)
-        helps = (f"DMX_RING_PAYLOAD_MB={advised} and DMX_RING_PINNED_MB={advised} hold two "
-                 f"whole (that much device memory, taken from the KV cache, and page-locked "
-                 f"host memory: docs/settings.md)" if advised is not None
+        helps = (f"DMX_RING_PAYLOAD_MB={advised} and DMX_RING_PINNED_MB={advised} hold "
+                 f"{chunks_held(advised, nbytes)} whole (that much device memory, taken from "
+                 f"the KV cache, and page-locked host memory: docs/settings.md)"
+                 if advised is not None
                  else "a smaller chunked_prefill_size makes them fit")
         log.warning(
             "dmi.prefill_larger_than_ring", prefill_tokens=tokens, prefill_bytes=nbytes,
