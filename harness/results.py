@@ -201,6 +201,8 @@ class Deadline:
             try:
                 budget_s = float(text) if text else 0.0
             except ValueError:
+                budget_s = -1.0
+            if not budget_s >= 0:  # nan or a negative were read as "no deadline"
                 msg = f"{DEADLINE_ENV}={text!r}: expected seconds (a number; 0: no deadline)"
                 raise SystemExit(msg) from None
         self.clock = clock

@@ -452,14 +452,16 @@ def render(rows: Sequence[Json]) -> str:
 
 class ServingRun:
     """The (repeat, mode) units of one invocation, each bracketed, resumed where saved;
-    the seconds each mode's last unit took are kept to estimate the next."""
+    the seconds each mode's last measured unit took are kept, per configuration, to
+    estimate the next."""
 
     def __init__(self, args: argparse.Namespace, state: Path, work: Path,
                  deadline: Deadline) -> None:
         self.args, self.state, self.work, self.deadline = args, state, work, deadline
         self.config = settings(args)
         self.saved = Resumable(state / stable_hash(self.config), fresh=args.fresh)
-        self.took: Json = load_json(state / "took.json") or {}
+        self.took_path = self.saved.root / "took.json"  # this configuration's units only
+        self.took: Json = load_json(self.took_path) or {}
         model_dir = write_model_dir(work / "models", MODELS[args.model])
         self.kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch,
                                     chunked_prefill_size=0)
@@ -502,8 +504,9 @@ class ServingRun:
             finish(data, "error", str(exc)[-6000:])
         finally:
             shutil.rmtree(store, ignore_errors=True)
-        self.took[mode.slug] = time.monotonic() - started
-        write_json(self.state / "took.json", self.took)
+        if data["status"] in ("passed", "failed"):  # an erred unit's seconds say nothing
+            self.took[mode.slug] = time.monotonic() - started
+            write_json(self.took_path, self.took)
         self.saved.put(name, identity, data)
         return data
 
@@ -576,8 +579,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     if args.output_len < 2:
         p.error(f"--output-len {args.output_len}: expected >= 2")
-    if args.min_seconds < 0:
-        p.error(f"--min-seconds {args.min_seconds}: expected >= 0")
+    if not 0 <= args.min_seconds < float("inf"):  # nan and inf too: no unit would fit
+        p.error(f"--min-seconds {args.min_seconds}: expected a finite number >= 0")
     tokens = args.batch * (args.prompt_len + args.output_len)
     if tokens > MAX_TOTAL_TOKENS:
         p.error(f"--batch x (--prompt-len + --output-len) = {tokens} tokens: expected at most "

@@ -462,3 +462,62 @@ def test_a_modes_own_settings_are_checked_before_any_engine_starts(
     err = capsys.readouterr().err
     assert words in err
     assert "hunter2" not in err
+
+
+def _serve_model(tmp_path: Path, model: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / f"serving-{model}.json"
+    code = serving.main(["--out", str(out), "--modes", "transport:hidden-states",
+                         "--repeats", "1", "--batch", "2", "--prompt-len", "4",
+                         "--output-len", "3", "--min-seconds", "0.01", "--model", model,
+                         "--engine-class", FAKE, "--work", str(tmp_path / "work")])
+    data = load_json(out)
+    assert data is not None
+    return code, data
+
+
+def test_a_units_estimate_is_not_another_configurations_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seconds a unit took were kept per mode alone: a 0.6b unit's planned an 8b one
+    (a unit that cannot fit started and was cut off at the deadline; one that could was
+    skipped on every invocation)."""
+    code, _ = _serve_model(tmp_path, "0.6b")
+    assert code == 0
+    budget = 60.0
+    args = argparse.Namespace(model="8b", batch=2, prompt_len=4, output_len=3,
+                              min_seconds=0.01, env={})
+    need = serving.estimate_s(args, serving.parse_modes("transport:hidden-states")[0])
+    assert need * 1.5 > budget  # the 8b unit's own estimate does not fit
+    monkeypatch.setenv("DMI_HARNESS_DEADLINE_S", str(budget))
+    code, data = _serve_model(tmp_path, "8b")
+    assert data["units"][0]["status"] == "skipped"
+    assert code == 3
+
+
+def test_an_erred_units_seconds_do_not_become_its_modes_estimate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FAIL_START", "1")
+    _, data = serve(tmp_path, "transport:hidden-states", repeats=1, batch=2, prompt=4,
+                    output=3)
+    assert data["units"][0]["status"] == "error"
+    monkeypatch.delenv("FAKE_FAIL_START")
+    monkeypatch.setenv("DMI_HARNESS_DEADLINE_S", "60")  # below 1.5 x the estimate
+    _, data = serve(tmp_path, "transport:hidden-states", repeats=1, batch=2, prompt=4,
+                    output=3)
+    assert data["units"][0]["status"] == "skipped", "planned with a failed start's seconds"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_min_seconds_is_refused(value: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """nan made every estimate nan: every unit skipped, exit 3 ("run again") forever."""
+    with pytest.raises(SystemExit) as exc:
+        serving.main(["--min-seconds", value, "--dry-run"])
+    assert exc.value.code == 2
+    assert "--min-seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["nan", "-60"])
+def test_a_deadline_that_is_no_number_of_seconds_is_refused(text: str) -> None:
+    """Both were read as no deadline at all: the invocation outlasted its lease."""
+    with pytest.raises(SystemExit, match="DMI_HARNESS_DEADLINE_S"):
+        Deadline(env={"DMI_HARNESS_DEADLINE_S": text})
