@@ -323,6 +323,11 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
         monitor.abort_forward()
     after = transport.drain_counters()
     drain = {k: after[k] - before[k] for k in after}
+    # the timed waves' figures, before an untimed profiled wave adds to the counts
+    forwards, n = bench.decode_forwards, max(bench.decode_forwards, 1)
+    per = {k: v / n * 1e6 for k, v in bench.spent.items()}
+    prefill_us, replay_us, launch_s = list(bench.prefill_us), list(bench.replay_us), \
+        bench.launch_s
     profile = None
     if args.profile:  # one more wave of its own: the profiler slows what it watches
         profile = cProfile.Profile()
@@ -330,8 +335,6 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
         bench.wave(args.waves + 1)
         profile.disable()
     stats = monitor.stop()
-    n = max(bench.decode_forwards, 1)
-    per = {k: v / n * 1e6 for k, v in bench.spent.items()}
     text, rate = PRESETS[preset]
     captured = monitor.requests.captured_requests
     # each request: the prompt, then output_len decode forwards, the last one the overlap
@@ -339,10 +342,10 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     expected = capture_bytes(monitor.selection, monitor.shape,
                              [(args.prompt_len, args.output_len, True)] * captured).rows
     return {"preset": preset, "selection": text, "sample": rate, "batch": bench.bs,
-            "decode_forwards": bench.decode_forwards, "parts_us": per,
-            "decode_us": sum(per.values()), "prefill_us": statistics.median(bench.prefill_us),
-            "replay_gpu_us": statistics.median(bench.replay_us) if bench.replay_us else None,
-            "replay_launch_us": bench.launch_s / n * 1e6 if bench.replay_us else None,
+            "decode_forwards": forwards, "parts_us": per,
+            "decode_us": sum(per.values()), "prefill_us": statistics.median(prefill_us),
+            "replay_gpu_us": statistics.median(replay_us) if replay_us else None,
+            "replay_launch_us": launch_s / n * 1e6 if replay_us else None,
             "drain_cpu_us": drain["build_cpu_seconds"] / (n + args.waves) * 1e6,
             "drain": drain, "rows": stats.rows,
             "rows_expected": expected, "sink_rows": bench.sink.rows,

@@ -61,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
@@ -164,6 +164,18 @@ def _ingest_input(size: int, total: int) -> tuple[list[RecordBatch], int, int, R
     return batches, sum(len(b) for b in batches), sum(b.nbytes for b in batches), run
 
 
+def _per_gb(seconds: float, nbytes: int) -> float | None:
+    """``seconds`` per GB (1e9 bytes) of ``nbytes``; None when nothing was stored (the
+    delivered check reports that)."""
+    return seconds / (nbytes / 1e9) if nbytes else None
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the values measured (None where none was)."""
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
 def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
            insert_rows: int = INSERT_ROWS) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
@@ -189,7 +201,7 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
             "batches": len(batches), "bytes": captured, "seconds": wall,
             "bps": stats.bytes_stored / wall, "synced_seconds": synced,
             "synced_bps": stats.bytes_stored / synced,
-            "cpu_s_per_GB": cpu / (stats.bytes_stored / 1e9),
+            "cpu_s_per_GB": _per_gb(cpu, stats.bytes_stored),
             "writer_cpu_s_per_GB": stats.cpu_s_per_gb, "sync_seconds": stats.sync_seconds,
             "background_sync_seconds": stats.background_sync_seconds,
             "disk_bytes": on_disk, "compression": captured / on_disk if on_disk else None,
@@ -234,8 +246,8 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
     shutil.rmtree(path, ignore_errors=True)
     return {"payload_bytes": size, "writers": writers, "records": records,
             "batches": len(batches), "bytes": captured, "seconds": wall,
-            "bps": stored / wall, "cpu_s_per_GB": cpu / (stored / 1e9),
-            "owner_cpu_s_per_GB": owner_cpu / (stored / 1e9),
+            "bps": stored / wall, "cpu_s_per_GB": _per_gb(cpu, stored),
+            "owner_cpu_s_per_GB": _per_gb(owner_cpu, stored),
             "finish_run_s": finished - put_done, "close_s": closed - finished,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
 
@@ -412,8 +424,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                          "spread": spread_of(r["bps"] for r in runs),
                          "synced_bps": statistics.median(r["synced_bps"] for r in runs),
                          "synced_spread": spread_of(r["synced_bps"] for r in runs),
-                         "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in runs),
-                         "writer_cpu_s_per_GB": statistics.median(
+                         "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in runs),
+                         "writer_cpu_s_per_GB": _median(
                              r["writer_cpu_s_per_GB"] for r in runs),
                          "sync_seconds": statistics.median(r["sync_seconds"] for r in runs),
                          "compression": statistics.median(ratios) if ratios else None,
@@ -436,13 +448,13 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     through_owner = {"payload_bytes": widest, "writers": most,
                      "bps": statistics.median(r["bps"] for r in owned),
                      "spread": spread_of(r["bps"] for r in owned),
-                     "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in owned),
-                     "owner_cpu_s_per_GB": statistics.median(
+                     "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in owned),
+                     "owner_cpu_s_per_GB": _median(
                          r["owner_cpu_s_per_GB"] for r in owned),
                      "finish_run_s": statistics.median(r["finish_run_s"] for r in owned),
                      "close_s": statistics.median(r["close_s"] for r in owned),
                      "direct_bps": statistics.median(r["bps"] for r in direct),
-                     "direct_cpu_s_per_GB": statistics.median(
+                     "direct_cpu_s_per_GB": _median(
                          r["cpu_s_per_GB"] for r in direct),
                      "delivered": all(r["delivered"] for r in owned + direct),
                      "runs": owned, "direct_runs": direct}

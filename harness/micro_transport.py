@@ -272,10 +272,10 @@ def overhead(args: argparse.Namespace, preset: str, bs: int) -> Json:
 
 
 def p50_p99_max(values: Iterable[float]) -> tuple[float, float, float]:
-    """The median, the 99th percentile (nearest rank below) and the largest of
-    ``values`` (at least one)."""
+    """The median, the 99th percentile (nearest rank: the ``ceil(0.99 n)``-th smallest)
+    and the largest of ``values`` (at least one)."""
     s = sorted(values)
-    return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))], s[-1]
+    return statistics.median(s), s[-(-99 * len(s) // 100) - 1], s[-1]
 
 
 class BackgroundThread:
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
         for bs in args.batches:
             rows.append(overhead(args, preset, bs))
             gc.collect()  # frees the previous transport's ring and staging
-    for preset in DRAIN_PRESETS:  # warm-up runs (first touches of memory), not reported
+    for preset in DRAIN_PRESETS if args.warmup > 0 else ():  # warm-up runs, not reported
         drain(args, preset, args.warmup)
     probes = [_d2h(dev, args.d2h_bytes)]  # the bound brackets every repetition of the drain
     drains: dict[str, list[Json]] = {p: [] for p in DRAIN_PRESETS}
@@ -504,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.layers, args.hidden, args.steps, args.reps, args.ring_mb) <= 0:
         p.error("--layers, --hidden, --steps, --reps and --ring-mb must be positive")
+    if min(args.warmup, args.drain_steps) < 0:
+        p.error("--warmup and --drain-steps must be at least 0")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2

@@ -522,3 +522,75 @@ def test_copies_keep_their_other_variants_when_the_copy_kernel_cannot_run(
     code, data, _ = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0", "--probes", "3")
     assert code == 0
     assert "copy_kernel_works" not in data["checks"]  # no kernel asked for: no check
+
+
+def test_hooks_profiled_wave_is_not_counted_in_the_timed_figures(tmp_path: Path) -> None:
+    """``--profile`` runs one more wave of its own, untimed: it was counted in every
+    per-forward figure and in the drain's denominator."""
+    _needs_torch()
+    from harness.micro_hooks import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--device", "cpu", "--presets", "hidden-states", "--layers", "2",
+                     "--hidden", "16", "--vocab", "128", "--batch", "4", "--prompt-len", "4",
+                     "--output-len", "3", "--waves", "1", "--step-ms", "0", "--ring-mb", "8",
+                     "--profile", "--out", str(tmp_path / "h.json")]) == 0
+    row = json.loads((tmp_path / "h.json").read_text())["figures"]["hooks"][0]
+    assert row["profile"]  # the profiled wave ran
+    assert row["decode_forwards"] == 1 * 3  # the timed wave's decode forwards only
+
+
+def test_p99_is_the_nearest_rank_and_the_median_of_an_even_count_the_middle_mean() -> None:
+    """At 100 values the p99 was the largest (the copies benchmark's default 400 probes
+    gave the 397th): the ceil(0.99 n)-th smallest."""
+    from harness.micro_transport import p50_p99_max
+
+    assert p50_p99_max(range(1, 101)) == (50.5, 99, 100)
+    assert p50_p99_max(range(1, 401))[1] == 396
+    assert p50_p99_max([7.0]) == (7.0, 7.0, 7.0)
+    assert p50_p99_max(range(1, 151))[1] == 149
+
+
+def test_transport_accepts_warmup_zero(tmp_path: Path) -> None:
+    """The drain's warm-up with no steps failed on its first plan (IndexError)."""
+    _needs_torch()
+    from harness.micro_transport import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--device", "cpu", "--layers", "2", "--hidden", "32", "--vocab", "256",
+                     "--batches", "1", "--presets", "hidden-states", "--steps", "2",
+                     "--warmup", "0", "--reps", "1", "--ring-mb", "16",
+                     "--out", str(tmp_path / "t.json")]) == 0
+
+
+def test_store_ingest_that_stored_nothing_reports_lost_instead_of_crashing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the delivered check ("LOST") is for came back as a ZeroDivisionError."""
+    _needs_torch()
+    from dmi_sglang.adapters.clickhouse._stats import SinkStats
+    from harness import micro_store
+
+    class Lossy:
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def start_run(self, run: object) -> None:
+            pass
+
+        def put(self, batch: object) -> None:
+            pass
+
+        def finish_run(self, run: object, manifests: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def stats(self) -> SinkStats:
+            return SinkStats()  # nothing stored
+
+    monkeypatch.setattr(micro_store, "ClickHouseSink", Lossy)
+    monkeypatch.setattr(micro_store.os, "sync", lambda: None)
+    out = micro_store.ingest(tmp_path, 16384, 200_000, 1, 0)
+    assert out["delivered"] is False
+    assert out["cpu_s_per_GB"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from harness.trace import summarize_events
@@ -88,3 +90,29 @@ def test_kernels_are_summed_by_name_and_compared_with_stock() -> None:
     first = text.split("(stock's)\n", 1)[1].splitlines()[0]
     assert first.split() == ["+7.0", "7.0", "x", "1.0", "(", "0.0", "x", "0.0)",
                              "at::native::index_copy_kernel"]
+
+
+def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> None:
+    """A kernel stock runs at rank 21 by time that a monitored mode runs longer grew by
+    the difference: the summary kept stock's top 20 alone, so it grew by its whole time."""
+    from harness.profile import _kernels_over_stock
+    from harness.trace import summarize_events
+
+    forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
+
+    def k(name: str, ts: float, dur: float) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 9}
+
+    def fwd() -> dict[str, Any]:
+        return {"ph": "X", "cat": "python_function", "name": forward, "ts": 0, "dur": 1000,
+                "tid": 1}
+
+    common = [k(f"model_kernel_{i:02d}", 10 * i, 5 + i) for i in range(20)]
+    stock = [fwd(), *common, k("copy_kernel", 900, 1)]
+    ours = [fwd(), *common, k("copy_kernel", 900, 41)]
+    text = "\n".join(_kernels_over_stock([
+        {"mode": "stock", "summary": summarize_events(stock)},
+        {"mode": "last", "summary": summarize_events(ours)}]))
+    first = text.split("(stock's)\n", 1)[1].splitlines()[0].split()
+    assert first[-1] == "copy_kernel"
+    assert first[0] == "+40.0"
