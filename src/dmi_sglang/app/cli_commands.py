@@ -173,7 +173,9 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
         found = True
         name = act if layer < 0 else f"{act}.{layer}"
         every = f":{kept.step}" if kept.step > 1 else ""
-        yield f"{name}@{kept.start}-{kept.stop}{every}", kept, handle.get(act, layer_arg)
+        # the rows of the positions just named (a live run may store more meanwhile)
+        yield (f"{name}@{kept.start}-{kept.stop}{every}", kept,
+               handle.get(act, layer_arg, start=kept.start, end=kept.stop))
     if not found:
         msg = (f"request '{_shown(request_id)}' of run '{_shown(run_id)}' has no stored "
                "positions in any capture: nothing to read, even with --partial")

@@ -25,6 +25,7 @@ from dmi_sglang.app.assemble import (
     selected_positions,
 )
 from dmi_sglang.app.shards import combined_rows, empty_rows
+from dmi_sglang.domain.hooks import Hook
 from dmi_sglang.domain.ports import RecordReader
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import RequestManifest, RunInfo
@@ -185,8 +186,8 @@ class CaptureHandle:
         Raises:
             IncompleteCaptureError: the capture is incomplete, or the hook / layer was
                 not captured in this run.
-            ValueError: a layer missing for a per-layer hook, or a range outside the
-                captured positions.
+            ValueError: a layer missing for a per-layer hook (or given for a global
+                one), or a range outside the captured positions.
         """
         if self._partial:
             return self._partial_get(hook, layer, start, end)
@@ -208,20 +209,22 @@ class CaptureHandle:
     def hidden_states(self) -> tuple[torch.Tensor, ...]:
         """``resid_pre`` of every layer: entry i = layer i's input = Hugging Face
         ``hidden_states[i]``; each ``[positions, hidden]``. Needs layers 0..L-1."""
-        with self._lock:
-            with self._reader() as reader:
-                self._complete(reader)
-                keys = self._resid_keys()
-                recs = reader.records(
-                    self.run_id,
-                    self.request_id,
-                    act_name="blocks.hook_resid_pre",
-                    start=min(k[2].start for k in keys),
-                    end=max(k[2].stop for k in keys),
-                )
+        with self._lock, self._reader() as reader:
+            self._complete(reader)
+            keys = self._resid_keys()
+            recs = reader.records(
+                self.run_id,
+                self.request_id,
+                act_name="blocks.hook_resid_pre",
+                start=min(k[2].start for k in keys),
+                end=max(k[2].stop for k in keys),
+            )
             plan = self._plan("blocks.hook_resid_pre")
-            return tuple(combined_rows([r for r in recs if r.layer_no == layer_no], kept,
-                                       plan, act, layer_no) for act, layer_no, kept in keys)
+            return tuple(  # a layer that keeps no position: no rows, of its row shape
+                combined_rows([r for r in recs if r.layer_no == layer_no], kept, plan,
+                              act, layer_no)
+                if kept else self._no_rows(reader, act, layer_no, plan)
+                for act, layer_no, kept in keys)
 
     def by_layer(self, hook: str) -> tuple[torch.Tensor, ...]:
         """A per-layer hook of every layer, as a tuple indexed by layer (DMI's shape of a
@@ -283,6 +286,7 @@ class CaptureHandle:
         Raises:
             IncompleteCaptureError: no such run, the hook was not captured, or nothing
                 of it was stored.
+            ValueError: no ``layer`` for a per-layer hook, or one for a global hook.
         """
         with self._reader() as reader:
             return self._partial_key(reader, hook, layer)[0][2]
@@ -294,7 +298,7 @@ class CaptureHandle:
             msg = f"run {self.run_id!r} is not in the store"
             raise IncompleteCaptureError(msg)
         h = hook_for(hook)
-        layer_no = layer if h.per_layer and layer is not None else -1
+        layer_no = _layer_no(h, layer)
         if (h.act_name, layer_no) not in run.captures:
             msg = f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}"
             raise IncompleteCaptureError(msg)
@@ -364,10 +368,7 @@ class CaptureHandle:
     ) -> _Key:
         run, manifest = self._complete(reader)
         h = hook_for(hook)
-        if h.per_layer and layer is None:
-            msg = f"hook {h.name!r} is per layer: pass layer="
-            raise ValueError(msg)
-        layer_no = layer if h.per_layer and layer is not None else -1
+        layer_no = _layer_no(h, layer)
         if (h.act_name, layer_no) not in run.captures:
             msg = (
                 f"{h.act_name} layer {layer_no} was not captured in run {self.run_id!r}; "
@@ -398,6 +399,23 @@ class CaptureHandle:
             yield reader
 
 
+def _layer_no(h: Hook, layer: int | None) -> int:
+    """The stored ``layer_no`` of ``h`` at ``layer``.
+
+    Raises:
+        ValueError: no layer for a per-layer hook, or a layer for a global one.
+    """
+    if h.per_layer:
+        if layer is None:
+            msg = f"hook {h.name!r} is per layer: pass layer="
+            raise ValueError(msg)
+        return layer
+    if layer is not None and layer != -1:
+        msg = f"hook {h.name!r} is global: pass no layer (got layer={layer!r})"
+        raise ValueError(msg)
+    return -1
+
+
 class NoStoreHandle:
     """The handle of a run without persistence (``DMX_DB_URL=none``): nothing to read."""
 
@@ -421,5 +439,8 @@ class NoStoreHandle:
         return ("the run was captured without persistence (DMX_DB_URL=none)",)
 
     def __getattr__(self, name: str) -> object:
+        if name.startswith("_"):  # Python's own probes (copy, pickle, hasattr, IPython)
+            msg = f"{type(self).__name__!r} object has no attribute {name!r}"
+            raise AttributeError(msg)
         msg = f"run {self.run_id!r} stored nothing (DMX_DB_URL=none); cannot read {name!r}"
         raise IncompleteCaptureError(msg)
