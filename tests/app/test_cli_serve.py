@@ -231,6 +231,31 @@ def test_a_server_the_capture_does_not_follow_is_refused_in_one_line(
     assert "DMX_SGLANG_ENABLE" not in os.environ
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("extra", [["--encoder-onl"], ["--use-ra"], ["--grpc-mod"],
+                                   ["--smg-grpc"], ["--config", "CONFIG"]],
+                         ids=["encoder-prefix", "ray-prefix", "grpc-prefix", "smg-prefix",
+                              "config-file"])
+def test_every_spelling_sglang_takes_for_another_server_is_refused(
+        extra: list[str], model: Path, tmp_path: Path, clean_env: None,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's parser takes any unambiguous prefix of a flag, and ``--config`` expands a
+    YAML file into flags: the refusal above matched whole flags only."""
+    from dmi_sglang.app.cli import main
+
+    config = tmp_path / "sglang.yaml"
+    config.write_text("encoder-only: true\n")
+    extra = [str(config) if a == "CONFIG" else a for a in extra]
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    execs: list[Any] = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append(argv))
+    assert main(["serve", "--model-path", str(model), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "starts another server" in err
+    assert execs == []
+
+
 def test_serve_refuses_an_exported_sglang_enable_0(
         model: Path, clean_env: None, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

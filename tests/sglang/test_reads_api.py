@@ -131,3 +131,31 @@ def test_a_store_that_cannot_be_read_answers_503_and_no_store_404() -> None:
     nothing = _client(None, api_key=None).get("/dmi/runs")
     assert nothing.status_code == 404
     assert "stores nothing" in nothing.json()["error"]
+
+
+def test_a_read_of_another_run_is_not_labelled_with_the_servers_run() -> None:
+    """The run header named the server's run (and ``capturing``) on answers about any
+    run of the store: a client labelling a download by it filed run-1's rows as run-s."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    from dmi_sglang.adapters.sglang_v0519.reads_api import mount_reads
+    from dmi_sglang.adapters.sglang_v0519.server import CAPTURE_HEADER, RUN_HEADER, mount
+
+    control = SimpleNamespace(run_id="run-s", last_state="capturing")
+    app = FastAPI()
+    app.get("/generate-like")(lambda: {})  # a request of this server's run
+    mount(app, control)  # type: ignore[arg-type]
+    mount_reads(app, StoreReads(lambda: MemoryReader(_store())))
+    add_api_key_middleware(app, api_key="sekret", admin_api_key=None)
+    client = TestClient(app)
+    for path in ("/dmi/runs/run-1/requests/done/safetensors", "/dmi/runs/run-1/requests/done",
+                 "/dmi/runs/run-1/requests"):
+        answer = client.get(path, headers=KEY)
+        assert answer.status_code == 200
+        assert RUN_HEADER not in answer.headers, path
+        assert CAPTURE_HEADER not in answer.headers, path
+    assert client.get("/generate-like", headers=KEY).headers.get(RUN_HEADER) == "run-s"

@@ -132,9 +132,12 @@ no stop at exit, and a capture failure would end the scheduler."""
 
 
 def _refuse_other_servers(extra: Sequence[str]) -> None:
-    """Raises UsageError for a flag of :data:`OTHER_SERVERS` among SGLang's arguments."""
-    for arg in extra:
-        flag = arg.partition("=")[0]
+    """Raises UsageError for a flag of :data:`OTHER_SERVERS` among SGLang's arguments, as
+    SGLang's own parser reads them (an abbreviation, a ``--config`` file setting it)."""
+    from dmi_sglang.app.composition import sglang_flags_set
+
+    given = [arg.partition("=")[0] for arg in extra]
+    for flag in [*given, *sglang_flags_set(extra, OTHER_SERVERS)]:
         if flag in OTHER_SERVERS:
             msg = (f"{flag} starts another server than SGLang's HTTP server, which the "
                    "capture does not follow (no /dmi routes, no stop at exit); accepted: "

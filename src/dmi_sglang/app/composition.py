@@ -340,6 +340,18 @@ class PipelineFactory:
 
 
 # -- SGLang ----------------------------------------------------------------------------
+def sglang_flags_set(extra: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """The boolean ``flags`` SGLang's own server parser sets from the server arguments
+    ``extra`` (abbreviations and ``--config`` files included); none without SGLang (the
+    start refuses that anyway)."""
+    from dmi_sglang.adapters.sglang_v0519.launch_args import flags_set
+
+    try:
+        return flags_set(extra, flags)
+    except ImportError:  # SGLang itself
+        return []
+
+
 def installed_sglang() -> str | None:
     """The installed SGLang release (local version label dropped), or None."""
     try:

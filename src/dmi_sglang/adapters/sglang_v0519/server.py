@@ -367,7 +367,7 @@ class _RunHeader:
         if scope["type"] == "lifespan":
             await self.app(scope, _watching_for_shutdown(receive), send)
             return
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _reads_path(scope):
             await self.app(scope, receive, send)
             return
         state = (self.capture, self.control.last_state.encode("latin-1"))
@@ -379,6 +379,18 @@ class _RunHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_header)
+
+
+def _reads_path(scope: dict[str, Any]) -> bool:
+    """A read-back answer (``/dmi/runs...``): about any run of the store, not a request of
+    this server's run, so it carries neither header."""
+    from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH
+
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", ""))
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path == RUNS_PATH or path.startswith(RUNS_PATH + "/")
 
 
 def around_kill_process_tree(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
