@@ -210,13 +210,12 @@ def check_ring_fits(
 
 
 def prefill_ring_bytes(selection: Selection, shape: ModelShape, tokens: int) -> int:
-    """Ring bytes of one eager forward of ``tokens`` positions of one request: what a
-    prefill chunk of SGLang's ``chunked_prefill_size`` takes in the ring at once (a
-    prompt of one token, so every position rule keeps the most token rows it can). A
+    """Ring bytes of one eager forward of ``tokens`` positions of one request: the most
+    a prefill chunk of SGLang's ``chunked_prefill_size`` takes in the ring at once. A
     chunk of several requests holds as many token rows and one request row more per
-    request and request-row capture (``final_logits``, ``last_prompt`` rules): not
-    counted here. A forward larger than the free ring space commits piecewise: in parts
-    that fit the free space, each waiting for the drain to free its room.
+    further request and request-row capture (``final_logits``, ``last_prompt`` rules):
+    not counted here. A forward larger than the free ring space commits piecewise: in
+    parts that fit the free space, each waiting for the drain to free its room.
 
     Per capture, the most rows such a chunk can keep, in closed form (no plan is built:
     a chunk of billions of positions costs no more to size): a request-row capture one
