@@ -217,3 +217,12 @@ def test_capture_points_fire_final_logits_once_for_its_derived_captures() -> Non
         ("resid_pre", 1), ("final_ln", -1), ("final_logits", -1)]
     plain = parse_selection("final_logits,final_logits:topk(8)").resolve(QWEN3)
     assert [(h.name, n) for h, n in plain.capture_points()] == [("final_logits", -1)]
+
+
+def test_topk_takes_ascii_digits_only_like_layers_and_positions() -> None:
+    with pytest.raises(SelectionError):
+        parse_selection("resid_pre@\u0661")
+    with pytest.raises(SelectionError):
+        parse_selection("resid_pre:positions(\u0661)")
+    with pytest.raises(SelectionError, match="topk"):
+        parse_selection("final_logits:topk(\u0666\u0664)")

@@ -201,3 +201,38 @@ def test_every_wire_compression_the_server_inserter_makes_is_a_setting() -> None
         store = Settings.from_env({"DMX_DB_URL": "http://h:8123/db",
                                    "DMX_CH_COMPRESSION": method}).resolve(model_path="m").store()
         assert store.compression == method
+
+
+def test_a_generated_run_id_reads_back_in_the_scheduler_for_a_long_model_dir() -> None:
+    """A model directory name over 177 characters made an id of more than 200, which
+    the scheduler's own parsing of the settings refused."""
+    resolved = Settings().resolve(model_path="/models/" + "m" * 190,
+                                  now=datetime(2026, 1, 1, tzinfo=UTC), token="abcdef")
+    again = Settings.from_env(resolved.to_env())
+    assert again.model_id == resolved.model_id
+    assert resolved.model_id is not None
+    assert resolved.model_id.endswith("-20260101T000000-abcdef")
+
+
+def test_a_password_is_taken_as_given_whitespace_included() -> None:
+    """"Any string": its leading and trailing spaces were stripped (authentication then
+    failed with nothing pointing at why)."""
+    assert Settings.from_env({"DMX_CH_PASSWORD": " s3cret "}).ch_password == " s3cret "
+    assert Settings.from_kwargs({"dmx_ch_password": "s3cret\t"}, env={}).ch_password \
+        == "s3cret\t"
+
+
+def test_an_empty_sglang_enable_means_auto_for_parsing_as_for_monitoring() -> None:
+    """The plugin read it as auto and decided to monitor; the settings then refused it."""
+    env = {"DMX_SGLANG_ENABLE": "", "DMX_HOOK_SELECTION": "logits"}
+    assert monitoring_requested(env)
+    assert Settings.from_env(env).hook_selection == "logits"
+
+
+def test_dmx_null_mode_false_keeps_the_exported_store() -> None:
+    """False (store captures, the default) dropped the exported store: captures went to
+    ./dmi-captures instead of the configured server."""
+    env = {"DMX_DB_URL": "http://clickhouse.internal:8123/acts"}
+    settings = Settings.from_kwargs({"dmx_null_mode": False}, env=env)
+    assert settings.db_url == "http://clickhouse.internal:8123/acts"
+    assert Settings.from_kwargs({"dmx_null_mode": True}, env=env).db_url == "none"

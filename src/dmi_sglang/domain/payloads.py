@@ -41,7 +41,7 @@ class StorageDType(enum.Enum):
 TOPK_HOOKS = ("logits_topk_values", "logits_topk_ids")
 """The captures ``final_logits:topk(K)`` makes (values first, as the model emits them)."""
 
-_TOPK = re.compile(r"^topk\((\d+)\)$")
+_TOPK = re.compile(r"^topk\(([0-9]+)\)$")  # ASCII digits, as layers and positions
 _REFUSED = {"fp8", "e4m3", "fp8_e4m3", "e5m2", "fp8_e5m2"}
 ACCEPTED = "bf16, fp16, topk(K) (final_logits only)"
 """The payload modifiers the selection syntax accepts, as error messages name them."""

@@ -79,11 +79,12 @@ class Enable(enum.Enum):
 
 
 def _conv(
-    parse: Callable[[str], Any], accepted: str, shown: Callable[[str], str] = repr
+    parse: Callable[[str], Any], accepted: str, shown: Callable[[str], str] = repr,
+    *, strip: bool = True,
 ) -> Callable[[str, str], Any]:
     def convert(name: str, text: str) -> Any:
         try:
-            return parse(text.strip())
+            return parse(text.strip() if strip else text)
         except _MisplacedValueError as exc:  # a value meant for something else: what to do instead
             msg = f"{name}={shown(text)}: {exc}"
             raise ConfigurationError(msg) from None
@@ -163,8 +164,12 @@ def _enable(text: str) -> Enable:
     return Enable.ON if _bool(low) else Enable.OFF
 
 
+RUN_ID_MAX = 200
+"""The longest run id (``DMX_MODEL_ID``) accepted, and generated."""
+
+
 def _run_id(text: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}", text):
+    if not re.fullmatch(rf"[A-Za-z0-9][A-Za-z0-9._:@+=-]{{0,{RUN_ID_MAX - 1}}}", text):
         raise ValueError(text)
     return text
 
@@ -413,7 +418,8 @@ _VARS: dict[str, _Var] = {
     "DB_DATABASE": _Var("db_database", "default", _conv(_name, "a ClickHouse identifier")),
     "DB_TABLE": _Var("db_table", "offload", _conv(_name, "a ClickHouse identifier")),
     "CH_USER": _Var("ch_user", "default", _conv(lambda t: t, "a user name")),
-    "CH_PASSWORD": _Var("ch_password", "", _conv(lambda t: t, "any string"), secret=True),
+    "CH_PASSWORD": _Var("ch_password", "", _conv(lambda t: t, "any string", strip=False),
+                        secret=True),  # taken as given: spaces may be part of it
     "CH_SECURE": _Var("ch_secure", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"),
     "CH_COMPRESSION": _Var(
         "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "gzip", "none"),
@@ -525,7 +531,7 @@ class Settings:
             if var is None:
                 msg = f"unknown setting {key}; accepted: {', '.join(PREFIX + k for k in _VARS)}"
                 raise ConfigurationError(msg)
-            if text == "" and var.default is None:
+            if text == "" and (var.default is None or name == "SGLANG_ENABLE"):
                 continue
             if var.field == "model_id" and text in _SPENT_IDS:
                 continue  # an earlier engine's generated id (see engine_started)
@@ -541,7 +547,8 @@ class Settings:
         says where (:data:`STORE_PLACE`): those are dropped, not combined with it."""
         merged = {k: v for k, v in (os.environ if env is None else env).items()
                   if k.startswith(PREFIX)}
-        if any(k.upper()[len(PREFIX):] in STORE_TARGET for k in kwargs):
+        if any(k.upper()[len(PREFIX):] in STORE_TARGET and not _keeps_store(k, v)
+               for k, v in kwargs.items()):
             merged = {k: v for k, v in merged.items() if k[len(PREFIX):] not in STORE_PLACE}
         for key, value in kwargs.items():
             name = key.upper()
@@ -591,7 +598,8 @@ class Settings:
         if model_id is None:
             stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%S")
             base = re.sub(r"[^A-Za-z0-9._-]", "_", posixpath.basename(model_path.rstrip("/")))
-            model_id = f"{base.lstrip('._-') or 'model'}-{stamp}-{token or secrets.token_hex(3)}"
+            suffix = f"-{stamp}-{token or secrets.token_hex(3)}"  # a long name is cut
+            model_id = (base.lstrip("._-")[: RUN_ID_MAX - len(suffix)] or "model") + suffix
             _GENERATED_IDS.add(model_id)
         db_url = self.db_url
         if db_url is None:
@@ -678,6 +686,12 @@ def ignored_variables(env: Mapping[str, str] | None = None) -> tuple[tuple[str, 
     if null in _FALSE:
         found.append((PREFIX + "NULL_MODE", "0 is the default: captures are stored"))
     return tuple(found)
+
+
+def _keeps_store(key: str, value: object) -> bool:
+    """``dmx_null_mode`` off: it says nothing about where captures go (the exported
+    store stays)."""
+    return key.upper() == PREFIX + "NULL_MODE" and _kwarg_text(value).strip().lower() in _FALSE
 
 
 def _kwarg_text(value: object) -> str:
