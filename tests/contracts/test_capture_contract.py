@@ -177,9 +177,9 @@ def test_the_pipeline_factory_sizes_the_decode_window_from_the_setting() -> None
 
 def test_the_pipeline_factory_gives_the_arena_the_slots_the_setting_holds() -> None:
     one = arena_bytes(_spec(_settings()).selection, SHAPE, max_graph_batch=4)
-    # 0 MiB: one slot; 1 MiB: 64 slots (the most), a spare and a landing slot
+    # 0 MiB: one slot; 1 MiB: 32 slots (the most), a spare and a landing slot
     assert _device_bytes(dmx_arena_slots_mb="1") - _device_bytes(dmx_arena_slots_mb="0") \
-        == (64 + 2 - 1) * one
+        == (32 + 2 - 1) * one
 
 
 def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain(

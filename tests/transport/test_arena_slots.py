@@ -45,8 +45,8 @@ def _decode_steps(d: Driver, steps: int) -> None:
 
 
 def test_the_slot_count_follows_the_arena_size():
-    assert arena_slots(1 << 20) == ARENA_SLOTS_MAX == 64
-    assert arena_slots(ARENA_SLOTS_BUDGET // 40) == 38  # and the spare and the landing slot
+    assert arena_slots(1 << 20) == ARENA_SLOTS_MAX == 32
+    assert arena_slots(ARENA_SLOTS_BUDGET // 30) == 28  # and the spare and the landing slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 7) == 5  # and the spare and the landing slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 5) == 1  # too few to wait in: one slot
     assert arena_slots(ARENA_SLOTS_BUDGET // 7, budget_bytes=0) == 1

@@ -212,7 +212,7 @@ def test_create_transport_from_plain_settings():
     assert t.capacity == RingCapacity(1 << 20, 2 << 20, 128)
     assert (t.options.strip, t.options.flush_timeout_s) == (False, 0.005)
     window = 2 * t.options.coalesce_max_bytes  # the window and its gather buffer
-    arena = 3 * 8 * 16 * (64 + 2)  # 64 slots of 3 layers x 8 rows x 16 bytes, spare, landing
+    arena = 3 * 8 * 16 * (32 + 2)  # 32 slots of 3 layers x 8 rows x 16 bytes, spare, landing
     assert t.device_bytes == (1 << 20) + arena + window
     assert t.stop().steps == 0
 

@@ -310,7 +310,7 @@ def arena_captures(selection: Selection) -> list[tuple[Hook, int]]:
 ARENA_SLOTS_BUDGET = 256 * MIB
 """Default device bytes the arena's slots may take together, the spare and the landing
 slot included (see :func:`arena_slots`)."""
-ARENA_SLOTS_MAX = 64
+ARENA_SLOTS_MAX = 32
 ARENA_SLOTS_MIN = 4
 
 
@@ -318,10 +318,11 @@ def arena_slots(one_slot_bytes: int, budget_bytes: int = ARENA_SLOTS_BUDGET) -> 
     """How many copies (slots) of the graph-replay arena a transport keeps for decode
     steps: as many as ``budget_bytes`` holds beside the spare slot and the landing slot
     (where a decode graph's capture points write before one copy moves their rows into
-    the step's slot), at most 64: a committed step wakes a lingering drain while half the
-    slots wait (32 decode steps, about 100 ms at batch 64 on Qwen3-0.6B, longer than the
+    the step's slot), at most 32: a committed step wakes a lingering drain while half the
+    slots wait (16 decode steps, about 55 ms at batch 64 on Qwen3-0.6B, longer than the
     drain lingers), so the drain wakes when its linger ends, not every few steps (16
-    slots woke it every 5 steps in serving). Each replayed step
+    slots woke it every 5 steps in serving; 64 woke it no less often and held twice the
+    ring space for waiting steps). Each replayed step
     stays in its slot until the drain thread copied it out, so the scheduler thread
     queues no copies for it; a step whose slot still waits is copied out by the
     scheduler thread from the spare. With fewer than 4 most steps would, so such an
