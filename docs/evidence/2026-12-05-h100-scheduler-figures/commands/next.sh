@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Planned for the next lease (not run yet): the targets' cells with the code since this
-# lease (arena slots up to 64: the drain wakes when its linger ends), topk(64) first (the
+# lease (arena slots up to 32: the drain wakes when its linger ends), topk(64) first (the
 # cell the change is for), three units each; call it until it reports no unit left (it
 # resumes with the units measured on the same machine):
 #   bash docs/evidence/2026-12-05-h100-scheduler-figures/commands/next.sh
