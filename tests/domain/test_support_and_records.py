@@ -38,6 +38,7 @@ def test_dense_qwen3_is_supported() -> None:
         ({"dllm_algorithm": "x"}, "diffusion"),
         ({"enable_layernorm_sp": True}, "layernorm sequence parallelism"),
         ({"enable_torch_compile": True}, "enable_torch_compile"),
+        ({"rl_on_policy_target": "fsdp"}, "rl_on_policy_target='fsdp'"),
         ({"model_impl": "transformers"}, "model_impl='transformers'"),
         ({"is_generation": False}, "only generation models"),
         ({"num_continuous_decode_steps": 2}, "num_continuous_decode_steps=2"),

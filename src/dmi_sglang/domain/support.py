@@ -57,6 +57,7 @@ class EngineFacts:
     dllm_algorithm: str | None = None
     enable_layernorm_sp: bool = False
     enable_torch_compile: bool = False
+    rl_on_policy_target: str | None = None
     model_impl: str = "auto"
     num_continuous_decode_steps: int = 1
     forward_hooks: bool = False
@@ -184,6 +185,13 @@ REJECTIONS: tuple[Rule, ...] = (
         "torch.compile",
         lambda f: f.enable_torch_compile,
         lambda f: "enable_torch_compile=True is not supported",
+    ),
+    Rule(
+        "rl on-policy target",
+        lambda f: f.rl_on_policy_target is not None,
+        lambda f: f"rl_on_policy_target={f.rl_on_policy_target!r}: it keeps Qwen3's residual "
+        "stream and norm outputs in float32, not in the activation dtype captures are "
+        "planned in",
     ),
     Rule(
         "model impl",

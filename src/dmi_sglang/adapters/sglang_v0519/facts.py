@@ -196,6 +196,7 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
         dllm_algorithm=_opt_str(get("dllm_algorithm")),
         enable_layernorm_sp=bool(get("enable_layernorm_sp", False)),
         enable_torch_compile=bool(get("enable_torch_compile", False)),
+        rl_on_policy_target=_opt_str(get("rl_on_policy_target")),
         model_impl=str(get("model_impl", "auto") or "auto"),
         num_continuous_decode_steps=int(get("num_continuous_decode_steps", 1) or 1),
         forward_hooks=bool(get("forward_hooks")),
