@@ -43,7 +43,7 @@ import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, check_answer
-from dmi_sglang.adapters.sglang_v0519.reads_api import mount_reads
+from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH, mount_reads
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
@@ -384,8 +384,6 @@ class _RunHeader:
 def _reads_path(scope: dict[str, Any]) -> bool:
     """A read-back answer (``/dmi/runs...``): about any run of the store, not a request of
     this server's run, so it carries neither header."""
-    from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH
-
     path = str(scope.get("path", ""))
     root = str(scope.get("root_path", ""))
     if root and path.startswith(root):
