@@ -25,6 +25,7 @@ from dmi_sglang.domain.capacity import (
     ring_advice,
 )
 from dmi_sglang.domain.hooks import parse_selection
+from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import (
     ConfigurationError,
@@ -88,15 +89,13 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 
 
 def _fraction(text: str) -> float:
-    """An argparse type: a number from 0 to 1."""
+    """An argparse type: a request sample rate, as the domain's :class:`RequestSample`
+    takes it (a number from 0 to 1)."""
     try:
-        value = float(text)
+        return RequestSample(float(text)).rate
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
         msg = f"{text!r} is not a number from 0 to 1"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _config(model: Path) -> dict[str, Any]:
