@@ -14,6 +14,14 @@ has passed since the forward began (a stand-in for the GPU step and SGLang's own
 Python, during which the drain thread runs), so the drain sees the capture rate of a
 real run.
 
+``--busy`` stands in for a scheduler that is the bottleneck (SGLang's at batch 64 on
+Qwen3-0.6B) instead: between forwards the thread does a fixed amount of Python work
+that releases the GIL at every small torch call, as SGLang's does (calibrated to take
+``--step-ms`` alone), never sleeping. The same work without any hook, timed alone
+before and after each selection's waves, is its stock: ``busy x stock`` is that
+forward's time over the monitored one's (hooks, the drain's hold on the GIL and the
+CPU it takes included), the figure a scheduler-bound serving run loses.
+
 It reports, per selection, the scheduler-thread microseconds per decode forward of
 each hook (``requests``: the worker's batch hook; ``begin``: the forward starting,
 finish notices; ``layout``: the ForwardBatch read into a layout; ``preflight``: the
@@ -70,6 +78,7 @@ from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
+from harness.engine import thread_switches
 from harness.micro_transport import (
     DENSE,
     Q06,
@@ -157,11 +166,57 @@ class _Model:
             self.capturer.capture(name, layer, t[: token_rows if by_token else request_rows])
 
 
+class BusyWork:
+    """A scheduler thread's own Python between forwards, as a fixed amount of work: units
+    of a short pure-Python loop and one small torch call (which releases the GIL and
+    retakes it, as SGLang's calls do), never a sleep."""
+
+    LOOP = 50
+    """Pure-Python iterations per unit."""
+
+    def __init__(self, step_s: float) -> None:
+        self._a = torch.zeros(16)
+        self._b = torch.zeros(16)
+        self.units = 1
+        unit_s = min(self._timed(2000) / 2000 for _ in range(3))
+        self.units = max(1, round(step_s / unit_s))
+        """Units per forward: ``step_s`` of work on an idle process."""
+
+    def run(self) -> None:
+        """One forward's work."""
+        a, b, total = self._a, self._b, 0
+        for _ in range(self.units):
+            for k in range(self.LOOP):
+                total ^= k
+            torch.add(a, 1, out=b)
+
+    def _timed(self, units: int) -> float:
+        saved, self.units = self.units, units
+        t0 = time.perf_counter()
+        self.run()
+        took = time.perf_counter() - t0
+        self.units = saved
+        return took
+
+    def stock_forward_s(self, forwards: int) -> float:
+        """Seconds per forward of ``forwards`` forwards' work with no hook (the median of
+        three runs)."""
+        return statistics.median(self._timed(self.units * forwards) / forwards
+                                 for _ in range(3))
+
+
 class _Waves:
     """One selection's session, transport and model, driven wave by wave."""
 
-    def __init__(self, args: argparse.Namespace, preset: str) -> None:
+    def __init__(self, args: argparse.Namespace, preset: str,
+                 busy: BusyWork | None = None) -> None:
         dev = torch.device(args.device)
+        self.busy = busy
+        self.forward_s = 0.0
+        """Wall seconds of the decode forwards, each from its first hook to the end of the
+        work after it (``--busy``)."""
+        self.forward_cpu_s = 0.0
+        """The thread's CPU seconds in them."""
         shape = model_shape(args.layers, args.hidden, args.vocab)
         text, rate = PRESETS[preset]
         sel = parse_selection(text).resolve(ModelHooks("Qwen3ForCausalLM", DENSE, args.layers))
@@ -214,7 +269,7 @@ class _Waves:
         self.model.fire(bs * args.prompt_len, bs)
         monitor.end_forward()
         self.prefill_us.append((time.perf_counter() - started) * 1e6)
-        _pace(started, args.step_ms * 4e-3)
+        self._rest(started, args.step_ms * 4e-3, 4)
         for s in range(args.output_len):
             for r in reqs:
                 r.output_ids.append(1)
@@ -231,6 +286,7 @@ class _Waves:
         """One decode forward's hooks, each part timed, then the rest of the period."""
         monitor, bs, clock = self.monitor, self.bs, time.perf_counter
         marks = [clock()]
+        cpu = time.thread_time()
         monitor.add_requests(reqs, frozenset())
         marks.append(clock())
         monitor.begin_forward()
@@ -255,7 +311,18 @@ class _Waves:
         for part, t0, t1 in zip(PARTS, marks, marks[1:], strict=False):
             self.spent[part] += t1 - t0
         self.decode_forwards += 1
-        _pace(marks[0], self.args.step_ms * 1e-3)
+        self._rest(marks[0], self.args.step_ms * 1e-3, 1)
+        self.forward_s += time.perf_counter() - marks[0]
+        self.forward_cpu_s += time.thread_time() - cpu
+
+    def _rest(self, started: float, period: float, forwards: int) -> None:
+        """The rest of the step: ``forwards`` forwards' busy work, else a sleep until
+        ``period`` passed since ``started``."""
+        if self.busy is None:
+            _pace(started, period)
+            return
+        for _ in range(forwards):
+            self.busy.run()
 
     def reset(self) -> None:
         """Forget the warm-up's times."""
@@ -264,6 +331,7 @@ class _Waves:
         self.replay_us.clear()
         self.launch_s = 0.0
         self.decode_forwards = 0
+        self.forward_s = self.forward_cpu_s = 0.0
 
 
 class StackSampler(BackgroundThread):
@@ -310,19 +378,32 @@ class StackSampler(BackgroundThread):
 
 def measure(args: argparse.Namespace, preset: str) -> Json:
     """One selection: a warm-up wave, then ``--waves`` timed ones; per forward figures."""
-    bench = _Waves(args, preset)
+    busy = BusyWork(args.step_ms * 1e-3) if args.busy else None
+    bench = _Waves(args, preset, busy)
     bench.wave(0)
+    stock_s = [busy.stock_forward_s(args.output_len)] if busy else []
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
     before = transport.drain_counters()
+    task = Path(f"/proc/self/task/{threading.get_native_id()}")
+    switches = thread_switches(task)
     sampler = StackSampler() if args.sample else contextlib.nullcontext()
-    with LatenessProbe() as probe, sampler:
+    # a busy thread's waits are the figure: no probe waking every millisecond beside it
+    probe = LatenessProbe() if not busy else None
+    with probe if probe is not None else contextlib.nullcontext(), sampler:
         for w in range(1, args.waves + 1):
             bench.wave(w)
         monitor.begin_forward()  # the last wave's finish notices
         monitor.abort_forward()
     after = transport.drain_counters()
     drain = {k: after[k] - before[k] for k in after}
+    waits = None
+    if (now := thread_switches(task)) is not None and switches is not None:
+        waits = (now[0] - switches[0]) / max(bench.decode_forwards, 1)
+    if busy:
+        stock_s.append(busy.stock_forward_s(args.output_len))
+    forward_s = bench.forward_s / max(bench.decode_forwards, 1)
+    off_cpu_s = (bench.forward_s - bench.forward_cpu_s) / max(bench.decode_forwards, 1)
     # the timed waves' figures, before an untimed profiled wave adds to the counts
     forwards, n = bench.decode_forwards, max(bench.decode_forwards, 1)
     per = {k: v / n * 1e6 for k, v in bench.spent.items()}
@@ -348,10 +429,14 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "replay_launch_us": launch_s / n * 1e6 if replay_us else None,
             "drain_cpu_us": drain["build_cpu_seconds"] / (n + args.waves) * 1e6,
             "drain": drain, "rows": stats.rows,
+            "busy": {"units": busy.units, "stock_forward_us": [t * 1e6 for t in stock_s],
+                     "forward_us": forward_s * 1e6, "off_cpu_us": off_cpu_s * 1e6,
+                     "waits": waits,
+                     "x_stock": statistics.mean(stock_s) / forward_s} if busy else None,
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
             "captured_requests": captured,
-            "lateness": probe.summary(),
+            "lateness": probe.summary() if probe is not None else None,
             "profile": top_functions(profile, 45) if profile else None,
             "stacks": sampler.top() if isinstance(sampler, StackSampler) else None}
 
@@ -373,11 +458,19 @@ def run(args: argparse.Namespace, data: Json) -> None:
               "decode µs": r["decode_us"], "prefill µs": r["prefill_us"],
               "replay launch µs": r["replay_launch_us"], "replay GPU µs": r["replay_gpu_us"],
               "drain CPU µs": r["drain_cpu_us"],
-              "late p99 ms": r["lateness"]["p99_ms"],
+              "late p99 ms": r["lateness"]["p99_ms"] if r["lateness"] else None,
+              **({"busy x stock": r["busy"]["x_stock"],
+                  "off CPU µs": r["busy"]["off_cpu_us"],
+                  "waits": r["busy"]["waits"]} if args.busy else {}),
               "rows": "delivered" if r["delivered"] else "LOST"} for r in rows]
     note = (f"{args.layers} x {args.hidden}, batch {args.batch}, {args.prompt_len} + "
-            f"{args.output_len} tokens, {args.waves} timed waves, a forward every "
-            f"{args.step_ms} ms; µs of the scheduler thread per decode forward (prefill: "
+            f"{args.output_len} tokens, {args.waves} timed waves, "
+            + (f"{args.step_ms} ms of busy scheduler work a forward (busy x stock: that "
+               "work's forward alone over the monitored forward; off CPU / waits: the "
+               "thread's time off the CPU and its voluntary context switches, per decode "
+               "forward)" if args.busy else
+               f"a forward every {args.step_ms} ms")
+            + "; µs of the scheduler thread per decode forward (prefill: "
             "per prefill forward); replay launch / GPU: the thread's time launching a graph of "
             "the capture's own work alone / its GPU time (median); "
             "drain CPU: per forward")
@@ -417,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=3, help="timed waves (one more untimed)")
     p.add_argument("--step-ms", type=float, default=3.0,
                    help="a decode forward's period (stock's step at batch 64: about 3 ms)")
+    p.add_argument("--busy", action="store_true",
+                   help="between forwards the thread works --step-ms of Python releasing "
+                        "the GIL at each small torch call instead of sleeping (a "
+                        "scheduler-bound server); reports busy x stock")
     p.add_argument("--ring-mb", type=int, default=1024)
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "

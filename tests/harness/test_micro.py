@@ -223,6 +223,35 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.torch
+def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
+    """``--busy``: the thread works instead of sleeping, the same work alone is timed
+    before and after the waves, and the figure is that forward's time over the monitored
+    one's; no lateness probe runs beside the busy thread (its waits are the figure)."""
+    _needs_torch()
+    from harness.micro_hooks import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--device", "cpu", "--presets", "topk64,sample0", "--layers", "2",
+                     "--hidden", "16", "--vocab", "128", "--batch", "8", "--prompt-len", "4",
+                     "--output-len", "5", "--waves", "2", "--step-ms", "1", "--ring-mb", "8",
+                     "--busy", "--out", str(tmp_path / "h.json")]) == 0
+    data = _result(tmp_path / "h.json", "hooks")
+    for r in data["figures"]["hooks"]:
+        busy = r["busy"]
+        assert r["delivered"]
+        assert r["lateness"] is None
+        assert busy["units"] >= 1
+        assert len(busy["stock_forward_us"]) == 2
+        assert busy["forward_us"] >= busy["off_cpu_us"]
+        assert busy["waits"] >= 0
+        stock = sum(busy["stock_forward_us"]) / 2
+        assert busy["x_stock"] == pytest.approx(stock / busy["forward_us"])
+    assert "busy x stock" in data["figures"]["table"][0]
+    assert "busy scheduler work a forward" in printed.getvalue()
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize(("module", "argv", "says"), [
     ("micro_transport", ["--presets", "bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks, last"),
