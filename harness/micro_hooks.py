@@ -52,6 +52,8 @@ import collections
 import contextlib
 import cProfile
 import functools
+import io
+import pstats
 import statistics
 import sys
 import threading
@@ -334,6 +336,42 @@ class _Waves:
         self.forward_s = self.forward_cpu_s = 0.0
 
 
+class ThreadProfiles:
+    """cProfile (CPU time, ``time.thread_time``) of every thread named ``prefix...``
+    started while this is entered: ``threading.setprofile`` hands each new thread a
+    function that starts a profiler in it (others go on unprofiled). Read
+    :meth:`top` once those threads ended."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self.profiles: list[cProfile.Profile] = []
+
+    def __enter__(self) -> ThreadProfiles:
+        threading.setprofile(self._start)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        threading.setprofile(None)
+
+    def _start(self, *_event: object) -> None:  # (frame, event, arg): unused
+        sys.setprofile(None)
+        if threading.current_thread().name.startswith(self._prefix):
+            profile = cProfile.Profile(time.thread_time)
+            self.profiles.append(profile)
+            profile.enable()
+
+    def top(self, n: int) -> str | None:
+        """The ``n`` functions with the most own CPU time over the profiled threads."""
+        if not self.profiles:
+            return None
+        text = io.StringIO()
+        stats = pstats.Stats(self.profiles[0], stream=text)
+        for profile in self.profiles[1:]:
+            stats.add(profile)
+        stats.sort_stats("tottime").print_stats(n)
+        return text.getvalue()
+
+
 class StackSampler(BackgroundThread):
     """Where the library's threads are: every ``period_s`` the innermost frames of each
     thread named ``dmi-*`` (the drain, the sink writers) are counted, as
@@ -379,7 +417,9 @@ class StackSampler(BackgroundThread):
 def measure(args: argparse.Namespace, preset: str) -> Json:
     """One selection: a warm-up wave, then ``--waves`` timed ones; per forward figures."""
     busy = BusyWork(args.step_ms * 1e-3) if args.busy else None
-    bench = _Waves(args, preset, busy)
+    drain_profile = ThreadProfiles("dmi-capture-drain") if args.profile_drain else None
+    with drain_profile if drain_profile is not None else contextlib.nullcontext():
+        bench = _Waves(args, preset, busy)  # the drain thread starts here
     bench.wave(0)
     stock_s = [busy.stock_forward_s(args.output_len)] if busy else []
     bench.reset()
@@ -438,6 +478,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "captured_requests": captured,
             "lateness": probe.summary() if probe is not None else None,
             "profile": top_functions(profile, 45) if profile else None,
+            "drain_profile": drain_profile.top(45) if drain_profile else None,
             "stacks": sampler.top() if isinstance(sampler, StackSampler) else None}
 
 
@@ -484,6 +525,9 @@ def run(args: argparse.Namespace, data: Json) -> None:
               f"{d['d2h_wait_seconds']:.3f} s (window copies included)")
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
+        if r["drain_profile"]:
+            print(f"-- the drain thread's CPU time by function, all waves and the stop: "
+                  f"{r['preset']}\n{r['drain_profile']}")
         for thread, stacks in (r["stacks"] or {}).items():
             print(f"-- where {thread} was ({r['preset']}, share of its samples)")
             for stack, share in stacks:
@@ -518,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "
                         "thread's calls; printed, and in the JSON), untimed")
+    p.add_argument("--profile-drain", action="store_true",
+                   help="cProfile the drain thread's CPU time over every wave and the stop "
+                        "(printed, and in the JSON); it slows the drain")
     p.add_argument("--sample", action="store_true",
                    help="sample where the library's threads (drain, sink writers) are "
                         "during the timed waves (printed, and in the JSON)")

@@ -226,7 +226,8 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
     """``--busy``: the thread works instead of sleeping, the same work alone is timed
     before and after the waves, and the figure is that forward's time over the monitored
-    one's; no lateness probe runs beside the busy thread (its waits are the figure)."""
+    one's; no lateness probe runs beside the busy thread (its waits are the figure).
+    ``--profile-drain``: the drain thread's functions, by CPU time."""
     _needs_torch()
     from harness.micro_hooks import main
 
@@ -235,7 +236,7 @@ def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
         assert main(["--device", "cpu", "--presets", "topk64,sample0", "--layers", "2",
                      "--hidden", "16", "--vocab", "128", "--batch", "8", "--prompt-len", "4",
                      "--output-len", "5", "--waves", "2", "--step-ms", "1", "--ring-mb", "8",
-                     "--busy", "--out", str(tmp_path / "h.json")]) == 0
+                     "--busy", "--profile-drain", "--out", str(tmp_path / "h.json")]) == 0
     data = _result(tmp_path / "h.json", "hooks")
     for r in data["figures"]["hooks"]:
         busy = r["busy"]
@@ -247,7 +248,10 @@ def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
         assert busy["waits"] >= 0
         stock = sum(busy["stock_forward_us"]) / 2
         assert busy["x_stock"] == pytest.approx(stock / busy["forward_us"])
+        assert "_drain.py" in r["drain_profile"]
+        assert "_run" in r["drain_profile"]
     assert "busy x stock" in data["figures"]["table"][0]
+    assert "the drain thread's CPU time by function" in printed.getvalue()
     assert "busy scheduler work a forward" in printed.getvalue()
 
 
