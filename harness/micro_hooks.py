@@ -17,10 +17,11 @@ real run.
 ``--busy`` stands in for a scheduler that is the bottleneck (SGLang's at batch 64 on
 Qwen3-0.6B) instead: between forwards the thread does a fixed amount of Python work
 that releases the GIL at every small torch call, as SGLang's does (calibrated to take
-``--step-ms`` alone), never sleeping. The same work without any hook, timed alone
-before and after each selection's waves, is its stock: ``busy x stock`` is that
-forward's time over the monitored one's (hooks, the drain's hold on the GIL and the
-CPU it takes included), the figure a scheduler-bound serving run loses.
+about ``--step-ms`` alone), never sleeping, and the figures are the thread's time off
+the CPU and its voluntary context switches per decode forward: its waits for the GIL
+the drain holds, which a scheduler-bound server loses on top of the hooks' own time.
+The work's own speed is not a figure: it follows the CPU's clock, which other load
+moves.
 
 It reports, per selection, the scheduler-thread microseconds per decode forward of
 each hook (``requests``: the worker's batch hook; ``begin``: the forward starting,
@@ -199,12 +200,6 @@ class BusyWork:
         took = time.perf_counter() - t0
         self.units = saved
         return took
-
-    def stock_forward_s(self, forwards: int) -> float:
-        """Seconds per forward of ``forwards`` forwards' work with no hook (the median of
-        three runs)."""
-        return statistics.median(self._timed(self.units * forwards) / forwards
-                                 for _ in range(3))
 
 
 class _Waves:
@@ -421,7 +416,6 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     with drain_profile if drain_profile is not None else contextlib.nullcontext():
         bench = _Waves(args, preset, busy)  # the drain thread starts here
     bench.wave(0)
-    stock_s = [busy.stock_forward_s(args.output_len)] if busy else []
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
     before = transport.drain_counters()
@@ -440,8 +434,6 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     waits = None
     if (now := thread_switches(task)) is not None and switches is not None:
         waits = (now[0] - switches[0]) / max(bench.decode_forwards, 1)
-    if busy:
-        stock_s.append(busy.stock_forward_s(args.output_len))
     forward_s = bench.forward_s / max(bench.decode_forwards, 1)
     off_cpu_s = (bench.forward_s - bench.forward_cpu_s) / max(bench.decode_forwards, 1)
     # the timed waves' figures, before an untimed profiled wave adds to the counts
@@ -469,10 +461,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "replay_launch_us": launch_s / n * 1e6 if replay_us else None,
             "drain_cpu_us": drain["build_cpu_seconds"] / (n + args.waves) * 1e6,
             "drain": drain, "rows": stats.rows,
-            "busy": {"units": busy.units, "stock_forward_us": [t * 1e6 for t in stock_s],
-                     "forward_us": forward_s * 1e6, "off_cpu_us": off_cpu_s * 1e6,
-                     "waits": waits,
-                     "x_stock": statistics.mean(stock_s) / forward_s} if busy else None,
+            "busy": {"units": busy.units, "forward_us": forward_s * 1e6,
+                     "off_cpu_us": off_cpu_s * 1e6, "waits": waits} if busy else None,
             "rows_expected": expected, "sink_rows": bench.sink.rows,
             "delivered": stats.rows == expected == bench.sink.rows,
             "captured_requests": captured,
@@ -500,16 +490,14 @@ def run(args: argparse.Namespace, data: Json) -> None:
               "replay launch µs": r["replay_launch_us"], "replay GPU µs": r["replay_gpu_us"],
               "drain CPU µs": r["drain_cpu_us"],
               "late p99 ms": r["lateness"]["p99_ms"] if r["lateness"] else None,
-              **({"busy x stock": r["busy"]["x_stock"],
-                  "off CPU µs": r["busy"]["off_cpu_us"],
+              **({"off CPU µs": r["busy"]["off_cpu_us"],
                   "waits": r["busy"]["waits"]} if args.busy else {}),
               "rows": "delivered" if r["delivered"] else "LOST"} for r in rows]
     note = (f"{args.layers} x {args.hidden}, batch {args.batch}, {args.prompt_len} + "
             f"{args.output_len} tokens, {args.waves} timed waves, "
-            + (f"{args.step_ms} ms of busy scheduler work a forward (busy x stock: that "
-               "work's forward alone over the monitored forward; off CPU / waits: the "
-               "thread's time off the CPU and its voluntary context switches, per decode "
-               "forward)" if args.busy else
+            + (f"about {args.step_ms} ms of busy scheduler work a forward (off CPU / "
+               "waits: the thread's time off the CPU and its voluntary context switches, "
+               "per decode forward)" if args.busy else
                f"a forward every {args.step_ms} ms")
             + "; µs of the scheduler thread per decode forward (prefill: "
             "per prefill forward); replay launch / GPU: the thread's time launching a graph of "
@@ -557,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy", action="store_true",
                    help="between forwards the thread works --step-ms of Python releasing "
                         "the GIL at each small torch call instead of sleeping (a "
-                        "scheduler-bound server); reports busy x stock")
+                        "scheduler-bound server); reports its time off the CPU and its "
+                        "waits")
     p.add_argument("--ring-mb", type=int, default=1024)
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "

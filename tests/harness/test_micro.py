@@ -224,10 +224,10 @@ def test_hooks_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.torch
 def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
-    """``--busy``: the thread works instead of sleeping, the same work alone is timed
-    before and after the waves, and the figure is that forward's time over the monitored
-    one's; no lateness probe runs beside the busy thread (its waits are the figure).
-    ``--profile-drain``: the drain thread's functions, by CPU time."""
+    """``--busy``: the thread works instead of sleeping, and its time off the CPU and
+    its waits per forward are reported; no lateness probe runs beside the busy thread
+    (its waits are the figure). ``--profile-drain``: the drain thread's functions, by
+    CPU time."""
     _needs_torch()
     from harness.micro_hooks import main
 
@@ -243,14 +243,11 @@ def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
         assert r["delivered"]
         assert r["lateness"] is None
         assert busy["units"] >= 1
-        assert len(busy["stock_forward_us"]) == 2
         assert busy["forward_us"] >= busy["off_cpu_us"]
         assert busy["waits"] >= 0
-        stock = sum(busy["stock_forward_us"]) / 2
-        assert busy["x_stock"] == pytest.approx(stock / busy["forward_us"])
         assert "_drain.py" in r["drain_profile"]
         assert "_run" in r["drain_profile"]
-    assert "busy x stock" in data["figures"]["table"][0]
+    assert {"off CPU µs", "waits"} <= data["figures"]["table"][0].keys()
     assert "the drain thread's CPU time by function" in printed.getvalue()
     assert "busy scheduler work a forward" in printed.getvalue()
 
