@@ -53,8 +53,6 @@ import collections
 import contextlib
 import cProfile
 import functools
-import io
-import pstats
 import statistics
 import sys
 import threading
@@ -331,42 +329,6 @@ class _Waves:
         self.forward_s = self.forward_cpu_s = 0.0
 
 
-class ThreadProfiles:
-    """cProfile (CPU time, ``time.thread_time``) of every thread named ``prefix...``
-    started while this is entered: ``threading.setprofile`` hands each new thread a
-    function that starts a profiler in it (others go on unprofiled). Read
-    :meth:`top` once those threads ended."""
-
-    def __init__(self, prefix: str) -> None:
-        self._prefix = prefix
-        self.profiles: list[cProfile.Profile] = []
-
-    def __enter__(self) -> ThreadProfiles:
-        threading.setprofile(self._start)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        threading.setprofile(None)
-
-    def _start(self, *_event: object) -> None:  # (frame, event, arg): unused
-        sys.setprofile(None)
-        if threading.current_thread().name.startswith(self._prefix):
-            profile = cProfile.Profile(time.thread_time)
-            self.profiles.append(profile)
-            profile.enable()
-
-    def top(self, n: int) -> str | None:
-        """The ``n`` functions with the most own CPU time over the profiled threads."""
-        if not self.profiles:
-            return None
-        text = io.StringIO()
-        stats = pstats.Stats(self.profiles[0], stream=text)
-        for profile in self.profiles[1:]:
-            stats.add(profile)
-        stats.sort_stats("tottime").print_stats(n)
-        return text.getvalue()
-
-
 class StackSampler(BackgroundThread):
     """Where the library's threads are: every ``period_s`` the innermost frames of each
     thread named ``dmi-*`` (the drain, the sink writers) are counted, as
@@ -412,9 +374,7 @@ class StackSampler(BackgroundThread):
 def measure(args: argparse.Namespace, preset: str) -> Json:
     """One selection: a warm-up wave, then ``--waves`` timed ones; per forward figures."""
     busy = BusyWork(args.step_ms * 1e-3) if args.busy else None
-    drain_profile = ThreadProfiles("dmi-capture-drain") if args.profile_drain else None
-    with drain_profile if drain_profile is not None else contextlib.nullcontext():
-        bench = _Waves(args, preset, busy)  # the drain thread starts here
+    bench = _Waves(args, preset, busy)
     bench.wave(0)
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
@@ -468,7 +428,6 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
             "captured_requests": captured,
             "lateness": probe.summary() if probe is not None else None,
             "profile": top_functions(profile, 45) if profile else None,
-            "drain_profile": drain_profile.top(45) if drain_profile else None,
             "stacks": sampler.top() if isinstance(sampler, StackSampler) else None}
 
 
@@ -513,9 +472,6 @@ def run(args: argparse.Namespace, data: Json) -> None:
               f"{d['d2h_wait_seconds']:.3f} s (window copies included)")
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
-        if r["drain_profile"]:
-            print(f"-- the drain thread's CPU time by function, all waves and the stop: "
-                  f"{r['preset']}\n{r['drain_profile']}")
         for thread, stacks in (r["stacks"] or {}).items():
             print(f"-- where {thread} was ({r['preset']}, share of its samples)")
             for stack, share in stacks:
@@ -550,10 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-mb", type=int, default=1024)
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "
-                        "thread's calls; printed, and in the JSON), untimed")
-    p.add_argument("--profile-drain", action="store_true",
-                   help="cProfile the drain thread's CPU time over every wave and the stop "
-                        "(printed, and in the JSON); it slows the drain")
+                        "thread's calls, and from Python 3.12 on every other thread's "
+                        "too; printed, and in the JSON), untimed")
     p.add_argument("--sample", action="store_true",
                    help="sample where the library's threads (drain, sink writers) are "
                         "during the timed waves (printed, and in the JSON)")
