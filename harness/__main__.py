@@ -1,5 +1,5 @@
 """``python -m harness COMMAND ...``: qualify, serving, serve-load, hooks, transport, store,
-copies, profile, docs."""
+copies, topk, profile, docs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 COMMANDS = {"qualify": "harness.qualify", "serving": "harness.serving",
             "hooks": "harness.micro_hooks", "transport": "harness.micro_transport",
             "store": "harness.micro_store", "profile": "harness.profile", "docs": "harness.docs",
-            "serve-load": "harness.serve_load", "copies": "harness.micro_copies"}
+            "serve-load": "harness.serve_load", "copies": "harness.micro_copies",
+            "topk": "harness.micro_topk"}
 
 
 LEGACY = {

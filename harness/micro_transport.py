@@ -85,8 +85,8 @@ def model_shape(layers: int, hidden: int, vocab: int) -> ModelShape:
                       hidden * Q06.intermediate // Q06.hidden, vocab)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    """``--batches``: positive integers separated by commas."""
+def positive_ints(text: str) -> tuple[int, ...]:
+    """An argument of positive integers separated by commas (``--batches``)."""
     values = tuple(int(x) for x in text.split(",") if x.strip().isdigit())
     if len(values) != len(text.split(",")) or min(values) <= 0:
         msg = f"{text!r}: expected positive integers separated by commas, e.g. 1,8,64"
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=Q06.layers)
     p.add_argument("--hidden", type=int, default=Q06.hidden)
     p.add_argument("--vocab", type=int, default=Q06.vocab, help="final_logits width (drain)")
-    p.add_argument("--batches", type=_ints, default="1,8,64", help="positive, e.g. 1,8,64")
+    p.add_argument("--batches", type=positive_ints, default="1,8,64", help="positive, e.g. 1,8,64")
     p.add_argument("--presets", type=preset_names(OVERHEAD_PRESETS),
                    default="hidden-states,7-hooks",
                    help=f"of {', '.join(OVERHEAD_PRESETS)} (default: hidden-states,7-hooks)")

@@ -249,10 +249,36 @@ def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_topk_on_cpu(tmp_path: Path) -> None:
+    """Per batch size, torch.topk first and one row per chunk width, each against it; the
+    check that every variant found torch.topk's values holds (it is required)."""
+    _needs_torch()
+    from harness.micro_topk import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--device", "cpu", "--vocab", "1000", "-k", "8", "--batches", "1,3",
+                     "--chunks", "64,300", "--replays", "2", "--reps", "2",
+                     "--out", str(tmp_path / "t.json")]) == 0
+    data = _result(tmp_path / "t.json", "topk")
+    rows = data["figures"]["rows"]
+    assert [(r["batch"], r["variant"]) for r in rows] == [
+        (b, v) for b in (1, 3) for v in ("torch.topk", "chunked 64", "chunked 300")]
+    for r in rows:
+        assert r["agrees"]
+        assert len(r["figures_us"]) == 2
+        first = next(x for x in rows if x["batch"] == r["batch"])
+        assert r["x_torch"] == pytest.approx(first["us"] / r["us"])
+    assert "top 8 of 1000 float32 logits per row" in printed.getvalue()
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize(("module", "argv", "says"), [
     ("micro_transport", ["--presets", "bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, 7-hooks, last"),
     ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
+    ("micro_topk", ["--chunks", "512,0"], "argument --chunks: '512,0': expected positive"),
+    ("micro_topk", ["-k", "5", "--vocab", "4"], "-k at most --vocab"),
     ("micro_hooks", ["--presets", "last,bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),

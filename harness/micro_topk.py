@@ -1,0 +1,134 @@
+"""``python -m harness topk``: the GPU time of ``final_logits:topk(K)``'s selection.
+
+A capture of ``final_logits:topk(64)`` selects the 64 largest logits of every row of each
+decode step inside SGLang's decode graph: on Qwen3-0.6B at batch 64 the graph of that
+capture alone took about 200 µs of GPU a forward against about 50 µs for 28 plain row
+copies (``python -m harness hooks``), where a stock decode step is about 3 ms. This
+measures the selection alone, recorded in a CUDA graph as in serving and replayed
+``--replays`` times between CUDA events (median of ``--reps`` blocks, µs per replay), for
+``torch.topk`` and for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
+chunk width of ``--chunks``, per batch size of ``--batches``, on random logits of the
+model's vocabulary and logits dtype. Every variant's values must equal ``torch.topk``'s
+and its indices must name them (a required check). ``--device cpu`` is a dry run (eager,
+CPU timings: compare nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dmi_sglang.adapters.transport.topk import chunked_topk
+from harness.docs import table_lines
+from harness.micro_transport import Q06, positive_ints
+from harness.results import Json, run_benchmark
+
+Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def variants(k: int, chunks: tuple[int, ...]) -> dict[str, Select]:
+    """``torch.topk`` (``chunked_topk`` with no chunks calls it directly) and one chunked
+    selection per chunk width, by name."""
+    out: dict[str, Select] = {"torch.topk": functools.partial(chunked_topk, k=k, chunk=0)}
+    for chunk in chunks:
+        out[f"chunked {chunk}"] = functools.partial(chunked_topk, k=k, chunk=chunk)
+    return out
+
+
+def _timed_us(select: Select, logits: torch.Tensor, replays: int, reps: int) -> list[float]:
+    """µs per call of ``select`` over ``logits``: replays of a CUDA graph of it (eager
+    calls on the CPU), one figure per block of ``replays``."""
+    if logits.is_cuda:
+        select(logits)  # warm-up outside the recording (kernels loaded)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            select(logits)
+        figures = []
+        for _ in range(reps):
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            figures.append(start.elapsed_time(end) * 1e3 / replays)
+        return figures
+    figures = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            select(logits)
+        figures.append((time.perf_counter() - t0) * 1e6 / replays)
+    return figures
+
+
+def _agrees(select: Select, logits: torch.Tensor, k: int) -> bool:
+    """``select``'s values are ``torch.topk``'s and its indices name them."""
+    values, ids = select(logits)
+    expected, _ = torch.topk(logits, k, dim=-1)
+    return bool(torch.equal(values, expected)
+                and torch.equal(torch.gather(logits, 1, ids), values))
+
+
+def run(args: argparse.Namespace, data: Json) -> None:
+    """Every batch size and variant into ``data``; prints the table."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[Json] = []
+    for batch in args.batches:
+        logits = torch.randn(batch, args.vocab, generator=gen, device=device).to(dtype)
+        base: float | None = None
+        for name, select in variants(args.k, args.chunks).items():
+            figures = _timed_us(select, logits, args.replays, args.reps)
+            us = statistics.median(figures)
+            base = us if base is None else base
+            rows.append({"batch": batch, "variant": name, "us": us, "figures_us": figures,
+                         "x_torch": base / us, "agrees": _agrees(select, logits, args.k)})
+    table = [{"batch": r["batch"], "variant": r["variant"], "µs per call": r["us"],
+              "x torch.topk": r["x_torch"], "values": "equal" if r["agrees"] else "DIFFER"}
+             for r in rows]
+    note = (f"top {args.k} of {args.vocab} {args.dtype} logits per row; µs per call "
+            f"({'CUDA graph replays' if device.type == 'cuda' else 'eager CPU calls'}, "
+            f"median of {args.reps} blocks of {args.replays}); x torch.topk: its time over "
+            "the variant's")
+    print("\n".join(table_lines(table)) + f"\n{note}")
+    data["figures"] = {"rows": rows, "table": table, "note": note}
+    data["checks"]["values_equal"] = {"ok": all(r["agrees"] for r in rows), "required": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the top-k benchmark; 0 when every variant agreed with ``torch.topk``."""
+    p = argparse.ArgumentParser(prog="python -m harness topk", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--vocab", type=int, default=Q06.vocab)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the logits' dtype (SGLang's: float32)")
+    p.add_argument("-k", type=int, default=64)
+    p.add_argument("--batches", type=positive_ints, default="1,8,64", help="positive, e.g. 1,8,64")
+    p.add_argument("--chunks", type=positive_ints, default="512,1187,2048,4096,9496",
+                   help="chunk widths, positive (1187 and 9496 divide Qwen3's 151936)")
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default $OUT/topk.json, else ./topk.json)")
+    args = p.parse_args(argv)
+    if min(args.vocab, args.k, args.replays, args.reps) <= 0 or args.k > args.vocab:
+        p.error("--vocab, -k, --replays and --reps must be positive, -k at most --vocab")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
+        return 2
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    settings = {**vars(args), "out": str(args.out), "device_name": name,
+                "torch": torch.__version__, "python": sys.version.split()[0]}
+    return run_benchmark("topk", settings, lambda data: run(args, data), args.out)

@@ -1,0 +1,79 @@
+"""``chunked_topk`` finds what ``torch.topk`` finds: the same values, largest first, and
+indices that name them, whatever the chunking, ties, infinities and NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmi_sglang.adapters.transport.topk import chunked_topk
+
+SPECIALS = (float("inf"), float("-inf"), float("nan"))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
+    rows = draw(st.integers(1, 4))
+    width = draw(st.integers(1, 120))
+    # few distinct values: many ties, within and across chunks
+    pool = draw(st.lists(st.sampled_from((*range(-3, 4), *SPECIALS)), min_size=1,
+                         max_size=8))
+    cells = draw(st.lists(st.sampled_from(pool), min_size=rows * width,
+                          max_size=rows * width))
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
+    logits = torch.tensor(cells, dtype=torch.float32).view(rows, width).to(dtype)
+    return logits, draw(st.integers(1, width)), draw(st.integers(0, 40))
+
+
+def _same_as_torch(logits: torch.Tensor, k: int, chunk: int) -> None:
+    values, ids = chunked_topk(logits, k, chunk)
+    expected, _ = torch.topk(logits, k, dim=-1)
+    assert values.dtype == logits.dtype
+    assert ids.dtype == torch.int64
+    assert values.shape == ids.shape == (logits.shape[0], k)
+    torch.testing.assert_close(values, expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(torch.gather(logits, 1, ids), values, rtol=0, atol=0,
+                               equal_nan=True)
+    for row in ids.tolist():  # each position named once
+        assert len(set(row)) == k
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_chunked_topk_equals_torch_topk(case: tuple[torch.Tensor, int, int]) -> None:
+    _same_as_torch(*case)
+
+
+@pytest.mark.parametrize(("width", "k", "chunk"), [
+    (151936, 64, 1187),   # Qwen3's vocabulary in 128 whole chunks
+    (151936, 64, 4096),   # 37 chunks and a tail of 384 columns
+    (1000, 64, 100),      # a tail shorter than k is taken whole
+    (130, 64, 65),        # two chunks: torch.topk directly
+    (1000, 64, 64),       # chunks no longer than k: torch.topk directly
+])
+def test_chunked_topk_on_wide_rows(width: int, k: int, chunk: int) -> None:
+    logits = torch.randn(3, width, generator=torch.Generator().manual_seed(width + chunk))
+    logits[1, -5:] = 50.0  # the largest values in the last columns (the tail)
+    _same_as_torch(logits, k, chunk)
+
+
+def test_a_strided_row_view_is_chunked_in_place() -> None:
+    """Logits sliced out of a wider buffer (SGLang trims padded vocabularies so): the
+    chunks are views of the rows' first columns, not of the buffer's."""
+    wide = torch.randn(4, 1030, generator=torch.Generator().manual_seed(0))
+    _same_as_torch(wide[:, :1000], 16, 100)
+
+
+@pytest.mark.parametrize(("shape", "k", "chunk", "says"), [
+    ((10,), 3, 4, "logits of shape (10,); expected [rows, columns]"),
+    ((2, 10), 0, 4, "k=0; expected 1 to the 10 columns"),
+    ((2, 10), 11, 4, "k=11; expected 1 to the 10 columns"),
+    ((2, 10), 3, -1, "chunk=-1; expected 0 (no chunks) or a positive width"),
+])
+def test_bad_arguments_are_refused(shape: tuple[int, ...], k: int, chunk: int,
+                                   says: str) -> None:
+    with pytest.raises(ValueError, match=r"^chunked_topk: ") as err:
+        chunked_topk(torch.zeros(shape), k, chunk)
+    assert str(err.value) == f"chunked_topk: {says}"
