@@ -327,7 +327,11 @@ def test_docs_never_show_a_profiled_run_a_rehearsal_or_a_comparison(transport_ru
     tuned = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
              "settings": {**data["settings"], "env": {"DMX_DRAIN_WINDOW_MB": "2048"}},
              "figures": {**data["figures"], "table": [{"test": "tuned"}]}}
+    busy = {**data, "ran_at_utc": "9999-01-01T00:00:00+00:00",
+            "settings": {**data["settings"], "busy": True},
+            "figures": {**data["figures"], "table": [{"test": "busy"}]}}
     for name, result in (("transport", data), ("transport-profile", profiled),
+                         ("transport-busy", busy),
                          ("transport-cpu", rehearsal), ("transport-quick", quick),
                          ("comparison/transport-old-tree", compared),
                          ("transport-window2048", tuned)):
@@ -341,6 +345,7 @@ def test_docs_never_show_a_profiled_run_a_rehearsal_or_a_comparison(transport_ru
     text = doc.read_text()
     assert "](evidence/2026-12-02-cpu/transport.json)" in text
     assert "profiled" not in text
+    assert "busy" not in text
     assert "rehearsal" not in text
     assert "quick" not in text
     assert "compared" not in text  # a side-by-side run of two trees

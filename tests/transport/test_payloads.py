@@ -14,11 +14,13 @@ from .conftest import raw_bytes, rows_tensor, stored_rows, two_requests
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("coalesce", [True, False], ids=["window", "per-step"])
+@pytest.mark.parametrize("topk_chunk", [0, 4], ids=["torch-topk", "chunks-of-4"])
 def test_modified_captures_store_the_transformed_rows_of_a_full_capture(
-        make_driver, padded: bool, coalesce: bool) -> None:
+        make_driver, padded: bool, coalesce: bool, topk_chunk: int) -> None:
+    """(``DMX_TOPK_CHUNK=4``: the 10 logits of a row in chunks of 4, 4 and 2.)"""
     full, full_sink = make_driver("resid_pre,q,final_logits", coalesce_decode=coalesce)
     some, some_sink = make_driver("resid_pre:fp16,q:bf16,final_logits:topk(3)",
-                                  coalesce_decode=coalesce)
+                                  coalesce_decode=coalesce, topk_chunk=topk_chunk)
     for d in (full, some):
         two_requests(d, padded=padded)
     full_stats, some_stats = full.t.stop(), some.t.stop()

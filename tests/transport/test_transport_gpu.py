@@ -561,3 +561,25 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
             if hook.name != "mlp_out"}
     assert last_rows == want
     assert stats.fp16_overflows == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 1187, 4096])
+def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(chunk: int) -> None:
+    """The top-k selection as a decode graph records it: every replay over new logits in
+    the same buffer finds torch.topk's values, and its indices name them."""
+    from dmi_sglang.adapters.transport.topk import chunked_topk
+
+    logits = torch.zeros(64, 151936, device="cuda")
+    chunked_topk(logits, 64, chunk)  # warm-up outside the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, ids = chunked_topk(logits, 64, chunk)
+    for seed in range(3):
+        logits.copy_(torch.randn(64, 151936, device="cuda",
+                                 generator=torch.Generator("cuda").manual_seed(seed)))
+        logits[seed, -10:] = 1e6  # the largest in the last columns (after a whole chunk)
+        graph.replay()
+        expected, _ = torch.topk(logits, 64, dim=-1)
+        assert torch.equal(values, expected)
+        assert torch.equal(torch.gather(logits, 1, ids), values)

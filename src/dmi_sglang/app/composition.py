@@ -274,6 +274,7 @@ class PipelineFactory:
                 flush_timeout_us=settings.drain_flush_timeout_us,
                 linger_us=settings.drain_linger_us,
                 gil_slice_us=settings.drain_gil_slice_us,
+                topk_chunk=settings.topk_chunk,
                 window_mb=settings.drain_window_mb,
                 arena_slots_mb=settings.arena_slots_mb,
                 copy_piece_mb=settings.drain_copy_piece_mb,

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
+from dmi_sglang.adapters.transport.topk import chunked_topk
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["Capturer", "Payloads"]
@@ -27,14 +28,18 @@ class Payloads:
         topk: ``K`` of ``final_logits:topk(K)``, 0 for none.
         logits_dtype: the dtype ``final_logits`` rows are computed in.
         device: where the fp16 overflow counter lives.
+        topk_chunk: columns per chunk of the top-k selection
+            (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0: whole rows.
     """
 
-    __slots__ = ("casts", "logits_dtype", "overflows", "topk")
+    __slots__ = ("casts", "logits_dtype", "overflows", "topk", "topk_chunk")
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
-                 topk: int, logits_dtype: torch.dtype, device: torch.device) -> None:
+                 topk: int, logits_dtype: torch.dtype, device: torch.device, *,
+                 topk_chunk: int = 0) -> None:
         self.casts = dict(casts)
         self.topk = topk
+        self.topk_chunk = topk_chunk
         self.logits_dtype = logits_dtype
         counts = any(stored is torch.float16 for _, stored in self.casts.values())
         self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
@@ -146,7 +151,7 @@ class Capturer:
         if not (values_live or ids_live):
             return
         check_dtype(LOGITS, logits, payloads.logits_dtype)
-        values, ids = torch.topk(logits, payloads.topk, dim=-1)
+        values, ids = chunked_topk(logits, payloads.topk, payloads.topk_chunk)
         if values_live:
             dtypes = payloads.casts.get(TOPK_VALUES)
             self._sink(TOPK_VALUES, values if dtypes is None

@@ -37,6 +37,7 @@ def create_transport(
     copy_ahead: int = 0,
     copy_kernel: int = 0,
     copy_gaps: bool = False,
+    topk_chunk: int = 0,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -59,6 +60,7 @@ def create_transport(
         copy_ahead: ``DMX_DRAIN_COPY_AHEAD``.
         copy_kernel: ``DMX_DRAIN_COPY_KERNEL``.
         copy_gaps: ``DMX_DRAIN_COPY_GAPS``.
+        topk_chunk: ``DMX_TOPK_CHUNK``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -84,5 +86,6 @@ def create_transport(
             copy_ahead=copy_ahead,
             copy_kernel=copy_kernel,
             copy_gaps=copy_gaps,
+            topk_chunk=topk_chunk,
         ),
     )

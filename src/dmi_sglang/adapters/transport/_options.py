@@ -75,6 +75,10 @@ class TransportOptions:
         copy_gaps: ``DMX_DRAIN_COPY_GAPS``: a tiny kernel after each of the drain's
             device-to-host pieces on its stream, so that stream has no copy queued while
             it runs and the copy engine serves another stream's copy in between.
+        topk_chunk: ``DMX_TOPK_CHUNK``: ``final_logits:topk(K)`` selects each row's K
+            largest logits over chunks of this many columns
+            (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0:
+            ``torch.topk`` over the whole row.
     """
 
     strip: bool = True
@@ -97,6 +101,7 @@ class TransportOptions:
     copies_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_gaps: bool = False
+    topk_chunk: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     @classmethod
     def from_settings(
@@ -114,11 +119,12 @@ class TransportOptions:
         copy_ahead: int = 0,
         copy_kernel: int = 0,
         copy_gaps: bool = False,
+        topk_chunk: int = 0,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
         ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD`` /
-        ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` values."""
+        ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` / ``DMX_TOPK_CHUNK`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -132,4 +138,5 @@ class TransportOptions:
             copies_ahead=copy_ahead,
             copy_kernel_programs=copy_kernel,
             copy_gaps=copy_gaps,
+            topk_chunk=topk_chunk,
         )

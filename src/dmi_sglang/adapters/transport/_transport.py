@@ -103,8 +103,10 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
     return max(1, capacity.effective_bytes // 4 // one)
 
 
-def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps) -> Payloads | None:
-    """The on-device transforms the selection's payload modifiers ask for (None: none)."""
+def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
+              topk_chunk: int) -> Payloads | None:
+    """The on-device transforms the selection's payload modifiers ask for (None: none);
+    a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows)."""
     if not selection.payloads:
         return None
     casts: dict[CaptureKey, tuple[torch.dtype, torch.dtype]] = {}
@@ -117,7 +119,8 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps) -> Payloa
                                           attrs.evolve(payload, dtype=None)).dtype]
         if stored != computed:
             casts[key] = (computed, stored)
-    return Payloads(casts, topk, TORCH_DTYPES[shape.logits_dtype], ops.device)
+    return Payloads(casts, topk, TORCH_DTYPES[shape.logits_dtype], ops.device,
+                    topk_chunk=topk_chunk)
 
 
 class _SlotTurns:
@@ -247,7 +250,7 @@ class TorchCaptureTransport:
                                   last=self._last_slots, free_slot=self._free_slot,
                                   room=self._room, part_bytes=min(nbytes // PART_SHARE,
                                                  PART_MAX_BYTES))
-        self._payloads = _payloads(selection, shape, ops)
+        self._payloads = _payloads(selection, shape, ops, opts.topk_chunk)
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
             payloads=self._payloads, live=self._writer.live)
