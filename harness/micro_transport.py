@@ -165,24 +165,19 @@ def decode_plans(sel: Selection, shape: ModelShape, bs: int,
 
 
 def engine_options(max_prefill_tokens: int) -> TransportOptions:
-    """The transport's tuning from the ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB`` and
-    ``DMX_GPU_PADDING_STRIP`` settings in the environment, read as an engine reads them
-    (their defaults when unset); see :func:`engine_env`."""
-    env = Settings.from_env()
-    return TransportOptions.from_settings(
-        strip=env.gpu_padding_strip, flush_timeout_us=env.drain_flush_timeout_us,
-        max_prefill_tokens=max_prefill_tokens, linger_us=env.drain_linger_us,
-        gil_slice_us=env.drain_gil_slice_us, window_mb=env.drain_window_mb,
-        arena_slots_mb=env.arena_slots_mb, copy_piece_mb=env.drain_copy_piece_mb,
-        copy_ahead=env.drain_copy_ahead, copy_kernel=env.drain_copy_kernel,
-        copy_gaps=env.drain_copy_gaps)
+    """The transport's tuning from the ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
+    ``DMX_TOPK_CHUNK`` and ``DMX_GPU_PADDING_STRIP`` settings in the environment, read as
+    an engine reads them (their defaults when unset); see :func:`engine_env`."""
+    return TransportOptions.for_engine(Settings.from_env(),
+                                       max_prefill_tokens=max_prefill_tokens)
 
 
 def engine_env() -> dict[str, str]:
     """The settings :func:`engine_options` read from the environment, for the result's
     ``settings.env``."""
     return {k: v for k, v in os.environ.items()
-            if k.startswith("DMX_DRAIN_") or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP")}
+            if k.startswith("DMX_DRAIN_")
+            or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP", "DMX_TOPK_CHUNK")}
 
 
 def transport_for(args: argparse.Namespace, sel: Selection, shape: ModelShape, bs: int,

@@ -333,3 +333,35 @@ def test_the_held_rows_page_locked_slabs_are_made_once_not_at_every_window(make_
     window = d.t._drain._window
     assert window.flushes >= 10
     assert window._held_pool.allocated == 2
+
+
+def test_an_engine_transport_takes_every_transport_setting() -> None:
+    """What the composition root builds for an engine: the ring and each tuning value
+    from the settings (DMX_TOPK_CHUNK included), none left at its default."""
+    from dmi_sglang.adapters.transport import engine_transport
+    from dmi_sglang.domain.capacity import RingCapacity
+    from dmi_sglang.domain.settings import Settings
+    from dmi_sglang.testing import MemorySink
+
+    from .conftest import SHAPE, select
+
+    settings = Settings.from_env({
+        "DMX_RING_PAYLOAD_MB": "2", "DMX_RING_PINNED_MB": "3", "DMX_RING_TASK_ENTRIES": "99",
+        "DMX_GPU_PADDING_STRIP": "0", "DMX_DRAIN_FLUSH_TIMEOUT_US": "7000",
+        "DMX_DRAIN_LINGER_US": "11", "DMX_DRAIN_GIL_SLICE_US": "13", "DMX_DRAIN_WINDOW_MB": "17",
+        "DMX_ARENA_SLOTS_MB": "19", "DMX_DRAIN_COPY_PIECE_MB": "23",
+        "DMX_DRAIN_COPY_AHEAD": "29", "DMX_DRAIN_COPY_GAPS": "1", "DMX_TOPK_CHUNK": "4096"})
+    t = engine_transport(settings, selection=select("resid_pre"), shape=SHAPE,
+                         max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
+                         max_prefill_tokens=16, max_requests=3)
+    try:
+        o = t.options
+        assert t.capacity == RingCapacity.from_mb(2, 3, 99)
+        assert (o.strip, o.flush_timeout_s, o.linger_s, o.gil_slice_s) == (
+            False, 0.007, 11e-6, 13e-6)
+        assert (o.coalesce_max_bytes, o.arena_slots_bytes, o.copy_piece_bytes) == (
+            17 << 20, 19 << 20, 23 << 20)
+        assert (o.copies_ahead, o.copy_gaps, o.topk_chunk) == (29, True, 4096)
+        assert (o.max_prefill_tokens, o.max_requests) == (16, 3)
+    finally:
+        t.stop()

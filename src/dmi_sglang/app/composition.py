@@ -253,7 +253,7 @@ class PipelineFactory:
             StoreError: the store cannot be opened.
             CapacityError: the ring cannot hold one capture tensor.
         """
-        from dmi_sglang.adapters.transport import create_transport
+        from dmi_sglang.adapters.transport import engine_transport
 
         settings = spec.settings
         log_plan(spec.selection, spec.shape, stored=settings.store().kind is not StoreKind.NONE,
@@ -266,21 +266,8 @@ class PipelineFactory:
         transport = None
         started = False
         try:
-            transport = create_transport(
-                payload_mb=settings.ring_payload_mb,
-                pinned_mb=settings.ring_pinned_mb,
-                task_entries=settings.ring_task_entries,
-                padding_strip=settings.gpu_padding_strip,
-                flush_timeout_us=settings.drain_flush_timeout_us,
-                linger_us=settings.drain_linger_us,
-                gil_slice_us=settings.drain_gil_slice_us,
-                topk_chunk=settings.topk_chunk,
-                window_mb=settings.drain_window_mb,
-                arena_slots_mb=settings.arena_slots_mb,
-                copy_piece_mb=settings.drain_copy_piece_mb,
-                copy_ahead=settings.drain_copy_ahead,
-                copy_kernel=settings.drain_copy_kernel,
-                copy_gaps=settings.drain_copy_gaps,
+            transport = engine_transport(
+                settings,
                 selection=spec.selection,
                 shape=spec.shape,
                 max_graph_batch=spec.max_graph_batch,

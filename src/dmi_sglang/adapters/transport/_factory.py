@@ -9,9 +9,43 @@ from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RingCapacity
 from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
 
-__all__ = ["create_transport"]
+__all__ = ["create_transport", "engine_transport"]
+
+
+def engine_transport(
+    settings: Settings,
+    *,
+    selection: Selection,
+    shape: ModelShape,
+    max_graph_batch: int,
+    sink: RecordSink,
+    run_id: str,
+    device: str | torch.device,
+    max_prefill_tokens: int,
+    max_requests: int,
+) -> TorchCaptureTransport:
+    """The transport of one engine's scheduler, before the model's weights load: its
+    ring from ``DMX_RING_*`` and its tuning from every other transport setting
+    (:meth:`TransportOptions.for_engine`).
+
+    Raises:
+        CapacityError: the ring is smaller than one capture tensor can be.
+    """
+    return TorchCaptureTransport(
+        capacity=RingCapacity.from_mb(settings.ring_payload_mb, settings.ring_pinned_mb,
+                                      settings.ring_task_entries),
+        selection=selection,
+        shape=shape,
+        max_graph_batch=max_graph_batch,
+        sink=sink,
+        run_id=run_id,
+        device=device,
+        options=TransportOptions.for_engine(settings, max_prefill_tokens=max_prefill_tokens,
+                                            max_requests=max_requests),
+    )
 
 
 def create_transport(

@@ -7,6 +7,7 @@ import threading
 import attrs
 
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
+from dmi_sglang.domain.settings import Settings
 
 __all__ = ["TransportOptions"]
 
@@ -102,6 +103,28 @@ class TransportOptions:
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+    @classmethod
+    def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,
+                   max_requests: int = 0) -> TransportOptions:
+        """The options an engine runs with: every transport setting of ``settings``
+        (``DMX_GPU_PADDING_STRIP``, ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
+        ``DMX_TOPK_CHUNK``), and the scheduler's limits for the startup checks."""
+        return cls.from_settings(
+            strip=settings.gpu_padding_strip,
+            flush_timeout_us=settings.drain_flush_timeout_us,
+            max_prefill_tokens=max_prefill_tokens,
+            max_requests=max_requests,
+            linger_us=settings.drain_linger_us,
+            gil_slice_us=settings.drain_gil_slice_us,
+            window_mb=settings.drain_window_mb,
+            arena_slots_mb=settings.arena_slots_mb,
+            copy_piece_mb=settings.drain_copy_piece_mb,
+            copy_ahead=settings.drain_copy_ahead,
+            copy_kernel=settings.drain_copy_kernel,
+            copy_gaps=settings.drain_copy_gaps,
+            topk_chunk=settings.topk_chunk,
+        )
 
     @classmethod
     def from_settings(
