@@ -275,13 +275,13 @@ def group_threads(pgid: int, proc: Path = Path("/proc")) -> dict[str, tuple[floa
             continue
         for task in tasks:
             stat = _stat(task)
-            switches = thread_switches(task)
+            switches = _switches(task)
             if stat is not None and switches is not None:
                 found[f"{name} {pid}/{task.name}"] = (_cpu_seconds(stat[1]), *switches)
     return found
 
 
-def thread_switches(task: Path) -> tuple[int, int] | None:
+def _switches(task: Path) -> tuple[int, int] | None:
     """A thread's ``voluntary_ctxt_switches`` and ``nonvoluntary_ctxt_switches``."""
     try:
         lines = task.joinpath("status").read_text().splitlines()

@@ -38,9 +38,9 @@ millisecond (the drain's hold on the GIL). Every row a complete capture of the c
 requests holds must reach the sink (``rows``: the domain's count,
 :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
-The drain runs with the engine's ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB`` and
-``DMX_GPU_PADDING_STRIP`` settings from the environment (``DMX_DRAIN_LINGER_US=20000
-python -m harness hooks``), recorded in the result's ``settings.env``.
+The drain runs with the engine's ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
+``DMX_TOPK_CHUNK`` and ``DMX_GPU_PADDING_STRIP`` settings from the environment
+(``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in the result's ``settings.env``.
 
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
 launches: compare selections with each other there, not with a GPU).
@@ -53,6 +53,7 @@ import collections
 import contextlib
 import cProfile
 import functools
+import resource
 import statistics
 import sys
 import threading
@@ -79,7 +80,6 @@ from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
 from harness.docs import table_lines
-from harness.engine import thread_switches
 from harness.micro_transport import (
     DENSE,
     Q06,
@@ -212,6 +212,8 @@ class _Waves:
         work after it (``--busy``)."""
         self.forward_cpu_s = 0.0
         """The thread's CPU seconds in them."""
+        self.forward_waits = 0
+        """The thread's voluntary context switches in them."""
         shape = model_shape(args.layers, args.hidden, args.vocab)
         text, rate = PRESETS[preset]
         sel = parse_selection(text).resolve(ModelHooks("Qwen3ForCausalLM", DENSE, args.layers))
@@ -280,6 +282,7 @@ class _Waves:
     def decode(self, reqs: list[_Req], fb: _ForwardBatch) -> None:
         """One decode forward's hooks, each part timed, then the rest of the period."""
         monitor, bs, clock = self.monitor, self.bs, time.perf_counter
+        waits = _voluntary_switches()
         marks = [clock()]
         cpu = time.thread_time()
         monitor.add_requests(reqs, frozenset())
@@ -309,6 +312,7 @@ class _Waves:
         self._rest(marks[0], self.args.step_ms * 1e-3, 1)
         self.forward_s += time.perf_counter() - marks[0]
         self.forward_cpu_s += time.thread_time() - cpu
+        self.forward_waits += _voluntary_switches() - waits
 
     def _rest(self, started: float, period: float, forwards: int) -> None:
         """The rest of the step: ``forwards`` forwards' busy work, else a sleep until
@@ -327,6 +331,7 @@ class _Waves:
         self.launch_s = 0.0
         self.decode_forwards = 0
         self.forward_s = self.forward_cpu_s = 0.0
+        self.forward_waits = 0
 
 
 class StackSampler(BackgroundThread):
@@ -379,8 +384,6 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     bench.reset()
     transport, monitor = bench.transport, bench.monitor
     before = transport.drain_counters()
-    task = Path(f"/proc/self/task/{threading.get_native_id()}")
-    switches = thread_switches(task)
     sampler = StackSampler() if args.sample else contextlib.nullcontext()
     # a busy thread's waits are the figure: no probe waking every millisecond beside it
     probe = LatenessProbe() if not busy else None
@@ -391,9 +394,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
         monitor.abort_forward()
     after = transport.drain_counters()
     drain = {k: after[k] - before[k] for k in after}
-    waits = None
-    if (now := thread_switches(task)) is not None and switches is not None:
-        waits = (now[0] - switches[0]) / max(bench.decode_forwards, 1)
+    waits = bench.forward_waits / max(bench.decode_forwards, 1)
     forward_s = bench.forward_s / max(bench.decode_forwards, 1)
     off_cpu_s = (bench.forward_s - bench.forward_cpu_s) / max(bench.decode_forwards, 1)
     # the timed waves' figures, before an untimed profiled wave adds to the counts
@@ -433,6 +434,11 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
 
 def _same(layout: BatchLayout) -> BatchLayout:
     return layout
+
+
+def _voluntary_switches() -> int:
+    """The calling thread's voluntary context switches so far (its waits)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
 def _pace(started: float, period: float) -> None:
@@ -517,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.hidden, args.vocab, args.batch, args.prompt_len,
            args.output_len, args.waves, args.ring_mb) <= 0 or args.step_ms < 0:
         p.error("sizes, --waves and --ring-mb must be positive, --step-ms at least 0")
+    if args.busy and args.sample:
+        p.error("--busy with --sample: the sampler takes the GIL every 0.5 ms beside the "
+                "busy thread, whose waits are the figure; give one of them")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2

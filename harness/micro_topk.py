@@ -8,8 +8,10 @@ measures the selection alone, recorded in a CUDA graph as in serving and replaye
 ``--replays`` times between CUDA events (median of ``--reps`` blocks, µs per replay), for
 ``torch.topk`` and for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
 chunk width of ``--chunks``, per batch size of ``--batches``, on random logits of the
-model's vocabulary and logits dtype. Every variant's values must equal ``torch.topk``'s
-and its indices must name them (a required check). ``--device cpu`` is a dry run (eager,
+model's vocabulary and logits dtype. What every variant's last timed replay selected
+must equal ``torch.topk``'s values, and its indices must name them (a required check).
+A chunk width must lie above ``-k`` and below half the vocabulary (``chunked_topk``
+calls ``torch.topk`` itself otherwise). ``--device cpu`` is a dry run (eager,
 CPU timings: compare nothing there).
 """
 
@@ -42,15 +44,17 @@ def variants(k: int, chunks: tuple[int, ...]) -> dict[str, Select]:
     return out
 
 
-def _timed_us(select: Select, logits: torch.Tensor, replays: int, reps: int) -> list[float]:
+def _timed_us(select: Select, logits: torch.Tensor, replays: int, reps: int,
+              ) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
     """µs per call of ``select`` over ``logits``: replays of a CUDA graph of it (eager
-    calls on the CPU), one figure per block of ``replays``."""
+    calls on the CPU), one figure per block of ``replays``; and what the last replay (or
+    call) selected."""
     if logits.is_cuda:
         select(logits)  # warm-up outside the recording (kernels loaded)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            select(logits)
+            selected = select(logits)
         figures = []
         for _ in range(reps):
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -61,19 +65,19 @@ def _timed_us(select: Select, logits: torch.Tensor, replays: int, reps: int) -> 
             end.record()
             end.synchronize()
             figures.append(start.elapsed_time(end) * 1e3 / replays)
-        return figures
+        return figures, selected
     figures = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(replays):
-            select(logits)
+            selected = select(logits)
         figures.append((time.perf_counter() - t0) * 1e6 / replays)
-    return figures
+    return figures, selected
 
 
-def _agrees(select: Select, logits: torch.Tensor, k: int) -> bool:
-    """``select``'s values are ``torch.topk``'s and its indices name them."""
-    values, ids = select(logits)
+def _agrees(selected: tuple[torch.Tensor, torch.Tensor], logits: torch.Tensor, k: int) -> bool:
+    """The ``selected`` values are ``torch.topk``'s and their indices name them."""
+    values, ids = selected
     expected, _ = torch.topk(logits, k, dim=-1)
     return bool(torch.equal(values, expected)
                 and torch.equal(torch.gather(logits, 1, ids), values))
@@ -89,11 +93,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
         logits = torch.randn(batch, args.vocab, generator=gen, device=device).to(dtype)
         base: float | None = None
         for name, select in variants(args.k, args.chunks).items():
-            figures = _timed_us(select, logits, args.replays, args.reps)
+            figures, selected = _timed_us(select, logits, args.replays, args.reps)
             us = statistics.median(figures)
             base = us if base is None else base
             rows.append({"batch": batch, "variant": name, "us": us, "figures_us": figures,
-                         "x_torch": base / us, "agrees": _agrees(select, logits, args.k)})
+                         "x_torch": base / us, "agrees": _agrees(selected, logits, args.k)})
     table = [{"batch": r["batch"], "variant": r["variant"], "µs per call": r["us"],
               "x torch.topk": r["x_torch"], "values": "equal" if r["agrees"] else "DIFFER"}
              for r in rows]
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.vocab, args.k, args.replays, args.reps) <= 0 or args.k > args.vocab:
         p.error("--vocab, -k, --replays and --reps must be positive, -k at most --vocab")
+    for chunk in args.chunks:  # chunked_topk takes torch.topk itself for these
+        if not args.k < chunk < (args.vocab + 1) // 2:
+            p.error(f"--chunks: {chunk}: a chunk width must be above -k ({args.k}) and below "
+                    f"half --vocab ({args.vocab}); chunked_topk calls torch.topk otherwise")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2

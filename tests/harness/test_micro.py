@@ -249,6 +249,35 @@ def test_hooks_busy_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_busy_waits_are_those_of_the_decode_forwards(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waits per decode forward count that forward's span only, as its time off the
+    CPU does: a prefill forward that sleeps 200 times adds none of them."""
+    _needs_torch()
+    import time
+
+    from harness import micro_hooks
+
+    fire = micro_hooks._Model.fire
+
+    def sleepy_fire(self: Any, token_rows: int, request_rows: int) -> None:
+        if token_rows == 8 * 4:  # the prefill forward of 8 requests x 4 tokens
+            for _ in range(200):
+                time.sleep(1e-5)
+        fire(self, token_rows, request_rows)
+
+    monkeypatch.setattr(micro_hooks._Model, "fire", sleepy_fire)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert micro_hooks.main(["--device", "cpu", "--presets", "sample0", "--layers", "2",
+                                 "--hidden", "16", "--vocab", "128", "--batch", "8",
+                                 "--prompt-len", "4", "--output-len", "5", "--waves", "2",
+                                 "--step-ms", "1", "--ring-mb", "8", "--busy",
+                                 "--out", str(tmp_path / "h.json")]) == 0
+    busy = _result(tmp_path / "h.json", "hooks")["figures"]["hooks"][0]["busy"]
+    assert busy["waits"] < 20
+
+
+@pytest.mark.torch
 def test_topk_on_cpu(tmp_path: Path) -> None:
     """Per batch size, torch.topk first and one row per chunk width, each against it; the
     check that every variant found torch.topk's values holds (it is required)."""
@@ -279,6 +308,12 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
     ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
     ("micro_topk", ["--chunks", "512,0"], "argument --chunks: '512,0': expected positive"),
     ("micro_topk", ["-k", "5", "--vocab", "4"], "-k at most --vocab"),
+    ("micro_topk", ["--vocab", "1000", "-k", "8", "--chunks", "64,8"],
+     "--chunks: 8: a chunk width must be above -k (8) and below half --vocab (1000)"),
+    ("micro_topk", ["--vocab", "1000", "-k", "8", "--chunks", "500"],
+     "--chunks: 500: a chunk width must be above -k (8) and below half --vocab (1000)"),
+    ("micro_hooks", ["--device", "cpu", "--busy", "--sample"],
+     "--busy with --sample: the sampler takes the GIL every 0.5 ms"),
     ("micro_hooks", ["--presets", "last,bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
@@ -361,15 +396,18 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     monkeypatch.setenv("DMX_DRAIN_LINGER_US", "0")
     monkeypatch.setenv("DMX_ARENA_SLOTS_MB", "0")
     monkeypatch.setenv("DMX_DRAIN_COPY_PIECE_MB", "8")
+    monkeypatch.setenv("DMX_TOPK_CHUNK", "4096")
     monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.5")  # not the drain's: not recorded
     options = engine_options(8)
+    assert options.topk_chunk == 4096
     assert options.coalesce_max_bytes == 32 << 20
     assert options.linger_s == 0.0
     assert options.max_prefill_tokens == 8
     assert options.arena_slots_bytes == 0
     assert options.copy_piece_bytes == 8 << 20
     assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0",
-                            "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8"}
+                            "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8",
+                            "DMX_TOPK_CHUNK": "4096"}
 
 
 def test_copy_variants_are_distinct_pairs() -> None:

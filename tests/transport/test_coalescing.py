@@ -335,6 +335,39 @@ def test_the_held_rows_page_locked_slabs_are_made_once_not_at_every_window(make_
     assert window._held_pool.allocated == 2
 
 
+TRANSPORT_SETTINGS = ("gpu_padding_strip", "drain_flush_timeout_us", "drain_linger_us",
+                      "drain_gil_slice_us", "drain_window_mb", "arena_slots_mb",
+                      "drain_copy_piece_mb", "drain_copy_ahead", "drain_copy_kernel",
+                      "drain_copy_gaps", "topk_chunk")
+"""The settings that tune an engine's transport (its ring aside)."""
+
+
+@pytest.mark.parametrize("field", TRANSPORT_SETTINGS)
+def test_every_transport_setting_reaches_the_engine_options(field: str) -> None:
+    import attrs
+
+    from dmi_sglang.adapters.transport import TransportOptions
+    from dmi_sglang.domain.settings import Settings
+
+    base = Settings()
+    default = getattr(base, field)
+    changed = (not default) if isinstance(default, bool) else default + 7
+    assert (TransportOptions.for_engine(attrs.evolve(base, **{field: changed}))
+            != TransportOptions.for_engine(base))
+
+
+def test_the_transport_settings_are_all_of_them() -> None:
+    """A new drain, arena, GPU or top-k setting joins TRANSPORT_SETTINGS (and so the test
+    above)."""
+    import attrs
+
+    from dmi_sglang.domain.settings import Settings
+
+    names = {f.name for f in attrs.fields(Settings)}
+    assert {n for n in names if n.startswith(("drain_", "arena_", "topk_", "gpu_"))} == set(
+        TRANSPORT_SETTINGS)
+
+
 def test_an_engine_transport_takes_every_transport_setting() -> None:
     """What the composition root builds for an engine: the ring and each tuning value
     from the settings (DMX_TOPK_CHUNK included), none left at its default."""

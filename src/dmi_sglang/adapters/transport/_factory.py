@@ -63,7 +63,7 @@ def create_transport(
     device: str | torch.device = "cuda",
     max_prefill_tokens: int = 0,
     max_requests: int = 0,
-    linger_us: int = 8_000,
+    linger_us: int = 30_000,
     gil_slice_us: int = 200,
     window_mb: int = 512,
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
