@@ -36,6 +36,7 @@ def test_dense_qwen3_is_supported() -> None:
         ({"disaggregation_mode": "prefill"}, "disaggregation"),
         ({"lora": True}, "LoRA"),
         ({"dllm_algorithm": "x"}, "diffusion"),
+        ({"enable_mis": True}, "enable_mis=True (multi-item scoring) is not supported"),
         ({"enable_layernorm_sp": True}, "layernorm sequence parallelism"),
         ({"enable_torch_compile": True}, "enable_torch_compile"),
         ({"rl_on_policy_target": "fsdp"}, "rl_on_policy_target='fsdp'"),

@@ -92,8 +92,13 @@ def test_tp2_is_refused_in_the_main_process(resolved_args: Make) -> None:
         # Qwen3's norms then keep a float32 residual and float32 outputs (models/qwen3.py):
         # every capture of them failed the planned dtype at each forward (review)
         ({"rl_on_policy_target": "fsdp"}, "rl_on_policy_target='fsdp'"),
+        # its scoring forwards return no next-token logits: the seal then failed the
+        # whole capture at the first /v1/score request (review)
+        ({"enable_mis": True, "attention_backend": "flashinfer"},
+         "enable_mis=True (multi-item scoring)"),
     ],
-    ids=["speculative", "lora", "torch-compile", "transformers-impl", "rl-on-policy"],
+    ids=["speculative", "lora", "torch-compile", "transformers-impl", "rl-on-policy",
+         "multi-item-scoring"],
 )
 def test_each_unsupported_mode_is_refused(
     resolved_args: Make, qwen3_dir: Path, kwargs: dict[str, Any], needle: str

@@ -235,6 +235,47 @@ def test_unselected_points_are_not_installed_and_removal_restores(
     assert recorder.calls == []
 
 
+@pytest.mark.usefixtures("fake_attention")
+def test_an_install_that_fails_halfway_leaves_no_wrapper(
+    build_qwen3: Callable[..., Any], extend_batch: Callable[..., Any]
+) -> None:
+    """A capturer whose ``wants`` raises in layer 1: the points wrapped before are
+    unwrapped, so the model runs unhooked and a later install wraps each point once."""
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519.qwen3 import (
+        install_capture_points,
+        remove_capture_points,
+    )
+
+    class Failing(Recorder):
+        asked = 0
+
+        def wants(self, hook_name: str, layer_no: int) -> bool:
+            self.asked += 1
+            if self.asked == 20:
+                msg = "the capturer broke"
+                raise RuntimeError(msg)
+            return True
+
+    model = build_qwen3(torch.float32)
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="the capturer broke"):
+        install_capture_points(model, failing)
+    rope = model.model.layers[0].self_attn.rotary_emb  # shared, tapped once per process
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__ and m is not rope]
+    keys = {("resid_pre", 0), ("final_logits", -1)}
+    recorder = Recorder(keys)
+    install_capture_points(model, recorder)
+    fb = extend_batch(PROMPTS)
+    try:
+        model(fb.input_ids, fb.positions, fb)
+    finally:
+        remove_capture_points(model)
+    assert failing.calls == []
+    assert sorted((h, n) for h, n, _ in recorder.calls) == sorted(keys)
+
+
 def test_install_refuses_other_models() -> None:
     from torch import nn
 

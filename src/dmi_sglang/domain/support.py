@@ -55,6 +55,7 @@ class EngineFacts:
     disaggregation_mode: str = "null"
     lora: bool = False
     dllm_algorithm: str | None = None
+    enable_mis: bool = False
     enable_layernorm_sp: bool = False
     enable_torch_compile: bool = False
     rl_on_policy_target: str | None = None
@@ -175,6 +176,13 @@ REJECTIONS: tuple[Rule, ...] = (
         "diffusion llm",
         lambda f: f.dllm_algorithm is not None,
         lambda f: f"dllm_algorithm={f.dllm_algorithm!r}; diffusion LLMs are not supported",
+    ),
+    Rule(
+        "multi-item scoring",
+        lambda f: f.enable_mis,
+        lambda f: "enable_mis=True (multi-item scoring) is not supported: its scoring "
+        "forwards return no next-token logits, so their final_logits rows never exist and "
+        "the capture fails mid-run",
     ),
     Rule(
         "layernorm sp",

@@ -194,6 +194,7 @@ def _collect(server_args: Any, hf_config: Any) -> _Collected:
         disaggregation_mode=str(get("disaggregation_mode", "null") or "null"),
         lora=bool(get("enable_lora")) or bool(lora_paths),
         dllm_algorithm=_opt_str(get("dllm_algorithm")),
+        enable_mis=bool(get("enable_mis", False)),
         enable_layernorm_sp=bool(get("enable_layernorm_sp", False)),
         enable_torch_compile=bool(get("enable_torch_compile", False)),
         rl_on_policy_target=_opt_str(get("rl_on_policy_target")),

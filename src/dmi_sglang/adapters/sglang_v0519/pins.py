@@ -111,7 +111,7 @@ _FB_FIELDS = ("forward_mode", "batch_size", "input_ids", "positions", "rids", "s
 _SA_FIELDS = ("tp_size", "pp_size", "dp_size", "enable_dp_attention", "attn_cp_size",
               "nnodes", "speculative_algorithm", "enable_two_batch_overlap", "enable_pdmux",
               "disaggregation_mode", "enable_lora", "lora_paths", "dllm_algorithm",
-              "enable_layernorm_sp", "enable_torch_compile", "rl_on_policy_target",
+              "enable_mis", "enable_layernorm_sp", "enable_torch_compile", "rl_on_policy_target",
               "model_impl",
               "num_continuous_decode_steps", "forward_hooks", "startup_weight_load_mode",
               "cuda_graph_config", "disable_radix_cache", "is_embedding", "dtype")

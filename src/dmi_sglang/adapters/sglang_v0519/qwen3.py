@@ -71,7 +71,8 @@ def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
 
     Raises:
         CaptureError: not an upstream Qwen3ForCausalLM, capture points already installed,
-            or a pipeline-parallel slice of the model.
+            or a pipeline-parallel slice of the model. Whatever an install raises, the
+            wrappers it installed before are removed first.
     """
     if not isinstance(model, Qwen3ForCausalLM):
         msg = f"capture points need SGLang's Qwen3ForCausalLM, got {type(model).__name__}"
@@ -94,19 +95,24 @@ def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
             return True
         return False
 
-    if want("token_ids"):
-        p.wrap(patches, model, p.entry(capturer))
-    if want("embed"):
-        p.wrap(patches, inner.embed_tokens, p.after(capturer, "embed", GLOBAL_LAYER))
-    for i in range(num_layers):
-        _install_layer(inner.layers[i], i, capturer, want, patches)
-    final, final_ln = want("resid_final"), want("final_ln")
-    if final or final_ln:
-        p.wrap(patches, inner.norm, p.norm(capturer, GLOBAL_LAYER,
-                                           resid="resid_final" if final else None,
-                                           normed="final_ln" if final_ln else None))
-    if want("final_logits"):
-        p.wrap(patches, top.logits_processor, p.logits(capturer))
+    try:
+        if want("token_ids"):
+            p.wrap(patches, model, p.entry(capturer))
+        if want("embed"):
+            p.wrap(patches, inner.embed_tokens, p.after(capturer, "embed", GLOBAL_LAYER))
+        for i in range(num_layers):
+            _install_layer(inner.layers[i], i, capturer, want, patches)
+        final, final_ln = want("resid_final"), want("final_ln")
+        if final or final_ln:
+            p.wrap(patches, inner.norm, p.norm(capturer, GLOBAL_LAYER,
+                                               resid="resid_final" if final else None,
+                                               normed="final_ln" if final_ln else None))
+        if want("final_logits"):
+            p.wrap(patches, top.logits_processor, p.logits(capturer))
+    except BaseException:  # a halfway install leaves no wrapper behind
+        for patch in reversed(patches):
+            patch.undo()
+        raise
     object.__setattr__(model, _INSTALLED, tuple(patches))
     log.info("dmi.capture_points.installed", count=len(done), wrapped=len(patches))
     return done
