@@ -159,3 +159,72 @@ def test_a_read_of_another_run_is_not_labelled_with_the_servers_run() -> None:
         assert RUN_HEADER not in answer.headers, path
         assert CAPTURE_HEADER not in answer.headers, path
     assert client.get("/generate-like", headers=KEY).headers.get(RUN_HEADER) == "run-s"
+
+
+def test_query_parameters_are_refused_not_ignored() -> None:
+    """No read endpoint takes a query string: a filter the server does not know (say
+    ``?run_id=``) answered every run with 200 before; now 400, naming it."""
+    client = _client(StoreReads(lambda: MemoryReader(_store())), api_key=None)
+    for path in ("/dmi/runs?run_id=nope", "/dmi/runs/run-1/requests?limit=1",
+                 "/dmi/runs/run-1/requests/done?x=1&y",
+                 "/dmi/runs/run-1/requests/done/safetensors?dtype=float16"):
+        answer = client.get(path)
+        assert answer.status_code == 400, path
+        assert "are not accepted by" in answer.json()["error"], path
+        assert "it takes none" in answer.json()["error"], path
+    assert "'x', 'y'" in client.get("/dmi/runs/run-1/requests/done?x=1&y").json()["error"]
+
+
+def test_an_export_whose_first_read_fails_answers_503_not_a_cut_200() -> None:
+    """The store fails at the export's first rows: the answer is 503 with the store's
+    reason (its header and first rows are read before the answer starts), not a 200 whose
+    body stops after the header."""
+    class Failing(MemoryReader):
+        def batches_within(self, *args: Any, **kwargs: Any) -> Any:
+            raise StoreError("the store's owner did not answer within 120 s")
+
+    client = _client(StoreReads(lambda: Failing(_store())), api_key=None)
+    answer = client.get("/dmi/runs/run-1/requests/done/safetensors")
+    assert answer.status_code == 503
+    assert "did not answer" in answer.json()["error"]
+
+
+def test_status_and_stop_carry_the_state_they_found() -> None:
+    """``X-DMI-Capture`` of a status or stop answer is the state that answer found (it
+    said ``capturing`` beside a body saying ``paused`` or ``stopped``); their query
+    strings are refused before the schedulers are asked."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from dmi_sglang.adapters.sglang_v0519.server import CAPTURE_HEADER, mount
+
+    class Control:
+        run_id = "run-s"
+        last_state = "capturing"
+        asked = 0
+
+        def status(self) -> Any:
+            self.asked += 1
+            self.last_state = "paused"
+            return SimpleNamespace(state="paused", to_json=lambda: {"state": "paused"})
+
+        def stop(self, wait_s: float) -> Any:
+            self.asked += 1
+            self.last_state = "stopped"
+            return SimpleNamespace(state="stopped", to_json=lambda: {"state": "stopped"})
+
+    control = Control()
+    app = FastAPI()
+    mount(app, control)  # type: ignore[arg-type]
+    client = TestClient(app)
+    refused = client.get("/dmi/status?run_id=other")
+    assert refused.status_code == 400
+    assert "'run_id'" in refused.json()["error"]
+    assert client.post("/dmi/stop?now=1").status_code == 400
+    assert control.asked == 0
+    status = client.get("/dmi/status")
+    assert (status.json()["state"], status.headers[CAPTURE_HEADER]) == ("paused", "paused")
+    stop = client.post("/dmi/stop")
+    assert (stop.json()["state"], stop.headers[CAPTURE_HEADER]) == ("stopped", "stopped")

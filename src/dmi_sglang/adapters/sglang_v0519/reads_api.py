@@ -19,8 +19,11 @@ holding ``%2F`` is refused (400), since it is decoded before the route is matche
 could name another endpoint of another id. A
 run or request the store does not hold: 404; an incomplete capture's file: 409 with the
 listing's reasons; a store that cannot be read (or an owner that does not answer): 503.
-Reads run on worker threads of their own (:data:`READ_WORKERS`), never on the server's
-event loop.
+The endpoints take no query parameters: a path with a query string is refused (400,
+naming them), so a filter the server does not know is never silently ignored. An
+export reads its header and its first rows before it answers, so a store that cannot be
+read answers 503, not a 200 cut short. Reads run on worker threads of their own
+(:data:`READ_WORKERS`), never on the server's event loop.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import AsyncIterator, Callable, Iterator
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
+from urllib.parse import parse_qsl
 
 import structlog
 
 from dmi_sglang.domain.ports import CaptureReads
 from dmi_sglang.errors import IncompleteCaptureError, NotInStoreError, StoreError
 
-__all__ = ["MAX_ID_CHARS", "RUNS_PATH", "bad_id", "mount_reads"]
+__all__ = ["MAX_ID_CHARS", "RUNS_PATH", "bad_id", "mount_reads", "unexpected_query"]
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +62,17 @@ def bad_id(kind: str, value: str) -> str | None:
         return (f"{kind} {value!r} is not well formed: printable characters only, no "
                 "leading or trailing blanks")
     return None
+
+
+def unexpected_query(scope: Mapping[str, Any]) -> str | None:
+    """Why a request to an endpoint that takes no query parameters is refused (None:
+    it has none): the parameters' names, and that none is accepted."""
+    raw = bytes(scope.get("query_string") or b"").decode("latin-1")
+    if not raw:
+        return None
+    names = sorted({name for name, _ in parse_qsl(raw, keep_blank_values=True)}) or [raw]
+    return (f"query parameters {', '.join(repr(n) for n in names)} are not accepted by "
+            f"{scope.get('path', '')}: it takes none")
 
 
 def mount_reads(app: Any, reads: CaptureReads | None) -> None:
@@ -90,16 +106,19 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
         assert reads is not None  # answer() returned 404 before any work otherwise
         return reads
 
-    async def runs() -> Any:
-        return await answer(lambda: JSONResponse({"runs": store().runs()}))
-
     def slashed(request: Request) -> JSONResponse | None:
-        """A 400 for a path whose id held an encoded ``/``: it was decoded before the
-        route was matched, so the path may name another endpoint of another id."""
+        """A 400 for a path whose id held an encoded ``/`` (it was decoded before the
+        route was matched, so the path may name another endpoint of another id), or for
+        a query string (no endpoint takes one)."""
         if b"%2f" in bytes(request.scope.get("raw_path") or b"").lower():
             return problem(400, "an id holding '/' (%2F) cannot be named in the path; "
                                 "read it with dmi-sglang or open_store()")
-        return None
+        why = unexpected_query(request.scope)
+        return problem(400, why) if why else None
+
+    async def runs(request: Request) -> Any:
+        return slashed(request) or await answer(
+            lambda: JSONResponse({"runs": store().runs()}))
 
     async def requests(request: Request, run_id: str) -> Any:
         return slashed(request) or await answer(
@@ -115,7 +134,7 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
         refused = slashed(request)
         if refused is not None:
             return refused
-        result = await answer(lambda: store().safetensors(run_id, request_id),
+        result = await answer(lambda: _first_read(store().safetensors(run_id, request_id)),
                               ("run id", run_id), ("request id", request_id))
         if not isinstance(result, tuple):
             return result
@@ -132,7 +151,7 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
         return slashed(request) or problem(404, f"no read-back endpoint at {rest!r} under "
                                                 f"{RUNS_PATH}")
 
-    for endpoint in (requests, listing, safetensors, elsewhere):  # FastAPI resolves
+    for endpoint in (runs, requests, listing, safetensors, elsewhere):  # FastAPI resolves
         endpoint.__annotations__["request"] = Request  # string annotations in globals
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
@@ -146,6 +165,17 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
     app.add_api_route(base + "/{run_id}/requests/{request_id}/safetensors", safetensors,
                       methods=["GET"])
     app.add_api_route(base + "/{rest:path}", elsewhere, methods=["GET"])  # matched last
+
+
+def _first_read(export: tuple[int, Iterator[bytes | memoryview]],
+                ) -> tuple[int, Iterator[bytes | memoryview]]:
+    """An export with its header and first rows read already (on the read thread, before
+    the answer starts): a store that fails there answers 503 or 409, not a 200 cut after
+    its header. A failure after the first rows still cuts the stream short of its
+    ``Content-Length``, which a client sees as a broken download."""
+    length, pieces = export
+    first = list(itertools.islice(pieces, 2))
+    return length, itertools.chain(first, pieces)
 
 
 @functools.cache

@@ -43,7 +43,7 @@ import structlog
 
 from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, check_answer
-from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH, mount_reads
+from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH, mount_reads, unexpected_query
 from dmi_sglang.errors import CaptureError
 
 __all__ = [
@@ -331,18 +331,27 @@ class RunControl:
 def mount(app: Any, control: RunControl) -> None:
     """Add the ``/dmi`` endpoints and the run header to SGLang's FastAPI ``app`` (before
     SGLang adds its API-key middleware, which then covers them)."""
+    from fastapi import Request
     from fastapi.responses import JSONResponse
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    async def dmi_status() -> JSONResponse:
+    async def dmi_status(request: Request) -> JSONResponse:
+        why = unexpected_query(request.scope)
+        if why:
+            return JSONResponse({"error": why}, status_code=400)
         state = await asyncio.to_thread(control.status)
         return JSONResponse(state.to_json(), status_code=200)
 
-    async def dmi_stop() -> JSONResponse:
+    async def dmi_stop(request: Request) -> JSONResponse:
+        why = unexpected_query(request.scope)
+        if why:
+            return JSONResponse({"error": why}, status_code=400)
         state = await asyncio.to_thread(control.stop, STOP_WAIT_S)
         code = {"stopped": 200, "stopping": 202}.get(state.state, 500)
         return JSONResponse(state.to_json(), status_code=code)
 
+    for endpoint in (dmi_status, dmi_stop):  # FastAPI resolves string annotations
+        endpoint.__annotations__["request"] = Request  # in the module's globals
     auth_level(AuthLevel.ADMIN_OPTIONAL)(dmi_stop)  # an admin endpoint, as SGLang's own
 
     app.add_api_route(STATUS_PATH, dmi_status, methods=["GET"])
@@ -367,28 +376,33 @@ class _RunHeader:
         if scope["type"] == "lifespan":
             await self.app(scope, _watching_for_shutdown(receive), send)
             return
-        if scope["type"] != "http" or _reads_path(scope):
+        path = _app_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or path == RUNS_PATH or path.startswith(RUNS_PATH + "/"):
             await self.app(scope, receive, send)
             return
         state = (self.capture, self.control.last_state.encode("latin-1"))
+        own = path in (STATUS_PATH, STOP_PATH)  # the state these answers just found
 
         async def send_with_header(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
+                now = (self.capture, self.control.last_state.encode("latin-1")) if own \
+                    else state
                 message = {**message,
-                           "headers": [*message.get("headers", []), self.header, state]}
+                           "headers": [*message.get("headers", []), self.header, now]}
             await send(message)
 
         await self.app(scope, receive, send_with_header)
 
 
-def _reads_path(scope: dict[str, Any]) -> bool:
-    """A read-back answer (``/dmi/runs...``): about any run of the store, not a request of
-    this server's run, so it carries neither header."""
+def _app_path(scope: dict[str, Any]) -> str:
+    """The request's path within the app (its ``root_path`` left out). A read-back
+    answer (``/dmi/runs...``) is about any run of the store, not a request of this
+    server's run, so it carries neither header."""
     path = str(scope.get("path", ""))
     root = str(scope.get("root_path", ""))
     if root and path.startswith(root):
         path = path[len(root):]
-    return path == RUNS_PATH or path.startswith(RUNS_PATH + "/")
+    return path
 
 
 def around_kill_process_tree(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
