@@ -164,6 +164,29 @@ def test_a_failed_stop_is_reported_failed_with_the_schedulers_reason(line) -> No
     assert control.status().state == "failed"
 
 
+def test_concurrent_status_polls_share_the_schedulers_answers(line) -> None:
+    """16 callers at once, each exchange taking 0.1 s: a caller waiting while another
+    asks takes the answer of the first exchange that began after it came, so the
+    schedulers are asked a few times, not 16 times two questions one after another
+    (32 exchanges and 3.2 s for the last caller before)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    control, fake = line([(True, "", 0.05)] * 64)
+    with ThreadPoolExecutor(16) as pool:
+        timed = list(pool.map(lambda _: _timed(control.status), range(16)))
+    assert all(state.state == "capturing" for state, _ in timed)
+    assert len(fake.calls) <= 6  # at most 3 rounds of (active, admitting)
+    assert max(seconds for _, seconds in timed) < 1.0
+    before = len(fake.calls)
+    assert control.status().state == "capturing"  # a caller after them asks afresh
+    assert len(fake.calls) == before + 2
+
+
+def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    return call(), time.monotonic() - t0
+
+
 def test_a_long_stop_answers_stopping_then_its_outcome(line) -> None:
     """A stop that writes out more than the endpoint waits for is ``stopping`` (not
     failed), status says so without asking the busy schedulers, and the outcome

@@ -151,6 +151,10 @@ class RunControl:
         self._stop_began = 0.0
         self._stopped: RunState | None = None
         self._last_state = "capturing"
+        self._asked: tuple[float, RunState] | None = None
+        """When the latest status exchange began, and what it found: a caller that
+        arrived before it began takes its answer (concurrent polls cost one exchange,
+        not one each, one after another)."""
         self._closed = threading.Event()
 
     @classmethod
@@ -174,8 +178,10 @@ class RunControl:
 
     def status(self) -> RunState:
         """The run's state; asks the schedulers only while neither stopping nor stopped,
-        and answers ``stopping`` as soon as a stop begins."""
-        deadline = time.monotonic() + CHECK_WAIT_S
+        and answers ``stopping`` as soon as a stop begins. Callers waiting while another
+        asks share the answer of the first exchange that began after they arrived."""
+        arrived = time.monotonic()
+        deadline = arrived + CHECK_WAIT_S
         while True:
             known = self._stop_state()
             if known is not None:
@@ -189,16 +195,25 @@ class RunControl:
             known = self._stop_state()
             if known is not None:
                 return known
+            if self._asked is not None and self._asked[0] >= arrived:
+                return self._asked[1]  # asked after this caller came: as fresh as its own
+            began = time.monotonic()
+            found = self._ask(deadline)
+            self._asked = (began, found)
+            return found
+        finally:
+            self._lock.release()
+
+    def _ask(self, deadline: float) -> RunState:
+        """One status exchange with the schedulers (under ``_lock``)."""
+        try:
             self._exchange(max(0.05, deadline - time.monotonic()), "dmi_assert_active",
                            run_id=self.run_id)
         except SchedulerSilentError as exc:
             return self._stop_state() or self._state("unresponsive", str(exc))
         except CaptureError as exc:
             return self._stop_state() or self._state("failed", str(exc))
-        else:
-            return self._stop_state() or self._admitting(deadline)
-        finally:
-            self._lock.release()
+        return self._stop_state() or self._admitting(deadline)
 
     def _admitting(self, deadline: float) -> RunState:
         """``capturing``, or ``paused`` while new requests are refused (under ``_lock``)."""
