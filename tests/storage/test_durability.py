@@ -466,9 +466,9 @@ def test_a_failed_background_sync_leaves_its_files_to_the_next_one(
     failing = [True]
     real = os.fsync
 
-    def fsync(fd: int) -> None:
+    def fsync(fd: int) -> None:  # a file gone meanwhile (a merge removed its part)
         if failing[0]:
-            raise OSError(5, "Input/output error")
+            raise OSError(errno.ENOENT, "No such file or directory")
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
@@ -488,9 +488,41 @@ def test_a_failed_background_sync_leaves_its_files_to_the_next_one(
     failed = [e for e in logs if e["event"] == "store.sync_pass_failed"]
     assert len(failed) == 1  # once, not every second
     assert failed[0]["log_level"] == "warning"
-    assert "Input/output error" in failed[0]["error"]
+    assert "No such file or directory" in failed[0]["error"]
     commit(sink, run, [manifest("run", "r", 4, 1)])
     assert len(ClickHouseReader(store).records("run", "r")) == 1
+
+
+def test_a_write_back_error_seen_by_a_background_pass_fails_the_commit(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EIO from a background pass's fsync: the kernel reports a failed write-back once
+    and marks the pages clean, so the final sync passes over data that may be lost; the
+    commit fails on the error the pass saw, and the run is not recorded committed."""
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
+    real = os.fsync
+    failed = threading.Event()
+
+    def fsync(fd: int) -> None:  # EIO once, from the background pass, then "clean"
+        if threading.current_thread().name == "dmi-sink-sync" and not failed.is_set():
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(_durable.os, "fsync", fsync)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    sink.put(batch_of("run", "r", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink.flush()
+    assert failed.wait(10)
+    with pytest.raises(StoreError, match="Input/output error"):
+        commit(sink, run, [manifest("run", "r", 4, 1)])
+    sink.close()
+    got = ClickHouseReader(store).run("run")
+    assert got is not None
+    assert got.status is not RunStatus.COMMITTED
 
 
 def test_finish_run_raises_when_the_files_cannot_be_synced(

@@ -24,6 +24,7 @@ them.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -78,6 +79,8 @@ that ``finish_run``'s sync finds them clean (fsync of a clean file costs little)
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
 _MTIME_SLACK_NS = 2_000_000_000  # file times come from a coarse clock
+_WRITE_BACK_ERRORS = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
+"""fsync errors that say written pages were lost (not a file a merge removed meanwhile)."""
 
 
 class ClickHouseSink:
@@ -148,6 +151,10 @@ class ClickHouseSink:
         self._written = threading.Event()
         """Set by every write; a background pass runs only when it was set."""
         self._sync_passes_stop = threading.Event()
+        self._lost_writes: OSError | None = None
+        """A background sync pass's write-back error (EIO, ENOSPC, EDQUOT): the kernel
+        reports it once and marks the pages clean, so no later sync sees it: the run
+        cannot be committed as durable."""
         self._syncer: threading.Thread | None = None
         try:
             self._control = self._factory(config)
@@ -185,6 +192,7 @@ class ClickHouseSink:
         if not run.owner:
             run = attrs.evolve(run, owner=f"{socket.gethostname()}:{os.getpid()}")
         self._running = run
+        self._lost_writes = None
         if self._config.kind is StoreKind.EMBEDDED:  # live before any reader can see the row
             mark_live(self._config.path, run.run_id)
             self._merges.hold()
@@ -258,6 +266,10 @@ class ClickHouseSink:
             if embedded and committed:  # the data on disk before a row says it is complete
                 self._stop_sync_passes()
                 try:
+                    if self._lost_writes is not None:  # reported once: never seen again
+                        lost = self._lost_writes
+                        what = f"syncing the files of run {run.run_id} to disk"
+                        raise store_error(what, lost, self._config) from lost
                     self._sync(run.run_id)
                 except StoreError as failure:
                     self._stop_heartbeat()
@@ -373,7 +385,9 @@ class ClickHouseSink:
     def _sync_passes(self, run_id: str) -> None:
         """Every :data:`SYNC_PASS_S` while the run captures, when something was written
         since the previous pass: sync the files changed since then. A failed pass is
-        logged; its files are left to the next pass and to the final sync."""
+        logged; its files are left to the next pass and to the final sync, except a
+        write-back error (:data:`_WRITE_BACK_ERRORS`), which the kernel reports only
+        once: it is kept, and a committed finish fails on it."""
         failures = 0
         while not self._sync_passes_stop.wait(SYNC_PASS_S):
             if not self._written.is_set():
@@ -385,6 +399,8 @@ class ClickHouseSink:
                     report = sync_tree(self._config.path, self._pass_since_ns)
                     self._pass_since_ns = started - _MTIME_SLACK_NS
             except OSError as exc:
+                if exc.errno in _WRITE_BACK_ERRORS and self._lost_writes is None:
+                    self._lost_writes = exc
                 self._written.set()
                 failures += 1
                 if failures == 1:
