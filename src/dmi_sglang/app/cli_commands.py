@@ -100,12 +100,12 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
     return 0
 
 
-def _tensors(store: StoreConfig, run_id: str, request_id: str,
-             partial: bool = False) -> Iterator[tuple[str, str, range, Any]]:
+def _tensors(store: StoreConfig, run_id: str, request_id: str, partial: bool = False,
+             left_out: list[str] | None = None) -> Iterator[tuple[str, str, range, Any]]:
     """``(request id, name, positions, tensor)`` of every capture of a request, in the
     run's capture order; the request id as stored (``request_id`` may be the escaped form
     ``ls`` printed). ``partial``: what was stored, each hook up to its first missing
-    position."""
+    position (the captures that stored none are appended to ``left_out``)."""
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
@@ -115,7 +115,8 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str,
                    f"(`dmi-sglang ls {_shown(run_id)}{_db_flag(store)}` lists its requests)")
             raise NotInStoreError(msg)
         if partial:
-            for name, kept, tensor in _partial_tensors(captures, run_id, request_id):
+            for name, kept, tensor in _partial_tensors(captures, run_id, request_id,
+                                                       left_out):
                 yield request_id, name, kept, tensor
             return
         handle = captures.handle(run_id, request_id)
@@ -154,9 +155,10 @@ def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
     return unescaped if typed not in known and unescaped in known else typed
 
 
-def _partial_tensors(captures: CaptureStore, run_id: str,
-                     request_id: str) -> Iterator[tuple[str, range, Any]]:
-    """What ``--partial`` reads: each capture up to its first missing position.
+def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
+                     left_out: list[str] | None = None) -> Iterator[tuple[str, range, Any]]:
+    """What ``--partial`` reads: each capture up to its first missing position; the
+    captures that stored none are appended to ``left_out``.
 
     Raises:
         IncompleteCaptureError: no capture of the request stored a position (nothing
@@ -168,8 +170,10 @@ def _partial_tensors(captures: CaptureStore, run_id: str,
         layer_arg = None if layer < 0 else layer
         try:
             kept = handle.partial_positions(act, layer_arg)
-        except IncompleteCaptureError:
-            continue  # nothing of it was stored
+        except IncompleteCaptureError:  # nothing of it was stored
+            if left_out is not None:
+                left_out.append(act if layer < 0 else f"{act}.{layer}")
+            continue
         found = True
         name = act if layer < 0 else f"{act}.{layer}"
         every = f":{kept.step}" if kept.step > 1 else ""
@@ -187,7 +191,8 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
     header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
               + ("  (partial: stored positions only)" if partial else ""),
               f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
-    for _, name, span, tensor in _tensors(store, run_id, request_id, partial):
+    left_out: list[str] = []
+    for _, name, span, tensor in _tensors(store, run_id, request_id, partial, left_out):
         for line in header:  # only once the request resolved
             _out(line)
         header = []
@@ -197,6 +202,8 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
         where = f"[{span.start}, {span.stop})"  # as get(start=, end=) takes them
         where += f" every {span.step}" if span.step > 1 else ""
         _out(f"{name:<36} {where:<18} {shape:<22} {tensor.dtype!s:<16} {norm}")
+    if left_out:
+        _out(f"nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}")
     return 0
 
 
@@ -214,7 +221,8 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     tensors: dict[str, Any] = {}
     positions: dict[str, list[int]] = {}  # as the server's export names them
     named = request_id
-    for stored, name, span, t in _tensors(store, run_id, request_id, partial):
+    left_out: list[str] = []  # --partial: captures that stored no position
+    for stored, name, span, t in _tensors(store, run_id, request_id, partial, left_out):
         named = stored if _encodable(stored) else request_id  # the id, not its escaped form
         if span:  # a capture that kept no position has no rows to write (nor does the server)
             tensors[name] = t.contiguous()
@@ -225,10 +233,27 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
         return 0
+    try:
+        _write_atomically(target, data)
+    except OSError as exc:  # the user's path, not the temporary file beside it
+        msg = f"--out {out}: {exc.strerror or exc}; give a file path in a writable directory"
+        raise UsageError(msg) from None
+    said = f"wrote {len(tensors)} tensors ({_mib(len(data))}) to {target}"
+    if partial:
+        said += ": partial, the stored positions only"
+        if left_out:
+            said += f"; nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}"
+    _out(said)
+    return 0
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    """``data`` as the file ``target``: written next to it and renamed into place; a
+    replaced file keeps its mode (a private capture stays private)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
-    try:  # a replaced file keeps its mode (a private capture stays private)
+    try:
         mode = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
         mode = 0o666 & ~umask  # as a plain new file would be, not mkstemp's 0600
@@ -244,8 +269,6 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _out(f"wrote {len(tensors)} tensors ({_mib(len(data))}) to {target}")
-    return 0
 
 
 def _export_target(out: str, *, force: bool) -> Path | None:
@@ -294,9 +317,17 @@ def rm(store: StoreConfig, run_id: str, *, force: bool = False, yes: bool = Fals
 
 
 def demo_model(path: Path, *, layers: int) -> int:
-    """Write the small random-weight Qwen3 checkpoint."""
+    """Write the small random-weight Qwen3 checkpoint (never over another checkpoint).
+
+    Raises:
+        UsageError: ``path`` holds a checkpoint already (a ``config.json``).
+    """
     from dmi_sglang.app.composition import write_demo_checkpoint
 
+    if (path / "config.json").exists():
+        msg = (f"{path} already holds a checkpoint (config.json), which demo-model would "
+               "overwrite; give a new or empty directory")
+        raise UsageError(msg)
     where = write_demo_checkpoint(path, layers=layers)
     _out(f"wrote a {layers}-layer random-weight Qwen3 checkpoint to {where}")
     _out(f"try: dmi-sglang capture --model {shlex.quote(str(where))} --prompt 'w1 w2 w3'")
@@ -366,8 +397,12 @@ def require_model_dir(flag: str, value: str | Path) -> Path:
     ``config.json``.
 
     Raises:
-        UsageError: the directory does not exist or holds no config.json.
+        UsageError: the value is empty, or the directory does not exist or holds no
+            config.json.
     """
+    if not str(value).strip():
+        msg = f"{flag} {str(value)!r} is empty; give a Hugging Face model directory"
+        raise UsageError(msg)
     model = Path(value)
     if not (model / "config.json").is_file():
         what = "does not exist" if not model.exists() else "holds no config.json"
@@ -394,6 +429,19 @@ def check_db_flag(db: str | None) -> None:
         raise UsageError(msg) from None
 
 
+def check_run_id_flag(run_id: str | None) -> None:
+    """Refuse an empty ``--run-id`` (as a setting an empty value means unset, which would
+    quietly give the run a generated id).
+
+    Raises:
+        UsageError: ``run_id`` is given and blank.
+    """
+    if run_id is not None and not run_id.strip():
+        msg = (f"--run-id {run_id!r} is empty; give a run id, or leave --run-id out for a "
+               "generated one")
+        raise UsageError(msg)
+
+
 def _capture_settings(args: argparse.Namespace) -> dict[str, str]:
     """The ``dmx_*`` keywords the flags of ``capture`` and ``reference-capture`` give
     (flags win over ``DMX_*`` variables)."""
@@ -405,6 +453,7 @@ def _validate_capture(args: argparse.Namespace) -> None:
     """Refuse bad capture arguments and settings (the flags, then the ``DMX_*``
     variables they join) before looking for a GPU or starting anything."""
     require_model_dir("--model", args.model)
+    check_run_id_flag(args.run_id)
     if args.prompts is not None:
         _read_prompts(args)
     elif not args.prompt.strip():
@@ -541,6 +590,7 @@ def _validate_reference(args: argparse.Namespace, default_layers: int,
 
     hooks, shape = _reference_model(args, args.layers or default_layers)
     prompts = _reference_prompts(args, default_prompts)
+    check_run_id_flag(args.run_id)
     if args.run_id is not None:
         try:
             Settings.from_kwargs({"dmx_model_id": args.run_id}, env={})

@@ -147,9 +147,11 @@ def _refuse_other_servers(extra: Sequence[str]) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The run's settings: flags over ``DMX_*`` variables over serve's defaults; resolved."""
-    from dmi_sglang.app.cli_commands import require_model_dir
+    from dmi_sglang.app.cli_commands import check_db_flag, check_run_id_flag, require_model_dir
 
     model = require_model_dir("--model-path", args.model_path)
+    check_run_id_flag(args.run_id)
+    check_db_flag(args.db)
     flags = {"dmx_hook_selection": args.hooks, "dmx_request_sample": args.request_sample,
              "dmx_model_id": args.run_id, "dmx_db_url": args.db,
              "dmx_store_max_gb": args.store_max_gb}
