@@ -48,7 +48,7 @@ class _FailingInserter:
         self._inner, self._error = inner, error
         self.inserts = 0
 
-    def insert_arrow(self, table: str, arrow_table: Any) -> Any:
+    def insert_arrow(self, table: str, arrow_table: Any, token: str = "") -> Any:
         self.inserts += 1
         raise self._error
 

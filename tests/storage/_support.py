@@ -126,7 +126,7 @@ class FaultyInserter:
         self.calls = 0
         self._lock = threading.Lock()
 
-    def insert_arrow(self, table: str, arrow_table: Any) -> Any:
+    def insert_arrow(self, table: str, arrow_table: Any, token: str = "") -> Any:
         with self._lock:
             self.calls += 1
             n = self.calls
@@ -135,7 +135,7 @@ class FaultyInserter:
             raise action
         if isinstance(action, float):
             time.sleep(action)
-        return self._inner.insert_arrow(table, arrow_table)
+        return self._inner.insert_arrow(table, arrow_table, token=token)
 
     def close(self) -> None:
         self._inner.close()

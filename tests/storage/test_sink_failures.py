@@ -97,6 +97,45 @@ def test_transient_errors_are_retried(
     assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
 
 
+class _LandsThenTimesOut:
+    """The first insert reaches the store, then its answer is lost (a read timeout)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self.calls = inner, 0
+
+    def insert_arrow(self, table: str, arrow_table: Any, token: str = "") -> Any:
+        self.calls += 1
+        out = self._inner.insert_arrow(table, arrow_table, token=token)
+        if self.calls == 1:
+            raise OperationalError("HTTPConnectionPool: Read timed out. (read timeout=30)")
+        return out
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def test_a_retried_insert_whose_first_try_landed_stores_its_rows_once(
+    open_sink: Callable[..., ClickHouseSink], store: StoreConfig
+) -> None:
+    """A retry of an insert that had landed stored every row twice (the run committed,
+    the store held 10 records where the stats said 5): the insert's token makes the
+    repeat store nothing."""
+    sink = open_sink(inserter_factory=lambda c: _LandsThenTimesOut(open_inserter(c)),
+                     writers=1, retries=3, backoff_s=0.001)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    t, bounds = _decode_rows(5)
+    sink.put(batch_of("run", "r", RESID, 0, t, bounds))
+    commit(sink, run, [manifest("run", "r", 5, 1)])
+    assert sink.stats().retries == 1
+    assert sink.stats().records_stored == 5
+    sink.close()
+    reader = ClickHouseReader(store)
+    assert len(reader.records("run", "r")) == 5
+    assert [s.records for s in reader.requests("run")] == [5]
+    assert same_bits(handle(store, "run", "r").get("resid_pre", 0), t)
+
+
 def test_a_store_failing_mid_run_fails_sticky_and_nothing_is_reported_complete(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:

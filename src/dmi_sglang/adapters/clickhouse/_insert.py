@@ -38,8 +38,10 @@ _COLUMNS = ", ".join(quote(n) for n in COLUMN_NAMES)
 class Inserter(Protocol):
     """One writer's connection: inserts Arrow tables into a table (``db.table``, quoted)."""
 
-    def insert_arrow(self, table: str, arrow_table: pa.Table) -> object:
-        """Insert every row of ``arrow_table`` (columns named as the table's)."""
+    def insert_arrow(self, table: str, arrow_table: pa.Table, token: str = "") -> object:
+        """Insert every row of ``arrow_table`` (columns named as the table's); with a
+        ``token`` (letters and digits), the same insert made again with it stores
+        nothing more (a table with a deduplication window)."""
         ...
 
     def close(self) -> None:
@@ -49,6 +51,15 @@ class Inserter(Protocol):
 
 InserterFactory = Callable[[StoreConfig], Inserter]
 """Opens a writer's connection on a store (the seam tests use to inject faults)."""
+
+
+def _token(token: str) -> str:
+    """An insert's deduplication token, checked to be letters and digits (it is written
+    into the query)."""
+    if not token.isascii() or not token.isalnum():
+        msg = f"insert deduplication token {token!r}: letters and digits only"
+        raise ValueError(msg)
+    return token
 
 
 class ChdbInserter:
@@ -65,10 +76,14 @@ class ChdbInserter:
 
         self._conn = chdb.connect(os.path.realpath(path))
 
-    def insert_arrow(self, table: str, arrow_table: pa.Table) -> object:  # noqa: ARG002
+    def insert_arrow(self, table: str, arrow_table: pa.Table,  # noqa: ARG002
+                     token: str = "") -> object:
         """Insert ``arrow_table`` (read in place by the engine: ``Python(arrow_table)``
         in the query names this function's parameter, which chDB looks up here)."""
-        sql = f"INSERT INTO {table} ({_COLUMNS}) SELECT {_COLUMNS} FROM Python(arrow_table)"
+        dedup = (f" SETTINGS insert_deduplicate = 1, insert_deduplication_token = "
+                 f"'{_token(token)}'" if token else "")
+        sql = (f"INSERT INTO {table} ({_COLUMNS}){dedup} SELECT {_COLUMNS} "
+               "FROM Python(arrow_table)")
         return self._conn.query(sql)
 
     def close(self) -> None:
@@ -89,10 +104,12 @@ class ServerInserter:
         self._client = client
         self._method = method
 
-    def insert_arrow(self, table: str, arrow_table: pa.Table) -> object:
+    def insert_arrow(self, table: str, arrow_table: pa.Table, token: str = "") -> object:
         """Insert ``arrow_table``: ``insert_arrow``, or for gzip the IPC file gzipped."""
+        settings = ({"insert_deduplicate": 1, "insert_deduplication_token": _token(token)}
+                    if token else None)
         if self._method != "gzip":
-            return self._client.insert_arrow(table, arrow_table)
+            return self._client.insert_arrow(table, arrow_table, settings=settings)
         import pyarrow as pa
 
         sink = pa.BufferOutputStream()
@@ -100,7 +117,7 @@ class ServerInserter:
             writer.write_table(arrow_table)
         body = gzip.compress(sink.getvalue().to_pybytes(), compresslevel=1)
         return self._client.raw_insert(table, list(arrow_table.schema.names), body,
-                                       fmt="Arrow", compression="gzip")
+                                       settings=settings, fmt="Arrow", compression="gzip")
 
     def close(self) -> None:
         """Close the client."""

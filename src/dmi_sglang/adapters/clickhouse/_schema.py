@@ -99,7 +99,9 @@ def quote(name: str) -> str:
 
 def _offload(db: str, table: str) -> Layout:
     key = ", ".join(OFFLOAD_KEY)
-    # DMI's DDL text (dmi-core.md §4.1) with `seq` appended; keep the two in step.
+    # DMI's DDL text (dmi-core.md §4.1) with `seq` appended; keep the two in step. The
+    # deduplication window makes an insert retried with its token (an answer lost after
+    # the rows landed, an insert failed after some of its parts) store its rows once.
     sql = (
         f"CREATE TABLE IF NOT EXISTS {quote(db)}.{quote(table)} (\n"
         "  `model_id` String, `request_id` String, `act_name` String,\n"
@@ -108,7 +110,7 @@ def _offload(db: str, table: str) -> Layout:
         ") ENGINE = MergeTree\n"
         f"PRIMARY KEY ({key})\n"
         f"ORDER BY    ({key})\n"
-        "SETTINGS index_granularity = 8192"
+        "SETTINGS index_granularity = 8192, non_replicated_deduplication_window = 1000"
     )
     return Layout(table, OFFLOAD_COLUMNS, "MergeTree", OFFLOAD_KEY, OFFLOAD_KEY, sql)
 

@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -471,9 +472,10 @@ class ClickHouseSink:
         table = self._tables.qualified(self._tables.offload)
         attempt = waits = 0
         parts_deadline: float | None = None
+        token = uuid.uuid4().hex  # one per insert: made again (retried), it stores nothing
         while True:
             try:
-                inserter.insert_arrow(table, block)
+                inserter.insert_arrow(table, block, token=token)
                 return
             except Exception as exc:
                 if too_many_parts(exc):
