@@ -139,3 +139,16 @@ def test_an_unwritable_out_is_named_not_the_temporary_file(
     err = capsys.readouterr().err
     assert f"--out {out}: " in err
     assert ".x.safetensors." not in err
+
+
+def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out DIR/new/`` wrote a file named ``new`` (and made its parents)."""
+    from tests.app.test_cli import RUN, _populate
+
+    _populate(tmp_path / "captures")
+    out = f"{tmp_path}/new/"
+    assert main(["export", RUN, "req-0", "--out", out,
+                 "--db", f"chdb://{tmp_path}/captures"]) == 2
+    assert f"--out {out} names a directory" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -52,6 +52,22 @@ def test_an_infinite_rate_is_refused(model, capsys) -> None:
     assert "--tok-s: 'inf' is not a positive (finite) number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--d2h-gbps", "--tok-s"])
+def test_a_rate_beyond_the_floats_products_is_refused(model, capsys, flag: str) -> None:
+    """1e308 GB/s passed the finite check, and its products printed ``inf``."""
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", str(model), flag, "1e308"])
+    assert done.value.code == 2
+    assert f"{flag}: '1e308' is not a positive (finite) number up to 1e+12" in (
+        capsys.readouterr().err)
+
+
+def test_a_negative_zero_sample_is_zero(model, capsys) -> None:
+    assert main(["plan", "--model", str(model), "--request-sample", "-0"]) == 0
+    out = capsys.readouterr().out
+    assert "-0" not in out
+
+
 def test_a_selection_that_captures_nothing_is_limited_by_nothing(model, capsys) -> None:
     # found in review: it printed "limited by d2h" with no figure
     assert main(["plan", "--model", str(model), "--hooks", "resid_pre:positions(1000-2000)",

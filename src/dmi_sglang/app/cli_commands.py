@@ -278,6 +278,9 @@ def _export_target(out: str, *, force: bool) -> Path | None:
     if not out.strip():
         msg = "--out is empty; give a file path, or - for standard output"
         raise UsageError(msg)
+    if out.endswith(os.sep):  # Path() would drop the slash and write a file there
+        msg = f"--out {out} names a directory; give a file path, or - for standard output"
+        raise UsageError(msg)
     path = Path(out)
     try:
         st = path.lstat()

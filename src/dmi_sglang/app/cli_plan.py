@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -37,14 +36,19 @@ from dmi_sglang.errors import (
 __all__ = ["add_plan_parser", "plan"]
 
 
+RATE_MAX = 1e12
+"""The largest rate ``plan`` takes (GB/s, tokens/s): beyond it the plan's products of
+rates and sizes would leave the floats (``inf`` in the table)."""
+
+
 def _positive_float(text: str) -> float:
-    """An argparse type: a positive number."""
+    """An argparse type: a positive number up to :data:`RATE_MAX`."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value < math.inf:
-        msg = f"{text!r} is not a positive (finite) number"
+    if not 0 < value <= RATE_MAX:
+        msg = f"{text!r} is not a positive (finite) number up to {RATE_MAX:g}"
         raise argparse.ArgumentTypeError(msg)
     return value
 

@@ -24,11 +24,16 @@ CAPTURE_PARAM = "dmi_capture"
 _SCALE = float(1 << 64)
 
 
+def _unsigned_zero(value: float) -> float:
+    """``value``, with -0 read as 0 (as it is printed)."""
+    return value + 0.0
+
+
 @attrs.frozen
 class RequestSample:
     """The share of requests captured (``rate``, from 0 to 1)."""
 
-    rate: float = attrs.field(default=1.0)
+    rate: float = attrs.field(default=1.0, converter=_unsigned_zero)
 
     @rate.validator
     def _check(self, _attribute: object, value: float) -> None:
