@@ -203,8 +203,13 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
         where += f" every {span.step}" if span.step > 1 else ""
         _out(f"{name:<36} {where:<18} {shape:<22} {tensor.dtype!s:<16} {norm}")
     if left_out:
-        _out(f"nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}")
+        _out(_nothing_stored(left_out))
     return 0
+
+
+def _nothing_stored(left_out: Sequence[str]) -> str:
+    """What ``--partial`` says of the captures that stored no position."""
+    return f"nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}"
 
 
 def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
@@ -242,7 +247,7 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     if partial:
         said += ": partial, the stored positions only"
         if left_out:
-            said += f"; nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}"
+            said += f"; {_nothing_stored(left_out)}"
     _out(said)
     return 0
 

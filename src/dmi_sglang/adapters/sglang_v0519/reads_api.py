@@ -106,7 +106,7 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
         assert reads is not None  # answer() returned 404 before any work otherwise
         return reads
 
-    def slashed(request: Request) -> JSONResponse | None:
+    def refused_path(request: Request) -> JSONResponse | None:
         """A 400 for a path whose id held an encoded ``/`` (it was decoded before the
         route was matched, so the path may name another endpoint of another id), or for
         a query string (no endpoint takes one)."""
@@ -117,21 +117,21 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
         return problem(400, why) if why else None
 
     async def runs(request: Request) -> Any:
-        return slashed(request) or await answer(
+        return refused_path(request) or await answer(
             lambda: JSONResponse({"runs": store().runs()}))
 
     async def requests(request: Request, run_id: str) -> Any:
-        return slashed(request) or await answer(
+        return refused_path(request) or await answer(
             lambda: JSONResponse({"run_id": run_id, "requests": store().requests(run_id)}),
             ("run id", run_id))
 
     async def listing(request: Request, run_id: str, request_id: str) -> Any:
-        return slashed(request) or await answer(
+        return refused_path(request) or await answer(
             lambda: JSONResponse(store().listing(run_id, request_id)),
             ("run id", run_id), ("request id", request_id))
 
     async def safetensors(request: Request, run_id: str, request_id: str) -> Any:
-        refused = slashed(request)
+        refused = refused_path(request)
         if refused is not None:
             return refused
         result = await answer(lambda: _first_read(store().safetensors(run_id, request_id)),
@@ -148,7 +148,7 @@ def mount_reads(app: Any, reads: CaptureReads | None) -> None:
 
     async def elsewhere(request: Request, rest: str) -> Any:
         """Any other path under the root: an id that held ``/``, or no endpoint."""
-        return slashed(request) or problem(404, f"no read-back endpoint at {rest!r} under "
+        return refused_path(request) or problem(404, f"no read-back endpoint at {rest!r} under "
                                                 f"{RUNS_PATH}")
 
     for endpoint in (runs, requests, listing, safetensors, elsewhere):  # FastAPI resolves
