@@ -27,6 +27,21 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
     return logits, draw(st.integers(1, width)), draw(st.integers(0, 40))
 
 
+@st.composite
+def chunked_cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
+    """Rows of more than ``k`` whole chunks, so the chunk maxima prune (the other cases
+    mostly take ``torch.topk`` whole)."""
+    k, chunk = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    width = (k + draw(st.integers(1, 6))) * chunk + draw(st.integers(0, chunk - 1))
+    rows = draw(st.integers(1, 3))
+    pool = draw(st.lists(st.sampled_from((*range(-3, 4), *SPECIALS)), min_size=1,
+                         max_size=8))
+    cells = draw(st.lists(st.sampled_from(pool), min_size=rows * width,
+                          max_size=rows * width))
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
+    return torch.tensor(cells, dtype=torch.float32).view(rows, width).to(dtype), k, chunk
+
+
 def _same_as_torch(logits: torch.Tensor, k: int, chunk: int) -> None:
     values, ids = chunked_topk(logits, k, chunk)
     expected, _ = torch.topk(logits, k, dim=-1)
@@ -46,16 +61,24 @@ def test_chunked_topk_equals_torch_topk(case: tuple[torch.Tensor, int, int]) -> 
     _same_as_torch(*case)
 
 
+@settings(max_examples=300, deadline=None)
+@given(chunked_cases())
+def test_the_chunks_with_the_largest_maxima_hold_the_top_k(
+        case: tuple[torch.Tensor, int, int]) -> None:
+    _same_as_torch(*case)
+
+
 @pytest.mark.parametrize(("width", "k", "chunk"), [
-    (151936, 64, 1187),   # Qwen3's vocabulary in 128 whole chunks
-    (151936, 64, 4096),   # 37 chunks and a tail of 384 columns
-    (1000, 64, 100),      # a tail shorter than k is taken whole
-    (130, 64, 65),        # two chunks: torch.topk directly
-    (1000, 64, 64),       # chunks no longer than k: torch.topk directly
+    (151936, 64, 128),    # Qwen3's vocabulary in 1,187 whole chunks
+    (151936, 64, 100),    # 1,519 chunks and a tail of 36 columns
+    (1000, 64, 15),       # 66 chunks and a tail of 10
+    (1000, 64, 16),       # 62 chunks, no more than k: torch.topk directly
 ])
 def test_chunked_topk_on_wide_rows(width: int, k: int, chunk: int) -> None:
-    logits = torch.randn(3, width, generator=torch.Generator().manual_seed(width + chunk))
+    logits = torch.randn(4, width, generator=torch.Generator().manual_seed(width + chunk))
     logits[1, -5:] = 50.0  # the largest values in the last columns (the tail)
+    logits[2, 200:264] = 40.0 + torch.arange(64.0)  # all in a few neighbouring chunks
+    logits[3, ::chunk] = 30.0  # every chunk's maximum ties
     _same_as_torch(logits, k, chunk)
 
 
@@ -63,7 +86,8 @@ def test_a_strided_row_view_is_chunked_in_place() -> None:
     """Logits sliced out of a wider buffer (SGLang trims padded vocabularies so): the
     chunks are views of the rows' first columns, not of the buffer's."""
     wide = torch.randn(4, 1030, generator=torch.Generator().manual_seed(0))
-    _same_as_torch(wide[:, :1000], 16, 100)
+    wide[:, 1000:] = 99.0  # beyond the row: never a candidate
+    _same_as_torch(wide[:, :1000], 16, 30)
 
 
 @pytest.mark.parametrize(("shape", "k", "chunk", "says"), [

@@ -563,7 +563,7 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
     assert stats.fp16_overflows == 0
 
 
-@pytest.mark.parametrize("chunk", [0, 1187, 4096])
+@pytest.mark.parametrize("chunk", [0, 128, 100])
 def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(chunk: int) -> None:
     """The top-k selection as a decode graph records it: every replay over new logits in
     the same buffer finds torch.topk's values, and its indices name them."""
