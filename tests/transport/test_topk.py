@@ -101,3 +101,19 @@ def test_bad_arguments_are_refused(shape: tuple[int, ...], k: int, chunk: int,
     with pytest.raises(ValueError, match=r"^chunked_topk: ") as err:
         chunked_topk(torch.zeros(shape), k, chunk)
     assert str(err.value) == f"chunked_topk: {says}"
+
+
+def test_the_chunk_width_defaults_to_the_measured_one_everywhere() -> None:
+    """``DMX_TOPK_CHUNK``'s default, the transport's options and ``create_transport``
+    agree (a direct user of the transport gets what an engine gets)."""
+    import inspect
+
+    from dmi_sglang.adapters.transport import TransportOptions, create_transport
+    from dmi_sglang.adapters.transport._options import TOPK_CHUNK
+    from dmi_sglang.domain.settings import Settings
+
+    assert TOPK_CHUNK == 128
+    assert Settings.from_env({}).topk_chunk == TOPK_CHUNK
+    assert TransportOptions().topk_chunk == TOPK_CHUNK
+    assert TransportOptions.from_settings().topk_chunk == TOPK_CHUNK
+    assert inspect.signature(create_transport).parameters["topk_chunk"].default == TOPK_CHUNK

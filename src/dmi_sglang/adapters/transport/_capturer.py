@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
+from dmi_sglang.adapters.transport._options import TOPK_CHUNK
 from dmi_sglang.adapters.transport.topk import chunked_topk
 from dmi_sglang.errors import CaptureError
 
@@ -36,7 +37,7 @@ class Payloads:
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
                  topk: int, logits_dtype: torch.dtype, device: torch.device, *,
-                 topk_chunk: int = 0) -> None:
+                 topk_chunk: int = TOPK_CHUNK) -> None:
         self.casts = dict(casts)
         self.topk = topk
         self.topk_chunk = topk_chunk

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dmi_sglang.adapters.transport._options import TransportOptions
+from dmi_sglang.adapters.transport._options import TOPK_CHUNK, TransportOptions
 from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RingCapacity
@@ -71,7 +71,7 @@ def create_transport(
     copy_ahead: int = 0,
     copy_kernel: int = 0,
     copy_gaps: bool = False,
-    topk_chunk: int = 0,
+    topk_chunk: int = TOPK_CHUNK,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 

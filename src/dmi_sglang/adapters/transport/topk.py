@@ -28,6 +28,7 @@ import torch
 __all__ = ["chunked_topk"]
 
 
+
 def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(logits, k, dim=-1)`` (largest, sorted) of a 2-D tensor, searched in
     the ``k`` chunks of ``chunk`` columns with the largest maxima (and the columns after
