@@ -142,3 +142,7 @@ RESERVE_S = 20.0
 """Seconds kept free before the deadline for stopping servers and writing the JSON."""
 COMMIT_WAIT_S = 10.0
 """Longest serve-load waits for a finished request to read complete over HTTP."""
+
+# -- the store owner's write channel (python -m harness store) ------------------------------
+CHANNEL_WAIT_S = 120.0
+"""Longest wait for the channel benchmark's owner process to start or to end."""

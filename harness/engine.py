@@ -260,13 +260,21 @@ def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
     return found
 
 
-def group_threads(pgid: int, proc: Path = Path("/proc")) -> dict[str, tuple[float, int, int]]:
+Reading = tuple[float, int, int, str]
+"""One thread's reading: CPU seconds, voluntary and involuntary context switches, its
+name (:func:`group_threads`)."""
+
+
+def group_threads(pgid: int, proc: Path = Path("/proc")) -> dict[str, Reading]:
     """Every thread of process group ``pgid`` so far: ``(CPU seconds, voluntary context
-    switches, involuntary ones)`` keyed ``"NAME PID/TID"`` (``NAME`` as in
-    :func:`group_cpu`; a process's main thread has ``TID == PID``). A thread that waits
-    for a lock (Python's GIL, say) gives up its core voluntarily; one preempted while
-    runnable, involuntarily. Empty where ``/proc`` is not there."""
-    found: dict[str, tuple[float, int, int]] = {}
+    switches, involuntary ones, the thread's own name)`` keyed ``"NAME PID/TID"``
+    (``NAME`` as in :func:`group_cpu`; a process's main thread has ``TID == PID``). A
+    thread that waits for a lock (Python's GIL, say) gives up its core voluntarily; one
+    preempted while runnable, involuntarily. The thread's name is its ``comm``: the
+    capture's threads name themselves (``dmi-capture-dra``, ``dmi-sink-0``, ...), libzmq's
+    and ClickHouse's threads too (``ZMQbg/IO/0``, ``ThreadPool``), other Python threads
+    carry the process's. Empty where ``/proc`` is not there."""
+    found: dict[str, Reading] = {}
     for key in group_cpu(pgid, proc):
         name, _, pid = key.rpartition(" ")
         try:
@@ -277,7 +285,7 @@ def group_threads(pgid: int, proc: Path = Path("/proc")) -> dict[str, tuple[floa
             stat = _stat(task)
             switches = _switches(task)
             if stat is not None and switches is not None:
-                found[f"{name} {pid}/{task.name}"] = (_cpu_seconds(stat[1]), *switches)
+                found[f"{name} {pid}/{task.name}"] = (_cpu_seconds(stat[1]), *switches, stat[0])
     return found
 
 
@@ -295,20 +303,20 @@ def _switches(task: Path) -> tuple[int, int] | None:
         return None
 
 
-Readings = Mapping[str, tuple[float, int, int]]
+Readings = Mapping[str, Reading]
 """What :func:`group_threads` reads."""
 
 
 def _thread_deltas(before: Readings,
-                   after: Readings) -> Iterator[tuple[str, str, str, float, int, int]]:
-    """``(process name, pid, tid, CPU seconds, voluntary, involuntary switches)`` each
-    thread used between two :func:`group_threads` readings (a thread that started in
-    between counts from zero)."""
-    for key, (cpu, vol, invol) in after.items():
-        was = before.get(key, (0.0, 0, 0))
+                   after: Readings) -> Iterator[tuple[str, str, str, float, int, int, str]]:
+    """``(process name, pid, tid, CPU seconds, voluntary, involuntary switches, thread
+    name)`` each thread used between two :func:`group_threads` readings (a thread that
+    started in between counts from zero; its name is the later reading's)."""
+    for key, (cpu, vol, invol, thread) in after.items():
+        was = before.get(key, (0.0, 0, 0, thread))
         name, _, ids = key.rpartition(" ")
         pid, _, tid = ids.partition("/")
-        yield name, pid, tid, cpu - was[0], vol - was[1], invol - was[2]
+        yield name, pid, tid, cpu - was[0], vol - was[1], invol - was[2], thread
 
 
 def processes_between(before: Readings, after: Readings) -> list[Json]:
@@ -316,7 +324,7 @@ def processes_between(before: Readings, after: Readings) -> list[Json]:
     seconds and context switches, and the CPU seconds of all its other threads
     together (a thread that started in between counts from zero)."""
     procs: dict[str, Json] = {}
-    for name, pid, tid, cpu, vol, invol in _thread_deltas(before, after):
+    for name, pid, tid, cpu, vol, invol, _ in _thread_deltas(before, after):
         row = procs.setdefault(pid, {"process": name, "pid": int(pid), "main_cpu_s": 0.0,
                                      "main_voluntary": 0, "main_involuntary": 0,
                                      "others_cpu_s": 0.0, "threads": 0})
@@ -331,11 +339,13 @@ def processes_between(before: Readings, after: Readings) -> list[Json]:
 def threads_between(before: Readings, after: Readings,
                     top: int = THREADS_REPORTED) -> list[Json]:
     """The ``top`` threads by CPU seconds used between two :func:`group_threads`
-    readings (a thread that started in between counts from zero), each with its
-    context switches in that time."""
+    readings (a thread that started in between counts from zero), each with its name
+    and its context switches in that time."""
     rows: list[Json] = [{"process": name, "pid": int(pid), "tid": int(tid), "main": pid == tid,
-                         "cpu_s": round(cpu, 2), "voluntary": vol, "involuntary": invol}
-                        for name, pid, tid, cpu, vol, invol in _thread_deltas(before, after)]
+                         "thread": thread, "cpu_s": round(cpu, 2), "voluntary": vol,
+                         "involuntary": invol}
+                        for name, pid, tid, cpu, vol, invol, thread
+                        in _thread_deltas(before, after)]
     rows.sort(key=lambda r: -r["cpu_s"])
     return rows[:top]
 

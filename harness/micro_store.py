@@ -22,7 +22,13 @@
   calling process (a scheduler's share: the write channel's sends) and of the owner (from
   its ready to its exit), and the two parts of a capture's stop that wait for the owner:
   ``finish_run`` (flush, manifests, the run's end, the sync) and ``close`` (until the
-  owner exited and the store is free), ``--repeat`` runs each.
+  owner exited and the store is free), ``--repeat`` runs each; and the same through the
+  owner with a shared ring of ``DMX_CH_QUEUE_MB`` (``DMX_OWNER_RING_MB``).
+* the owner's write channel alone: the same ingest's batches put through a
+  :class:`RemoteSink` to an owner process whose sink keeps nothing, through its socket and
+  through a shared ring of ``DMX_CH_QUEUE_MB`` (what a capture uses), each ``--repeat``
+  times: MB/s until a flush returned, CPU seconds per GB of the calling process (its puts
+  and libzmq's I/O thread) and of the owner.
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -65,6 +71,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -73,6 +80,7 @@ from safetensors.torch import load as load_safetensors
 
 from dmi_sglang import open_store
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.owner import RemoteSink, SinkService
 from dmi_sglang.app import export as exporting
 from dmi_sglang.app.composition import open_capture_sink
 from dmi_sglang.app.store_owner import OwnedSink
@@ -81,7 +89,7 @@ from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, R
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
-from harness.constants import DISK_PROBE_BYTES
+from harness.constants import CHANNEL_WAIT_S, DISK_PROBE_BYTES
 from harness.docs import table_lines
 from harness.engine import process_cpu
 from harness.micro_transport import SpinProbe
@@ -120,6 +128,9 @@ def raw(t: torch.Tensor) -> bytes:
 
 
 INSERT_ROWS = StoreConfig(kind=StoreKind.EMBEDDED).insert_rows
+CHANNEL_RING_BYTES = StoreConfig(kind=StoreKind.EMBEDDED).queue_mb << 20
+"""The shared ring measured (``DMX_OWNER_RING_MB``): the size of the owner's queue
+(``DMX_CH_QUEUE_MB``'s default)."""
 STEP_REQUESTS, STEP_BYTES = 64, 4 << 20
 """A record batch: one step of up to 64 requests x 28 layers, about 4 MiB at most."""
 
@@ -210,16 +221,18 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
 
 
 def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: int, *,
-                         insert_rows: int = INSERT_ROWS) -> Json:
+                         insert_rows: int = INSERT_ROWS, ring_mb: int = 0) -> Json:
     """The same ingest as a capture makes it: through the store owner process that a
-    scheduler starts (``open_capture_sink``), timed from the run's start until ``close``
-    returned (the owner ended); CPU seconds per GB of this process (the scheduler's side)
-    and of the owner (a child: what it used from its ready to its exit)."""
-    path = root / f"owner-ingest-{size}-{writers}-{rep}"
+    scheduler starts (``open_capture_sink``; with ``ring_mb``, ``DMX_OWNER_RING_MB``),
+    timed from the run's start until ``close`` returned (the owner ended); CPU seconds per
+    GB of this process (the scheduler's side) and of the owner (a child: what it used
+    from its ready to its exit)."""
+    path = root / f"owner-ingest-{size}-{writers}-{rep}-{ring_mb}"
     batches, records, captured, run = _ingest_input(size, total)
     settings = Settings.from_kwargs(
         {"dmx_db_url": f"chdb://{path}", "dmx_ch_writers": str(writers),
-         "dmx_ch_insert_rows": str(insert_rows)}, env={}).resolve(model_path="/models/bench")
+         "dmx_ch_insert_rows": str(insert_rows), "dmx_owner_ring_mb": str(ring_mb)},
+        env={}).resolve(model_path="/models/bench")
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     sink = open_capture_sink(settings)
     owner_start_cpu = process_cpu(sink.pid) if isinstance(sink, OwnedSink) else 0.0
@@ -250,6 +263,75 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "owner_cpu_s_per_GB": _per_gb(owner_cpu, stored),
             "finish_run_s": finished - put_done, "close_s": closed - finished,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
+
+
+class _Discards:
+    """A sink that keeps nothing it is given (the owner channel measured alone)."""
+
+    def start_run(self, run: RunInfo) -> None:
+        del run
+
+    def put(self, batch: RecordBatch) -> None:
+        del batch
+
+    def commit_requests(self, manifests: object) -> None:
+        del manifests
+
+    def flush(self) -> None:
+        pass
+
+    def finish_run(self, run: RunInfo, manifests: object) -> None:
+        del run, manifests
+
+    def close(self) -> None:
+        pass
+
+
+def _serve_discarding(address: str, ready: Any, done: Any) -> None:
+    """An owner's write channel over :class:`_Discards` until ``done`` (a spawned child)."""
+    service = SinkService(_Discards(), address)
+    ready.set()
+    done.wait(CHANNEL_WAIT_S)
+    service.close()
+
+
+def owner_channel(size: int, total: int, shared_bytes: int) -> Json:
+    """The owner's write channel alone: the ingest's batches put through a
+    :class:`RemoteSink` to an owner process whose sink keeps nothing, through the socket
+    (``shared_bytes`` 0) or a shared ring of ``shared_bytes``; timed from the first put
+    after a warm-up put until a flush returned; CPU seconds per GB of this process (the
+    puts and libzmq's I/O thread) and of the owner."""
+    batches, _, captured, _ = _ingest_input(size, total)
+    directory = tempfile.mkdtemp(prefix="dmi-channel-")
+    os.chmod(directory, 0o700)
+    address = f"ipc://{directory}/writes"
+    spawn = multiprocessing.get_context("spawn")
+    ready, done = spawn.Event(), spawn.Event()
+    owner = spawn.Process(target=_serve_discarding, args=(address, ready, done), daemon=True)
+    owner.start()
+    try:
+        if not ready.wait(CHANNEL_WAIT_S):
+            msg = "the channel's owner process did not start"
+            raise RuntimeError(msg)
+        sink = RemoteSink(address, shared_bytes=shared_bytes)
+        sink.put(batches[0])  # the socket (and the ring) made before the timing
+        owner_cpu = process_cpu(owner.pid or 0)
+        started, cpu = time.perf_counter(), time.process_time()
+        for batch in batches:
+            sink.put(batch)
+        sink.flush()
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        owner_cpu = process_cpu(owner.pid or 0) - owner_cpu
+        shared, waits = sink.shared, sink.ring_waits
+        sink.close()
+    finally:
+        done.set()
+        owner.join(CHANNEL_WAIT_S)
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"payload_bytes": size, "shared_bytes": shared_bytes, "shared": shared,
+            "bytes": captured, "seconds": wall, "bps": captured / wall,
+            "cpu_s_per_GB": _per_gb(cpu, captured),
+            "owner_cpu_s_per_GB": _per_gb(owner_cpu, captured), "ring_waits": waits}
 
 
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
@@ -437,14 +519,17 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                            compression=r["compression"])
         r["of_bound"] = r["synced_bps"] / r["bound"]["limit_bps"]
     widest, most = max(args.sizes), max(args.writers)
-    fresh: dict[str, list[Json]] = {"direct": [], "owner": []}
+    fresh: dict[str, list[Json]] = {"direct": [], "owner": [], "ring": []}
+    ways: tuple[tuple[str, Callable[..., Json]], ...] = (
+        ("direct", ingest), ("owner", ingest_through_owner),
+        ("ring", functools.partial(ingest_through_owner, ring_mb=CHANNEL_RING_BYTES >> 20)))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                              max_tasks_per_child=1) as pool:
-        for rep in range(args.repeat):  # each in a new process: both start the engine cold
-            for how, fn in (("direct", ingest), ("owner", ingest_through_owner)):
+        for rep in range(args.repeat):  # each in a new process: all start the engine cold
+            for how, fn in ways:
                 fresh[how].append(pool.submit(fn, root, widest, args.mb * 1_000_000, most,
                                               rep, insert_rows=args.insert_rows).result())
-    owned, direct = fresh["owner"], fresh["direct"]
+    owned, direct, ringed = fresh["owner"], fresh["direct"], fresh["ring"]
     through_owner = {"payload_bytes": widest, "writers": most,
                      "bps": statistics.median(r["bps"] for r in owned),
                      "spread": spread_of(r["bps"] for r in owned),
@@ -456,8 +541,24 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                      "direct_bps": statistics.median(r["bps"] for r in direct),
                      "direct_cpu_s_per_GB": _median(
                          r["cpu_s_per_GB"] for r in direct),
-                     "delivered": all(r["delivered"] for r in owned + direct),
-                     "runs": owned, "direct_runs": direct}
+                     "ring_bps": statistics.median(r["bps"] for r in ringed),
+                     "ring_spread": spread_of(r["bps"] for r in ringed),
+                     "ring_cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in ringed),
+                     "ring_owner_cpu_s_per_GB": _median(
+                         r["owner_cpu_s_per_GB"] for r in ringed),
+                     "delivered": all(r["delivered"] for r in owned + direct + ringed),
+                     "runs": owned, "direct_runs": direct, "ring_runs": ringed}
+    channel: dict[str, list[Json]] = {"socket": [], "ring": []}
+    for _ in range(args.repeat):
+        for how, ring_bytes in (("socket", 0), ("ring", CHANNEL_RING_BYTES)):
+            channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes))
+    channels = [{"how": how, "bps": statistics.median(r["bps"] for r in runs),
+                 "spread": spread_of(r["bps"] for r in runs),
+                 "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in runs),
+                 "owner_cpu_s_per_GB": _median(r["owner_cpu_s_per_GB"] for r in runs),
+                 "shared": all(r["shared"] for r in runs),
+                 "ring_waits": sum(r["ring_waits"] for r in runs), "runs": runs}
+                for how, runs in channel.items()]
     back = readback(root, *args.readback)
     cost = export_cost(root, args.export[0], args.export[1], args.repeat, args.export_rows[0])
     headline = max(rows, key=lambda r: (r["payload_bytes"], r["writers"]))
@@ -480,6 +581,19 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "direct MB/s": through_owner["direct_bps"] / 1e6,
                   "direct cpu s/GB": through_owner["direct_cpu_s_per_GB"],
                   "stored": "all" if through_owner["delivered"] else "LOST"})
+    table.append({"new process: through the owner, shared ring": f"{widest // 1024} KiB x "
+                                                                 f"{most} writers",
+                  "MB/s": through_owner["ring_bps"] / 1e6,
+                  "spread": through_owner["ring_spread"],
+                  "cpu s/GB (this process)": through_owner["ring_cpu_s_per_GB"],
+                  "owner cpu s/GB": through_owner["ring_owner_cpu_s_per_GB"]})
+    for c in channels:
+        table.append({"owner channel alone": f"{widest // 1024} KiB records, {c['how']}",
+                      "MB/s": c["bps"] / 1e6, "spread": c["spread"],
+                      "cpu s/GB (this process)": c["cpu_s_per_GB"],
+                      "owner cpu s/GB": c["owner_cpu_s_per_GB"],
+                      "ring used": "yes" if c["shared"] else "no",
+                      "ring waits": c["ring_waits"]})
     table.append({"readback": f"{back['layers']} layers x {back['positions']} positions",
                   "MB": back["bytes"] / 1e6, "available ms (cold)": back["available_ms_cold"],
                   "hidden_states ms": back["hidden_states_ms"],
@@ -506,13 +620,16 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             "(both synced); headline: "
             f"{headline['payload_bytes'] // 1024} KiB x {headline['writers']} writers")
     print("\n".join(table_lines(table)) + f"\n{note}")
-    data["figures"] = {"ingest": rows, "through_owner": through_owner, "readback": back,
+    data["figures"] = {"ingest": rows, "through_owner": through_owner, "channel": channels,
+                       "readback": back,
                        "export": cost, "table": table,
                        "note": note,
                        "disk": {"bps": disk, "probes_bps": probes, "spread": spread_of(probes)}}
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
         "owner_ingest_delivered": {"ok": through_owner["delivered"], "required": True},
+        "channel_ring_used": {"ok": channels[1]["shared"] and not channels[0]["shared"],
+                              "required": False},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
         "export_equal": {"ok": bool(cost["equal"]), "required": True},
         "compression_measured": {"ok": all(r["compression"] for r in rows), "required": True}}

@@ -2,16 +2,16 @@
 
 A capture of ``final_logits:topk(64)`` selects the 64 largest logits of every row of each
 decode step inside SGLang's decode graph: on Qwen3-0.6B at batch 64 ``torch.topk`` alone
-took 173 µs of an H100 a call, where a stock decode step is about 3 ms. This measures the
-selection alone, recorded in a CUDA graph as in serving and replayed ``--replays`` times
-between CUDA events (median of ``--reps`` blocks, µs per replay), for ``torch.topk`` and
-for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each chunk width of
-``--chunks``, per batch size of ``--batches``, on random logits of the model's vocabulary
-and logits dtype. What every variant's last timed replay selected must equal
-``torch.topk``'s values, and its indices must name them (a required check). A row must
-hold more than ``-k`` whole chunks of each width (``chunked_topk`` calls ``torch.topk``
-itself otherwise). ``--device cpu`` is a dry run (eager, CPU timings: compare nothing
-there).
+took 164-173 µs of an H100 a call (two hosts), where a stock decode step is about 3 ms.
+This measures the selection alone, recorded in a CUDA graph as in serving and replayed
+``--replays`` times between CUDA events (median of ``--reps`` blocks, µs per replay), for
+``torch.topk`` and for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
+chunk width of ``--chunks``, per batch size of ``--batches``, on random logits of the
+model's vocabulary and logits dtype. What every variant's last timed replay selected must
+equal ``torch.topk``'s values, and its indices must name them (a required check). A row
+must hold more than ``-k`` whole chunks of each width, and ``-k`` chunks less than half of
+it (``chunked_topk`` calls ``torch.topk`` itself otherwise). ``--device cpu`` is a dry run
+(eager, CPU timings: compare nothing there).
 """
 
 from __future__ import annotations
@@ -128,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.vocab, args.k, args.replays, args.reps) <= 0 or args.k > args.vocab:
         p.error("--vocab, -k, --replays and --reps must be positive, -k at most --vocab")
+    widest = min(args.vocab // (args.k + 1), args.vocab // (2 * args.k))
     for chunk in args.chunks:  # chunked_topk takes torch.topk itself for these
-        if args.vocab // chunk <= args.k:
+        if chunk > widest:
             p.error(f"--chunks: {chunk}: --vocab ({args.vocab}) must hold more than -k "
-                    f"({args.k}) whole chunks of a width, at most {args.vocab // (args.k + 1)} "
-                    "here; chunked_topk calls torch.topk otherwise")
+                    f"({args.k}) whole chunks of a width, and -k chunks at most half of it: "
+                    f"at most {widest} here; chunked_topk calls torch.topk otherwise")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2

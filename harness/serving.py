@@ -370,6 +370,14 @@ def use_line(figures: Json) -> str:
                      for name, u in sides) + " (per wave)"
 
 
+def threads_line(figures: Json, top: int = 6) -> str:
+    """The monitored run's busiest threads, by name (see :func:`harness.engine.group_threads`)."""
+    rows = ((figures.get("threads") or {}).get("measured") or [])[:top]
+    return "busiest threads: " + (", ".join(
+        f"{r.get('thread', '?')} ({r['process']} {r['pid']}) {r['cpu_s']:.2f} s"
+        for r in rows) or "-")
+
+
 def cell(mode: str, env: Json | None) -> str:
     """A measured cell's name: the mode, and the settings it ran with (``--env`` and the
     mode's own) (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
@@ -521,6 +529,7 @@ class ServingRun:
                     print(f"[serving] {units[-1]['name']}: {units[-1]['status']}", flush=True)
                     if units[-1].get("figures") and not units[-1].get("reused"):
                         print(f"[serving]   {use_line(units[-1]['figures'])}", flush=True)
+                        print(f"[serving]   {threads_line(units[-1]['figures'])}", flush=True)
         finally:
             self.bracket.close()
         rows = summarize(units)

@@ -16,7 +16,8 @@ COMPOSITION_ROOT = f"{PKG}.app.composition"
 VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assemble", "shards",
                                                     "null_sink", "reference", "gc_pauses"))
 """Application services that must work with any SGLang version and any store."""
-INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports", f"{PKG}.columns")
+INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports", f"{PKG}.columns",
+         f"{PKG}.threads")
 FRAMEWORKS = ("sglang", "clickhouse_connect", "chdb")
 
 
@@ -137,7 +138,7 @@ def test_version_neutral_code_imports_only_the_domain(module: str) -> None:
 
 
 @pytest.mark.parametrize("module", [f"{PKG}.tensor_ports", f"{PKG}.errors", f"{PKG}.testing",
-                                    f"{PKG}.columns"])
+                                    f"{PKG}.columns", f"{PKG}.threads"])
 def test_shared_seams_import_only_the_domain(module: str) -> None:
     for target in EDGES[module]:
         assert _in(target, *INNER), f"{module} imports {target}"

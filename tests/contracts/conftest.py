@@ -38,7 +38,7 @@ def _clickhouse(tmp_path: Path) -> Backend:
     return Backend(ClickHouseSink(config), lambda: ClickHouseReader(config))
 
 
-def _through_owner(tmp_path: Path) -> Backend:
+def _through_owner(tmp_path: Path, shared_bytes: int = 0) -> Backend:
     """The embedded store written as a tensor-parallel rank writes it and read as a
     server's main process reads it: through the write and read services of the process
     that owns the store."""
@@ -55,8 +55,14 @@ def _through_owner(tmp_path: Path) -> Backend:
         reads.close()
         _closing(made.sink)
 
-    return Backend(RemoteSink(writes.address, timeout_s=60), lambda: remote, deletes=False,
-                   close=close)
+    return Backend(RemoteSink(writes.address, timeout_s=60, shared_bytes=shared_bytes),
+                   lambda: remote, deletes=False, close=close)
+
+
+def _through_owner_ring(tmp_path: Path) -> Backend:
+    """As :func:`_through_owner`, the batches crossing through a shared ring of 1 MiB
+    (small: it wraps, and puts wait for the owner's inserts to release it)."""
+    return _through_owner(tmp_path, shared_bytes=1 << 20)
 
 
 def _memory(tmp_path: Path) -> Backend:
@@ -68,6 +74,7 @@ def _memory(tmp_path: Path) -> Backend:
 STORE_BACKENDS: dict[str, Callable[[Path], Backend]] = {
     "clickhouse-embedded": _clickhouse,
     "clickhouse-through-owner": _through_owner,
+    "clickhouse-through-owner-ring": _through_owner_ring,
     "memory": _memory,
 }
 """Backends that store what they are given and read it back."""

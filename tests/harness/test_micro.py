@@ -287,12 +287,12 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["--device", "cpu", "--vocab", "1000", "-k", "8", "--batches", "1,3",
-                     "--chunks", "16,111", "--replays", "2", "--reps", "2",
+                     "--chunks", "16,62", "--replays", "2", "--reps", "2",
                      "--out", str(tmp_path / "t.json")]) == 0
     data = _result(tmp_path / "t.json", "topk")
     rows = data["figures"]["rows"]
     assert [(r["batch"], r["variant"]) for r in rows] == [
-        (b, v) for b in (1, 3) for v in ("torch.topk", "chunked 16", "chunked 111")]
+        (b, v) for b in (1, 3) for v in ("torch.topk", "chunked 16", "chunked 62")]
     for r in rows:
         assert r["agrees"]
         assert len(r["figures_us"]) == 2
@@ -308,9 +308,9 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
     ("micro_transport", ["--batches", "0"], "argument --batches: '0': expected positive"),
     ("micro_topk", ["--chunks", "512,0"], "argument --chunks: '512,0': expected positive"),
     ("micro_topk", ["-k", "5", "--vocab", "4"], "-k at most --vocab"),
-    ("micro_topk", ["--vocab", "1000", "-k", "8", "--chunks", "64,112"],
-     "--chunks: 112: --vocab (1000) must hold more than -k (8) whole chunks of a width, "
-     "at most 111 here"),
+    ("micro_topk", ["--vocab", "1000", "-k", "8", "--chunks", "62,63"],
+     "--chunks: 63: --vocab (1000) must hold more than -k (8) whole chunks of a width, "
+     "and -k chunks at most half of it: at most 62 here"),
     ("micro_hooks", ["--device", "cpu", "--busy", "--sample"],
      "--busy with --sample: the sampler takes the GIL every 0.5 ms"),
     ("micro_hooks", ["--presets", "last,bogus"],

@@ -30,7 +30,7 @@ from harness.engine import (
 )
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
-from harness.serving import scheduler_use, use_line
+from harness.serving import scheduler_use, threads_line, use_line
 
 RUN = "harness-run"
 RESID = "blocks.hook_resid_pre"
@@ -370,40 +370,44 @@ def test_group_threads_reads_each_thread_of_the_groups_processes(tmp_path: Path)
             task.joinpath("stat").write_text(_stat_line(tid, "sched", pgrp, cpu * ticks, 0))
             task.joinpath("status").write_text(_status(vol, invol))
     (tmp_path / "10" / "task" / "13").mkdir()  # a thread that ended meanwhile
-    assert group_threads(7, tmp_path) == {"sglang::scheduler_TP0 10/10": (3.0, 5, 1),
-                                          "sglang::scheduler_TP0 10/12": (2.0, 900, 4)}
+    (tmp_path / "10" / "task" / "12" / "stat").write_text(
+        _stat_line(12, "ZMQbg/IO/0", 7, 2 * ticks, 0))  # a thread named (libzmq's)
+    assert group_threads(7, tmp_path) == {
+        "sglang::scheduler_TP0 10/10": (3.0, 5, 1, "sched"),
+        "sglang::scheduler_TP0 10/12": (2.0, 900, 4, "ZMQbg/IO/0")}
     assert group_threads(7, tmp_path / "absent") == {}
 
 
 def test_threads_between_reports_the_busiest_threads_from_zero_when_new() -> None:
-    before = {"sched 10/10": (3.0, 5, 1), "sched 10/12": (2.0, 900, 4)}
-    after = {"sched 10/10": (7.5, 25, 3), "sched 10/12": (2.25, 1900, 4),
-             "detok 20/20": (0.5, 3, 0), "sched 10/14": (1.0, 10, 2)}
+    before = {"sched 10/10": (3.0, 5, 1, "sched"), "sched 10/12": (2.0, 900, 4, "sched")}
+    after = {"sched 10/10": (7.5, 25, 3, "sched"), "sched 10/12": (2.25, 1900, 4, "sched"),
+             "detok 20/20": (0.5, 3, 0, "detok"), "sched 10/14": (1.0, 10, 2, "dmi-capture-dra")}
     assert threads_between(before, after, top=3) == [
-        {"process": "sched", "pid": 10, "tid": 10, "main": True, "cpu_s": 4.5,
-         "voluntary": 20, "involuntary": 2},
-        {"process": "sched", "pid": 10, "tid": 14, "main": False, "cpu_s": 1.0,
-         "voluntary": 10, "involuntary": 2},
-        {"process": "detok", "pid": 20, "tid": 20, "main": True, "cpu_s": 0.5,
-         "voluntary": 3, "involuntary": 0}]
+        {"process": "sched", "pid": 10, "tid": 10, "main": True, "thread": "sched",
+         "cpu_s": 4.5, "voluntary": 20, "involuntary": 2},
+        {"process": "sched", "pid": 10, "tid": 14, "main": False, "thread": "dmi-capture-dra",
+         "cpu_s": 1.0, "voluntary": 10, "involuntary": 2},
+        {"process": "detok", "pid": 20, "tid": 20, "main": True, "thread": "detok",
+         "cpu_s": 0.5, "voluntary": 3, "involuntary": 0}]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 def test_group_threads_sees_a_busy_thread_of_a_child() -> None:
-    code = ("import threading, time\n"
+    code = ("import time\nfrom dmi_sglang.threads import OsNamedThread\n"
             "def burn():\n t=time.thread_time()\n while time.thread_time()-t<0.5: pass\n"
-            "threading.Thread(target=burn).start()\ntime.sleep(30)")
+            "OsNamedThread(target=burn, name='dmi-burner').start()\ntime.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        spent: dict[str, tuple[float, int, int]] = {}
+        spent: dict[str, tuple[float, int, int, str]] = {}
         while time.monotonic() < deadline:
             spent = group_threads(child.pid)
-            if any(cpu >= 0.3 for cpu, _, _ in spent.values()):
+            if any(cpu >= 0.3 for cpu, *_ in spent.values()):
                 break
             time.sleep(0.1)
-        busy = [k for k, (cpu, _, _) in spent.items() if cpu >= 0.3]
+        busy = [k for k, (cpu, *_) in spent.items() if cpu >= 0.3]
         assert len(busy) == 1
+        assert spent[busy[0]][3] == "dmi-burner"
         assert busy[0].split()[-1].startswith(f"{child.pid}/")
         assert busy[0].split()[-1] != f"{child.pid}/{child.pid}"  # not the main thread
     finally:
@@ -443,10 +447,10 @@ def test_gpu_busy_without_readings_is_not_measured() -> None:
 
 
 def test_processes_between_counts_every_thread_of_each_process() -> None:
-    before = {f"sglang::scheduler 100/{100 + i}": (0.0, 0, 0) for i in range(12)}
-    after = {"sglang::scheduler 100/100": (10.0, 5, 1), "python3 7/7": (2.0, 3, 0)}
-    after |= {f"sglang::scheduler 100/{100 + i}": (1.0, 1, 0) for i in range(1, 12)}
-    after["sglang::scheduler 100/120"] = (0.5, 0, 0)  # started in between
+    before = {f"sglang::scheduler 100/{100 + i}": (0.0, 0, 0, "s") for i in range(12)}
+    after = {"sglang::scheduler 100/100": (10.0, 5, 1, "s"), "python3 7/7": (2.0, 3, 0, "p")}
+    after |= {f"sglang::scheduler 100/{100 + i}": (1.0, 1, 0, "s") for i in range(1, 12)}
+    after["sglang::scheduler 100/120"] = (0.5, 0, 0, "s")  # started in between
     procs = processes_between(before, after)
     assert procs == [
         {"process": "sglang::scheduler", "pid": 100, "main_cpu_s": 10.0,
@@ -483,6 +487,18 @@ def test_use_line_sets_the_monitored_run_beside_each_stock_run() -> None:
     assert line.startswith("monitored: scheduler 0.400 s CPU (10 waits), others 0.000 s, "
                            "GPU 70 %; stock before: scheduler 0.500 s CPU (12 waits)")
     assert "stock after: scheduler - s CPU (- waits), others - s, GPU 90 %" in line
+
+
+def test_threads_line_names_the_monitored_runs_busiest_threads() -> None:
+    rows = [{"process": "python3", "pid": 7, "tid": 9, "main": False, "thread": "ZMQbg/IO/0",
+             "cpu_s": 15.35, "voluntary": 1, "involuntary": 0},
+            {"process": "sglang::scheduler", "pid": 5, "tid": 5, "main": True,
+             "cpu_s": 7.391, "voluntary": 1, "involuntary": 0}]  # read before names
+    figures = {"threads": {"measured": rows, "stock_before": [[]]}}
+    assert threads_line(figures) == ("busiest threads: ZMQbg/IO/0 (python3 7) 15.35 s, "
+                                     "? (sglang::scheduler 5) 7.39 s")
+    assert threads_line(figures, top=1).endswith("15.35 s")
+    assert threads_line({}) == "busiest threads: -"
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:

@@ -14,10 +14,11 @@ from .conftest import raw_bytes, rows_tensor, stored_rows, two_requests
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("coalesce", [True, False], ids=["window", "per-step"])
-@pytest.mark.parametrize("topk_chunk", [0, 4], ids=["torch-topk", "chunks-of-4"])
+@pytest.mark.parametrize("topk_chunk", [0, 1], ids=["torch-topk", "chunk-maxima"])
 def test_modified_captures_store_the_transformed_rows_of_a_full_capture(
         make_driver, padded: bool, coalesce: bool, topk_chunk: int) -> None:
-    """(``DMX_TOPK_CHUNK=4``: the 10 logits of a row in chunks of 4, 4 and 2.)"""
+    """(``DMX_TOPK_CHUNK=1``: the 10 logits of a row as 10 chunks, more than twice K=3, so
+    the chunk maxima pick the 3 chunks searched.)"""
     full, full_sink = make_driver("resid_pre,q,final_logits", coalesce_decode=coalesce)
     some, some_sink = make_driver("resid_pre:fp16,q:bf16,final_logits:topk(3)",
                                   coalesce_decode=coalesce, topk_chunk=topk_chunk)

@@ -29,10 +29,10 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
 
 @st.composite
 def chunked_cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
-    """Rows of more than ``k`` whole chunks, so the chunk maxima prune (the other cases
+    """Rows of more than ``2k`` whole chunks, so the chunk maxima prune (the other cases
     mostly take ``torch.topk`` whole)."""
     k, chunk = draw(st.integers(1, 8)), draw(st.integers(1, 8))
-    width = (k + draw(st.integers(1, 6))) * chunk + draw(st.integers(0, chunk - 1))
+    width = (2 * k + draw(st.integers(1, 6))) * chunk + draw(st.integers(0, chunk - 1))
     rows = draw(st.integers(1, 3))
     pool = draw(st.lists(st.sampled_from((*range(-3, 4), *SPECIALS)), min_size=1,
                          max_size=8))
@@ -71,15 +71,33 @@ def test_the_chunks_with_the_largest_maxima_hold_the_top_k(
 @pytest.mark.parametrize(("width", "k", "chunk"), [
     (151936, 64, 128),    # Qwen3's vocabulary in 1,187 whole chunks
     (151936, 64, 100),    # 1,519 chunks and a tail of 36 columns
-    (1000, 64, 15),       # 66 chunks and a tail of 10
+    (1000, 8, 15),        # 66 chunks and a tail of 10
     (1000, 64, 16),       # 62 chunks, no more than k: torch.topk directly
+    (1000, 64, 8),        # 125 chunks, but k of them are half the row: torch.topk
 ])
 def test_chunked_topk_on_wide_rows(width: int, k: int, chunk: int) -> None:
     logits = torch.randn(4, width, generator=torch.Generator().manual_seed(width + chunk))
     logits[1, -5:] = 50.0  # the largest values in the last columns (the tail)
-    logits[2, 200:264] = 40.0 + torch.arange(64.0)  # all in a few neighbouring chunks
+    logits[2, 200:200 + k] = 40.0 + torch.arange(float(k))  # in a few neighbouring chunks
     logits[3, ::chunk] = 30.0  # every chunk's maximum ties
     _same_as_torch(logits, k, chunk)
+
+
+@pytest.mark.parametrize(("width", "k", "chunk", "chunked"), [
+    (151936, 64, 128, True), (151936, 64, 1187, True), (151936, 64, 1188, False),
+    (151936, 64, 2337, False), (1000, 8, 15, True), (1000, 64, 16, False),
+    (1000, 64, 8, False), (10, 3, 1, True), (10, 3, 2, False), (10, 3, 0, False),
+])
+def test_which_rows_the_chunk_maxima_search(monkeypatch: pytest.MonkeyPatch, width: int,
+                                            k: int, chunk: int, chunked: bool) -> None:
+    """More than ``k`` whole chunks, and ``k`` chunks under half the row: the maxima
+    (``amax``) are taken; otherwise ``torch.topk`` runs over the whole row."""
+    maxima = []
+    amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax",
+                        lambda self, *a, **kw: maxima.append(1) or amax(self, *a, **kw))
+    chunked_topk(torch.randn(2, width), k, chunk)
+    assert bool(maxima) is chunked
 
 
 def test_a_strided_row_view_is_chunked_in_place() -> None:

@@ -578,7 +578,7 @@ def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(chunk: int) ->
     for seed in range(3):
         logits.copy_(torch.randn(64, 151936, device="cuda",
                                  generator=torch.Generator("cuda").manual_seed(seed)))
-        logits[seed, -10:] = 1e6  # the largest in the last columns (after a whole chunk)
+        logits[seed, -10:] = 1e6  # the largest in the last columns (the tail, for 100)
         graph.replay()
         expected, _ = torch.topk(logits, 64, dim=-1)
         assert torch.equal(values, expected)

@@ -109,7 +109,8 @@ def open_sink(store: StoreConfig) -> RecordSink:
 def open_capture_sink(settings: Settings, read_address: str = "") -> RecordSink:
     """The sink a scheduler's capture writes: for the embedded store, through a store
     owner process started here (:mod:`dmi_sglang.app.store_owner`; with ``read_address``
-    it also answers a server's reads there); otherwise :func:`open_sink`.
+    it also answers a server's reads there), the batches crossing its socket or, with
+    ``DMX_OWNER_RING_MB``, shared memory; otherwise :func:`open_sink`.
 
     Raises:
         StoreError: the store cannot be opened (by the owner, or here).
@@ -117,7 +118,10 @@ def open_capture_sink(settings: Settings, read_address: str = "") -> RecordSink:
     if settings.store().kind is StoreKind.EMBEDDED:
         from dmi_sglang.adapters.owner import RemoteSink
 
-        return open_owned_sink(settings, read_address, RemoteSink)
+        def remote(address: str) -> RecordSink:  # with a shared ring of DMX_OWNER_RING_MB
+            return RemoteSink(address, shared_bytes=settings.owner_ring_mb << 20)
+
+        return open_owned_sink(settings, read_address, remote)
     return open_sink(settings.store())
 
 

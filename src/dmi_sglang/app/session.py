@@ -48,6 +48,7 @@ from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, stora
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CaptureError
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["RequestTracker", "SchedulerMonitor"]
 
@@ -784,8 +785,8 @@ class SchedulerMonitor:
                 self.transport.abandon()
             except Exception as exc:  # the run fails with ``error`` whatever this is
                 log.warning("dmi.fail_abandon", run_id=self.run.run_id, error=repr(exc))
-            self._failing = threading.Thread(target=self._fail_flush, args=(error,),
-                                             name="dmi-fail", daemon=True)
+            self._failing = OsNamedThread(target=self._fail_flush, args=(error,),
+                                          name="dmi-fail", daemon=True)
             self._failing.start()
 
     def _fail_flush(self, error: BaseException) -> None:

@@ -428,6 +428,7 @@ _VARS: dict[str, _Var] = {
     "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
     "CH_WRITERS": _Var("ch_writers", 4, _conv(*_bounded(1, 64))),
+    "OWNER_RING_MB": _Var("owner_ring_mb", 0, _conv(*_bounded(0, 65_536))),
     "CH_TIMEOUT_S": _Var("ch_timeout_s", 30, _conv(*_bounded(1, 3600))),
     "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
     "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
@@ -488,6 +489,7 @@ class Settings:
     ch_insert_rows: int = 131_072
     ch_queue_mb: int = 1024
     ch_writers: int = 4
+    owner_ring_mb: int = 0
     ch_timeout_s: int = 30
     ring_payload_mb: int = 1024
     ring_pinned_mb: int = 1024

@@ -24,6 +24,7 @@ import structlog
 from dmi_sglang.adapters.clickhouse._queue import RecordQueue
 from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.errors import StoreError
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["COMMIT_INTERVAL_S", "RequestCommits"]
 
@@ -56,8 +57,8 @@ class RequestCommits:
         self._failure: StoreError | None = None
         self.committed = 0
         """Manifests stored so far."""
-        self._thread = threading.Thread(target=self._loop, name="dmi-sink-commits",
-                                        daemon=True)
+        self._thread = OsNamedThread(target=self._loop, name="dmi-sink-commits",
+                                     daemon=True)
         self._thread.start()
 
     def add(self, manifests: Sequence[RequestManifest]) -> None:

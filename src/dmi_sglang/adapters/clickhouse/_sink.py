@@ -60,6 +60,7 @@ from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.records import HEARTBEAT_S, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import StoreError
+from dmi_sglang.threads import OsNamedThread
 
 if TYPE_CHECKING:
     from clickhouse_connect.driver.client import Client
@@ -171,7 +172,7 @@ class ClickHouseSink:
         self._merges = MergeHold(self._run_control, config.database, table,
                                  self._tables.qualified(self._tables.offload))
         self._threads = [
-            threading.Thread(target=self._write_loop, args=(w,), name=f"dmi-sink-{i}", daemon=True)
+            OsNamedThread(target=self._write_loop, args=(w,), name=f"dmi-sink-{i}", daemon=True)
             for i, w in enumerate(self._inserters)
         ]
         for t in self._threads:
@@ -202,8 +203,8 @@ class ClickHouseSink:
             self._start_sync_passes(run.run_id)
         if self._heartbeat_s > 0 and self._heartbeat is None:
             self._beating.clear()  # a run before this one stopped its beat
-            self._heartbeat = threading.Thread(target=self._beat, name="dmi-sink-heartbeat",
-                                               daemon=True)
+            self._heartbeat = OsNamedThread(target=self._beat, name="dmi-sink-heartbeat",
+                                            daemon=True)
             self._heartbeat.start()
 
     def put(self, batch: RecordBatch) -> None:
@@ -373,8 +374,8 @@ class ClickHouseSink:
     def _start_sync_passes(self, run_id: str) -> None:
         if self._syncer is None:
             self._sync_passes_stop.clear()
-            self._syncer = threading.Thread(target=self._sync_passes, args=(run_id,),
-                                            name="dmi-sink-sync", daemon=True)
+            self._syncer = OsNamedThread(target=self._sync_passes, args=(run_id,),
+                                         name="dmi-sink-sync", daemon=True)
             self._syncer.start()
 
     def _stop_sync_passes(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 
 from dmi_sglang.errors import StoreError
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["SocketService", "check_address", "exchange", "request_socket"]
 
@@ -97,7 +98,7 @@ class SocketService:
         self._close_lock = threading.Lock()
         self.answered = 0
         """Requests answered so far."""
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread = OsNamedThread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def close(self, *, wait_forever: bool = False) -> None:

@@ -47,6 +47,7 @@ from dmi_sglang.adapters.owner._service import (
     exchange,
     request_socket,
 )
+from dmi_sglang.adapters.owner._shared import SharedRegions, SharedRing
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
@@ -134,6 +135,7 @@ class SinkService(SocketService):
 
     def __init__(self, sink: RecordSink, address: str) -> None:
         self._sink = sink
+        self._shared = SharedRegions()
         super().__init__(address, "dmi-store-writes")
         log.info("dmi.writes_taken", address=address)
 
@@ -145,7 +147,13 @@ class SinkService(SocketService):
             header = json.loads(frames[0].bytes)
             method = header["method"]
             if method == "put":
-                self._sink.put(batch_from_frames(header, frames[1:]))
+                pieces = (self._shared.pieces(header["ring"], header["region"])
+                          if "region" in header else frames[1:])
+                self._sink.put(batch_from_frames(header, pieces))
+            elif method == "share":
+                self._shared.attach(header["path"], header["size"])
+            elif method == "unshare":
+                self._shared.detach(header["path"])
             elif method == "start_run":
                 self._sink.start_run(_run(header["run"]))
             elif method == "commit_requests":
@@ -168,9 +176,15 @@ class SinkService(SocketService):
 class RemoteSink:
     """A :class:`~dmi_sglang.columns.RecordSink` that writes through the store owner's
     :class:`SinkService` at ``address`` (one exchange per call, on one socket; calls of
-    several threads take turns; see the module for where it differs from a local sink)."""
+    several threads take turns; see the module for where it differs from a local sink).
 
-    def __init__(self, address: str, *, timeout_s: float = WRITE_TIMEOUT_S) -> None:
+    With ``shared_bytes``, batches cross through a :class:`~._shared.SharedRing` of that
+    size made at the first put (copied into it once, read in place by the owner). Where
+    the ring cannot be made (no ``/dev/shm``, or too little room there) or the owner
+    refuses it, and for a batch larger than the whole ring, they go as frames."""
+
+    def __init__(self, address: str, *, timeout_s: float = WRITE_TIMEOUT_S,
+                 shared_bytes: int = 0) -> None:
         self.address = check_address(address)
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._lock = threading.Lock()
@@ -179,11 +193,26 @@ class RemoteSink:
         self._lost = False
         """An exchange got no answer (the socket is unusable, the owner gone or hung)."""
         self._closed = False
+        self._shared_bytes = shared_bytes
+        """The ring's size (0: none)."""
+        self._ring: SharedRing | None = None
+        self._ring_tried = False
+        """The ring was made and shared, or refused (then puts go as frames)."""
 
     @property
     def failure(self) -> StoreError | None:
         """The sticky failure of an earlier call (None while every call succeeded)."""
         return self._failure
+
+    @property
+    def shared(self) -> bool:
+        """Whether puts cross through a shared ring now."""
+        return self._ring is not None
+
+    @property
+    def ring_waits(self) -> int:
+        """Times a put waited for the owner to release ring space (0 without a ring)."""
+        return self._ring.waits if self._ring is not None else 0
 
     def start_run(self, run: RunInfo) -> None:
         """The owner's sink records the run's start."""
@@ -191,9 +220,10 @@ class RemoteSink:
 
     def put(self, batch: RecordBatch) -> None:
         """Hand the batch to the owner's sink; returns once it took it (blocks while the
-        owner's queue is full). The batch's memory is free again on return."""
+        owner's queue, or the shared ring, is full). The batch's memory is free again on
+        return."""
         header, frames = batch_to_frames(batch)
-        self._call({"method": "put", **header}, frames)
+        self._call({"method": "put", **header}, frames, shared=self._shared_bytes > 0)
 
     def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink commits these manifests after what was put before."""
@@ -217,22 +247,102 @@ class RemoteSink:
                     "manifests": [attrs.asdict(m) for m in manifests]}, past_failure=True)
 
     def close(self) -> None:
-        """End this process's use of the owner (its sink stays open for the others).
+        """End this process's use of the owner (its sink stays open for the others); a
+        shared ring is given up (the owner forgets it once its batches are stored).
 
         Raises:
             StoreError: the sticky failure, if a call failed.
         """
         with self._lock:
             self._closed = True
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                if not self._lost and self._socket is not None:
+                    try:
+                        self._exchange({"method": "unshare", "path": ring.path}, (),
+                                       min(self._timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000)))
+                    except StoreError as exc:  # the owner is gone or hung: nothing to tell
+                        log.warning("dmi.shared_ring_unshare_failed", error=str(exc))
+                ring.close()
             if self._socket is not None:
                 self._socket.close()
                 self._socket = None
         if self._failure is not None:
             raise self._failure
 
+    def _exchange(self, header: dict[str, Any], frames: Sequence[Any],
+                  timeout_ms: int) -> list[Any]:
+        """One exchange on this sink's socket (made on first use), under the lock: the
+        answer's JSON.
+
+        Raises:
+            StoreError: no answer (the socket is unusable after it: ``_lost``).
+        """
+        try:
+            if self._socket is None:
+                self._socket = request_socket(self.address, timeout_ms, "writes")
+            answer: list[Any] = json.loads(exchange(
+                self._socket, [json.dumps(header).encode(), *frames], address=self.address,
+                timeout_ms=timeout_ms, channel="writes",
+                method=header["method"])[0].bytes)
+        except StoreError:
+            self._lost = True  # a lost exchange leaves the REQ socket unusable
+            raise
+        return answer
+
+    def _shared_ring(self, timeout_ms: int) -> SharedRing | None:
+        """The ring (made and shared with the owner on first use, under the lock), or
+        None where it is refused (then never tried again).
+
+        Raises:
+            StoreError: the share exchange got no answer.
+        """
+        if self._ring_tried:
+            return self._ring
+        self._ring_tried = True
+        size = self._shared_bytes
+        try:
+            ring = SharedRing(size)
+        except StoreError as exc:
+            log.warning("dmi.shared_ring_refused", reason=str(exc), size=size)
+            return None
+        try:
+            answer = self._exchange({"method": "share", "path": ring.path, "size": size}, (),
+                                    timeout_ms)
+        except StoreError:
+            ring.close()
+            raise
+        ring.unlink()  # mapped on both sides (or refused): the file is not needed
+        if answer[0] != "ok":
+            ring.close()
+            log.warning("dmi.shared_ring_refused", reason=str(answer[1:]), size=size)
+            return None
+        self._ring = ring
+        return ring
+
+    def _through_ring(self, header: dict[str, Any], frames: Sequence[Any],
+                      timeout_ms: int) -> tuple[dict[str, Any], Sequence[Any]]:
+        """A put's header and frames with its frames copied into the shared ring (the
+        header names the region, no frames are left); unchanged without a ring, or for a
+        batch larger than the whole ring.
+
+        Raises:
+            StoreError: the ring stayed full for ``timeout_ms``, or sharing it got no
+                answer.
+        """
+        ring = self._shared_ring(timeout_ms)
+        if ring is None:
+            return header, frames
+        try:
+            region = ring.place(frames, timeout_ms / 1000)
+        except ValueError:
+            return header, frames
+        return {**header, "ring": ring.path, "region": list(region)}, ()
+
     def _call(self, header: dict[str, Any], frames: Sequence[Any] = (), *,
-              past_failure: bool = False) -> None:
-        """One exchange. After a failure every call raises it at once, except one made
+              past_failure: bool = False, shared: bool = False) -> None:
+        """One exchange; a ``shared`` put's frames go through the ring where there is
+        one. After a failure every call raises it at once, except one made
         ``past_failure``, which is still sent (after a lost exchange on a new socket,
         waiting at most :data:`AFTER_LOSS_TIMEOUT_S`) and raises the first failure after
         its exchange."""
@@ -250,14 +360,10 @@ class RemoteSink:
                     self._socket.close()
                     self._socket = None
             try:
-                if self._socket is None:
-                    self._socket = request_socket(self.address, timeout_ms, "writes")
-                answer = json.loads(exchange(
-                    self._socket, [json.dumps(header).encode(), *frames], address=self.address,
-                    timeout_ms=timeout_ms, channel="writes",
-                    method=header["method"])[0].bytes)
+                if shared:
+                    header, frames = self._through_ring(header, frames, timeout_ms)
+                answer = self._exchange(header, frames, timeout_ms)
             except StoreError as exc:
-                self._lost = True  # a lost exchange leaves the REQ socket unusable
                 self._failure = earlier or exc
                 if earlier is not None:
                     raise earlier from exc

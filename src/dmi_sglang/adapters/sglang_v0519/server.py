@@ -45,6 +45,7 @@ from dmi_sglang.adapters.sglang_v0519 import _state
 from dmi_sglang.adapters.sglang_v0519.engine import SchedulerSilentError, check_answer
 from dmi_sglang.adapters.sglang_v0519.reads_api import RUNS_PATH, mount_reads, unexpected_query
 from dmi_sglang.errors import CaptureError
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = [
     "CAPTURE_HEADER",
@@ -244,7 +245,7 @@ class RunControl:
                 except Exception as exc:  # the header keeps its last value
                     log.warning("dmi.watch_failed", error=repr(exc))
 
-        threading.Thread(target=loop, name="dmi-watch", daemon=True).start()
+        OsNamedThread(target=loop, name="dmi-watch", daemon=True).start()
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> RunState:
         """Start the stop (the first call only) and wait up to ``wait_s`` for its outcome.
@@ -256,8 +257,8 @@ class RunControl:
             if self._stopper is None:
                 log.info("dmi.server_stopping", run_id=self.run_id)
                 self._stop_began = time.monotonic()
-                self._stopper = threading.Thread(target=self._run_stop, name="dmi-stop",
-                                                 daemon=True)
+                self._stopper = OsNamedThread(target=self._run_stop, name="dmi-stop",
+                                              daemon=True)
                 self._stopper.start()
         self._stopper.join(wait_s)
         return self._stop_state() or self._state("stopping")
@@ -623,7 +624,7 @@ def _warmup_unless_ending(target: Callable[..., Any] | None, *args: Any, **kw: A
         except BaseException as exc:  # handed to the caller's thread below
             failure.append(exc)
 
-    worker = threading.Thread(target=run, name="dmi-warmup", daemon=True)
+    worker = OsNamedThread(target=run, name="dmi-warmup", daemon=True)
     worker.start()
     while worker.is_alive():
         if _HTTP_ENDING.is_set():

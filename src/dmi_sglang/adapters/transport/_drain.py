@@ -59,6 +59,7 @@ from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.layout import ForwardKind
 from dmi_sglang.domain.plan import CommitPlan
 from dmi_sglang.domain.records import RequestManifest
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["Drain", "DrainItem", "Finish", "coalescable", "direct_slab_bytes"]
 
@@ -286,7 +287,7 @@ class Drain:
         self._commits: list[RequestManifest] = []
         """Manifests of finished requests not committed yet (:meth:`_commit_finished`)."""
         self.committed_requests = 0
-        self._thread = threading.Thread(target=self._run, name="dmi-capture-drain", daemon=True)
+        self._thread = OsNamedThread(target=self._run, name="dmi-capture-drain", daemon=True)
         self.rows = self.bytes = self.records = self.batches = self.discarded = 0
         self.d2h_bytes = 0
         self.d2h_seconds = 0.0

@@ -15,8 +15,10 @@ candidates no smaller than ``v``. If ``v > m``, no chunk left out holds a value 
 largest equals the row's, for every ``j <= k``: the same values, largest first (where
 values tie, which of the tied positions is named may differ from ``torch.topk``'s choice,
 which is unspecified there too). NaN ranks above every number, in the maxima as in
-``torch.topk``. Shapes depend only on the input's, so the result can be recorded in a
-CUDA graph.
+``torch.topk`` (so does +0.0 above -0.0 where ``torch.topk`` orders them so; the two are
+equal as numbers). Shapes depend only on the input's, so the result can be recorded in a
+CUDA graph. Where those chunks would be half the row or more (a large ``k``), the maxima
+save no pass and ``torch.topk`` runs over the whole row.
 
 ``python -m harness topk`` measures it against ``torch.topk`` on the GPU.
 """
@@ -28,12 +30,11 @@ import torch
 __all__ = ["chunked_topk"]
 
 
-
 def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(logits, k, dim=-1)`` (largest, sorted) of a 2-D tensor, searched in
     the ``k`` chunks of ``chunk`` columns with the largest maxima (and the columns after
-    the last whole chunk); ``chunk`` 0, or rows of no more than ``k`` whole chunks, take
-    ``torch.topk`` directly.
+    the last whole chunk); ``chunk`` 0, rows of no more than ``k`` whole chunks, and
+    ``k`` chunks of half the row or more take ``torch.topk`` directly.
 
     Returns:
         The values (sorted, largest first) and their int64 column indices,
@@ -54,7 +55,7 @@ def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
         msg = f"chunked_topk: chunk={chunk}; expected 0 (no chunks) or a positive width"
         raise ValueError(msg)
     groups = width // chunk if chunk else 0
-    if groups <= k:
+    if groups <= k or 2 * k * chunk > width:
         return torch.topk(logits, k, dim=-1)
     body = logits[:, : groups * chunk].reshape(rows, groups, chunk)
     _, best = torch.topk(body.amax(dim=-1), k, dim=-1, sorted=False)  # [rows, k] chunks

@@ -1,0 +1,311 @@
+"""The shared ring a remote sink hands the store owner its batches through: regions never
+overlap one the owner still reads, come back once the owner's last view of them is gone,
+and every batch reaches the store whole, also through a ring much smaller than the data;
+where no ring can be made or the owner refuses one, batches cross the socket as before."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
+from dmi_sglang.adapters.owner import RemoteSink, SinkService, _shared
+from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
+from dmi_sglang.adapters.owner._shared import SLOTS, SharedRegions, SharedRing
+from dmi_sglang.columns import CaptureKey, RecordBatch
+from dmi_sglang.domain.records import RunInfo, RunStatus
+from dmi_sglang.domain.store_config import StoreConfig
+from dmi_sglang.errors import StoreError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(_shared.SHARED_DIRECTORY),
+                                reason="no /dev/shm")
+
+KEY = CaptureKey("resid_pre", 0, "torch.bfloat16", (256,))
+ROW = 512  # bytes of one 256-wide bf16 row
+
+
+def _batch(step: int, rows: int = 64, run_id: str = "ring") -> RecordBatch:
+    """``rows`` records of one row each, request ``r`` of ``step``, payload bytes that
+    say which (step, request) they are."""
+    payload = np.empty((rows, ROW), np.uint8)
+    payload[:] = ((np.arange(rows) * 7 + step * 13) % 251).astype(np.uint8)[:, None]
+    return RecordBatch(run_id, tuple(f"req-{r}" for r in range(rows)), (KEY,),
+                       np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32),
+                       np.full(rows, step, np.int32), np.full(rows, step + 1, np.int32),
+                       np.full(rows, step, np.int64),
+                       np.arange(rows + 1, dtype=np.int64) * ROW, payload.reshape(-1))
+
+
+@pytest.fixture
+def private(tmp_path: Path) -> Path:
+    tmp_path.chmod(0o700)
+    return tmp_path
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30_000), st.booleans(), st.integers(0, 10)),
+                min_size=1, max_size=120))
+def test_regions_never_overlap_one_still_held(ops: list[tuple[int, bool, int]]) -> None:
+    """Places of random sizes, with the owner releasing random held regions in between:
+    each region lies in the ring, and every region still held keeps its bytes."""
+    ring = SharedRing(SLOTS + 65_536)
+    try:
+        regions = SharedRegions()
+        ring_id = regions.attach(ring.path, ring.size)
+        ring.unlink()
+        views: list[tuple[int, list[object]]] = []  # (fill byte, the owner's pieces)
+        for count, (n, release, pick) in enumerate(ops):
+            if release and views:
+                del views[pick % len(views)]  # the owner's last view of it is gone
+                gc.collect()
+            fill = count % 255 + 1  # no two regions alive fill alike (at most 120 are)
+            try:
+                region = ring.place([np.full(n, fill, np.uint8), np.full(7, fill, np.uint8)],
+                                    timeout_s=0)
+            except StoreError:  # full: every older region is still held
+                assert views
+                continue
+            _, offset, lengths = region
+            assert lengths == (n, 7)
+            assert ring._start <= offset
+            assert offset + n <= ring.size
+            views.append((fill, regions.pieces(ring_id, region)))
+            for value, pieces in views:
+                for piece in pieces:
+                    assert set(bytes(piece.buffer)) == {value}  # type: ignore[attr-defined]
+    finally:
+        ring.close()
+
+
+def test_a_region_comes_back_when_the_owners_last_view_of_it_is_gone() -> None:
+    ring = SharedRing(SLOTS + 4096)
+    try:
+        regions = SharedRegions()
+        ring_id = regions.attach(ring.path, ring.size)
+        header, frames = batch_to_frames(_batch(0, rows=4))
+        region = ring.place(frames, timeout_s=0)
+        batch = batch_from_frames(header, regions.pieces(ring_id, region))
+        payload = batch.payload
+        del batch
+        gc.collect()
+        assert ring._flags[region[0]] == 1  # a view of the payload is still alive
+        with pytest.raises(StoreError, match="released none of the shared ring's 1 regions"):
+            ring.place(frames, timeout_s=0.01)  # no room for a second while it is held
+        del payload
+        gc.collect()
+        assert ring._flags[region[0]] == 0
+        assert ring.place(frames, timeout_s=0)[1] == region[1]  # the same memory again
+    finally:
+        ring.close()
+
+
+def test_the_owner_maps_only_a_private_ring_file_in_dev_shm(tmp_path: Path) -> None:
+    ring = SharedRing(SLOTS + 4096)
+    try:
+        regions = SharedRegions()
+        outside = tmp_path / "dmi-ring-x"
+        outside.write_bytes(b"\0" * ring.size)
+        with pytest.raises(ValueError, match="accepted: a dmi-ring-\\* file in /dev/shm"):
+            regions.attach(str(outside), ring.size)
+        with pytest.raises(ValueError, match=f"of {ring.size} bytes, mode 600.*accepted: a "
+                                             f"file of {ring.size + 1} bytes"):
+            regions.attach(ring.path, ring.size + 1)
+        os.chmod(ring.path, 0o644)
+        with pytest.raises(ValueError, match="mode 644"):
+            regions.attach(ring.path, ring.size)
+        os.chmod(ring.path, 0o600)
+        ring_id = regions.attach(ring.path, ring.size)
+        with pytest.raises(ValueError, match=r"shared region .* outside ring"):
+            regions.pieces(ring_id, [0, ring.size - 64, [128]])
+    finally:
+        ring.close()
+
+
+def _run(run_id: str) -> RunInfo:
+    return RunInfo(run_id, "/models/m", (), (("resid_pre", 0),), "2026-12-05T00:00:00Z")
+
+
+def _stored(store: StoreConfig, run_id: str) -> dict[tuple[str, int], bytes]:
+    with ClickHouseReader(store).session() as reader:
+        out = {}
+        for b in reader.batches_within(run_id, "req-3", captures=[("resid_pre", 0)],
+                                       start=0, end=10_000):
+            for i in range(len(b)):
+                out[(b.request_ids[b.request[i]], int(b.start[i]))] = bytes(
+                    b.payload[b.offsets[i]:b.offsets[i + 1]])
+        return out
+
+
+def test_batches_cross_a_ring_much_smaller_than_them_and_are_stored_whole(
+        private: Path, store: StoreConfig) -> None:
+    """40 batches of 32 KiB through a 64 KiB ring into the real embedded store: puts wait
+    for the owner's inserts to release regions, and every row reads back as written."""
+    sink = ClickHouseSink(store)
+    service = SinkService(sink, f"ipc://{private}/writes")
+    remote = RemoteSink(service.address, timeout_s=60, shared_bytes=SLOTS + (64 << 10))
+    try:
+        remote.start_run(_run("ring"))
+        for step in range(40):
+            remote.put(_batch(step))
+        assert remote.shared
+        remote.finish_run(attrs.evolve(_run("ring"), status=RunStatus.COMMITTED), [])
+        remote.close()
+    finally:
+        service.close()
+        sink.close()
+    rows = _stored(store, "ring")
+    assert sorted(rows) == [("req-3", step) for step in range(40)]
+    for step in range(40):
+        assert rows[("req-3", step)] == bytes([(3 * 7 + step * 13) % 251]) * ROW
+
+
+class _Keeps:
+    """A sink that takes every batch and keeps it (never releasing its memory)."""
+
+    def __init__(self) -> None:
+        self.batches: list[RecordBatch] = []
+
+    def start_run(self, run: RunInfo) -> None:
+        del run
+
+    def put(self, batch: RecordBatch) -> None:
+        self.batches.append(batch)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_ring_the_owner_never_releases_fails_the_put_after_the_timeout(
+        private: Path) -> None:
+    kept = _Keeps()
+    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=0.5, shared_bytes=SLOTS + (80 << 10))
+    try:
+        remote.put(_batch(0))
+        remote.put(_batch(1))  # 2 x 32 KiB held: no room for a third
+        with pytest.raises(StoreError, match=r"released none of the shared ring's 2 regions "
+                                             r"in 0\.5 s"):
+            remote.put(_batch(2))
+        with pytest.raises(StoreError, match="released none"):  # sticky
+            remote.flush()
+        assert [bytes(b.payload) for b in kept.batches] == [
+            bytes(_batch(s).payload) for s in (0, 1)]
+    finally:
+        with pytest.raises(StoreError):
+            remote.close()
+        service.close()
+
+
+def test_without_room_for_a_ring_batches_cross_the_socket(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_shared.os, "posix_fallocate", full)
+    kept = _Keeps()
+    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            remote.put(_batch(0))
+            remote.put(_batch(1))
+        assert not remote.shared
+        refused = [e for e in logs if e["event"] == "dmi.shared_ring_refused"]
+        assert len(refused) == 1  # tried once
+        assert "No space left on device" in refused[0]["reason"]
+        assert [f for f in os.listdir(_shared.SHARED_DIRECTORY)
+                if f.startswith(f"dmi-ring-{os.getpid()}-")] == []
+        assert [bytes(b.payload) for b in kept.batches] == [
+            bytes(_batch(s).payload) for s in (0, 1)]
+        remote.close()
+    finally:
+        service.close()
+
+
+def test_a_ring_the_owner_refuses_leaves_the_batches_on_the_socket(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: SharedRegions, path: str, size: int) -> str:
+        msg = f"not today: {path} {size}"
+        raise ValueError(msg)
+
+    monkeypatch.setattr(SharedRegions, "attach", refuse)
+    kept = _Keeps()
+    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            remote.put(_batch(0))
+        assert not remote.shared
+        assert remote.failure is None
+        assert any("not today" in e.get("reason", "") for e in logs)
+        assert len(kept.batches) == 1
+        remote.close()
+    finally:
+        service.close()
+
+
+def test_a_closed_sink_gives_its_ring_up_and_leaves_no_file(private: Path) -> None:
+    kept = _Keeps()
+    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
+    try:
+        remote.put(_batch(0))
+        assert remote.shared
+        assert [f for f in os.listdir(_shared.SHARED_DIRECTORY)
+                if f.startswith(f"dmi-ring-{os.getpid()}-")] == []  # mapped, then removed
+        remote.close()
+        assert service._shared._rings == {}  # the owner forgot it
+        assert bytes(kept.batches[0].payload) == bytes(_batch(0).payload)  # still readable
+    finally:
+        service.close()
+
+
+def test_puts_from_several_threads_each_reach_the_owner(private: Path) -> None:
+    kept = _Keeps()
+    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
+    try:
+        threads = [threading.Thread(target=lambda s=s: remote.put(_batch(s)))
+                   for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(int(b.start[0]) for b in kept.batches) == list(range(8))
+        for b in kept.batches:
+            assert bytes(b.payload) == bytes(_batch(int(b.start[0])).payload)
+        remote.close()
+    finally:
+        service.close()
+
+
+def test_a_region_released_out_of_order_waits_for_the_older_ones() -> None:
+    """The newest region released while older ones are held: its space comes back only
+    once they are (the ring hands out memory in order), and theirs is never reused."""
+    ring = SharedRing(SLOTS + 64 * 1024)
+    try:
+        regions = SharedRegions()
+        ring_id = regions.attach(ring.path, ring.size)
+        held = [regions.pieces(ring_id, ring.place([np.full(16 * 1024, v, np.uint8)], 0))
+                for v in (1, 2, 3)]
+        del held[2]  # the newest released, the two older still read
+        gc.collect()
+        with pytest.raises(StoreError, match="released none"):
+            ring.place([np.full(32 * 1024, 9, np.uint8)], timeout_s=0)  # fits only over them
+        fits = regions.pieces(ring_id, ring.place([np.full(16 * 1024, 4, np.uint8)], 0))
+        for value, pieces in ((1, held[0]), (2, held[1]), (4, fits)):
+            assert set(bytes(pieces[0].buffer)) == {value}
+    finally:
+        ring.close()
