@@ -243,6 +243,7 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
         for batch in batches:
             sink.put(batch)
         put_done = time.perf_counter()
+        shared = isinstance(sink, OwnedSink) and sink.shared
         sink.finish_run(attrs.evolve(run, stopped_at=utc_now(), status=RunStatus.COMMITTED),
                         [])
         finished = time.perf_counter()
@@ -262,6 +263,7 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "bps": stored / wall, "cpu_s_per_GB": _per_gb(cpu, stored),
             "owner_cpu_s_per_GB": _per_gb(owner_cpu, stored),
             "finish_run_s": finished - put_done, "close_s": closed - finished,
+            "shared": shared,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
 
 
@@ -546,6 +548,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                      "ring_cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in ringed),
                      "ring_owner_cpu_s_per_GB": _median(
                          r["owner_cpu_s_per_GB"] for r in ringed),
+                     "ring_used": all(r["shared"] for r in ringed)
+                     and not any(r["shared"] for r in owned),
                      "delivered": all(r["delivered"] for r in owned + direct + ringed),
                      "runs": owned, "direct_runs": direct, "ring_runs": ringed}
     channel: dict[str, list[Json]] = {"socket": [], "ring": []}
@@ -586,7 +590,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "MB/s": through_owner["ring_bps"] / 1e6,
                   "spread": through_owner["ring_spread"],
                   "cpu s/GB (this process)": through_owner["ring_cpu_s_per_GB"],
-                  "owner cpu s/GB": through_owner["ring_owner_cpu_s_per_GB"]})
+                  "owner cpu s/GB": through_owner["ring_owner_cpu_s_per_GB"],
+                  "ring used": "yes" if through_owner["ring_used"] else "NO"})
     for c in channels:
         table.append({"owner channel alone": f"{widest // 1024} KiB records, {c['how']}",
                       "MB/s": c["bps"] / 1e6, "spread": c["spread"],
@@ -628,8 +633,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
         "owner_ingest_delivered": {"ok": through_owner["delivered"], "required": True},
-        "channel_ring_used": {"ok": channels[1]["shared"] and not channels[0]["shared"],
-                              "required": False},
+        "channel_ring_used": {"ok": channels[1]["shared"] and not channels[0]["shared"]
+                              and through_owner["ring_used"], "required": False},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
         "export_equal": {"ok": bool(cost["equal"]), "required": True},
         "compression_measured": {"ok": all(r["compression"] for r in rows), "required": True}}

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -18,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
-from dmi_sglang.adapters.owner import RemoteSink, SinkService, _shared
+from dmi_sglang.adapters.owner import RemoteSink, SinkService, _shared, _writes
 from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
 from dmi_sglang.adapters.owner._shared import SLOTS, SharedRegions, SharedRing
 from dmi_sglang.columns import CaptureKey, RecordBatch
@@ -309,3 +312,109 @@ def test_a_region_released_out_of_order_waits_for_the_older_ones() -> None:
             assert set(bytes(pieces[0].buffer)) == {value}
     finally:
         ring.close()
+
+
+class _Slow:
+    """A sink that keeps nothing and takes ``delay_s`` over the put of step ``slow_step``."""
+
+    def __init__(self, slow_step: int = -1, delay_s: float = 0.0) -> None:
+        self.slow_step, self.delay_s = slow_step, delay_s
+        self.puts = 0
+
+    def put(self, batch: RecordBatch) -> None:
+        if int(batch.start[0]) == self.slow_step:
+            time.sleep(self.delay_s)
+        self.puts += 1
+
+    def flush(self) -> None:
+        pass
+
+
+def test_close_waits_for_the_owner_at_most_the_after_loss_timeout(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer's put holds the owner: a closing sink's unshare gives up after the
+    bounded wait, not after the 30 s its puts may wait (the socket's first timeout)."""
+    monkeypatch.setattr(_writes, "AFTER_LOSS_TIMEOUT_S", 0.5)
+    service = SinkService(_Slow(slow_step=7, delay_s=3.0),  # type: ignore[arg-type]
+                          f"ipc://{private}/writes")
+    ring_sink = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
+    other = RemoteSink(service.address, timeout_s=30)
+    try:
+        ring_sink.put(_batch(0))
+        busy = threading.Thread(target=other.put, args=(_batch(7),))
+        busy.start()
+        time.sleep(0.3)  # the owner is in the slow put
+        began = time.monotonic()
+        with structlog.testing.capture_logs() as logs:
+            ring_sink.close()
+        assert time.monotonic() - began < 2.0
+        assert [e["event"] for e in logs] == ["dmi.shared_ring_unshare_failed"]
+        busy.join()
+        other.close()
+    finally:
+        service.close()
+
+
+def test_the_owner_forgets_the_ring_of_a_writer_that_lost_an_exchange(private: Path) -> None:
+    slow = _Slow(slow_step=1, delay_s=1.5)
+    service = SinkService(slow, f"ipc://{private}/writes")  # type: ignore[arg-type]
+    remote = RemoteSink(service.address, timeout_s=0.5, shared_bytes=1 << 20)
+    try:
+        remote.put(_batch(0))
+        with pytest.raises(StoreError, match="did not take put"):
+            remote.put(_batch(1))
+        with pytest.raises(StoreError, match="did not take put"):
+            remote.close()  # its unshare queued behind the lost put, on a new socket
+        deadline = time.monotonic() + 10
+        while service._shared._rings and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow.puts == 2
+        assert service._shared._rings == {}
+    finally:
+        service.close()
+
+
+def test_a_ring_smaller_than_its_flags_is_refused_when_the_sink_is_made(private: Path) -> None:
+    with pytest.raises(ValueError, match=f"a shared ring of {SLOTS} bytes; accepted: 0 or at "
+                                         f"least {SLOTS + 64}"):
+        RemoteSink(f"ipc://{private}/writes", shared_bytes=SLOTS)
+
+
+def test_a_failed_copy_never_lets_two_held_regions_share_a_slot() -> None:
+    """Puts that fail while copying take no slot, so after a full cycle of them a new
+    region's flag is its own (released with an older region's, its memory was reused)."""
+    ring = SharedRing(SLOTS + 64 * 1024)
+    try:
+        regions = SharedRegions()
+        ring_id = regions.attach(ring.path, ring.size)
+        old = regions.pieces(ring_id, ring.place([np.full(8192, 1, np.uint8)], 0))
+        for _ in range(SLOTS - 1):
+            with pytest.raises((TypeError, ValueError)):
+                ring.place([np.zeros(8, np.uint8), np.array([object()])], 0)
+        new = regions.pieces(ring_id, ring.place([np.full(8192, 2, np.uint8)], 0))
+        del old
+        gc.collect()
+        for value in range(3, 12):
+            try:
+                ring.place([np.full(8192, value, np.uint8)], 0)
+            except StoreError:
+                break
+        assert set(bytes(new[0].buffer)) == {2}  # type: ignore[attr-defined]
+    finally:
+        ring.close()
+
+
+def test_a_ring_file_its_dead_writer_left_is_removed_by_the_next_ring() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = Path(_shared.SHARED_DIRECTORY) / f"dmi-ring-{gone.pid}-0123456789abcdef"
+    alive = Path(_shared.SHARED_DIRECTORY) / f"dmi-ring-{os.getpid()}-fedcba9876543210"
+    for path in (left, alive):
+        path.write_bytes(b"\0" * 64)
+    try:
+        SharedRing(SLOTS + 4096).close()
+        assert not left.exists()
+        assert alive.exists()  # a live writer's file is its own
+    finally:
+        for path in (left, alive):
+            path.unlink(missing_ok=True)

@@ -85,6 +85,12 @@ class OwnedSink:
         self._ending = False
 
     @property
+    def shared(self) -> bool:
+        """Whether batches reach the owner through shared memory (``DMX_OWNER_RING_MB``,
+        once the first was put) rather than its socket."""
+        return getattr(self._remote, "shared", False) is True
+
+    @property
     def failure(self) -> StoreError | None:
         """Cheap, for an engine that idles (no call to the owner): an earlier call's
         sticky failure, or the owner process ended before this sink ended it (what it had

@@ -213,6 +213,7 @@ def exchange(socket: Any, frames: list[Any], *, address: str, timeout_ms: int,
 
     listens, answers, _ = _WORDS[channel]
     try:
+        socket.setsockopt(zmq.RCVTIMEO, timeout_ms)  # this exchange's bound, not the first's
         try:
             socket.send_multipart(frames, copy=False)
         except zmq.Again as exc:

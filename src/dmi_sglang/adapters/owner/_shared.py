@@ -39,13 +39,16 @@ import numpy.typing as npt
 
 from dmi_sglang.errors import StoreError
 
-__all__ = ["SHARED_DIRECTORY", "SLOTS", "Region", "SharedRegions", "SharedRing"]
+__all__ = ["MIN_BYTES", "SHARED_DIRECTORY", "SLOTS", "Region", "SharedRegions", "SharedRing"]
 
 SHARED_DIRECTORY = "/dev/shm"
 """Where rings are made: memory, never written back to a disk the store writes to."""
 SLOTS = 4096
 """Regions in flight at most (one flag byte each, ahead of the regions)."""
 _ALIGN = 64
+MIN_BYTES = SLOTS + _ALIGN
+"""The smallest ring: its flags and one region of 64 bytes."""
+_PREFIX = "dmi-ring-"
 _WAIT_S = (0.0001, 0.004)
 """A writer's first and longest sleep between looks at the flags while the ring is full
 (each sleep twice the one before): a release is seen soon after it, and a long wait for
@@ -74,11 +77,12 @@ class SharedRing:
     """
 
     def __init__(self, size: int, directory: str = SHARED_DIRECTORY) -> None:
-        if size < SLOTS + _ALIGN:
-            msg = f"a shared ring of {size} bytes; accepted: at least {SLOTS + _ALIGN}"
+        if size < MIN_BYTES:
+            msg = f"a shared ring of {size} bytes; accepted: at least {MIN_BYTES}"
             raise ValueError(msg)
         self.size = size
-        self.path = os.path.join(directory, f"dmi-ring-{os.getpid()}-{secrets.token_hex(8)}")
+        _sweep(directory)
+        self.path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
@@ -134,13 +138,13 @@ class SharedRing:
             time.sleep(min(sleep, left))
             sleep = min(2 * sleep, _WAIT_S[1])
             offset = self._free(need)
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % SLOTS
         at = offset
         for piece, n in zip(pieces, lengths, strict=True):
             np.copyto(self._bytes[at:at + n],
                       np.ascontiguousarray(piece).reshape(-1).view(np.uint8))
             at += _aligned(n)
+        slot = self._next_slot  # taken once the copy succeeded: held slots stay consecutive
+        self._next_slot = (slot + 1) % SLOTS
         self._flags[slot] = 1
         self._held.append((slot, offset, offset + need))
         return slot, offset, lengths
@@ -198,14 +202,14 @@ class SharedRegions:
         """
         if (not isinstance(path, str) or not isinstance(size, int)
                 or os.path.dirname(path) != SHARED_DIRECTORY
-                or not os.path.basename(path).startswith("dmi-ring-")):
+                or not os.path.basename(path).startswith(_PREFIX)):
             msg = f"a shared ring at {path!r}; accepted: a dmi-ring-* file in {SHARED_DIRECTORY}"
             raise ValueError(msg)
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
             if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
-                    or st.st_mode & 0o077 or st.st_size != size or size < SLOTS + _ALIGN):
+                    or st.st_mode & 0o077 or st.st_size != size or size < MIN_BYTES):
                 msg = (f"a shared ring at {path} of {st.st_size} bytes, mode "
                        f"{stat.S_IMODE(st.st_mode):o}, owner {st.st_uid}; accepted: a file "
                        f"of {size} bytes only this user ({os.getuid()}) can open")
@@ -251,3 +255,28 @@ class SharedRegions:
 
 def _release(flags: npt.NDArray[np.uint8], slot: int) -> None:
     flags[slot] = 0
+
+
+def _sweep(directory: str) -> None:
+    """Remove this user's ring files in ``directory`` whose writer is gone: a writer
+    killed between making its ring and the owner's answer to sharing it (the file is
+    removed after that answer) leaves one, its memory reserved until reboot otherwise."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix(_PREFIX).partition("-")[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)

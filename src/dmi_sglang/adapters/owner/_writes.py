@@ -47,7 +47,7 @@ from dmi_sglang.adapters.owner._service import (
     exchange,
     request_socket,
 )
-from dmi_sglang.adapters.owner._shared import SharedRegions, SharedRing
+from dmi_sglang.adapters.owner._shared import MIN_BYTES, SharedRegions, SharedRing
 from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
@@ -185,6 +185,9 @@ class RemoteSink:
 
     def __init__(self, address: str, *, timeout_s: float = WRITE_TIMEOUT_S,
                  shared_bytes: int = 0) -> None:
+        if shared_bytes and shared_bytes < MIN_BYTES:
+            msg = f"a shared ring of {shared_bytes} bytes; accepted: 0 or at least {MIN_BYTES}"
+            raise ValueError(msg)
         self.address = check_address(address)
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._lock = threading.Lock()
@@ -211,8 +214,9 @@ class RemoteSink:
 
     @property
     def ring_waits(self) -> int:
-        """Times a put waited for the owner to release ring space (0 without a ring)."""
-        return self._ring.waits if self._ring is not None else 0
+        """Puts that waited for the owner to release ring space (0 without a ring)."""
+        ring = self._ring
+        return ring.waits if ring is not None else 0
 
     def start_run(self, run: RunInfo) -> None:
         """The owner's sink records the run's start."""
@@ -257,12 +261,14 @@ class RemoteSink:
             self._closed = True
             ring, self._ring = self._ring, None
             if ring is not None:
-                if not self._lost and self._socket is not None:
-                    try:
-                        self._exchange({"method": "unshare", "path": ring.path}, (),
-                                       min(self._timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000)))
-                    except StoreError as exc:  # the owner is gone or hung: nothing to tell
-                        log.warning("dmi.shared_ring_unshare_failed", error=str(exc))
+                if self._lost and self._socket is not None:  # a new socket: answered after
+                    self._socket.close()  # the lost call (the owner may still map the ring)
+                    self._socket = None
+                try:
+                    self._exchange({"method": "unshare", "path": ring.path}, (),
+                                   min(self._timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000)))
+                except StoreError as exc:  # the owner is gone or hung: nothing to tell
+                    log.warning("dmi.shared_ring_unshare_failed", error=str(exc))
                 ring.close()
             if self._socket is not None:
                 self._socket.close()
@@ -318,6 +324,7 @@ class RemoteSink:
             log.warning("dmi.shared_ring_refused", reason=str(answer[1:]), size=size)
             return None
         self._ring = ring
+        log.info("dmi.shared_ring", size=size)
         return ring
 
     def _through_ring(self, header: dict[str, Any], frames: Sequence[Any],
