@@ -2,9 +2,10 @@
 
 Through the write channel alone every byte of a batch crosses a Unix socket: libzmq's I/O
 thread of the writing process copies it into the kernel, and the owner's copies it out
-into freshly allocated messages whose pages are touched for the first time. On the owner
-that is one thread at about 0.5 CPU-s per GB (the dev box) to 0.7 (an H100 host), which
-capped a stored hidden-states capture near 1.1 GB/s while the inserts had time to spare.
+into freshly allocated messages whose pages are touched for the first time. On the dev box
+the owner spent 0.2-0.5 CPU-s per GB receiving (batches of 4 to 72 MB); on an H100 host
+one thread of the owner, most likely that one, spent 0.72 s per GB, 77 % busy, while a
+stored hidden-states capture reached 1.1 GB/s and the inserts had time to spare.
 
 With a :class:`SharedRing` the writer copies a batch's columns and payload into a memory
 mapped file under ``/dev/shm`` that both processes map (one bulk copy, the GIL released),
