@@ -50,6 +50,18 @@ def test_demo_model_refuses_to_overwrite_an_existing_checkpoint(
     assert (mine / "config.json").read_text() == '{"mine": 1}'
 
 
+@pytest.mark.parametrize(("where", "says"), [
+    ("a-file", "File exists"), ("a-file/sub", "Not a directory")])
+def test_demo_model_names_a_path_it_cannot_write_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, says: str) -> None:
+    (tmp_path / "a-file").write_text("mine")
+    assert main(["demo-model", str(tmp_path / where), "--layers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dmi-sglang demo-model: {tmp_path / where}: {says}; give a new or empty "
+                   "directory\n")
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
 @pytest.mark.parametrize("command", ["capture", "serve"])
 @pytest.mark.usefixtures("clean_env", "no_gpu_lookup")
 def test_an_empty_run_id_is_refused_not_replaced_by_a_generated_one(

@@ -328,7 +328,8 @@ def demo_model(path: Path, *, layers: int) -> int:
     """Write the small random-weight Qwen3 checkpoint (never over another checkpoint).
 
     Raises:
-        UsageError: ``path`` holds a checkpoint already (a ``config.json``).
+        UsageError: ``path`` holds a checkpoint already (a ``config.json``), or it
+            cannot be written (a file, under a file, not writable).
     """
     from dmi_sglang.app.composition import write_demo_checkpoint
 
@@ -336,7 +337,11 @@ def demo_model(path: Path, *, layers: int) -> int:
         msg = (f"{path} already holds a checkpoint (config.json), which demo-model would "
                "overwrite; give a new or empty directory")
         raise UsageError(msg)
-    where = write_demo_checkpoint(path, layers=layers)
+    try:
+        where = write_demo_checkpoint(path, layers=layers)
+    except OSError as exc:  # named by the user's path, not the library's raw error
+        msg = f"{path}: {exc.strerror or exc}; give a new or empty directory"
+        raise UsageError(msg) from None
     _out(f"wrote a {layers}-layer random-weight Qwen3 checkpoint to {where}")
     _out(f"try: dmi-sglang capture --model {shlex.quote(str(where))} --prompt 'w1 w2 w3'")
     return 0
