@@ -260,10 +260,7 @@ class RemoteSink:
         with self._lock:
             self._closed = True
             ring, self._ring = self._ring, None
-            if ring is not None:
-                if self._lost and self._socket is not None:  # a new socket: answered after
-                    self._socket.close()  # the lost call (the owner may still map the ring)
-                    self._socket = None
+            if ring is not None:  # after a lost call too: the owner may still map the ring
                 try:
                     self._exchange({"method": "unshare", "path": ring.path}, (),
                                    min(self._timeout_ms, int(AFTER_LOSS_TIMEOUT_S * 1000)))
@@ -278,12 +275,17 @@ class RemoteSink:
 
     def _exchange(self, header: dict[str, Any], frames: Sequence[Any],
                   timeout_ms: int) -> list[Any]:
-        """One exchange on this sink's socket (made on first use), under the lock: the
-        answer's JSON.
+        """One exchange on this sink's socket (made on first use, and made anew after a
+        lost exchange: the old one still waits for the lost answer, and the owner answers
+        the new one after the lost call, one call at a time), under the lock: the answer's
+        JSON.
 
         Raises:
             StoreError: no answer (the socket is unusable after it: ``_lost``).
         """
+        if self._lost and self._socket is not None:
+            self._socket.close()
+            self._socket = None
         try:
             if self._socket is None:
                 self._socket = request_socket(self.address, timeout_ms, "writes")
@@ -361,11 +363,8 @@ class RemoteSink:
                 msg = f"the remote sink of {self.address} is closed"
                 raise StoreError(msg)
             timeout_ms = self._timeout_ms
-            if self._lost:  # the old socket still waits for the lost answer: a new one,
-                timeout_ms = int(AFTER_LOSS_TIMEOUT_S * 1000)  # served
-                if self._socket is not None:  # after the lost call (one call at a time)
-                    self._socket.close()
-                    self._socket = None
+            if self._lost:  # a new socket (_exchange), served after the lost call
+                timeout_ms = int(AFTER_LOSS_TIMEOUT_S * 1000)
             try:
                 if shared:
                     header, frames = self._through_ring(header, frames, timeout_ms)
