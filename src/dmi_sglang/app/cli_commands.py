@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dmi_sglang.app.export import tensor_name
 from dmi_sglang.app.reading import CaptureStore
 from dmi_sglang.app.reference import ENGINE_KEY
 from dmi_sglang.domain.hooks import ModelHooks
@@ -127,9 +128,9 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str, partial: bool = F
                 "(--partial reads what was stored)"
             )
         for act, layer in handle.captures:
-            name = act if layer < 0 else f"{act}.{layer}"
             which = None if layer < 0 else layer
-            yield request_id, name, handle.positions(act, which), handle.get(act, which)
+            yield (request_id, tensor_name(act, layer), handle.positions(act, which),
+                   handle.get(act, which))
 
 
 def _encodable(text: str) -> bool:
@@ -168,14 +169,14 @@ def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
     found = False
     for act, layer in handle.captures:
         layer_arg = None if layer < 0 else layer
+        name = tensor_name(act, layer)
         try:
             kept = handle.partial_positions(act, layer_arg)
         except IncompleteCaptureError:  # nothing of it was stored
             if left_out is not None:
-                left_out.append(act if layer < 0 else f"{act}.{layer}")
+                left_out.append(name)
             continue
         found = True
-        name = act if layer < 0 else f"{act}.{layer}"
         every = f":{kept.step}" if kept.step > 1 else ""
         # the rows of the positions just named (a live run may store more meanwhile)
         yield (f"{name}@{kept.start}-{kept.stop}{every}", kept,
