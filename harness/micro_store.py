@@ -83,6 +83,7 @@ from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.adapters.owner import RemoteSink, SinkService
 from dmi_sglang.app import export as exporting
 from dmi_sglang.app.composition import open_capture_sink
+from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.app.store_owner import OwnedSink
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
@@ -173,6 +174,15 @@ def _ingest_input(size: int, total: int) -> tuple[list[RecordBatch], int, int, R
     run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
                   utc_now())
     return batches, sum(len(b) for b in batches), sum(b.nbytes for b in batches), run
+
+
+def _rates(runs: list[Json]) -> Json:
+    """The medians of runs through the owner or its channel: MB/s (with its spread) and
+    CPU seconds per GB of the calling process and of the owner."""
+    return {"bps": statistics.median(r["bps"] for r in runs),
+            "spread": spread_of(r["bps"] for r in runs),
+            "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in runs),
+            "owner_cpu_s_per_GB": _median(r["owner_cpu_s_per_GB"] for r in runs)}
 
 
 def _per_gb(seconds: float, nbytes: int) -> float | None:
@@ -267,31 +277,10 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "delivered": sum(t.records for t in totals) == records and stored == captured}
 
 
-class _Discards:
-    """A sink that keeps nothing it is given (the owner channel measured alone)."""
-
-    def start_run(self, run: RunInfo) -> None:
-        del run
-
-    def put(self, batch: RecordBatch) -> None:
-        del batch
-
-    def commit_requests(self, manifests: object) -> None:
-        del manifests
-
-    def flush(self) -> None:
-        pass
-
-    def finish_run(self, run: RunInfo, manifests: object) -> None:
-        del run, manifests
-
-    def close(self) -> None:
-        pass
-
-
 def _serve_discarding(address: str, ready: Any, done: Any) -> None:
-    """An owner's write channel over :class:`_Discards` until ``done`` (a spawned child)."""
-    service = SinkService(_Discards(), address)
+    """An owner's write channel over a :class:`NullSink` (it keeps nothing) until
+    ``done`` (a spawned child)."""
+    service = SinkService(NullSink(), address)
     ready.set()
     done.wait(CHANNEL_WAIT_S)
     service.close()
@@ -532,22 +521,13 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                 fresh[how].append(pool.submit(fn, root, widest, args.mb * 1_000_000, most,
                                               rep, insert_rows=args.insert_rows).result())
     owned, direct, ringed = fresh["owner"], fresh["direct"], fresh["ring"]
-    through_owner = {"payload_bytes": widest, "writers": most,
-                     "bps": statistics.median(r["bps"] for r in owned),
-                     "spread": spread_of(r["bps"] for r in owned),
-                     "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in owned),
-                     "owner_cpu_s_per_GB": _median(
-                         r["owner_cpu_s_per_GB"] for r in owned),
+    through_owner = {"payload_bytes": widest, "writers": most, **_rates(owned),
                      "finish_run_s": statistics.median(r["finish_run_s"] for r in owned),
                      "close_s": statistics.median(r["close_s"] for r in owned),
                      "direct_bps": statistics.median(r["bps"] for r in direct),
                      "direct_cpu_s_per_GB": _median(
                          r["cpu_s_per_GB"] for r in direct),
-                     "ring_bps": statistics.median(r["bps"] for r in ringed),
-                     "ring_spread": spread_of(r["bps"] for r in ringed),
-                     "ring_cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in ringed),
-                     "ring_owner_cpu_s_per_GB": _median(
-                         r["owner_cpu_s_per_GB"] for r in ringed),
+                     **{f"ring_{k}": v for k, v in _rates(ringed).items()},
                      "ring_used": all(r["shared"] for r in ringed)
                      and not any(r["shared"] for r in owned),
                      "delivered": all(r["delivered"] for r in owned + direct + ringed),
@@ -556,11 +536,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     for _ in range(args.repeat):
         for how, ring_bytes in (("socket", 0), ("ring", CHANNEL_RING_BYTES)):
             channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes))
-    channels = [{"how": how, "bps": statistics.median(r["bps"] for r in runs),
-                 "spread": spread_of(r["bps"] for r in runs),
-                 "cpu_s_per_GB": _median(r["cpu_s_per_GB"] for r in runs),
-                 "owner_cpu_s_per_GB": _median(r["owner_cpu_s_per_GB"] for r in runs),
-                 "shared": all(r["shared"] for r in runs),
+    channels = [{"how": how, **_rates(runs), "shared": all(r["shared"] for r in runs),
                  "ring_waits": sum(r["ring_waits"] for r in runs), "runs": runs}
                 for how, runs in channel.items()]
     back = readback(root, *args.readback)
