@@ -13,17 +13,22 @@ from dmi_sglang.adapters.transport.topk import chunked_topk
 SPECIALS = (float("inf"), float("-inf"), float("nan"))
 
 
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
-    rows = draw(st.integers(1, 4))
-    width = draw(st.integers(1, 120))
-    # few distinct values: many ties, within and across chunks
+def _tied_logits(draw: st.DrawFn, rows: int, width: int) -> torch.Tensor:
+    """``[rows, width]`` logits of few distinct values (many ties, within and across
+    chunks), infinities and NaN among them, in one of three dtypes."""
     pool = draw(st.lists(st.sampled_from((*range(-3, 4), *SPECIALS)), min_size=1,
                          max_size=8))
     cells = draw(st.lists(st.sampled_from(pool), min_size=rows * width,
                           max_size=rows * width))
     dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
-    logits = torch.tensor(cells, dtype=torch.float32).view(rows, width).to(dtype)
+    return torch.tensor(cells, dtype=torch.float32).view(rows, width).to(dtype)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
+    rows = draw(st.integers(1, 4))
+    width = draw(st.integers(1, 120))
+    logits = _tied_logits(draw, rows, width)
     return logits, draw(st.integers(1, width)), draw(st.integers(0, 40))
 
 
@@ -33,13 +38,7 @@ def chunked_cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
     mostly take ``torch.topk`` whole)."""
     k, chunk = draw(st.integers(1, 8)), draw(st.integers(1, 8))
     width = (2 * k + draw(st.integers(1, 6))) * chunk + draw(st.integers(0, chunk - 1))
-    rows = draw(st.integers(1, 3))
-    pool = draw(st.lists(st.sampled_from((*range(-3, 4), *SPECIALS)), min_size=1,
-                         max_size=8))
-    cells = draw(st.lists(st.sampled_from(pool), min_size=rows * width,
-                          max_size=rows * width))
-    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
-    return torch.tensor(cells, dtype=torch.float32).view(rows, width).to(dtype), k, chunk
+    return _tied_logits(draw, draw(st.integers(1, 3)), width), k, chunk
 
 
 def _same_as_torch(logits: torch.Tensor, k: int, chunk: int) -> None:
