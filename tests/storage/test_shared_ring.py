@@ -5,13 +5,16 @@ where no ring can be made or the owner refuses one, batches cross the socket as 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,6 +27,7 @@ from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.adapters.owner import RemoteSink, SinkService, _shared, _writes
 from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
 from dmi_sglang.adapters.owner._shared import SLOTS, SharedRegions, SharedRing
+from dmi_sglang.app.null_sink import NullSink
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import RunInfo, RunStatus
 from dmi_sglang.domain.store_config import StoreConfig
@@ -52,6 +56,23 @@ def _batch(step: int, rows: int = 64, run_id: str = "ring") -> RecordBatch:
 def private(tmp_path: Path) -> Path:
     tmp_path.chmod(0o700)
     return tmp_path
+
+
+@contextlib.contextmanager
+def _owner(private: Path, sink: Any, **remote: Any) -> Iterator[tuple[SinkService, RemoteSink]]:
+    """An owner's write channel over ``sink`` in ``private`` and a remote sink of it
+    (``remote``: its keywords); the channel is closed after."""
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        yield service, RemoteSink(service.address, **remote)
+    finally:
+        service.close()
+
+
+def _ring_files() -> list[str]:
+    """This process's ring files left in /dev/shm."""
+    return [f for f in os.listdir(_shared.SHARED_DIRECTORY)
+            if f.startswith(f"dmi-ring-{os.getpid()}-")]
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,17 +174,15 @@ def test_batches_cross_a_ring_much_smaller_than_them_and_are_stored_whole(
     """40 batches of 32 KiB through a 64 KiB ring into the real embedded store: puts wait
     for the owner's inserts to release regions, and every row reads back as written."""
     sink = ClickHouseSink(store)
-    service = SinkService(sink, f"ipc://{private}/writes")
-    remote = RemoteSink(service.address, timeout_s=60, shared_bytes=SLOTS + (64 << 10))
     try:
-        remote.start_run(_run("ring"))
-        for step in range(40):
-            remote.put(_batch(step))
-        assert remote.shared
-        remote.finish_run(attrs.evolve(_run("ring"), status=RunStatus.COMMITTED), [])
-        remote.close()
+        with _owner(private, sink, timeout_s=60, shared_bytes=SLOTS + (64 << 10)) as (_, remote):
+            remote.start_run(_run("ring"))
+            for step in range(40):
+                remote.put(_batch(step))
+            assert remote.shared
+            remote.finish_run(attrs.evolve(_run("ring"), status=RunStatus.COMMITTED), [])
+            remote.close()
     finally:
-        service.close()
         sink.close()
     rows = _stored(store, "ring")
     assert sorted(rows) == [("req-3", step) for step in range(40)]
@@ -193,22 +212,20 @@ class _Keeps:
 def test_a_ring_the_owner_never_releases_fails_the_put_after_the_timeout(
         private: Path) -> None:
     kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=0.5, shared_bytes=SLOTS + (80 << 10))
-    try:
-        remote.put(_batch(0))
-        remote.put(_batch(1))  # 2 x 32 KiB held: no room for a third
-        with pytest.raises(StoreError, match=r"released none of the shared ring's 2 regions "
-                                             r"in 0\.5 s"):
-            remote.put(_batch(2))
-        with pytest.raises(StoreError, match="released none"):  # sticky
-            remote.flush()
-        assert [bytes(b.payload) for b in kept.batches] == [
-            bytes(_batch(s).payload) for s in (0, 1)]
-    finally:
-        with pytest.raises(StoreError):
-            remote.close()
-        service.close()
+    with _owner(private, kept, timeout_s=0.5, shared_bytes=SLOTS + (80 << 10)) as (_, remote):
+        try:
+            remote.put(_batch(0))
+            remote.put(_batch(1))  # 2 x 32 KiB held: no room for a third
+            with pytest.raises(StoreError, match=r"released none of the shared ring's 2 "
+                                                 r"regions in 0\.5 s"):
+                remote.put(_batch(2))
+            with pytest.raises(StoreError, match="released none"):  # sticky
+                remote.flush()
+            assert [bytes(b.payload) for b in kept.batches] == [
+                bytes(_batch(s).payload) for s in (0, 1)]
+        finally:
+            with pytest.raises(StoreError):
+                remote.close()
 
 
 def test_without_room_for_a_ring_batches_cross_the_socket(
@@ -218,9 +235,7 @@ def test_without_room_for_a_ring_batches_cross_the_socket(
 
     monkeypatch.setattr(_shared.os, "posix_fallocate", full)
     kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
-    try:
+    with _owner(private, kept, timeout_s=30, shared_bytes=1 << 20) as (_, remote):
         with structlog.testing.capture_logs() as logs:
             remote.put(_batch(0))
             remote.put(_batch(1))
@@ -228,13 +243,10 @@ def test_without_room_for_a_ring_batches_cross_the_socket(
         refused = [e for e in logs if e["event"] == "dmi.shared_ring_refused"]
         assert len(refused) == 1  # tried once
         assert "No space left on device" in refused[0]["reason"]
-        assert [f for f in os.listdir(_shared.SHARED_DIRECTORY)
-                if f.startswith(f"dmi-ring-{os.getpid()}-")] == []
+        assert _ring_files() == []
         assert [bytes(b.payload) for b in kept.batches] == [
             bytes(_batch(s).payload) for s in (0, 1)]
         remote.close()
-    finally:
-        service.close()
 
 
 def test_a_ring_the_owner_refuses_leaves_the_batches_on_the_socket(
@@ -245,9 +257,7 @@ def test_a_ring_the_owner_refuses_leaves_the_batches_on_the_socket(
 
     monkeypatch.setattr(SharedRegions, "attach", refuse)
     kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
-    try:
+    with _owner(private, kept, timeout_s=30, shared_bytes=1 << 20) as (_, remote):
         with structlog.testing.capture_logs() as logs:
             remote.put(_batch(0))
         assert not remote.shared
@@ -255,31 +265,22 @@ def test_a_ring_the_owner_refuses_leaves_the_batches_on_the_socket(
         assert any("not today" in e.get("reason", "") for e in logs)
         assert len(kept.batches) == 1
         remote.close()
-    finally:
-        service.close()
 
 
 def test_a_closed_sink_gives_its_ring_up_and_leaves_no_file(private: Path) -> None:
     kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
-    try:
+    with _owner(private, kept, timeout_s=30, shared_bytes=1 << 20) as (service, remote):
         remote.put(_batch(0))
         assert remote.shared
-        assert [f for f in os.listdir(_shared.SHARED_DIRECTORY)
-                if f.startswith(f"dmi-ring-{os.getpid()}-")] == []  # mapped, then removed
+        assert _ring_files() == []  # mapped, then removed
         remote.close()
         assert service._shared._rings == {}  # the owner forgot it
         assert bytes(kept.batches[0].payload) == bytes(_batch(0).payload)  # still readable
-    finally:
-        service.close()
 
 
 def test_puts_from_several_threads_each_reach_the_owner(private: Path) -> None:
     kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
-    try:
+    with _owner(private, kept, timeout_s=30, shared_bytes=1 << 20) as (_, remote):
         threads = [threading.Thread(target=lambda s=s: remote.put(_batch(s)))
                    for s in range(8)]
         for t in threads:
@@ -290,8 +291,6 @@ def test_puts_from_several_threads_each_reach_the_owner(private: Path) -> None:
         for b in kept.batches:
             assert bytes(b.payload) == bytes(_batch(int(b.start[0])).payload)
         remote.close()
-    finally:
-        service.close()
 
 
 def test_a_region_released_out_of_order_waits_for_the_older_ones() -> None:
@@ -314,20 +313,17 @@ def test_a_region_released_out_of_order_waits_for_the_older_ones() -> None:
         ring.close()
 
 
-class _Slow:
+class _Slow(NullSink):
     """A sink that keeps nothing and takes ``delay_s`` over the put of step ``slow_step``."""
 
-    def __init__(self, slow_step: int = -1, delay_s: float = 0.0) -> None:
+    def __init__(self, slow_step: int, delay_s: float) -> None:
+        super().__init__()
         self.slow_step, self.delay_s = slow_step, delay_s
-        self.puts = 0
 
     def put(self, batch: RecordBatch) -> None:
         if int(batch.start[0]) == self.slow_step:
             time.sleep(self.delay_s)
-        self.puts += 1
-
-    def flush(self) -> None:
-        pass
+        super().put(batch)
 
 
 def test_close_waits_for_the_owner_at_most_the_after_loss_timeout(
@@ -335,11 +331,9 @@ def test_close_waits_for_the_owner_at_most_the_after_loss_timeout(
     """Another writer's put holds the owner: a closing sink's unshare gives up after the
     bounded wait, not after the 30 s its puts may wait (the socket's first timeout)."""
     monkeypatch.setattr(_writes, "AFTER_LOSS_TIMEOUT_S", 0.5)
-    service = SinkService(_Slow(slow_step=7, delay_s=3.0),  # type: ignore[arg-type]
-                          f"ipc://{private}/writes")
-    ring_sink = RemoteSink(service.address, timeout_s=30, shared_bytes=1 << 20)
-    other = RemoteSink(service.address, timeout_s=30)
-    try:
+    with _owner(private, _Slow(slow_step=7, delay_s=3.0), timeout_s=30,
+                shared_bytes=1 << 20) as (service, ring_sink):
+        other = RemoteSink(service.address, timeout_s=30)
         ring_sink.put(_batch(0))
         busy = threading.Thread(target=other.put, args=(_batch(7),))
         busy.start()
@@ -351,15 +345,11 @@ def test_close_waits_for_the_owner_at_most_the_after_loss_timeout(
         assert [e["event"] for e in logs] == ["dmi.shared_ring_unshare_failed"]
         busy.join()
         other.close()
-    finally:
-        service.close()
 
 
 def test_the_owner_forgets_the_ring_of_a_writer_that_lost_an_exchange(private: Path) -> None:
     slow = _Slow(slow_step=1, delay_s=1.5)
-    service = SinkService(slow, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    remote = RemoteSink(service.address, timeout_s=0.5, shared_bytes=1 << 20)
-    try:
+    with _owner(private, slow, timeout_s=0.5, shared_bytes=1 << 20) as (service, remote):
         remote.put(_batch(0))
         with pytest.raises(StoreError, match="did not take put"):
             remote.put(_batch(1))
@@ -368,10 +358,8 @@ def test_the_owner_forgets_the_ring_of_a_writer_that_lost_an_exchange(private: P
         deadline = time.monotonic() + 10
         while service._shared._rings and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert slow.puts == 2
+        assert slow.batches_put == 2
         assert service._shared._rings == {}
-    finally:
-        service.close()
 
 
 def test_a_ring_smaller_than_its_flags_is_refused_when_the_sink_is_made(private: Path) -> None:
