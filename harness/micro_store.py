@@ -638,13 +638,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-rows", type=ints("positions per insert: >= 1", count=1),
                    default=[EXPORT_ROWS],
                    help=f"positions each request adds per insert ({EXPORT_ROWS}; 1: decode)")
-    p.add_argument("--dir", type=Path, help="where the scratch stores go (default /var/tmp)")
+    p.add_argument("--dir", type=Path, help="where the scratch stores go, made if missing (default /var/tmp)")
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
     p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))
     args = p.parse_args(argv)  # string defaults go through their type too
     if min(args.mb, args.repeat, args.probe_mb, args.insert_rows) <= 0:
         p.error("--mb, --repeat, --probe-mb and --insert-rows must be positive")
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="dmi-store-bench-", dir=parent))
     settings = {**vars(args), "dir": str(root), "out": str(args.out), "cpus": os.cpu_count(),
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # the host it ran on

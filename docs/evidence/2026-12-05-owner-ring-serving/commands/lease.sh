@@ -20,7 +20,7 @@ for cell in "ring|store:hidden-states,store:hidden-states[DMX_OWNER_RING_MB=1024
             "sel|store:final_logits:topk(64),store:resid_pre:last"; do
     name=${cell%%|*}; modes=${cell#*|}
     [ -e "/root/w/done-$name" ] && { cp /root/w/serving-$name.* "$OUT/" 2>/dev/null; continue; }
-    left=$((580 - SECONDS))
+    left=$((${CALL_S:-580} - SECONDS))
     [ "$left" -lt 300 ] && { echo "left for the next call: $name"; exit 0; }
     DEADLINE=$left bash "$serve" "$name" "$modes" 1 | tee /root/w/serve-$name.txt
     cp "$OUT/serving-$name.json" "$OUT/logs/serving-$name.log" /root/w/ 2>/dev/null
