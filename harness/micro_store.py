@@ -638,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-rows", type=ints("positions per insert: >= 1", count=1),
                    default=[EXPORT_ROWS],
                    help=f"positions each request adds per insert ({EXPORT_ROWS}; 1: decode)")
-    p.add_argument("--dir", type=Path, help="where the scratch stores go, made if missing (default /var/tmp)")
+    p.add_argument("--dir", type=Path,
+                   help="where the scratch stores go, made if missing (default /var/tmp)")
     p.add_argument("--out", type=Path, help="JSON (default $OUT/store.json, else ./store.json)")
     p.set_defaults(**(QUICK if p.parse_known_args(argv)[0].quick else FULL))
     args = p.parse_args(argv)  # string defaults go through their type too

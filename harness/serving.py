@@ -378,6 +378,25 @@ def threads_line(figures: Json, top: int = 6) -> str:
         for r in rows) or "-")
 
 
+def store_line(figures: Json) -> str | None:
+    """A stored unit's sink: its inserts' time against the writers' waits (idle with
+    nothing queued, idle with a partial insert queued) and the time ``put`` blocked
+    (the sink's backpressure on the capture); None for a unit without a store."""
+    s = figures.get("store")
+    if not s:
+        return None
+
+    def sec(key: str) -> str:
+        value = s.get(key)
+        return "-" if value is None else f"{value:.1f} s"
+
+    return (f"store: {s.get('bytes_stored', 0) / 1e9:.1f} GB in {s.get('inserts', 0)} inserts "
+            f"by {s.get('writers', '?')} writers: inserting {sec('insert_seconds')}, idle "
+            f"{sec('writer_idle_empty_seconds')} with nothing queued and "
+            f"{sec('writer_idle_partial_seconds')} with a partial insert queued; put "
+            f"blocked {sec('put_wait_seconds')}, background sync {sec('background_sync_seconds')}")
+
+
 def cell(mode: str, env: Json | None) -> str:
     """A measured cell's name: the mode, and the settings it ran with (``--env`` and the
     mode's own) (``store:hidden-states [DMX_REQUEST_SAMPLE=0.1]``)."""
@@ -530,6 +549,8 @@ class ServingRun:
                     if units[-1].get("figures") and not units[-1].get("reused"):
                         print(f"[serving]   {use_line(units[-1]['figures'])}", flush=True)
                         print(f"[serving]   {threads_line(units[-1]['figures'])}", flush=True)
+                        if (line := store_line(units[-1]["figures"])) is not None:
+                            print(f"[serving]   {line}", flush=True)
         finally:
             self.bracket.close()
         rows = summarize(units)

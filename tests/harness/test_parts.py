@@ -30,7 +30,7 @@ from harness.engine import (
 )
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
-from harness.serving import scheduler_use, threads_line, use_line
+from harness.serving import scheduler_use, store_line, threads_line, use_line
 
 RUN = "harness-run"
 RESID = "blocks.hook_resid_pre"
@@ -499,6 +499,21 @@ def test_threads_line_names_the_monitored_runs_busiest_threads() -> None:
                                      "? (sglang::scheduler 5) 7.39 s")
     assert threads_line(figures, top=1).endswith("15.35 s")
     assert threads_line({}) == "busiest threads: -"
+
+
+def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
+    store = {"bytes_stored": 21_286_092_800, "inserts": 89, "writers": 4,
+             "insert_seconds": 48.3, "writer_idle_empty_seconds": 30.25,
+             "writer_idle_partial_seconds": 12.0, "put_wait_seconds": 17.04,
+             "background_sync_seconds": 8.78}
+    assert store_line({"store": store}) == (
+        "store: 21.3 GB in 89 inserts by 4 writers: inserting 48.3 s, idle 30.2 s with "
+        "nothing queued and 12.0 s with a partial insert queued; put blocked 17.0 s, "
+        "background sync 8.8 s")
+    older = {k: v for k, v in store.items() if "idle" not in k and "wait" not in k}
+    assert "idle - with nothing queued and - with a partial" in str(store_line({"store": older}))
+    assert store_line({"store": None}) is None
+    assert store_line({}) is None
 
 
 def test_cpu_between_counts_new_processes_from_zero_most_first() -> None:

@@ -4,6 +4,7 @@ back through the reader, without copying the payloads."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -69,6 +70,7 @@ def test_records_put_as_batches_read_back_equal(
 ) -> None:
     sink = open_sink(writers=1)
     records = _records("run", 3)
+    time.sleep(0.05)  # the writer waits for the first put meanwhile
     for part in (records[:4], records[4:9], records[9:]):  # one insert of three batches
         sink.put(RecordBatch.from_records(part))
     sink.flush()
@@ -77,6 +79,8 @@ def test_records_put_as_batches_read_back_equal(
     assert stats.bytes_stored == sum(len(r.payload) for r in records)
     assert stats.cpu_s_per_gb is not None
     assert stats.cpu_s_per_gb > 0
+    assert stats.writer_idle_empty_seconds > 0  # the writer waited for the first put
+    assert stats.put_wait_seconds == 0  # the queue never filled
     sink.close()
     reader = ClickHouseReader(store)
     stored = reader.records("run", "req-0") + reader.records("run", "req-1")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dmi_sglang.adapters.clickhouse._queue import RecordQueue, charge
+from dmi_sglang.adapters.clickhouse._queue import RecordQueue, Taken, charge
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.errors import StoreError
 
@@ -134,3 +134,28 @@ def test_a_failure_is_sticky_and_wakes_everyone() -> None:
     assert info.value is failure
     assert q.take() is None
     assert q.queued_bytes == 0
+
+
+def test_the_queue_times_blocked_puts_and_idle_writers_apart() -> None:
+    one = charge(_batch(4))
+    q = RecordQueue(max_bytes=2 * one, batch_rows=1000, linger_s=0.1, batch_bytes=2 * one)
+    assert q.waits() == (0.0, 0.0, 0.0)
+    took: list[Taken | None] = []
+    writer = _in_thread(lambda: took.append(q.take()))  # nothing queued: idle, empty
+    time.sleep(0.1)
+    q.put(_batch(4))  # half an insert: the writer lingers for the rest, then takes it
+    writer.join(5)
+    put, empty, partial = q.waits()
+    assert put == 0.0
+    assert 0.05 <= empty < 2
+    assert 0.05 <= partial < 2
+    first = took[0]
+    assert first is not None
+    q.put(_batch(4))  # with the first in flight, the bound is reached: ...
+    blocked = _in_thread(lambda: q.put(_batch(4)))
+    time.sleep(0.1)
+    assert q.waits()[0] == 0.0  # (counted once the put got its room)
+    q.done(first)  # ... a third put waits until the first is stored
+    blocked.join(5)
+    assert not blocked.is_alive()
+    assert 0.05 <= q.waits()[0] < 2

@@ -5,6 +5,9 @@ in index order (an *insert*) and report each insert done; ``done_below`` is the 
 mark (every batch with a smaller index is stored), which is what ``flush`` waits on, even
 when several writers finish their inserts out of order. Queued bytes count until the
 insert holding them is done, so the bound covers batches in flight too.
+
+The queue also times its waits (:class:`QueueWaits`): producers blocked for room, and
+writers idle with nothing queued or with batches queued that do not fill an insert yet.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections import deque
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.errors import StoreError
 
-__all__ = ["RecordQueue", "Taken", "charge"]
+__all__ = ["QueueWaits", "RecordQueue", "Taken", "charge"]
 
 _ROW_OVERHEAD = 128  # keys, shape and framing of one row, roughly
 
@@ -42,6 +45,24 @@ class Taken:
     def payload_bytes(self) -> int:
         """Payload bytes of the batches."""
         return sum(b.nbytes for b in self.batches)
+
+
+class QueueWaits:
+    """Seconds spent waiting in a :class:`RecordQueue`, summed over threads.
+
+    Attributes:
+        put_seconds: producers blocked in ``put`` for room (the sink's backpressure).
+        idle_empty_seconds: writers waiting with nothing queued.
+        idle_partial_seconds: writers waiting with batches queued that do not fill an
+            insert yet (until more come, the oldest lingered out, or a producer blocks).
+    """
+
+    __slots__ = ("idle_empty_seconds", "idle_partial_seconds", "put_seconds")
+
+    def __init__(self) -> None:
+        self.put_seconds = 0.0
+        self.idle_empty_seconds = 0.0
+        self.idle_partial_seconds = 0.0
 
 
 class RecordQueue:
@@ -77,6 +98,7 @@ class RecordQueue:
         self._urgent = 0  # flushers and blocked putters waiting: send partial inserts now
         self._closing = False
         self._failure: StoreError | None = None
+        self._waits = QueueWaits()
 
     # -- producers ---------------------------------------------------------------------
 
@@ -92,6 +114,7 @@ class RecordQueue:
             if self._bytes and self._bytes + nbytes > self._max_bytes:
                 self._urgent += 1
                 self._cond.notify_all()
+                blocked = time.monotonic()
                 try:
                     while (
                         self._failure is None
@@ -102,6 +125,7 @@ class RecordQueue:
                         self._cond.wait()
                 finally:
                     self._urgent -= 1
+                    self._waits.put_seconds += time.monotonic() - blocked
             self._raise_if_unusable()
             if not len(batch):
                 return
@@ -171,11 +195,15 @@ class RecordQueue:
                             or self._waiting_bytes >= self._batch_bytes)
                     if full or self._urgent or self._closing or wait <= 0:
                         return self._pop()
+                    idle = time.monotonic()
                     self._cond.wait(wait)
+                    self._waits.idle_partial_seconds += time.monotonic() - idle
                 elif self._closing:
                     return None
                 else:
+                    idle = time.monotonic()
                     self._cond.wait()
+                    self._waits.idle_empty_seconds += time.monotonic() - idle
 
     def _pop(self) -> Taken:
         batches: list[RecordBatch] = []
@@ -225,6 +253,13 @@ class RecordQueue:
     def failure(self) -> StoreError | None:
         """The sticky failure, if any."""
         return self._failure
+
+    def waits(self) -> tuple[float, float, float]:
+        """:class:`QueueWaits` so far: put, idle with nothing queued, idle with a
+        partial insert queued (seconds)."""
+        with self._cond:
+            w = self._waits
+            return w.put_seconds, w.idle_empty_seconds, w.idle_partial_seconds
 
     @property
     def queued_bytes(self) -> int:

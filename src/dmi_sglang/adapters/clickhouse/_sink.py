@@ -322,8 +322,10 @@ class ClickHouseSink:
     # -- extras ----------------------------------------------------------------------
 
     def stats(self) -> SinkStats:
-        """Counters so far (records, bytes, inserts, retries, writer CPU time)."""
-        return self._stats.snapshot(queued_bytes=self._queue.queued_bytes)
+        """Counters so far (records, bytes, inserts, retries, writer CPU time, the
+        queue's waits)."""
+        return self._stats.snapshot(queued_bytes=self._queue.queued_bytes,
+                                    waits=self._queue.waits())
 
     @property
     def failure(self) -> StoreError | None:

@@ -34,6 +34,11 @@ class SinkStats:
         sync_seconds: time ``finish_run`` spent syncing the embedded store's new files.
         background_sync_seconds: time the background passes spent syncing them while
             runs captured (each pass what was written since the previous one).
+        put_wait_seconds: time ``put`` blocked for room in the queue (the sink's
+            backpressure on the capture).
+        writer_idle_empty_seconds: time the writers waited with nothing queued.
+        writer_idle_partial_seconds: time the writers waited with batches queued that did
+            not fill an insert yet (for more to come, or the oldest to linger out).
         queued_bytes: bytes queued or in flight now (payload plus a row overhead).
     """
 
@@ -50,6 +55,9 @@ class SinkStats:
     writer_cpu_seconds: float = 0.0
     sync_seconds: float = 0.0
     background_sync_seconds: float = 0.0
+    put_wait_seconds: float = 0.0
+    writer_idle_empty_seconds: float = 0.0
+    writer_idle_partial_seconds: float = 0.0
     queued_bytes: int = 0
 
     @property
@@ -106,7 +114,12 @@ class StatsCounter:
         else:
             self._add(sync_seconds=seconds)
 
-    def snapshot(self, *, queued_bytes: int = 0) -> SinkStats:
-        """The counters now."""
+    def snapshot(self, *, queued_bytes: int = 0,
+                 waits: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> SinkStats:
+        """The counters now, with the queue's bytes and its waits (put, writers idle
+        with nothing queued, with a partial insert queued)."""
+        put, empty, partial = waits
         with self._lock:
-            return attrs.evolve(self._s, queued_bytes=queued_bytes)
+            return attrs.evolve(self._s, queued_bytes=queued_bytes, put_wait_seconds=put,
+                                writer_idle_empty_seconds=empty,
+                                writer_idle_partial_seconds=partial)
