@@ -48,7 +48,8 @@
   export took per GB (``owner's busy thread s/GB``, its rate measured alone in one short
   window before each; on a machine with few cores the store engine's threads and the
   client process take CPU from it too, so it counts CPU as well as the GIL, and on the
-  2-core dev box it is too noisy to compare two versions); files equal to what was
+  2-core dev box it is too noisy to compare two versions; ``-`` where the median is not
+  positive: an export too small for the probe to resolve); files equal to what was
   written.
 
 ``--quick`` runs small sizes in seconds (a dry run on any machine).
@@ -469,7 +470,8 @@ def export_cost(root: Path, requests: int, steps: int, repeat: int,
                  "file_bytes": nbytes, "equal": equal and same}
     taken = [t / nbytes * 1e9 for _, t in beside]
     out["through_owner_ms"] = statistics.median(w for w, _ in beside) * 1e3
-    out["busy_thread_s_per_GB"] = statistics.median(taken)
+    busy = statistics.median(taken)  # not positive: the export was below what the probe resolves
+    out["busy_thread_s_per_GB"] = busy if busy > 0 else None
     out["busy_thread_s_per_GB_each"] = taken
     for name, values in timed.items():
         out[f"{name}_ms"] = statistics.median(w for w, _, _ in values) * 1e3
