@@ -627,3 +627,32 @@ def test_a_server_error_no_retry_changes_is_not_retried_whatever_its_class() -> 
     busy = OperationalError("too many simultaneous queries")
     busy.code = 202  # type: ignore[attr-defined]
     assert is_transient(busy)  # TOO_MANY_SIMULTANEOUS_QUERIES: retried
+
+
+class _ManifestsFail:
+    """The sink's control client; writing the manifests table fails (not transient)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def insert(self, table: str, *args: Any, **kw: Any) -> Any:
+        if table.endswith("_manifest`"):
+            raise DatabaseError("Code: 49. DB::Exception: a logical error (LOGICAL_ERROR)")
+        return self._inner.insert(table, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_run_whose_manifests_cannot_be_written_is_recorded_failed(
+        open_sink: Callable[..., ClickHouseSink], store: StoreConfig) -> None:
+    sink = open_sink(client_factory=lambda config: _ManifestsFail(connect(config)), retries=0)
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    _put_flushed(sink, "r", 2)
+    with pytest.raises(StoreError, match="writing manifests of run"):
+        commit(sink, run, [manifest("run", "r", 2, 1)])
+    sink.close()
+    h = handle(store, "run", "r")
+    assert not h.available
+    assert h.missing[0].startswith("run 'run' is failed, not committed: writing manifests")

@@ -248,39 +248,35 @@ class ClickHouseSink:
         server store, durability is the server's (its own fsync settings).
 
         A manifest is stored as committed only when it says so, the run's status is
-        committed and the flush succeeded. When the sink has failed, the run is recorded
-        as failed (best effort, no manifest) and the failure is raised.
+        committed and the flush succeeded. When the sink has failed, or the flush, the
+        sync before the manifests or their write fails, the run is recorded as failed
+        (best effort) and the failure is raised.
 
         Raises:
             StoreError: the sticky failure, writing the manifests / run failed, or the
                 sync failed.
         """
         try:
-            try:
-                self.flush()  # the run stays live (and beating) until its final row
-            except StoreError as failure:
-                self._stop_heartbeat()
-                self._record_failed_run(run, failure)
-                raise
-            self._raise_if_unusable()
             embedded = self._config.kind is StoreKind.EMBEDDED
             committed = run.status is RunStatus.COMMITTED
-            if embedded and committed:  # the data on disk before a row says it is complete
-                self._stop_sync_passes()
-                try:
+            try:
+                self.flush()  # the run stays live (and beating) until its final row
+                self._raise_if_unusable()
+                if embedded and committed:  # the data on disk before a row says it is complete
+                    self._stop_sync_passes()
                     if self._lost_writes is not None:  # reported once: never seen again
                         lost = self._lost_writes
                         what = f"syncing the files of run {run.run_id} to disk"
                         raise store_error(what, lost, self._config) from lost
                     self._sync(run.run_id)
-                except StoreError as failure:
-                    self._stop_heartbeat()
-                    self._record_failed_run(run, failure)
-                    raise
-            rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
-            if rows:
-                self._write_control(self._tables.manifest, rows,
-                                    f"writing manifests of {run.run_id}")
+                rows = [manifest_row(m, committed=m.committed and committed) for m in manifests]
+                if rows:
+                    self._write_control(self._tables.manifest, rows,
+                                        f"writing manifests of {run.run_id}")
+            except StoreError as failure:  # the run's data or manifests are not all stored
+                self._stop_heartbeat()
+                self._record_failed_run(run, failure)
+                raise
             self._stop_heartbeat()  # no running row may land after the final one
             self._write_control(self._tables.runs, [run_row(run)],
                                 f"finishing run {run.run_id}")
