@@ -140,6 +140,35 @@ def test_a_partial_export_and_show_say_what_they_left_out(
     assert "nothing stored of 1 capture(s): blocks.hook_resid_pre.1" in capsys.readouterr().out
 
 
+def test_a_partial_export_to_stdout_says_on_stderr_what_it_left_out(
+        tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    from safetensors.torch import load
+
+    url = _partial_store(tmp_path / "captures")
+    capsysbinary.readouterr()  # the store's own log while it was made
+    assert main(["export", "part-1", "req-0", "--partial", "--out", "-", "--db", url]) == 0
+    out, err = capsysbinary.readouterr()
+    assert list(load(out)) == ["blocks.hook_resid_pre.0@0-4"]  # stdout: the file alone
+    assert err.decode() == ("exported 1 tensors to stdout: partial, the stored positions "
+                            "only; nothing stored of 1 capture(s): blocks.hook_resid_pre.1\n")
+
+
+def test_partial_reads_of_a_complete_request_say_it_is_complete(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.app.test_cli import RUN, _populate
+
+    _populate(tmp_path / "captures")
+    url = f"chdb://{tmp_path}/captures"
+    assert main(["show", RUN, "req-0", "--partial", "--db", url]) == 0
+    said = capsys.readouterr().out
+    assert "(--partial: the request is complete)" in said
+    assert "partial: stored positions only" not in said
+    out = tmp_path / "x.safetensors"
+    assert main(["export", RUN, "req-0", "--partial", "--out", str(out), "--db", url]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "the request is complete (--partial changed nothing)")
+
+
 def test_an_unwritable_out_is_named_not_the_temporary_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.app.test_cli import RUN, _populate

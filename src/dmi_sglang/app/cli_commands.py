@@ -101,12 +101,31 @@ def ls(store: StoreConfig, run_id: str | None) -> int:
     return 0
 
 
-def _tensors(store: StoreConfig, run_id: str, request_id: str, partial: bool = False,
-             left_out: list[str] | None = None) -> Iterator[tuple[str, str, range, Any]]:
+class _PartialRead:
+    """What a ``--partial`` read found besides its tensors: whether the request was
+    complete after all, and the captures that stored no position."""
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.left_out: list[str] = []
+
+    def said(self) -> str:
+        """How the read went, for the line a command prints after it."""
+        if self.complete:
+            return "the request is complete (--partial changed nothing)"
+        said = "partial, the stored positions only"
+        if self.left_out:
+            said += (f"; nothing stored of {len(self.left_out)} capture(s): "
+                     f"{', '.join(self.left_out)}")
+        return said
+
+
+def _tensors(store: StoreConfig, run_id: str, request_id: str,
+             partial: _PartialRead | None = None) -> Iterator[tuple[str, str, range, Any]]:
     """``(request id, name, positions, tensor)`` of every capture of a request, in the
     run's capture order; the request id as stored (``request_id`` may be the escaped form
     ``ls`` printed). ``partial``: what was stored, each hook up to its first missing
-    position (the captures that stored none are appended to ``left_out``)."""
+    position (what else the read found is noted in it)."""
     captures = CaptureStore(store)
     with captures.session():
         captures.require_run(run_id)
@@ -115,9 +134,8 @@ def _tensors(store: StoreConfig, run_id: str, request_id: str, partial: bool = F
             msg = (f"run '{_shown(run_id)}' holds nothing of a request '{_shown(request_id)}' "
                    f"(`dmi-sglang ls {_shown(run_id)}{_db_flag(store)}` lists its requests)")
             raise NotInStoreError(msg)
-        if partial:
-            for name, kept, tensor in _partial_tensors(captures, run_id, request_id,
-                                                       left_out):
+        if partial is not None:
+            for name, kept, tensor in _partial_tensors(captures, run_id, request_id, partial):
                 yield request_id, name, kept, tensor
             return
         handle = captures.handle(run_id, request_id)
@@ -157,14 +175,16 @@ def _typed_request_id(captures: CaptureStore, run_id: str, typed: str) -> str:
 
 
 def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
-                     left_out: list[str] | None = None) -> Iterator[tuple[str, range, Any]]:
-    """What ``--partial`` reads: each capture up to its first missing position; the
-    captures that stored none are appended to ``left_out``.
+                     report: _PartialRead) -> Iterator[tuple[str, range, Any]]:
+    """What ``--partial`` reads: each capture up to its first missing position; whether
+    the request is complete, and the captures that stored none, go into ``report``
+    (before the first tensor, and as they are met).
 
     Raises:
         IncompleteCaptureError: no capture of the request stored a position (nothing
             to read, even partially).
     """
+    report.complete = captures.handle(run_id, request_id).available
     handle = captures.handle(run_id, request_id, partial=True)
     found = False
     for act, layer in handle.captures:
@@ -173,8 +193,7 @@ def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
         try:
             kept = handle.partial_positions(act, layer_arg)
         except IncompleteCaptureError:  # nothing of it was stored
-            if left_out is not None:
-                left_out.append(name)
+            report.left_out.append(name)
             continue
         found = True
         every = f":{kept.step}" if kept.step > 1 else ""
@@ -189,13 +208,16 @@ def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
 
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
-    header = [f"run {_shown(run_id)}  request {_shown(request_id)}"
-              + ("  (partial: stored positions only)" if partial else ""),
-              f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
-    left_out: list[str] = []
-    for _, name, span, tensor in _tensors(store, run_id, request_id, partial, left_out):
-        for line in header:  # only once the request resolved
-            _out(line)
+    read = _PartialRead() if partial else None
+    header = [f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
+    for _, name, span, tensor in _tensors(store, run_id, request_id, read):
+        if header:  # only once the request resolved
+            title = f"run {_shown(run_id)}  request {_shown(request_id)}"
+            if read is not None:  # known before the first tensor
+                title += ("  (--partial: the request is complete)" if read.complete
+                          else "  (partial: stored positions only)")
+            _out(title)
+            _out(header[0])
         header = []
         norm = f"{float(tensor.float().norm()):>12.4f}" if tensor.is_floating_point() else (
             f"{'-':>12}")
@@ -203,14 +225,9 @@ def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = Fa
         where = f"[{span.start}, {span.stop})"  # as get(start=, end=) takes them
         where += f" every {span.step}" if span.step > 1 else ""
         _out(f"{name:<36} {where:<18} {shape:<22} {tensor.dtype!s:<16} {norm}")
-    if left_out:
-        _out(_nothing_stored(left_out))
+    if read is not None and read.left_out:
+        _out(read.said())
     return 0
-
-
-def _nothing_stored(left_out: Sequence[str]) -> str:
-    """What ``--partial`` says of the captures that stored no position."""
-    return f"nothing stored of {len(left_out)} capture(s): {', '.join(left_out)}"
 
 
 def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
@@ -227,8 +244,8 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     tensors: dict[str, Any] = {}
     positions: dict[str, list[int]] = {}  # as the server's export names them
     named = request_id
-    left_out: list[str] = []  # --partial: captures that stored no position
-    for stored, name, span, t in _tensors(store, run_id, request_id, partial, left_out):
+    read = _PartialRead() if partial else None
+    for stored, name, span, t in _tensors(store, run_id, request_id, read):
         named = stored if _encodable(stored) else request_id  # the id, not its escaped form
         if span:  # a capture that kept no position has no rows to write (nor does the server)
             tensors[name] = t.contiguous()
@@ -238,6 +255,8 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
     if target is None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
+        if read is not None:  # the file went to stdout: the note goes to stderr
+            print(f"exported {len(tensors)} tensors to stdout: {read.said()}", file=sys.stderr)
         return 0
     try:
         _write_atomically(target, data)
@@ -245,10 +264,8 @@ def export(store: StoreConfig, run_id: str, request_id: str, out: str, *,
         msg = f"--out {out}: {exc.strerror or exc}; give a file path in a writable directory"
         raise UsageError(msg) from None
     said = f"wrote {len(tensors)} tensors ({_mib(len(data))}) to {target}"
-    if partial:
-        said += ": partial, the stored positions only"
-        if left_out:
-            said += f"; {_nothing_stored(left_out)}"
+    if read is not None:
+        said += f": {read.said()}"
     _out(said)
     return 0
 
