@@ -199,11 +199,12 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 
 def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
-           insert_rows: int = INSERT_ROWS) -> Json:
+           insert_rows: int = INSERT_ROWS, insert_mb: int = 0) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
     path = root / f"ingest-{size}-{writers}-{rep}"
     batches, records, captured, run = _ingest_input(size, total)
-    config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path), insert_rows=insert_rows)
+    config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path), insert_rows=insert_rows,
+                         insert_mb=insert_mb)
     sink = ClickHouseSink(config, writers=writers)
     os.sync()  # the previous run's writeback is not this run's
     started, cpu = time.perf_counter(), time.process_time()
@@ -232,7 +233,8 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
 
 
 def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: int, *,
-                         insert_rows: int = INSERT_ROWS, ring_mb: int = 0) -> Json:
+                         insert_rows: int = INSERT_ROWS, insert_mb: int = 0,
+                         ring_mb: int = 0) -> Json:
     """The same ingest as a capture makes it: through the store owner process that a
     scheduler starts (``open_capture_sink``; with ``ring_mb``, ``DMX_OWNER_RING_MB``),
     timed from the run's start until ``close`` returned (the owner ended); CPU seconds per
@@ -242,7 +244,8 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
     batches, records, captured, run = _ingest_input(size, total)
     settings = Settings.from_kwargs(
         {"dmx_db_url": f"chdb://{path}", "dmx_ch_writers": str(writers),
-         "dmx_ch_insert_rows": str(insert_rows), "dmx_owner_ring_mb": str(ring_mb)},
+         "dmx_ch_insert_rows": str(insert_rows), "dmx_ch_insert_mb": str(insert_mb),
+         "dmx_owner_ring_mb": str(ring_mb)},
         env={}).resolve(model_path="/models/bench")
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     sink = open_capture_sink(settings)
@@ -491,7 +494,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             runs = []
             for rep in range(args.repeat):  # probe, run, probe, run, probe ...
                 runs.append(ingest(root, size, args.mb * 1_000_000, writers, rep,
-                                   insert_rows=args.insert_rows))
+                                   insert_rows=args.insert_rows, insert_mb=args.insert_mb))
                 probes.append(measure_disk_bps(root, probe_bytes))
             ratios = [r["compression"] for r in runs if r["compression"]]
             rows.append({"payload_bytes": size, "writers": writers,
@@ -521,7 +524,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
         for rep in range(args.repeat):  # each in a new process: all start the engine cold
             for how, fn in ways:
                 fresh[how].append(pool.submit(fn, root, widest, args.mb * 1_000_000, most,
-                                              rep, insert_rows=args.insert_rows).result())
+                                              rep, insert_rows=args.insert_rows,
+                                              insert_mb=args.insert_mb).result())
     owned, direct, ringed = fresh["owner"], fresh["direct"], fresh["ring"]
     through_owner = {"payload_bytes": widest, "writers": most, **_rates(owned),
                      "finish_run_s": statistics.median(r["finish_run_s"] for r in owned),
@@ -593,8 +597,10 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "one tensor a query ms": cost["per_tensor_ms"],
                   "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
                   "read": "equal" if cost["equal"] else "DIFFERENT"})
+    most_mb = (f"{args.insert_mb} MiB" if args.insert_mb
+               else "a quarter of the queue's MiB")
     note = (f"{args.mb} MB a run, median of {args.repeat}, at most {args.insert_rows} records "
-            f"an insert; disk {disk / 1e6:,.0f} MB/s (synced "
+            f"and {most_mb} an insert; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "
             f"{spread_of(probes):.2f}); MB/s: until finish_run (inserted, synced) and close "
             "returned; synced MB/s: until a later os.sync() returned; cpu s/GB: the whole "
@@ -628,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
                                         even=True), help=f"payload bytes ({FULL['sizes']})")
     p.add_argument("--insert-rows", type=int, default=INSERT_ROWS,
                    help=f"most records per insert (DMX_CH_INSERT_ROWS, default {INSERT_ROWS})")
+    p.add_argument("--insert-mb", type=int, default=0,
+                   help="most payload MiB per insert (DMX_CH_INSERT_MB; default 0: the "
+                        "sink's rule, a quarter of the queue, at most 256)")
     p.add_argument("--writers", type=ints("writer threads >= 1, separated by commas"),
                    help=f"writer threads (default {FULL['writers']})")
     p.add_argument("--repeat", type=int, help=f"runs per configuration ({FULL['repeat']})")
@@ -647,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # string defaults go through their type too
     if min(args.mb, args.repeat, args.probe_mb, args.insert_rows) <= 0:
         p.error("--mb, --repeat, --probe-mb and --insert-rows must be positive")
+    if args.insert_mb < 0:
+        p.error(f"--insert-mb {args.insert_mb}: 0 (the sink's rule) or a positive MiB")
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)

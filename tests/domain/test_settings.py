@@ -14,7 +14,7 @@ from dmi_sglang.domain.settings import (
     ignored_variables,
     monitoring_requested,
 )
-from dmi_sglang.domain.store_config import StoreKind
+from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
 NOW = datetime(2026, 11, 29, 15, 4, 5, tzinfo=UTC)
@@ -31,8 +31,23 @@ def test_defaults_match_the_settings_table() -> None:
     assert (s.db_port, s.db_database, s.db_table) == (None, "default", "offload")
     assert (s.ch_user, s.ch_password, s.ch_secure, s.ch_compression) == ("default", "", False,
                                                                          "lz4")
-    assert (s.ch_insert_rows, s.ch_queue_mb) == (131_072, 1024)
+    assert (s.ch_insert_rows, s.ch_insert_mb, s.ch_queue_mb) == (131_072, 0, 1024)
     assert s.preload_libstdcxx == "auto"
+
+
+def test_an_insert_holds_a_quarter_of_the_queue_unless_set() -> None:
+    mib = 1 << 20
+
+    def store(**env: str) -> StoreConfig:
+        return Settings.from_env(env).resolve(model_path="/m", cwd="/w").store()
+
+    assert store().insert_bytes == 256 * mib  # a 1024 MiB queue
+    assert store(DMX_CH_QUEUE_MB="8192").insert_bytes == 256 * mib  # at most 256 MiB
+    assert store(DMX_CH_QUEUE_MB="100").insert_bytes == 25 * mib
+    assert store(DMX_CH_QUEUE_MB="1").insert_bytes == 256 * 1024
+    assert store(DMX_CH_INSERT_MB="128").insert_bytes == 128 * mib
+    fixed = store(DMX_CH_INSERT_MB="512", DMX_CH_QUEUE_MB="100")
+    assert fixed.insert_bytes == 512 * mib  # as set, even beyond the queue
 
 
 def test_resolution_fills_run_id_and_embedded_store() -> None:

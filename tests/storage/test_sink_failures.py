@@ -83,6 +83,25 @@ def test_inserts_join_whole_batches_up_to_insert_rows_and_partial_ones_linger_ou
     assert len(ClickHouseReader(config).records("run", "r3")) == 35
 
 
+@pytest.mark.parametrize(("env", "at_least"), [
+    ({"queue_mb": 2}, 4),  # a quarter of 2 MiB: 512 KiB an insert
+    ({"queue_mb": 64, "insert_mb": 1}, 2),  # as set (a quarter of the queue is 16 MiB)
+])
+def test_an_insert_holds_at_most_its_share_of_the_queue(
+    open_sink: Callable[..., ClickHouseSink], tmp_path: Any, env: dict[str, int],
+    at_least: int,
+) -> None:
+    config = embedded(str(tmp_path / "s"), writers=4, **env)
+    sink = open_sink(config)
+    rows = torch.randn(8, 200 * 256)  # 8 one-row records of 200 KiB (float32)
+    for k in range(8):
+        sink.put(batch_of("run", "r", RESID, 0, rows[k:k + 1], [k, k + 1], base=k))
+    sink.flush()
+    stats = sink.stats()
+    assert stats.records_stored == 8
+    assert stats.inserts >= at_least  # two 200 KiB records fit 512 KiB, five fit 1 MiB
+
+
 def test_transient_errors_are_retried(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig
 ) -> None:

@@ -426,6 +426,7 @@ _VARS: dict[str, _Var] = {
                                        "lz4, zstd, gzip, none")
     ),
     "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
+    "CH_INSERT_MB": _Var("ch_insert_mb", 0, _conv(*_bounded(0, 65_536))),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
     "CH_WRITERS": _Var("ch_writers", 4, _conv(*_bounded(1, 64))),
     "OWNER_RING_MB": _Var("owner_ring_mb", 0, _conv(*_bounded(0, 65_536))),
@@ -487,6 +488,7 @@ class Settings:
     ch_secure: bool = False
     ch_compression: str = "lz4"
     ch_insert_rows: int = 131_072
+    ch_insert_mb: int = 0
     ch_queue_mb: int = 1024
     ch_writers: int = 4
     owner_ring_mb: int = 0
@@ -641,6 +643,7 @@ class Settings:
             password=url.password if url.password is not None else self.ch_password,
             compression=self.ch_compression,
             insert_rows=self.ch_insert_rows,
+            insert_mb=self.ch_insert_mb,
             queue_mb=self.ch_queue_mb,
             writers=self.ch_writers,
             flush_timeout_us=self.drain_flush_timeout_us,

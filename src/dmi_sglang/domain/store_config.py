@@ -56,6 +56,8 @@ class StoreConfig:
         user / password: server credentials.
         compression: client wire compression (``lz4``, ``zstd``, ``none``).
         insert_rows: most records per insert.
+        insert_mb: most payload MiB per insert, unless one batch alone holds more; 0:
+            :meth:`insert_bytes` decides.
         queue_mb: bound of the sink's queue; ``put`` blocks beyond it (never drops).
         writers: inserting threads, each with its own client (inserts run in parallel;
             the embedded engine releases the GIL while it works).
@@ -75,10 +77,21 @@ class StoreConfig:
     password: str = attrs.field(default="", repr=False)
     compression: str = "lz4"
     insert_rows: int = 131_072
+    insert_mb: int = 0
     queue_mb: int = 1024
     writers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     flush_timeout_us: int = 400_000
     timeout_s: int = 30
+
+    @property
+    def insert_bytes(self) -> int:
+        """Most payload bytes per insert: ``insert_mb``, or by default a quarter of the
+        queue, at most 256 MiB (several inserts in flight, none a huge block). The
+        queue's bound counts inserts in flight too, so with four writers the default
+        lets them fill it, leaving no batch waiting behind them."""
+        if self.insert_mb:
+            return self.insert_mb << 20
+        return max(1, min(256 << 20, (self.queue_mb << 20) // 4))
 
     @property
     def url(self) -> str:

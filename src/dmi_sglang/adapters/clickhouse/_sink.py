@@ -100,8 +100,6 @@ class ClickHouseSink:
         retries: retries of a transient insert failure before it becomes sticky.
         backoff_s: first retry delay; doubles per retry, at most 5 s (also the first
             delay of the repeats after TOO_MANY_PARTS).
-        batch_mb: most payload MiB per insert (0: a quarter of ``queue_mb``, at most
-            256 MiB).
         client_factory: opens the control client (tables, runs, manifests, merges;
             default :func:`connect`); a seam for tests.
         inserter_factory: opens a writer's connection (default
@@ -118,7 +116,6 @@ class ClickHouseSink:
         writers: int | None = None,
         retries: int = 5,
         backoff_s: float = 0.1,
-        batch_mb: int = 0,
         client_factory: ClientFactory | None = None,
         inserter_factory: InserterFactory | None = None,
         heartbeat_s: float | None = None,
@@ -134,11 +131,12 @@ class ClickHouseSink:
         self._backoff_s = backoff_s
         self._factory: ClientFactory = client_factory or connect
         wire_compression(config)  # an unsupported setting fails before connecting
+        count = config.writers if writers is None else max(1, writers)
         self._queue = RecordQueue(
             max_bytes=config.queue_mb << 20,
             batch_rows=config.insert_rows,
             linger_s=config.flush_timeout_us / 1e6,
-            batch_bytes=batch_mb << 20,
+            batch_bytes=config.insert_bytes,
         )
         self._stats = StatsCounter()
         self._control_lock = threading.Lock()
@@ -161,7 +159,6 @@ class ClickHouseSink:
         try:
             self._control = self._factory(config)
             self._run_control("creating the capture tables", self._tables.ensure)
-            count = config.writers if writers is None else max(1, writers)
             opener = inserter_factory or open_inserter
             for _ in range(count):
                 self._inserters.append(opener(config))
