@@ -89,7 +89,7 @@ from dmi_sglang.app.store_owner import OwnedSink
 from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.settings import Settings
-from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import CHANNEL_WAIT_S, DISK_PROBE_BYTES
 from harness.docs import table_lines
@@ -598,7 +598,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
                   "read": "equal" if cost["equal"] else "DIFFERENT"})
     most_mb = (f"{args.insert_mb} MiB" if args.insert_mb
-               else "a quarter of the queue's MiB")
+               else "a quarter of the queue's MiB, at most 256")
     note = (f"{args.mb} MB a run, median of {args.repeat}, at most {args.insert_rows} records "
             f"and {most_mb} an insert; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "
@@ -656,11 +656,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # string defaults go through their type too
     if min(args.mb, args.repeat, args.probe_mb, args.insert_rows) <= 0:
         p.error("--mb, --repeat, --probe-mb and --insert-rows must be positive")
-    if args.insert_mb < 0:
-        p.error(f"--insert-mb {args.insert_mb}: 0 (the sink's rule) or a positive MiB")
+    if not 0 <= args.insert_mb <= INSERT_MB_MAX:
+        p.error(f"--insert-mb {args.insert_mb}: 0 (the sink's rule) or 1 to "
+                f"{INSERT_MB_MAX:,} MiB")
     parent = args.dir or (Path("/var/tmp") if os.path.isdir("/var/tmp") else None)
     if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--dir {parent}: {exc.strerror or exc}; give a directory, made if missing")
     root = Path(tempfile.mkdtemp(prefix="dmi-store-bench-", dir=parent))
     settings = {**vars(args), "dir": str(root), "out": str(args.out), "cpus": os.cpu_count(),
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # the host it ran on

@@ -394,7 +394,8 @@ def store_line(figures: Json) -> str | None:
             f"by {s.get('writers', '?')} writers: inserting {sec('insert_seconds')}, idle "
             f"{sec('writer_idle_empty_seconds')} with nothing queued and "
             f"{sec('writer_idle_partial_seconds')} with a partial insert queued; put "
-            f"blocked {sec('put_wait_seconds')}, background sync {sec('background_sync_seconds')}")
+            f"blocked {sec('put_wait_seconds')}, background sync {sec('background_sync_seconds')} "
+            "(the writers' seconds summed over them, idle from the first batch on)")
 
 
 def cell(mode: str, env: Json | None) -> str:

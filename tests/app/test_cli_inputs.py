@@ -166,7 +166,8 @@ def test_partial_reads_of_a_complete_request_say_it_is_complete(
     out = tmp_path / "x.safetensors"
     assert main(["export", RUN, "req-0", "--partial", "--out", str(out), "--db", url]) == 0
     assert capsys.readouterr().out.rstrip().endswith(
-        "the request is complete (--partial changed nothing)")
+        "the request is complete: every position is in it (named as --partial names them, "
+        "NAME@START-STOP)")
 
 
 def test_an_unwritable_out_is_named_not_the_temporary_file(

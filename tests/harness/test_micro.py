@@ -63,12 +63,13 @@ def store_run(tmp_path_factory: pytest.TempPathFactory) -> Ran:
     from harness.micro_store import main
 
     tmp, printed = tmp_path_factory.mktemp("store"), io.StringIO()
-    out = tmp / "results" / "store.json"
+    out, scratch = tmp / "results" / "store.json", tmp / "not" / "yet"
     with contextlib.redirect_stdout(printed):
         assert main(["--quick", "--mb", "2", "--sizes", "16384", "--writers", "1,2",
                      "--repeat", "2", "--probe-mb", "4", "--readback", "2,8,8",
-                     "--dir", str(tmp), "--out", str(out)]) == 0
-    assert not list(tmp.glob("dmi-store-bench-*"))  # the scratch stores are gone
+                     "--dir", str(scratch), "--out", str(out)]) == 0
+    assert scratch.is_dir()  # made
+    assert not list(scratch.glob("dmi-store-bench-*"))  # the scratch stores are gone
     return _result(out, "store"), printed.getvalue()
 
 
@@ -317,6 +318,8 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
      "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
     ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
+    ("micro_store", ["--insert-mb", "-1"], "--insert-mb -1: 0 (the sink's rule) or 1 to 65,536"),
+    ("micro_store", ["--insert-mb", "70000"], "--insert-mb 70000: 0 (the sink's rule) or 1 to"),
     ("micro_copies", ["--pieces-mb", "8,-1"],
      "argument --pieces-mb: '8,-1': expected integers >= 0 separated by commas"),
     ("micro_copies", ["--device", "cpu", "--bulk-mb", "4", "--pieces-mb", "8"],
@@ -339,6 +342,20 @@ def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_store_refuses_a_dir_that_is_a_file(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _needs_torch()
+    from harness.micro_store import main
+
+    taken = tmp_path / "file"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--dir", str(taken / "sub"), "--out", str(tmp_path / "r.json")])
+    assert exc.value.code == 2
+    assert f"--dir {taken / 'sub'}: Not a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing ran
 
 
 @pytest.mark.torch

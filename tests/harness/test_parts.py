@@ -509,7 +509,8 @@ def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
     assert store_line({"store": store}) == (
         "store: 21.3 GB in 89 inserts by 4 writers: inserting 48.3 s, idle 30.2 s with "
         "nothing queued and 12.0 s with a partial insert queued; put blocked 17.0 s, "
-        "background sync 8.8 s")
+        "background sync 8.8 s (the writers' seconds summed over them, idle from the first "
+        "batch on)")
     older = {k: v for k, v in store.items() if "idle" not in k and "wait" not in k}
     assert "idle - with nothing queued and - with a partial" in str(store_line({"store": older}))
     assert store_line({"store": None}) is None

@@ -70,7 +70,7 @@ def test_records_put_as_batches_read_back_equal(
 ) -> None:
     sink = open_sink(writers=1)
     records = _records("run", 3)
-    time.sleep(0.05)  # the writer waits for the first put meanwhile
+    time.sleep(0.05)  # the writer waits for the first put: not counted as idle
     for part in (records[:4], records[4:9], records[9:]):  # one insert of three batches
         sink.put(RecordBatch.from_records(part))
     sink.flush()
@@ -79,7 +79,7 @@ def test_records_put_as_batches_read_back_equal(
     assert stats.bytes_stored == sum(len(r.payload) for r in records)
     assert stats.cpu_s_per_gb is not None
     assert stats.cpu_s_per_gb > 0
-    assert stats.writer_idle_empty_seconds > 0  # the writer waited for the first put
+    assert stats.writer_idle_empty_seconds < 0.05  # only since the first put
     assert stats.put_wait_seconds == 0  # the queue never filled
     sink.close()
     reader = ClickHouseReader(store)

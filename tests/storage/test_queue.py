@@ -141,21 +141,28 @@ def test_the_queue_times_blocked_puts_and_idle_writers_apart() -> None:
     q = RecordQueue(max_bytes=2 * one, batch_rows=1000, linger_s=0.1, batch_bytes=2 * one)
     assert q.waits() == (0.0, 0.0, 0.0)
     took: list[Taken | None] = []
-    writer = _in_thread(lambda: took.append(q.take()))  # nothing queued: idle, empty
-    time.sleep(0.1)
+    writer = _in_thread(lambda: took.append(q.take()))
+    time.sleep(0.1)  # before the first batch: a sink waiting for its capture, not counted
     q.put(_batch(4))  # half an insert: the writer lingers for the rest, then takes it
     writer.join(5)
     put, empty, partial = q.waits()
-    assert put == 0.0
-    assert 0.05 <= empty < 2
+    assert (put, empty) == (0.0, 0.0)
     assert 0.05 <= partial < 2
-    first = took[0]
+    first = took.pop()
     assert first is not None
-    q.put(_batch(4))  # with the first in flight, the bound is reached: ...
+    q.done(first)
+    writer = _in_thread(lambda: took.append(q.take()))  # nothing queued now: counted
+    time.sleep(0.1)
+    q.put(_batch(4))
+    q.put(_batch(4))  # a full insert: taken at once
+    writer.join(5)
+    assert 0.05 <= q.waits()[1] < 2
+    second = took.pop()
+    assert second is not None  # in flight: the bound is reached, ...
     blocked = _in_thread(lambda: q.put(_batch(4)))
     time.sleep(0.1)
     assert q.waits()[0] == 0.0  # (counted once the put got its room)
-    q.done(first)  # ... a third put waits until the first is stored
+    q.done(second)  # ... so a third put waited until it was stored
     blocked.join(5)
     assert not blocked.is_alive()
     assert 0.05 <= q.waits()[0] < 2

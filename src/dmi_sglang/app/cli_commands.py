@@ -112,7 +112,8 @@ class _PartialRead:
     def said(self) -> str:
         """How the read went, for the line a command prints after it."""
         if self.complete:
-            return "the request is complete (--partial changed nothing)"
+            return ("the request is complete: every position is in it (named as --partial "
+                    "names them, NAME@START-STOP)")
         said = "partial, the stored positions only"
         if self.left_out:
             said += (f"; nothing stored of {len(self.left_out)} capture(s): "

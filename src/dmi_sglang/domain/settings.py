@@ -22,7 +22,7 @@ import attrs
 
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RING_MB_MAX
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
-from dmi_sglang.domain.store_config import StoreConfig, StoreKind
+from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
 __all__ = [
@@ -46,7 +46,7 @@ NATIVE_PORT = 9000
 LEGACY_IGNORED: Mapping[str, str] = {
     "CH_PARALLELISM": "DMI's insert parallelism; here DMX_CH_WRITERS sets the inserting threads",
     "CH_MAX_BATCH_ITEMS": "DMI's insert batch size; here DMX_CH_INSERT_ROWS sets it",
-    "CH_MAX_BATCH_BYTES": "DMI's insert batch bytes; here DMX_CH_QUEUE_MB bounds the queue",
+    "CH_MAX_BATCH_BYTES": "DMI's insert batch bytes; here DMX_CH_INSERT_MB sets them",
     "STEP_DEBUG": "DMI's per-step debug switch; it has no counterpart here",
     "DRAIN_COPY_THREADS": "decode rows are coalesced on the GPU now; no host copy threads",
 }
@@ -426,7 +426,7 @@ _VARS: dict[str, _Var] = {
                                        "lz4, zstd, gzip, none")
     ),
     "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
-    "CH_INSERT_MB": _Var("ch_insert_mb", 0, _conv(*_bounded(0, 65_536))),
+    "CH_INSERT_MB": _Var("ch_insert_mb", 0, _conv(*_bounded(0, INSERT_MB_MAX))),
     "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
     "CH_WRITERS": _Var("ch_writers", 4, _conv(*_bounded(1, 64))),
     "OWNER_RING_MB": _Var("owner_ring_mb", 0, _conv(*_bounded(0, 65_536))),

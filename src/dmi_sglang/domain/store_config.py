@@ -9,7 +9,8 @@ import tempfile
 
 import attrs
 
-__all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "StoreConfig", "StoreKind", "channel_directory"]
+__all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "INSERT_MB_MAX", "StoreConfig", "StoreKind",
+           "channel_directory"]
 
 CHANNEL_DIRECTORY_MAX_BYTES = 90
 """Longest directory (bytes) for the store's IPC channel sockets (``reads``, ``writes``):
@@ -41,6 +42,10 @@ class StoreKind(enum.Enum):
     """A ClickHouse server over HTTP(S)."""
     NONE = "none"
     """No persistence (transport-only runs, for benchmarks)."""
+
+
+INSERT_MB_MAX = 65_536
+"""The largest ``insert_mb`` (``DMX_CH_INSERT_MB``) accepted."""
 
 
 @attrs.frozen

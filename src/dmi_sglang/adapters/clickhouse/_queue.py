@@ -52,7 +52,8 @@ class QueueWaits:
 
     Attributes:
         put_seconds: producers blocked in ``put`` for room (the sink's backpressure).
-        idle_empty_seconds: writers waiting with nothing queued.
+        idle_empty_seconds: writers waiting with nothing queued, from the first batch on
+            (not while the sink waits for its capture to begin).
         idle_partial_seconds: writers waiting with batches queued that do not fill an
             insert yet (until more come, the oldest lingered out, or a producer blocks).
     """
@@ -202,8 +203,10 @@ class RecordQueue:
                     return None
                 else:
                     idle = time.monotonic()
+                    counted = self._next_index > 0  # not before the first batch
                     self._cond.wait()
-                    self._waits.idle_empty_seconds += time.monotonic() - idle
+                    if counted:
+                        self._waits.idle_empty_seconds += time.monotonic() - idle
 
     def _pop(self) -> Taken:
         batches: list[RecordBatch] = []
@@ -255,8 +258,8 @@ class RecordQueue:
         return self._failure
 
     def waits(self) -> tuple[float, float, float]:
-        """:class:`QueueWaits` so far: put, idle with nothing queued, idle with a
-        partial insert queued (seconds)."""
+        """The :class:`QueueWaits` figures so far, as ``(put_seconds,
+        idle_empty_seconds, idle_partial_seconds)``."""
         with self._cond:
             w = self._waits
             return w.put_seconds, w.idle_empty_seconds, w.idle_partial_seconds
