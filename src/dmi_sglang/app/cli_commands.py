@@ -210,16 +210,16 @@ def _partial_tensors(captures: CaptureStore, run_id: str, request_id: str,
 def show(store: StoreConfig, run_id: str, request_id: str, *, partial: bool = False) -> int:
     """Hooks, layers, shapes, dtypes and norms of one request."""
     read = _PartialRead() if partial else None
-    header = [f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}"]
+    titled = False
     for _, name, span, tensor in _tensors(store, run_id, request_id, read):
-        if header:  # only once the request resolved
+        if not titled:  # only once the request resolved
             title = f"run {_shown(run_id)}  request {_shown(request_id)}"
             if read is not None:  # known before the first tensor
                 title += ("  (--partial: the request is complete)" if read.complete
                           else "  (partial: stored positions only)")
             _out(title)
-            _out(header[0])
-        header = []
+            _out(f"{'capture':<36} {'positions':<18} {'shape':<22} {'dtype':<16} {'norm':>12}")
+            titled = True
         norm = f"{float(tensor.float().norm()):>12.4f}" if tensor.is_floating_point() else (
             f"{'-':>12}")
         shape = "x".join(str(d) for d in tensor.shape)
