@@ -117,15 +117,18 @@ class _GrowingReader(MemoryReader):
 def test_partial_tensors_rows_match_the_positions_they_are_named_with() -> None:
     """``show`` / ``export --partial`` named positions 0-4 beside 6 rows when a record
     landed between reading the positions and the rows."""
-    from dmi_sglang.app.cli_commands import _partial_tensors
+    from dmi_sglang.app.cli_commands import _partial_tensors, _PartialRead
 
     sink = _sink("resid_pre", [(RESID, 0)], [_rec(RESID, 0, 0, 4)],
                  prompt=6, completion=4, status=RunStatus.RUNNING)
     reader = _GrowingReader(sink, [_rec(RESID, 0, 4, 6, seq=2), _rec(RESID, 0, 6, 7, seq=3)])
 
     class Store:
-        def handle(self, run_id: str, request_id: str, *, partial: bool) -> CaptureHandle:
+        def handle(self, run_id: str, request_id: str, *,
+                   partial: bool = False) -> CaptureHandle:
             return CaptureHandle(run_id, request_id, lambda: reader, partial=partial)
 
-    [(name, kept, tensor)] = list(_partial_tensors(Store(), "r", "q"))  # type: ignore[arg-type]
+    read = _PartialRead()
+    [(name, kept, tensor)] = list(_partial_tensors(Store(), "r", "q", read))  # type: ignore[arg-type]
     assert tensor.shape[0] == len(kept), (name, kept, tensor.shape)
+    assert not read.complete  # the run is still running
