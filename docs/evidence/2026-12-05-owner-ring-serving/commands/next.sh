@@ -2,7 +2,7 @@
 # Planned for the next lease (not run yet), after `S0=$SECONDS; source
 # .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;` with
 # CALL_S=$((560 - (SECONDS - S0))) exported. Resumable: call it again until it says done.
-#  1. python -m harness store on the GPU host (no GPU needed, 16 cores): 4 and 8 writers,
+#  1. python -m harness store on the GPU host (no GPU needed, 16 cores): 4 writers,
 #     inserts of a quarter of the queue (256 MiB, the default) against 128 MiB.
 #  2. store:hidden-states served: the default (1024 MiB queue, 256 MiB inserts: four
 #     writers in flight fill the queue), inserts of 128 MiB (half the queue waits behind
@@ -13,7 +13,7 @@ set -o pipefail
 mkdir -p "$OUT/logs" /root/w; export TRITON_CACHE_DIR=/root/triton-cache
 for mb in 0 128; do
     [ -s /root/w/store-$mb.json ] && continue
-    bash scripts/gpu-run.sh python3 -m harness store --mb 4096 --sizes 1048576 --writers 4,8 \
+    bash scripts/gpu-run.sh python3 -m harness store --mb 4096 --sizes 1048576 --writers 4 \
         --insert-mb $mb --repeat 2 --probe-mb 1024 --readback 4,32,32 --export 8,6 \
         --dir /root/w/store --out /root/w/store-$mb.json > /root/w/store-$mb.log 2>&1 \
         || { tail -20 /root/w/store-$mb.log; exit 4; }
