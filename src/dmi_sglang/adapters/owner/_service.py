@@ -28,6 +28,12 @@ can lose that answer on its way (a caller with ``IMMEDIATE`` drops what a peer t
 vanished meanwhile sent), and the caller waits out its timeout. A closing service first
 waits (up to :data:`CLOSE_WAIT_S`) until zmq wrote its last answer out, then for the rest
 of this time after it."""
+_FLUSH_AT_CLOSE_MS = 1000
+"""How long zmq may go on sending what a closing service's socket still holds. zmq
+releases a small frame (the last of an answer) once it is copied into its send batch,
+before that batch reaches the kernel, so the last answer's tracker can be done while its
+tail still waits there: closed with no linger, the answer could lose its tail under load,
+and its caller wait out its timeout."""
 _WORDS = {"reads": ("answers reads", "answer", "reading"),
           "writes": ("takes writes", "take", "writing")}
 """Per channel, how its errors say it: no owner ``...`` at; did not ``...`` a call;
@@ -161,7 +167,7 @@ class SocketService:
             left = answered_at + LATE_ANSWER_GRACE_S - time.monotonic()
             if left > 0:  # let the last answer reach its caller first
                 time.sleep(left)
-            self._socket.close()
+            self._socket.close(linger=_FLUSH_AT_CLOSE_MS)
             os.close(self._wake_read)
 
     def _bound(self, zmq: Any) -> Any:
