@@ -597,8 +597,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "one tensor a query ms": cost["per_tensor_ms"],
                   "one tensor a query cpu s/GB": cost["per_tensor_cpu_s_per_GB"],
                   "read": "equal" if cost["equal"] else "DIFFERENT"})
-    most_mb = (f"{args.insert_mb} MiB" if args.insert_mb
-               else "a quarter of the queue's MiB, at most 256")
+    insert = StoreConfig(kind=StoreKind.EMBEDDED, insert_mb=args.insert_mb).insert_bytes
+    most_mb = f"{insert >> 20} MiB"
     note = (f"{args.mb} MB a run, median of {args.repeat}, at most {args.insert_rows} records "
             f"and {most_mb} an insert; disk {disk / 1e6:,.0f} MB/s (synced "
             f"write into the store directory, median of {len(probes)} probes, spread "

@@ -10,7 +10,7 @@ import tempfile
 import attrs
 
 __all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "INSERT_MB_MAX", "StoreConfig", "StoreKind",
-           "channel_directory"]
+           "channel_directory", "default_insert_bytes"]
 
 CHANNEL_DIRECTORY_MAX_BYTES = 90
 """Longest directory (bytes) for the store's IPC channel sockets (``reads``, ``writes``):
@@ -46,6 +46,12 @@ class StoreKind(enum.Enum):
 
 INSERT_MB_MAX = 65_536
 """The largest ``insert_mb`` (``DMX_CH_INSERT_MB``) accepted."""
+
+
+def default_insert_bytes(queue_bytes: int) -> int:
+    """Most bytes per insert when none is set: a quarter of a queue of ``queue_bytes``,
+    at most 256 MiB (several inserts in flight, none a huge block)."""
+    return max(1, min(256 << 20, queue_bytes // 4))
 
 
 @attrs.frozen
@@ -96,7 +102,7 @@ class StoreConfig:
         lets them fill it, leaving no batch waiting behind them."""
         if self.insert_mb:
             return self.insert_mb << 20
-        return max(1, min(256 << 20, (self.queue_mb << 20) // 4))
+        return default_insert_bytes(self.queue_mb << 20)
 
     @property
     def url(self) -> str:

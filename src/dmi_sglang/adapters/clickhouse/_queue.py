@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 from dmi_sglang.columns import RecordBatch
+from dmi_sglang.domain.store_config import default_insert_bytes
 from dmi_sglang.errors import StoreError
 
 __all__ = ["QueueWaits", "RecordQueue", "Taken", "charge"]
@@ -85,7 +86,7 @@ class RecordQueue:
     ) -> None:
         self._max_bytes = max(1, max_bytes)
         self._batch_rows = max(1, batch_rows)
-        self._batch_bytes = batch_bytes or min(max(1, self._max_bytes // 4), 256 << 20)
+        self._batch_bytes = batch_bytes or default_insert_bytes(self._max_bytes)
         self._linger_s = max(0.0, linger_s)
         self._cond = threading.Condition()
         self._batches: deque[tuple[RecordBatch, int, float]] = deque()  # batch, charge, put at
