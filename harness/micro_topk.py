@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dmi_sglang.adapters.transport.topk import chunked_topk
+from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
 from harness.docs import table_lines
 from harness.micro_transport import Q06, positive_ints
 from harness.results import Json, run_benchmark
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.vocab, args.k, args.replays, args.reps) <= 0 or args.k > args.vocab:
         p.error("--vocab, -k, --replays and --reps must be positive, -k at most --vocab")
-    widest = min(args.vocab // (args.k + 1), args.vocab // (2 * args.k))
+    widest = widest_chunk(args.vocab, args.k)
     for chunk in args.chunks:  # chunked_topk takes torch.topk itself for these
         if chunk > widest:
             p.error(f"--chunks: {chunk}: --vocab ({args.vocab}) must hold more than -k "

@@ -27,7 +27,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunked_topk"]
+__all__ = ["chunked_topk", "widest_chunk"]
+
+
+def widest_chunk(width: int, k: int) -> int:
+    """The widest chunk :func:`chunked_topk` searches a row of ``width`` columns in for
+    its ``k`` largest: the row must hold more than ``k`` whole chunks, and ``k`` chunks
+    must be less than half of it; a wider chunk takes ``torch.topk`` (0: every width)."""
+    return min(width // (k + 1), width // (2 * k))
 
 
 def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +61,9 @@ def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     if chunk < 0:
         msg = f"chunked_topk: chunk={chunk}; expected 0 (no chunks) or a positive width"
         raise ValueError(msg)
-    groups = width // chunk if chunk else 0
-    if groups <= k or 2 * k * chunk > width:
+    if not chunk or chunk > widest_chunk(width, k):
         return torch.topk(logits, k, dim=-1)
+    groups = width // chunk
     body = logits[:, : groups * chunk].reshape(rows, groups, chunk)
     _, best = torch.topk(body.amax(dim=-1), k, dim=-1, sorted=False)  # [rows, k] chunks
     candidates = torch.gather(body, 1, best.unsqueeze(-1).expand(rows, k, chunk))
