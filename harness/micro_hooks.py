@@ -39,7 +39,7 @@ requests holds must reach the sink (``rows``: the domain's count,
 :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
 The drain runs with the engine's ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-``DMX_TOPK_CHUNK`` and ``DMX_GPU_PADDING_STRIP`` settings from the environment
+``DMX_TOPK_*`` and ``DMX_GPU_PADDING_STRIP`` settings from the environment
 (``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in the result's ``settings.env``.
 
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA

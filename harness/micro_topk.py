@@ -5,19 +5,24 @@ decode step inside SGLang's decode graph: on Qwen3-0.6B at batch 64 ``torch.topk
 took 164-173 µs of an H100 a call (two hosts), where a stock decode step is about 3 ms.
 This measures the selection alone, recorded in a CUDA graph as in serving and replayed
 ``--replays`` times between CUDA events (median of ``--reps`` blocks, µs per replay), for
-``torch.topk`` and for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
-chunk width of ``--chunks``, per batch size of ``--batches``, on random logits of the
-model's vocabulary and logits dtype. What every variant's last timed replay selected must
-equal ``torch.topk``'s values, and its indices must name them (a required check). A row
-must hold more than ``-k`` whole chunks of each width, and ``-k`` chunks less than half of
-it (``chunked_topk`` calls ``torch.topk`` itself otherwise). ``--device cpu`` is a dry run
-(eager, CPU timings: compare nothing there).
+``torch.topk``, for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
+chunk width of ``--chunks`` and, at each width it takes, for
+:func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk` (``DMX_TOPK_KERNEL``: the
+same selection after the chunk maxima in one Triton kernel), per batch size of
+``--batches``, on random logits of the model's vocabulary and logits dtype. What every
+variant's last timed replay selected must equal ``torch.topk``'s values, and its indices
+must name them (a required check). A row must hold more than ``-k`` whole chunks of each
+width, and ``-k`` chunks less than half of it (``chunked_topk`` calls ``torch.topk``
+itself otherwise). ``--device cpu`` is a dry run (eager, CPU timings: compare nothing
+there); it runs the kernel's variants only under Triton's interpreter
+(``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
+from dmi_sglang.adapters.transport.topk_kernel import fits, fused_topk
 from harness.docs import table_lines
 from harness.micro_transport import Q06, positive_ints
 from harness.results import Json, run_benchmark
@@ -34,12 +40,17 @@ from harness.results import Json, run_benchmark
 Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def variants(k: int, chunks: tuple[int, ...]) -> dict[str, Select]:
-    """``torch.topk`` (``chunked_topk`` with no chunks calls it directly) and one chunked
-    selection per chunk width, by name."""
+def variants(k: int, chunks: tuple[int, ...], width: int,
+             kernel: bool) -> dict[str, Select]:
+    """``torch.topk`` (``chunked_topk`` with no chunks calls it directly), one chunked
+    selection per chunk width and, with ``kernel``, the fused one at each width it fits
+    over rows of ``width``, by name."""
     out: dict[str, Select] = {"torch.topk": functools.partial(chunked_topk, k=k, chunk=0)}
     for chunk in chunks:
         out[f"chunked {chunk}"] = functools.partial(chunked_topk, k=k, chunk=chunk)
+    for chunk in chunks:
+        if kernel and fits(width, k, chunk):
+            out[f"fused {chunk}"] = functools.partial(fused_topk, k=k, chunk=chunk)
     return out
 
 
@@ -88,10 +99,11 @@ def run(args: argparse.Namespace, data: Json) -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[Json] = []
+    kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     for batch in args.batches:
         logits = torch.randn(batch, args.vocab, generator=gen, device=device).to(dtype)
         base: float | None = None
-        for name, select in variants(args.k, args.chunks).items():
+        for name, select in variants(args.k, args.chunks, args.vocab, kernel).items():
             figures, selected = _timed_us(select, logits, args.replays, args.reps)
             us = statistics.median(figures)
             base = us if base is None else base
@@ -103,7 +115,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
     note = (f"top {args.k} of {args.vocab} {args.dtype} logits per row; µs per call "
             f"({'CUDA graph replays' if device.type == 'cuda' else 'eager CPU calls'}, "
             f"median of {args.reps} blocks of {args.replays}); x torch.topk: its time over "
-            "the variant's")
+            "the variant's" + ("" if kernel else "; the kernel's variants (fused) run on "
+                                "a GPU or under TRITON_INTERPRET=1"))
     print("\n".join(table_lines(table)) + f"\n{note}")
     data["figures"] = {"rows": rows, "table": table, "note": note}
     data["checks"]["values_equal"] = {"ok": all(r["agrees"] for r in rows), "required": True}

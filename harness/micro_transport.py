@@ -166,7 +166,7 @@ def decode_plans(sel: Selection, shape: ModelShape, bs: int,
 
 def engine_options(max_prefill_tokens: int) -> TransportOptions:
     """The transport's tuning from the ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-    ``DMX_TOPK_CHUNK`` and ``DMX_GPU_PADDING_STRIP`` settings in the environment, read as
+    ``DMX_TOPK_*`` and ``DMX_GPU_PADDING_STRIP`` settings in the environment, read as
     an engine reads them (their defaults when unset); see :func:`engine_env`."""
     return TransportOptions.for_engine(Settings.from_env(),
                                        max_prefill_tokens=max_prefill_tokens)
@@ -176,8 +176,8 @@ def engine_env() -> dict[str, str]:
     """The settings :func:`engine_options` read from the environment, for the result's
     ``settings.env``."""
     return {k: v for k, v in os.environ.items()
-            if k.startswith("DMX_DRAIN_")
-            or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP", "DMX_TOPK_CHUNK")}
+            if k.startswith(("DMX_DRAIN_", "DMX_TOPK_"))
+            or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP")}
 
 
 def transport_for(args: argparse.Namespace, sel: Selection, shape: ModelShape, bs: int,

@@ -300,6 +300,32 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
         first = next(x for x in rows if x["batch"] == r["batch"])
         assert r["x_torch"] == pytest.approx(first["us"] / r["us"])
     assert "top 8 of 1000 float32 logits per row" in printed.getvalue()
+    assert "the kernel's variants (fused) run on a GPU or under TRITON_INTERPRET=1" in (
+        printed.getvalue())
+
+
+@pytest.mark.torch
+def test_topk_runs_the_kernel_at_the_widths_it_takes_under_the_triton_interpreter(
+        tmp_path: Path) -> None:
+    """Under Triton's interpreter (chosen before Triton is imported: a process of its own)
+    the fused selection runs beside the chunked one at each power-of-two width, and
+    agrees with torch.topk."""
+    _needs_torch()
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in [str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")] if p)}
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "topk", "--device", "cpu", "--vocab", "1000",
+         "-k", "8", "--batches", "2", "--chunks", "16,62", "--replays", "1", "--reps", "1",
+         "--out", str(tmp_path / "t.json")],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = _result(tmp_path / "t.json", "topk")["figures"]["rows"]
+    assert [r["variant"] for r in rows] == ["torch.topk", "chunked 16", "chunked 62",
+                                            "fused 16"]  # 62 is no power of two
+    assert all(r["agrees"] for r in rows)
+    assert "TRITON_INTERPRET" not in done.stdout  # the note is for runs without the kernel
 
 
 @pytest.mark.torch
@@ -413,9 +439,10 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     monkeypatch.setenv("DMX_ARENA_SLOTS_MB", "0")
     monkeypatch.setenv("DMX_DRAIN_COPY_PIECE_MB", "8")
     monkeypatch.setenv("DMX_TOPK_CHUNK", "4096")
+    monkeypatch.setenv("DMX_TOPK_KERNEL", "1")
     monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.5")  # not the drain's: not recorded
     options = engine_options(8)
-    assert options.topk_chunk == 4096
+    assert (options.topk_chunk, options.topk_kernel) == (4096, True)
     assert options.coalesce_max_bytes == 32 << 20
     assert options.linger_s == 0.0
     assert options.max_prefill_tokens == 8
@@ -423,7 +450,7 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     assert options.copy_piece_bytes == 8 << 20
     assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0",
                             "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8",
-                            "DMX_TOPK_CHUNK": "4096"}
+                            "DMX_TOPK_CHUNK": "4096", "DMX_TOPK_KERNEL": "1"}
 
 
 def test_copy_variants_are_distinct_pairs() -> None:

@@ -39,6 +39,7 @@ SECRET = "s3cret-pw"
         ("DMX_DRAIN_COPY_KERNEL", "-3", "an integer from 0 to 1,024"),
         ("DMX_DRAIN_COPY_GAPS", "maybe", "1/0"),
         ("DMX_TOPK_CHUNK", "-64", "an integer from 0 to 16,777,216"),
+        ("DMX_TOPK_KERNEL", "triton", "1/0"),
         ("DMX_PLAN_TOK_S", "0", "an integer from 1 to 100,000,000"),
         ("DMX_CH_TIMEOUT_S", "0", "an integer from 1 to 3,600"),
         ("DMX_RING_PAYLOAD_MB", "-5", "an integer from 1 to 131,072"),
@@ -51,9 +52,9 @@ SECRET = "s3cret-pw"
         ("DMX_DB_HOST", "h:1", "the port goes in DMX_DB_PORT"),
     ],
     ids=["writers", "queue-mb", "flush-timeout", "linger", "gil-slice", "window", "arena",
-         "copy-piece", "copy-ahead", "copy-kernel", "copy-gaps", "topk-chunk", "plan-tok-s",
-         "timeout", "ring", "chdb-root", "chdb-fragment", "chdb-query", "server-query",
-         "port-zero", "host-space", "host-port"],
+         "copy-piece", "copy-ahead", "copy-kernel", "copy-gaps", "topk-chunk", "topk-kernel",
+         "plan-tok-s", "timeout", "ring", "chdb-root", "chdb-fragment", "chdb-query",
+         "server-query", "port-zero", "host-space", "host-port"],
 )
 def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
                                                    words: str) -> None:

@@ -338,7 +338,7 @@ def test_the_held_rows_page_locked_slabs_are_made_once_not_at_every_window(make_
 TRANSPORT_SETTINGS = ("gpu_padding_strip", "drain_flush_timeout_us", "drain_linger_us",
                       "drain_gil_slice_us", "drain_window_mb", "arena_slots_mb",
                       "drain_copy_piece_mb", "drain_copy_ahead", "drain_copy_kernel",
-                      "drain_copy_gaps", "topk_chunk")
+                      "drain_copy_gaps", "topk_chunk", "topk_kernel")
 """The settings that tune an engine's transport (its ring aside)."""
 
 
@@ -370,7 +370,8 @@ def test_the_transport_settings_are_all_of_them() -> None:
 
 def test_an_engine_transport_takes_every_transport_setting() -> None:
     """What the composition root builds for an engine: the ring and each tuning value
-    from the settings (DMX_TOPK_CHUNK included), none left at its default."""
+    from the settings (DMX_TOPK_CHUNK and DMX_TOPK_KERNEL included), none left at its
+    default."""
     from dmi_sglang.adapters.transport import engine_transport
     from dmi_sglang.domain.capacity import RingCapacity
     from dmi_sglang.domain.settings import Settings
@@ -383,7 +384,8 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
         "DMX_GPU_PADDING_STRIP": "0", "DMX_DRAIN_FLUSH_TIMEOUT_US": "7000",
         "DMX_DRAIN_LINGER_US": "11", "DMX_DRAIN_GIL_SLICE_US": "13", "DMX_DRAIN_WINDOW_MB": "17",
         "DMX_ARENA_SLOTS_MB": "19", "DMX_DRAIN_COPY_PIECE_MB": "23",
-        "DMX_DRAIN_COPY_AHEAD": "29", "DMX_DRAIN_COPY_GAPS": "1", "DMX_TOPK_CHUNK": "4096"})
+        "DMX_DRAIN_COPY_AHEAD": "29", "DMX_DRAIN_COPY_GAPS": "1", "DMX_TOPK_CHUNK": "4096",
+        "DMX_TOPK_KERNEL": "1"})
     t = engine_transport(settings, selection=select("resid_pre"), shape=SHAPE,
                          max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
                          max_prefill_tokens=16, max_requests=3)
@@ -394,7 +396,8 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
             False, 0.007, 11e-6, 13e-6)
         assert (o.coalesce_max_bytes, o.arena_slots_bytes, o.copy_piece_bytes) == (
             17 << 20, 19 << 20, 23 << 20)
-        assert (o.copies_ahead, o.copy_gaps, o.topk_chunk) == (29, True, 4096)
+        assert (o.copies_ahead, o.copy_gaps, o.topk_chunk, o.topk_kernel) == (
+            29, True, 4096, True)
         assert (o.max_prefill_tokens, o.max_requests) == (16, 3)
     finally:
         t.stop()

@@ -3,6 +3,8 @@ indices that name them, whatever the chunking, ties, infinities and NaN."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +13,8 @@ from hypothesis import strategies as st
 from dmi_sglang.adapters.transport.topk import chunked_topk
 
 SPECIALS = (float("inf"), float("-inf"), float("nan"))
+
+Select = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _tied_logits(draw: st.DrawFn, rows: int, width: int) -> torch.Tensor:
@@ -41,8 +45,9 @@ def chunked_cases(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
     return _tied_logits(draw, draw(st.integers(1, 3)), width), k, chunk
 
 
-def _same_as_torch(logits: torch.Tensor, k: int, chunk: int) -> None:
-    values, ids = chunked_topk(logits, k, chunk)
+def _same_as_torch(logits: torch.Tensor, k: int, chunk: int,
+                   select: Select = chunked_topk) -> None:
+    values, ids = select(logits, k, chunk)
     expected, _ = torch.topk(logits, k, dim=-1)
     assert values.dtype == logits.dtype
     assert ids.dtype == torch.int64

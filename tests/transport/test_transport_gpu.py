@@ -563,18 +563,23 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
     assert stats.fp16_overflows == 0
 
 
-@pytest.mark.parametrize("chunk", [0, 128, 100])
-def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(chunk: int) -> None:
-    """The top-k selection as a decode graph records it: every replay over new logits in
-    the same buffer finds torch.topk's values, and its indices name them."""
+@pytest.mark.parametrize(("kernel", "chunk"), [
+    (False, 0), (False, 128), (False, 100), (True, 128), (True, 64)])
+def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(kernel: bool,
+                                                                  chunk: int) -> None:
+    """The top-k selection as a decode graph records it (``chunked_topk``, or with
+    ``DMX_TOPK_KERNEL`` ``fused_topk``): every replay over new logits in the same buffer
+    finds torch.topk's values, and its indices name them."""
     from dmi_sglang.adapters.transport.topk import chunked_topk
+    from dmi_sglang.adapters.transport.topk_kernel import fused_topk
 
+    select = fused_topk if kernel else chunked_topk
     logits = torch.zeros(64, 151936, device="cuda")
-    chunked_topk(logits, 64, chunk)  # warm-up outside the recording
+    select(logits, 64, chunk)  # warm-up outside the recording (compiled)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        values, ids = chunked_topk(logits, 64, chunk)
+        values, ids = select(logits, 64, chunk)
     for seed in range(3):
         logits.copy_(torch.randn(64, 151936, device="cuda",
                                  generator=torch.Generator("cuda").manual_seed(seed)))

@@ -440,6 +440,9 @@ _VARS: dict[str, _Var] = {
     "DRAIN_LINGER_US": _Var("drain_linger_us", 30_000, _conv(*_bounded(0, 1_000_000))),
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "TOPK_CHUNK": _Var("topk_chunk", 128, _conv(*_bounded(0, 16_777_216))),
+    "TOPK_KERNEL": _Var(
+        "topk_kernel", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+    ),
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
     "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
                            _conv(*_bounded(0, 16_384))),
@@ -500,6 +503,7 @@ class Settings:
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     topk_chunk: int = 128
+    topk_kernel: bool = False
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
     drain_copy_piece_mb: int = 0

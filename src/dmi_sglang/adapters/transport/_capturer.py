@@ -10,6 +10,7 @@ import torch
 from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
 from dmi_sglang.adapters.transport._options import TOPK_CHUNK
 from dmi_sglang.adapters.transport.topk import chunked_topk
+from dmi_sglang.adapters.transport.topk_kernel import fused_topk
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["Capturer", "Payloads"]
@@ -31,16 +32,20 @@ class Payloads:
         device: where the fp16 overflow counter lives.
         topk_chunk: columns per chunk of the top-k selection
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0: whole rows.
+        topk_kernel: select after the chunk maxima with one Triton kernel
+            (:func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`, checked to
+            fit and work by whoever makes the payloads).
     """
 
-    __slots__ = ("casts", "logits_dtype", "overflows", "topk", "topk_chunk")
+    __slots__ = ("casts", "logits_dtype", "overflows", "topk", "topk_chunk", "topk_kernel")
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
                  topk: int, logits_dtype: torch.dtype, device: torch.device, *,
-                 topk_chunk: int = TOPK_CHUNK) -> None:
+                 topk_chunk: int = TOPK_CHUNK, topk_kernel: bool = False) -> None:
         self.casts = dict(casts)
         self.topk = topk
         self.topk_chunk = topk_chunk
+        self.topk_kernel = topk_kernel
         self.logits_dtype = logits_dtype
         counts = any(stored is torch.float16 for _, stored in self.casts.values())
         self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
@@ -152,7 +157,8 @@ class Capturer:
         if not (values_live or ids_live):
             return
         check_dtype(LOGITS, logits, payloads.logits_dtype)
-        values, ids = chunked_topk(logits, payloads.topk, payloads.topk_chunk)
+        select = fused_topk if payloads.topk_kernel else chunked_topk
+        values, ids = select(logits, payloads.topk, payloads.topk_chunk)
         if values_live:
             dtypes = payloads.casts.get(TOPK_VALUES)
             self._sink(TOPK_VALUES, values if dtypes is None

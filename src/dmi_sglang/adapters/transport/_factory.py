@@ -72,6 +72,7 @@ def create_transport(
     copy_kernel: int = 0,
     copy_gaps: bool = False,
     topk_chunk: int = TOPK_CHUNK,
+    topk_kernel: bool = False,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -95,6 +96,7 @@ def create_transport(
         copy_kernel: ``DMX_DRAIN_COPY_KERNEL``.
         copy_gaps: ``DMX_DRAIN_COPY_GAPS``.
         topk_chunk: ``DMX_TOPK_CHUNK``.
+        topk_kernel: ``DMX_TOPK_KERNEL``.
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -121,5 +123,6 @@ def create_transport(
             copy_kernel=copy_kernel,
             copy_gaps=copy_gaps,
             topk_chunk=topk_chunk,
+            topk_kernel=topk_kernel,
         ),
     )

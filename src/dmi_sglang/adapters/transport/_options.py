@@ -85,6 +85,11 @@ class TransportOptions:
             largest logits over chunks of this many columns
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0:
             ``torch.topk`` over the whole row.
+        topk_kernel: ``DMX_TOPK_KERNEL``: the selection after the chunk maxima runs as
+            one Triton kernel (:func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`)
+            instead of ``torch.topk`` and its arithmetic; compiled and checked when the
+            transport is made, which refuses it where it does not work or the shape
+            does not fit.
     """
 
     strip: bool = True
@@ -108,13 +113,15 @@ class TransportOptions:
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
+    topk_kernel: bool = False
 
     @classmethod
     def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,
                    max_requests: int = 0) -> TransportOptions:
         """The options an engine runs with: every transport setting of ``settings``
         (``DMX_GPU_PADDING_STRIP``, ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-        ``DMX_TOPK_CHUNK``), and the scheduler's limits for the startup checks."""
+        ``DMX_TOPK_CHUNK``, ``DMX_TOPK_KERNEL``), and the scheduler's limits for the
+        startup checks."""
         return cls.from_settings(
             strip=settings.gpu_padding_strip,
             flush_timeout_us=settings.drain_flush_timeout_us,
@@ -129,6 +136,7 @@ class TransportOptions:
             copy_kernel=settings.drain_copy_kernel,
             copy_gaps=settings.drain_copy_gaps,
             topk_chunk=settings.topk_chunk,
+            topk_kernel=settings.topk_kernel,
         )
 
     @classmethod
@@ -148,11 +156,13 @@ class TransportOptions:
         copy_kernel: int = 0,
         copy_gaps: bool = False,
         topk_chunk: int = TOPK_CHUNK,
+        topk_kernel: bool = False,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
         ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD`` /
-        ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` / ``DMX_TOPK_CHUNK`` values."""
+        ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` / ``DMX_TOPK_CHUNK`` /
+        ``DMX_TOPK_KERNEL`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -167,4 +177,5 @@ class TransportOptions:
             copy_kernel_programs=copy_kernel,
             copy_gaps=copy_gaps,
             topk_chunk=topk_chunk,
+            topk_kernel=topk_kernel,
         )

@@ -17,6 +17,7 @@ import attrs
 import structlog
 import torch
 
+from dmi_sglang.adapters.transport import topk_kernel
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
@@ -47,7 +48,12 @@ from dmi_sglang.domain.ports import TransportStats
 from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import RequestManifest
 from dmi_sglang.domain.shapes import ModelShape
-from dmi_sglang.errors import CapacityError, CaptureError, CommitError
+from dmi_sglang.errors import (
+    CapacityError,
+    CaptureError,
+    CommitError,
+    UnsupportedConfigurationError,
+)
 
 __all__ = ["TorchCaptureTransport"]
 
@@ -104,9 +110,15 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
 
 
 def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
-              topk_chunk: int) -> Payloads | None:
+              topk_chunk: int, topk_kernel: bool) -> Payloads | None:
     """The on-device transforms the selection's payload modifiers ask for (None: none);
-    a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows)."""
+    a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows), after their
+    maxima in one Triton kernel with ``topk_kernel``, checked here.
+
+    Raises:
+        UnsupportedConfigurationError: ``topk_kernel`` where the kernel does not fit the
+            top-k's shape or does not work on the device.
+    """
     if not selection.payloads:
         return None
     casts: dict[CaptureKey, tuple[torch.dtype, torch.dtype]] = {}
@@ -119,8 +131,29 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
                                           attrs.evolve(payload, dtype=None)).dtype]
         if stored != computed:
             casts[key] = (computed, stored)
-    return Payloads(casts, topk, TORCH_DTYPES[shape.logits_dtype], ops.device,
-                    topk_chunk=topk_chunk)
+    logits_dtype = TORCH_DTYPES[shape.logits_dtype]
+    kernel = bool(topk) and topk_kernel
+    if kernel:
+        _check_topk_kernel(ops.device, shape.vocab, topk, topk_chunk, logits_dtype)
+    return Payloads(casts, topk, logits_dtype, ops.device, topk_chunk=topk_chunk,
+                    topk_kernel=kernel)
+
+
+def _check_topk_kernel(device: torch.device, width: int, k: int, chunk: int,
+                       dtype: torch.dtype) -> None:
+    """Refuse ``DMX_TOPK_KERNEL=1`` where :func:`fused_topk` does not fit or work."""
+    setting = f"DMX_TOPK_KERNEL=1 (topk({k}) over {width} logits, DMX_TOPK_CHUNK={chunk})"
+    if not topk_kernel.fits(width, k, chunk):
+        why = (f"{setting}: the kernel needs a power-of-two chunk width, at least K "
+               f"(rounded up to a power of two) whole chunks a row, and at most "
+               f"{topk_kernel.MAX_CANDIDATES} candidate columns (K chunks); "
+               "set DMX_TOPK_KERNEL=0 or another DMX_TOPK_CHUNK")
+        raise UnsupportedConfigurationError((why,))
+    failed = topk_kernel.warm_up(device, width, k, chunk, dtype)
+    if failed is not None:
+        why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "
+               "set DMX_TOPK_KERNEL=0 to select with torch.topk")
+        raise UnsupportedConfigurationError((why,))
 
 
 class _SlotTurns:
@@ -196,6 +229,7 @@ class TorchCaptureTransport:
                         copies_ahead=opts.copies_ahead,
                         copy_kernel_programs=opts.copy_kernel_programs,
                         copy_gaps=opts.copy_gaps)
+        self._payloads = _payloads(selection, shape, ops, opts.topk_chunk, opts.topk_kernel)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
             opts.arena_slots_bytes))
@@ -250,7 +284,6 @@ class TorchCaptureTransport:
                                   last=self._last_slots, free_slot=self._free_slot,
                                   room=self._room, part_bytes=min(nbytes // PART_SHARE,
                                                  PART_MAX_BYTES))
-        self._payloads = _payloads(selection, shape, ops, opts.topk_chunk)
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
             payloads=self._payloads, live=self._writer.live)

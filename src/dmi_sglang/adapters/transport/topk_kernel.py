@@ -1,0 +1,132 @@
+"""The second half of :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` in one
+Triton kernel: from the chunk maxima to each row's ``k`` largest logits and their columns.
+
+``chunked_topk`` takes each chunk's maximum in one pass (``amax``, as fast as the memory
+reads), then runs about ten more kernels: ``torch.topk`` over the maxima, a gather of the
+chosen chunks, ``torch.topk`` over those candidates and the arithmetic that turns a
+candidate's place back into a column. Each is a launch of a few microseconds, and
+``torch.topk``'s radix select makes several passes. :func:`fused_topk` makes the same
+selection after ``amax`` in one launch, one program a row, in registers: every value
+becomes a 64-bit key, its order-preserving 32-bit image above its column (the lower
+column wins a tie, as one must), and a bitonic top-k (``tl.topk``) picks the ``K`` chunks
+with the largest maxima (``K``: ``k`` rounded up to a power of two, at least 2; more chunks than
+``k`` still hold every value of the top ``k``), then the ``K`` largest of their columns.
+The values are read back from the logits at the columns found, so they are the logits'
+own, NaN included (NaN ranks above every number, as in ``torch.topk``; +0.0 above -0.0).
+
+It applies where :func:`fits` says so: a power-of-two chunk width, the rows holding at
+least ``K`` whole chunks, and at most :data:`MAX_CANDIDATES` candidate columns and
+:data:`MAX_MAXIMA` maxima a row (what one program holds in registers). Triton is imported
+on first use; with ``TRITON_INTERPRET=1`` set before that, the kernel runs on CPU tensors
+(the tests). ``python -m harness topk`` measures it on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
+
+__all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "fits", "fused_topk", "warm_up"]
+
+MAX_CANDIDATES = 8192
+"""Most candidate columns (``K`` chunks x the chunk width) one program sorts: 64 x 128 for
+``topk(64)`` at the default width."""
+
+MAX_MAXIMA = 8192
+"""Most chunk maxima (plus one for the columns after the last whole chunk), rounded up
+to a power of two, one program sorts: Qwen3's 151,936 columns make 1,187 chunks of 128
+(2,048 once rounded)."""
+
+_LOW = 0x7FFFFFFF  # a key's low word: _LOW - column, so that the lower column ranks higher
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _rounded(k: int) -> int:
+    # K: k rounded up to a power of two, at least 2 (Triton's top-k of one is not one)
+    return max(2, _pow2(k))
+
+
+def _warps(rounded: int, chunk: int) -> int:
+    # 16 candidates a thread, from 4 to 16 warps: 64 x 128 takes 128 registers a thread
+    # at 16 warps (no spill; 226 at 8)
+    return max(4, min(16, rounded * chunk // 512))
+
+
+def fits(width: int, k: int, chunk: int) -> bool:
+    """Whether :func:`fused_topk` selects the ``k`` largest of rows of ``width`` columns
+    over chunks of ``chunk`` columns (see the module docstring)."""
+    if chunk <= 0 or chunk & (chunk - 1) or not 1 <= k <= width or width > _LOW:
+        return False
+    rounded = _rounded(k)
+    groups = width // chunk
+    return (chunk <= widest_chunk(width, k) and groups >= rounded
+            and rounded * chunk <= MAX_CANDIDATES and _pow2(groups + 1) <= MAX_MAXIMA)
+
+
+@functools.cache
+def _compiled() -> Any:
+    from dmi_sglang.adapters.transport import _topk_triton  # imports Triton
+
+    return _topk_triton.topk_kernel
+
+
+def fused_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_topk(logits, k, chunk)``: the same values, largest first, and the int64
+    columns holding them, with the selection after the chunk maxima in one launch (a
+    tie may name another of the tied columns, as ``torch.topk`` may). Shapes depend only
+    on the input's, so the call can be recorded in a CUDA graph.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D with contiguous rows, or the shape does not
+            :func:`fit <fits>`.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        msg = (f"fused_topk: logits of shape {tuple(logits.shape)} and strides "
+               f"{tuple(logits.stride())}; expected [rows, columns] with contiguous rows")
+        raise ValueError(msg)
+    rows, width = logits.shape
+    if not fits(width, k, chunk):
+        msg = (f"fused_topk: k={k}, chunk={chunk} over {width} columns; expected what "
+               f"fits(): a power-of-two chunk, at least k (rounded up to a power of two) "
+               f"whole chunks, at most {MAX_CANDIDATES} candidates")
+        raise ValueError(msg)
+    groups = width // chunk
+    maxima = logits[:, : groups * chunk].reshape(rows, groups, chunk).amax(dim=-1)
+    values = torch.empty((rows, k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
+    if rows:
+        rounded = _rounded(k)
+        _compiled()[(rows,)](logits, maxima.contiguous(), values, ids, width,
+                             logits.stride(0), groups, k, chunk=chunk, rounded=rounded,
+                             slots=_pow2(groups + 1), num_warps=_warps(rounded, chunk))
+    return values, ids
+
+
+def warm_up(device: torch.device, width: int, k: int, chunk: int,
+            dtype: torch.dtype = torch.float32) -> str | None:
+    """Compile the kernel for rows of ``width`` ``dtype`` logits, ``k`` and ``chunk``, and
+    check it against :func:`chunked_topk` on rows with ties, NaN and infinities, before a
+    capture records it; None when it works, else why not (Triton missing, a compiler's
+    error, or a selection that differs)."""
+    try:
+        gen = torch.Generator().manual_seed(7)
+        rows = torch.randn((3, width), generator=gen).round(decimals=1)  # ties
+        rows[1, width // 3] = float("nan")
+        rows[1, min(5, width - 1)] = float("inf")
+        rows[2, :] = float("-inf")
+        rows[2, -1] = 0.0
+        rows = rows.to(device=device, dtype=dtype)
+        values, ids = fused_topk(rows, k, chunk)
+        expected, _ = chunked_topk(rows, k, chunk)
+        same = torch.equal(values.nan_to_num(), expected.nan_to_num()) and torch.equal(
+            torch.gather(rows, 1, ids).nan_to_num(), values.nan_to_num())
+        return None if same else "its selection differs from torch.topk's"
+    except Exception as exc:  # an ImportError, or Triton's own
+        return f"{type(exc).__name__}: {exc}"
