@@ -16,15 +16,25 @@ width, and ``-k`` chunks less than half of it (``chunked_topk`` calls ``torch.to
 itself otherwise). ``--device cpu`` is a dry run (eager, CPU timings: compare nothing
 there); it runs the kernel's variants only under Triton's interpreter
 (``TRITON_INTERPRET=1``).
+
+``--compile-only`` runs nothing: it compiles the kernel for the H100/H200 (``sm_90``) at
+each width of ``--chunks`` it takes, on any machine, and prints what the compiler made of
+it: registers a thread and bytes spilled (``ptxas -v``), and the instructions each warp
+runs (the kernel is straight-line code), the shuffles and barriers among them (Triton's
+own ``ptxas`` and ``nvdisasm``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +42,12 @@ from pathlib import Path
 import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
-from dmi_sglang.adapters.transport.topk_kernel import fits, fused_topk
+from dmi_sglang.adapters.transport.topk_kernel import (
+    compile_for,
+    fits,
+    fused_topk,
+    launch_constants,
+)
 from harness.docs import table_lines
 from harness.micro_transport import Q06, positive_ints
 from harness.results import Json, run_benchmark
@@ -122,6 +137,48 @@ def run(args: argparse.Namespace, data: Json) -> None:
     data["checks"]["values_equal"] = {"ok": all(r["agrees"] for r in rows), "required": True}
 
 
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compiled_figures(width: int, k: int, chunk: int, dtype: torch.dtype) -> Json:
+    """What the compiler made of the kernel for ``sm_90`` (see the module docstring)."""
+    compiled = compile_for(width, k, chunk, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        cubin.write_bytes(compiled.asm["cubin"])
+        used = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o",
+                               os.devnull], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass))
+    registers = re.search(r"Used (\d+) registers", used)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", used)]
+    return {"variant": f"fused {chunk}", **launch_constants(width, k, chunk),
+            "registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": sum(spills), "instructions": sum(ops.values()),
+            "shuffles": ops["SHFL"], "barriers": ops["BAR"]}
+
+
+def compile_only(args: argparse.Namespace, data: Json) -> None:
+    """The compiler's figures of each width the kernel takes into ``data``; prints them."""
+    dtype = getattr(torch, args.dtype)
+    rows = [compiled_figures(args.vocab, args.k, chunk, dtype)
+            for chunk in args.chunks if fits(args.vocab, args.k, chunk)]
+    table = [{"variant": r["variant"], "warps": r["num_warps"], "registers": r["registers"],
+              "spilled bytes": r["spill_bytes"], "instructions a warp": r["instructions"],
+              "shuffles": r["shuffles"], "barriers": r["barriers"]} for r in rows]
+    note = (f"top {args.k} of {args.vocab} {args.dtype} logits per row, the kernel compiled "
+            "for sm_90 (nothing run); a warp's instructions are straight-line code")
+    print("\n".join(table_lines(table)) + f"\n{note}")
+    data["figures"] = {"rows": rows, "table": table, "note": note}
+    data["checks"]["compiled"] = {"ok": bool(rows), "required": True}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the top-k benchmark; 0 when every variant agreed with ``torch.topk``."""
     p = argparse.ArgumentParser(prog="python -m harness topk", description=__doc__,
@@ -136,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="chunk widths, positive (128 divides Qwen3's 151936)")
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile the kernel for sm_90 at each width it takes and print the "
+                        "compiler's figures; runs nothing (any machine)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/topk.json, else ./topk.json)")
     args = p.parse_args(argv)
@@ -147,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--chunks: {chunk}: --vocab ({args.vocab}) must hold more than -k "
                     f"({args.k}) whole chunks of a width, and -k chunks at most half of it: "
                     f"at most {widest} here; chunked_topk calls torch.topk otherwise")
+    if args.compile_only:
+        if not any(fits(args.vocab, args.k, chunk) for chunk in args.chunks):
+            p.error(f"--compile-only: the kernel takes none of --chunks "
+                    f"({','.join(map(str, args.chunks))}) for -k {args.k} over {args.vocab} "
+                    "columns (a power of two it fits)")
+        settings = {**vars(args), "out": str(args.out), "device_name": "none (compiled for "
+                    "sm_90)", "torch": torch.__version__, "python": sys.version.split()[0]}
+        return run_benchmark("topk", settings, lambda data: compile_only(args, data), args.out)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --device cpu for a dry run")
         return 2

@@ -305,6 +305,26 @@ def test_topk_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_topk_compile_only_reports_what_the_compiler_made_of_the_kernel(
+        tmp_path: Path) -> None:
+    """No GPU: the kernel compiled for sm_90 at the default width, with its registers
+    (none spilled) and its instructions."""
+    _needs_torch()
+    pytest.importorskip("triton")
+    from harness.micro_topk import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--compile-only", "--chunks", "100,128", "--out",
+                     str(tmp_path / "t.json")]) == 0
+    (row,) = _result(tmp_path / "t.json", "topk")["figures"]["rows"]  # 100: no power of 2
+    assert (row["variant"], row["num_warps"], row["spill_bytes"]) == ("fused 128", 16, 0)
+    assert 0 < row["registers"] <= 255
+    assert row["instructions"] > row["shuffles"] > 0
+    assert "compiled for sm_90 (nothing run)" in printed.getvalue()
+
+
+@pytest.mark.torch
 def test_topk_runs_the_kernel_at_the_widths_it_takes_under_the_triton_interpreter(
         tmp_path: Path) -> None:
     """Under Triton's interpreter (chosen before Triton is imported: a process of its own)
@@ -338,6 +358,8 @@ def test_topk_runs_the_kernel_at_the_widths_it_takes_under_the_triton_interprete
     ("micro_topk", ["--vocab", "1000", "-k", "8", "--chunks", "62,63"],
      "--chunks: 63: --vocab (1000) must hold more than -k (8) whole chunks of a width, "
      "and -k chunks at most half of it: at most 62 here"),
+    ("micro_topk", ["--compile-only", "--chunks", "100"],
+     "--compile-only: the kernel takes none of --chunks (100) for -k 64 over 151936"),
     ("micro_hooks", ["--device", "cpu", "--busy", "--sample"],
      "--busy with --sample: the sampler takes the GIL every 0.5 ms"),
     ("micro_hooks", ["--presets", "last,bogus"],

@@ -128,23 +128,15 @@ def test_the_kernel_compiles_for_the_h100_and_h200() -> None:
     """The kernel as the GPU's compiler sees it (the interpreter checks less) for
     ``topk(64)`` over Qwen3's float32 logits at the default chunk width, with the warps
     :func:`fused_topk` launches it with."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     if _INTERPRETED:
         pytest.skip("compiles the real kernel: not under the interpreter")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = topk_kernel._compiled()
-    for dtype in ("fp32", "bf16"):
-        source = ASTSource(
-            fn=kernel, constexprs={"chunk": 128, "rounded": 64, "slots": 2048},
-            signature={"logits": f"*{dtype}", "maxima": f"*{dtype}", "values": f"*{dtype}",
-                       "ids": "*i64", "width": "i32", "row_stride": "i32", "groups": "i32",
-                       "k": "i32", "chunk": "constexpr", "rounded": "constexpr",
-                       "slots": "constexpr"})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": topk_kernel._warps(64, 128)})
+    assert topk_kernel.launch_constants(151936, 64, 128) == {
+        "chunk": 128, "rounded": 64, "slots": 2048, "num_warps": 16}
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled = topk_kernel.compile_for(151936, 64, 128, dtype)
         assert compiled.asm["cubin"], dtype
+        assert compiled.metadata.num_warps == 16
 
 
 @pytest.mark.parametrize(("width", "k", "chunk", "fit"), [

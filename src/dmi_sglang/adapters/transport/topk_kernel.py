@@ -30,7 +30,8 @@ import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
 
-__all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "fits", "fused_topk", "warm_up"]
+__all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "compile_for", "fits", "fused_topk", "kernel",
+           "launch_constants", "warm_up"]
 
 MAX_CANDIDATES = 8192
 """Most candidate columns (``K`` chunks x the chunk width) one program sorts: 64 x 128 for
@@ -53,10 +54,11 @@ def _rounded(k: int) -> int:
     return max(2, _pow2(k))
 
 
-def _warps(rounded: int, chunk: int) -> int:
-    # 16 candidates a thread, from 4 to 16 warps: 64 x 128 takes 128 registers a thread
-    # at 16 warps (no spill; 226 at 8)
-    return max(4, min(16, rounded * chunk // 512))
+def _warps(keys: int) -> int:
+    # 16 keys a thread (the larger of the two sorts), from 4 to 16 warps: topk(64) over
+    # Qwen3's logits takes 128 registers a thread at 16 warps with 128-column chunks, at
+    # 8 with 64 (no spill; 226 registers at 8 warps with 128 columns)
+    return max(4, min(16, keys // 512))
 
 
 def fits(width: int, k: int, chunk: int) -> bool:
@@ -71,10 +73,41 @@ def fits(width: int, k: int, chunk: int) -> bool:
 
 
 @functools.cache
-def _compiled() -> Any:
+def kernel() -> Any:
+    """The Triton kernel (a JIT function; importing Triton on the first call), for a
+    compiler's view of it (``triton.compile``) with :func:`launch_constants`."""
     from dmi_sglang.adapters.transport import _topk_triton  # imports Triton
 
     return _topk_triton.topk_kernel
+
+
+def launch_constants(width: int, k: int, chunk: int) -> dict[str, int]:
+    """The kernel's compile-time constants for rows of ``width`` columns (``chunk``, the
+    ``rounded`` K and the maxima's ``slots``) and the warps it is launched with
+    (``num_warps``)."""
+    rounded, slots = _rounded(k), _pow2(width // chunk + 1)
+    return {"chunk": chunk, "rounded": rounded, "slots": slots,
+            "num_warps": _warps(max(rounded * chunk, slots))}
+
+
+def compile_for(width: int, k: int, chunk: int, dtype: torch.dtype = torch.float32,
+                arch: int = 90) -> Any:
+    """The kernel for rows of ``width`` ``dtype`` logits compiled for CUDA ``sm_<arch>``
+    (90: the H100 and H200) as :func:`fused_topk` launches it, without a GPU: Triton's
+    ``CompiledKernel``, whose ``asm`` holds the PTX and the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = launch_constants(width, k, chunk)
+    warps = constants.pop("num_warps")
+    word = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    ints = dict.fromkeys(("width", "row_stride", "groups", "k"), "i32")
+    source = ASTSource(fn=kernel(), constexprs=constants, signature={
+        "logits": f"*{word}", "maxima": f"*{word}", "values": f"*{word}", "ids": "*i64",
+        **ints, **dict.fromkeys(constants, "constexpr")})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
 
 
 def fused_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +135,8 @@ def fused_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, 
     values = torch.empty((rows, k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     if rows:
-        rounded = _rounded(k)
-        _compiled()[(rows,)](logits, maxima.contiguous(), values, ids, width,
-                             logits.stride(0), groups, k, chunk=chunk, rounded=rounded,
-                             slots=_pow2(groups + 1), num_warps=_warps(rounded, chunk))
+        kernel()[(rows,)](logits, maxima.contiguous(), values, ids, width, logits.stride(0),
+                          groups, k, **launch_constants(width, k, chunk))
     return values, ids
 
 
