@@ -320,6 +320,23 @@ def test_a_forward_that_raised_after_its_commit_leaves_the_next_one_capturable(m
         ("blocks.hook_resid_pre", 2, 3), ("hook_final_ln", 0, 3)]
 
 
+def test_garbage_collections_count_from_the_first_batch_of_requests(make_driver) -> None:
+    """The engine's start collects (SGLang 0.5.19: around its CUDA-graph capture) after
+    the monitor attached and before any request: those are not the serving's pauses."""
+    from .conftest import captured_forward, monitor_of  # type: ignore[import-not-found]
+
+    d, sink = make_driver("resid_pre")
+    mon = monitor_of(d, sink)
+    gc.collect()  # the engine starting: not counted
+    assert mon.gc_pauses.counters()["gc_collections"] == 0
+    captured_forward(mon, d, BatchLayout.extend(["a"], [0], [3]), [_Req("a", 3)])
+    gc.collect()  # while requests are served: counted
+    timing = mon.timing(mon.stop())
+    assert timing["gc_full_collections"] >= 1
+    gc.collect()  # after the stop: not counted
+    assert mon.timing(mon.stop())["gc_full_collections"] == timing["gc_full_collections"]
+
+
 def test_a_graph_load_batch_outside_a_captured_forward_guards_the_replay(make_driver,
                                                                           monkeypatch):
     """The decode graph runner's ``load_batch`` outside a forward the session captures

@@ -544,6 +544,7 @@ class SchedulerMonitor:
         self._idle_failure_raised = False
         self._failure: BaseException | None = None
         self._failing: threading.Thread | None = None
+        self._gc_timed = False
         """Writes a failed run's record (:meth:`fail`)."""
         self._preflighted: CommitPlan | None = None
         """The padded plan the preflight of this step built, reused by its commit."""
@@ -556,8 +557,9 @@ class SchedulerMonitor:
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
         self.gc_pauses = GcPauses()
-        """The process's garbage collections while this monitor runs (:meth:`timing`)."""
-        self.gc_pauses.start()
+        """The process's garbage collections from the first batch of requests on, until
+        the monitor stops (:meth:`timing`): not the engine's start, whose collections
+        (SGLang 0.5.19 runs three around its CUDA-graph capture) serve no request."""
         self.stop_seconds: dict[str, float] = {}
         """The parts of :meth:`stop` that ran: ``transport`` (the drain emptied),
         ``finish_run`` (the sink's flush, manifests, run row and sync) and ``close`` (the
@@ -585,6 +587,9 @@ class SchedulerMonitor:
         whose prompt chunk does not finish them (their logits decide nothing yet)."""
         self.requests.add_reqs(reqs)
         self.unfinished = unfinished
+        if not (self._gc_timed or self._stopped):
+            self._gc_timed = True
+            self.gc_pauses.start()
 
     def add_host_seconds(self, seconds: float) -> None:
         """Count scheduler-thread time the runtime hooks spent for the capture."""
@@ -808,9 +813,10 @@ class SchedulerMonitor:
         decode graphs' recording at startup), the parts of the stop once it ran
         (``stop_transport_seconds``, ``stop_finish_run_seconds``,
         ``stop_close_seconds``: :attr:`stop_seconds`), the process's garbage collections
-        while the monitor ran (``gc_*``: each pauses the scheduler thread), and the
-        drain's own counters where the transport has them (device-to-host waits, CPU
-        building records, time blocked in ``sink.put``)."""
+        from the monitor's first batch of requests until its stop (``gc_*``: each pauses
+        the scheduler thread; :attr:`gc_pauses`), and the drain's own counters where the
+        transport has them (device-to-host waits, CPU building records, time blocked in
+        ``sink.put``)."""
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
