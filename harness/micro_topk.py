@@ -138,9 +138,23 @@ def run(args: argparse.Namespace, data: Json) -> None:
 
 
 def _tool(name: str) -> str:
-    import triton
+    """Triton's own ``ptxas`` or ``nvdisasm`` (``TRITON_PTXAS_PATH`` /
+    ``TRITON_NVDISASM_PATH`` name another)."""
+    from triton import knobs
 
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    path = str(getattr(knobs.nvidia, name).path)
+    if not Path(path).is_file():
+        msg = f"--compile-only: Triton's {name} is not at {path} (set TRITON_{name.upper()}_PATH)"
+        raise RuntimeError(msg)
+    return path
+
+
+def _ran(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode:
+        msg = f"{Path(argv[0]).name} failed ({done.returncode}): {done.stderr[-2000:]}"
+        raise RuntimeError(msg)
+    return done
 
 
 def compiled_figures(width: int, k: int, chunk: int, dtype: torch.dtype) -> Json:
@@ -150,10 +164,8 @@ def compiled_figures(width: int, k: int, chunk: int, dtype: torch.dtype) -> Json
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(compiled.asm["ptx"])
         cubin.write_bytes(compiled.asm["cubin"])
-        used = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o",
-                               os.devnull], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout
+        used = _ran([_tool("ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull]).stderr
+        sass = _ran([_tool("nvdisasm"), "-c", str(cubin)]).stdout
     ops = collections.Counter(m.group(1) for m in re.finditer(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass))
     registers = re.search(r"Used (\d+) registers", used)
@@ -176,7 +188,9 @@ def compile_only(args: argparse.Namespace, data: Json) -> None:
             "for sm_90 (nothing run); a warp's instructions are straight-line code")
     print("\n".join(table_lines(table)) + f"\n{note}")
     data["figures"] = {"rows": rows, "table": table, "note": note}
-    data["checks"]["compiled"] = {"ok": bool(rows), "required": True}
+    data["checks"]["compiled"] = {  # each compiled, its registers and instructions read
+        "ok": bool(rows) and all(r["registers"] and r["instructions"] for r in rows),
+        "required": True}
 
 
 def main(argv: list[str] | None = None) -> int:

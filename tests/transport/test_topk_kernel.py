@@ -160,9 +160,11 @@ def test_which_shapes_the_kernel_takes(width: int, k: int, chunk: int, fit: bool
                             "columns] with contiguous rows"),
     (torch.zeros(10, 4).t(), 3, 1, "logits of shape (4, 10) and strides (1, 4); expected "
                                    "[rows, columns] with contiguous rows"),
-    (torch.zeros(2, 10), 3, 3, "k=3, chunk=3 over 10 columns; expected what fits(): a "
-                               "power-of-two chunk, at least k (rounded up to a power of "
-                               "two) whole chunks, at most 8192 candidates"),
+    (torch.zeros(2, 10), 3, 3, "k=3, chunk=3 over 10 columns; expected a power-of-two "
+                               "chunk width, more than k whole chunks a row and at least K "
+                               "(k rounded up to a power of two, at least 2), k chunks at "
+                               "most half the row, at most 8192 candidate columns (K chunks) "
+                               "and at most 8192 chunk maxima (rounded up to a power of two)"),
 ])
 def test_bad_arguments_are_refused(logits: torch.Tensor, k: int, chunk: int,
                                    says: str) -> None:

@@ -563,6 +563,16 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
     assert stats.fp16_overflows == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_topk_kernel_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
+    """The start-up check of ``DMX_TOPK_KERNEL`` passes on the GPU for topk(64) over
+    Qwen3's logits in each float dtype (its rows hold ties, NaN and infinities)."""
+    from dmi_sglang.adapters.transport.topk_kernel import warm_up
+
+    assert warm_up(torch.device("cuda"), 151936, 64, 128, dtype) is None
+    assert warm_up(torch.device("cuda"), 151936, 64, 64, dtype) is None
+
+
 @pytest.mark.parametrize(("kernel", "chunk"), [
     (False, 0), (False, 128), (False, 100), (True, 128), (True, 64)])
 def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(kernel: bool,

@@ -16,7 +16,7 @@ left() { echo $(( ${CALL_S:-560} - (SECONDS - S) )); }
 if [ ! -s /root/w/topk.json ]; then
     bash scripts/gpu-run.sh python3 -m harness topk --out /root/w/topk.json > /root/w/topk.log 2>&1 \
         || { tail -40 /root/w/topk.log; rm -f /root/w/topk.json; exit 4; }
-    python3 -m pytest tests/transport/test_transport_gpu.py -m gpu -k chunked_topk -q \
+    python3 -m pytest tests/transport/test_transport_gpu.py -m gpu -k "topk" -q \
         -p no:cacheprovider > /root/w/topk-gpu-test.log 2>&1
 fi
 cp /root/w/topk.json /root/w/topk.log /root/w/topk-gpu-test.log "$OUT/"; cat /root/w/topk.log

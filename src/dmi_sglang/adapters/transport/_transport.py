@@ -144,10 +144,8 @@ def _check_topk_kernel(device: torch.device, width: int, k: int, chunk: int,
     """Refuse ``DMX_TOPK_KERNEL=1`` where :func:`fused_topk` does not fit or work."""
     setting = f"DMX_TOPK_KERNEL=1 (topk({k}) over {width} logits, DMX_TOPK_CHUNK={chunk})"
     if not topk_kernel.fits(width, k, chunk):
-        why = (f"{setting}: the kernel needs a power-of-two chunk width, at least K "
-               f"(rounded up to a power of two) whole chunks a row, and at most "
-               f"{topk_kernel.MAX_CANDIDATES} candidate columns (K chunks); "
-               "set DMX_TOPK_KERNEL=0 or another DMX_TOPK_CHUNK")
+        why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set DMX_TOPK_KERNEL=0 or "
+               "another DMX_TOPK_CHUNK")
         raise UnsupportedConfigurationError((why,))
     failed = topk_kernel.warm_up(device, width, k, chunk, dtype)
     if failed is not None:

@@ -15,10 +15,11 @@ candidates no smaller than ``v``. If ``v > m``, no chunk left out holds a value 
 largest equals the row's, for every ``j <= k``: the same values, largest first (where
 values tie, which of the tied positions is named may differ from ``torch.topk``'s choice,
 which is unspecified there too). NaN ranks above every number, in the maxima as in
-``torch.topk`` (so does +0.0 above -0.0 where ``torch.topk`` orders them so; the two are
-equal as numbers). Shapes depend only on the input's, so the result can be recorded in a
-CUDA graph. Where those chunks would be half the row or more (a large ``k``), the maxima
-save no pass and ``torch.topk`` runs over the whole row.
+``torch.topk``. Zeros of either sign are equal as numbers: where a top value is zero, the
+sign stored may differ from ``torch.topk``'s (a chunk's ``amax`` may return either).
+Shapes depend only on the input's, so the result can be recorded in a CUDA graph. Where
+those chunks would be half the row or more (a large ``k``), the maxima save no pass and
+``torch.topk`` runs over the whole row.
 
 ``python -m harness topk`` measures it against ``torch.topk`` on the GPU.
 """

@@ -12,7 +12,8 @@ column wins a tie, as one must), and a bitonic top-k (``tl.topk``) picks the ``K
 with the largest maxima (``K``: ``k`` rounded up to a power of two, at least 2; more chunks than
 ``k`` still hold every value of the top ``k``), then the ``K`` largest of their columns.
 The values are read back from the logits at the columns found, so they are the logits'
-own, NaN included (NaN ranks above every number, as in ``torch.topk``; +0.0 above -0.0).
+own, NaN included (NaN ranks above every number, as in ``torch.topk``; zeros of either
+sign are equal, as in :func:`~dmi_sglang.adapters.transport.topk.chunked_topk`).
 
 It applies where :func:`fits` says so: a power-of-two chunk width, the rows holding at
 least ``K`` whole chunks, and at most :data:`MAX_CANDIDATES` candidate columns and
@@ -23,14 +24,15 @@ on first use; with ``TRITON_INTERPRET=1`` set before that, the kernel runs on CP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import torch
 
-from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
+from dmi_sglang.adapters.transport.topk import widest_chunk
 
-__all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "compile_for", "fits", "fused_topk", "kernel",
+__all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "NEEDS", "compile_for", "fits", "fused_topk", "kernel",
            "launch_constants", "warm_up"]
 
 MAX_CANDIDATES = 8192
@@ -41,6 +43,12 @@ MAX_MAXIMA = 8192
 """Most chunk maxima (plus one for the columns after the last whole chunk), rounded up
 to a power of two, one program sorts: Qwen3's 151,936 columns make 1,187 chunks of 128
 (2,048 once rounded)."""
+
+NEEDS = (f"a power-of-two chunk width, more than k whole chunks a row and at least K (k "
+         f"rounded up to a power of two, at least 2), k chunks at most half the row, at most "
+         f"{MAX_CANDIDATES} candidate columns (K chunks) and at most {MAX_MAXIMA} chunk maxima "
+         f"(rounded up to a power of two)")
+"""What :func:`fits` asks of a shape, in words."""
 
 _LOW = 0x7FFFFFFF  # a key's low word: _LOW - column, so that the lower column ranks higher
 
@@ -126,26 +134,26 @@ def fused_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, 
         raise ValueError(msg)
     rows, width = logits.shape
     if not fits(width, k, chunk):
-        msg = (f"fused_topk: k={k}, chunk={chunk} over {width} columns; expected what "
-               f"fits(): a power-of-two chunk, at least k (rounded up to a power of two) "
-               f"whole chunks, at most {MAX_CANDIDATES} candidates")
+        msg = f"fused_topk: k={k}, chunk={chunk} over {width} columns; expected {NEEDS}"
         raise ValueError(msg)
     groups = width // chunk
     maxima = logits[:, : groups * chunk].reshape(rows, groups, chunk).amax(dim=-1)
     values = torch.empty((rows, k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     if rows:
-        kernel()[(rows,)](logits, maxima.contiguous(), values, ids, width, logits.stride(0),
-                          groups, k, **launch_constants(width, k, chunk))
+        # launched on the logits' device, whichever is current
+        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+            kernel()[(rows,)](logits, maxima.contiguous(), values, ids, width,
+                              logits.stride(0), groups, k, **launch_constants(width, k, chunk))
     return values, ids
 
 
 def warm_up(device: torch.device, width: int, k: int, chunk: int,
             dtype: torch.dtype = torch.float32) -> str | None:
     """Compile the kernel for rows of ``width`` ``dtype`` logits, ``k`` and ``chunk``, and
-    check it against :func:`chunked_topk` on rows with ties, NaN and infinities, before a
-    capture records it; None when it works, else why not (Triton missing, a compiler's
-    error, or a selection that differs)."""
+    check it against ``torch.topk`` (over the rows in float32) on rows with ties, NaN and
+    infinities, before a capture records it; None when it works, else why not (Triton
+    missing, a compiler's error, or a selection that differs)."""
     try:
         gen = torch.Generator().manual_seed(7)
         rows = torch.randn((3, width), generator=gen).round(decimals=1)  # ties
@@ -155,7 +163,9 @@ def warm_up(device: torch.device, width: int, k: int, chunk: int,
         rows[2, -1] = 0.0
         rows = rows.to(device=device, dtype=dtype)
         values, ids = fused_topk(rows, k, chunk)
-        expected, _ = chunked_topk(rows, k, chunk)
+        # torch.topk over the rows' exact float32 image (CUDA's bfloat16 top-k can drop a
+        # NaN: seen on an H100)
+        expected = torch.topk(rows.float(), k, dim=-1).values.to(dtype)
         same = torch.equal(values.nan_to_num(), expected.nan_to_num()) and torch.equal(
             torch.gather(rows, 1, ids).nan_to_num(), values.nan_to_num())
         return None if same else "its selection differs from torch.topk's"
