@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"most records per insert (DMX_CH_INSERT_ROWS, default {INSERT_ROWS})")
     p.add_argument("--insert-mb", type=int, default=0,
                    help="most payload MiB per insert (DMX_CH_INSERT_MB; default 0: the "
-                        "sink's rule, a quarter of the queue, at most 256)")
+                        "sink's rule, an eighth of the queue, at most 128)")
     p.add_argument("--writers", type=ints("writer threads >= 1, separated by commas"),
                    help=f"writer threads (default {FULL['writers']})")
     p.add_argument("--repeat", type=int, help=f"runs per configuration ({FULL['repeat']})")

@@ -35,16 +35,16 @@ def test_defaults_match_the_settings_table() -> None:
     assert s.preload_libstdcxx == "auto"
 
 
-def test_an_insert_holds_a_quarter_of_the_queue_unless_set() -> None:
+def test_an_insert_holds_an_eighth_of_the_queue_unless_set() -> None:
     mib = 1 << 20
 
     def store(**env: str) -> StoreConfig:
         return Settings.from_env(env).resolve(model_path="/m", cwd="/w").store()
 
-    assert store().insert_bytes == 256 * mib  # a 1024 MiB queue
-    assert store(DMX_CH_QUEUE_MB="8192").insert_bytes == 256 * mib  # at most 256 MiB
-    assert store(DMX_CH_QUEUE_MB="100").insert_bytes == 25 * mib
-    assert store(DMX_CH_QUEUE_MB="1").insert_bytes == 256 * 1024
+    assert store().insert_bytes == 128 * mib  # a 1024 MiB queue
+    assert store(DMX_CH_QUEUE_MB="8192").insert_bytes == 128 * mib  # at most 128 MiB
+    assert store(DMX_CH_QUEUE_MB="100").insert_bytes == 100 * mib // 8
+    assert store(DMX_CH_QUEUE_MB="1").insert_bytes == 128 * 1024
     assert store(DMX_CH_INSERT_MB="128").insert_bytes == 128 * mib
     fixed = store(DMX_CH_INSERT_MB="512", DMX_CH_QUEUE_MB="100")
     assert fixed.insert_bytes == 512 * mib  # as set, even beyond the queue

@@ -49,9 +49,12 @@ INSERT_MB_MAX = 65_536
 
 
 def default_insert_bytes(queue_bytes: int) -> int:
-    """Most bytes per insert when none is set: a quarter of a queue of ``queue_bytes``,
-    at most 256 MiB (several inserts in flight, none a huge block)."""
-    return max(1, min(256 << 20, queue_bytes // 4))
+    """Most bytes per insert when none is set: an eighth of a queue of ``queue_bytes``, at
+    most 128 MiB, so that four writers' inserts in flight leave half the queue for batches
+    waiting behind them (served on an H100, ``store:hidden-states`` ran at 0.503 and 0.479
+    of stock with 128 MiB inserts against 0.452 with a quarter of the queue, 256 MiB, and
+    0.430 with 64: ``docs/evidence/2026-12-05-h100-topk-kernel-insert-size/``)."""
+    return max(1, min(128 << 20, queue_bytes // 8))
 
 
 @attrs.frozen
@@ -96,10 +99,9 @@ class StoreConfig:
 
     @property
     def insert_bytes(self) -> int:
-        """Most payload bytes per insert: ``insert_mb``, or by default a quarter of the
-        queue, at most 256 MiB (several inserts in flight, none a huge block). The
-        queue's bound counts inserts in flight too, so with four writers the default
-        lets them fill it, leaving no batch waiting behind them."""
+        """Most payload bytes per insert: ``insert_mb``, or by default an eighth of the
+        queue, at most 128 MiB (:func:`default_insert_bytes`). The queue's bound counts
+        inserts in flight too: four writers' inserts fill half of it by default."""
         if self.insert_mb:
             return self.insert_mb << 20
         return default_insert_bytes(self.queue_mb << 20)

@@ -77,8 +77,8 @@ class RecordQueue:
             is never split).
         linger_s: longest the oldest queued batch waits for an insert to fill.
         batch_bytes: most bytes per insert, unless one batch alone holds more; default
-            a quarter of ``max_bytes``, at most 256 MiB, so that several inserts can be
-            in flight and none builds a huge block.
+            :func:`~dmi_sglang.domain.store_config.default_insert_bytes` of ``max_bytes``
+            (an eighth, at most 128 MiB).
     """
 
     def __init__(
