@@ -1,8 +1,9 @@
 """Component benchmark of the capture store: ``python -m harness store``.
 
 * ingest: records of bf16 activations (payloads of ``--sizes`` bytes, 28 layers a step,
-  a step of up to 64 requests, about 4 MiB, per record batch; the payloads are views of
-  one buffer, as the transport hands them over) go through the public
+  record batches of up to 64 requests and ``--batch-mb`` MiB: 4 by default, a decode
+  step's; a served window flush makes batches of about 80; the payloads are views of one
+  buffer, as the transport hands them over) go through the public
   :class:`ClickHouseSink` on the embedded engine (chdb) with ``--writers`` inserting
   threads, one run from ``start_run`` to ``finish_run`` (which syncs the run's files) and
   ``close`` within the timed span: MB/s, CPU seconds of the whole process per GB and of
@@ -133,15 +134,17 @@ INSERT_ROWS = StoreConfig(kind=StoreKind.EMBEDDED).insert_rows
 CHANNEL_RING_BYTES = StoreConfig(kind=StoreKind.EMBEDDED).queue_mb << 20
 """The shared ring measured (``DMX_OWNER_RING_MB``): the size of the owner's queue
 (``DMX_CH_QUEUE_MB``'s default)."""
-STEP_REQUESTS, STEP_BYTES = 64, 4 << 20
-"""A record batch: one step of up to 64 requests x 28 layers, about 4 MiB at most."""
+STEP_REQUESTS, BATCH_MB = 64, 4
+"""A record batch: up to 64 requests x 28 layers, at most ``--batch-mb`` MiB (by default
+4, about one decode step's)."""
 
 
-def make_batches(size: int, total: int) -> list[RecordBatch]:
+def make_batches(size: int, total: int, batch_mb: int = BATCH_MB) -> list[RecordBatch]:
     """Record batches of ``total // size`` records of ``size`` payload bytes (bf16 normal
-    values) in all: layer after layer of a step, request after request, each batch's
-    payload a view of one shared buffer (no per-record objects, no copies)."""
-    per_step = LAYERS * max(1, min(STEP_REQUESTS, STEP_BYTES // (LAYERS * size)))
+    values) in all: layer after layer, request after request, at most ``batch_mb`` MiB a
+    batch, each batch's payload a view of one shared buffer (no per-record objects, no
+    copies)."""
+    per_step = LAYERS * max(1, min(STEP_REQUESTS, (batch_mb << 20) // (LAYERS * size)))
     count = max(1, total // size)
     steps = -(-count // per_step)
     pooled = max(1, min(steps, (256 << 20) // (per_step * size)))  # distinct steps
@@ -168,10 +171,11 @@ def make_batches(size: int, total: int) -> list[RecordBatch]:
     return out
 
 
-def _ingest_input(size: int, total: int) -> tuple[list[RecordBatch], int, int, RunInfo]:
+def _ingest_input(size: int, total: int,
+                  batch_mb: int = BATCH_MB) -> tuple[list[RecordBatch], int, int, RunInfo]:
     """An ingest's batches (:func:`make_batches`), their record and byte counts, and the
     running run they belong to."""
-    batches = make_batches(size, total)
+    batches = make_batches(size, total, batch_mb)
     run = RunInfo("bench", f"/models/{Q06.name}", (), tuple((RESID, n) for n in range(LAYERS)),
                   utc_now())
     return batches, sum(len(b) for b in batches), sum(b.nbytes for b in batches), run
@@ -199,10 +203,11 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 
 def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
-           insert_rows: int = INSERT_ROWS, insert_mb: int = 0) -> Json:
+           insert_rows: int = INSERT_ROWS, insert_mb: int = 0,
+           batch_mb: int = BATCH_MB) -> Json:
     """One sustained ingest into a fresh store (see the module docstring)."""
     path = root / f"ingest-{size}-{writers}-{rep}"
-    batches, records, captured, run = _ingest_input(size, total)
+    batches, records, captured, run = _ingest_input(size, total, batch_mb)
     config = StoreConfig(kind=StoreKind.EMBEDDED, path=str(path), insert_rows=insert_rows,
                          insert_mb=insert_mb)
     sink = ClickHouseSink(config, writers=writers)
@@ -234,14 +239,14 @@ def ingest(root: Path, size: int, total: int, writers: int, rep: int, *,
 
 def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: int, *,
                          insert_rows: int = INSERT_ROWS, insert_mb: int = 0,
-                         ring_mb: int = 0) -> Json:
+                         ring_mb: int = 0, batch_mb: int = BATCH_MB) -> Json:
     """The same ingest as a capture makes it: through the store owner process that a
     scheduler starts (``open_capture_sink``; with ``ring_mb``, ``DMX_OWNER_RING_MB``),
     timed from the run's start until ``close`` returned (the owner ended); CPU seconds per
     GB of this process (the scheduler's side) and of the owner (a child: what it used
     from its ready to its exit)."""
     path = root / f"owner-ingest-{size}-{writers}-{rep}-{ring_mb}"
-    batches, records, captured, run = _ingest_input(size, total)
+    batches, records, captured, run = _ingest_input(size, total, batch_mb)
     settings = Settings.from_kwargs(
         {"dmx_db_url": f"chdb://{path}", "dmx_ch_writers": str(writers),
          "dmx_ch_insert_rows": str(insert_rows), "dmx_ch_insert_mb": str(insert_mb),
@@ -290,13 +295,13 @@ def _serve_discarding(address: str, ready: Any, done: Any) -> None:
     service.close()
 
 
-def owner_channel(size: int, total: int, shared_bytes: int) -> Json:
+def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATCH_MB) -> Json:
     """The owner's write channel alone: the ingest's batches put through a
     :class:`RemoteSink` to an owner process whose sink keeps nothing, through the socket
     (``shared_bytes`` 0) or a shared ring of ``shared_bytes``; timed from the first put
     after a warm-up put until a flush returned; CPU seconds per GB of this process (the
     puts and libzmq's I/O thread) and of the owner."""
-    batches, _, captured, _ = _ingest_input(size, total)
+    batches, _, captured, _ = _ingest_input(size, total, batch_mb)
     directory = tempfile.mkdtemp(prefix="dmi-channel-")
     os.chmod(directory, 0o700)
     address = f"ipc://{directory}/writes"
@@ -494,7 +499,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             runs = []
             for rep in range(args.repeat):  # probe, run, probe, run, probe ...
                 runs.append(ingest(root, size, args.mb * 1_000_000, writers, rep,
-                                   insert_rows=args.insert_rows, insert_mb=args.insert_mb))
+                                   insert_rows=args.insert_rows, insert_mb=args.insert_mb,
+                                   batch_mb=args.batch_mb))
                 probes.append(measure_disk_bps(root, probe_bytes))
             ratios = [r["compression"] for r in runs if r["compression"]]
             rows.append({"payload_bytes": size, "writers": writers,
@@ -525,7 +531,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             for how, fn in ways:
                 fresh[how].append(pool.submit(fn, root, widest, args.mb * 1_000_000, most,
                                               rep, insert_rows=args.insert_rows,
-                                              insert_mb=args.insert_mb).result())
+                                              insert_mb=args.insert_mb,
+                                              batch_mb=args.batch_mb).result())
     owned, direct, ringed = fresh["owner"], fresh["direct"], fresh["ring"]
     through_owner = {"payload_bytes": widest, "writers": most, **_rates(owned),
                      "finish_run_s": statistics.median(r["finish_run_s"] for r in owned),
@@ -541,7 +548,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     channel: dict[str, list[Json]] = {"socket": [], "ring": []}
     for _ in range(args.repeat):
         for how, ring_bytes in (("socket", 0), ("ring", CHANNEL_RING_BYTES)):
-            channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes))
+            channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes,
+                                              args.batch_mb))
     channels = [{"how": how, **_rates(runs), "shared": all(r["shared"] for r in runs),
                  "ring_waits": sum(r["ring_waits"] for r in runs), "runs": runs}
                 for how, runs in channel.items()]
@@ -575,7 +583,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "owner cpu s/GB": through_owner["ring_owner_cpu_s_per_GB"],
                   "ring used": "yes" if through_owner["ring_used"] else "NO"})
     for c in channels:
-        table.append({"owner channel alone": f"{widest // 1024} KiB records, {c['how']}",
+        table.append({"owner channel alone": f"{widest // 1024} KiB records, batches of "
+                                             f"<= {args.batch_mb} MiB, {c['how']}",
                       "MB/s": c["bps"] / 1e6, "spread": c["spread"],
                       "cpu s/GB (this process)": c["cpu_s_per_GB"],
                       "owner cpu s/GB": c["owner_cpu_s_per_GB"],
@@ -637,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--insert-mb", type=int, default=0,
                    help="most payload MiB per insert (DMX_CH_INSERT_MB; default 0: the "
                         "sink's rule, an eighth of the queue, at most 128)")
+    p.add_argument("--batch-mb", type=int, default=BATCH_MB,
+                   help=f"most MiB a record batch (default {BATCH_MB}, a decode step's; a "
+                        "served window flush makes about 80)")
     p.add_argument("--writers", type=ints("writer threads >= 1, separated by commas"),
                    help=f"writer threads (default {FULL['writers']})")
     p.add_argument("--repeat", type=int, help=f"runs per configuration ({FULL['repeat']})")
@@ -656,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # string defaults go through their type too
     if min(args.mb, args.repeat, args.probe_mb, args.insert_rows) <= 0:
         p.error("--mb, --repeat, --probe-mb and --insert-rows must be positive")
+    if args.batch_mb < 1:
+        p.error(f"--batch-mb {args.batch_mb}: a batch of at least 1 MiB")
     if not 0 <= args.insert_mb <= INSERT_MB_MAX:
         p.error(f"--insert-mb {args.insert_mb}: 0 (the sink's rule) or 1 to "
                 f"{INSERT_MB_MAX:,} MiB")

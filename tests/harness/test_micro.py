@@ -365,6 +365,7 @@ def test_topk_runs_the_kernel_at_the_widths_it_takes_under_the_triton_interprete
     ("micro_hooks", ["--presets", "last,bogus"],
      "argument --presets: unknown preset 'bogus': accepted hidden-states, last, topk64"),
     ("micro_store", ["--sizes", "abc"], "argument --sizes: 'abc': expected even payload"),
+    ("micro_store", ["--batch-mb", "0"], "--batch-mb 0: a batch of at least 1 MiB"),
     ("micro_store", ["--readback", "1,2"], "argument --readback: '1,2': expected layers,prompt,"),
     ("micro_store", ["--insert-mb", "-1"], "--insert-mb -1: 0 (the sink's rule) or 1 to 65,536"),
     ("micro_store", ["--insert-mb", "70000"], "--insert-mb 70000: 0 (the sink's rule) or 1 to"),
