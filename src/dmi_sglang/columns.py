@@ -144,6 +144,32 @@ class RecordBatch:
         """Tensor rows of the records (positions x records)."""
         return int((self.end.astype(np.int64) - self.start).sum())
 
+    def split(self, max_bytes: int) -> list[RecordBatch]:
+        """The records, in order, as batches of at most ``max_bytes`` payload bytes each
+        (a record larger than that makes a batch alone), over this batch's columns and
+        payload: views, nothing copied; the batch itself when it fits.
+
+        Raises:
+            ValueError: ``max_bytes`` is not positive.
+        """
+        if max_bytes < 1:
+            msg = f"RecordBatch.split: max_bytes={max_bytes}; expected at least 1"
+            raise ValueError(msg)
+        n = len(self)
+        if self.nbytes <= max_bytes:
+            return [self]
+        out: list[RecordBatch] = []
+        first = 0
+        while first < n:  # the most records from `first` whose payloads fit, one at least
+            limit = int(self.offsets[first]) + max_bytes
+            last = max(first + 1, int(np.searchsorted(self.offsets, limit, side="right")) - 1)
+            out.append(attrs.evolve(
+                self, request=self.request[first:last], capture=self.capture[first:last],
+                start=self.start[first:last], end=self.end[first:last],
+                seq=self.seq[first:last], offsets=self.offsets[first:last + 1]))
+            first = last
+        return out
+
     def records(self) -> Iterator[CaptureRecord]:
         """The records one by one, payloads as read-only views of the batch's buffer
         (for reading and tests; the hot path never does this)."""

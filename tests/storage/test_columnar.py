@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader, ClickHouseSink
 from dmi_sglang.adapters.clickhouse._arrow import COLUMN_NAMES, arrow_batch, arrow_table
@@ -45,6 +47,32 @@ def _records(run: str, seed: int, *, shard: int = 0) -> list[CaptureRecord]:
 def _fields(r: CaptureRecord) -> tuple[object, ...]:
     return (r.model_id, r.request_id, r.act_name, r.layer_no, r.shard_rank, r.start_token_idx,
             r.end_token_idx, r.dtype, tuple(r.shape), bytes(r.payload), r.seq)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), count=st.integers(1, 12), max_bytes=st.integers(1, 200))
+def test_a_batch_splits_into_whole_records_of_at_most_max_bytes(
+        seed: int, count: int, max_bytes: int) -> None:
+    """Every record once, in order, each piece within ``max_bytes`` unless it is one
+    record, over the same payload memory (nothing copied)."""
+    batch = RecordBatch.from_records(_records("run", seed)[:count])
+    pieces = batch.split(max_bytes)
+    assert [_fields(r) for p in pieces for r in p.records()] == [
+        _fields(r) for r in batch.records()]
+    for p in pieces:
+        assert len(p) >= 1
+        assert p.nbytes <= max_bytes or len(p) == 1
+        assert p.payload is batch.payload
+    for a, b in itertools.pairwise(pieces):  # none could take the next record too
+        assert a.nbytes + int(b.offsets[1] - b.offsets[0]) > max_bytes
+    assert batch.split(batch.nbytes) == [batch]
+
+
+def test_a_batch_is_split_only_by_a_positive_size() -> None:
+    batch = RecordBatch.from_records(_records("run", 1))
+    with pytest.raises(ValueError, match=r"^RecordBatch.split: max_bytes=0; expected at "
+                                         r"least 1$"):
+        batch.split(0)
 
 
 def test_the_arrow_table_holds_the_records_in_the_tables_layout() -> None:

@@ -335,6 +335,28 @@ def test_a_batch_sends_only_its_own_bytes(held: tuple[_Held, SinkService]) -> No
         bytes(r.payload) for r in whole.records()]
 
 
+def test_a_large_batch_crosses_in_pieces_of_whole_records(
+        held: tuple[_Held, SinkService]) -> None:
+    """A served window flush makes batches of about 80 MB: they go as exchanges of at
+    most PUT_PIECE_BYTES (the owner's receive buffers stay small), every record once, in
+    order."""
+    from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
+
+    sink, service = held
+    sink.release.set()
+    key = CaptureKey("resid_pre", 0, "torch.int32", (1 << 18,))  # 1 MiB rows
+    n = 2 * (PUT_PIECE_BYTES >> 20) + 3
+    at = np.arange(n, dtype=np.int32)
+    payload = np.random.default_rng(0).integers(0, 256, n << 20, dtype=np.uint8)
+    batch = RecordBatch(RUN, ("r",), (key,), np.zeros(n, np.int32), np.zeros(n, np.int32),
+                        at, at + 1, at.astype(np.int64), np.arange(n + 1, dtype=np.int64) << 20,
+                        payload)
+    RemoteSink(service.address, timeout_s=30).put(batch)
+    assert [b.nbytes for b in sink.batches] == [PUT_PIECE_BYTES, PUT_PIECE_BYTES, 3 << 20]
+    got = [(r.start_token_idx, bytes(r.payload)) for b in sink.batches for r in b.records()]
+    assert got == [(r.start_token_idx, bytes(r.payload)) for r in batch.records()]
+
+
 def test_closing_is_bounded_idempotent_and_leaves_a_later_service_alone(
         private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dmi_sglang.adapters.owner import _service

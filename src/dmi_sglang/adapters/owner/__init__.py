@@ -11,7 +11,12 @@ ranks of a tensor-parallel run) write one run; :class:`RemoteSink` is their sink
 
 from dmi_sglang.adapters.owner._reads import READ_TIMEOUT_S, ReadService, RemoteReader
 from dmi_sglang.adapters.owner._service import check_address
-from dmi_sglang.adapters.owner._writes import WRITE_TIMEOUT_S, RemoteSink, SinkService
+from dmi_sglang.adapters.owner._writes import (
+    PUT_PIECE_BYTES,
+    WRITE_TIMEOUT_S,
+    RemoteSink,
+    SinkService,
+)
 
-__all__ = ["READ_TIMEOUT_S", "WRITE_TIMEOUT_S", "ReadService", "RemoteReader", "RemoteSink",
-           "SinkService", "check_address"]
+__all__ = ["PUT_PIECE_BYTES", "READ_TIMEOUT_S", "WRITE_TIMEOUT_S", "ReadService",
+           "RemoteReader", "RemoteSink", "SinkService", "check_address"]

@@ -52,7 +52,7 @@ from dmi_sglang.columns import RecordBatch, RecordSink
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus
 from dmi_sglang.errors import StoreError
 
-__all__ = ["WRITE_TIMEOUT_S", "RemoteSink", "SinkService"]
+__all__ = ["PUT_PIECE_BYTES", "WRITE_TIMEOUT_S", "RemoteSink", "SinkService"]
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,13 @@ WRITE_TIMEOUT_S = 300.0
 queue is full; a ``finish_run`` syncs the run's files)."""
 AFTER_LOSS_TIMEOUT_S = 30.0
 """Longest the ``finish_run`` sent after a lost exchange waits (behind the lost call)."""
+PUT_PIECE_BYTES = 8 << 20
+"""Most payload bytes one ``put`` exchange carries: a larger batch goes as several, of
+whole records. The owner's libzmq receives each message into memory it allocates for it,
+and messages of tens of MB come out of fresh pages every time: the channel alone moved
+0.5-1.4 GB/s in batches of about 80 MiB (a served window flush's size) against 1.8-4.2 in
+batches of 8 MiB on the dev box (``python -m harness store --batch-mb``,
+``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
 
 
 
@@ -223,11 +230,14 @@ class RemoteSink:
         self._call({"method": "start_run", "run": _run_fields(run)})
 
     def put(self, batch: RecordBatch) -> None:
-        """Hand the batch to the owner's sink; returns once it took it (blocks while the
-        owner's queue, or the shared ring, is full). The batch's memory is free again on
-        return."""
-        header, frames = batch_to_frames(batch)
-        self._call({"method": "put", **header}, frames, shared=self._shared_bytes > 0)
+        """Hand the batch to the owner's sink, in exchanges of at most
+        :data:`PUT_PIECE_BYTES` of whole records; returns once it took them all (blocks
+        while the owner's queue, or the shared ring, is full). The batch's memory is free
+        again on return. A failure stops it at the piece that failed: the pieces before
+        were taken, and the run is failed from there on (the sticky failure)."""
+        for piece in batch.split(PUT_PIECE_BYTES):
+            header, frames = batch_to_frames(piece)
+            self._call({"method": "put", **header}, frames, shared=self._shared_bytes > 0)
 
     def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink commits these manifests after what was put before."""
