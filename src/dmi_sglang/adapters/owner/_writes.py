@@ -64,10 +64,10 @@ AFTER_LOSS_TIMEOUT_S = 30.0
 PUT_PIECE_BYTES = 8 << 20
 """Most payload bytes one ``put`` exchange carries: a larger batch goes as several, of
 whole records. The owner's libzmq receives each message into memory it allocates for it,
-and messages of tens of MB come out of fresh pages every time: the channel alone moved
-0.5-1.4 GB/s in batches of about 80 MiB (a served window flush's size) against 1.8-4.2 in
-batches of 8 MiB on the dev box (``python -m harness store --batch-mb``,
-``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
+and messages of tens of MB come out of fresh pages every time: with batches of at most 80
+MiB (a served window flush's size) the channel alone moved 1.1 GB/s whole and 3.9 GB/s in
+pieces on the dev box, the owner's CPU 0.65 and 0.17 s per GB (``python -m harness store
+--batch-mb 80``, ``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
 
 
 
