@@ -344,17 +344,79 @@ def test_a_large_batch_crosses_in_pieces_of_whole_records(
 
     sink, service = held
     sink.release.set()
-    key = CaptureKey("resid_pre", 0, "torch.int32", (1 << 18,))  # 1 MiB rows
-    n = 2 * (PUT_PIECE_BYTES >> 20) + 3
-    at = np.arange(n, dtype=np.int32)
-    payload = np.random.default_rng(0).integers(0, 256, n << 20, dtype=np.uint8)
-    batch = RecordBatch(RUN, ("r",), (key,), np.zeros(n, np.int32), np.zeros(n, np.int32),
-                        at, at + 1, at.astype(np.int64), np.arange(n + 1, dtype=np.int64) << 20,
-                        payload)
+    batch = _megabyte_rows(2 * (PUT_PIECE_BYTES >> 20) + 3)  # 1 MiB records
     RemoteSink(service.address, timeout_s=30).put(batch)
     assert [b.nbytes for b in sink.batches] == [PUT_PIECE_BYTES, PUT_PIECE_BYTES, 3 << 20]
     got = [(r.start_token_idx, bytes(r.payload)) for b in sink.batches for r in b.records()]
     assert got == [(r.start_token_idx, bytes(r.payload)) for r in batch.records()]
+
+
+def _megabyte_rows(n: int) -> RecordBatch:
+    """``n`` records of one 1 MiB row each, positions 0..n-1, random bytes."""
+    key = CaptureKey("resid_pre", 0, "torch.int32", (1 << 18,))
+    at = np.arange(n, dtype=np.int32)
+    payload = np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8)
+    return RecordBatch(RUN, ("r",), (key,), np.zeros(n, np.int32), np.zeros(n, np.int32),
+                       at, at + 1, at.astype(np.int64), np.arange(n + 1, dtype=np.int64) << 20,
+                       payload)
+
+
+class _Calls(_Held):
+    """Records the calls it takes in order; a ``put`` takes ``delay_s``; the
+    ``fail_at``-th put fails."""
+
+    def __init__(self, delay_s: float = 0.0, fail_at: int = 0) -> None:
+        super().__init__()
+        self.release.set()
+        self.calls: list[str] = []
+        self.delay_s, self.fail_at = delay_s, fail_at
+
+    def put(self, batch: RecordBatch) -> None:
+        self.entered.set()
+        time.sleep(self.delay_s)
+        self.calls.append("put")
+        if len(self.calls) == self.fail_at:
+            msg = "the disk is full"
+            raise StoreError(msg)
+        self.batches.append(batch)
+
+    def flush(self) -> None:
+        self.calls.append("flush")
+
+
+def test_a_failed_piece_stops_the_put_and_fails_the_sink(private: Path) -> None:
+    """The pieces before the failed one were taken; the failure is sticky (the run is
+    recorded failed at its finish, as for any failed put)."""
+    from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
+
+    sink = _Calls(fail_at=2)
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        remote = RemoteSink(service.address, timeout_s=30)
+        with pytest.raises(StoreError, match="the disk is full"):
+            remote.put(_megabyte_rows(2 * (PUT_PIECE_BYTES >> 20) + 3))
+        assert [b.nbytes for b in sink.batches] == [PUT_PIECE_BYTES]
+        with pytest.raises(StoreError, match="the disk is full"):
+            remote.flush()  # sticky: not sent
+        assert sink.calls == ["put", "put"]
+    finally:
+        service.close()
+
+
+def test_another_threads_call_never_lands_between_the_pieces_of_a_put(
+        private: Path) -> None:
+    sink = _Calls(delay_s=0.05)
+    service = SinkService(sink, f"ipc://{private}/writes")
+    try:
+        remote = RemoteSink(service.address, timeout_s=30)
+        putting = threading.Thread(target=remote.put, args=(_megabyte_rows(20),))
+        putting.start()
+        assert sink.entered.wait(10)
+        remote.flush()  # another thread's call, while the put's pieces cross
+        putting.join(30)
+        assert sink.calls == ["put", "put", "put", "flush"]
+    finally:
+        service.close()
 
 
 def test_closing_is_bounded_idempotent_and_leaves_a_later_service_alone(

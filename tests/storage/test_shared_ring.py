@@ -209,6 +209,33 @@ class _Keeps:
         pass
 
 
+def test_a_batch_crosses_a_ring_it_fits_whole_and_the_socket_in_pieces(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the ring a put is one region (pieces held until their inserts would fill
+    a ring smaller than an insert); once the ring is refused, puts go in pieces."""
+    from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
+
+    big = _batch(0, rows=3 * PUT_PIECE_BYTES // ROW)  # three pieces' worth
+    kept = _Keeps()
+    with _owner(private, kept, timeout_s=30, shared_bytes=SLOTS + (64 << 20)) as (_, remote):
+        remote.put(big)
+        assert remote.shared
+        assert [b.nbytes for b in kept.batches] == [big.nbytes]
+        remote.close()
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_shared.os, "posix_fallocate", full)
+    kept = _Keeps()
+    with _owner(private, kept, timeout_s=30, shared_bytes=SLOTS + (64 << 20)) as (_, remote):
+        remote.put(big)  # the ring tried, refused: this one goes whole on the socket
+        remote.put(big)
+        assert not remote.shared
+        assert [b.nbytes for b in kept.batches] == [big.nbytes] + [PUT_PIECE_BYTES] * 3
+        remote.close()
+
+
 def test_a_ring_the_owner_never_releases_fails_the_put_after_the_timeout(
         private: Path) -> None:
     kept = _Keeps()

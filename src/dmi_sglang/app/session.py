@@ -544,8 +544,9 @@ class SchedulerMonitor:
         self._idle_failure_raised = False
         self._failure: BaseException | None = None
         self._failing: threading.Thread | None = None
-        self._gc_timed = False
         """Writes a failed run's record (:meth:`fail`)."""
+        self._gc_timed = False
+        """:attr:`gc_pauses` started (at the first batch of requests)."""
         self._preflighted: CommitPlan | None = None
         """The padded plan the preflight of this step built, reused by its commit."""
         self._previous_plan: CommitPlan | None = None

@@ -50,10 +50,13 @@ INSERT_MB_MAX = 65_536
 
 def default_insert_bytes(queue_bytes: int) -> int:
     """Most bytes per insert when none is set: an eighth of a queue of ``queue_bytes``, at
-    most 128 MiB, so that four writers' inserts in flight leave half the queue for batches
-    waiting behind them (served on an H100, ``store:hidden-states`` ran at 0.503 and 0.479
-    of stock with 128 MiB inserts against 0.452 with a quarter of the queue, 256 MiB, and
-    0.430 with 64: ``docs/evidence/2026-12-05-h100-topk-kernel-insert-size/``)."""
+    most 128 MiB. Served on an H100, one unit each, with the drain's puts whole (about 78
+    MB): ``store:hidden-states`` ran at 0.503 and 0.479 of stock with this limit (its
+    inserts averaged 98 MiB) against 0.452 with a quarter of the queue, 256 MiB (226 MiB
+    an insert), and 0.430 with 64 (78 MiB: each batch larger than the limit went alone);
+    the owner's queue was not the limit there. With puts in 8 MiB pieces inserts fill up
+    to 128 MiB, not yet measured served
+    (``docs/evidence/2026-12-05-h100-topk-kernel-insert-size/``)."""
     return max(1, min(128 << 20, queue_bytes // 8))
 
 

@@ -63,8 +63,8 @@ AFTER_LOSS_TIMEOUT_S = 30.0
 """Longest the ``finish_run`` sent after a lost exchange waits (behind the lost call)."""
 PUT_PIECE_BYTES = 8 << 20
 """Most payload bytes one ``put`` exchange carries: a larger batch goes as several, of
-whole records. The owner's libzmq receives each message into memory it allocates for it,
-and messages of tens of MB come out of fresh pages every time: with batches of at most 80
+whole records. The owner's libzmq receives each message into memory it allocates for it
+(for tens of MB, likely fresh pages every time: not counted): with batches of at most 80
 MiB (a served window flush's size) the channel alone moved 1.1 GB/s whole and 3.9 GB/s in
 pieces on the dev box, the owner's CPU 0.65 and 0.17 s per GB (``python -m harness store
 --batch-mb 80``, ``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
@@ -197,7 +197,9 @@ class RemoteSink:
             raise ValueError(msg)
         self.address = check_address(address)
         self._timeout_ms = max(1, int(timeout_s * 1000))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """One exchange at a time; a ``put`` holds it across its pieces, so another
+        thread's call never lands between them."""
         self._socket: Any = None
         self._failure: StoreError | None = None
         self._lost = False
@@ -230,14 +232,25 @@ class RemoteSink:
         self._call({"method": "start_run", "run": _run_fields(run)})
 
     def put(self, batch: RecordBatch) -> None:
-        """Hand the batch to the owner's sink, in exchanges of at most
-        :data:`PUT_PIECE_BYTES` of whole records; returns once it took them all (blocks
-        while the owner's queue, or the shared ring, is full). The batch's memory is free
-        again on return. A failure stops it at the piece that failed: the pieces before
-        were taken, and the run is failed from there on (the sticky failure)."""
-        for piece in batch.split(PUT_PIECE_BYTES):
-            header, frames = batch_to_frames(piece)
-            self._call({"method": "put", **header}, frames, shared=self._shared_bytes > 0)
+        """Hand the batch to the owner's sink; returns once it took it (blocks while the
+        owner's queue, or the shared ring, is full). The batch's memory is free again on
+        return.
+
+        Through the socket it goes in exchanges of at most :data:`PUT_PIECE_BYTES` of
+        whole records, one after another with no other call of this sink between them; a
+        failure stops it at the piece that failed (the pieces before were taken, and the
+        run is failed from there on: the sticky failure). Through a shared ring it goes
+        whole, as one region (the ring's regions are held until their insert, so pieces
+        would fill a ring smaller than an insert and wait for the insert's linger), and as
+        whole frames where it does not fit the ring."""
+        with self._lock:  # one call to the other threads, whatever its pieces
+            if self._shared_bytes and not (self._ring_tried and self._ring is None):
+                header, frames = batch_to_frames(batch)
+                self._call({"method": "put", **header}, frames, shared=True)
+                return
+            for piece in batch.split(PUT_PIECE_BYTES):
+                header, frames = batch_to_frames(piece)
+                self._call({"method": "put", **header}, frames)
 
     def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink commits these manifests after what was put before."""
