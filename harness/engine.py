@@ -357,6 +357,14 @@ def process_cpu(pid: int, proc: Path = Path("/proc")) -> float:
     return 0.0 if stat is None else _cpu_seconds(stat[1])
 
 
+def process_minor_faults(pid: int, proc: Path = Path("/proc")) -> int:
+    """Minor page faults process ``pid`` has taken so far (pages it touched for the first
+    time, or again after they were unmapped; 0 when it is gone or ``/proc`` is not
+    there)."""
+    stat = _stat(proc / str(pid))
+    return 0 if stat is None else int(stat[1][7])
+
+
 def _stat(entry: Path) -> tuple[str, list[str]] | None:
     """A process's short name and its ``stat`` fields from the state on (field 3 of
     proc(5) is the first), or None when it cannot be read."""

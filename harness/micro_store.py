@@ -29,7 +29,8 @@
   :class:`RemoteSink` to an owner process whose sink keeps nothing, through its socket and
   through a shared ring of ``DMX_CH_QUEUE_MB`` (what a capture uses), each ``--repeat``
   times: MB/s until a flush returned, CPU seconds per GB of the calling process (its puts
-  and libzmq's I/O thread) and of the owner.
+  and libzmq's I/O thread) and of the owner, and the owner's minor page faults per GB
+  (memory it touched fresh: a 4 KiB page each).
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -94,7 +95,7 @@ from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import CHANNEL_WAIT_S, DISK_PROBE_BYTES
 from harness.docs import table_lines
-from harness.engine import process_cpu
+from harness.engine import process_cpu, process_minor_faults
 from harness.micro_transport import SpinProbe
 from harness.models import MODELS
 from harness.results import Json, run_benchmark, utc_now
@@ -316,12 +317,14 @@ def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATC
         sink = RemoteSink(address, shared_bytes=shared_bytes)
         sink.put(batches[0])  # the socket (and the ring) made before the timing
         owner_cpu = process_cpu(owner.pid or 0)
+        owner_faults = process_minor_faults(owner.pid or 0)
         started, cpu = time.perf_counter(), time.process_time()
         for batch in batches:
             sink.put(batch)
         sink.flush()
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         owner_cpu = process_cpu(owner.pid or 0) - owner_cpu
+        owner_faults = process_minor_faults(owner.pid or 0) - owner_faults
         shared, waits = sink.shared, sink.ring_waits
         sink.close()
     finally:
@@ -331,7 +334,8 @@ def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATC
     return {"payload_bytes": size, "shared_bytes": shared_bytes, "shared": shared,
             "bytes": captured, "seconds": wall, "bps": captured / wall,
             "cpu_s_per_GB": _per_gb(cpu, captured),
-            "owner_cpu_s_per_GB": _per_gb(owner_cpu, captured), "ring_waits": waits}
+            "owner_cpu_s_per_GB": _per_gb(owner_cpu, captured), "ring_waits": waits,
+            "owner_faults_per_GB": owner_faults / (captured / 1e9)}
 
 
 def readback(root: Path, layers: int, prompt: int, decode: int) -> Json:
@@ -551,6 +555,8 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
             channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes,
                                               args.batch_mb))
     channels = [{"how": how, **_rates(runs), "shared": all(r["shared"] for r in runs),
+                 "owner_faults_per_GB": statistics.median(
+                     r["owner_faults_per_GB"] for r in runs),
                  "ring_waits": sum(r["ring_waits"] for r in runs), "runs": runs}
                 for how, runs in channel.items()]
     back = readback(root, *args.readback)
@@ -588,6 +594,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                       "MB/s": c["bps"] / 1e6, "spread": c["spread"],
                       "cpu s/GB (this process)": c["cpu_s_per_GB"],
                       "owner cpu s/GB": c["owner_cpu_s_per_GB"],
+                      "owner page faults /GB": c["owner_faults_per_GB"],
                       "ring used": "yes" if c["shared"] else "no",
                       "ring waits": c["ring_waits"]})
     table.append({"readback": f"{back['layers']} layers x {back['positions']} positions",

@@ -3,6 +3,7 @@ real embedded store, the docs generator, the deadline."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -389,6 +390,21 @@ def test_threads_between_reports_the_busiest_threads_from_zero_when_new() -> Non
          "cpu_s": 1.0, "voluntary": 10, "involuntary": 2},
         {"process": "detok", "pid": 20, "tid": 20, "main": True, "thread": "detok",
          "cpu_s": 0.5, "voluntary": 3, "involuntary": 0}]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_minor_faults_count_the_pages_a_process_touches_fresh() -> None:
+    from harness.engine import process_minor_faults
+
+    before = process_minor_faults(os.getpid())
+    fresh = mmap.mmap(-1, 64 << 20)  # 16,384 pages, none touched yet
+    try:
+        for at in range(0, len(fresh), mmap.PAGESIZE):
+            fresh[at] = 1
+        assert process_minor_faults(os.getpid()) - before >= (64 << 20) // mmap.PAGESIZE
+    finally:
+        fresh.close()
+    assert process_minor_faults(2**22 + 7, Path("/proc")) == 0  # no such process
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
