@@ -64,7 +64,7 @@ AFTER_LOSS_TIMEOUT_S = 30.0
 PUT_PIECE_BYTES = 8 << 20
 """Most payload bytes one ``put`` exchange carries: a larger batch goes as several, of
 whole records. The owner's libzmq receives each message into memory it allocates for it
-(for tens of MB, likely fresh pages every time: not counted): with batches of at most 80
+(for tens of MB, fresh pages every time: one page fault per 4 KiB): with batches of at most 80
 MiB (a served window flush's size) the channel alone moved 1.1 GB/s whole and 3.9 GB/s in
 pieces on the dev box, the owner's CPU 0.65 and 0.17 s per GB (``python -m harness store
 --batch-mb 80``, ``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
