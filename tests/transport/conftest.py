@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,3 +305,25 @@ def make_driver(
     for t in made:
         with contextlib.suppress(Exception):  # a test about failures already checked them
             t.stop()
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""This pytest process runs Triton kernels in Triton's interpreter (on CPU tensors)."""
+
+
+def run_interpreted_tests(test_file: str, *, timeout_s: int) -> None:
+    """Run ``test_file``'s ``test_interpreted_*`` tests in a pytest process of its own
+    with Triton's interpreter chosen before Triton is imported; every one must pass, none
+    be skipped (skipped here, from within such a process, or without Triton)."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("runs the interpreted tests: not from within them")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(Path(test_file).resolve()), "-k", "test_interpreted_"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary, summary
+    assert "skipped" not in summary, summary

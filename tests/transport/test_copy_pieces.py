@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import structlog
 import torch
@@ -17,6 +12,8 @@ from dmi_sglang.adapters.transport import _device, kernel_copy
 from dmi_sglang.adapters.transport._device import DeviceOps, _pieces
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import UnsupportedConfigurationError
+
+from .conftest import INTERPRETED, run_interpreted_tests
 
 
 def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -122,10 +119,9 @@ def test_every_captured_byte_arrives_through_pieces(make_driver) -> None:
     assert 0 < counts[0] < counts[1]
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.skipif(not _INTERPRETED, reason="run by the next test, in a process of its own "
+@pytest.mark.skipif(not INTERPRETED, reason="run by the next test, in a process of its own "
                                              "with Triton's interpreter chosen")
 @pytest.mark.usefixtures("pending")
 @pytest.mark.parametrize("piece", [0, 64])
@@ -136,7 +132,7 @@ def test_interpreted_every_captured_byte_arrives_through_kernel_copies(make_driv
     assert counters["d2h_kernel_declined"] == 0
 
 
-@pytest.mark.skipif(not _INTERPRETED, reason="run by the next test, in a process of its own "
+@pytest.mark.skipif(not INTERPRETED, reason="run by the next test, in a process of its own "
                                              "with Triton's interpreter chosen")
 def test_interpreted_the_kernel_warms_up_and_checks_itself() -> None:
     kernel_copy.warm_up(torch.device("cpu"), 5)  # compiled, copied, checked: no error
@@ -146,19 +142,7 @@ def test_kernel_copies_under_the_triton_interpreter() -> None:
     """The transport with ``DMX_DRAIN_COPY_KERNEL`` on CPU: every device-to-host copy made
     by the copy kernel (Triton's interpreter, chosen before Triton is imported, so in a
     pytest process of its own), every captured byte delivered."""
-    pytest.importorskip("triton")
-    if _INTERPRETED:
-        pytest.skip("runs the interpreted tests: not from within them")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(Path(__file__).resolve()), "-k", "test_interpreted_"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary, summary
-    assert "skipped" not in summary, summary
+    run_interpreted_tests(__file__, timeout_s=600)
 
 
 def test_a_gap_kernel_follows_every_piece_of_the_copy_engine() -> None:
@@ -212,7 +196,7 @@ def test_a_copy_the_kernel_cannot_make_goes_to_the_copy_engine_and_is_counted(
 
 def test_kernel_copies_are_refused_at_start_without_a_working_kernel() -> None:
     # no GPU and no interpreter here: the transport refuses the setting when it is made
-    if _INTERPRETED:
+    if INTERPRETED:
         pytest.skip("the interpreter makes the kernel work on CPU")
     with pytest.raises(UnsupportedConfigurationError, match="DMX_DRAIN_COPY_KERNEL=2"):
         DeviceOps("cpu", copy_kernel_programs=2)
@@ -224,7 +208,7 @@ def test_the_copy_kernel_compiles_for_the_h200() -> None:
     16-byte alignment: a 64-bit loop (a 32-bit one would wrap past 2**31 elements), and
     16-byte loads and stores over the whole blocks of aligned pointers."""
     triton = pytest.importorskip("triton")
-    if _INTERPRETED:
+    if INTERPRETED:
         pytest.skip("compiles the real kernel: not under the interpreter")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -4,11 +4,6 @@ transport refuses the setting when it is made."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,12 +14,11 @@ from dmi_sglang.adapters.transport.topk_kernel import fits, fused_topk
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import UnsupportedConfigurationError
 
-from .conftest import raw_bytes, two_requests
+from .conftest import INTERPRETED, raw_bytes, run_interpreted_tests, two_requests
 from .test_topk import _same_as_torch, _tied_logits
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
-    not _INTERPRETED, reason="run by test_the_kernel_under_the_triton_interpreter, in a "
+    not INTERPRETED, reason="run by test_the_kernel_under_the_triton_interpreter, in a "
                              "process of its own with Triton's interpreter chosen")
 
 
@@ -109,19 +103,7 @@ def test_interpreted_a_capture_with_the_kernel_stores_torch_topk_of_its_logits(
 def test_the_kernel_under_the_triton_interpreter() -> None:
     """The tests above, in a pytest process of its own with Triton's interpreter chosen
     before Triton is imported."""
-    pytest.importorskip("triton")
-    if _INTERPRETED:
-        pytest.skip("runs the interpreted tests: not from within them")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(Path(__file__).resolve()), "-k", "test_interpreted_"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary, summary
-    assert "skipped" not in summary, summary
+    run_interpreted_tests(__file__, timeout_s=900)
 
 
 def test_the_kernel_compiles_for_the_h100_and_h200() -> None:
@@ -129,7 +111,7 @@ def test_the_kernel_compiles_for_the_h100_and_h200() -> None:
     ``topk(64)`` over Qwen3's float32 logits at the default chunk width, with the warps
     :func:`fused_topk` launches it with."""
     pytest.importorskip("triton")
-    if _INTERPRETED:
+    if INTERPRETED:
         pytest.skip("compiles the real kernel: not under the interpreter")
     assert topk_kernel.launch_constants(151936, 64, 128) == {
         "chunk": 128, "rounded": 64, "slots": 2048, "num_warps": 16}
@@ -179,7 +161,7 @@ def test_bad_arguments_are_refused(logits: torch.Tensor, k: int, chunk: int,
 ])
 def test_the_transport_refuses_the_kernel_where_it_does_not_fit_or_work(
         make_driver, chunk: int, says: str) -> None:
-    if _INTERPRETED and chunk == 1:
+    if INTERPRETED and chunk == 1:
         pytest.skip("the interpreter makes the kernel work on CPU")
     with pytest.raises(UnsupportedConfigurationError) as err:
         make_driver("final_logits:topk(3)", topk_chunk=chunk, topk_kernel=True)
