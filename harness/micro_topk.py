@@ -8,7 +8,9 @@ This measures the selection alone, recorded in a CUDA graph as in serving and re
 ``torch.topk``, for :func:`~dmi_sglang.adapters.transport.topk.chunked_topk` at each
 chunk width of ``--chunks`` and, at each width it takes, for
 :func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk` (``DMX_TOPK_KERNEL``: the
-same selection after the chunk maxima in one Triton kernel), per batch size of
+same selection after the chunk maxima in one Triton kernel) and, where FlashInfer is
+installed (with SGLang, on the GPU machine), for ``flashinfer_topk``
+(``DMX_TOPK_KERNEL=flashinfer``: FlashInfer's radix top-k), per batch size of
 ``--batches``, on random logits of the model's vocabulary and logits dtype. What every
 variant's last timed replay selected must equal ``torch.topk``'s values, and its indices
 must name them (a required check). A row must hold more than ``-k`` whole chunks of each
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib.util
 import os
 import re
 import statistics
@@ -42,6 +45,7 @@ from pathlib import Path
 import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, widest_chunk
+from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
 from dmi_sglang.adapters.transport.topk_kernel import (
     compile_for,
     fits,
@@ -56,16 +60,18 @@ Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def variants(k: int, chunks: tuple[int, ...], width: int,
-             kernel: bool) -> dict[str, Select]:
+             kernel: bool, flashinfer: bool = False) -> dict[str, Select]:
     """``torch.topk`` (``chunked_topk`` with no chunks calls it directly), one chunked
-    selection per chunk width and, with ``kernel``, the fused one at each width it fits
-    over rows of ``width``, by name."""
+    selection per chunk width, with ``kernel`` the fused one at each width it fits over
+    rows of ``width``, and with ``flashinfer`` FlashInfer's, by name."""
     out: dict[str, Select] = {"torch.topk": functools.partial(chunked_topk, k=k, chunk=0)}
     for chunk in chunks:
         out[f"chunked {chunk}"] = functools.partial(chunked_topk, k=k, chunk=chunk)
     for chunk in chunks:
         if kernel and fits(width, k, chunk):
             out[f"fused {chunk}"] = functools.partial(fused_topk, k=k, chunk=chunk)
+    if flashinfer:
+        out["flashinfer"] = functools.partial(flashinfer_topk, k=k)
     return out
 
 
@@ -115,10 +121,15 @@ def run(args: argparse.Namespace, data: Json) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[Json] = []
     kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    flashinfer_failed = ("runs on a GPU where it is installed" if device.type != "cuda"
+                         or importlib.util.find_spec("flashinfer") is None
+                         else warm_up(device, args.vocab, args.k, dtype))
+    flashinfer = flashinfer_failed is None
     for batch in args.batches:
         logits = torch.randn(batch, args.vocab, generator=gen, device=device).to(dtype)
         base: float | None = None
-        for name, select in variants(args.k, args.chunks, args.vocab, kernel).items():
+        for name, select in variants(args.k, args.chunks, args.vocab, kernel,
+                                     flashinfer).items():
             figures, selected = _timed_us(select, logits, args.replays, args.reps)
             us = statistics.median(figures)
             base = us if base is None else base
@@ -131,7 +142,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
             f"({'CUDA graph replays' if device.type == 'cuda' else 'eager CPU calls'}, "
             f"median of {args.reps} blocks of {args.replays}); x torch.topk: its time over "
             "the variant's" + ("" if kernel else "; the kernel's variants (fused) run on "
-                                "a GPU or under TRITON_INTERPRET=1"))
+                                "a GPU or under TRITON_INTERPRET=1")
+            + ("" if flashinfer else f"; flashinfer not run: {flashinfer_failed}"))
     print("\n".join(table_lines(table)) + f"\n{note}")
     data["figures"] = {"rows": rows, "table": table, "note": note}
     data["checks"]["values_equal"] = {"ok": all(r["agrees"] for r in rows), "required": True}

@@ -462,10 +462,10 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     monkeypatch.setenv("DMX_ARENA_SLOTS_MB", "0")
     monkeypatch.setenv("DMX_DRAIN_COPY_PIECE_MB", "8")
     monkeypatch.setenv("DMX_TOPK_CHUNK", "4096")
-    monkeypatch.setenv("DMX_TOPK_KERNEL", "1")
+    monkeypatch.setenv("DMX_TOPK_KERNEL", "triton")
     monkeypatch.setenv("DMX_REQUEST_SAMPLE", "0.5")  # not the drain's: not recorded
     options = engine_options(8)
-    assert (options.topk_chunk, options.topk_kernel) == (4096, True)
+    assert (options.topk_chunk, options.topk_kernel) == (4096, "triton")
     assert options.coalesce_max_bytes == 32 << 20
     assert options.linger_s == 0.0
     assert options.max_prefill_tokens == 8
@@ -473,7 +473,7 @@ def test_the_benchmarks_read_the_drain_settings_as_an_engine_does(
     assert options.copy_piece_bytes == 8 << 20
     assert engine_env() == {"DMX_DRAIN_WINDOW_MB": "32", "DMX_DRAIN_LINGER_US": "0",
                             "DMX_ARENA_SLOTS_MB": "0", "DMX_DRAIN_COPY_PIECE_MB": "8",
-                            "DMX_TOPK_CHUNK": "4096", "DMX_TOPK_KERNEL": "1"}
+                            "DMX_TOPK_CHUNK": "4096", "DMX_TOPK_KERNEL": "triton"}
 
 
 def test_copy_variants_are_distinct_pairs() -> None:

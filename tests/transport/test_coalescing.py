@@ -351,7 +351,10 @@ def test_every_transport_setting_reaches_the_engine_options(field: str) -> None:
 
     base = Settings()
     default = getattr(base, field)
-    changed = (not default) if isinstance(default, bool) else default + 7
+    if isinstance(default, str):
+        changed: object = "triton" if default == "none" else "none"
+    else:
+        changed = (not default) if isinstance(default, bool) else default + 7
     assert (TransportOptions.for_engine(attrs.evolve(base, **{field: changed}))
             != TransportOptions.for_engine(base))
 
@@ -385,7 +388,7 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
         "DMX_DRAIN_LINGER_US": "11", "DMX_DRAIN_GIL_SLICE_US": "13", "DMX_DRAIN_WINDOW_MB": "17",
         "DMX_ARENA_SLOTS_MB": "19", "DMX_DRAIN_COPY_PIECE_MB": "23",
         "DMX_DRAIN_COPY_AHEAD": "29", "DMX_DRAIN_COPY_GAPS": "1", "DMX_TOPK_CHUNK": "4096",
-        "DMX_TOPK_KERNEL": "1"})
+        "DMX_TOPK_KERNEL": "flashinfer"})
     t = engine_transport(settings, selection=select("resid_pre"), shape=SHAPE,
                          max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
                          max_prefill_tokens=16, max_requests=3)
@@ -397,7 +400,7 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
         assert (o.coalesce_max_bytes, o.arena_slots_bytes, o.copy_piece_bytes) == (
             17 << 20, 19 << 20, 23 << 20)
         assert (o.copies_ahead, o.copy_gaps, o.topk_chunk, o.topk_kernel) == (
-            29, True, 4096, True)
+            29, True, 4096, "flashinfer")
         assert (o.max_prefill_tokens, o.max_requests) == (16, 3)
     finally:
         t.stop()

@@ -79,7 +79,7 @@ def test_interpreted_a_capture_with_the_kernel_stores_torch_topk_of_its_logits(
     """The transport with ``DMX_TOPK_KERNEL`` (each of the 10 logits a chunk): the rows
     stored are ``torch.topk`` of the logits a full capture stores."""
     full, full_sink = make_driver("final_logits")
-    some, some_sink = make_driver("final_logits:topk(3)", topk_chunk=1, topk_kernel=True)
+    some, some_sink = make_driver("final_logits:topk(3)", topk_chunk=1, topk_kernel="triton")
     for d in (full, some):
         two_requests(d, padded=padded)
         d.t.stop()
@@ -164,15 +164,15 @@ def test_the_transport_refuses_the_kernel_where_it_does_not_fit_or_work(
     if INTERPRETED and chunk == 1:
         pytest.skip("the interpreter makes the kernel work on CPU")
     with pytest.raises(UnsupportedConfigurationError) as err:
-        make_driver("final_logits:topk(3)", topk_chunk=chunk, topk_kernel=True)
+        make_driver("final_logits:topk(3)", topk_chunk=chunk, topk_kernel="triton")
     text = str(err.value)
-    assert f"DMX_TOPK_KERNEL=1 (topk(3) over 10 logits, DMX_TOPK_CHUNK={chunk})" in text
+    assert f"DMX_TOPK_KERNEL=triton (topk(3) over 10 logits, DMX_TOPK_CHUNK={chunk})" in text
     assert says in text
-    assert "DMX_TOPK_KERNEL=0" in text  # what to do instead
+    assert "DMX_TOPK_KERNEL=none" in text  # what to do instead
 
 
 def test_the_setting_does_nothing_without_a_top_k(make_driver) -> None:
-    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel=True)
+    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel="triton")
     d.forward(BatchLayout.extend(["a"], [0], [2]))
     d.t.stop()
     d.verify(sink.records)

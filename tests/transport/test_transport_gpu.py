@@ -573,17 +573,26 @@ def test_the_topk_kernel_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
     assert warm_up(torch.device("cuda"), 151936, 64, 64, dtype) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_flashinfer_topk_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
+    """The start-up check of ``DMX_TOPK_KERNEL=flashinfer`` passes on the GPU for
+    topk(64) over Qwen3's logits in each float dtype (ties, NaN and infinities)."""
+    from dmi_sglang.adapters.transport.topk_flashinfer import warm_up
+
+    assert warm_up(torch.device("cuda"), 151936, 64, dtype) is None
+
+
 @pytest.mark.parametrize(("kernel", "chunk"), [
-    (False, 0), (False, 128), (False, 100), (True, 128), (True, 64)])
-def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(kernel: bool,
+    ("none", 0), ("none", 128), ("none", 100), ("triton", 128), ("triton", 64),
+    ("flashinfer", 0)])
+def test_chunked_topk_replayed_in_a_graph_finds_torch_topk_values(kernel: str,
                                                                   chunk: int) -> None:
     """The top-k selection as a decode graph records it (``chunked_topk``, or with
-    ``DMX_TOPK_KERNEL`` ``fused_topk``): every replay over new logits in the same buffer
-    finds torch.topk's values, and its indices name them."""
-    from dmi_sglang.adapters.transport.topk import chunked_topk
-    from dmi_sglang.adapters.transport.topk_kernel import fused_topk
+    ``DMX_TOPK_KERNEL`` ``fused_topk`` or ``flashinfer_topk``): every replay over new
+    logits in the same buffer finds torch.topk's values, and its indices name them."""
+    from dmi_sglang.adapters.transport._capturer import SELECTIONS
 
-    select = fused_topk if kernel else chunked_topk
+    select = SELECTIONS[kernel]
     logits = torch.zeros(64, 151936, device="cuda")
     select(logits, 64, chunk)  # warm-up outside the recording (compiled)
     torch.cuda.synchronize()

@@ -25,11 +25,16 @@ from dmi_sglang.domain.hooks import HookSelection, parse_selection
 from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
 from dmi_sglang.errors import ConfigurationError
 
+TOPK_KERNELS = ("none", "triton", "flashinfer")
+"""``DMX_TOPK_KERNEL``'s values: which selection ``final_logits:topk(K)`` runs (none:
+``torch.topk`` over the chunk maxima, then over the chosen chunks)."""
+
 __all__ = [
     "PREFIX",
     "STORE_PLACE",
     "STORE_TARGET",
     "STORE_URL_FORMS",
+    "TOPK_KERNELS",
     "Enable",
     "Settings",
     "StoreUrl",
@@ -441,7 +446,7 @@ _VARS: dict[str, _Var] = {
     "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
     "TOPK_CHUNK": _Var("topk_chunk", 128, _conv(*_bounded(0, 16_777_216))),
     "TOPK_KERNEL": _Var(
-        "topk_kernel", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "topk_kernel", "none", _conv(_choice(*TOPK_KERNELS), ", ".join(TOPK_KERNELS))
     ),
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
     "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
@@ -503,7 +508,7 @@ class Settings:
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     topk_chunk: int = 128
-    topk_kernel: bool = False
+    topk_kernel: str = "none"
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
     drain_copy_piece_mb: int = 0

@@ -9,7 +9,8 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, check_dtype
 from dmi_sglang.adapters.transport._options import TOPK_CHUNK
-from dmi_sglang.adapters.transport.topk import chunked_topk
+from dmi_sglang.adapters.transport.topk import Select, chunked_topk
+from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk
 from dmi_sglang.adapters.transport.topk_kernel import fused_topk
 from dmi_sglang.errors import CaptureError
 
@@ -18,6 +19,9 @@ __all__ = ["Capturer", "Payloads"]
 LOGITS: CaptureKey = ("final_logits", -1)
 TOPK_VALUES: CaptureKey = ("logits_topk_values", -1)
 TOPK_IDS: CaptureKey = ("logits_topk_ids", -1)
+SELECTIONS: dict[str, Select] = {"none": chunked_topk, "triton": fused_topk,
+                                 "flashinfer": flashinfer_topk}
+"""The top-k selection each ``DMX_TOPK_KERNEL`` value runs."""
 
 
 class Payloads:
@@ -32,20 +36,22 @@ class Payloads:
         device: where the fp16 overflow counter lives.
         topk_chunk: columns per chunk of the top-k selection
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0: whole rows.
-        topk_kernel: select after the chunk maxima with one Triton kernel
-            (:func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`, checked to
-            fit and work by whoever makes the payloads).
+        topk_kernel: which selection runs (``DMX_TOPK_KERNEL``: ``none``, ``triton`` or
+            ``flashinfer``; a kernel checked to fit and work by whoever makes the
+            payloads).
     """
 
-    __slots__ = ("casts", "logits_dtype", "overflows", "topk", "topk_chunk", "topk_kernel")
+    __slots__ = ("casts", "logits_dtype", "overflows", "select", "topk", "topk_chunk",
+                 "topk_kernel")
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
                  topk: int, logits_dtype: torch.dtype, device: torch.device, *,
-                 topk_chunk: int = TOPK_CHUNK, topk_kernel: bool = False) -> None:
+                 topk_chunk: int = TOPK_CHUNK, topk_kernel: str = "none") -> None:
         self.casts = dict(casts)
         self.topk = topk
         self.topk_chunk = topk_chunk
         self.topk_kernel = topk_kernel
+        self.select: Select = SELECTIONS[topk_kernel]
         self.logits_dtype = logits_dtype
         counts = any(stored is torch.float16 for _, stored in self.casts.values())
         self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
@@ -157,8 +163,7 @@ class Capturer:
         if not (values_live or ids_live):
             return
         check_dtype(LOGITS, logits, payloads.logits_dtype)
-        select = fused_topk if payloads.topk_kernel else chunked_topk
-        values, ids = select(logits, payloads.topk, payloads.topk_chunk)
+        values, ids = payloads.select(logits, payloads.topk, payloads.topk_chunk)
         if values_live:
             dtypes = payloads.casts.get(TOPK_VALUES)
             self._sink(TOPK_VALUES, values if dtypes is None

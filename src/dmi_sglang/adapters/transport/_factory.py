@@ -72,7 +72,7 @@ def create_transport(
     copy_kernel: int = 0,
     copy_gaps: bool = False,
     topk_chunk: int = TOPK_CHUNK,
-    topk_kernel: bool = False,
+    topk_kernel: str = "none",
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 

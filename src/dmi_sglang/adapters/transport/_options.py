@@ -85,11 +85,13 @@ class TransportOptions:
             largest logits over chunks of this many columns
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0:
             ``torch.topk`` over the whole row.
-        topk_kernel: ``DMX_TOPK_KERNEL``: the selection after the chunk maxima runs as
-            one Triton kernel (:func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`)
-            instead of ``torch.topk`` and its arithmetic; compiled and checked when the
-            transport is made, which refuses it where it does not work or the shape
-            does not fit.
+        topk_kernel: ``DMX_TOPK_KERNEL``: ``none`` (``chunked_topk``), ``triton`` (the
+            selection after the chunk maxima in one Triton kernel,
+            :func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`) or
+            ``flashinfer`` (FlashInfer's radix top-k,
+            :func:`~dmi_sglang.adapters.transport.topk_flashinfer.flashinfer_topk`); a
+            kernel is compiled and checked when the transport is made, which refuses it
+            where it does not work or the shape does not fit.
     """
 
     strip: bool = True
@@ -113,7 +115,7 @@ class TransportOptions:
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
-    topk_kernel: bool = False
+    topk_kernel: str = "none"
 
     @classmethod
     def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,
@@ -156,7 +158,7 @@ class TransportOptions:
         copy_kernel: int = 0,
         copy_gaps: bool = False,
         topk_chunk: int = TOPK_CHUNK,
-        topk_kernel: bool = False,
+        topk_kernel: str = "none",
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /

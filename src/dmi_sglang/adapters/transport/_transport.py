@@ -17,7 +17,7 @@ import attrs
 import structlog
 import torch
 
-from dmi_sglang.adapters.transport import topk_kernel
+from dmi_sglang.adapters.transport import topk_flashinfer, topk_kernel
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
@@ -110,14 +110,14 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
 
 
 def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
-              topk_chunk: int, topk_kernel: bool) -> Payloads | None:
+              topk_chunk: int, topk_kernel: str) -> Payloads | None:
     """The on-device transforms the selection's payload modifiers ask for (None: none);
-    a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows), after their
-    maxima in one Triton kernel with ``topk_kernel``, checked here.
+    a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows), or with the
+    ``topk_kernel`` (``DMX_TOPK_KERNEL``) other than ``none``, checked here.
 
     Raises:
-        UnsupportedConfigurationError: ``topk_kernel`` where the kernel does not fit the
-            top-k's shape or does not work on the device.
+        UnsupportedConfigurationError: a ``topk_kernel`` that does not fit the top-k's
+            shape or does not work on the device.
     """
     if not selection.payloads:
         return None
@@ -132,25 +132,31 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
         if stored != computed:
             casts[key] = (computed, stored)
     logits_dtype = TORCH_DTYPES[shape.logits_dtype]
-    kernel = bool(topk) and topk_kernel
-    if kernel:
-        _check_topk_kernel(ops.device, shape.vocab, topk, topk_chunk, logits_dtype)
+    kernel = topk_kernel if topk else "none"
+    if kernel != "none":
+        _check_topk_kernel(kernel, ops.device, shape.vocab, topk, chunk=topk_chunk,
+                           dtype=logits_dtype)
     return Payloads(casts, topk, logits_dtype, ops.device, topk_chunk=topk_chunk,
                     topk_kernel=kernel)
 
 
-def _check_topk_kernel(device: torch.device, width: int, k: int, chunk: int,
-                       dtype: torch.dtype) -> None:
-    """Refuse ``DMX_TOPK_KERNEL=1`` where :func:`fused_topk` does not fit or work."""
-    setting = f"DMX_TOPK_KERNEL=1 (topk({k}) over {width} logits, DMX_TOPK_CHUNK={chunk})"
-    if not topk_kernel.fits(width, k, chunk):
-        why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set DMX_TOPK_KERNEL=0 or "
-               "another DMX_TOPK_CHUNK")
-        raise UnsupportedConfigurationError((why,))
-    failed = topk_kernel.warm_up(device, width, k, chunk, dtype)
+def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
+                       chunk: int, dtype: torch.dtype) -> None:
+    """Refuse ``DMX_TOPK_KERNEL=kernel`` where it does not fit or work (compiling it)."""
+    if kernel == "triton":
+        setting = (f"DMX_TOPK_KERNEL=triton (topk({k}) over {width} logits, "
+                   f"DMX_TOPK_CHUNK={chunk})")
+        if not topk_kernel.fits(width, k, chunk):
+            why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set "
+                   "DMX_TOPK_KERNEL=none or another DMX_TOPK_CHUNK")
+            raise UnsupportedConfigurationError((why,))
+        failed = topk_kernel.warm_up(device, width, k, chunk, dtype)
+    else:
+        setting = f"DMX_TOPK_KERNEL={kernel} (topk({k}) over {width} logits)"
+        failed = topk_flashinfer.warm_up(device, width, k, dtype)
     if failed is not None:
         why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "
-               "set DMX_TOPK_KERNEL=0 to select with torch.topk")
+               "set DMX_TOPK_KERNEL=none to select with torch.topk")
         raise UnsupportedConfigurationError((why,))
 
 

@@ -26,9 +26,15 @@ those chunks would be half the row or more (a large ``k``), the maxima save no p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["chunked_topk", "widest_chunk"]
+__all__ = ["Select", "chunked_topk", "selection_differs", "widest_chunk"]
+
+Select = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+"""A top-k selection: ``(logits, k, chunk)`` to the values, largest first, and their
+int64 columns, ``[rows, k]`` each."""
 
 
 def widest_chunk(width: int, k: int) -> int:
@@ -77,3 +83,26 @@ def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     slot = torch.where(in_chunks, picked, 0)
     columns = torch.gather(best, 1, slot // chunk) * chunk + slot % chunk
     return top, torch.where(in_chunks, columns, picked - k * chunk + groups * chunk)
+
+
+def selection_differs(select: Select, device: torch.device, width: int, k: int, *,
+                      chunk: int = 0, dtype: torch.dtype = torch.float32) -> str | None:
+    """Run ``select`` over three rows of ``width`` ``dtype`` logits on ``device`` (ties,
+    a NaN, an infinity, a row of minus infinities but one zero) and compare it with
+    ``torch.topk`` over the rows' float32 image (CUDA's bfloat16 top-k can drop a NaN:
+    seen on an H100): None when the values are the same and the columns hold them,
+    else what differs. Exceptions of ``select`` propagate."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn((3, width), generator=gen).round(decimals=1)  # ties
+    rows[1, width // 3] = float("nan")
+    rows[1, min(5, width - 1)] = float("inf")
+    rows[2, :] = float("-inf")
+    rows[2, -1] = 0.0
+    rows = rows.to(device=device, dtype=dtype)
+    values, ids = select(rows, k, chunk)
+    expected = torch.topk(rows.float(), k, dim=-1).values.to(dtype)
+    if not torch.equal(values.nan_to_num(), expected.nan_to_num()):
+        return "its selection differs from torch.topk's"
+    if not torch.equal(torch.gather(rows, 1, ids).nan_to_num(), values.nan_to_num()):
+        return "its columns do not hold the values it returned"
+    return None

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dmi_sglang.adapters.transport.topk import widest_chunk
+from dmi_sglang.adapters.transport.topk import selection_differs, widest_chunk
 
 __all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "NEEDS", "compile_for", "fits", "fused_topk", "kernel",
            "launch_constants", "warm_up"]
@@ -155,19 +155,6 @@ def warm_up(device: torch.device, width: int, k: int, chunk: int,
     infinities, before a capture records it; None when it works, else why not (Triton
     missing, a compiler's error, or a selection that differs)."""
     try:
-        gen = torch.Generator().manual_seed(7)
-        rows = torch.randn((3, width), generator=gen).round(decimals=1)  # ties
-        rows[1, width // 3] = float("nan")
-        rows[1, min(5, width - 1)] = float("inf")
-        rows[2, :] = float("-inf")
-        rows[2, -1] = 0.0
-        rows = rows.to(device=device, dtype=dtype)
-        values, ids = fused_topk(rows, k, chunk)
-        # torch.topk over the rows' exact float32 image (CUDA's bfloat16 top-k can drop a
-        # NaN: seen on an H100)
-        expected = torch.topk(rows.float(), k, dim=-1).values.to(dtype)
-        same = torch.equal(values.nan_to_num(), expected.nan_to_num()) and torch.equal(
-            torch.gather(rows, 1, ids).nan_to_num(), values.nan_to_num())
-        return None if same else "its selection differs from torch.topk's"
+        return selection_differs(fused_topk, device, width, k, chunk=chunk, dtype=dtype)
     except Exception as exc:  # an ImportError, or Triton's own
         return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,80 @@
+"""``DMX_TOPK_KERNEL=flashinfer``: the start-up check every top-k kernel passes
+(``selection_differs``), and the transport's refusal where FlashInfer does not work. The
+selection itself runs on the GPU (``test_transport_gpu.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
+from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
+from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.errors import UnsupportedConfigurationError
+
+CPU = torch.device("cpu")
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_the_check_passes_torch_topk_and_chunked_topk(chunk: int) -> None:
+    assert selection_differs(chunked_topk, CPU, 1000, 8, chunk=chunk) is None
+    assert selection_differs(chunked_topk, CPU, 1000, 8, chunk=chunk,
+                             dtype=torch.bfloat16) is None
+
+
+def _ascending(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = torch.topk(logits, k, dim=-1)
+    return values.flip(-1), ids.flip(-1)
+
+
+def _misnamed(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = torch.topk(logits, k, dim=-1)
+    return values, (ids + 1) % logits.shape[1]
+
+
+def _nan_dropped(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.topk(logits.nan_to_num(nan=float("-inf")), k, dim=-1)
+
+
+@pytest.mark.parametrize(("select", "says"), [
+    (_ascending, "its selection differs from torch.topk's"),
+    (_nan_dropped, "its selection differs from torch.topk's"),
+    (_misnamed, "its columns do not hold the values it returned"),
+])
+def test_the_check_names_a_selection_that_differs(select, says: str) -> None:
+    assert selection_differs(select, CPU, 1000, 8) == says
+
+
+def test_flashinfer_topk_refuses_a_shape_before_it_imports_flashinfer() -> None:
+    with pytest.raises(ValueError, match=r"k=11 over logits of shape \(2, 10\)"):
+        flashinfer_topk(torch.zeros(2, 10), 11)
+    with pytest.raises(ValueError, match=r"shape \(10,\)"):
+        flashinfer_topk(torch.zeros(10), 1)
+
+
+@pytest.mark.skipif(HAS_FLASHINFER, reason="FlashInfer is installed here")
+def test_without_flashinfer_the_warm_up_says_why() -> None:
+    failed = warm_up(CPU, 1000, 8)
+    assert failed is not None
+    assert failed.startswith("ModuleNotFoundError")
+    assert "flashinfer" in failed
+
+
+@pytest.mark.skipif(HAS_FLASHINFER, reason="FlashInfer is installed here")
+def test_the_transport_refuses_flashinfer_where_it_does_not_work(make_driver) -> None:
+    with pytest.raises(UnsupportedConfigurationError) as err:
+        make_driver("final_logits:topk(3)", topk_chunk=1, topk_kernel="flashinfer")
+    text = str(err.value)
+    assert "DMX_TOPK_KERNEL=flashinfer (topk(3) over 10 logits)" in text
+    assert "does not work on cpu (ModuleNotFoundError" in text
+    assert "DMX_TOPK_KERNEL=none" in text  # what to do instead
+
+
+def test_without_a_top_k_the_setting_checks_nothing(make_driver) -> None:
+    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel="flashinfer")
+    d.forward(BatchLayout.extend(["a"], [0], [2]))
+    d.t.stop()
+    d.verify(sink.records)
