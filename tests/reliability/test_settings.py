@@ -67,6 +67,25 @@ def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
     assert words in text
 
 
+@pytest.mark.parametrize(("env", "least"), [
+    ({"DMX_OWNER_RING_MB": "255"}, 256),
+    ({"DMX_OWNER_RING_MB": "31", "DMX_CH_INSERT_MB": "16"}, 32),
+    ({"DMX_OWNER_RING_MB": "49", "DMX_CH_QUEUE_MB": "200"}, 50),
+])
+def test_bad_input_a_shared_ring_smaller_than_two_inserts(env: dict[str, str],
+                                                          least: int) -> None:
+    """A shared owner ring (DMX_OWNER_RING_MB) smaller than two inserts, which would wait
+    for an insert's linger at every fill -> refused at parse time with the least size
+    accepted; 0 and that size are accepted."""
+    with pytest.raises(ConfigurationError) as info:
+        Settings.from_env(env)
+    text = str(info.value)
+    assert f"DMX_OWNER_RING_MB={env['DMX_OWNER_RING_MB']}" in text
+    assert f"accepted: 0 (no shared ring) or at least {least}," in text
+    assert Settings.from_env({**env, "DMX_OWNER_RING_MB": str(least)}).owner_ring_mb == least
+    assert Settings.from_env({**env, "DMX_OWNER_RING_MB": "0"}).owner_ring_mb == 0
+
+
 class _Recorder(http.server.BaseHTTPRequestHandler):
     seen: ClassVar[list[dict[str, str]]] = []
 

@@ -22,7 +22,12 @@ import attrs
 
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RING_MB_MAX
 from dmi_sglang.domain.hooks import HookSelection, parse_selection
-from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
+from dmi_sglang.domain.store_config import (
+    INSERT_MB_MAX,
+    StoreConfig,
+    StoreKind,
+    default_insert_bytes,
+)
 from dmi_sglang.errors import ConfigurationError
 
 TOPK_KERNELS = ("none", "triton", "flashinfer")
@@ -551,7 +556,21 @@ class Settings:
             if var.field == "model_id" and text in _SPENT_IDS:
                 continue  # an earlier engine's generated id (see engine_started)
             values[var.field] = var.convert(key, text)
-        return cls(**values)
+        settings = cls(**values)
+        settings._check_owner_ring()
+        return settings
+
+    def _check_owner_ring(self) -> None:
+        """A shared ring holds each batch until its insert: one smaller than two inserts
+        fills before an insert is full, and every fill waits for the insert's linger."""
+        insert = (self.ch_insert_mb << 20) or default_insert_bytes(self.ch_queue_mb << 20)
+        least = -(-2 * insert // MIB)
+        if 0 < self.owner_ring_mb < least:
+            msg = (f"DMX_OWNER_RING_MB={self.owner_ring_mb} holds less than two inserts of "
+                   f"{insert / MIB:g} MiB (DMX_CH_INSERT_MB, by default an eighth of "
+                   f"DMX_CH_QUEUE_MB={self.ch_queue_mb}, at most 128); accepted: 0 (no shared "
+                   f"ring) or at least {least}, or a smaller DMX_CH_INSERT_MB")
+            raise ConfigurationError(msg)
 
     @classmethod
     def from_kwargs(
