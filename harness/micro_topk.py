@@ -123,7 +123,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
     kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     flashinfer_failed = ("runs on a GPU where it is installed" if device.type != "cuda"
                          or importlib.util.find_spec("flashinfer") is None
-                         else warm_up(device, args.vocab, args.k, dtype))
+                         else warm_up(device, args.vocab, args.k, dtype=dtype,
+                                     batches=tuple(args.batches)))
     flashinfer = flashinfer_failed is None
     for batch in args.batches:
         logits = torch.randn(batch, args.vocab, generator=gen, device=device).to(dtype)

@@ -70,8 +70,9 @@ def test_bad_input_unbounded_or_malformed_settings(variable: str, value: str,
 @pytest.mark.parametrize(("env", "least"), [
     ({"DMX_OWNER_RING_MB": "255"}, 256),
     ({"DMX_OWNER_RING_MB": "31", "DMX_CH_INSERT_MB": "16"}, 32),
-    ({"DMX_OWNER_RING_MB": "49", "DMX_CH_QUEUE_MB": "200"}, 50),
-])
+    ({"DMX_OWNER_RING_MB": "49", "DMX_CH_QUEUE_MB": "200",
+      "DMX_DB_URL": "chdb:///tmp/captures"}, 50),
+], ids=["default-insert", "insert-mb", "queue-mb"])
 def test_bad_input_a_shared_ring_smaller_than_two_inserts(env: dict[str, str],
                                                           least: int) -> None:
     """A shared owner ring (DMX_OWNER_RING_MB) smaller than two inserts, which would wait
@@ -84,6 +85,10 @@ def test_bad_input_a_shared_ring_smaller_than_two_inserts(env: dict[str, str],
     assert f"accepted: 0 (no shared ring) or at least {least}," in text
     assert Settings.from_env({**env, "DMX_OWNER_RING_MB": str(least)}).owner_ring_mb == least
     assert Settings.from_env({**env, "DMX_OWNER_RING_MB": "0"}).owner_ring_mb == 0
+    for server in ({"DMX_DB_URL": "http://ch:8123/db"}, {"DMX_DB_URL": "none"},
+                   {"DMX_DB_HOST": "ch"}):  # no owner, no ring
+        elsewhere = {k: v for k, v in env.items() if k != "DMX_DB_URL"} | server
+        assert Settings.from_env(elsewhere).owner_ring_mb == int(env["DMX_OWNER_RING_MB"])
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

@@ -327,3 +327,23 @@ def run_interpreted_tests(test_file: str, *, timeout_s: int) -> None:
     summary = done.stdout.strip().splitlines()[-1]
     assert " passed" in summary, summary
     assert "skipped" not in summary, summary
+
+
+def assert_topk3_of(full: Sequence[CaptureRecord], topk: Sequence[CaptureRecord]) -> None:
+    """The ``final_logits:topk(3)`` records ``topk`` hold ``torch.topk`` of the 10 logits
+    a row that the ``final_logits`` records ``full`` hold, values and int32 ids, every
+    row of both."""
+    logits = {(r.request_id, r.start_token_idx + i): row
+              for r in full
+              for i, row in enumerate(torch.frombuffer(bytearray(r.payload),
+                                                       dtype=torch.float32).view(-1, 10))}
+    stored = 0
+    for r in topk:
+        rows = torch.frombuffer(bytearray(r.payload), dtype=torch.uint8).view(-1, 12)
+        for i, row in enumerate(rows):
+            top = torch.topk(logits[r.request_id, r.start_token_idx + i], 3)
+            want = (top.values if r.act_name == "logits_topk_values"
+                    else top.indices.to(torch.int32))
+            assert bytes(row.numpy()) == raw_bytes(want)
+            stored += 1
+    assert stored == 2 * len(logits)

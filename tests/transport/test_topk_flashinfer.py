@@ -5,6 +5,8 @@ selection itself runs on the GPU (``test_transport_gpu.py``)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
 from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import UnsupportedConfigurationError
+
+from .conftest import assert_topk3_of, two_requests
 
 CPU = torch.device("cpu")
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -45,7 +49,8 @@ def _nan_dropped(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     (_misnamed, "its columns do not hold the values it returned"),
 ])
 def test_the_check_names_a_selection_that_differs(select, says: str) -> None:
-    assert selection_differs(select, CPU, 1000, 8) == says
+    assert selection_differs(select, CPU, 1000, 8) == f"{says} (over 3 rows)"
+    assert selection_differs(select, CPU, 1000, 8, batches=(12,)) == f"{says} (over 12 rows)"
 
 
 def test_flashinfer_topk_refuses_a_shape_before_it_imports_flashinfer() -> None:
@@ -78,3 +83,32 @@ def test_without_a_top_k_the_setting_checks_nothing(make_driver) -> None:
     d.forward(BatchLayout.extend(["a"], [0], [2]))
     d.t.stop()
     d.verify(sink.records)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+def test_the_setting_stores_what_flashinfer_top_k_selects(
+        make_driver, monkeypatch: pytest.MonkeyPatch, padded: bool) -> None:
+    """``DMX_TOPK_KERNEL=flashinfer`` with a stand-in ``flashinfer`` module (its
+    ``top_k`` is ``torch.topk``, unsorted unless asked): the transport checks it at
+    start-up over 3 rows and over the largest graph batch, calls it sorted, and stores
+    ``torch.topk`` of the logits a full capture stores."""
+    calls: list[tuple[int, int, bool]] = []
+
+    def top_k(logits: torch.Tensor, k: int, sorted: bool = False,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((logits.shape[0], k, sorted))
+        values, ids = torch.topk(logits, k, dim=-1, sorted=sorted)
+        return values, ids
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(top_k=top_k))
+    full, full_sink = make_driver("final_logits")
+    some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="flashinfer",
+                                  max_graph_batch=6)
+    assert calls == [(3, 3, True), (6, 3, True)]  # the start-up check
+    for d in (full, some):
+        two_requests(d, padded=padded)
+        d.t.stop()
+    some.verify(some_sink.records)
+    assert_topk3_of(full_sink.records, some_sink.records)
+    assert len(calls) > 2
+    assert all(wanted_sorted for _, _, wanted_sorted in calls)

@@ -14,7 +14,7 @@ from dmi_sglang.adapters.transport.topk_kernel import fits, fused_topk
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import UnsupportedConfigurationError
 
-from .conftest import INTERPRETED, raw_bytes, run_interpreted_tests, two_requests
+from .conftest import INTERPRETED, assert_topk3_of, run_interpreted_tests, two_requests
 from .test_topk import _same_as_torch, _tied_logits
 
 interpreted = pytest.mark.skipif(
@@ -69,7 +69,8 @@ def test_interpreted_a_strided_row_view_is_read_in_place() -> None:
 @interpreted
 def test_interpreted_the_kernel_warms_up_and_checks_itself() -> None:
     assert topk_kernel.warm_up(torch.device("cpu"), 1000, 8, 16) is None
-    assert topk_kernel.warm_up(torch.device("cpu"), 1000, 8, 16, torch.bfloat16) is None
+    assert topk_kernel.warm_up(torch.device("cpu"), 1000, 8, 16, dtype=torch.bfloat16,
+                               batches=(3, 12)) is None
 
 
 @interpreted
@@ -84,20 +85,7 @@ def test_interpreted_a_capture_with_the_kernel_stores_torch_topk_of_its_logits(
         two_requests(d, padded=padded)
         d.t.stop()
     some.verify(some_sink.records)
-    logits = {(r.request_id, r.start_token_idx + i): row
-              for r in full_sink.records
-              for i, row in enumerate(torch.frombuffer(bytearray(r.payload),
-                                                       dtype=torch.float32).view(-1, 10))}
-    stored = 0
-    for r in some_sink.records:
-        rows = torch.frombuffer(bytearray(r.payload), dtype=torch.uint8).view(-1, 12)
-        for i, row in enumerate(rows):
-            top = torch.topk(logits[r.request_id, r.start_token_idx + i], 3)
-            want = (top.values if r.act_name == "logits_topk_values"
-                    else top.indices.to(torch.int32))
-            assert bytes(row.numpy()) == raw_bytes(want)
-            stored += 1
-    assert stored == 2 * len(logits)
+    assert_topk3_of(full_sink.records, some_sink.records)
 
 
 def test_the_kernel_under_the_triton_interpreter() -> None:

@@ -569,8 +569,8 @@ def test_the_topk_kernel_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
     Qwen3's logits in each float dtype (its rows hold ties, NaN and infinities)."""
     from dmi_sglang.adapters.transport.topk_kernel import warm_up
 
-    assert warm_up(torch.device("cuda"), 151936, 64, 128, dtype) is None
-    assert warm_up(torch.device("cuda"), 151936, 64, 64, dtype) is None
+    assert warm_up(torch.device("cuda"), 151936, 64, 128, dtype=dtype, batches=(3, 64)) is None
+    assert warm_up(torch.device("cuda"), 151936, 64, 64, dtype=dtype, batches=(3, 64)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -579,7 +579,8 @@ def test_flashinfer_topk_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
     topk(64) over Qwen3's logits in each float dtype (ties, NaN and infinities)."""
     from dmi_sglang.adapters.transport.topk_flashinfer import warm_up
 
-    assert warm_up(torch.device("cuda"), 151936, 64, dtype) is None
+    assert warm_up(torch.device("cuda"), 151936, 64, dtype=dtype,
+                   batches=(1, 3, 8, 16, 64)) is None
 
 
 @pytest.mark.parametrize(("kernel", "chunk"), [

@@ -26,7 +26,7 @@ from dmi_sglang.domain.store_config import (
     INSERT_MB_MAX,
     StoreConfig,
     StoreKind,
-    default_insert_bytes,
+    insert_bytes,
 )
 from dmi_sglang.errors import ConfigurationError
 
@@ -561,16 +561,24 @@ class Settings:
         return settings
 
     def _check_owner_ring(self) -> None:
-        """A shared ring holds each batch until its insert: one smaller than two inserts
-        fills before an insert is full, and every fill waits for the insert's linger."""
-        insert = (self.ch_insert_mb << 20) or default_insert_bytes(self.ch_queue_mb << 20)
+        """A shared ring (embedded store only) holds each batch until its insert: one
+        smaller than two inserts fills before an insert is full, and every fill waits
+        for the insert's linger."""
+        insert = insert_bytes(self.ch_insert_mb, self.ch_queue_mb)
         least = -(-2 * insert // MIB)
-        if 0 < self.owner_ring_mb < least:
+        if 0 < self.owner_ring_mb < least and self._embedded_store():
             msg = (f"DMX_OWNER_RING_MB={self.owner_ring_mb} holds less than two inserts of "
                    f"{insert / MIB:g} MiB (DMX_CH_INSERT_MB, by default an eighth of "
                    f"DMX_CH_QUEUE_MB={self.ch_queue_mb}, at most 128); accepted: 0 (no shared "
-                   f"ring) or at least {least}, or a smaller DMX_CH_INSERT_MB")
+                   f"ring) or at least {least}, or DMX_CH_INSERT_MB at most "
+                   f"{max(1, self.owner_ring_mb // 2)}")
             raise ConfigurationError(msg)
+
+    def _embedded_store(self) -> bool:
+        """Captures go to the embedded store (the default, or a ``chdb://`` URL)."""
+        if self.db_url is None:
+            return self.db_host is None
+        return self.db_url.strip().lower().startswith("chdb:")
 
     @classmethod
     def from_kwargs(

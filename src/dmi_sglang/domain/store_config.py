@@ -10,7 +10,7 @@ import tempfile
 import attrs
 
 __all__ = ["CHANNEL_DIRECTORY_MAX_BYTES", "INSERT_MB_MAX", "StoreConfig", "StoreKind",
-           "channel_directory", "default_insert_bytes"]
+           "channel_directory", "default_insert_bytes", "insert_bytes"]
 
 CHANNEL_DIRECTORY_MAX_BYTES = 90
 """Longest directory (bytes) for the store's IPC channel sockets (``reads``, ``writes``):
@@ -46,6 +46,12 @@ class StoreKind(enum.Enum):
 
 INSERT_MB_MAX = 65_536
 """The largest ``insert_mb`` (``DMX_CH_INSERT_MB``) accepted."""
+
+
+def insert_bytes(insert_mb: int, queue_mb: int) -> int:
+    """Most payload bytes per insert: ``insert_mb`` (``DMX_CH_INSERT_MB``), or with 0
+    :func:`default_insert_bytes` of a queue of ``queue_mb`` (``DMX_CH_QUEUE_MB``)."""
+    return insert_mb << 20 if insert_mb else default_insert_bytes(queue_mb << 20)
 
 
 def default_insert_bytes(queue_bytes: int) -> int:
@@ -105,9 +111,7 @@ class StoreConfig:
         """Most payload bytes per insert: ``insert_mb``, or by default an eighth of the
         queue, at most 128 MiB (:func:`default_insert_bytes`). The queue's bound counts
         inserts in flight too: four writers' inserts fill half of it by default."""
-        if self.insert_mb:
-            return self.insert_mb << 20
-        return default_insert_bytes(self.queue_mb << 20)
+        return insert_bytes(self.insert_mb, self.queue_mb)
 
     @property
     def url(self) -> str:

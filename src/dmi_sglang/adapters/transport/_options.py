@@ -7,7 +7,7 @@ import threading
 import attrs
 
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
-from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.settings import TOPK_KERNELS, Settings
 
 __all__ = ["TransportOptions"]
 
@@ -115,7 +115,7 @@ class TransportOptions:
     copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
-    topk_kernel: str = "none"
+    topk_kernel: str = attrs.field(default="none", validator=attrs.validators.in_(TOPK_KERNELS))
 
     @classmethod
     def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,

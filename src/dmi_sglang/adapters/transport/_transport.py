@@ -109,11 +109,12 @@ def _reads_per_plan(selection: Selection, shape: ModelShape, capacity: RingCapac
     return max(1, capacity.effective_bytes // 4 // one)
 
 
-def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
-              topk_chunk: int, topk_kernel: str) -> Payloads | None:
+def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps, *,
+              topk_chunk: int, topk_kernel: str, max_rows: int) -> Payloads | None:
     """The on-device transforms the selection's payload modifiers ask for (None: none);
     a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows), or with the
-    ``topk_kernel`` (``DMX_TOPK_KERNEL``) other than ``none``, checked here.
+    ``topk_kernel`` (``DMX_TOPK_KERNEL``) other than ``none``, checked here over 3 and
+    ``max_rows`` rows (the largest decode graph batch).
 
     Raises:
         UnsupportedConfigurationError: a ``topk_kernel`` that does not fit the top-k's
@@ -135,13 +136,13 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps,
     kernel = topk_kernel if topk else "none"
     if kernel != "none":
         _check_topk_kernel(kernel, ops.device, shape.vocab, topk, chunk=topk_chunk,
-                           dtype=logits_dtype)
+                           dtype=logits_dtype, batches=(3, max_rows))
     return Payloads(casts, topk, logits_dtype, ops.device, topk_chunk=topk_chunk,
                     topk_kernel=kernel)
 
 
 def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
-                       chunk: int, dtype: torch.dtype) -> None:
+                       chunk: int, dtype: torch.dtype, batches: tuple[int, ...]) -> None:
     """Refuse ``DMX_TOPK_KERNEL=kernel`` where it does not fit or work (compiling it)."""
     if kernel == "triton":
         setting = (f"DMX_TOPK_KERNEL=triton (topk({k}) over {width} logits, "
@@ -150,10 +151,10 @@ def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
             why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set "
                    "DMX_TOPK_KERNEL=none or another DMX_TOPK_CHUNK")
             raise UnsupportedConfigurationError((why,))
-        failed = topk_kernel.warm_up(device, width, k, chunk, dtype)
-    else:
-        setting = f"DMX_TOPK_KERNEL={kernel} (topk({k}) over {width} logits)"
-        failed = topk_flashinfer.warm_up(device, width, k, dtype)
+        failed = topk_kernel.warm_up(device, width, k, chunk, dtype=dtype, batches=batches)
+    else:  # flashinfer (TransportOptions accepts no other kernel)
+        setting = f"DMX_TOPK_KERNEL=flashinfer (topk({k}) over {width} logits)"
+        failed = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
     if failed is not None:
         why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "
                "set DMX_TOPK_KERNEL=none to select with torch.topk")
@@ -233,7 +234,8 @@ class TorchCaptureTransport:
                         copies_ahead=opts.copies_ahead,
                         copy_kernel_programs=opts.copy_kernel_programs,
                         copy_gaps=opts.copy_gaps)
-        self._payloads = _payloads(selection, shape, ops, opts.topk_chunk, opts.topk_kernel)
+        self._payloads = _payloads(selection, shape, ops, topk_chunk=opts.topk_chunk,
+                                   topk_kernel=opts.topk_kernel, max_rows=max_graph_batch)
         arena = Arena(selection, shape, max_graph_batch, ops, slots=arena_slots(
             arena_bytes(selection, shape, max_graph_batch=max_graph_batch),
             opts.arena_slots_bytes))

@@ -86,14 +86,29 @@ def chunked_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
 
 
 def selection_differs(select: Select, device: torch.device, width: int, k: int, *,
-                      chunk: int = 0, dtype: torch.dtype = torch.float32) -> str | None:
-    """Run ``select`` over three rows of ``width`` ``dtype`` logits on ``device`` (ties,
-    a NaN, an infinity, a row of minus infinities but one zero) and compare it with
-    ``torch.topk`` over the rows' float32 image (CUDA's bfloat16 top-k can drop a NaN:
-    seen on an H100): None when the values are the same and the columns hold them,
-    else what differs. Exceptions of ``select`` propagate."""
+                      chunk: int = 0, dtype: torch.dtype = torch.float32,
+                      batches: tuple[int, ...] = (3,)) -> str | None:
+    """Run ``select`` over batches of ``batches`` rows (each at least 3) of ``width``
+    ``dtype`` logits on ``device``, and compare it with ``torch.topk`` over the rows'
+    float32 image (CUDA's bfloat16 top-k can drop a NaN: seen on an H100): None when the
+    values are the same and the columns hold them, else what differs. Every batch
+    begins with three rows of ties (values rounded), of a NaN and an infinity among
+    them, and of minus infinities but one zero; its other rows are random. A kernel may
+    choose its method by the number of rows: check each number it will see. Exceptions
+    of ``select`` propagate."""
+    for batch in batches:
+        failed = _batch_differs(select, device, width, k, chunk=chunk, dtype=dtype,
+                                batch=max(3, batch))
+        if failed is not None:
+            return f"{failed} (over {max(3, batch)} rows)"
+    return None
+
+
+def _batch_differs(select: Select, device: torch.device, width: int, k: int, *, chunk: int,
+                   dtype: torch.dtype, batch: int) -> str | None:
     gen = torch.Generator().manual_seed(7)
-    rows = torch.randn((3, width), generator=gen).round(decimals=1)  # ties
+    rows = torch.randn((batch, width), generator=gen)
+    rows[:3] = rows[:3].round(decimals=1)  # ties
     rows[1, width // 3] = float("nan")
     rows[1, min(5, width - 1)] = float("inf")
     rows[2, :] = float("-inf")

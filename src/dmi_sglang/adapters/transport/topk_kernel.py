@@ -148,13 +148,16 @@ def fused_topk(logits: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, 
     return values, ids
 
 
-def warm_up(device: torch.device, width: int, k: int, chunk: int,
-            dtype: torch.dtype = torch.float32) -> str | None:
+def warm_up(device: torch.device, width: int, k: int, chunk: int, *,
+            dtype: torch.dtype = torch.float32, batches: tuple[int, ...] = (3,)) -> str | None:
     """Compile the kernel for rows of ``width`` ``dtype`` logits, ``k`` and ``chunk``, and
-    check it against ``torch.topk`` (over the rows in float32) on rows with ties, NaN and
-    infinities, before a capture records it; None when it works, else why not (Triton
-    missing, a compiler's error, or a selection that differs)."""
+    check it against ``torch.topk`` (over the rows in float32) on batches of ``batches``
+    rows with ties, NaN and infinities
+    (:func:`~dmi_sglang.adapters.transport.topk.selection_differs`), before a capture
+    records it; None when it works, else why not (Triton missing, a compiler's error, or
+    a selection that differs)."""
     try:
-        return selection_differs(fused_topk, device, width, k, chunk=chunk, dtype=dtype)
+        return selection_differs(fused_topk, device, width, k, chunk=chunk, dtype=dtype,
+                                 batches=batches)
     except Exception as exc:  # an ImportError, or Triton's own
         return f"{type(exc).__name__}: {exc}"
