@@ -21,7 +21,9 @@ class SinkStats:
 
     Attributes:
         records_put / bytes_put / batches_put: records, payload bytes and record batches
-            handed to ``put``.
+            handed to ``put`` (in the store owner, the batches as they arrived: a remote
+            sink sends a batch of more than 8 MiB over the owner's socket as several, each
+            counted here).
         records_stored / bytes_stored / batches_stored: those inserted.
         inserts: insert statements that succeeded (each holds one or more batches).
         retries: insert attempts retried after a transient error.
