@@ -13,7 +13,6 @@ import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
 from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
-from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import UnsupportedConfigurationError
 
 from .conftest import assert_topk3_of, two_requests
@@ -76,13 +75,6 @@ def test_the_transport_refuses_flashinfer_where_it_does_not_work(make_driver) ->
     assert "DMX_TOPK_KERNEL=flashinfer (topk(3) over 10 logits)" in text
     assert "does not work on cpu (ModuleNotFoundError" in text
     assert "DMX_TOPK_KERNEL=none" in text  # what to do instead
-
-
-def test_without_a_top_k_the_setting_checks_nothing(make_driver) -> None:
-    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel="flashinfer")
-    d.forward(BatchLayout.extend(["a"], [0], [2]))
-    d.t.stop()
-    d.verify(sink.records)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])

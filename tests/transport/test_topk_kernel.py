@@ -159,8 +159,11 @@ def test_the_transport_refuses_the_kernel_where_it_does_not_fit_or_work(
     assert "DMX_TOPK_KERNEL=none" in text  # what to do instead
 
 
-def test_the_setting_does_nothing_without_a_top_k(make_driver) -> None:
-    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel="triton")
+@pytest.mark.parametrize("kernel", ["triton", "flashinfer"])
+def test_the_setting_does_nothing_without_a_top_k(make_driver, kernel: str) -> None:
+    """Neither kernel is checked (nor imported) where no capture selects a top-k: with
+    ``chunk`` 3 the Triton kernel does not fit, and FlashInfer need not be installed."""
+    d, sink = make_driver("final_logits", topk_chunk=3, topk_kernel=kernel)
     d.forward(BatchLayout.extend(["a"], [0], [2]))
     d.t.stop()
     d.verify(sink.records)

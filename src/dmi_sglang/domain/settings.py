@@ -578,7 +578,7 @@ class Settings:
         """Captures go to the embedded store (the default, or a ``chdb://`` URL)."""
         if self.db_url is None:
             return self.db_host is None
-        return self.db_url.strip().lower().startswith("chdb:")
+        return StoreUrl.parse(self.db_url).kind is StoreKind.EMBEDDED
 
     @classmethod
     def from_kwargs(

@@ -38,11 +38,10 @@ class Payloads:
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0: whole rows.
         topk_kernel: which selection runs (``DMX_TOPK_KERNEL``: ``none``, ``triton`` or
             ``flashinfer``; a kernel checked to fit and work by whoever makes the
-            payloads).
+            payloads), kept as :attr:`select`.
     """
 
-    __slots__ = ("casts", "logits_dtype", "overflows", "select", "topk", "topk_chunk",
-                 "topk_kernel")
+    __slots__ = ("casts", "logits_dtype", "overflows", "select", "topk", "topk_chunk")
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
                  topk: int, logits_dtype: torch.dtype, device: torch.device, *,
@@ -50,8 +49,8 @@ class Payloads:
         self.casts = dict(casts)
         self.topk = topk
         self.topk_chunk = topk_chunk
-        self.topk_kernel = topk_kernel
         self.select: Select = SELECTIONS[topk_kernel]
+        """The top-k selection ``topk_kernel`` names (:data:`SELECTIONS`)."""
         self.logits_dtype = logits_dtype
         counts = any(stored is torch.float16 for _, stored in self.casts.values())
         self.overflows = torch.zeros((), dtype=torch.int64, device=device) if counts else None
