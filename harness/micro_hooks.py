@@ -39,8 +39,9 @@ requests holds must reach the sink (``rows``: the domain's count,
 :func:`~dmi_sglang.domain.bandwidth.capture_bytes`).
 
 The drain runs with the engine's ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-``DMX_TOPK_*`` and ``DMX_GPU_PADDING_STRIP`` settings from the environment
-(``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in the result's ``settings.env``.
+``DMX_TOPK_*``, ``DMX_GPU_PADDING_STRIP`` and ``DMX_GRAPH_SIDE_STREAM`` settings from the
+environment (``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in the
+result's ``settings.env``.
 
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
 launches: compare selections with each other there, not with a GPU).
@@ -165,6 +166,7 @@ class _Model:
         """Call every capture point as a forward of these rows would."""
         for (name, layer), (t, by_token) in self.tensors.items():
             self.capturer.capture(name, layer, t[: token_rows if by_token else request_rows])
+        self.capturer.join()  # the forward's end (a model's capture points join there)
 
 
 class BusyWork:

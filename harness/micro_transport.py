@@ -129,6 +129,8 @@ def stack(weights: list[torch.Tensor], cap: Capturer | None, x: torch.Tensor) ->
         x = point("resid_mid", i, x + point("attn_out", i, h @ weights[2 * i]))
         h = point("mlp_in", i, point("ln2", i, norm(x)))
         x = x + point("mlp_out", i, h @ weights[2 * i + 1])
+    if cap is not None:
+        cap.join()  # the forward's end (its residuals are new tensors: no other join)
     return x
 
 
@@ -166,8 +168,9 @@ def decode_plans(sel: Selection, shape: ModelShape, bs: int,
 
 def engine_options(max_prefill_tokens: int) -> TransportOptions:
     """The transport's tuning from the ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-    ``DMX_TOPK_*`` and ``DMX_GPU_PADDING_STRIP`` settings in the environment, read as
-    an engine reads them (their defaults when unset); see :func:`engine_env`."""
+    ``DMX_TOPK_*``, ``DMX_GPU_PADDING_STRIP`` and ``DMX_GRAPH_SIDE_STREAM`` settings in
+    the environment, read as an engine reads them (their defaults when unset); see
+    :func:`engine_env`."""
     return TransportOptions.for_engine(Settings.from_env(),
                                        max_prefill_tokens=max_prefill_tokens)
 
@@ -177,7 +180,7 @@ def engine_env() -> dict[str, str]:
     ``settings.env``."""
     return {k: v for k, v in os.environ.items()
             if k.startswith(("DMX_DRAIN_", "DMX_TOPK_"))
-            or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP")}
+            or k in ("DMX_ARENA_SLOTS_MB", "DMX_GPU_PADDING_STRIP", "DMX_GRAPH_SIDE_STREAM")}
 
 
 def transport_for(args: argparse.Namespace, sel: Selection, shape: ModelShape, bs: int,
@@ -364,6 +367,7 @@ def drain(args: argparse.Namespace, preset: str, steps: int) -> Json:
         dtype: torch.dtype = getattr(torch, row.dtype.value.removeprefix("torch."))
         filled = torch.randint(0, 100, (bs, math.prod(row.dims)), device=dev).to(dtype)
         transport.capturer.capture(hook.name, layer, filled)
+    transport.capturer.join()
     recording[0] = False
     plans, _ = decode_plans(sel, shape, bs, steps)
     _sync(dev)

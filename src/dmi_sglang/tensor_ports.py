@@ -36,7 +36,15 @@ class Capturer(Protocol):
     def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
         """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``: its values as of
         the call. The model may overwrite it in place once the call returns, so the
-        capturer copies it first (a copy queued on the current stream suffices)."""
+        capturer copies it first (a copy queued on the current stream suffices), except
+        for the residual stream (:data:`~dmi_sglang.domain.hooks.RESIDUAL_STREAM`): the
+        model keeps that tensor unchanged until it calls :meth:`join`."""
+        ...
+
+    def join(self) -> None:
+        """Called by the model before it changes in place a residual-stream tensor it
+        handed to :meth:`capture`, and when its forward returns: the capturer's copies
+        of such tensors must precede the model's later work from here on."""
         ...
 
 

@@ -67,6 +67,7 @@ def _fire(capturer: Capturer, selection: Selection, layout: BatchLayout) -> None
         width = SHAPE.row(hook).dims
         dtype = torch.float32 if hook.name == "final_logits" else torch.bfloat16
         capturer.capture(hook.name, layer, torch.ones(rows, *width, dtype=dtype))
+    capturer.join()
 
 
 @pytest.fixture

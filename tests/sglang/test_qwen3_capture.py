@@ -33,6 +33,9 @@ class Recorder:
     def capture(self, hook_name: str, layer_no: int, tensor: Any) -> None:
         self.calls.append((hook_name, layer_no, tensor.detach().clone()))
 
+    def join(self) -> None:
+        pass
+
     def get(self, hook: str, layer: int) -> Any:
         found = [t for h, n, t in self.calls if (h, n) == (hook, layer)]
         assert len(found) == 1, (hook, layer, len(found))
@@ -220,8 +223,12 @@ def test_unselected_points_are_not_installed_and_removal_restores(
         "resid_pre@0", "k@1", "resid_pre@2", "final_logits"]
     rope = model.model.layers[0].self_attn.rotary_emb  # shared, tapped once per process
     wrapped = {n for n, m in model.named_modules() if "forward" in m.__dict__ and m is not rope}
+    # the capture points, then the joins: before the norms that change a captured
+    # residual stream in place, and at the model's end ("")
     assert wrapped == {"model.layers.0.input_layernorm", "model.layers.1.self_attn",
-                       "model.layers.2.input_layernorm", "logits_processor"}
+                       "model.layers.2.input_layernorm", "logits_processor",
+                       "model.layers.0.post_attention_layernorm",
+                       "model.layers.2.post_attention_layernorm", ""}
     with pytest.raises(CaptureError, match="already installed"):
         install_capture_points(model, recorder)
     fb = extend_batch(PROMPTS)
@@ -311,3 +318,95 @@ def test_hooked_class_is_registered_under_the_upstream_key(
     model = build_qwen3(torch.float32, DMIQwen3ForCausalLM)
     assert isinstance(model, Qwen3ForCausalLM)
     assert model.config.architectures == ["Qwen3ForCausalLM"]
+
+
+class LateRecorder(Recorder):
+    """Copies residual-stream tensors only at the next ``join``, as a second stream that
+    runs the copies as late as the model allows would: a tensor changed in place before
+    its join is recorded changed."""
+
+    def __init__(self, keys: set[tuple[str, int]] | None = None) -> None:
+        super().__init__(keys)
+        self.late: list[tuple[int, Any]] = []
+        self.joins = 0
+
+    def capture(self, hook_name: str, layer_no: int, tensor: Any) -> None:
+        from dmi_sglang.domain.hooks import RESIDUAL_STREAM
+
+        if hook_name not in RESIDUAL_STREAM:
+            super().capture(hook_name, layer_no, tensor)
+            return
+        self.late.append((len(self.calls), tensor))
+        self.calls.append((hook_name, layer_no, None))
+
+    def join(self) -> None:
+        self.joins += 1
+        for i, tensor in self.late:
+            hook, layer, _ = self.calls[i]
+            self.calls[i] = (hook, layer, tensor.detach().clone())
+        self.late.clear()
+
+
+def _norms_in_place(model: Any) -> list[int]:
+    """Make every RMSNorm of ``model`` behave as CUDA's ``fused_add_rmsnorm``: the sum is
+    written into the residual it was given, which it returns. Counts the fused calls."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    fused = [0]
+
+    def in_place(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            residual = args[1] if len(args) > 1 else kwargs.get("residual")
+            out = original(*args, **kwargs)
+            if residual is None:
+                return out
+            fused[0] += 1
+            residual.copy_(out[1])
+            return out[0], residual
+
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            object.__setattr__(module, "forward", in_place(module.forward))
+    return fused
+
+
+@pytest.mark.usefixtures("fake_attention")
+@pytest.mark.parametrize("hooks", ["resid_pre", "resid_mid", "resid_pre,resid_mid,resid_final"])
+def test_residual_stream_copies_may_wait_for_the_join_before_the_in_place_norm(
+    build_qwen3: Callable[..., Any], extend_batch: Callable[..., Any], demo_checkpoint: Path,
+    hooks: str,
+) -> None:
+    """The capturer may copy a residual-stream tensor as late as its next ``join`` (a
+    decode graph records those copies on a second stream). With the fused norms in place,
+    as on CUDA, every such capture still equals the transformers forward's: each join
+    comes before the norm that changes the captured residual, and the forward's end
+    joins whatever is left."""
+    import torch
+
+    from dmi_sglang.adapters.sglang_v0519.qwen3 import (
+        install_capture_points,
+        remove_capture_points,
+    )
+
+    model = build_qwen3(torch.float32)
+    fused = _norms_in_place(model)
+    layers = int(model.config.num_hidden_layers)
+    names = hooks.split(",")
+    keys = {(h, n) for h in names if h != "resid_final" for n in range(layers)}
+    keys |= {("resid_final", -1)} if "resid_final" in names else set()
+    recorder = LateRecorder(keys)
+    install_capture_points(model, recorder)
+    fb = extend_batch(PROMPTS)
+    try:
+        model(fb.input_ids, fb.positions, fb)
+    finally:
+        remove_capture_points(model)
+    assert fused[0] == 2 * layers  # every norm but layer 0's first ran fused, in place
+    assert not recorder.late  # the forward's end joined the rest
+    ref = _hf_reference(demo_checkpoint, PROMPTS)
+    assert {(h, n) for h, n, _ in recorder.calls} == keys
+    for hook, layer in keys:
+        torch.testing.assert_close(recorder.get(hook, layer), ref[hook, layer], rtol=2e-4,
+                                   atol=2e-4, msg=f"{hook}@{layer}")

@@ -166,6 +166,7 @@ class Driver:
             else:
                 rows = layout.positions()
             self.t.capturer.capture(hook.name, layer, rows_tensor(hook, layer, rows, padding))
+        self.t.capturer.join()  # the forward's end (see Capturer.join)
 
     def forward(
         self, layout: BatchLayout, *, padded: bool = False, strip: bool = True

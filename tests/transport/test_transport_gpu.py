@@ -100,6 +100,7 @@ class ToyModel(nn.Module):
         self._c("final_ln", -1, f)
         logits = self.head(f if last is None else f[last]).float()
         self._c("final_logits", -1, logits)
+        self.cap.join()  # the forward's end (its residuals are new tensors: no other join)
         return logits
 
 
@@ -285,10 +286,11 @@ def test_copies_by_the_copy_kernel_equal_reference():
         assert counters["d2h_kernel_declined"] == 0
 
 
-def test_graph_replay_with_padding_stores_only_real_rows():
+@pytest.mark.parametrize("side", [False, True], ids=["in-line", "side-stream"])
+def test_graph_replay_with_padding_stores_only_real_rows(side: bool) -> None:
     for strip in (True, False):
         sink = MemorySink()
-        t = _transport(sink, strip=strip)
+        t = _transport(sink, strip=strip, side_stream=side)
         model = _model(t)
         bucket = 8
         graph, static_ids, ref = _record_graph(model, bucket)
@@ -310,14 +312,15 @@ def test_graph_replay_with_padding_stores_only_real_rows():
         print(f"strip={strip}: {stats}")
 
 
-def test_graph_steps_waiting_in_arena_slots_arrive_exact():
+@pytest.mark.parametrize("side", [False, True], ids=["in-line", "side-stream"])
+def test_graph_steps_waiting_in_arena_slots_arrive_exact(side: bool) -> None:
     """A lingering drain lets decode graph steps pile up in the arena's slots (the
     replays write the slot their commit selected; nothing is copied on the scheduler
     thread), and it takes several at once into its window, across the slots' wrap. The
     device runs behind the host (a matmul before each replay, nothing waits for it), so
     a copy that is not ordered after its replay, or a slot reused too early, shows."""
     sink = MemorySink()
-    t = _transport(sink, linger_s=30.0, flush_timeout_s=60.0)
+    t = _transport(sink, linger_s=30.0, flush_timeout_s=60.0, side_stream=side)
     model = _model(t)
     bucket = 8
     graph, static_ids, ref = _record_graph(model, bucket)
@@ -514,12 +517,14 @@ LASTING: Selection = parse_selection(
     ModelHooks("ToyForCausalLM", frozenset(HOOKS), SHAPE.num_layers))
 
 
-def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish():
+@pytest.mark.parametrize("side", [False, True], ids=["in-line", "side-stream"])
+def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
+        side: bool) -> None:
     """Decode graphs of two buckets (sharing the slot index) replay a batch that
     shrinks from 6 requests to 4; each replay moves every request to its next slot row by
     itself; replays nobody committed write the spare row."""
     sink = MemorySink()
-    t = _transport(sink, selection=LASTING)
+    t = _transport(sink, selection=LASTING, side_stream=side)
     model = _model(t)
     graphs = {b: _record_graph(model, b) for b in (8, 4)}
     seen: dict[tuple[str, str, int, int], bytes] = {}

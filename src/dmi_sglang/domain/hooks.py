@@ -179,6 +179,12 @@ FIRING_ORDER: tuple[str, ...] = (
     "logits_topk_ids",
 )
 
+RESIDUAL_STREAM: frozenset[str] = frozenset({"resid_pre", "resid_mid", "resid_final"})
+"""Hooks whose tensor is the model's residual stream: the model changes it in place only
+at the next fused add+RMSNorm (or not at all after the last), so its capture points
+announce that change (the capturer's ``join``) and its copy may run beside the model's
+next kernels until then."""
+
 PRESETS: Mapping[str, tuple[str, ...]] = {
     "full": tuple(h.name for h in CATALOG if not h.derived),
     "sglang-full": tuple(h.name for h in CATALOG if not h.attention_matrix and not h.derived),

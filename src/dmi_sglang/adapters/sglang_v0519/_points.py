@@ -76,6 +76,35 @@ def entry(c: Capturer) -> Make:
     return make
 
 
+def join_before(c: Capturer) -> Make:
+    """A module that changes the residual stream in place (the next fused norm after a
+    residual-stream capture): the capturer's join first."""
+
+    def make(original: Forward) -> Forward:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            c.join()
+            return original(*args, **kwargs)
+
+        return forward
+
+    return make
+
+
+def join_after(c: Capturer) -> Make:
+    """The model's forward: the capturer's join once it returned (still inside a decode
+    graph's capture, which must end with the capturer's second stream joined)."""
+
+    def make(original: Forward) -> Forward:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            c.join()
+            return out
+
+        return forward
+
+    return make
+
+
 def after(c: Capturer, hook: str, layer: int) -> Make:
     """The output (the first element of a linear layer's ``(output, bias)`` tuple)."""
 

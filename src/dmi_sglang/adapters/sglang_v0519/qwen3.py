@@ -109,6 +109,7 @@ def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
                                                normed="final_ln" if final_ln else None))
         if want("final_logits"):
             p.wrap(patches, top.logits_processor, p.logits(capturer))
+        _install_joins(top, capturer, patches)
     except BaseException:  # a halfway install leaves no wrapper behind
         for patch in reversed(patches):
             patch.undo()
@@ -116,6 +117,21 @@ def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
     object.__setattr__(model, _INSTALLED, tuple(patches))
     log.info("dmi.capture_points.installed", count=len(done), wrapped=len(patches))
     return done
+
+
+def _install_joins(top: Any, c: Capturer, patches: list[p.Patch]) -> None:
+    """Where the capturer's copies of the residual stream must be done (its ``join``):
+    before the fused norm that next changes a captured residual in place (installed
+    last, so it runs before that norm's own capture wrapper), and when the model's
+    forward returns (see :class:`~dmi_sglang.tensor_ports.Capturer`)."""
+    layers = top.model.layers
+    for i, layer in enumerate(layers):
+        if c.wants("resid_pre", i):  # changed in place by the layer's second norm
+            p.wrap(patches, layer.post_attention_layernorm, p.join_before(c))
+        if c.wants("resid_mid", i):  # changed in place by the next layer's first norm
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else top.model.norm
+            p.wrap(patches, nxt, p.join_before(c))
+    p.wrap(patches, top, p.join_after(c))
 
 
 def _install_layer(

@@ -28,6 +28,7 @@ strided copy moves the whole group.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,8 +40,9 @@ from dmi_sglang.adapters.transport._device import (
     copy_rows,
     widest,
 )
+from dmi_sglang.adapters.transport._side import SideStream, on
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, arena_captures
-from dmi_sglang.domain.hooks import Selection
+from dmi_sglang.domain.hooks import RESIDUAL_STREAM, Selection
 from dmi_sglang.domain.plan import align_up
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CaptureError
@@ -223,9 +225,12 @@ class Arena:
         if self._index is not None:
             self._index.copy_(self._numbers[slot], non_blocking=True)
 
-    def write(self, key: CaptureKey, tensor: torch.Tensor) -> None:
+    def write(self, key: CaptureKey, tensor: torch.Tensor, *,
+              side: SideStream | None = None) -> None:
         """Copy ``tensor``'s rows into the selected slot (recorded into the graph while
         capturing); with a landing slot, into that, moved once every place landed.
+        With ``side`` (a decode graph being captured), a residual-stream capture's copy
+        and the landing move go on that stream (:mod:`._side`).
 
         Raises:
             CaptureError: more rows than the largest decode batch, a wrong dtype/width, or
@@ -242,14 +247,15 @@ class Arena:
         if rows > self.written.get(key, 0):
             self.written[key] = rows
         places = self._views[key]
+        forked = side if side is not None and key[0] in RESIDUAL_STREAM else None
         if not self._groups:
             if not rows:
                 return
             if self._index is None:
-                copy_rows(places[0, :rows], src)
+                on(forked, functools.partial(copy_rows, places[0, :rows], src))
             else:
                 dst, wide_src = widest(places[:, :rows], src.unsqueeze(0))
-                dst.index_copy_(0, self._index, wide_src)
+                on(forked, functools.partial(dst.index_copy_, 0, self._index, wide_src))
             return
         if key in self._landed:
             missed = self._missing()
@@ -260,9 +266,9 @@ class Arena:
         self._landed.add(key)
         self._landed_rows = max(self._landed_rows, rows)
         if rows:
-            copy_rows(places[0, :rows], src)
+            on(forked, functools.partial(copy_rows, places[0, :rows], src))
         if self._landed >= self._landing_keys:
-            self._move()
+            self._move(side)
 
     def check_landing(self) -> None:
         """Before a padded step: raise when rows wait in the landing slot, which only a
@@ -293,13 +299,18 @@ class Arena:
     def _missing(self) -> str:
         return str(sorted(self._landing_keys - self._landed)[:4])
 
-    def _move(self) -> None:
+    def _move(self, side: SideStream | None = None) -> None:
         """One indexed copy per group of the landed rows into the slot the index names
-        (recorded into the graph while capturing)."""
+        (recorded into the graph while capturing; on ``side`` when given)."""
         assert self._index is not None
         if self._landed_rows:
-            for group in self._groups:
-                group.move(self._index, self._landed_rows)
+            index, rows, groups = self._index, self._landed_rows, self._groups
+
+            def move() -> None:
+                for group in groups:
+                    group.move(index, rows)
+
+            on(side, move)
         self._landed.clear()
         self._landed_rows = 0
 

@@ -100,7 +100,7 @@ class Capturer:
     does nothing.
     """
 
-    __slots__ = ("_keys", "_live", "_payloads", "_sink", "seconds")
+    __slots__ = ("_join", "_keys", "_live", "_payloads", "_sink", "seconds")
 
     def __init__(
         self,
@@ -109,6 +109,7 @@ class Capturer:
         *,
         payloads: Payloads | None = None,
         live: Callable[[CaptureKey], bool] | None = None,
+        join: Callable[[], None] | None = None,
     ) -> None:
         keys = frozenset(keys)
         self._payloads = payloads
@@ -117,6 +118,7 @@ class Capturer:
         self._keys = keys
         self._sink = sink
         self._live = live if live is not None else _always
+        self._join = join if join is not None else _nothing
         self.seconds = 0.0
         """Time spent in :meth:`capture` so far (its transforms and copies included)."""
 
@@ -157,6 +159,20 @@ class Capturer:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def join(self) -> None:
+        """The model is about to change a residual-stream tensor it handed to
+        :meth:`capture` in place, or its forward returns: the copies of such tensors
+        that a decode graph records on a second stream are waited for from here on.
+
+        Raises:
+            CaptureError: the wait could not be queued.
+        """
+        try:
+            self._join()
+        except Exception as exc:
+            msg = f"capture join failed: {exc!r}"
+            raise CaptureError(msg) from exc
+
     def _topk(self, logits: torch.Tensor, payloads: Payloads) -> None:
         values_live, ids_live = self._live(TOPK_VALUES), self._live(TOPK_IDS)
         if not (values_live or ids_live):
@@ -173,3 +189,7 @@ class Capturer:
 
 def _always(_key: CaptureKey) -> bool:
     return True
+
+
+def _nothing() -> None:
+    return None

@@ -32,6 +32,7 @@ through page-locked staging without synchronising the scheduler.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -40,8 +41,9 @@ import torch
 
 from dmi_sglang.adapters.transport._arena import CaptureKey, as_rows
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_rows, widest
+from dmi_sglang.adapters.transport._side import SideStream, on
 from dmi_sglang.domain.capacity import LANDING_MIN_PLACES, last_slot_bytes, last_slot_groups
-from dmi_sglang.domain.hooks import RowBasis, Selection
+from dmi_sglang.domain.hooks import RESIDUAL_STREAM, RowBasis, Selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, emitting_rows
 from dmi_sglang.domain.positions import PositionRule
@@ -275,9 +277,12 @@ class LastSlots:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
 
-    def capture(self, key: CaptureKey, tensor: torch.Tensor, *, capturing: bool) -> None:
+    def capture(self, key: CaptureKey, tensor: torch.Tensor, *, capturing: bool,
+                side: SideStream | None = None) -> None:
         """Write ``tensor``'s emitting rows into the slots (recorded while capturing a
-        graph; nothing outside a committed step)."""
+        graph; nothing outside a committed step). With ``side`` (a decode graph being
+        captured), a residual-stream capture's copy, the moves into the slots and the
+        index's flip go on that stream (:mod:`._side`)."""
         row, basis = self._keys[key]
         if capturing or self._padded:
             src = as_rows(tensor, key, row)
@@ -285,21 +290,27 @@ class LastSlots:
             seen = self._recording if capturing else self._fired
             if capturing and key in seen:  # a recording began: the one before missed keys
                 self._check_recorded()
+            forked = side if side is not None and key[0] in RESIDUAL_STREAM else None
             if key in self._lands:
-                self._land(key, src)
+                self._land(key, src, forked)
             else:
                 wide_buffer, wide_src = widest(self._buffers[key], src)
-                wide_buffer.index_copy_(0, self._control[0, :n], wide_src)
+                on(forked, functools.partial(wide_buffer.index_copy_, 0, self._control[0, :n],
+                                             wide_src))
             seen.add(key)
             if capturing:
                 self._recorded.add(key)
             if len(seen) == len(self._keys) and (capturing or not self._stepped):
                 # after the last capture point: the rows into the slots, then every
                 # request to its next slot row
-                index = self._control[0, :n]
-                for slots, landing in self._moves:
-                    slots.index_copy_(0, index, landing[:n])
-                index.bitwise_xor_(self._control[1, :n])
+                index, flip, moves = self._control[0, :n], self._control[1, :n], self._moves
+
+                def move() -> None:
+                    for slots, landing in moves:
+                        slots.index_copy_(0, index, landing[:n])
+                    index.bitwise_xor_(flip)
+
+                on(side, move)
                 self._landed = 0
                 self._recording.clear()
                 self._stepped = not capturing
@@ -314,8 +325,9 @@ class LastSlots:
         wide_buffer.index_copy_(0, dst, wide_src.index_select(
             0, token_src if basis is RowBasis.TOKEN else request_src))
 
-    def _land(self, key: CaptureKey, src: torch.Tensor) -> None:
-        """Put a decode graph capture point's rows in its landing rows (a plain copy).
+    def _land(self, key: CaptureKey, src: torch.Tensor, side: SideStream | None) -> None:
+        """Put a decode graph capture point's rows in its landing rows (a plain copy; on
+        ``side`` when given).
 
         Raises:
             CaptureError: more rows than the largest decode graph's, or another row count
@@ -328,7 +340,7 @@ class LastSlots:
                    f"{self._landed or landing.shape[0]} (the largest decode graph's batch, "
                    f"the same for every capture point of a step)")
             raise CaptureError(msg)
-        copy_rows(landing[:n], src)
+        on(side, functools.partial(copy_rows, landing[:n], src))
         self._landed = n
 
     def end(self) -> None:

@@ -92,6 +92,10 @@ class TransportOptions:
             :func:`~dmi_sglang.adapters.transport.topk_flashinfer.flashinfer_topk`); a
             kernel is compiled and checked when the transport is made, which refuses it
             where it does not work or the shape does not fit.
+        side_stream: ``DMX_GRAPH_SIDE_STREAM``: a decode graph records its residual-stream
+            copies and its landing moves on a second stream, beside the model's next
+            kernels (:mod:`~dmi_sglang.adapters.transport._side`); False: on the
+            forward's stream, in line with the model's kernels.
     """
 
     strip: bool = True
@@ -116,14 +120,15 @@ class TransportOptions:
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
     topk_kernel: str = attrs.field(default="none", validator=attrs.validators.in_(TOPK_KERNELS))
+    side_stream: bool = False
 
     @classmethod
     def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,
                    max_requests: int = 0) -> TransportOptions:
         """The options an engine runs with: every transport setting of ``settings``
         (``DMX_GPU_PADDING_STRIP``, ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
-        ``DMX_TOPK_CHUNK``, ``DMX_TOPK_KERNEL``), and the scheduler's limits for the
-        startup checks."""
+        ``DMX_TOPK_CHUNK``, ``DMX_TOPK_KERNEL``, ``DMX_GRAPH_SIDE_STREAM``), and the
+        scheduler's limits for the startup checks."""
         return cls.from_settings(
             strip=settings.gpu_padding_strip,
             flush_timeout_us=settings.drain_flush_timeout_us,
@@ -139,6 +144,7 @@ class TransportOptions:
             copy_gaps=settings.drain_copy_gaps,
             topk_chunk=settings.topk_chunk,
             topk_kernel=settings.topk_kernel,
+            side_stream=settings.graph_side_stream,
         )
 
     @classmethod
@@ -159,12 +165,13 @@ class TransportOptions:
         copy_gaps: bool = False,
         topk_chunk: int = TOPK_CHUNK,
         topk_kernel: str = "none",
+        side_stream: bool = False,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
         ``DMX_ARENA_SLOTS_MB`` / ``DMX_DRAIN_COPY_PIECE_MB`` / ``DMX_DRAIN_COPY_AHEAD`` /
         ``DMX_DRAIN_COPY_KERNEL`` / ``DMX_DRAIN_COPY_GAPS`` / ``DMX_TOPK_CHUNK`` /
-        ``DMX_TOPK_KERNEL`` values."""
+        ``DMX_TOPK_KERNEL`` / ``DMX_GRAPH_SIDE_STREAM`` values."""
         return cls(
             strip=strip,
             flush_timeout_s=max(flush_timeout_us, 1) / 1e6,
@@ -180,4 +187,5 @@ class TransportOptions:
             copy_gaps=copy_gaps,
             topk_chunk=topk_chunk,
             topk_kernel=topk_kernel,
+            side_stream=side_stream,
         )

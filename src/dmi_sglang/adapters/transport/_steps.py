@@ -36,6 +36,7 @@ from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, copy_
 from dmi_sglang.adapters.transport._drain import DrainItem
 from dmi_sglang.adapters.transport._last import LastSlots
 from dmi_sglang.adapters.transport._program import Program, build_program
+from dmi_sglang.adapters.transport._side import SideStream
 from dmi_sglang.domain.capacity import RingUsage
 from dmi_sglang.domain.plan import CommitPlan, Segment
 from dmi_sglang.errors import CaptureError
@@ -118,6 +119,7 @@ class StepWriter:
         free_slot: Callable[[int], None],
         room: Callable[[], RingUsage] = lambda: RingUsage(0, 0),
         part_bytes: int = 0,
+        side_stream: bool = False,
     ) -> None:
         self._ops = ops
         self._arena = arena
@@ -133,6 +135,16 @@ class StepWriter:
         self._part_bytes = part_bytes
         """Most ring bytes of one part (0: one capture point a part)."""
         self.open: OpenStep | None = None
+        self.side = SideStream(ops.device) if side_stream else None
+        """Where a decode graph's residual-stream copies and landing moves are recorded
+        (:mod:`._side`; None: on the forward's stream); the capture points join it
+        (:meth:`join`)."""
+
+    def join(self) -> None:
+        """The model is about to change a residual-stream tensor in place, or its forward
+        returns: later work waits for the copies forked so far."""
+        if self.side is not None:
+            self.side.join()
 
     def live(self, key: CaptureKey) -> bool:
         """True when a capture of ``key`` now would be used: a graph is being captured,
@@ -150,12 +162,14 @@ class StepWriter:
     def capture(self, key: CaptureKey, tensor: torch.Tensor) -> None:
         """Route one capture point's tensor (see :class:`~._capturer.Capturer`)."""
         if key in self._last:
-            self._last.capture(key, tensor, capturing=self._ops.capturing())
+            capturing = self._ops.capturing()
+            self._last.capture(key, tensor, capturing=capturing,
+                               side=self.side if capturing else None)
             return
         if key not in self._arena:
             return
         if self._ops.capturing():
-            self._arena.write(key, tensor)
+            self._arena.write(key, tensor, side=self.side)
             return
         step = self.open
         if step is None or step.mode is Mode.EMPTY:

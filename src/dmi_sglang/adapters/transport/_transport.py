@@ -289,10 +289,11 @@ class TorchCaptureTransport:
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
                                   last=self._last_slots, free_slot=self._free_slot,
                                   room=self._room, part_bytes=min(nbytes // PART_SHARE,
-                                                 PART_MAX_BYTES))
+                                                 PART_MAX_BYTES),
+                                  side_stream=opts.side_stream)
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
-            payloads=self._payloads, live=self._writer.live)
+            payloads=self._payloads, live=self._writer.live, join=self._writer.join)
         """The object the hooked model calls (``wants`` / ``capture``)."""
         tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
