@@ -130,7 +130,7 @@ def stack(weights: list[torch.Tensor], cap: Capturer | None, x: torch.Tensor) ->
         h = point("mlp_in", i, point("ln2", i, norm(x)))
         x = x + point("mlp_out", i, h @ weights[2 * i + 1])
     if cap is not None:
-        cap.join()  # the forward's end (its residuals are new tensors: no other join)
+        cap.join()  # the forward's end (its residuals are never changed in place)
     return x
 
 

@@ -38,7 +38,8 @@ class Capturer(Protocol):
         the call. The model may overwrite it in place once the call returns, so the
         capturer copies it first (a copy queued on the current stream suffices), except
         for the residual stream (:data:`~dmi_sglang.domain.hooks.RESIDUAL_STREAM`): the
-        model keeps that tensor unchanged until it calls :meth:`join`."""
+        model keeps that tensor unchanged until it calls :meth:`join` (the capturer keeps
+        a reference to it until then, so its memory is not reused before)."""
         ...
 
     def join(self) -> None:

@@ -410,3 +410,30 @@ def test_residual_stream_copies_may_wait_for_the_join_before_the_in_place_norm(
     for hook, layer in keys:
         torch.testing.assert_close(recorder.get(hook, layer), ref[hook, layer], rtol=2e-4,
                                    atol=2e-4, msg=f"{hook}@{layer}")
+
+
+def test_the_forward_end_joins_even_when_the_forward_raises() -> None:
+    """A decode graph's capture must end with the capturer's second stream joined: the
+    model's wrapper joins after a forward that raised, and the forward's own error is
+    the one raised (a failing join does not replace it)."""
+    from torch import nn
+
+    from dmi_sglang.adapters.sglang_v0519 import _points as p
+
+    class Failing(nn.Module):
+        def forward(self, x: Any) -> Any:
+            msg = "the forward broke"
+            raise RuntimeError(msg)
+
+    class JoinFails(Recorder):
+        def join(self) -> None:
+            self.joins = getattr(self, "joins", 0) + 1
+            msg = "the join broke too"
+            raise ValueError(msg)
+
+    recorder = JoinFails()
+    module = Failing()
+    p.wrap([], module, p.join_after(recorder))
+    with pytest.raises(RuntimeError, match="the forward broke"):
+        module(1)
+    assert recorder.joins == 1

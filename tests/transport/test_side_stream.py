@@ -7,15 +7,16 @@ would hold, so they show which copies wait for a join and which are made at once
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dmi_sglang.adapters.transport._arena import Arena
 from dmi_sglang.adapters.transport._device import DeviceOps
 from dmi_sglang.adapters.transport._side import SideStream
-from dmi_sglang.domain.hooks import hook_by_name
+from dmi_sglang.domain.hooks import RESIDUAL_STREAM, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import SHAPE, rows_tensor, select
+from .conftest import SHAPE, WrappedCapturer, rows_tensor, select
 
 
 def test_work_waits_for_the_join_and_runs_in_order():
@@ -118,3 +119,87 @@ def test_without_the_setting_recorded_copies_stay_on_the_forward_stream(make_dri
     d.forward(BatchLayout.decode(["a"], [3], padded_batch_size=4), padded=True)
     d.t.stop()
     d.verify(sink.records)
+
+
+class _Reusing(WrappedCapturer):
+    """The model writes other hooks' tensors again right after their capture point (only
+    the residual stream is kept until the join)."""
+
+    def capture(self, hook_name: str, layer_no: int, tensor: torch.Tensor) -> None:
+        super().capture(hook_name, layer_no, tensor)
+        if hook_name not in RESIDUAL_STREAM:
+            tensor.fill_(0)
+
+
+def _recorded_replays(d) -> None:
+    """Make ``d``'s padded forwards run their capture points as a decode graph's
+    recording does (``capturing``), with the step's own rows: on CPU a recording's copies
+    run as they are queued, so this stores what a replay of that recording would."""
+    forward, fire = d.forward, d.fire
+    padded_now = [False]
+    d.t.capturer = _Reusing(d.t.capturer)
+
+    def recorded_fire(layout, padding=0, skip=None):
+        d.capturing = padded_now[0]
+        try:
+            fire(layout, padding, skip)
+        finally:
+            d.capturing = False
+
+    def padded_forward(layout, *, padded=False, strip=True):
+        padded_now[0] = padded
+        try:
+            return forward(layout, padded=padded, strip=strip)
+        finally:
+            padded_now[0] = False
+
+    d.fire, d.forward = recorded_fire, padded_forward
+
+
+def _serve(make_driver, text: str, mode: str):
+    d, sink = make_driver(text, side_stream=mode == "recorded, side stream",
+                          max_requests=8, payload_bytes=1 << 20)
+    if mode != "eager":
+        _recorded_replays(d)
+    rids = ["a", "b", "c"]
+    d.forward(BatchLayout.extend(rids, [0, 0, 0], [4, 2, 3]))
+    seq = {"a": 5, "b": 3, "c": 4}
+    for _ in range(5):
+        live = sorted(seq)
+        graph = mode != "eager"
+        d.forward(BatchLayout.decode(live, [seq[r] for r in live],
+                                     padded_batch_size=4 if graph else None), padded=graph)
+        for r in live:
+            seq[r] += 1
+        if len(seq) == 3:
+            d.t.finish_request("b", seq.pop("b") - 1)
+    for rid in sorted(seq):
+        d.t.finish_request(rid, seq[rid] - 1)
+    d.t.stop()
+    side = d.t._writer.side
+    forks = side.forks if side is not None else 0
+    return sorted((r.request_id, r.act_name, r.layer_no, r.start_token_idx, r.end_token_idx,
+                   bytes(r.payload)) for r in sink.records), forks, d, sink
+
+
+@pytest.mark.parametrize("text", ["resid_pre,ln1@1,resid_mid@2,final_logits",
+                                  "resid_pre:last,ln1@1:last,resid_mid@0:last,final_logits:last"],
+                         ids=["arena", "last"])
+def test_recorded_steps_store_the_same_rows_with_the_side_stream(make_driver, text: str):
+    """The same serving history stored through eager forwards, through padded steps whose
+    capture points run as recorded (in line), and the same with the side stream: equal
+    records. With the side stream the residual copies, the landing moves and (``last``)
+    the slots' moves and index flip wait for the join, while the other hooks' copies
+    are made at once (their tensors are written again right after the capture point
+    here): a move made before the copies it moves, a flip before the copies that read
+    the index, or another hook's copy made late stores other rows."""
+    eager, _, d, sink = _serve(make_driver, text, "eager")
+    if ":last" not in text:
+        d.verify(sink.records)
+    inline, no_forks, _, _ = _serve(make_driver, text, "recorded")
+    side, forks, _, _ = _serve(make_driver, text, "recorded, side stream")
+    assert eager
+    assert no_forks == 0
+    assert forks > 0
+    assert inline == eager
+    assert side == eager

@@ -100,7 +100,7 @@ class ToyModel(nn.Module):
         self._c("final_ln", -1, f)
         logits = self.head(f if last is None else f[last]).float()
         self._c("final_logits", -1, logits)
-        self.cap.join()  # the forward's end (its residuals are new tensors: no other join)
+        self.cap.join()  # the forward's end (its residuals are never changed in place)
         return logits
 
 

@@ -8,6 +8,7 @@ object (SGLang's ``LayerCommunicator`` keeps references to the layer norms it ca
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -91,12 +92,18 @@ def join_before(c: Capturer) -> Make:
 
 
 def join_after(c: Capturer) -> Make:
-    """The model's forward: the capturer's join once it returned (still inside a decode
-    graph's capture, which must end with the capturer's second stream joined)."""
+    """The model's forward: the capturer's join once it returned or raised (still inside
+    a decode graph's capture, which must end with the capturer's second stream joined;
+    a forward that raised keeps its own error)."""
 
     def make(original: Forward) -> Forward:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
+            try:
+                out = original(*args, **kwargs)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    c.join()
+                raise
             c.join()
             return out
 

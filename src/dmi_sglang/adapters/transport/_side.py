@@ -15,6 +15,13 @@ Only captures whose source the model keeps unchanged until a point that calls
 add+RMSNorm changes (the capture points join before it), and the arena's and the
 ``last`` slots' own buffers (the landing moves). Eager forwards do not use it.
 
+The work (and so the tensors it reads) is kept alive until its join: the caching
+allocator knows a block only by the stream that allocated it, so a source the model
+drops (SGLang's residual buffer is freed when its model's ``forward`` returns, before the
+logits are computed) could otherwise be handed to the next kernel on the forward's
+stream while the side stream still reads it. Freed after the join, its reuse is ordered
+after the copy.
+
 On CPU (the tests) there is no stream: work is held until :meth:`join` and runs there,
 so a copy whose source changed before its join copies the changed values, as a device
 that runs the branch late would.
@@ -57,9 +64,9 @@ class SideStream:
         queued on the current stream so far."""
         self.forks += 1
         self._pending = True
+        self._held.append(work)  # its tensors live until the join (module docstring)
         stream = self._stream
         if stream is None:
-            self._held.append(work)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
@@ -72,13 +79,14 @@ class SideStream:
             return
         self._pending = False
         self.joins += 1
+        held, self._held = self._held, []
         stream = self._stream
         if stream is None:
-            held, self._held = self._held, []
             for work in held:
                 work()
             return
         torch.cuda.current_stream(stream.device).wait_stream(stream)
+        del held  # sources may be freed now: their reuse follows the wait
 
 
 def on(side: SideStream | None, work: Callable[[], object]) -> None:
