@@ -31,7 +31,7 @@ once topk 120 bash scripts/gpu-run.sh python3 -m harness topk --batches 1,8,64 -
 once side-stream 90 python3 docs/evidence/2026-12-06-side-stream-copies/commands/side_stream_probe.py \
     --out "$OUT/side-stream.json"
 once transport-inline 150 env DMX_GRAPH_SIDE_STREAM=0 bash scripts/gpu-run.sh python3 -m harness transport \
-    --batches 64 --presets hidden-states,last --out "$OUT/transport-inline.json"
+    --batches 64 --presets hidden-states,last --steps 100 --warmup 10 --out "$OUT/transport-inline.json"
 once transport-side 150 env DMX_GRAPH_SIDE_STREAM=1 bash scripts/gpu-run.sh python3 -m harness transport \
-    --batches 64 --presets hidden-states,last --out "$OUT/transport-side.json"
+    --batches 64 --presets hidden-states,last --steps 100 --warmup 10 --out "$OUT/transport-side.json"
 DEADLINE=$((budget - (SECONDS - S))) bash docs/evidence/2026-12-03-h200-serving-owner-landing/commands/serve.sh fi "$MODES" 1
