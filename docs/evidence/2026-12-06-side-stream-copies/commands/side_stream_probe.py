@@ -14,8 +14,8 @@ add+RMSNorm does) is captured in a CUDA graph four ways and replayed:
   (the arena's landing move), on the second stream, joined at the forward's end.
 
 Prints the median replay time (CUDA events, ``--blocks`` blocks of ``--replays``) and
-each variant's extra time over ``base``; checks that each variant's arena holds the
-residuals an eager forward computes. ``--device cpu`` runs the eager forwards only (a
+each variant's extra time over ``base``; checks that the side-stream variants' arena
+holds what the in-line copies hold after a replay (and the moved slot the same). ``--device cpu`` runs the eager forwards only (a
 dry run of the script). A one-off diagnostic: it uses torch alone, not dmi-sglang.
 """
 
