@@ -37,9 +37,17 @@ class Capturer(Protocol):
         """Capture ``tensor`` (rows first) at ``(hook_name, layer_no)``: its values as of
         the call. The model may overwrite it in place once the call returns, so the
         capturer copies it first (a copy queued on the current stream suffices), except
-        for the residual stream (:data:`~dmi_sglang.domain.hooks.RESIDUAL_STREAM`): the
-        model keeps that tensor unchanged until it calls :meth:`join` (the capturer keeps
-        a reference to it until then, so its memory is not reused before)."""
+        for the residual stream (:data:`~dmi_sglang.domain.hooks.RESIDUAL_STREAM`) of a
+        capturer that :attr:`joins`: the model keeps that tensor unchanged until it calls
+        :meth:`join` (the capturer keeps a reference to it until then, so its memory is
+        not reused before)."""
+        ...
+
+    @property
+    def joins(self) -> bool:
+        """True when the capturer may copy residual-stream tensors as late as the next
+        :meth:`join` (the model then calls it); False: every copy is made before
+        :meth:`capture` returns and :meth:`join` need not be called."""
         ...
 
     def join(self) -> None:

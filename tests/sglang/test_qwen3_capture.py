@@ -33,6 +33,8 @@ class Recorder:
     def capture(self, hook_name: str, layer_no: int, tensor: Any) -> None:
         self.calls.append((hook_name, layer_no, tensor.detach().clone()))
 
+    joins = False
+
     def join(self) -> None:
         pass
 
@@ -223,12 +225,8 @@ def test_unselected_points_are_not_installed_and_removal_restores(
         "resid_pre@0", "k@1", "resid_pre@2", "final_logits"]
     rope = model.model.layers[0].self_attn.rotary_emb  # shared, tapped once per process
     wrapped = {n for n, m in model.named_modules() if "forward" in m.__dict__ and m is not rope}
-    # the capture points, then the joins: before the norms that change a captured
-    # residual stream in place, and at the model's end ("")
     assert wrapped == {"model.layers.0.input_layernorm", "model.layers.1.self_attn",
-                       "model.layers.2.input_layernorm", "logits_processor",
-                       "model.layers.0.post_attention_layernorm",
-                       "model.layers.2.post_attention_layernorm", ""}
+                       "model.layers.2.input_layernorm", "logits_processor"}
     with pytest.raises(CaptureError, match="already installed"):
         install_capture_points(model, recorder)
     fb = extend_batch(PROMPTS)
@@ -325,10 +323,11 @@ class LateRecorder(Recorder):
     runs the copies as late as the model allows would: a tensor changed in place before
     its join is recorded changed."""
 
+    joins = True
+
     def __init__(self, keys: set[tuple[str, int]] | None = None) -> None:
         super().__init__(keys)
         self.late: list[tuple[int, Any]] = []
-        self.joins = 0
 
     def capture(self, hook_name: str, layer_no: int, tensor: Any) -> None:
         from dmi_sglang.domain.hooks import RESIDUAL_STREAM
@@ -340,7 +339,6 @@ class LateRecorder(Recorder):
         self.calls.append((hook_name, layer_no, None))
 
     def join(self) -> None:
-        self.joins += 1
         for i, tensor in self.late:
             hook, layer, _ = self.calls[i]
             self.calls[i] = (hook, layer, tensor.detach().clone())
@@ -398,6 +396,7 @@ def test_residual_stream_copies_may_wait_for_the_join_before_the_in_place_norm(
     keys |= {("resid_final", -1)} if "resid_final" in names else set()
     recorder = LateRecorder(keys)
     install_capture_points(model, recorder)
+    assert "forward" in model.__dict__  # the forward's end joins (a capturer that joins)
     fb = extend_batch(PROMPTS)
     try:
         model(fb.input_ids, fb.positions, fb)
@@ -426,8 +425,10 @@ def test_the_forward_end_joins_even_when_the_forward_raises() -> None:
             raise RuntimeError(msg)
 
     class JoinFails(Recorder):
+        joined = 0
+
         def join(self) -> None:
-            self.joins = getattr(self, "joins", 0) + 1
+            self.joined += 1
             msg = "the join broke too"
             raise ValueError(msg)
 
@@ -436,4 +437,4 @@ def test_the_forward_end_joins_even_when_the_forward_raises() -> None:
     p.wrap([], module, p.join_after(recorder))
     with pytest.raises(RuntimeError, match="the forward broke"):
         module(1)
-    assert recorder.joins == 1
+    assert recorder.joined == 1

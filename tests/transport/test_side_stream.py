@@ -96,6 +96,7 @@ def test_a_recorded_forward_forks_its_residual_copies_and_the_model_joins_them(m
     d, sink = make_driver("resid_pre,final_logits", side_stream=True)
     side = d.t._writer.side
     assert side is not None
+    assert d.t.capturer.joins  # the capture points install the joins
     d.forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 2]))
     assert side.forks == 0
     d.graph_capture(4)
@@ -114,6 +115,7 @@ def test_without_the_setting_recorded_copies_stay_on_the_forward_stream(make_dri
     and the stored rows are the same."""
     d, sink = make_driver("resid_pre,final_logits")
     assert d.t._writer.side is None
+    assert not d.t.capturer.joins  # the capture points install no joins
     d.forward(BatchLayout.extend(["a"], [0], [2]))
     d.graph_capture(4)
     d.forward(BatchLayout.decode(["a"], [3], padded_batch_size=4), padded=True)

@@ -109,7 +109,8 @@ def install_capture_points(model: nn.Module, capturer: Capturer) -> list[str]:
                                                normed="final_ln" if final_ln else None))
         if want("final_logits"):
             p.wrap(patches, top.logits_processor, p.logits(capturer))
-        _install_joins(top, capturer, patches)
+        if capturer.joins:
+            _install_joins(top, capturer, patches)
     except BaseException:  # a halfway install leaves no wrapper behind
         for patch in reversed(patches):
             patch.undo()
@@ -123,7 +124,8 @@ def _install_joins(top: Any, c: Capturer, patches: list[p.Patch]) -> None:
     """Where the capturer's copies of the residual stream must be done (its ``join``):
     before the fused norm that next changes a captured residual in place (installed
     last, so it runs before that norm's own capture wrapper), and when the model's
-    forward returns (see :class:`~dmi_sglang.tensor_ports.Capturer`)."""
+    forward returns (see :class:`~dmi_sglang.tensor_ports.Capturer`). Installed only
+    for a capturer that :attr:`~dmi_sglang.tensor_ports.Capturer.joins`."""
     layers = top.model.layers
     for i, layer in enumerate(layers):
         if c.wants("resid_pre", i):  # changed in place by the layer's second norm

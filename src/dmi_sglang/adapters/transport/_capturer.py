@@ -159,6 +159,12 @@ class Capturer:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    @property
+    def joins(self) -> bool:
+        """True when a decode graph records residual-stream copies on a second stream
+        (``DMX_GRAPH_SIDE_STREAM``): the model must call :meth:`join`."""
+        return self._join is not _nothing
+
     def join(self) -> None:
         """The model is about to change a residual-stream tensor it handed to
         :meth:`capture` in place, or its forward returns: the copies of such tensors

@@ -293,7 +293,8 @@ class TorchCaptureTransport:
                                   side_stream=opts.side_stream)
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
-            payloads=self._payloads, live=self._writer.live, join=self._writer.join)
+            payloads=self._payloads, live=self._writer.live,
+            join=self._writer.join if opts.side_stream else None)
         """The object the hooked model calls (``wants`` / ``capture``)."""
         tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
