@@ -137,14 +137,7 @@ class StepWriter:
         self.open: OpenStep | None = None
         self.side = SideStream(ops.device) if side_stream else None
         """Where a decode graph's residual-stream copies and landing moves are recorded
-        (:mod:`._side`; None: on the forward's stream); the capture points join it
-        (:meth:`join`)."""
-
-    def join(self) -> None:
-        """The model is about to change a residual-stream tensor in place, or its forward
-        returns: later work waits for the copies forked so far."""
-        if self.side is not None:
-            self.side.join()
+        (:mod:`._side`; None: on the forward's stream); the capture points join it."""
 
     def live(self, key: CaptureKey) -> bool:
         """True when a capture of ``key`` now would be used: a graph is being captured,

@@ -294,7 +294,7 @@ class TorchCaptureTransport:
         self.capturer = Capturer(
             [(hook.name, layer) for hook, layer in selection.captures()], self._capture,
             payloads=self._payloads, live=self._writer.live,
-            join=self._writer.join if opts.side_stream else None)
+            join=self._writer.side.join if self._writer.side is not None else None)
         """The object the hooked model calls (``wants`` / ``capture``)."""
         tuned = tune_host_malloc() if opts.tune_host_malloc else False
         log.info(
