@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dmi_sglang.adapters.transport import TorchCaptureTransport, TransportOptions
+from dmi_sglang.adapters.transport._arena import Arena
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, Decision, RingCapacity
@@ -222,6 +223,18 @@ class Driver:
             want_positions = [p for a, b in want_ranges for p in range(a, b)]
             got_positions = [p for a, b in got[key] for p in range(a, b)]
             assert got_positions == want_positions, key
+
+
+def arena_slot_reader(arena: Arena,
+                      width: int) -> Callable[[int, tuple[str, int], int], torch.Tensor]:
+    """``slot(k, key, rows)``: the first ``rows`` bf16 rows of ``width`` values that
+    ``arena``'s slot ``k`` holds in ``key``'s place."""
+    def slot(k: int, key: tuple[str, int], rows: int) -> torch.Tensor:
+        start = k * arena.slot_bytes + arena.offsets[key]
+        raw = arena.buffer[start : start + rows * width * 2]
+        return raw.view(torch.bfloat16).view(rows, width)
+
+    return slot
 
 
 def monitor_of(d: Driver, sink: MemorySink, **kw: Any) -> SchedulerMonitor:

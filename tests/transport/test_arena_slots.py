@@ -22,7 +22,7 @@ from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.errors import CaptureError
 from dmi_sglang.testing import MemorySink
 
-from .conftest import SHAPE, Driver, rows_tensor, select
+from .conftest import SHAPE, Driver, arena_slot_reader, rows_tensor, select
 
 
 def _start(d: Driver, bucket: int = 4) -> None:
@@ -199,13 +199,7 @@ def test_arena_writes_go_to_the_selected_slot():
     keys = [("resid_pre", layer) for layer in range(3)]
     first = {k: rows_tensor(hook, k[1], [("a", 1), ("b", 2)]) for k in keys}
     second = {k: rows_tensor(hook, k[1], [("c", 3), ("d", 4), ("e", 5)]) for k in keys}
-    width = first[keys[0]][0].numel()
-
-    def slot(k: int, key: tuple[str, int], rows: int) -> torch.Tensor:
-        start = k * arena.slot_bytes + arena.offsets[key]
-        raw = arena.buffer[start : start + rows * width * 2]
-        return raw.view(torch.bfloat16).view(rows, width)
-
+    slot = arena_slot_reader(arena, first[keys[0]][0].numel())
     arena.select(1)
     for key in keys[:2]:
         arena.write(key, first[key])

@@ -16,7 +16,7 @@ from dmi_sglang.adapters.transport._side import SideStream
 from dmi_sglang.domain.hooks import RESIDUAL_STREAM, hook_by_name
 from dmi_sglang.domain.layout import BatchLayout
 
-from .conftest import SHAPE, WrappedCapturer, rows_tensor, select
+from .conftest import SHAPE, WrappedCapturer, arena_slot_reader, rows_tensor, select
 
 
 def test_work_waits_for_the_join_and_runs_in_order():
@@ -35,15 +35,6 @@ def test_work_waits_for_the_join_and_runs_in_order():
     assert (side.forks, side.joins, done) == (2, 1, [1, 2])
 
 
-def _slot_reader(arena: Arena, width: int):
-    def slot(k: int, key: tuple[str, int], rows: int) -> torch.Tensor:
-        start = k * arena.slot_bytes + arena.offsets[key]
-        raw = arena.buffer[start : start + rows * width * 2]
-        return raw.view(torch.bfloat16).view(rows, width)
-
-    return slot
-
-
 def test_a_recorded_residual_copy_reads_its_source_at_the_join():
     """While a graph is recorded the residual stream's copies and the landing move wait
     for the join; a copy of another hook is made at once. So the model must join before
@@ -58,7 +49,7 @@ def test_a_recorded_residual_copy_reads_its_source_at_the_join():
     tensors = {(h.name, layer): rows_tensor(h, layer, rows)
                for layer in range(3) for h in (pre, ln1)}
     want = {k: t.clone() for k, t in tensors.items()}
-    slot = _slot_reader(arena, tensors["resid_pre", 0][0].numel())
+    slot = arena_slot_reader(arena, tensors["resid_pre", 0][0].numel())
     arena.select(1)
     for layer in range(3):
         arena.write(("resid_pre", layer), tensors["resid_pre", layer], side=side)
@@ -81,7 +72,7 @@ def test_eager_arena_writes_do_not_use_the_side_stream():
     arena = Arena(selection, SHAPE, 4, DeviceOps("cpu"), slots=4)
     hook = hook_by_name("resid_pre")
     tensors = {layer: rows_tensor(hook, layer, [("a", 1)]) for layer in range(3)}
-    slot = _slot_reader(arena, tensors[0][0].numel())
+    slot = arena_slot_reader(arena, tensors[0][0].numel())
     arena.select(2)
     for layer in range(3):
         arena.write(("resid_pre", layer), tensors[layer])
