@@ -23,7 +23,7 @@ def test_work_waits_for_the_join_and_runs_in_order():
     side = SideStream(torch.device("cpu"))
     done: list[int] = []
     side.join()  # nothing pending: nothing to do
-    assert (side.forks, side.joins, side.pending) == (0, 0, False)
+    assert (side.forked, side.joined, side.pending) == (0, 0, False)
     side.run(lambda: done.append(1))
     side.run(lambda: done.append(2))
     assert done == []
@@ -32,7 +32,7 @@ def test_work_waits_for_the_join_and_runs_in_order():
     assert done == [1, 2]
     assert not side.pending
     side.join()
-    assert (side.forks, side.joins, done) == (2, 1, [1, 2])
+    assert (side.forked, side.joined, done) == (2, 1, [1, 2])
 
 
 def test_a_recorded_residual_copy_reads_its_source_at_the_join():
@@ -89,10 +89,10 @@ def test_a_recorded_forward_forks_its_residual_copies_and_the_model_joins_them(m
     assert side is not None
     assert d.t.capturer.joins  # the capture points install the joins
     d.forward(BatchLayout.extend(["a", "b"], [0, 0], [3, 2]))
-    assert side.forks == 0
+    assert side.forked == 0
     d.graph_capture(4)
-    assert side.forks == 3 + (1 if d.t._arena.landing else 0)
-    assert side.joins == 1
+    assert side.forked == 3 + (1 if d.t._arena.landing else 0)
+    assert side.joined == 1
     assert not side.pending
     for n in range(3):
         d.forward(BatchLayout.decode(["a", "b"], [4 + n, 3 + n], padded_batch_size=4),
@@ -170,7 +170,7 @@ def _serve(make_driver, text: str, mode: str):
         d.t.finish_request(rid, seq[rid] - 1)
     d.t.stop()
     side = d.t._writer.side
-    forks = side.forks if side is not None else 0
+    forks = side.forked if side is not None else 0
     return sorted((r.request_id, r.act_name, r.layer_no, r.start_token_idx, r.end_token_idx,
                    bytes(r.payload)) for r in sink.records), forks, d, sink
 

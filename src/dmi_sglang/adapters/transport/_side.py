@@ -43,14 +43,14 @@ class SideStream:
         device: the transport's device; on CPU work is held until :meth:`join`.
     """
 
-    __slots__ = ("_held", "_pending", "_stream", "forks", "joins")
+    __slots__ = ("_held", "_pending", "_stream", "forked", "joined")
 
     def __init__(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._held: list[Callable[[], object]] = []
-        self.forks = 0
+        self.forked = 0
         """Work forked so far (each :meth:`run`)."""
-        self.joins = 0
+        self.joined = 0
         """Joins that had forked work to wait for."""
         self._pending = False
 
@@ -62,7 +62,7 @@ class SideStream:
     def run(self, work: Callable[[], object]) -> None:
         """Queue ``work`` (device operations) on the side stream, after everything
         queued on the current stream so far."""
-        self.forks += 1
+        self.forked += 1
         self._pending = True
         self._held.append(work)  # its tensors live until the join (module docstring)
         stream = self._stream
@@ -78,7 +78,7 @@ class SideStream:
         if not self._pending:
             return
         self._pending = False
-        self.joins += 1
+        self.joined += 1
         held, self._held = self._held, []
         stream = self._stream
         if stream is None:
