@@ -102,9 +102,9 @@ def test_a_recorded_forward_forks_its_residual_copies_and_the_model_joins_them(m
 
 
 def test_without_the_setting_recorded_copies_stay_on_the_forward_stream(make_driver):
-    """``DMX_GRAPH_SIDE_STREAM`` off (the default): nothing forks, a join does nothing,
-    and the stored rows are the same."""
-    d, sink = make_driver("resid_pre,final_logits")
+    """``DMX_GRAPH_SIDE_STREAM=0``: nothing forks, a join does nothing, and the stored
+    rows are the same."""
+    d, sink = make_driver("resid_pre,final_logits", side_stream=False)
     assert d.t._writer.side is None
     assert not d.t.capturer.joins  # the capture points install no joins
     d.forward(BatchLayout.extend(["a"], [0], [2]))

@@ -578,10 +578,12 @@ def test_the_topk_kernel_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
     assert warm_up(torch.device("cuda"), 151936, 64, 64, dtype=dtype, batches=(3, 64)) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_flashinfer_topk_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
     """The start-up check of ``DMX_TOPK_KERNEL=flashinfer`` passes on the GPU for
-    topk(64) over Qwen3's logits in each float dtype (ties, NaN and infinities)."""
+    topk(64) over Qwen3's logits (float32 in SGLang; ties, NaN and infinities). Over
+    bfloat16 rows FlashInfer's selection differed from ``torch.topk``'s on an H100, and
+    the check refuses it there (docs/settings.md)."""
     from dmi_sglang.adapters.transport.topk_flashinfer import warm_up
 
     assert warm_up(torch.device("cuda"), 151936, 64, dtype=dtype,

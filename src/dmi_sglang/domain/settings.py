@@ -454,7 +454,7 @@ _VARS: dict[str, _Var] = {
         "topk_kernel", "none", _conv(_choice(*TOPK_KERNELS), ", ".join(TOPK_KERNELS))
     ),
     "GRAPH_SIDE_STREAM": _Var(
-        "graph_side_stream", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "graph_side_stream", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
     "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
@@ -517,7 +517,7 @@ class Settings:
     drain_gil_slice_us: int = 200
     topk_chunk: int = 128
     topk_kernel: str = "none"
-    graph_side_stream: bool = False
+    graph_side_stream: bool = True
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
     drain_copy_piece_mb: int = 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lease call, after the kit is stashed (repeat it; units resume from /root/w):
 #   S0=$SECONDS; source .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;
-#   DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h200-served-side-stream-flashinfer/commands/run.sh
+#   DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h100-served-side-stream-flashinfer/commands/run.sh
 # 1. Once: FlashInfer's GPU tests (its kernel compiles on first use on a machine, minutes;
 #    the other top-k GPU tests passed earlier). 2. The served units of
 #    docs/evidence/2026-12-05-gpu-flashinfer-topk/commands/run.sh, in this order.
