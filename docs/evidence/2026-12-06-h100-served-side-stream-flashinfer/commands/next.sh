@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The next lease (not run yet), one call after the kit is stashed, repeated (units resume
+# from /root/w):
+#   S0=$SECONDS; source .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;
+#   DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h100-served-side-stream-flashinfer/commands/next.sh
+# The method for the selective targets: three units a cell, each bracketed by
+# stock, with DMX_GRAPH_SIDE_STREAM on (the default since this evidence). FlashInfer's
+# kernel is compiled once first (minutes on a fresh machine), outside any unit's clock.
+set -o pipefail
+S=$SECONDS; mkdir -p "$OUT/logs" /root/w
+export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1
+if [ ! -f /root/w/flashinfer-warm ]; then
+    nvidia-smi > "$OUT/logs/gpu.txt" 2>&1
+    timeout 400 python3 -c "import torch; from dmi_sglang.adapters.transport.topk_flashinfer import warm_up; print('flashinfer warm-up:', warm_up(torch.device('cuda'), 151936, 64, batches=(3, 64)))" \
+        > "$OUT/logs/flashinfer-warm.log" 2>&1 && touch /root/w/flashinfer-warm
+    echo "flashinfer warm-up rc=$? at $((SECONDS-S)) s"; tail -2 "$OUT/logs/flashinfer-warm.log"
+fi
+: "${MODES:=store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer],transport:hidden-states}"
+DEADLINE=$((${DEADLINE:-560} - (SECONDS - S))) bash docs/evidence/2026-12-03-h200-serving-owner-landing/commands/serve.sh next "$MODES" 3
