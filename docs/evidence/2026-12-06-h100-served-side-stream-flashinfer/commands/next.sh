@@ -2,7 +2,8 @@
 # The next lease (not run yet), one call after the kit is stashed, repeated (units resume
 # from /root/w):
 #   S0=$SECONDS; source .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;
-#   DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h100-served-side-stream-flashinfer/commands/next.sh
+#   DMI_COMMIT=<this checkout's git rev-parse HEAD> DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h100-served-side-stream-flashinfer/commands/next.sh
+# (DMI_COMMIT: the device's .git is the last landed commit, not this checkout's HEAD.)
 # The method for the selective targets: three units a cell, each bracketed by
 # stock, with DMX_GRAPH_SIDE_STREAM on (the default since this evidence). FlashInfer's
 # kernel is compiled once first (minutes on a fresh machine), outside any unit's clock.
