@@ -159,15 +159,18 @@ class Driver:
         self, layout: BatchLayout, padding: int = 0, skip: set[tuple[str, int]] | None = None
     ) -> None:
         """Call every capture point as a forward over ``layout`` would."""
-        for hook, layer in self.selection.capture_points():
-            if skip and (hook.name, layer) in skip:
-                continue
-            if hook.row_basis is RowBasis.REQUEST:
-                rows = [(r.request_id, r.end - 1) for r in layout.requests]
-            else:
-                rows = layout.positions()
-            self.t.capturer.capture(hook.name, layer, rows_tensor(hook, layer, rows, padding))
-        self.t.capturer.join()  # the forward's end (see Capturer.join)
+        try:
+            for hook, layer in self.selection.capture_points():
+                if skip and (hook.name, layer) in skip:
+                    continue
+                if hook.row_basis is RowBasis.REQUEST:
+                    rows = [(r.request_id, r.end - 1) for r in layout.requests]
+                else:
+                    rows = layout.positions()
+                self.t.capturer.capture(hook.name, layer,
+                                        rows_tensor(hook, layer, rows, padding))
+        finally:
+            self.t.capturer.join()  # the forward's end, also when it raises (Capturer.join)
 
     def forward(
         self, layout: BatchLayout, *, padded: bool = False, strip: bool = True

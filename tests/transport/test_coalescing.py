@@ -338,7 +338,7 @@ def test_the_held_rows_page_locked_slabs_are_made_once_not_at_every_window(make_
 TRANSPORT_SETTINGS = ("gpu_padding_strip", "drain_flush_timeout_us", "drain_linger_us",
                       "drain_gil_slice_us", "drain_window_mb", "arena_slots_mb",
                       "drain_copy_piece_mb", "drain_copy_ahead", "drain_copy_kernel",
-                      "drain_copy_gaps", "topk_chunk", "topk_kernel")
+                      "drain_copy_gaps", "topk_chunk", "topk_kernel", "graph_side_stream")
 """The settings that tune an engine's transport (its ring aside)."""
 
 
@@ -359,22 +359,54 @@ def test_every_transport_setting_reaches_the_engine_options(field: str) -> None:
             != TransportOptions.for_engine(base))
 
 
+def test_an_engine_records_decode_graph_copies_on_the_side_stream_by_default() -> None:
+    """``DMX_GRAPH_SIDE_STREAM`` is on for an engine (whose capture points join), off for
+    a transport made from plain options (whose model may not)."""
+    from dmi_sglang.adapters.transport import TransportOptions
+    from dmi_sglang.domain.settings import Settings
+
+    assert TransportOptions.for_engine(Settings()).side_stream
+    assert not TransportOptions.for_engine(Settings.from_env(
+        {"DMX_GRAPH_SIDE_STREAM": "0"})).side_stream
+    assert not TransportOptions().side_stream
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_create_transport_takes_the_side_stream_setting(side_stream: bool) -> None:
+    """A direct user of the transport opts in (its model must then join)."""
+    from dmi_sglang.adapters.transport import create_transport
+    from dmi_sglang.testing import MemorySink
+
+    from .conftest import SHAPE, select
+
+    kwargs = {"side_stream": True} if side_stream else {}
+    t = create_transport(payload_mb=1, pinned_mb=1, task_entries=64, padding_strip=True,
+                         flush_timeout_us=1000, selection=select("resid_pre"), shape=SHAPE,
+                         max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
+                         **kwargs)
+    try:
+        assert (t.options.side_stream, t.capturer.joins) == (side_stream, side_stream)
+    finally:
+        t.stop()
+
+
 def test_the_transport_settings_are_all_of_them() -> None:
-    """A new drain, arena, GPU or top-k setting joins TRANSPORT_SETTINGS (and so the test
+    """A new drain, arena, GPU, graph or top-k setting joins TRANSPORT_SETTINGS (and so the test
     above)."""
     import attrs
 
     from dmi_sglang.domain.settings import Settings
 
     names = {f.name for f in attrs.fields(Settings)}
-    assert {n for n in names if n.startswith(("drain_", "arena_", "topk_", "gpu_"))} == set(
+    assert {n for n in names
+            if n.startswith(("drain_", "arena_", "topk_", "gpu_", "graph_"))} == set(
         TRANSPORT_SETTINGS)
 
 
 def test_an_engine_transport_takes_every_transport_setting() -> None:
     """What the composition root builds for an engine: the ring and each tuning value
-    from the settings (DMX_TOPK_CHUNK and DMX_TOPK_KERNEL included), none left at its
-    default."""
+    from the settings (DMX_TOPK_CHUNK, DMX_TOPK_KERNEL and DMX_GRAPH_SIDE_STREAM
+    included), none left at its default."""
     from dmi_sglang.adapters.transport import engine_transport
     from dmi_sglang.domain.capacity import RingCapacity
     from dmi_sglang.domain.settings import Settings
@@ -388,7 +420,7 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
         "DMX_DRAIN_LINGER_US": "11", "DMX_DRAIN_GIL_SLICE_US": "13", "DMX_DRAIN_WINDOW_MB": "17",
         "DMX_ARENA_SLOTS_MB": "19", "DMX_DRAIN_COPY_PIECE_MB": "23",
         "DMX_DRAIN_COPY_AHEAD": "29", "DMX_DRAIN_COPY_GAPS": "1", "DMX_TOPK_CHUNK": "4096",
-        "DMX_TOPK_KERNEL": "flashinfer"})
+        "DMX_TOPK_KERNEL": "flashinfer", "DMX_GRAPH_SIDE_STREAM": "0"})
     t = engine_transport(settings, selection=select("resid_pre"), shape=SHAPE,
                          max_graph_batch=2, sink=MemorySink(), run_id="run", device="cpu",
                          max_prefill_tokens=16, max_requests=3)
@@ -401,6 +433,7 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
             17 << 20, 19 << 20, 23 << 20)
         assert (o.copies_ahead, o.copy_gaps, o.topk_chunk, o.topk_kernel) == (
             29, True, 4096, "flashinfer")
+        assert not o.side_stream
         assert (o.max_prefill_tokens, o.max_requests) == (16, 3)
     finally:
         t.stop()

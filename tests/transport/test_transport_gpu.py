@@ -590,6 +590,25 @@ def test_flashinfer_topk_warms_up_on_the_gpu(dtype: torch.dtype) -> None:
                    batches=(1, 3, 8, 16, 64)) is None
 
 
+def test_flashinfer_topk_over_bfloat16_is_checked_before_it_is_used() -> None:
+    """Over bfloat16 logits FlashInfer's selection may differ from ``torch.topk``'s (it
+    did on an H100): where the start-up check finds a difference, the transport refuses
+    ``DMX_TOPK_KERNEL=flashinfer`` naming the setting, instead of recording it."""
+    from dmi_sglang.adapters.transport._transport import _check_topk_kernel
+    from dmi_sglang.adapters.transport.topk_flashinfer import warm_up
+    from dmi_sglang.errors import UnsupportedConfigurationError
+
+    device = torch.device("cuda")
+    failed = warm_up(device, 151936, 64, dtype=torch.bfloat16, batches=(3, 64))
+    if failed is None:  # this GPU's FlashInfer selects as torch.topk does
+        _check_topk_kernel("flashinfer", device, 151936, 64, chunk=0, dtype=torch.bfloat16,
+                           batches=(3, 64))
+        return
+    with pytest.raises(UnsupportedConfigurationError, match="DMX_TOPK_KERNEL=flashinfer"):
+        _check_topk_kernel("flashinfer", device, 151936, 64, chunk=0, dtype=torch.bfloat16,
+                           batches=(3, 64))
+
+
 @pytest.mark.parametrize(("kernel", "chunk"), [
     ("none", 0), ("none", 128), ("none", 100), ("triton", 128), ("triton", 64),
     ("flashinfer", 0)])

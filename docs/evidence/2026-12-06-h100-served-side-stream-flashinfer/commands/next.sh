@@ -5,11 +5,19 @@
 #   DMI_COMMIT=<this checkout's git rev-parse HEAD> DEADLINE=$((560 - (SECONDS - S0))) bash docs/evidence/2026-12-06-h100-served-side-stream-flashinfer/commands/next.sh
 # (DMI_COMMIT: the device's .git is the last landed commit, not this checkout's HEAD.)
 # The method for the selective targets: three units a cell, each bracketed by
-# stock, with DMX_GRAPH_SIDE_STREAM on (the default since this evidence). FlashInfer's
-# kernel is compiled once first (minutes on a fresh machine), outside any unit's clock.
+# stock, with DMX_GRAPH_SIDE_STREAM on (the default since this evidence). First, once:
+# the end-to-end GPU tests with that default (tokens, rows, and every hook's captures
+# against a transformers forward through SGLang's decode graphs, whose fused norms change
+# the residual in place), and FlashInfer's kernel compiled (minutes on a fresh machine)
+# outside any unit's clock.
 set -o pipefail
 S=$SECONDS; mkdir -p "$OUT/logs" /root/w
 export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1
+if [ ! -f /root/w/e2e-done ]; then
+    timeout 300 bash scripts/gpu-run.sh python3 -m pytest tests/gpu/test_e2e_qwen3.py -m gpu -q -p no:cacheprovider \
+        --basetemp=/tmp/e2e > "$OUT/logs/test_e2e.log" 2>&1; echo "e2e rc=$? at $((SECONDS-S)) s"
+    tail -3 "$OUT/logs/test_e2e.log"; touch /root/w/e2e-done
+fi
 if [ ! -f /root/w/flashinfer-warm ]; then
     nvidia-smi > "$OUT/logs/gpu.txt" 2>&1
     timeout 400 python3 -c "import torch; from dmi_sglang.adapters.transport.topk_flashinfer import warm_up; print('flashinfer warm-up:', warm_up(torch.device('cuda'), 151936, 64, batches=(3, 64)))" \

@@ -5,6 +5,8 @@
 # 1. Once: FlashInfer's GPU tests (its kernel compiles on first use on a machine, minutes;
 #    the other top-k GPU tests passed earlier). 2. The served units of
 #    docs/evidence/2026-12-05-gpu-flashinfer-topk/commands/run.sh, in this order.
+# At b8c11e8 a mode without brackets ran with DMX_GRAPH_SIDE_STREAM off (its default
+# then); at later commits the off arm is `store:resid_pre:last[DMX_GRAPH_SIDE_STREAM=0]`.
 set -o pipefail
 S=$SECONDS; mkdir -p "$OUT/logs" /root/w
 export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1

@@ -131,7 +131,9 @@ class Capturer:
         copied (a copy queued on the current stream) before this returns, so the model
         may change the tensor in place right after (the capture points rely on it: they
         hand over RoPE's q and k and the sampler's logits uncloned). Casts and top-k
-        run now as well.
+        run now as well. The exception: while a decode graph is recorded by a capturer
+        that :attr:`joins`, a residual-stream tensor's copy is queued on a second
+        stream, and the model must leave the tensor unchanged until its :meth:`join`.
 
         Raises:
             CaptureError: the transport stopped or failed, the tensor does not match

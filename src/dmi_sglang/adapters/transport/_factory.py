@@ -73,6 +73,7 @@ def create_transport(
     copy_gaps: bool = False,
     topk_chunk: int = TOPK_CHUNK,
     topk_kernel: str = "none",
+    side_stream: bool = False,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.
 
@@ -97,6 +98,9 @@ def create_transport(
         copy_gaps: ``DMX_DRAIN_COPY_GAPS``.
         topk_chunk: ``DMX_TOPK_CHUNK``.
         topk_kernel: ``DMX_TOPK_KERNEL``.
+        side_stream: ``DMX_GRAPH_SIDE_STREAM`` (an engine's default is 1): True only for a
+            model that calls the capturer's ``join`` where it changes a captured residual
+            in place and at its forward's end (see ``TransportOptions.side_stream``).
 
     Raises:
         CapacityError: the ring is smaller than one capture tensor can be.
@@ -124,5 +128,6 @@ def create_transport(
             copy_gaps=copy_gaps,
             topk_chunk=topk_chunk,
             topk_kernel=topk_kernel,
+            side_stream=side_stream,
         ),
     )

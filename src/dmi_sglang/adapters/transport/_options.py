@@ -94,8 +94,11 @@ class TransportOptions:
             where it does not work or the shape does not fit.
         side_stream: ``DMX_GRAPH_SIDE_STREAM``: a decode graph records its residual-stream
             copies and its landing moves on a second stream, beside the model's next
-            kernels (:mod:`~dmi_sglang.adapters.transport._side`; the default); False: on
-            the forward's stream, in line with the model's kernels.
+            kernels (:mod:`~dmi_sglang.adapters.transport._side`); the model must then call
+            the capturer's ``join`` (:class:`~dmi_sglang.tensor_ports.Capturer`), as the
+            SGLang adapter's capture points do (an engine's default, from
+            ``DMX_GRAPH_SIDE_STREAM=1``). False (the default here): on the forward's
+            stream, in line with the model's kernels.
     """
 
     strip: bool = True
@@ -120,7 +123,7 @@ class TransportOptions:
     copy_gaps: bool = False
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
     topk_kernel: str = attrs.field(default="none", validator=attrs.validators.in_(TOPK_KERNELS))
-    side_stream: bool = True
+    side_stream: bool = False
 
     @classmethod
     def for_engine(cls, settings: Settings, *, max_prefill_tokens: int = 0,
@@ -165,7 +168,7 @@ class TransportOptions:
         copy_gaps: bool = False,
         topk_chunk: int = TOPK_CHUNK,
         topk_kernel: str = "none",
-        side_stream: bool = True,
+        side_stream: bool = False,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
         ``DMX_DRAIN_LINGER_US`` / ``DMX_DRAIN_GIL_SLICE_US`` / ``DMX_DRAIN_WINDOW_MB`` /
