@@ -18,6 +18,11 @@ if [ ! -f /root/w/e2e-done ]; then
         --basetemp=/tmp/e2e > "$OUT/logs/test_e2e.log" 2>&1; echo "e2e rc=$? at $((SECONDS-S)) s"
     tail -3 "$OUT/logs/test_e2e.log"; touch /root/w/e2e-done
 fi
+if [ ! -f /root/w/hooks-done ]; then  # why a `last` prefill forward costs the scheduler ~5 ms
+    timeout 200 bash scripts/gpu-run.sh python3 -m harness hooks --presets last,sample0 --prompt-len 16 \
+        --output-len 32 --profile --out "$OUT/hooks-prefill.json" > "$OUT/logs/hooks-prefill.log" 2>&1
+    echo "hooks rc=$? at $((SECONDS-S)) s"; touch /root/w/hooks-done
+fi
 if [ ! -f /root/w/flashinfer-warm ]; then
     nvidia-smi > "$OUT/logs/gpu.txt" 2>&1
     timeout 400 python3 -c "import torch; from dmi_sglang.adapters.transport.topk_flashinfer import warm_up; print('flashinfer warm-up:', warm_up(torch.device('cuda'), 151936, 64, batches=(3, 64)))" \
