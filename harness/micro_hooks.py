@@ -105,6 +105,10 @@ PRESETS: dict[str, tuple[str, float]] = {
 """Selections measured (``--presets``): a name, the hook selection and the request
 sample rate, as in the serving benchmark's selective cells."""
 PARTS = ("requests", "begin", "layout", "preflight", "commit", "end")
+PREFILL_PARTS = ("requests", "begin", "commit", "captures", "end")
+"""A prefill forward's parts: the batch hook, the forward starting (finish notices), the
+layout read and its plan committed (with the reads of finished requests' ``last`` rows),
+every capture point fired once with its prefill rows (the eager captures), the seal."""
 """The hooks' parts, in the order a forward runs them."""
 
 
@@ -251,6 +255,9 @@ class _Waves:
         """The scheduler thread's time launching the replays (not a hook's time)."""
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us: list[float] = []
+        self.prefill_cpu_us: list[float] = []
+        """The thread's CPU µs in each prefill forward's hooks (of its wall µs above)."""
+        self.prefill_parts: dict[str, list[float]] = {k: [] for k in PREFILL_PARTS}
         self.decode_forwards = 0
 
     def wave(self, number: int) -> None:
@@ -259,15 +266,26 @@ class _Waves:
         reqs = [_Req(f"wave{number:03d}-req{i:03d}-{self.preset}", args.prompt_len)
                 for i in range(bs)]
         rids = [r.rid for r in reqs]
-        started = time.perf_counter()
+        clock = time.perf_counter
+        cpu = time.thread_time()
+        marks = [clock()]
+        started = marks[0]
         monitor.add_requests(reqs, frozenset())
+        marks.append(clock())
         monitor.begin_forward()
+        marks.append(clock())
         fb = _ForwardBatch("EXTEND", rids, torch.full((bs,), args.prompt_len),
                            [0] * bs, [args.prompt_len] * bs)
         monitor.commit_eager(layout_from_forward_batch(fb))
+        marks.append(clock())
         self.model.fire(bs * args.prompt_len, bs)
+        marks.append(clock())
         monitor.end_forward()
-        self.prefill_us.append((time.perf_counter() - started) * 1e6)
+        marks.append(clock())
+        self.prefill_us.append((marks[-1] - started) * 1e6)
+        self.prefill_cpu_us.append((time.thread_time() - cpu) * 1e6)
+        for part, t0, t1 in zip(PREFILL_PARTS, marks, marks[1:], strict=False):
+            self.prefill_parts[part].append((t1 - t0) * 1e6)
         self._rest(started, args.step_ms * 4e-3, 4)
         for s in range(args.output_len):
             for r in reqs:
@@ -329,6 +347,9 @@ class _Waves:
         """Forget the warm-up's times."""
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.prefill_us.clear()
+        self.prefill_cpu_us.clear()
+        for times in self.prefill_parts.values():
+            times.clear()
         self.replay_us.clear()
         self.launch_s = 0.0
         self.decode_forwards = 0
@@ -404,6 +425,8 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     per = {k: v / n * 1e6 for k, v in bench.spent.items()}
     prefill_us, replay_us, launch_s = list(bench.prefill_us), list(bench.replay_us), \
         bench.launch_s
+    prefill_parts = {k: statistics.median(v) for k, v in bench.prefill_parts.items()}
+    prefill_cpu_us = statistics.median(bench.prefill_cpu_us)
     profile = None
     if args.profile:  # one more wave of its own: the profiler slows what it watches
         profile = cProfile.Profile()
@@ -420,6 +443,7 @@ def measure(args: argparse.Namespace, preset: str) -> Json:
     return {"preset": preset, "selection": text, "sample": rate, "batch": bench.bs,
             "decode_forwards": forwards, "parts_us": per,
             "decode_us": sum(per.values()), "prefill_us": statistics.median(prefill_us),
+            "prefill_parts_us": prefill_parts, "prefill_cpu_us": prefill_cpu_us,
             "replay_gpu_us": statistics.median(replay_us) if replay_us else None,
             "replay_launch_us": launch_s / n * 1e6 if replay_us else None,
             "drain_cpu_us": drain["build_cpu_seconds"] / (n + args.waves) * 1e6,
@@ -478,6 +502,9 @@ def run(args: argparse.Namespace, data: Json) -> None:
               f"in {d['window_flushes']:.0f} flushes; queueing copies "
               f"{d['d2h_call_seconds']:.3f} s, waiting for the drain's stream "
               f"{d['d2h_wait_seconds']:.3f} s (window copies included)")
+        parts = ", ".join(f"{k} {v:,.0f}" for k, v in r["prefill_parts_us"].items())
+        print(f"-- prefill forward ({r['preset']}, median µs): {parts}; the thread's CPU "
+              f"{r['prefill_cpu_us']:,.0f} of {r['prefill_us']:,.0f}")
         if r["profile"]:
             print(f"-- profile of one more wave: {r['preset']}\n{r['profile']}")
         for thread, stacks in (r["stacks"] or {}).items():

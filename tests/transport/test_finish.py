@@ -278,18 +278,26 @@ def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatc
 
     def model_forward(runner, fb) -> str:
         layout = BatchLayout.decode(["a", "b"], [3 + d.step, 4 + d.step])
-        mon.commit_eager(layout)
-        d.fire(layout)
+        if d.step == 2:  # a decode graph step, padded to a bucket of 4
+            assert mon.graph_allowed(layout, 4)
+            mon.commit_graph(mon.graph_plan(4, lambda: layout))
+            d.fire(layout, padding=2)
+        else:
+            mon.commit_eager(layout)
+            d.fire(layout)
         time.sleep(0.01)  # the model's own time is not the hooks' time
         return "logits"
 
-    for _ in range(3):
+    for _ in range(4):
         assert runtime_hooks.around_forward(model_forward, runner, fb) == "logits"
         d.step += 1
     stats = mon.stop()
     timing = mon.timing(stats)
-    assert timing["forwards"] == 3
-    assert 0 < timing["host_seconds"] < 0.03
+    assert timing["forwards"] == 4
+    assert 0 < timing["host_seconds"] < 0.04
+    # the graph step's share: its commit and seal, nothing of the eager forwards' commits
+    assert timing["graph_forwards"] == 1
+    assert 0 < timing["host_graph_seconds"] < timing["host_seconds"]
     assert timing["stall_seconds"] == stats.stall_seconds
     assert timing["drain_records"] == len(sink.records)
     assert {"gc_collections", "gc_seconds", "gc_full_seconds"} <= set(timing)

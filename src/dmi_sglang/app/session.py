@@ -557,6 +557,13 @@ class SchedulerMonitor:
         """Scheduler-thread seconds spent in the runtime hooks' own work (layouts, plans,
         preflights, commits and seals), waits for ring space at commit included. Capture
         calls inside the forward (and a piecewise step's waits there) are not counted."""
+        self.graph_forwards = 0
+        """Forwards committed as decode graph replays (the others ran eagerly)."""
+        self.host_graph_seconds = 0.0
+        """The part of :attr:`host_seconds` counted while the newest committed forward
+        was a decode graph replay (its preflight, commit and seal, and the batch hook of
+        the forward after it, which runs before that forward's commit)."""
+        self._graph_step = False
         self.gc_pauses = GcPauses()
         """The process's garbage collections from the first batch of requests on, until
         the monitor stops (:meth:`timing`): not the engine's start, whose collections
@@ -595,6 +602,8 @@ class SchedulerMonitor:
     def add_host_seconds(self, seconds: float) -> None:
         """Count scheduler-thread time the runtime hooks spent for the capture."""
         self.host_seconds += seconds
+        if self._graph_step:
+            self.host_graph_seconds += seconds
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:
         """See the port: reported ended at the next forward or idle."""
@@ -662,6 +671,7 @@ class SchedulerMonitor:
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
+        self._graph_step = True  # its time so far: a graph step's, whichever runs
         layout = layout.with_padding(padded_bs)
         padded = self._plan(layout, padded=True)
         decision = self.transport.preflight(padded, lambda: self._plan(layout, padded=False))
@@ -681,10 +691,13 @@ class SchedulerMonitor:
 
     def commit_graph(self, plan: CommitPlan) -> None:
         """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit its plan."""
+        self._graph_step = True
         self._commit(plan)
+        self.graph_forwards += 1
 
     def commit_eager(self, layout: BatchLayout) -> None:
         """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""
+        self._graph_step = False
         self._commit(self._plan(layout, padded=False))
 
     def _plan(self, layout: BatchLayout, *, padded: bool) -> CommitPlan:
@@ -810,8 +823,9 @@ class SchedulerMonitor:
 
     def timing(self, stats: TransportStats) -> dict[str, float]:
         """Where the run's time went: the scheduler thread's seconds in the hooks (and
-        their waits for the drain), in the capture points of eager forwards (and of the
-        decode graphs' recording at startup), the parts of the stop once it ran
+        their waits for the drain; ``host_graph_seconds`` of them around the
+        ``graph_forwards`` decode graph replays), in the capture points of eager forwards
+        (and of the decode graphs' recording at startup), the parts of the stop once it ran
         (``stop_transport_seconds``, ``stop_finish_run_seconds``,
         ``stop_close_seconds``: :attr:`stop_seconds`), the process's garbage collections
         from the monitor's first batch of requests until its stop (``gc_*``: each pauses
@@ -821,6 +835,8 @@ class SchedulerMonitor:
         out: dict[str, float] = {
             "forwards": float(self.protocol.step),
             "host_seconds": self.host_seconds,
+            "graph_forwards": float(self.graph_forwards),
+            "host_graph_seconds": self.host_graph_seconds,
             "stall_seconds": stats.stall_seconds,
             "capture_seconds": stats.capture_seconds,
             "requests_seen": float(self.requests.seen_requests),
