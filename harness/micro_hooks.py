@@ -105,11 +105,11 @@ PRESETS: dict[str, tuple[str, float]] = {
 """Selections measured (``--presets``): a name, the hook selection and the request
 sample rate, as in the serving benchmark's selective cells."""
 PARTS = ("requests", "begin", "layout", "preflight", "commit", "end")
+"""The hooks' parts, in the order a forward runs them."""
 PREFILL_PARTS = ("requests", "begin", "commit", "captures", "end")
 """A prefill forward's parts: the batch hook, the forward starting (finish notices), the
 layout read and its plan committed (with the reads of finished requests' ``last`` rows),
 every capture point fired once with its prefill rows (the eager captures), the seal."""
-"""The hooks' parts, in the order a forward runs them."""
 
 
 class _Mode:

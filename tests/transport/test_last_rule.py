@@ -421,3 +421,59 @@ def test_last_slots_count_the_landing_rows_of_the_largest_decode_graph(make_driv
     logits = slots._buffers[("final_logits", -1)]
     assert allocated + logits.numel() * logits.element_size() == slots.nbytes
     assert ("final_logits", -1) not in slots._lands
+
+
+def test_a_read_takes_a_group_at_once_only_where_its_rows_follow_one_another(make_driver):
+    """A group of captures whose read regions follow one another in the group's order is
+    read with one indexed copy; any other placement is read capture by capture, with
+    the same bytes in the same places."""
+    import torch
+
+    d, _ = make_driver("resid_pre:last,final_logits:last")
+    slots = d.t._last_slots
+    for buffer in slots._buffers.values():
+        buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
+    keys = [("resid_pre", layer) for layer in range(3)]
+    size, logits = 2 * 8 * 2, 2 * 10 * 4  # two rows each
+    follow = {key: (k * size, size) for k, key in enumerate(keys)}
+    apart = {keys[0]: (2 * size, size), keys[1]: (0, size), keys[2]: (size, size)}
+    rows = torch.tensor([3, 0])
+    regions = []
+    for placed, grouped in ((follow, 1), (apart, 0)):
+        layout = slots.read_layout({**placed, ("final_logits", -1): (3 * size, logits)})
+        assert len(layout.groups) == grouped
+        assert len(layout.single) == 4 - 3 * grouped
+        region = torch.zeros(3 * size + logits, dtype=torch.uint8)
+        slots.read_into(layout, rows, region)
+        regions.append(region)
+        for key, (offset, nbytes) in {**placed, ("final_logits", -1): (3 * size, logits)}.items():
+            buffer = slots._buffers[key]
+            got = region[offset : offset + nbytes].view(buffer.dtype).view(2, -1)
+            assert torch.equal(got, buffer[rows])
+    assert not torch.equal(regions[0], regions[1])  # the two placements differ
+
+
+@pytest.mark.parametrize("requests", [3, 5], ids=["landed", "more-than-the-landing"])
+def test_an_eager_forward_writes_the_same_last_rows_through_the_landing_or_without(
+        make_driver, requests: int) -> None:
+    """An eager forward's ``last`` rows of a group that lands go to the landing rows
+    first and into the slots once every capture point ran; a forward with more emitting
+    rows than the landing holds (the largest decode graph's batch) writes the slots
+    capture point by capture point. Either way each request's row of its last position
+    is the full capture's."""
+    rids = [f"r{i}" for i in range(requests)]
+    full, full_sink = make_driver("resid_pre,q", max_graph_batch=4)
+    some, some_sink = make_driver("resid_pre:last,q:last", max_graph_batch=4)
+    for d in (full, some):
+        d.forward(BatchLayout.extend(rids, [0] * requests, [3 + i for i in range(requests)]))
+        d.forward(BatchLayout.decode(rids, [4 + i for i in range(requests)]))
+        for i, rid in enumerate(rids):
+            d.t.finish_request(rid, 3 + i + 1)  # decided by the prompt and one decode
+    assert some.t._last_slots._moves  # resid_pre's three layers land
+    full.t.stop()
+    some.t.stop()
+    want = {row for row in stored_rows(full_sink.records)
+            if row[3] == 3 + int(row[0][1:])}  # the decode forward's position
+    got = stored_rows(some_sink.records)
+    assert set(got) == want
+    assert len(want) == requests * 6  # three resid_pre layers and three q layers each

@@ -21,9 +21,10 @@ from torch import nn
 from dmi_sglang.adapters.transport import Capturer, TorchCaptureTransport, TransportOptions
 from dmi_sglang.adapters.transport._device import DeviceOps, copy_rows
 from dmi_sglang.domain.capacity import ARENA_SLOTS_MAX, RingCapacity
-from dmi_sglang.domain.hooks import ModelHooks, Selection, parse_selection
+from dmi_sglang.domain.hooks import ModelHooks, RowBasis, Selection, parse_selection
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.domain.plan import CommitPlan, make_plan
+from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.testing import MemorySink
@@ -567,6 +568,54 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
             if hook.name != "mlp_out"}
     assert last_rows == want
     assert stats.fp16_overflows == 0
+
+
+@pytest.mark.parametrize("requests", [3, 10], ids=["landed", "more-than-the-landing"])
+def test_eager_forwards_keep_the_last_rows_in_device_slots(requests: int) -> None:
+    """Eager forwards (a prefill, then decode steps) write the rows that decide tokens
+    into the slots: through the landing rows when the emitting rows fit them (the largest
+    decode graph's 8), point by point when they do not; a finished request's rows are
+    read out with one indexed copy per group. Each equals the reference's row."""
+    sink = MemorySink()
+    t = _transport(sink, selection=LASTING)
+    model = _model(t)
+    prompt = [3 + i for i in range(requests)]
+    rids = [f"r{i}" for i in range(requests)]
+    seen: dict[tuple[str, str, int, int], bytes] = {}
+
+    def step(n: int, layout: BatchLayout, ids: torch.Tensor, last: torch.Tensor | None,
+             rows: list[int]) -> None:
+        t.commit(make_plan(layout, LASTING, SHAPE, padded=False), step=n)
+        model.ref = {}
+        with torch.no_grad():
+            model(ids, last)
+        t.seal()
+        stored = _as_stored(model.ref, LASTING)
+        for i, rid in enumerate(rids):
+            position = layout.starts[i] + layout.counts[i] - 1
+            for hook, layer in LASTING.captures_kept_by(PositionRule.LAST):
+                tensor = stored[(hook.name, layer)]
+                row = tensor[i] if hook.row_basis is RowBasis.REQUEST else tensor[rows[i]]
+                seen[(rid, hook.act_name, layer, position)] = _bytes(row)
+        model.ref = None
+
+    ends = [sum(prompt[: i + 1]) - 1 for i in range(requests)]
+    step(1, BatchLayout.extend(rids, [0] * requests, prompt),
+         torch.randint(0, SHAPE.vocab, (sum(prompt),), device="cuda"),
+         torch.tensor(ends, device="cuda"), ends)
+    for s in range(2):
+        step(s + 2, BatchLayout.decode(rids, [p + s + 1 for p in prompt]),
+             torch.randint(0, SHAPE.vocab, (requests,), device="cuda"), None,
+             list(range(requests)))
+    for rid, p in zip(rids, prompt, strict=True):
+        t.finish_request(rid, p + 2)  # its last token decided by position p + 1
+    t.stop()
+    got = {(r.request_id, r.act_name, r.layer_no, r.start_token_idx): r.payload
+           for r in sink.records if not r.act_name.endswith("mlp_out")}
+    assert got == {(rid, hook.act_name, layer, p + 1): seen[(rid, hook.act_name, layer, p + 1)]
+                   for rid, p in zip(rids, prompt, strict=True)
+                   for hook, layer in LASTING.captures_kept_by(PositionRule.LAST)}
+    assert len(got) == requests * len(LASTING.captures_kept_by(PositionRule.LAST))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -26,16 +26,22 @@ scheduler no device operation at all; the first step of a run uploads the index 
 flip together (one copy). A replay nobody committed (SGLang forwarding a batch the
 session does not capture) is announced by :meth:`LastSlots.guard_replay`, which points
 the index at the spare row with a zero flip first, so such a replay writes nowhere that
-matters. Eager forwards use index tensors made for the step. Index lists reach the device
-through page-locked staging without synchronising the scheduler.
+matters. Eager forwards use index tensors made for the step: a capture point of a
+group that lands selects its emitting rows into the landing (one copy), and after the
+last one an ``index_copy_`` per group moves them into the slots (a forward with more
+emitting rows than the landing holds writes the slots point by point). Index lists reach
+the device through page-locked staging without synchronising the scheduler. A finished
+request's rows leave the slots by one indexed copy per group whose read regions follow
+one another (:meth:`LastSlots.read_layout`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import attrs
 import structlog
 import torch
 
@@ -50,7 +56,7 @@ from dmi_sglang.domain.positions import PositionRule
 from dmi_sglang.domain.shapes import ModelShape, RowSpec
 from dmi_sglang.errors import CaptureError
 
-__all__ = ["LastSlots"]
+__all__ = ["LastSlots", "ReadLayout"]
 
 _UPLOAD_BUFFERS = 8
 
@@ -98,14 +104,16 @@ class _Uploader:
 def _grouped(selection: Selection, shape: ModelShape, *, rows: int, landing_rows: int,
              device: torch.device) -> tuple[
         list[tuple[torch.Tensor, torch.Tensor]], dict[CaptureKey, torch.Tensor],
-        dict[CaptureKey, torch.Tensor]]:
+        dict[CaptureKey, torch.Tensor], list[tuple[tuple[CaptureKey, ...], torch.Tensor]]]:
     """Slot rows per group of equal rows (:func:`~dmi_sglang.domain.capacity.
     last_slot_groups`), and landing rows for the groups of
     :data:`~dmi_sglang.domain.capacity.LANDING_MIN_PLACES` or more: the groups'
-    ``(slots, landing)`` pairs, and each capture's views of them."""
+    ``(slots, landing)`` pairs, each capture's views of them, and every group's
+    captures with its slot rows."""
     moves = []
     buffers: dict[CaptureKey, torch.Tensor] = {}
     lands: dict[CaptureKey, torch.Tensor] = {}
+    groups = []
     for members in last_slot_groups(selection, shape):
         row = shape.capture_row(selection, *members[0])
         dtype, elements = TORCH_DTYPES[row.dtype], math.prod(row.dims)
@@ -119,7 +127,18 @@ def _grouped(selection: Selection, shape: ModelShape, *, rows: int, landing_rows
             buffers[hook.name, layer_no] = slots[:, k]
             if landing is not None:
                 lands[hook.name, layer_no] = landing[:, k]
-    return moves, buffers, lands
+        groups.append((tuple((hook.name, layer_no) for hook, layer_no in members), slots))
+    return moves, buffers, lands, groups
+
+
+@attrs.frozen
+class ReadLayout:
+    """A read plan's copies (:meth:`LastSlots.read_layout`): per group read at once, its
+    slot rows as ``[capture, slot row, elements]``, and its byte offset and bytes in the
+    plan's region; per capture read alone, its key, offset and bytes."""
+
+    groups: tuple[tuple[torch.Tensor, int, int], ...]
+    single: tuple[tuple[CaptureKey, int, int], ...]
 
 
 class _Run:
@@ -163,7 +182,7 @@ class LastSlots:
         self.spare = 2 * requests
         """The row that takes what no slot wants."""
         width = max(max_graph_batch, 1)
-        self._moves, self._buffers, self._lands = _grouped(
+        self._moves, self._buffers, self._lands, self._groups = _grouped(
             selection, shape, rows=self.spare + 1, landing_rows=width, device=ops.device)
         """Per group of equal rows that lands, its slot rows (``[slot row, capture, row
         elements]``) and where a decode graph's capture points put their rows first
@@ -191,6 +210,10 @@ class LastSlots:
         self._free = list(range(requests - 1, -1, -1))
         self._padded = False
         self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._eager_lands = False
+        """The eager step's rows of landing groups go to their landing rows first (one
+        copy a capture point), and into the slots with one indexed copy per group once
+        every ``last`` capture point ran (its emitting rows fit the landing)."""
         self._pending: list[tuple[str, int | None]] = []
         self._notified: set[str] = set()
         """Requests notified (kept for the run, as the session keeps every request id): a
@@ -276,6 +299,7 @@ class LastSlots:
         elif dst:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
+            self._eager_lands = bool(self._moves) and len(dst) <= self._control.shape[1]
 
     def capture(self, key: CaptureKey, tensor: torch.Tensor, *, capturing: bool,
                 side: SideStream | None = None) -> None:
@@ -315,15 +339,23 @@ class LastSlots:
                 self._recording.clear()
                 self._stepped = not capturing
             return
-        buffer = self._buffers[key]
         if self._eager is None:
             return
-        self._fired.add(key)
         token_src, request_src, dst = self._eager
         src = as_rows(tensor, key, row)
-        wide_buffer, wide_src = widest(buffer, src)
-        wide_buffer.index_copy_(0, dst, wide_src.index_select(
-            0, token_src if basis is RowBasis.TOKEN else request_src))
+        index = token_src if basis is RowBasis.TOKEN else request_src
+        landing = self._lands.get(key) if self._eager_lands else None
+        if landing is not None:  # its rows to the landing; the slots once all points ran
+            wide_landing, wide_src = widest(landing[: dst.shape[0]], src)
+            torch.index_select(wide_src, 0, index, out=wide_landing)
+        else:
+            wide_buffer, wide_src = widest(self._buffers[key], src)
+            wide_buffer.index_copy_(0, dst, wide_src.index_select(0, index))
+        self._fired.add(key)
+        if self._eager_lands and len(self._fired) == len(self._keys):
+            self._eager_lands = False  # a point that runs again writes its slots itself
+            for slots, landed in self._moves:
+                slots.index_copy_(0, dst, landed[: dst.shape[0]])
 
     def _land(self, key: CaptureKey, src: torch.Tensor, side: SideStream | None) -> None:
         """Put a decode graph capture point's rows in its landing rows (a plain copy; on
@@ -400,6 +432,7 @@ class LastSlots:
         self._landed = 0
         self._padded = False
         self._eager = None
+        self._eager_lands = False
         self._undo.clear()
         self._flipped = None
         self._began = False
@@ -440,9 +473,34 @@ class LastSlots:
                 reads.append((rid, end - 1, 2 * slot + (end - 1) % 2))
         return reads, notices
 
-    def read(self, key: CaptureKey, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy slot ``rows`` of ``key`` into ``out`` (``[len(rows), elements]``)."""
-        torch.index_select(self._buffers[key], 0, rows, out=out)
+    def read_layout(self, offsets: Mapping[CaptureKey, tuple[int, int]]) -> ReadLayout:
+        """How to read a plan whose captures' rows lie at ``offsets`` (per capture, its
+        byte offset in the plan's region and its bytes; each holds the read rows, row
+        after row): one indexed copy per group of captures whose regions follow one
+        another in the group's order, each ``bytes`` long (the read goes to them as one
+        ``[capture, row, elements]`` block), else one per capture."""
+        grouped: list[tuple[torch.Tensor, int, int]] = []
+        single: list[tuple[CaptureKey, int, int]] = []
+        for keys, slots in self._groups:
+            first, size = offsets[keys[0]]
+            if len(keys) > 1 and all(offsets[key] == (first + k * size, size)
+                                     for k, key in enumerate(keys)):
+                grouped.append((slots.transpose(0, 1), first, size * len(keys)))
+            else:
+                single += [(key, *offsets[key]) for key in keys]
+        return ReadLayout(tuple(grouped), tuple(single))
+
+    def read_into(self, layout: ReadLayout, rows: torch.Tensor, region: torch.Tensor) -> None:
+        """Copy slot ``rows`` of every capture into ``region`` (the plan's bytes, as
+        :meth:`read_layout` placed them)."""
+        n = rows.shape[0]
+        for slots, offset, nbytes in layout.groups:  # [capture, slot row, elements]
+            out = region[offset : offset + nbytes].view(slots.dtype)
+            torch.index_select(slots, 1, rows, out=out.view(slots.shape[0], n, -1))
+        for key, offset, nbytes in layout.single:
+            buffer = self._buffers[key]
+            out = region[offset : offset + nbytes].view(buffer.dtype)
+            torch.index_select(buffer, 0, rows, out=out.view(n, -1))
 
     def upload(self, values: Sequence[int]) -> torch.Tensor:
         """An index list on the device (see :class:`_Uploader`)."""

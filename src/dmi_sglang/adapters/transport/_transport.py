@@ -22,7 +22,7 @@ from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
 from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
-from dmi_sglang.adapters.transport._last import LastSlots
+from dmi_sglang.adapters.transport._last import LastSlots, ReadLayout
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
@@ -275,7 +275,7 @@ class TorchCaptureTransport:
         self._shape = shape
         self._last_seq = 0
         self._fp16_overflows = 0
-        self._read_programs: dict[int, Program] = {}
+        self._read_programs: dict[int, tuple[Program, ReadLayout]] = {}
         self._reads_per_plan = reads_per_plan
         # every committed manifest handed over that the sink did not take yet, by request
         # id (the drain's thread removes what the sink took): those of finished requests
@@ -609,16 +609,17 @@ class TorchCaptureTransport:
             chunk = reads[at : at + step]
             plan = make_read_plan([(rid, p) for rid, p, _ in chunk], self._selection,
                                   self._shape)
-            program = self._read_programs.get(len(chunk))
-            if program is None:  # the same for every read of as many requests
-                program = self._read_programs[len(chunk)] = build_program(plan, self._arena)
+            cached = self._read_programs.get(len(chunk))
+            if cached is None:  # the same for every read of as many requests
+                cached = self._read_programs[len(chunk)] = (
+                    build_program(plan, self._arena), self._last_slots.read_layout(
+                        {(seg.hook.name, seg.layer_no): (seg.offset, seg.nbytes)
+                         for seg in plan.segments}))
+            program, layout = cached
             base = self._reserve(program.reserve_bytes, program.entries, seq)
             rows = self._last_slots.upload([row for _, _, row in chunk])
-            for seg in plan.segments:
-                start = base + seg.offset
-                out = self._ring[start : start + seg.nbytes].view(TORCH_DTYPES[seg.row.dtype])
-                self._last_slots.read((seg.hook.name, seg.layer_no), rows,
-                                      out.view(seg.ring_rows, -1))
+            region = self._ring[base : base + program.reserve_bytes]
+            self._last_slots.read_into(layout, rows, region)
             self._drain.put(DrainItem(seq, plan, program, base, self._ops.mark()))
             self._steps += 1
             self._tensors += program.entries
