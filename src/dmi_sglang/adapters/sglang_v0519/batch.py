@@ -18,7 +18,7 @@ receives it before building the ForwardBatch) and passes it here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind, one_further
@@ -137,7 +137,7 @@ def _ints(cpu: Any, device: Any) -> list[int]:
     values = cpu if cpu is not None else device
     if values is None:
         return []
-    if isinstance(values, Sequence):
+    if not hasattr(values, "tolist"):  # a Python sequence (cheaper asked than isinstance)
         return [int(v) for v in values]
     listed = values.tolist()  # a tensor's or an array's elements share one Python type
     return listed if not listed or type(listed[0]) is int else [int(v) for v in listed]

@@ -155,11 +155,13 @@ class _Run:
     def follows(self, plan: CommitPlan) -> bool:
         """True when ``plan`` is the next step of the run (same requests, same padding,
         same requests captured, every request one position further)."""
-        batch = plan.batch
-        return (batch.padded_batch_size == self.batch.padded_batch_size
-                and plan.layout.request_ids == self.captured
-                and batch.is_uniform_decode
-                and batch.follows(self.batch))
+        batch, before = plan.batch, self.batch
+        if batch.padded_batch_size != before.padded_batch_size or (
+                plan.layout.request_ids != self.captured):
+            return False
+        if before.run == batch.run != 0 and batch.run_step == before.run_step + 1:
+            return True  # moved on from the run's uniform batch: uniform, one further
+        return batch.is_uniform_decode and batch.follows(before)
 
 
 class LastSlots:

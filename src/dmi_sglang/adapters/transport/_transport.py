@@ -349,7 +349,8 @@ class TorchCaptureTransport:
         self._last_seq = step
         try:
             if self._last_slots:
-                self._read_finished(step)
+                if self._last_slots.pending:
+                    self._read_finished(step)
                 self._last_slots.begin(plan)
             if plan.padded:
                 self._arena.check_landing()
