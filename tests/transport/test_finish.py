@@ -265,6 +265,64 @@ def test_a_graph_step_commits_the_plan_its_preflight_built(make_driver):
     d.t.stop()
 
 
+def test_the_hooks_time_is_split_by_the_kind_of_forward_it_was_spent_for(
+        make_driver, monkeypatch) -> None:
+    """``host_graph_seconds`` holds what the hooks spent for decode graph replays: their
+    batch hook (counted before the forward's commit), preflight, commit and seal; a
+    prefill's, and a decode step's the preflight sent to run eagerly, stay out of it.
+    The amounts are powers of two, so the sums are exact."""
+    from dmi_sglang.domain.capacity import Decision, Preflight
+
+    d, sink = make_driver("resid_pre")
+    mon = SchedulerMonitor(run=RunInfo("run-9", "toy", (), (), "t"), selection=d.selection,
+                           shape=SHAPE, transport=d.t, sink=sink, strip=True)
+    spent = 0.0
+
+    def hook(seconds: float, *, before_forward: bool = False) -> None:
+        nonlocal spent
+        spent += seconds
+        mon.add_host_seconds(seconds, before_forward=before_forward)
+
+    def prefill(rids: list[str], seconds: float) -> None:
+        hook(seconds, before_forward=True)  # the batch hook
+        mon.begin_forward()
+        layout = BatchLayout.extend(rids, [0] * len(rids), [3] * len(rids))
+        mon.commit_eager(layout)
+        hook(seconds)  # the eager commit
+        d.fire(layout)
+        mon.end_forward()
+        hook(seconds)  # around the forward: begin and seal
+
+    def graph_step(position: int, seconds: float) -> None:
+        hook(seconds, before_forward=True)  # the batch hook
+        mon.begin_forward()
+        layout = BatchLayout.decode(["a", "b"], [position, position])
+        assert mon.graph_allowed(layout, 4)
+        hook(2 * seconds)  # the preflight
+        mon.commit_graph(mon.graph_plan(4, lambda: layout))
+        hook(4 * seconds)  # the commit
+        d.fire(layout, padding=2)
+        mon.end_forward()
+        hook(8 * seconds)  # around the forward
+
+    prefill(["a", "b"], 0.5)
+    graph_step(4, 2.0)
+    prefill(["c"], 0.25)
+    graph_step(5, 32.0)
+    with monkeypatch.context() as patch:  # the next decode step's preflight says eager
+        patch.setattr(d.t, "preflight",
+                      lambda plan, eager_plan=None: Preflight(Decision.RUN_EAGER, "test"))
+        hook(0.125, before_forward=True)
+        mon.begin_forward()
+        assert not mon.graph_allowed(BatchLayout.decode(["a", "b"], [6, 6]), 4)
+        hook(0.125)  # that preflight
+        mon.abort_forward()
+    mon.stop()
+    assert mon.graph_forwards == 2
+    assert mon.host_graph_seconds == 15 * (2.0 + 32.0)
+    assert mon.host_seconds == spent
+
+
 def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatch):
     from dmi_sglang.adapters.sglang_v0519 import runtime_hooks
 

@@ -440,7 +440,7 @@ def test_a_read_takes_a_group_at_once_only_where_its_rows_follow_one_another(mak
     rows = torch.tensor([3, 0])
     regions = []
     for placed, grouped in ((follow, 1), (apart, 0)):
-        layout = slots.read_layout({**placed, ("final_logits", -1): (3 * size, logits)})
+        layout = slots.read_layout({**placed, ("final_logits", -1): (3 * size, logits)}, 2)
         assert len(layout.groups) == grouped
         assert len(layout.single) == 4 - 3 * grouped
         region = torch.zeros(3 * size + logits, dtype=torch.uint8)
@@ -453,27 +453,38 @@ def test_a_read_takes_a_group_at_once_only_where_its_rows_follow_one_another(mak
     assert not torch.equal(regions[0], regions[1])  # the two placements differ
 
 
-@pytest.mark.parametrize("requests", [3, 5], ids=["landed", "more-than-the-landing"])
-def test_an_eager_forward_writes_the_same_last_rows_through_the_landing_or_without(
-        make_driver, requests: int) -> None:
-    """An eager forward's ``last`` rows of a group that lands go to the landing rows
-    first and into the slots once every capture point ran; a forward with more emitting
-    rows than the landing holds (the largest decode graph's batch) writes the slots
-    capture point by capture point. Either way each request's row of its last position
-    is the full capture's."""
-    rids = [f"r{i}" for i in range(requests)]
-    full, full_sink = make_driver("resid_pre,q", max_graph_batch=4)
-    some, some_sink = make_driver("resid_pre:last,q:last", max_graph_batch=4)
+@pytest.mark.parametrize("finish_after", ["prefill", "decode"])
+def test_eager_forwards_keep_the_row_that_decided_each_requests_last_token(
+        make_driver, finish_after: str) -> None:
+    """An eager prefill's rows that decide tokens are the last prompt row of each
+    request (token rows, not request rows): a request that finishes on its first token
+    gets that row; one that finishes after a decode step gets the decode step's."""
+    rids = [f"r{i}" for i in range(4)]
+    prompts = [3 + 2 * i for i in range(4)]
+    full, full_sink = make_driver("resid_pre,q,final_logits")
+    some, some_sink = make_driver("resid_pre:last,q:last,final_logits:last")
     for d in (full, some):
-        d.forward(BatchLayout.extend(rids, [0] * requests, [3 + i for i in range(requests)]))
-        d.forward(BatchLayout.decode(rids, [4 + i for i in range(requests)]))
-        for i, rid in enumerate(rids):
-            d.t.finish_request(rid, 3 + i + 1)  # decided by the prompt and one decode
-    assert some.t._last_slots._moves  # resid_pre's three layers land
+        d.forward(BatchLayout.extend(rids, [0] * 4, prompts))
+        if finish_after == "decode":
+            d.forward(BatchLayout.decode(rids, [p + 1 for p in prompts]))
+        for rid, p in zip(rids, prompts, strict=True):
+            d.t.finish_request(rid, p + (finish_after == "decode"))
     full.t.stop()
     some.t.stop()
-    want = {row for row in stored_rows(full_sink.records)
-            if row[3] == 3 + int(row[0][1:])}  # the decode forward's position
+    decided = {rid: p - 1 + (finish_after == "decode") for rid, p in zip(rids, prompts,
+                                                                         strict=True)}
+    want = {row for row in stored_rows(full_sink.records) if row[3] == decided[row[0]]}
     got = stored_rows(some_sink.records)
     assert set(got) == want
-    assert len(want) == requests * 6  # three resid_pre layers and three q layers each
+    assert len(want) == 4 * 7  # three resid_pre and three q layers, and final_logits
+
+
+def test_a_read_planned_with_other_row_counts_is_refused(make_driver) -> None:
+    """The read copies ``rows`` whole rows per capture: a plan whose bytes for a capture
+    hold another count is refused, never copied into a wrongly shaped view."""
+    d, _ = make_driver("resid_pre:last")
+    size = 2 * 8 * 2
+    placed = {("resid_pre", layer): (layer * size, size) for layer in range(3)}
+    assert len(d.t._last_slots.read_layout(placed, 2).groups) == 1
+    with pytest.raises(CaptureError, match="a read of 3 rows"):
+        d.t._last_slots.read_layout(placed, 3)

@@ -570,15 +570,15 @@ def test_graph_replay_keeps_the_last_rows_in_device_slots_until_requests_finish(
     assert stats.fp16_overflows == 0
 
 
-@pytest.mark.parametrize("requests", [3, 10], ids=["landed", "more-than-the-landing"])
-def test_eager_forwards_keep_the_last_rows_in_device_slots(requests: int) -> None:
-    """Eager forwards (a prefill, then decode steps) write the rows that decide tokens
-    into the slots: through the landing rows when the emitting rows fit them (the largest
-    decode graph's 8), point by point when they do not; a finished request's rows are
-    read out with one indexed copy per group. Each equals the reference's row."""
+@pytest.mark.parametrize("decodes", [0, 2], ids=["decided-by-the-prefill", "by-a-decode"])
+def test_eager_forwards_keep_the_last_rows_in_device_slots(decodes: int) -> None:
+    """Eager forwards (a prefill, then ``decodes`` decode steps) write the rows that decide
+    tokens into the slots (a prefill's: each request's last prompt row); a finished
+    request's rows are read out one group at a time. Each equals the reference's row."""
     sink = MemorySink()
     t = _transport(sink, selection=LASTING)
     model = _model(t)
+    requests = 5
     prompt = [3 + i for i in range(requests)]
     rids = [f"r{i}" for i in range(requests)]
     seen: dict[tuple[str, str, int, int], bytes] = {}
@@ -603,18 +603,19 @@ def test_eager_forwards_keep_the_last_rows_in_device_slots(requests: int) -> Non
     step(1, BatchLayout.extend(rids, [0] * requests, prompt),
          torch.randint(0, SHAPE.vocab, (sum(prompt),), device="cuda"),
          torch.tensor(ends, device="cuda"), ends)
-    for s in range(2):
+    for s in range(decodes):
         step(s + 2, BatchLayout.decode(rids, [p + s + 1 for p in prompt]),
              torch.randint(0, SHAPE.vocab, (requests,), device="cuda"), None,
              list(range(requests)))
     for rid, p in zip(rids, prompt, strict=True):
-        t.finish_request(rid, p + 2)  # its last token decided by position p + 1
+        t.finish_request(rid, p + decodes)  # its last token decided by p - 1 + decodes
     t.stop()
     got = {(r.request_id, r.act_name, r.layer_no, r.start_token_idx): r.payload
            for r in sink.records if not r.act_name.endswith("mlp_out")}
-    assert got == {(rid, hook.act_name, layer, p + 1): seen[(rid, hook.act_name, layer, p + 1)]
-                   for rid, p in zip(rids, prompt, strict=True)
-                   for hook, layer in LASTING.captures_kept_by(PositionRule.LAST)}
+    decided = {rid: p - 1 + decodes for rid, p in zip(rids, prompt, strict=True)}
+    assert got == {(rid, hook.act_name, layer, decided[rid]):
+                   seen[(rid, hook.act_name, layer, decided[rid])]
+                   for rid in rids for hook, layer in LASTING.captures_kept_by(PositionRule.LAST)}
     assert len(got) == requests * len(LASTING.captures_kept_by(PositionRule.LAST))
 
 

@@ -560,10 +560,12 @@ class SchedulerMonitor:
         self.graph_forwards = 0
         """Forwards committed as decode graph replays (the others ran eagerly)."""
         self.host_graph_seconds = 0.0
-        """The part of :attr:`host_seconds` counted while the newest committed forward
-        was a decode graph replay (its preflight, commit and seal, and the batch hook of
-        the forward after it, which runs before that forward's commit)."""
+        """The part of :attr:`host_seconds` spent for decode graph replays: their batch
+        hooks, preflights, commits and seals (a step the preflight sent to run eagerly
+        counts as eager)."""
         self._graph_step = False
+        self._before_forward = 0.0
+        """Seconds counted for the next forward before it was committed."""
         self.gc_pauses = GcPauses()
         """The process's garbage collections from the first batch of requests on, until
         the monitor stops (:meth:`timing`): not the engine's start, whose collections
@@ -599,10 +601,13 @@ class SchedulerMonitor:
             self._gc_timed = True
             self.gc_pauses.start()
 
-    def add_host_seconds(self, seconds: float) -> None:
-        """Count scheduler-thread time the runtime hooks spent for the capture."""
+    def add_host_seconds(self, seconds: float, *, before_forward: bool = False) -> None:
+        """Count scheduler-thread time the runtime hooks spent for the capture (see the
+        port)."""
         self.host_seconds += seconds
-        if self._graph_step:
+        if before_forward:
+            self._before_forward += seconds
+        elif self._graph_step:
             self.host_graph_seconds += seconds
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:
@@ -671,13 +676,14 @@ class SchedulerMonitor:
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
-        self._graph_step = True  # its time so far: a graph step's, whichever runs
         layout = layout.with_padding(padded_bs)
         padded = self._plan(layout, padded=True)
         decision = self.transport.preflight(padded, lambda: self._plan(layout, padded=False))
         if decision.decision is Decision.RUN_EAGER:
             log.info("dmi.forced_eager", step=self.protocol.step, reason=decision.reason)
+            self._graph_step = False
             return False
+        self._graph_step = True  # the preflight's time: the graph step's
         self._preflighted = padded
         return True
 
@@ -692,12 +698,15 @@ class SchedulerMonitor:
     def commit_graph(self, plan: CommitPlan) -> None:
         """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit its plan."""
         self._graph_step = True
+        self.host_graph_seconds += self._before_forward
+        self._before_forward = 0.0
         self._commit(plan)
         self.graph_forwards += 1
 
     def commit_eager(self, layout: BatchLayout) -> None:
         """``EagerRunner.load_batch`` fixed the batch: commit the unpadded plan."""
         self._graph_step = False
+        self._before_forward = 0.0
         self._commit(self._plan(layout, padded=False))
 
     def _plan(self, layout: BatchLayout, *, padded: bool) -> CommitPlan:

@@ -474,8 +474,10 @@ class CaptureSession(Protocol):
         """The engine is about to run a batch of these requests."""
         ...
 
-    def add_host_seconds(self, seconds: float) -> None:
-        """Count scheduler-thread time the adapter's hooks spent for the capture."""
+    def add_host_seconds(self, seconds: float, *, before_forward: bool = False) -> None:
+        """Count scheduler-thread time the adapter's hooks spent for the capture;
+        ``before_forward``: spent for the next forward before its commit (the batch
+        hook), so counted with that forward's kind once it is committed."""
         ...
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:

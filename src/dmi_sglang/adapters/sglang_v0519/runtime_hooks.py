@@ -310,7 +310,7 @@ def around_forward_batch_generation(original: Callable[..., Any], worker: Any, b
             mon.add_requests(batch.reqs, unfinished_rids(batch))
         except Exception as exc:  # the capture's own code: any failure is the capture's
             _serve_on_or_raise(worker.model_runner, mon, exc)
-        mon.add_host_seconds(perf_counter() - t0)
+        mon.add_host_seconds(perf_counter() - t0, before_forward=True)
     return original(worker, batch, *args, **kw)
 
 

@@ -26,11 +26,8 @@ scheduler no device operation at all; the first step of a run uploads the index 
 flip together (one copy). A replay nobody committed (SGLang forwarding a batch the
 session does not capture) is announced by :meth:`LastSlots.guard_replay`, which points
 the index at the spare row with a zero flip first, so such a replay writes nowhere that
-matters. Eager forwards use index tensors made for the step: a capture point of a
-group that lands selects its emitting rows into the landing (one copy), and after the
-last one an ``index_copy_`` per group moves them into the slots (a forward with more
-emitting rows than the landing holds writes the slots point by point). Index lists reach
-the device through page-locked staging without synchronising the scheduler. A finished
+matters. Eager forwards use index tensors made for the step. Index lists reach the
+device through page-locked staging without synchronising the scheduler. A finished
 request's rows leave the slots by one indexed copy per group whose read regions follow
 one another (:meth:`LastSlots.read_layout`).
 """
@@ -131,7 +128,7 @@ def _grouped(selection: Selection, shape: ModelShape, *, rows: int, landing_rows
     return moves, buffers, lands, groups
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class ReadLayout:
     """A read plan's copies (:meth:`LastSlots.read_layout`): per group read at once, its
     slot rows as ``[capture, slot row, elements]``, and its byte offset and bytes in the
@@ -212,10 +209,6 @@ class LastSlots:
         self._free = list(range(requests - 1, -1, -1))
         self._padded = False
         self._eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._eager_lands = False
-        """The eager step's rows of landing groups go to their landing rows first (one
-        copy a capture point), and into the slots with one indexed copy per group once
-        every ``last`` capture point ran (its emitting rows fit the landing)."""
         self._pending: list[tuple[str, int | None]] = []
         self._notified: set[str] = set()
         """Requests notified (kept for the run, as the session keeps every request id): a
@@ -301,7 +294,6 @@ class LastSlots:
         elif dst:
             self._eager = (self._upload(token_src), self._upload(request_src),
                            self._upload(dst))
-            self._eager_lands = bool(self._moves) and len(dst) <= self._control.shape[1]
 
     def capture(self, key: CaptureKey, tensor: torch.Tensor, *, capturing: bool,
                 side: SideStream | None = None) -> None:
@@ -341,23 +333,15 @@ class LastSlots:
                 self._recording.clear()
                 self._stepped = not capturing
             return
+        buffer = self._buffers[key]
         if self._eager is None:
             return
+        self._fired.add(key)
         token_src, request_src, dst = self._eager
         src = as_rows(tensor, key, row)
-        index = token_src if basis is RowBasis.TOKEN else request_src
-        landing = self._lands.get(key) if self._eager_lands else None
-        if landing is not None:  # its rows to the landing; the slots once all points ran
-            wide_landing, wide_src = widest(landing[: dst.shape[0]], src)
-            torch.index_select(wide_src, 0, index, out=wide_landing)
-        else:
-            wide_buffer, wide_src = widest(self._buffers[key], src)
-            wide_buffer.index_copy_(0, dst, wide_src.index_select(0, index))
-        self._fired.add(key)
-        if self._eager_lands and len(self._fired) == len(self._keys):
-            self._eager_lands = False  # a point that runs again writes its slots itself
-            for slots, landed in self._moves:
-                slots.index_copy_(0, dst, landed[: dst.shape[0]])
+        wide_buffer, wide_src = widest(buffer, src)
+        wide_buffer.index_copy_(0, dst, wide_src.index_select(
+            0, token_src if basis is RowBasis.TOKEN else request_src))
 
     def _land(self, key: CaptureKey, src: torch.Tensor, side: SideStream | None) -> None:
         """Put a decode graph capture point's rows in its landing rows (a plain copy; on
@@ -434,7 +418,6 @@ class LastSlots:
         self._landed = 0
         self._padded = False
         self._eager = None
-        self._eager_lands = False
         self._undo.clear()
         self._flipped = None
         self._began = False
@@ -475,15 +458,25 @@ class LastSlots:
                 reads.append((rid, end - 1, 2 * slot + (end - 1) % 2))
         return reads, notices
 
-    def read_layout(self, offsets: Mapping[CaptureKey, tuple[int, int]]) -> ReadLayout:
-        """How to read a plan whose captures' rows lie at ``offsets`` (per capture, its
-        byte offset in the plan's region and its bytes; each holds the read rows, row
-        after row): one indexed copy per group of captures whose regions follow one
-        another in the group's order, each ``bytes`` long (the read goes to them as one
-        ``[capture, row, elements]`` block), else one per capture."""
+    def read_layout(self, offsets: Mapping[CaptureKey, tuple[int, int]],
+                    rows: int) -> ReadLayout:
+        """How to read ``rows`` rows of every capture into a plan's region, where each
+        capture's rows lie at ``offsets`` (its byte offset in the region and its bytes,
+        the rows one after another): one indexed copy per group of captures whose
+        regions follow one another in the group's order (the read goes to them as one
+        ``[capture, row, elements]`` block), else one per capture.
+
+        Raises:
+            CaptureError: a capture's bytes are not ``rows`` of its rows.
+        """
         grouped: list[tuple[torch.Tensor, int, int]] = []
         single: list[tuple[CaptureKey, int, int]] = []
         for keys, slots in self._groups:
+            row_bytes = slots.shape[2] * slots.element_size()
+            sizes = {key: offsets[key][1] for key in keys}
+            if any(size != rows * row_bytes for size in sizes.values()):
+                msg = f"a read of {rows} rows of {row_bytes} bytes planned as {sizes}"
+                raise CaptureError(msg)
             first, size = offsets[keys[0]]
             if len(keys) > 1 and all(offsets[key] == (first + k * size, size)
                                      for k, key in enumerate(keys)):

@@ -615,7 +615,7 @@ class TorchCaptureTransport:
                 cached = self._read_programs[len(chunk)] = (
                     build_program(plan, self._arena), self._last_slots.read_layout(
                         {(seg.hook.name, seg.layer_no): (seg.offset, seg.nbytes)
-                         for seg in plan.segments}))
+                         for seg in plan.segments}, len(chunk)))
             program, layout = cached
             base = self._reserve(program.reserve_bytes, program.entries, seq)
             rows = self._last_slots.upload([row for _, _, row in chunk])
