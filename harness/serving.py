@@ -378,6 +378,24 @@ def threads_line(figures: Json, top: int = 6) -> str:
         for r in rows) or "-")
 
 
+def hooks_line(figures: Json) -> str | None:
+    """The scheduler thread's time in the capture hooks per forward, decode graph steps
+    and eager forwards apart (``figures.timing``); None for a unit without that split
+    (a stock run, or one measured before it)."""
+    t = figures.get("timing") or {}
+    forwards, graph = t.get("forwards"), t.get("graph_forwards")
+    host, host_graph = t.get("host_seconds"), t.get("host_graph_seconds")
+    if forwards is None or graph is None or host is None or host_graph is None:
+        return None
+
+    def per(seconds: float, count: float) -> str:
+        return f"{seconds / count * 1e6:,.1f} µs" if count else "-"
+
+    eager = forwards - graph
+    return (f"hooks: {per(host_graph, graph)} a decode graph step ({graph:,.0f}), "
+            f"{per(host - host_graph, eager)} an eager forward ({eager:,.0f})")
+
+
 def store_line(figures: Json) -> str | None:
     """A stored unit's sink: its inserts' time against the writers' waits (idle with
     nothing queued, idle with a partial insert queued) and the time ``put`` blocked
@@ -550,6 +568,8 @@ class ServingRun:
                     if units[-1].get("figures") and not units[-1].get("reused"):
                         print(f"[serving]   {use_line(units[-1]['figures'])}", flush=True)
                         print(f"[serving]   {threads_line(units[-1]['figures'])}", flush=True)
+                        if (line := hooks_line(units[-1]["figures"])) is not None:
+                            print(f"[serving]   {line}", flush=True)
                         if (line := store_line(units[-1]["figures"])) is not None:
                             print(f"[serving]   {line}", flush=True)
         finally:

@@ -31,7 +31,7 @@ from harness.engine import (
 )
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
-from harness.serving import scheduler_use, store_line, threads_line, use_line
+from harness.serving import hooks_line, scheduler_use, store_line, threads_line, use_line
 
 RUN = "harness-run"
 RESID = "blocks.hook_resid_pre"
@@ -515,6 +515,18 @@ def test_threads_line_names_the_monitored_runs_busiest_threads() -> None:
                                      "? (sglang::scheduler 5) 7.39 s")
     assert threads_line(figures, top=1).endswith("15.35 s")
     assert threads_line({}) == "busiest threads: -"
+
+
+def test_hooks_line_splits_the_hooks_time_between_graph_steps_and_eager_forwards() -> None:
+    timing = {"forwards": 100.0, "graph_forwards": 96.0, "host_seconds": 0.00696,
+              "host_graph_seconds": 0.00576}
+    assert hooks_line({"timing": timing}) == (
+        "hooks: 60.0 µs a decode graph step (96), 300.0 µs an eager forward (4)")
+    assert hooks_line({"timing": timing | {"graph_forwards": 0.0, "host_graph_seconds": 0.0}}
+                      ) == "hooks: - a decode graph step (0), 69.6 µs an eager forward (100)"
+    older = {k: v for k, v in timing.items() if k != "graph_forwards"}
+    assert hooks_line({"timing": older}) is None
+    assert hooks_line({}) is None
 
 
 def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
