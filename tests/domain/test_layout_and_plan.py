@@ -257,6 +257,11 @@ def test_a_decode_layout_follows_the_one_before_it_by_run_or_by_positions() -> N
     assert fresh.run != first.run
     assert fresh.follows(first)
     assert not fresh.follows(moved)
+    assert moved.moved_on_from(first)
+    assert moved.with_padding(8).moved_on_from(first)
+    assert not fresh.moved_on_from(first)  # it follows, by positions only
+    assert not moved.moved_on().moved_on_from(first)
+    assert not first.moved_on_from(moved)
     assert not BatchLayout.decode(["a", "c"], [5, 10]).follows(first)  # other requests
     assert not BatchLayout.extend(["a", "b"], [4, 9], [1, 1]).follows(first)  # not decode
     with pytest.raises(CommitError, match="3 positions for a decode batch of 2"):

@@ -123,9 +123,15 @@ class BatchLayout:
         position by position."""
         if self.kind is not ForwardKind.DECODE or other.kind is not ForwardKind.DECODE:
             return False
-        if self.run == other.run != 0 and self.run_step == other.run_step + 1:
+        if self.moved_on_from(other):
             return True
         return self.request_ids == other.request_ids and one_further(self.starts, other.starts)
+
+    def moved_on_from(self, other: BatchLayout) -> bool:
+        """True when this layout was :meth:`moved_on` from ``other`` (the same :attr:`run`,
+        its next :attr:`run_step`): the same requests, rows and emitting requests, each
+        one position further. O(1)."""
+        return self.run == other.run != 0 and self.run_step == other.run_step + 1
 
     def positions(self) -> list[tuple[str, int]]:
         """``(request_id, position)`` of every real row, in row order."""

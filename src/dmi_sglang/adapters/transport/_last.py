@@ -156,7 +156,7 @@ class _Run:
         if batch.padded_batch_size != before.padded_batch_size or (
                 plan.layout.request_ids != self.captured):
             return False
-        if before.run == batch.run != 0 and batch.run_step == before.run_step + 1:
+        if batch.moved_on_from(before):
             return True  # moved on from the run's uniform batch: uniform, one further
         return batch.is_uniform_decode and batch.follows(before)
 
