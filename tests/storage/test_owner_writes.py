@@ -460,6 +460,25 @@ def test_closing_an_idle_service_wakes_its_thread(private: Path,
     service.close()  # again: nothing left to close
 
 
+def test_a_service_whose_caller_has_its_answers_closes_without_the_grace(
+        private: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close(answered=True)``: the service's one caller ended it after its last call
+    returned (a stop releasing its store owner), so no answer is on its way and the socket
+    closes without the grace such an answer gets; a plain close keeps the grace."""
+    from dmi_sglang.adapters.owner import _service
+
+    monkeypatch.setattr(_service, "LATE_ANSWER_GRACE_S", 2.0)
+    took = {}
+    for answered in (True, False):
+        service = SinkService(_Held(), f"ipc://{private}/writes-{answered}")
+        RemoteSink(service.address, timeout_s=30).flush()  # answered just now
+        t0 = time.monotonic()
+        service.close(answered=answered)
+        took[answered] = time.monotonic() - t0
+    assert took[True] < 1.0, took
+    assert took[False] >= 1.5, took
+
+
 def test_a_store_that_fails_behind_the_owner_records_the_run_failed(
         private: Path, store: StoreConfig) -> None:
     """The real sink behind the write channel fails its inserts: the caller's stop, as

@@ -5,12 +5,14 @@ run's sink closes, and never on Ctrl-C (its parent's death:
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,41 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     for name, whole in whole_tensors().items():
         assert torch.equal(handle.get(name, 0), whole), name
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
+
+
+def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ending an owner waits for its exit on a pidfd, woken by the exit itself:
+    ``Popen.wait`` with a timeout sleeps between checks (up to 50 ms each), so a stop
+    returned that much after the store was free. Where there is no pidfd it still waits
+    for the exit, and the exit status is the owner's either way."""
+    from dmi_sglang.app import store_owner
+
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        pytest.skip("no pidfd on this system")
+    real_sleep = time.sleep
+    for pidfd in (True, False):
+        owner = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(0.3); "
+             "sys.exit(7)"], stdin=subprocess.PIPE)
+        slept: list[float] = []
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "sleep", functools.partial(_noted_sleep, slept, real_sleep))
+            if not pidfd:
+                patch.setattr(os, "pidfd_open", _no_pidfd, raising=False)
+            code = store_owner._stop(owner, None, 60.0, release=False)
+        assert code == 7
+        assert bool(slept) is not pidfd, slept
+
+
+def _noted_sleep(slept: list[float], sleep: Callable[[float], None], seconds: float) -> None:
+    slept.append(seconds)
+    sleep(seconds)
+
+
+def _no_pidfd(pid: int) -> int:
+    raise OSError(38, "Function not implemented")
 
 
 def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) -> None:

@@ -188,8 +188,10 @@ def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float
         process.stdin.close()
     if release and process.poll() is None:
         process.send_signal(RELEASE_SIGNAL)
+    deadline = time.monotonic() + wait_s
+    _until_exit(process.pid, wait_s)
     try:
-        return process.wait(wait_s)
+        return process.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -293,9 +295,10 @@ def _remove_directory(directory: str) -> None:
 class Service(Protocol):
     """One of the owner's channels: it stops answering at :meth:`close`."""
 
-    def close(self, *, wait_forever: bool = False) -> None:
+    def close(self, *, wait_forever: bool = False, answered: bool = False) -> None:
         """Stop answering: the call in hand is answered first (waiting a bounded time,
-        or however long it takes with ``wait_forever``)."""
+        or however long it takes with ``wait_forever``); ``answered``: every caller has
+        its answers already, so none needs time to reach its caller."""
 
 
 OpenServices = Callable[[Settings, str, str], tuple[RecordSink, Sequence[Service]]]
@@ -325,7 +328,10 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
         return 1
     _tell(args.ready_fd, _READY)
     _serve_until_released(args.parent, released)
-    services[0].close(wait_forever=True)  # no more writes; the call in hand is finished first
+    # No more writes; the call in hand is finished first. The write channel's one caller
+    # released this process after its last call returned (or is gone): no answer of it
+    # is on its way, so the socket closes without a grace for one.
+    services[0].close(wait_forever=True, answered=True)
     code = 0
     try:
         sink.close()
@@ -339,6 +345,23 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
         _remove_directory(channels)
     log.info("dmi.store_owner_ended", pid=os.getpid(), status=code)
     return code
+
+
+def _until_exit(pid: int, wait_s: float) -> None:
+    """Return once process ``pid`` (a child not reaped yet) exited, or after ``wait_s``:
+    woken by the exit itself through a pidfd (Linux), where ``Popen.wait`` with a timeout
+    checks at growing intervals of up to 50 ms, late by that much. Returns at once where
+    there is no pidfd (the caller's ``Popen.wait`` then waits alone)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or the child was reaped already
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # readable once the process has exited
+        poller.poll(max(0, int(wait_s * 1000)))
+    finally:
+        os.close(fd)
 
 
 def _serve_until_released(parent: int, released: threading.Event) -> None:

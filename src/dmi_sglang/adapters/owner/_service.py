@@ -102,20 +102,24 @@ class SocketService:
         self._inode = os.lstat(address.removeprefix("ipc://")).st_ino
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
+        self._no_grace = False
         self.answered = 0
         """Requests answered so far."""
         self._thread = OsNamedThread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def close(self, *, wait_forever: bool = False) -> None:
+    def close(self, *, wait_forever: bool = False, answered: bool = False) -> None:
         """Stop answering: returns once the request in hand (if any) is answered, or
         after :data:`CLOSE_WAIT_S` unless ``wait_forever`` (a timeout is logged and the
         thread ends when that request does); the socket's file is removed, so the address
-        can be served again. Closing twice, or from the service's own thread, does no
-        harm."""
+        can be served again. ``answered``: every caller has its answers (the only one
+        ended the service after its last call returned), so the last answer needs no
+        grace (:data:`LATE_ANSWER_GRACE_S`) before the socket closes. Closing twice, or
+        from the service's own thread, does no harm."""
         with self._close_lock:  # one caller closes the pipe's write end, once
             if self._closed.is_set():
                 return
+            self._no_grace = answered
             self._closed.set()
             with contextlib.suppress(OSError):  # a thread that ended closed the read end
                 os.write(self._wake_write, b"\0")
@@ -165,7 +169,7 @@ class SocketService:
                 with contextlib.suppress(Exception):  # grace to write out: wait for it
                     last.wait(CLOSE_WAIT_S)
             left = answered_at + LATE_ANSWER_GRACE_S - time.monotonic()
-            if left > 0:  # let the last answer reach its caller first
+            if left > 0 and not self._no_grace:  # let the last answer reach its caller
                 time.sleep(left)
             self._socket.close(linger=_FLUSH_AT_CLOSE_MS)
             os.close(self._wake_read)
