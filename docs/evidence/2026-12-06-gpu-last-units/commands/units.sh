@@ -8,8 +8,10 @@
 # /root/w):
 #   S0=$SECONDS; source .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;
 #   DMI_COMMIT=<this checkout's HEAD> DEADLINE=$((575 - (SECONDS - S0))) bash docs/evidence/2026-12-06-gpu-last-units/commands/units.sh
-# What ran here: the command as written. The next lease (not run yet):
-#   FLASHINFER=1 NAME=selective HS_REPEATS=3 MODES='store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer]' DMI_COMMIT=... DEADLINE=... bash .../units.sh
+# EXTRA_MODES: one unit each, after MODES' units and before hidden-states (HS_REPEATS=0:
+# none of those). What ran here: the command as written. Later leases set the variables
+# (their evidence READMEs give them), e.g.
+#   FLASHINFER=1 NAME=selective HS_REPEATS=0 MODES='store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer]' EXTRA_MODES='store:resid_pre@0:last' DMI_COMMIT=... DEADLINE=... bash .../units.sh
 set -o pipefail
 S=$SECONDS; budget=${DEADLINE:-560}; W=/root/w; mkdir -p "$OUT/logs" "$W"
 export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1
@@ -38,7 +40,11 @@ if [ ! -f "$W/$NAME-done" ] && [ "$(left)" -ge 170 ]; then
     DEADLINE=$(left) bash $serve "$NAME" "$MODES" "$REPEATS"
     all_units "$NAME" "$REPEATS" && touch "$W/$NAME-done"
 fi
-if [ -f "$W/$NAME-done" ] && [ "$(left)" -ge 170 ]; then
+if [ -n "${EXTRA_MODES:-}" ] && [ -f "$W/$NAME-done" ] && [ ! -f "$W/extra-done" ] && [ "$(left)" -ge 170 ]; then
+    DEADLINE=$(left) bash $serve extra "$EXTRA_MODES" 1  # one unit each, after the cells
+    all_units extra 1 && touch "$W/extra-done"
+fi
+if [ "$HS_REPEATS" -gt 0 ] && [ -f "$W/$NAME-done" ] && [ "$(left)" -ge 170 ]; then
     DEADLINE=$(left) bash $serve hs 'transport:hidden-states' "$HS_REPEATS"
 fi
 echo "left $(left) s"
