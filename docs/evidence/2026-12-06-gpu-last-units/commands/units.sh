@@ -7,7 +7,9 @@
 # One call after the kit is stashed, repeated (steps once per machine; units resume from
 # /root/w):
 #   S0=$SECONDS; source .gpu-kit/bin/device-install.sh > $OUT/kit.log 2>&1 || exit 3;
-#   DMI_COMMIT=<this checkout's HEAD> DEADLINE=$((575 - (SECONDS - S0))) bash docs/evidence/2026-12-06-gpu-last-units/commands/units.sh
+#   DMI_COMMIT=<this checkout's HEAD> DEADLINE=$((540 - (SECONDS - S0))) bash docs/evidence/2026-12-06-gpu-last-units/commands/units.sh
+# (575 ran here; 540 since ../../2026-12-06-h100-selective-noisy-host/: the harness may
+# end a few tens of seconds past its deadline, and the device ends a call at 600 s)
 # EXTRA_MODES: one unit each, after MODES' units and before hidden-states (HS_REPEATS=0:
 # none of those). What ran here: the command as written. Later leases set the variables
 # (their evidence READMEs give them), e.g.
