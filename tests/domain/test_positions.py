@@ -196,6 +196,14 @@ def test_a_read_plan_holds_one_final_row_per_request_of_each_last_capture() -> N
     assert plan.total_bytes == 2 * (2 * 8 * 2) + 2 * 10 * 4  # bf16 and fp32 rows, aligned
     with pytest.raises(ValueError, match="needs reads and captures with the last rule"):
         make_read_plan([("a", 1)], parse_selection("final_ln").resolve(HOOKS), SHAPE)
+    # another read of as many requests shares the placement, never the requests' rows
+    again = make_read_plan([("c", 9), ("d", 4)], sel, SHAPE)
+    assert again.shares_structure(plan)
+    assert not make_read_plan([("c", 9)], sel, SHAPE).shares_structure(plan)
+    assert [(s.request_id, s.start) for s in again.slices(again.segments[0])] == [
+        ("c", 9), ("d", 4)]
+    assert [(s.request_id, s.start) for s in plan.slices(plan.segments[0])] == [
+        ("a", 6), ("b", 2)]
     # which rows of a forward decide a token: a chunk that ends the prompt, every decode row
     lay = BatchLayout.extend(["x", "y", "z"], [0, 0, 4], [3, 2, 1], seq_lens=[3, 4, 5])
     assert emitting_rows(lay) == ((2, 0, "x", 2), (5, 2, "z", 4))

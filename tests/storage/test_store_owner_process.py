@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPa
              "sys.exit(7)"], stdin=subprocess.PIPE)
         slept: list[float] = []
         with monkeypatch.context() as patch:
-            patch.setattr(time, "sleep", functools.partial(_noted_sleep, slept, real_sleep))
+            patch.setattr(time, "sleep", functools.partial(
+                _noted_sleep, slept, real_sleep, threading.get_ident()))
             if not pidfd:
                 patch.setattr(os, "pidfd_open", _no_pidfd, raising=False)
             code = store_owner._stop(owner, None, 60.0, release=False)
@@ -81,13 +83,62 @@ def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPa
         assert bool(slept) is not pidfd, slept
 
 
-def _noted_sleep(slept: list[float], sleep: Callable[[float], None], seconds: float) -> None:
-    slept.append(seconds)
+def test_an_owner_reaped_before_its_end_is_not_waited_for_by_its_pid(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that exited and was reaped already (``OwnedSink.failure`` polls it): its
+    pid may name another process by now, so no pidfd is opened for it; its status stands."""
+    from dmi_sglang.app import store_owner
+
+    owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(5)"],
+                             stdin=subprocess.PIPE)
+    assert owner.wait(60) == 5
+    monkeypatch.setattr(os, "pidfd_open", _must_not_open, raising=False)
+    assert store_owner._stop(owner, None, 60.0, release=True) == 5
+
+
+def test_a_released_owner_closes_its_write_channel_its_sink_then_its_reads() -> None:
+    """The write channel closes first (its call in hand finished), without the grace for
+    an answer on its way only when the parent said it is the channel's sole writer; then
+    the sink; then the read channels, with their grace (a server's readers are others),
+    also after a sink that failed to close (status 1)."""
+    from dmi_sglang.app.store_owner import close_owned
+
+    for sole_writer, sink_fails in ((True, False), (False, False), (True, True)):
+        calls: list[tuple[str, dict[str, bool]]] = []
+        code = close_owned(_Closing("sink", calls, fails=sink_fails),
+                           [_Closing("writes", calls), _Closing("reads", calls)],
+                           sole_writer=sole_writer)
+        assert calls == [("writes", {"wait_forever": True, "answered": sole_writer}),
+                         ("sink", {}), ("reads", {})]
+        assert code == int(sink_fails)
+
+
+class _Closing:
+    """A sink or a channel that notes its close (and its keywords) in ``calls``."""
+
+    def __init__(self, name: str, calls: list[tuple[str, dict[str, bool]]], *,
+                 fails: bool = False) -> None:
+        self.name, self.calls, self.fails = name, calls, fails
+
+    def close(self, **kw: bool) -> None:
+        self.calls.append((self.name, kw))
+        if self.fails:
+            raise StoreError("the store went away")
+
+
+def _noted_sleep(slept: list[float], sleep: Callable[[float], None], thread: int,
+                 seconds: float) -> None:
+    if threading.get_ident() == thread:  # another test's daemon thread may sleep too
+        slept.append(seconds)
     sleep(seconds)
 
 
 def _no_pidfd(pid: int) -> int:
     raise OSError(38, "Function not implemented")
+
+
+def _must_not_open(pid: int) -> int:
+    raise AssertionError(f"a pidfd was opened for pid {pid}, reaped already")
 
 
 def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) -> None:

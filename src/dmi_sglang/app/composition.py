@@ -121,7 +121,9 @@ def open_capture_sink(settings: Settings, read_address: str = "") -> RecordSink:
         def remote(address: str) -> RecordSink:  # with a shared ring of DMX_OWNER_RING_MB
             return RemoteSink(address, shared_bytes=settings.owner_ring_mb << 20)
 
-        return open_owned_sink(settings, read_address, remote)
+        # the scheduler's sink is the owner's only writer: one rank (the support rules
+        # admit no other)
+        return open_owned_sink(settings, read_address, remote, sole_writer=True)
     return open_sink(settings.store())
 
 

@@ -49,7 +49,7 @@ from dmi_sglang.domain.store_config import channel_directory
 from dmi_sglang.errors import StoreError
 
 __all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "RELEASE_SIGNAL", "OpenServices",
-           "OwnedSink", "Service", "open_owned_sink", "run_owner"]
+           "OwnedSink", "Service", "close_owned", "open_owned_sink", "run_owner"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,9 @@ _READY = "ready"
 _FAILED = "error: "
 _CHANNELS_PREFIX = "dmi-owner-"
 _PARENT_POLL_S = 1.0
+_POLL_MS_MAX = 2**31 - 1
+"""The longest timeout ``poll`` takes (ms)."""
+_SOLE_WRITER = "--sole-writer"
 RELEASE_SIGNAL = signal.SIGUSR1
 """What the parent sends, besides closing stdin, to end an owner it no longer needs."""
 _START_FAILED_EXIT_S = 10.0
@@ -188,10 +191,13 @@ def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float
         process.stdin.close()
     if release and process.poll() is None:
         process.send_signal(RELEASE_SIGNAL)
-    deadline = time.monotonic() + wait_s
-    _until_exit(process.pid, wait_s)
     try:
-        return process.wait(max(0.0, deadline - time.monotonic()))
+        began = time.monotonic()
+        woken = _until_exit(process, wait_s)
+        code = process.wait(max(0.0, began + wait_s - time.monotonic()))
+        log.debug("dmi.store_owner_exited", pid=process.pid, status=code,
+                  waited_s=round(time.monotonic() - began, 4), pidfd=woken)
+        return code
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -209,12 +215,15 @@ def _without_settings(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def open_owned_sink(settings: Settings, read_address: str,
-                    remote: Callable[[str], RecordSink]) -> OwnedSink:
+                    remote: Callable[[str], RecordSink], *,
+                    sole_writer: bool = False) -> OwnedSink:
     """Start a store owner for ``settings``' embedded store and return the sink that writes
     through it (``remote(address)``: the proxy of its write channel); with
     ``read_address`` the owner also answers a server's reads there, and its write channel
     shares that address's directory (which the server removes at its end, also when
-    SGLang's shutdown kills the owner).
+    SGLang's shutdown kills the owner). ``sole_writer``: the returned sink is the only
+    writer through that channel (one rank), so the owner closes it without a grace for
+    answers on their way (:func:`close_owned`); ranks sharing an owner must not say so.
 
     Raises:
         StoreError: the owner could not open the store or bind its channels (its own
@@ -227,6 +236,8 @@ def open_owned_sink(settings: Settings, read_address: str,
             "--parent", str(os.getpid())]
     if read_address:
         argv += ["--reads", read_address]
+    if sole_writer:
+        argv.append(_SOLE_WRITER)
     ready_r, ready_w = os.pipe()
     try:
         process = subprocess.Popen(
@@ -315,6 +326,7 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     parser.add_argument("--reads", default="")
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument(_SOLE_WRITER, action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it (module docstring)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -328,10 +340,22 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
         return 1
     _tell(args.ready_fd, _READY)
     _serve_until_released(args.parent, released)
-    # No more writes; the call in hand is finished first. The write channel's one caller
-    # released this process after its last call returned (or is gone): no answer of it
-    # is on its way, so the socket closes without a grace for one.
-    services[0].close(wait_forever=True, answered=True)
+    code = close_owned(sink, services, sole_writer=args.sole_writer)
+    channels = os.path.dirname(args.writes.removeprefix("ipc://"))
+    if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
+        _remove_directory(channels)
+    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code)
+    return code
+
+
+def close_owned(sink: RecordSink, services: Sequence[Service], *, sole_writer: bool) -> int:
+    """What a released owner closes, in order: its write channel (the call in hand is
+    finished first), its sink, its other channels; 0 when the sink closed cleanly, else
+    1 (logged). With ``sole_writer`` the write channel's one caller released this process
+    after its last call returned (or is gone), so no answer of it is on its way and that
+    socket closes without the grace one gets; the read channels keep theirs (a server's
+    readers are others)."""
+    services[0].close(wait_forever=True, answered=sole_writer)
     code = 0
     try:
         sink.close()
@@ -340,26 +364,28 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
         code = 1
     for service in services[1:]:
         service.close()
-    channels = os.path.dirname(args.writes.removeprefix("ipc://"))
-    if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
-        _remove_directory(channels)
-    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code)
     return code
 
 
-def _until_exit(pid: int, wait_s: float) -> None:
-    """Return once process ``pid`` (a child not reaped yet) exited, or after ``wait_s``:
-    woken by the exit itself through a pidfd (Linux), where ``Popen.wait`` with a timeout
-    checks at growing intervals of up to 50 ms, late by that much. Returns at once where
-    there is no pidfd (the caller's ``Popen.wait`` then waits alone)."""
+def _until_exit(process: subprocess.Popen[bytes], wait_s: float) -> bool:
+    """Wait until the child ``process`` exited, or ``wait_s`` passed: woken by the exit
+    itself through a pidfd (Linux), where ``Popen.wait`` with a timeout checks at growing
+    intervals of up to 50 ms, late by that much. True when it waited on a pidfd; False
+    (at once) where there is none, or the child was reaped already (then its pid may
+    name another process): the caller's ``Popen.wait`` waits alone."""
+    if process.returncode is not None:
+        return False
     try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd here, or the child was reaped already
-        return
+        fd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # no pidfd here, or the pid is gone
+        return False
     try:
+        if process.poll() is not None:  # reaped meanwhile: the pidfd may be another's
+            return False
         poller = select.poll()
         poller.register(fd, select.POLLIN)  # readable once the process has exited
-        poller.poll(max(0, int(wait_s * 1000)))
+        poller.poll(min(max(0, int(wait_s * 1000)), _POLL_MS_MAX))
+        return True
     finally:
         os.close(fd)
 

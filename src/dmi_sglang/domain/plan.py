@@ -406,16 +406,11 @@ def make_read_plan(reads: Sequence[tuple[str, int]], selection: Selection,
     Raises:
         ValueError: no reads, or no capture of the selection has the ``last`` rule.
     """
-    captures = selection.captures_kept_by(PositionRule.LAST)
-    if not reads or not captures:
+    if not reads or not selection.captures_kept_by(PositionRule.LAST):
         msg = "a read plan needs reads and captures with the last rule"
         raise ValueError(msg)
     n = len(reads)
-    segments = [Segment(hook, layer, shape.capture_row(selection, hook, layer), n, n, n,
-                        None, 0, _LAST) for hook, layer in captures]
-    placed, total = _place(segments, alignment)
-    index = {(seg.hook.name, seg.layer_no): seg for seg in placed}
-    structure = _Structure(placed, index, total, sum(s.kept_bytes for s in placed))
+    structure = _read_structure(selection, shape, n, alignment)
     rids = [rid for rid, _ in reads]
     layout = BatchLayout.extend(rids, [p for _, p in reads], [1] * n)
     plan = CommitPlan(layout, False, True, alignment, structure)
@@ -423,6 +418,19 @@ def make_read_plan(reads: Sequence[tuple[str, int]], selection: Selection,
     for basis in RowBasis:
         plan._slices[(basis, _LAST)] = slices  # the plan's own cache
     return plan
+
+
+@functools.lru_cache(maxsize=8)
+def _read_structure(selection: Selection, shape: ModelShape, n: int,
+                    alignment: int) -> _Structure:
+    """The structure of a read plan of ``n`` requests (the same for every read of as many:
+    finished requests mostly leave a steady batch together, in reads of equal size)."""
+    captures = selection.captures_kept_by(PositionRule.LAST)
+    segments = [Segment(hook, layer, shape.capture_row(selection, hook, layer), n, n, n,
+                        None, 0, _LAST) for hook, layer in captures]
+    placed, total = _place(segments, alignment)
+    index = {(seg.hook.name, seg.layer_no): seg for seg in placed}
+    return _Structure(placed, index, total, sum(s.kept_bytes for s in placed))
 
 
 def _place(segments: Sequence[Segment], alignment: int) -> tuple[tuple[Segment, ...], int]:

@@ -15,7 +15,7 @@
 # (their evidence READMEs give them), e.g.
 #   FLASHINFER=1 NAME=selective HS_REPEATS=0 MODES='store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer]' EXTRA_MODES='store:resid_pre@0:last' DMI_COMMIT=... DEADLINE=... bash .../units.sh
 set -o pipefail
-S=$SECONDS; budget=${DEADLINE:-560}; W=/root/w; mkdir -p "$OUT/logs" "$W"
+S=$SECONDS; budget=${DEADLINE:-540}; W=/root/w; mkdir -p "$OUT/logs" "$W"
 export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1
 : "${MODES:=store:resid_pre:last}" "${NAME:=last}" "${REPEATS:=3}" "${HS_REPEATS:=1}"
 left() { echo $((budget - (SECONDS - S))); }
@@ -42,9 +42,9 @@ if [ ! -f "$W/$NAME-done" ] && [ "$(left)" -ge 170 ]; then
     DEADLINE=$(left) bash $serve "$NAME" "$MODES" "$REPEATS"
     all_units "$NAME" "$REPEATS" && touch "$W/$NAME-done"
 fi
-if [ -n "${EXTRA_MODES:-}" ] && [ -f "$W/$NAME-done" ] && [ ! -f "$W/extra-done" ] && [ "$(left)" -ge 170 ]; then
-    DEADLINE=$(left) bash $serve extra "$EXTRA_MODES" 1  # one unit each, after the cells
-    all_units extra 1 && touch "$W/extra-done"
+if [ -n "${EXTRA_MODES:-}" ] && [ -f "$W/$NAME-done" ] && [ ! -f "$W/$NAME-extra-done" ] && [ "$(left)" -ge 170 ]; then
+    DEADLINE=$(left) bash $serve "$NAME-extra" "$EXTRA_MODES" 1  # one unit each, after the cells
+    all_units "$NAME-extra" 1 && touch "$W/$NAME-extra-done"
 fi
 if [ "$HS_REPEATS" -gt 0 ] && [ -f "$W/$NAME-done" ] && [ "$(left)" -ge 170 ]; then
     DEADLINE=$(left) bash $serve hs 'transport:hidden-states' "$HS_REPEATS"
