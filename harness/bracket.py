@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.constants import SHUTDOWN_GRACE_S
 from harness.engine import EngineError, EngineProcess
 from harness.results import Deadline, Json
 from harness.workloads import Workload
@@ -40,6 +41,12 @@ class Bracket:
 
     def _timeout(self) -> float | None:
         return self.deadline.timeout()
+
+    def _grace(self) -> float:
+        """How long an engine may take to shut down politely: what is left before the
+        deadline (none once it passed: the engine is killed at once, so the invocation
+        ends when it should), at most :data:`~harness.constants.SHUTDOWN_GRACE_S`."""
+        return min(SHUTDOWN_GRACE_S, max(0.0, self.deadline.left()))
 
     def start(self) -> Json:
         """Start the stock engine, run its warm-ups, probe D2H; its ``ready`` reply."""
@@ -96,14 +103,14 @@ class Bracket:
             if monitored:
                 measured["stop"] = engine.request("stop", self._timeout())
         finally:
-            measured.update(engine.close())
+            measured.update(engine.close(self._grace()))
         after = self._run_stock(stock_timed)
         return {"stock_before": before, "measured": measured, "stock_after": after}
 
     def close(self) -> None:
         """Shut the stock engine down."""
         if self.stock is not None:
-            self.stock.close()
+            self.stock.close(self._grace())
             self.stock = None
             self._last = None
 

@@ -3,7 +3,8 @@
 Output ids are a pure function of the prompt, so stock and "monitored" engines agree;
 ``FAKE_DIVERGE=1`` changes the first output id of every monitored request,
 ``FAKE_DROP_ROWS=N`` under-reports the captured rows by N (rows incomplete),
-``FAKE_RUN_FAULT=raise|exit|hang`` makes ``generate`` raise, exit the process or hang. With
+``FAKE_RUN_FAULT=raise|exit|hang`` makes ``generate`` raise, exit the process or hang,
+``FAKE_SHUTDOWN_S=S`` makes ``shutdown`` take S seconds. With
 ``DMX_SGLANG_ENABLE=1`` the stop RPC logs the ``dmi.stopped`` statistics a complete
 capture of every request served (of the sampled ones under ``DMX_REQUEST_SAMPLE``) would
 have, in SGLang's console log format; with an
@@ -169,4 +170,4 @@ class FakeEngine:
         return stored
 
     def shutdown(self) -> None:
-        pass
+        time.sleep(float(os.environ.get("FAKE_SHUTDOWN_S", "0")))

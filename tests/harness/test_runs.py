@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,31 @@ def test_a_failing_engine_child_is_reported_not_waited_for(
     assert child.close()["leftover_processes"] in (True, False)
     assert child.proc is not None
     assert child.proc.poll() is not None  # nothing of it is left running
+
+
+def test_past_the_deadline_an_engine_is_killed_not_waited_for_to_shut_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bracket whose deadline passed closes its engines at once: a polite shutdown
+    (up to two minutes, SGLang's can take tens of seconds) ran the invocation past its
+    deadline, into the device call's own limit, which ended it before it wrote its
+    result. Before the deadline the shutdown is still polite."""
+    from harness.bracket import Bracket
+    from harness.results import Deadline
+
+    monkeypatch.setenv("FAKE_SHUTDOWN_S", "8")
+    took = {}
+    for budget in (6.0, 3600.0):  # time to start the engine, then the deadline passes
+        deadline = Deadline(budget_s=budget)
+        bracket = Bracket("k", _child(tmp_path).spec, [], workdir=tmp_path / "engines",
+                          deadline=deadline)
+        bracket.start()
+        while budget < 60 and deadline.left() > 0:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        bracket.close()
+        took[budget] = time.monotonic() - t0
+    assert took[6.0] < 6, took  # killed (the kill waits 2 s for the GPU's memory)
+    assert took[3600.0] >= 8, took  # a shutdown that takes its time, before the deadline
 
 
 def test_leftover_engines_of_an_interrupted_run_are_killed(tmp_path: Path) -> None:
