@@ -18,13 +18,13 @@
 * through the store owner: the ingest of the widest payload with the most writers as a
   capture makes it, through the store owner process a scheduler starts
   (``open_capture_sink``), timed from the run's start until ``close`` returned (the
-  owner ended), against the same direct ingest, each in a new process (both start the
+  owner closed the store), against the same direct ingest, each in a new process (both start the
   embedded engine cold, which costs the first GB or so): MB/s, CPU seconds per GB of the
   calling process (a scheduler's share: the write channel's sends) and of the owner (from
   its ready to its exit), and the two parts of a capture's stop that wait for the owner:
   ``finish_run`` (flush, manifests, the run's end, the sync) and ``close`` (until the
-  owner exited and the store is free), ``--repeat`` runs each; and the same through the
-  owner with a shared ring of ``DMX_CH_QUEUE_MB`` (``DMX_OWNER_RING_MB``).
+  owner said it closed the store: free for the next opener), ``--repeat`` runs each;
+  and the same through the owner with a shared ring of ``DMX_CH_QUEUE_MB`` (``DMX_OWNER_RING_MB``).
 * the owner's write channel alone: the same ingest's batches put through a
   :class:`RemoteSink` to an owner process whose sink keeps nothing, through its socket and
   through a shared ring of ``DMX_CH_QUEUE_MB`` (what a capture uses), each ``--repeat``
@@ -243,9 +243,9 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
                          ring_mb: int = 0, batch_mb: int = BATCH_MB) -> Json:
     """The same ingest as a capture makes it: through the store owner process that a
     scheduler starts (``open_capture_sink``; with ``ring_mb``, ``DMX_OWNER_RING_MB``),
-    timed from the run's start until ``close`` returned (the owner ended); CPU seconds per
-    GB of this process (the scheduler's side) and of the owner (a child: what it used
-    from its ready to its exit)."""
+    timed from the run's start until ``close`` returned (the owner closed the store); CPU
+    seconds per GB of this process (the scheduler's side) and of the owner (a child:
+    what it used from its ready to its exit)."""
     path = root / f"owner-ingest-{size}-{writers}-{rep}-{ring_mb}"
     batches, records, captured, run = _ingest_input(size, total, batch_mb)
     settings = Settings.from_kwargs(
@@ -577,7 +577,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                   "cpu s/GB (this process)": through_owner["cpu_s_per_GB"],
                   "owner cpu s/GB": through_owner["owner_cpu_s_per_GB"],
                   "finish_run s": through_owner["finish_run_s"],
-                  "close s (owner exit)": through_owner["close_s"],
+                  "close s (store free)": through_owner["close_s"],
                   "direct MB/s": through_owner["direct_bps"] / 1e6,
                   "direct cpu s/GB": through_owner["direct_cpu_s_per_GB"],
                   "stored": "all" if through_owner["delivered"] else "LOST"})

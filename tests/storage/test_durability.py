@@ -235,6 +235,72 @@ def test_sync_tree_syncs_files_changed_since_and_their_directories(
     assert (report.files, report.directories, report.nbytes) == (2, 4, 101)
 
 
+def _age(*paths: Path, seconds: int = 60) -> None:
+    past = time.time_ns() - seconds * 10**9
+    for p in paths:
+        os.utime(p, ns=(past, past))
+
+
+def test_a_record_of_synced_files_leaves_out_what_is_unchanged_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "a.bin").write_bytes(b"a")
+    (part / "b.bin").write_bytes(b"b")
+    _age(part / "a.bin", part / "b.bin", part, tmp_path)
+    record = _durable.SyncedFiles(slack_ns=10**9)
+    synced = _record_fsyncs(monkeypatch)
+    first = sync_tree(str(tmp_path), 0, record)
+    assert set(synced) == {str(part / "a.bin"), str(part / "b.bin"), str(part), str(tmp_path)}
+    assert (first.files, first.directories, first.skipped) == (2, 2, 0)
+    synced.clear()
+    again = sync_tree(str(tmp_path), 0, record)  # nothing changed: nothing to sync
+    assert synced == []
+    assert (again.files, again.directories, again.skipped) == (0, 0, 4)
+    (part / "a.bin").write_bytes(b"changed")  # rewritten: synced again
+    (part / "new.bin").write_bytes(b"n")  # a new file: it and its directory
+    third = sync_tree(str(tmp_path), 0, record)
+    assert set(synced) == {str(part / "a.bin"), str(part / "new.bin"), str(part)}
+    assert third.skipped == 2  # b.bin and the root
+    synced.clear()
+    fourth = sync_tree(str(tmp_path), 0, record)  # changed within the slack: not recorded
+    assert set(synced) == {str(part / "a.bin"), str(part / "new.bin"), str(part)}
+    assert fourth.skipped == 2
+    _age(part / "a.bin", part / "new.bin", part)  # settled now (as a later sync sees it)
+    synced.clear()
+    sync_tree(str(tmp_path), 0, record)
+    assert set(synced) == {str(part / "a.bin"), str(part / "new.bin"), str(part)}
+    synced.clear()
+    sync_tree(str(tmp_path), 0, record)
+    assert synced == []
+
+
+def test_a_record_survives_a_later_cutoff_and_a_failed_sync_leaves_it_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "old.bin").write_bytes(b"o")
+    _age(tmp_path / "old.bin", tmp_path)
+    record = _durable.SyncedFiles(slack_ns=10**9)
+    sync_tree(str(tmp_path), 0, record)
+    late = time.time_ns()
+    sync_tree(str(tmp_path), late, record)  # old.bin is before this cutoff: still recorded
+    synced = _record_fsyncs(monkeypatch)
+    assert sync_tree(str(tmp_path), 0, record).skipped == 2
+    assert synced == []
+    (tmp_path / "new.bin").write_bytes(b"n")
+    _age(tmp_path / "new.bin", tmp_path)
+    kept = dict(record.keys)
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_durable.os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        sync_tree(str(tmp_path), 0, record)
+    assert record.keys == kept  # new.bin and the root are not taken for durable
+
+
 def _unlistable(monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]) -> list[str]:
     """Directories for which ``which`` is true fail to list (EIO); the list of those
     asked for."""
@@ -373,12 +439,13 @@ def _record_passes(monkeypatch: pytest.MonkeyPatch, *, blind: bool = False) -> l
     real = _sink.sync_tree
     passes: list[int] = []
 
-    def sync_tree(root: str, since_ns: int) -> _durable.SyncReport:
+    def sync_tree(root: str, since_ns: int,
+                  synced: _durable.SyncedFiles | None = None) -> _durable.SyncReport:
         if threading.current_thread().name == "dmi-sink-sync":
             passes.append(since_ns)
             if blind:
                 return _durable.SyncReport(0, 0, 0, 0.001)
-        return real(root, since_ns)
+        return real(root, since_ns, synced)
 
     monkeypatch.setattr(_sink, "sync_tree", sync_tree)
     return passes
@@ -388,10 +455,13 @@ def _sync_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dmi-sink-sync"]
 
 
-def test_a_capturing_run_is_synced_in_the_background_and_finish_run_syncs_every_file(
+def test_a_capturing_run_is_synced_in_the_background_and_finish_run_syncs_the_rest(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The passes sync what is written while the run captures; finish_run syncs what
+    came after them, and leaves out the files a pass made durable that have not
+    changed since (settled: written longer than the slack before that pass)."""
     monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.05)
     monkeypatch.setattr(_sink, "_MTIME_SLACK_NS", 200_000_000)
     sink = open_sink()
@@ -404,14 +474,21 @@ def test_a_capturing_run_is_synced_in_the_background_and_finish_run_syncs_every_
     assert early
     assert _wait_until(lambda: early <= set(synced)
                        and sink.stats().background_sync_seconds > 0), early - set(synced)
+    time.sleep(0.3)  # the early part settles; a write makes a pass see it so
+    settled_by = len(synced)
+    sink.put(batch_of("run", "mid", RESID, 0, torch.randn(4, 8), [0, 4]))
+    sink.flush()
+    assert _wait_until(lambda: len(synced) > settled_by + 1)  # a pass after the write
+    earlier = _part_files(store)
     sink.put(batch_of("run", "late", RESID, 0, torch.randn(4, 8), [0, 4]))
     sink.flush()
-    late = _part_files(store) - early
+    late = _part_files(store) - earlier
     assert late
     before = len(synced)
-    commit(sink, run, [manifest("run", "early", 4, 1), manifest("run", "late", 4, 1)])
+    commit(sink, run, [manifest("run", r, 4, 1) for r in ("early", "mid", "late")])
     final = set(synced[before:])
-    assert early | late <= final, (early | late) - final  # whatever the passes did
+    assert not early & final, early & final  # durable and unchanged: left out
+    assert late <= final, late - final  # not settled, whatever the passes did
     assert sink.stats().sync_seconds > 0
     assert not _sync_threads()  # the passes end with the run
     assert len(ClickHouseReader(store).records("run", "late")) == 1

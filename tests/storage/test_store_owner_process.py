@@ -47,13 +47,23 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     os.kill(sink.pid, signal.SIGTERM)  # so does a group's SIGTERM: the scheduler ends it
     sink.flush()
     sink.close()
-    assert ended(sink.pid)
-    store = _settings(url).store()  # free again: this process opens it directly
+    store = _settings(url).store()  # free at once: this process opens it directly
     handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store))
     assert handle.missing == ()
     for name, whole in whole_tensors().items():
         assert torch.equal(handle.get(name, 0), whole), name
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
+    assert _ends(sink.pid)  # its exit completes on its own
+
+
+def _ends(pid: int, seconds: float = 30.0) -> bool:
+    """Process ``pid`` ends within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not ended(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,6 +91,47 @@ def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPa
             code = store_owner._stop(owner, None, 60.0, release=False)
         assert code == 7
         assert bool(slept) is not pidfd, slept
+
+
+_SAYS_CLOSED = ("import os, sys, time; fd = int(sys.argv[1]); sys.stdin.read(); "
+                "os.write(fd, b'closed 4\\n'); os.close(fd); time.sleep({}); sys.exit(4)")
+
+
+def test_an_owner_that_says_it_closed_the_store_is_not_waited_for_to_exit() -> None:
+    """The owner says on its status pipe when its store is closed (free for the next
+    opener), with the exit status it will have: the stop goes on from there, while the
+    rest of its exit (its memory unmapped) completes on its own; a thread reaps it."""
+    from dmi_sglang.app import store_owner
+
+    status_r, status_w = os.pipe()
+    owner = subprocess.Popen([sys.executable, "-c", _SAYS_CLOSED.format(3), str(status_w)],
+                             stdin=subprocess.PIPE, pass_fds=(status_w,))
+    os.close(status_w)
+    started = time.monotonic()
+    assert store_owner._stop(owner, None, 60.0, release=False, status_fd=status_r) == 4
+    assert time.monotonic() - started < 2.5  # not the 3 s it lingers after saying so
+    assert owner.returncode is None  # still exiting
+    assert _ends(owner.pid)
+    deadline = time.monotonic() + 10
+    while owner.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.returncode == 4  # reaped: no zombie left behind
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(status_r)  # closed by the stop
+
+
+def test_an_owner_that_ends_without_saying_so_is_waited_for_and_its_status_stands() -> None:
+    """An owner that exits without its last line (it crashed while closing): the stop
+    waits for its exit and reports that status."""
+    from dmi_sglang.app import store_owner
+
+    status_r, status_w = os.pipe()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(9)", str(status_w)],
+        stdin=subprocess.PIPE, pass_fds=(status_w,))
+    os.close(status_w)
+    assert store_owner._stop(owner, None, 60.0, release=False, status_fd=status_r) == 9
+    assert owner.returncode == 9
 
 
 def test_an_owner_reaped_before_its_end_is_not_waited_for_by_its_pid(
@@ -166,7 +217,7 @@ def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) 
     healthy.start_run(RUN_INFO)
     finish(healthy)
     healthy.close()  # ends the owner: its exit is not the run's failure
-    assert ended(healthy.pid)
+    assert _ends(healthy.pid)
     assert healthy.failure is None
 
 
@@ -287,7 +338,7 @@ def test_closing_ends_the_owner_while_a_forked_child_holds_its_stdin(tmp_path: P
         started = time.monotonic()
         sink.close()
         assert time.monotonic() - started < 10  # not the 600 s an unreleased owner takes
-        assert ended(sink.pid)
+        assert _ends(sink.pid)
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)

@@ -23,7 +23,10 @@ the run is stopped durably through the scheduler, which then ends the owner.
 Run as ``python -m dmi_sglang.app.store_owner_main --writes ADDRESS [--reads ADDRESS]
 --parent PID --ready-fd N`` (:func:`run_owner` with the composition root's channels), the
 run's resolved ``DMX_*`` settings in its environment (never on its command line: a store
-password must not show in a process listing).
+password must not show in a process listing). On the pipe ``N`` it tells its parent that
+it is ready (or why it is not), and at its end that it closed the store, with the exit
+status it will have: the parent's stop goes on from there, while the owner's own exit
+(its memory unmapped: tens of milliseconds) completes on its own.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dmi_sglang.domain.settings import PREFIX as SETTINGS_PREFIX
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import channel_directory
 from dmi_sglang.errors import StoreError
+from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "RELEASE_SIGNAL", "OpenServices",
            "OwnedSink", "Service", "close_owned", "open_owned_sink", "run_owner"]
@@ -61,6 +65,8 @@ OWNER_MODULE = "dmi_sglang.app.store_owner_main"
 """The module the owner process runs (``python -m``)."""
 _READY = "ready"
 _FAILED = "error: "
+_CLOSED = "closed "
+"""The owner's last line on its status pipe, before its exit status: its store is closed."""
 _CHANNELS_PREFIX = "dmi-owner-"
 _PARENT_POLL_S = 1.0
 _POLL_MS_MAX = 2**31 - 1
@@ -78,10 +84,13 @@ class OwnedSink:
     process)."""
 
     def __init__(self, remote: RecordSink, process: subprocess.Popen[bytes],
-                 directory: str | None, *, serves_reads: bool) -> None:
+                 directory: str | None, *, serves_reads: bool, status_fd: int | None = None,
+                 ) -> None:
         self._remote = remote
         self._process = process
         self._directory = directory
+        self._status_fd = status_fd
+        """The owner's status pipe: it says there when it closed the store."""
         self._serves_reads = serves_reads
         self.pid = process.pid
         """The owner process's pid."""
@@ -160,17 +169,20 @@ class OwnedSink:
             StoreError: the owner failed to close its sink, or did not exit in time.
         """
         self._ending = True
-        _end_owner(self._process, self._directory)
+        status_fd, self._status_fd = self._status_fd, None
+        _end_owner(self._process, self._directory, status_fd)
 
 
-def _end_owner(process: subprocess.Popen[bytes], directory: str | None) -> None:
-    """Release the owner and wait for its exit (killed after :data:`OWNER_EXIT_S`);
-    remove its channels' directory.
+def _end_owner(process: subprocess.Popen[bytes], directory: str | None,
+               status_fd: int | None = None) -> None:
+    """Release the owner and wait until it closed the store (it says so on
+    ``status_fd``, and exits on its own time) or exited (killed after
+    :data:`OWNER_EXIT_S`); remove its channels' directory.
 
     Raises:
         StoreError: the owner failed to close its sink, or did not exit in time.
     """
-    code = _stop(process, directory, OWNER_EXIT_S, release=True)
+    code = _stop(process, directory, OWNER_EXIT_S, release=True, status_fd=status_fd)
     if code is None:
         msg = (f"the store owner (pid {process.pid}) did not close the store within "
                f"{OWNER_EXIT_S:g} s and was killed; what it had not inserted is lost")
@@ -182,18 +194,31 @@ def _end_owner(process: subprocess.Popen[bytes], directory: str | None) -> None:
 
 
 def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float, *,
-          release: bool) -> int | None:
+          release: bool, status_fd: int | None = None) -> int | None:
     """Close the owner's stdin (and with ``release`` send :data:`RELEASE_SIGNAL`: a
-    process this one forked may hold a copy of that pipe), wait up to ``wait_s`` for its
-    exit, else kill it; remove its channels' directory. Its exit status, or None when it
-    had to be killed."""
+    process this one forked may hold a copy of that pipe), wait up to ``wait_s`` for it
+    to say on ``status_fd`` (closed here) that it closed the store, or for its exit, else
+    kill it; remove its channels' directory. Its exit status (the one it said), or None
+    when it had to be killed. An owner that said it is reaped by a thread of its own:
+    the rest of its exit (its memory unmapped) holds nothing up."""
     if process.stdin is not None and not process.stdin.closed:
         process.stdin.close()
     if release and process.poll() is None:
         process.send_signal(RELEASE_SIGNAL)
     try:
         began = time.monotonic()
-        woken = _until_exit(process, wait_s)
+        if status_fd is not None:
+            try:
+                said = _until_closed(status_fd, wait_s)
+            finally:
+                os.close(status_fd)
+            if said is not None:
+                log.debug("dmi.store_owner_closed", pid=process.pid, status=said,
+                          waited_s=round(time.monotonic() - began, 4))
+                OsNamedThread(target=process.wait, name="dmi-owner-reaper",
+                              daemon=True).start()
+                return said
+        woken = _until_exit(process, max(0.0, began + wait_s - time.monotonic()))
         code = process.wait(max(0.0, began + wait_s - time.monotonic()))
         log.debug("dmi.store_owner_exited", pid=process.pid, status=code,
                   waited_s=round(time.monotonic() - began, 4), pidfd=woken)
@@ -251,19 +276,18 @@ def open_owned_sink(settings: Settings, read_address: str,
         raise
     os.close(ready_w)
     try:
-        try:
-            answer = _read_ready(ready_r, OWNER_READY_S)
-        finally:
-            os.close(ready_r)
+        answer = _read_ready(ready_r, OWNER_READY_S)
         if answer == _READY:
             sink = OwnedSink(remote(writes), process, directory,
-                             serves_reads=bool(read_address))
+                             serves_reads=bool(read_address), status_fd=ready_r)
             log.info("dmi.store_owner_started", pid=process.pid, writes=writes,
                      reads=read_address or None)
             return sink
     except BaseException:  # it took nothing: no reason to wait long
+        os.close(ready_r)
         _stop(process, directory, _START_FAILED_EXIT_S, release=False)
         raise
+    os.close(ready_r)
     _stop(process, directory, _START_FAILED_EXIT_S, release=False)
     why = answer.removeprefix(_FAILED) or (
         f"it exited with status {process.returncode} before it was ready")
@@ -278,22 +302,42 @@ def _channels_directory(read_address: str) -> str | None:
 
 
 def _read_ready(fd: int, timeout_s: float) -> str:
-    """The owner's first line on its ready pipe (without its end), or why none came."""
+    """The owner's first line on its status pipe (without its end), or why none came."""
+    line = _read_line(fd, timeout_s)
+    return f"{_FAILED}not ready within {timeout_s:g} s" if line is None else line
+
+
+def _until_closed(fd: int, timeout_s: float) -> int | None:
+    """The exit status the owner says on its status pipe once it closed the store; None
+    when it ended without saying so (or did not within ``timeout_s``)."""
+    line = _read_line(fd, timeout_s)
+    if line is None or not line.startswith(_CLOSED):
+        return None
+    try:
+        return int(line.removeprefix(_CLOSED))
+    except ValueError:
+        return None
+
+
+def _read_line(fd: int, timeout_s: float) -> str | None:
+    """One line from the pipe ``fd`` (without its end; what came before its end, when it
+    ended without one); None when none came within ``timeout_s``. Reads one byte at a
+    time: what follows the line stays in the pipe for the next read."""
     deadline = time.monotonic() + timeout_s
-    got = b""
+    got = bytearray()
     poller = select.poll()  # not select(): a busy process's descriptors pass 1024
     poller.register(fd, select.POLLIN)
-    while b"\n" not in got:
+    while not got.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0:
-            return f"{_FAILED}not ready within {timeout_s:g} s"
-        if not poller.poll(left * 1000):
+            return None
+        if not poller.poll(min(int(left * 1000) + 1, _POLL_MS_MAX)):
             continue
-        chunk = os.read(fd, 4096)
-        if not chunk:
+        byte = os.read(fd, 1)
+        if not byte:
             break
-        got += chunk
-    return got.split(b"\n", 1)[0].decode(errors="replace")
+        got += byte
+    return got.rstrip(b"\n").decode(errors="replace")
 
 
 def _remove_directory(directory: str) -> None:
@@ -338,13 +382,16 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     except Exception as exc:  # told to the parent, which raises it
         _tell(args.ready_fd, _FAILED + " ".join(str(exc).split()))
         return 1
-    _tell(args.ready_fd, _READY)
+    _tell(args.ready_fd, _READY, last=False)
     _serve_until_released(args.parent, released)
+    began = time.perf_counter()
     code = close_owned(sink, services, sole_writer=args.sole_writer)
+    _tell(args.ready_fd, f"{_CLOSED}{code}")  # the store is free: the parent goes on
     channels = os.path.dirname(args.writes.removeprefix("ipc://"))
     if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
         _remove_directory(channels)
-    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code)
+    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code,
+             closing_s=round(time.perf_counter() - began, 4))
     return code
 
 
@@ -401,12 +448,13 @@ def _serve_until_released(parent: int, released: threading.Event) -> None:
             return
 
 
-def _tell(fd: int, line: str) -> None:
-    """Write ``line`` to the parent's ready pipe and close it (a parent that gave up
-    closed its end: nothing to tell)."""
+def _tell(fd: int, line: str, *, last: bool = True) -> None:
+    """Write ``line`` to the parent's status pipe, and close it after the ``last`` one (a
+    parent that gave up closed its end: nothing to tell)."""
     try:
         os.write(fd, (line + "\n").encode())
     except BrokenPipeError:
         pass
     finally:
-        os.close(fd)
+        if last:
+            os.close(fd)

@@ -3,12 +3,12 @@
 
 The process ends with ``os._exit`` once :func:`run_owner` returned, its output flushed:
 by then its sink is closed (everything it took inserted, the embedded store shut down,
-the run's files synced by ``finish_run``) and its channels are gone, and the parent's
-stop waits for this exit to find the store free. Python's own finalization (its modules,
-threads and the embedded engine's process-wide state: 0.2 to 1 s measured) would only
-add to that wait. Where a server's read was still in hand when the owner closed, its
-store client stays open and the exit leaves the store as a crash would; the next opening
-finds the lock stale and takes the store.
+the run's files synced by ``finish_run``), its channels are gone, and it told its parent
+that the store is free (the parent's stop goes on from there). Python's own
+finalization (its modules, threads and the embedded engine's process-wide state: 0.2 to
+1 s measured) would only keep its resources longer. Where a server's read was still in
+hand when the owner closed, its store client stays open and the exit leaves the store as
+a crash would; the next opening finds the lock stale and takes the store.
 """
 
 from __future__ import annotations

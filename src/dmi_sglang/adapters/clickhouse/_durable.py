@@ -6,6 +6,14 @@ cache only. :func:`sync_tree` syncs every regular file under the store changed s
 given time, then every directory that holds one of them or changed itself (its entries:
 new parts, renames), deepest first, so that a power loss after it returned loses none
 of them.
+
+Given a :class:`SyncedFiles` record, a sync skips what an earlier sync of the record
+made durable and that has not changed since (same inode, size and modification time),
+and records what it syncs, once it is settled: last modified more than the record's
+slack before that sync began (file times come from a coarse clock, so a change within
+the slack could leave the time as it was). A change after such a sync moves the time,
+so a file or directory that changed is synced again; one the record never saw (a pass
+whose walk missed a part renamed into place meanwhile) is synced like any other.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ import time
 
 import attrs
 
-__all__ = ["SyncReport", "sync_tree"]
+__all__ = ["SyncReport", "SyncedFiles", "sync_tree"]
+
+_Key = tuple[int, int, int, int]
+"""What identifies a version of a file or directory: device, inode, size, mtime (ns)."""
 
 
 @attrs.frozen
@@ -34,6 +45,26 @@ class SyncReport:
     directories: int
     nbytes: int
     seconds: float
+    skipped: int = 0
+    """Files and directories left out: synced before and unchanged since (a record)."""
+
+
+class SyncedFiles:
+    """What earlier syncs made durable, for :func:`sync_tree` to skip while unchanged.
+
+    Args:
+        slack_ns: how long before a sync's start an entry must have been last modified
+            for that sync to record it (the file clock's coarseness, with a margin).
+    """
+
+    def __init__(self, slack_ns: int) -> None:
+        self.slack_ns = slack_ns
+        self.keys: dict[str, _Key] = {}
+        """Path -> the version a sync made durable."""
+
+
+def _key(st: os.stat_result) -> _Key:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _fsync(path: str, flags: int) -> bool:
@@ -57,30 +88,26 @@ def _unless_vanished(error: OSError) -> None:
         raise error
 
 
-def sync_tree(root: str, since_ns: int) -> SyncReport:
-    """fsync the regular files under ``root`` modified at or after ``since_ns`` (a
-    ``time.time_ns()`` value), then the directories holding them or modified since,
-    deepest first. Symbolic links are neither followed nor synced.
+@attrs.define
+class _Found:
+    """What a walk found: files to sync (with their versions), every directory's
+    version, the directories of the files to sync, and what is durable already."""
 
-    Raises:
-        OSError: the store's directory is gone, or a file or directory under it could
-            not be listed, opened or synced (one that vanished is skipped): its files
-            would otherwise stay unsynced unnoticed.
-    """
-    started = time.perf_counter()
-    try:  # the store itself vanished: nothing of it is on disk
-        found = stat.S_ISDIR(os.stat(root).st_mode)
-    except FileNotFoundError:
-        found = False
-    if not found:
-        raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", root)
-    files: list[str] = []
-    directories: set[str] = set()
-    nbytes = 0
+    files: list[tuple[str, _Key]] = attrs.Factory(list)
+    directories: dict[str, _Key] = attrs.Factory(dict)
+    holding: set[str] = attrs.Factory(set)
+    durable: dict[str, _Key] = attrs.Factory(dict)
+    nbytes: int = 0
+    skipped: int = 0
+
+
+def _walk(root: str, since_ns: int, known: dict[str, _Key]) -> _Found:
+    """The regular files under ``root`` modified at or after ``since_ns`` and not in
+    ``known`` as they are now; those in it are kept as durable."""
+    found = _Found()
     for dirpath, _, filenames in os.walk(root, onerror=_unless_vanished):
         try:
-            if os.lstat(dirpath).st_mtime_ns >= since_ns:
-                directories.add(dirpath)
+            found.directories[dirpath] = _key(os.lstat(dirpath))
         except FileNotFoundError:
             continue
         for name in filenames:
@@ -89,11 +116,58 @@ def sync_tree(root: str, since_ns: int) -> SyncReport:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if st.st_mtime_ns >= since_ns and stat.S_ISREG(st.st_mode):
-                files.append(path)
-                directories.add(dirpath)
-                nbytes += st.st_size
-    synced = sum(_fsync(path, os.O_RDONLY) for path in files)
-    deepest_first = sorted(directories, key=lambda d: d.count(os.sep), reverse=True)
-    dirs = sum(_fsync(d, os.O_RDONLY | os.O_DIRECTORY) for d in deepest_first)
-    return SyncReport(synced, dirs, nbytes, time.perf_counter() - started)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            key = _key(st)
+            if known.get(path) == key:  # durable already: kept in the record
+                found.durable[path] = key
+                found.skipped += st.st_mtime_ns >= since_ns
+            elif st.st_mtime_ns >= since_ns:
+                found.files.append((path, key))
+                found.holding.add(dirpath)
+                found.nbytes += st.st_size
+    return found
+
+
+def sync_tree(root: str, since_ns: int, synced: SyncedFiles | None = None) -> SyncReport:
+    """fsync the regular files under ``root`` modified at or after ``since_ns`` (a
+    ``time.time_ns()`` value), then the directories holding them or modified since,
+    deepest first. Symbolic links are neither followed nor synced. With ``synced``,
+    what it recorded and is unchanged is left out, and the record becomes what this
+    sync found durable (see the module docstring; updated only when the sync succeeded).
+
+    Raises:
+        OSError: the store's directory is gone, or a file or directory under it could
+            not be listed, opened or synced (one that vanished is skipped): its files
+            would otherwise stay unsynced unnoticed.
+    """
+    started, began_ns = time.perf_counter(), time.time_ns()
+    known = synced.keys if synced is not None else {}
+    settled_before = began_ns - synced.slack_ns if synced is not None else 0
+    try:  # the store itself vanished: nothing of it is on disk
+        is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+    except FileNotFoundError:
+        is_dir = False
+    if not is_dir:
+        raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", root)
+    found = _walk(root, since_ns, known)
+    durable, skipped = found.durable, found.skipped
+    files = 0
+    for path, key in found.files:
+        if _fsync(path, os.O_RDONLY):
+            files += 1
+            if key[3] < settled_before:
+                durable[path] = key
+    dirs = 0
+    for d in sorted(found.directories, key=lambda d: d.count(os.sep), reverse=True):
+        key, holds = found.directories[d], d in found.holding  # deepest first
+        if not holds and known.get(d) == key:
+            durable[d] = key
+            skipped += key[3] >= since_ns
+        elif (holds or key[3] >= since_ns) and _fsync(d, os.O_RDONLY | os.O_DIRECTORY):
+            dirs += 1
+            if key[3] < settled_before:
+                durable[d] = key
+    if synced is not None:
+        synced.keys = durable
+    return SyncReport(files, dirs, found.nbytes, time.perf_counter() - started, skipped)

@@ -16,10 +16,10 @@ queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close``
 On the embedded store, merges of the records table are held while a run captures
 (:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
 (:mod:`._durable`) before it returns. While the run captures, a background thread syncs
-the files written so far every :data:`SYNC_PASS_S`, so that most files are already
-clean when that final sync (which still covers every file changed since the previous
-final sync: a pass may miss a part whose directory was renamed during its walk) fsyncs
-them.
+the files written so far every :data:`SYNC_PASS_S`, and that final sync (which covers
+every file changed since the previous final sync: a pass may miss a part whose
+directory was renamed during its walk) leaves out what a sync made durable and is
+unchanged since (:class:`~._durable.SyncedFiles`): it fsyncs what the passes did not.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dmi_sglang.adapters.clickhouse._client import (
     wire_compression,
 )
 from dmi_sglang.adapters.clickhouse._commits import RequestCommits
-from dmi_sglang.adapters.clickhouse._durable import sync_tree
+from dmi_sglang.adapters.clickhouse._durable import SyncedFiles, sync_tree
 from dmi_sglang.adapters.clickhouse._insert import Inserter, InserterFactory, open_inserter
 from dmi_sglang.adapters.clickhouse._live import mark_done, mark_live
 from dmi_sglang.adapters.clickhouse._merges import MergeHold
@@ -76,7 +76,7 @@ before the refusal becomes the sticky failure."""
 SYNC_PASS_S = 1.0
 """While a run captures into an embedded store and something was written since the
 previous pass, the files changed since then are synced this often in the background, so
-that ``finish_run``'s sync finds them clean (fsync of a clean file costs little)."""
+that ``finish_run``'s sync has only what came after the last pass left to sync."""
 
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
@@ -148,6 +148,8 @@ class ClickHouseSink:
         """One sync at a time."""
         self._pass_since_ns = self._sync_since_ns
         """The background passes' own cutoff (the final sync keeps ``_sync_since_ns``)."""
+        self._synced = SyncedFiles(_MTIME_SLACK_NS)
+        """What the syncs made durable: the next one leaves it out while unchanged."""
         self._written = threading.Event()
         """Set by every write; a background pass runs only when it was set."""
         self._sync_passes_stop = threading.Event()
@@ -393,7 +395,7 @@ class ClickHouseSink:
             started = time.time_ns()
             try:
                 with self._sync_lock:
-                    report = sync_tree(self._config.path, self._pass_since_ns)
+                    report = sync_tree(self._config.path, self._pass_since_ns, self._synced)
                     self._pass_since_ns = started - _MTIME_SLACK_NS
             except OSError as exc:
                 if exc.errno in _WRITE_BACK_ERRORS and self._lost_writes is None:
@@ -409,12 +411,12 @@ class ClickHouseSink:
             self._stats.synced(report.seconds, background=True)
 
     def _sync(self, run_id: str) -> None:
-        """Sync every file changed since the previous final sync (those the background
-        passes synced are clean by now: their fsync costs little)."""
+        """Sync every file changed since the previous final sync, except what a sync
+        made durable and is unchanged since (what the background passes synced)."""
         with self._sync_lock:
             since, self._sync_since_ns = self._sync_since_ns, time.time_ns() - _MTIME_SLACK_NS
             try:
-                report = sync_tree(self._config.path, since)
+                report = sync_tree(self._config.path, since, self._synced)
             except OSError as exc:
                 self._sync_since_ns = since  # the next sync covers these files again
                 what = f"syncing the files of run {run_id} to disk"
@@ -423,7 +425,7 @@ class ClickHouseSink:
         self._stats.synced(report.seconds)
         log.info("store.synced", run_id=run_id, path=self._config.path, files=report.files,
                  directories=report.directories, mb=round(report.nbytes / 1e6, 1),
-                 seconds=round(report.seconds, 3))
+                 unchanged=report.skipped, seconds=round(report.seconds, 3))
 
     def _sync_unfinished(self, run_id: str) -> None:
         """Closing without ``finish_run`` (the run's process died, say): the requests it
