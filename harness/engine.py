@@ -47,8 +47,9 @@ from harness.constants import (
 )
 from harness.results import REPO, Json
 
-STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed")
-"""Structlog events of the scheduler whose statistics the checks use."""
+STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed", "dmi.store_owner_ended")
+"""Structlog events of the scheduler (and of its store owner) whose statistics the checks
+and figures use."""
 
 
 class EngineError(RuntimeError):

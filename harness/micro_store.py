@@ -271,6 +271,8 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
         sink.close()
     closed = time.perf_counter()
     wall, cpu = closed - started, time.process_time() - cpu
+    if isinstance(sink, OwnedSink):  # its CPU counts once it is reaped (after close)
+        _until_reaped(sink.pid)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     owner_cpu = ((after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
                  - owner_start_cpu)
@@ -285,6 +287,13 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
             "finish_run_s": finished - put_done, "close_s": closed - finished,
             "shared": shared,
             "delivered": sum(t.records for t in totals) == records and stored == captured}
+
+
+def _until_reaped(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until the child ``pid`` is reaped (its ``/proc`` entry gone)."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _serve_discarding(address: str, ready: Any, done: Any) -> None:

@@ -258,6 +258,13 @@ def test_a_record_of_synced_files_leaves_out_what_is_unchanged_and_nothing_else(
     again = sync_tree(str(tmp_path), 0, record)  # nothing changed: nothing to sync
     assert synced == []
     assert (again.files, again.directories, again.skipped) == (0, 0, 4)
+    before = os.stat(part / "b.bin")
+    (part / "b.bin").write_bytes(b"B")  # rewritten in place, as long: its directory as is
+    os.utime(part / "b.bin", ns=(before.st_atime_ns, before.st_mtime_ns))  # its old time
+    same_size = sync_tree(str(tmp_path), 0, record)
+    assert set(synced) == {str(part / "b.bin"), str(part)}
+    assert (same_size.files, same_size.directories, same_size.skipped) == (1, 1, 2)
+    synced.clear()
     (part / "a.bin").write_bytes(b"changed")  # rewritten: synced again
     (part / "new.bin").write_bytes(b"n")  # a new file: it and its directory
     third = sync_tree(str(tmp_path), 0, record)

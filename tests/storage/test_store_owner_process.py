@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog.testing
 import torch
 
 from dmi_sglang.adapters.clickhouse import ClickHouseReader
@@ -134,6 +135,63 @@ def test_an_owner_that_ends_without_saying_so_is_waited_for_and_its_status_stand
     assert owner.returncode == 9
 
 
+def test_an_owner_that_says_nothing_in_time_is_killed() -> None:
+    from dmi_sglang.app import store_owner
+
+    status_r, status_w = os.pipe()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", str(status_w)],
+        stdin=subprocess.PIPE, pass_fds=(status_w,))
+    os.close(status_w)
+    started = time.monotonic()
+    assert store_owner._stop(owner, None, 1.0, release=False, status_fd=status_r) is None
+    assert time.monotonic() - started < 10
+    assert owner.returncode == -signal.SIGKILL
+
+
+def test_an_owner_that_dies_is_seen_at_its_exit_while_another_holds_its_pipe() -> None:
+    """Another process holding a copy of the status pipe's write end keeps it from
+    ending: the owner's exit itself (a pidfd) says it ended without a word."""
+    from dmi_sglang.app import store_owner
+
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        pytest.skip("no pidfd on this system")
+    status_r, status_w = os.pipe()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              pass_fds=(status_w,))
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(9)", str(status_w)],
+        stdin=subprocess.PIPE, pass_fds=(status_w,))
+    os.close(status_w)
+    try:
+        started = time.monotonic()
+        assert store_owner._stop(owner, None, 30.0, release=False, status_fd=status_r) == 9
+        assert time.monotonic() - started < 10  # not the 30 s the pipe alone would take
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_owner_that_said_it_closed_and_never_exits_is_killed_by_its_reaper(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmi_sglang.app import store_owner
+
+    monkeypatch.setattr(store_owner, "OWNER_EXIT_S", 1.0)
+    status_r, status_w = os.pipe()
+    owner = subprocess.Popen([sys.executable, "-c", _SAYS_CLOSED.format(60), str(status_w)],
+                             stdin=subprocess.PIPE, pass_fds=(status_w,))
+    os.close(status_w)
+    with structlog.testing.capture_logs() as logs:
+        assert store_owner._stop(owner, None, 30.0, release=False, status_fd=status_r) == 4
+        deadline = time.monotonic() + 20
+        while owner.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert owner.returncode == -signal.SIGKILL
+    assert any(e["event"] == "dmi.store_owner_exit_hung" for e in logs)
+
+
 def test_an_owner_reaped_before_its_end_is_not_waited_for_by_its_pid(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An owner that exited and was reaped already (``OwnedSink.failure`` polls it): its
@@ -156,25 +214,45 @@ def test_a_released_owner_closes_its_write_channel_its_sink_then_its_reads() -> 
 
     for sole_writer, sink_fails in ((True, False), (False, False), (True, True)):
         calls: list[tuple[str, dict[str, bool]]] = []
-        code = close_owned(_Closing("sink", calls, fails=sink_fails),
-                           [_Closing("writes", calls), _Closing("reads", calls)],
-                           sole_writer=sole_writer)
+        code, free = close_owned(_Closing("sink", calls, fails=sink_fails),
+                                 [_Closing("writes", calls), _Closing("reads", calls)],
+                                 sole_writer=sole_writer)
         assert calls == [("writes", {"wait_forever": True, "answered": sole_writer}),
                          ("sink", {}), ("reads", {})]
         assert code == int(sink_fails)
+        assert free is not sink_fails  # a sink that failed to close may hold the store
+
+
+def test_an_owner_whose_read_is_still_in_hand_does_not_say_its_store_is_free() -> None:
+    """A read channel whose call outlasted its close's wait keeps that call's store
+    client open: the owner must not tell its parent the store is free (the parent then
+    waits for its exit, which releases the store)."""
+    from dmi_sglang.app.store_owner import close_owned
+
+    calls: list[tuple[str, dict[str, bool]]] = []
+    code, free = close_owned(_Closing("sink", calls),
+                             [_Closing("writes", calls), _Closing("reads", calls, ends=False)],
+                             sole_writer=True)
+    assert (code, free) == (0, False)
+    code, free = close_owned(_Closing("sink", calls),
+                             [_Closing("writes", calls, ends=False), _Closing("reads", calls)],
+                             sole_writer=True)
+    assert (code, free) == (0, False)
 
 
 class _Closing:
-    """A sink or a channel that notes its close (and its keywords) in ``calls``."""
+    """A sink or a channel that notes its close (and its keywords) in ``calls``; a
+    channel whose call in hand outlasts the close does not ``end``."""
 
     def __init__(self, name: str, calls: list[tuple[str, dict[str, bool]]], *,
-                 fails: bool = False) -> None:
-        self.name, self.calls, self.fails = name, calls, fails
+                 fails: bool = False, ends: bool = True) -> None:
+        self.name, self.calls, self.fails, self.ends = name, calls, fails, ends
 
-    def close(self, **kw: bool) -> None:
+    def close(self, **kw: bool) -> bool:
         self.calls.append((self.name, kw))
         if self.fails:
             raise StoreError("the store went away")
+        return self.ends
 
 
 def _noted_sleep(slept: list[float], sleep: Callable[[float], None], thread: int,
@@ -211,12 +289,15 @@ def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) 
     assert f"exit status {-signal.SIGKILL}" in str(failure)
     with pytest.raises(StoreError):
         sink.close()
+    with pytest.raises(StoreError, match=f"pid {sink.pid}"):
+        sink.end()  # again: the same outcome, nothing touched
 
     healthy = open_capture_sink(_settings(f"chdb://{tmp_path / 'other'}"))
     assert isinstance(healthy, OwnedSink)
     healthy.start_run(RUN_INFO)
     finish(healthy)
     healthy.close()  # ends the owner: its exit is not the run's failure
+    healthy.end()  # again: nothing to do
     assert _ends(healthy.pid)
     assert healthy.failure is None
 

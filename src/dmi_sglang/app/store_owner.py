@@ -91,6 +91,8 @@ class OwnedSink:
         self._directory = directory
         self._status_fd = status_fd
         """The owner's status pipe: it says there when it closed the store."""
+        self._ended: bool | StoreError | None = None
+        """How :meth:`end` ended the owner (a later call says the same, touching nothing)."""
         self._serves_reads = serves_reads
         self.pid = process.pid
         """The owner process's pid."""
@@ -169,8 +171,16 @@ class OwnedSink:
             StoreError: the owner failed to close its sink, or did not exit in time.
         """
         self._ending = True
-        status_fd, self._status_fd = self._status_fd, None
-        _end_owner(self._process, self._directory, status_fd)
+        if self._ended is None:
+            status_fd, self._status_fd = self._status_fd, None
+            try:
+                _end_owner(self._process, self._directory, status_fd)
+            except StoreError as exc:
+                self._ended = exc
+                raise
+            self._ended = True
+        elif isinstance(self._ended, StoreError):
+            raise self._ended
 
 
 def _end_owner(process: subprocess.Popen[bytes], directory: str | None,
@@ -209,13 +219,13 @@ def _stop(process: subprocess.Popen[bytes], directory: str | None, wait_s: float
         began = time.monotonic()
         if status_fd is not None:
             try:
-                said = _until_closed(status_fd, wait_s)
+                said = _until_closed(status_fd, process, wait_s)
             finally:
                 os.close(status_fd)
             if said is not None:
                 log.debug("dmi.store_owner_closed", pid=process.pid, status=said,
                           waited_s=round(time.monotonic() - began, 4))
-                OsNamedThread(target=process.wait, name="dmi-owner-reaper",
+                OsNamedThread(target=_reap, args=(process,), name="dmi-owner-reaper",
                               daemon=True).start()
                 return said
         woken = _until_exit(process, max(0.0, began + wait_s - time.monotonic()))
@@ -307,16 +317,60 @@ def _read_ready(fd: int, timeout_s: float) -> str:
     return f"{_FAILED}not ready within {timeout_s:g} s" if line is None else line
 
 
-def _until_closed(fd: int, timeout_s: float) -> int | None:
+def _until_closed(fd: int, process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
     """The exit status the owner says on its status pipe once it closed the store; None
-    when it ended without saying so (or did not within ``timeout_s``)."""
-    line = _read_line(fd, timeout_s)
+    when it exited without saying so (seen at its exit through a pidfd, where there is
+    one: another process may hold a copy of the pipe's write end), or did not say it
+    within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pidfd = _pidfd(process)
+    if pidfd is None and process.returncode is not None and not _readable_now(fd):
+        return None  # it exited (reaped already) without a word, or a copy holds the pipe
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready = {f for f, _ in poller.poll(min(int(left * 1000) + 1, _POLL_MS_MAX))}
+            if fd in ready:  # its line, or the pipe's end
+                break
+            if ready:  # it exited: what it said before is in the pipe
+                if not _readable_now(fd):
+                    return None
+                break
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    line = _read_line(fd, max(0.0, deadline - time.monotonic()))
     if line is None or not line.startswith(_CLOSED):
         return None
     try:
         return int(line.removeprefix(_CLOSED))
     except ValueError:
         return None
+
+
+def _readable_now(fd: int) -> bool:
+    """Whether a read of ``fd`` returns at once (data, or the pipe's end)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _reap(process: subprocess.Popen[bytes]) -> None:
+    """Wait for the exit of an owner that said it closed the store; one that does not
+    exit within :data:`OWNER_EXIT_S` is killed (and logged)."""
+    try:
+        process.wait(OWNER_EXIT_S)
+    except subprocess.TimeoutExpired:
+        log.error("dmi.store_owner_exit_hung", pid=process.pid, waited_s=OWNER_EXIT_S,
+                  why="it said it closed the store, then did not exit: killed")
+        process.kill()
+        process.wait()
 
 
 def _read_line(fd: int, timeout_s: float) -> str | None:
@@ -350,10 +404,11 @@ def _remove_directory(directory: str) -> None:
 class Service(Protocol):
     """One of the owner's channels: it stops answering at :meth:`close`."""
 
-    def close(self, *, wait_forever: bool = False, answered: bool = False) -> None:
+    def close(self, *, wait_forever: bool = False, answered: bool = False) -> bool:
         """Stop answering: the call in hand is answered first (waiting a bounded time,
         or however long it takes with ``wait_forever``); ``answered``: every caller has
-        its answers already, so none needs time to reach its caller."""
+        its answers already, so none needs time to reach its caller. True when nothing
+        of the channel runs any more (a call still in hand may hold the store open)."""
 
 
 OpenServices = Callable[[Settings, str, str], tuple[RecordSink, Sequence[Service]]]
@@ -385,24 +440,28 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     _tell(args.ready_fd, _READY, last=False)
     _serve_until_released(args.parent, released)
     began = time.perf_counter()
-    code = close_owned(sink, services, sole_writer=args.sole_writer)
-    _tell(args.ready_fd, f"{_CLOSED}{code}")  # the store is free: the parent goes on
+    code, free = close_owned(sink, services, sole_writer=args.sole_writer)
     channels = os.path.dirname(args.writes.removeprefix("ipc://"))
     if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
         _remove_directory(channels)
-    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code,
+    if free:  # the store is free: the parent goes on (else it waits for this exit)
+        _tell(args.ready_fd, f"{_CLOSED}{code}")
+    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code, store_free=free,
              closing_s=round(time.perf_counter() - began, 4))
     return code
 
 
-def close_owned(sink: RecordSink, services: Sequence[Service], *, sole_writer: bool) -> int:
+def close_owned(sink: RecordSink, services: Sequence[Service], *,
+                sole_writer: bool) -> tuple[int, bool]:
     """What a released owner closes, in order: its write channel (the call in hand is
-    finished first), its sink, its other channels; 0 when the sink closed cleanly, else
-    1 (logged). With ``sole_writer`` the write channel's one caller released this process
-    after its last call returned (or is gone), so no answer of it is on its way and that
-    socket closes without the grace one gets; the read channels keep theirs (a server's
-    readers are others)."""
-    services[0].close(wait_forever=True, answered=sole_writer)
+    finished first), its sink, its other channels. The status is 0 when the sink closed
+    cleanly, else 1 (logged); the flag says the store is free (the sink closed cleanly
+    and no channel still runs a call that may hold it open), so the owner may say so
+    before its exit. With ``sole_writer`` the write channel's one caller released this
+    process after its last call returned (or is gone), so no answer of it is on its way
+    and that socket closes without the grace one gets; the read channels keep theirs (a
+    server's readers are others)."""
+    free = services[0].close(wait_forever=True, answered=sole_writer)
     code = 0
     try:
         sink.close()
@@ -410,8 +469,8 @@ def close_owned(sink: RecordSink, services: Sequence[Service], *, sole_writer: b
         log.error("dmi.store_owner_close_failed", error=repr(exc))
         code = 1
     for service in services[1:]:
-        service.close()
-    return code
+        free = service.close() and free
+    return code, free and code == 0
 
 
 def _until_exit(process: subprocess.Popen[bytes], wait_s: float) -> bool:
@@ -420,21 +479,31 @@ def _until_exit(process: subprocess.Popen[bytes], wait_s: float) -> bool:
     intervals of up to 50 ms, late by that much. True when it waited on a pidfd; False
     (at once) where there is none, or the child was reaped already (then its pid may
     name another process): the caller's ``Popen.wait`` waits alone."""
-    if process.returncode is not None:
+    fd = _pidfd(process)
+    if fd is None:
         return False
     try:
-        fd = os.pidfd_open(process.pid)
-    except (AttributeError, OSError):  # no pidfd here, or the pid is gone
-        return False
-    try:
-        if process.poll() is not None:  # reaped meanwhile: the pidfd may be another's
-            return False
         poller = select.poll()
         poller.register(fd, select.POLLIN)  # readable once the process has exited
         poller.poll(min(max(0, int(wait_s * 1000)), _POLL_MS_MAX))
         return True
     finally:
         os.close(fd)
+
+
+def _pidfd(process: subprocess.Popen[bytes]) -> int | None:
+    """A pidfd of the child ``process`` (Linux); None where there is none, or the child
+    was reaped already (then its pid may name another process)."""
+    if process.returncode is not None:
+        return None
+    try:
+        fd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # no pidfd here, or the pid is gone
+        return None
+    if process.poll() is not None:  # reaped meanwhile: the pidfd may be another's
+        os.close(fd)
+        return None
+    return fd
 
 
 def _serve_until_released(parent: int, released: threading.Event) -> None:

@@ -11,7 +11,7 @@
 # (575 ran here; 540 since ../../2026-12-06-h100-selective-noisy-host/: the harness may
 # end a few tens of seconds past its deadline, and the device ends a call at 600 s)
 # EXTRA_MODES: one unit each, after MODES' units and before hidden-states (HS_REPEATS=0:
-# none of those). What ran here: the command as written. Later leases set the variables
+# none of those). GPU_TESTS=0 leaves out the GPU tests (code they cover unchanged). What ran here: the command as written. Later leases set the variables
 # (their evidence READMEs give them), e.g.
 #   FLASHINFER=1 NAME=selective HS_REPEATS=0 MODES='store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer]' EXTRA_MODES='store:resid_pre@0:last' DMI_COMMIT=... DEADLINE=... bash .../units.sh
 set -o pipefail
@@ -25,7 +25,7 @@ all_units() {  # every cell of serving-$1.json has $2 units
 sys.exit(0 if rows and all(r['units'] >= int(sys.argv[2]) for r in rows) else 1)" \
         "$OUT/serving-$1.json" "$2" 2>/dev/null
 }
-if [ ! -f "$W/gpu-tests-done" ] && [ "$(left)" -ge 130 ]; then
+if [ "${GPU_TESTS:-1}" = 1 ] && [ ! -f "$W/gpu-tests-done" ] && [ "$(left)" -ge 130 ]; then
     nvidia-smi > "$OUT/logs/gpu.txt" 2>&1
     timeout 120 bash scripts/gpu-run.sh python3 -m pytest tests/transport/test_transport_gpu.py -m gpu -q \
         -p no:cacheprovider -k "last_rows" > "$OUT/logs/gpu-tests.log" 2>&1

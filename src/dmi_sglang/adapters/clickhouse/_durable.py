@@ -8,12 +8,14 @@ new parts, renames), deepest first, so that a power loss after it returned loses
 of them.
 
 Given a :class:`SyncedFiles` record, a sync skips what an earlier sync of the record
-made durable and that has not changed since (same inode, size and modification time),
-and records what it syncs, once it is settled: last modified more than the record's
-slack before that sync began (file times come from a coarse clock, so a change within
-the slack could leave the time as it was). A change after such a sync moves the time,
-so a file or directory that changed is synced again; one the record never saw (a pass
-whose walk missed a part renamed into place meanwhile) is synced like any other.
+made durable and that has not changed since (same inode, size, modification and change
+times), and records what it syncs, once it is settled: last modified more than the
+record's slack before that sync began (file times come from a coarse clock, and
+ClickHouse sets a part directory's modification time to a whole second as it renames
+it into place, so a change within the slack could leave the times as they were). A
+change after such a sync moves them, so a file or directory that changed is synced
+again; one the record never saw (a pass whose walk missed a part renamed into place
+meanwhile) is synced like any other.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import attrs
 
 __all__ = ["SyncReport", "SyncedFiles", "sync_tree"]
 
-_Key = tuple[int, int, int, int]
-"""What identifies a version of a file or directory: device, inode, size, mtime (ns)."""
+_Key = tuple[int, int, int, int, int]
+"""What identifies a version of a file or directory: device, inode, size, and its
+modification and change times (ns; no call sets the change time back)."""
 
 
 @attrs.frozen
@@ -64,7 +67,7 @@ class SyncedFiles:
 
 
 def _key(st: os.stat_result) -> _Key:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _fsync(path: str, flags: int) -> bool:

@@ -108,17 +108,19 @@ class SocketService:
         self._thread = OsNamedThread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def close(self, *, wait_forever: bool = False, answered: bool = False) -> None:
+    def close(self, *, wait_forever: bool = False, answered: bool = False) -> bool:
         """Stop answering: returns once the request in hand (if any) is answered, or
         after :data:`CLOSE_WAIT_S` unless ``wait_forever`` (a timeout is logged and the
         thread ends when that request does); the socket's file is removed, so the address
         can be served again. ``answered``: every caller has its answers (the only one
         ended the service after its last call returned), so the last answer needs no
         grace (:data:`LATE_ANSWER_GRACE_S`) before the socket closes. Closing twice, or
-        from the service's own thread, does no harm."""
+        from the service's own thread, does no harm. True when the service's thread
+        ended (what a request in hand held, a store client say, is let go); False while
+        it still runs, or when called from that thread."""
         with self._close_lock:  # one caller closes the pipe's write end, once
             if self._closed.is_set():
-                return
+                return self._ended()
             self._no_grace = answered
             self._closed.set()
             with contextlib.suppress(OSError):  # a thread that ended closed the read end
@@ -134,6 +136,10 @@ class SocketService:
         with contextlib.suppress(FileNotFoundError):
             if os.lstat(path).st_ino == self._inode:  # ours, not a later service's
                 os.unlink(path)
+        return self._ended()
+
+    def _ended(self) -> bool:
+        return threading.current_thread() is not self._thread and not self._thread.is_alive()
 
     def _answer(self, frames: list[Any]) -> list[Any]:
         raise NotImplementedError
