@@ -43,6 +43,11 @@ The drain runs with the engine's ``DMX_DRAIN_*``, ``DMX_ARENA_SLOTS_MB``,
 environment (``DMX_DRAIN_LINGER_US=20000 python -m harness hooks``), recorded in the
 result's ``settings.env``.
 
+``--cold-mb N`` writes N MiB of host memory between forwards, evicting the hooks' code
+and data from the CPU's caches as SGLang's own work between two forwards does in a
+server (where a decode step's hooks cost about twice what they cost here with warm
+caches): a stand-in for that, to compare changes of the hooks with each other.
+
 ``--device cpu`` is a dry run (CPU tensor operations cost differently from CUDA
 launches: compare selections with each other there, not with a GPU).
 """
@@ -213,6 +218,9 @@ class _Waves:
                  busy: BusyWork | None = None) -> None:
         dev = torch.device(args.device)
         self.busy = busy
+        self.evict = torch.zeros(args.cold_mb << 20, dtype=torch.uint8) if args.cold_mb else None
+        """Written between forwards (``--cold-mb``), as SGLang's own work between two
+        forwards evicts what the hooks touched from the CPU's caches."""
         self.forward_s = 0.0
         """Wall seconds of the decode forwards, each from its first hook to the end of the
         work after it (``--busy``)."""
@@ -335,8 +343,10 @@ class _Waves:
         self.forward_waits += _voluntary_switches() - waits
 
     def _rest(self, started: float, period: float, forwards: int) -> None:
-        """The rest of the step: ``forwards`` forwards' busy work, else a sleep until
-        ``period`` passed since ``started``."""
+        """The rest of the step: the caches evicted (``--cold-mb``), then ``forwards``
+        forwards' busy work, else a sleep until ``period`` passed since ``started``."""
+        if self.evict is not None:
+            self.evict.add_(1)  # one pass over it: the hooks' code and data leave the caches
         if self.busy is None:
             _pace(started, period)
             return
@@ -493,7 +503,9 @@ def run(args: argparse.Namespace, data: Json) -> None:
             + "; µs of the scheduler thread per decode forward (prefill: "
             "per prefill forward); replay launch / GPU: the thread's time launching a graph of "
             "the capture's own work alone / its GPU time (median); "
-            "drain CPU: per forward")
+            "drain CPU: per forward"
+            + (f"; {args.cold_mb} MiB written between forwards (the caches evicted)"
+               if args.cold_mb else ""))
     print("\n".join(table_lines(table)) + f"\n{note}")
     for r in rows:
         d = r["drain"]
@@ -539,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
                         "scheduler-bound server); reports its time off the CPU and its "
                         "waits")
     p.add_argument("--ring-mb", type=int, default=1024)
+    p.add_argument("--cold-mb", type=int, default=0,
+                   help="MiB of host memory written between forwards (0: none): the "
+                        "hooks then run with the CPU's caches evicted, as in a server, "
+                        "where SGLang's own work between forwards evicts them")
     p.add_argument("--profile", action="store_true",
                    help="profile one more wave per selection (cProfile of the scheduler "
                         "thread's calls, and from Python 3.12 on every other thread's "
@@ -550,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON path (default $OUT/hooks.json, else ./hooks.json)")
     args = p.parse_args(argv)
     if min(args.layers, args.hidden, args.vocab, args.batch, args.prompt_len,
-           args.output_len, args.waves, args.ring_mb) <= 0 or args.step_ms < 0:
-        p.error("sizes, --waves and --ring-mb must be positive, --step-ms at least 0")
+           args.output_len, args.waves, args.ring_mb) <= 0 or args.step_ms < 0 or (
+               args.cold_mb < 0):
+        p.error("sizes, --waves and --ring-mb must be positive, --step-ms and --cold-mb at "
+                "least 0")
     if args.busy and args.sample:
         p.error("--busy with --sample: the sampler takes the GIL every 0.5 ms beside the "
                 "busy thread, whose waits are the figure; give one of them")
