@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dmi_sglang.domain.ports import HOOK_PARTS
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import ConfigurationError
 from harness import checks
@@ -393,7 +394,10 @@ def hooks_line(figures: Json) -> str | None:
         return f"{seconds / count * 1e6:,.1f} µs" if count else "-"
 
     eager = forwards - graph
-    return (f"hooks: {per(host_graph, graph)} a decode graph step ({graph:,.0f}), "
+    parts = ", ".join(f"{part} {per(t[key], graph)}" for part in HOOK_PARTS
+                      if (key := f"host_graph_{part}_seconds") in t)
+    return (f"hooks: {per(host_graph, graph)} a decode graph step ({graph:,.0f}"
+            + (f": {parts}" if parts else "") + "), "
             f"{per(host - host_graph, eager)} an eager forward ({eager:,.0f})")
 
 

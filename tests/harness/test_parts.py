@@ -527,6 +527,12 @@ def test_hooks_line_splits_the_hooks_time_between_graph_steps_and_eager_forwards
     older = {k: v for k, v in timing.items() if k != "graph_forwards"}
     assert hooks_line({"timing": older}) is None
     assert hooks_line({}) is None
+    split = timing | {f"host_graph_{part}_seconds": s for part, s in (
+        ("requests", 0.00048), ("begin", 0.00096), ("preflight", 0.00192),
+        ("commit", 0.00192), ("end", 0.00048))}
+    assert hooks_line({"timing": split}) == (
+        "hooks: 60.0 µs a decode graph step (96: requests 5.0 µs, begin 10.0 µs, "
+        "preflight 20.0 µs, commit 20.0 µs, end 5.0 µs), 300.0 µs an eager forward (4)")
 
 
 def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:

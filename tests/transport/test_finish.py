@@ -278,10 +278,10 @@ def test_the_hooks_time_is_split_by_the_kind_of_forward_it_was_spent_for(
                            shape=SHAPE, transport=d.t, sink=sink, strip=True)
     spent = 0.0
 
-    def hook(seconds: float, *, before_forward: bool = False) -> None:
+    def hook(seconds: float, *, before_forward: bool = False, part: str = "") -> None:
         nonlocal spent
         spent += seconds
-        mon.add_host_seconds(seconds, before_forward=before_forward)
+        mon.add_host_seconds(seconds, before_forward=before_forward, part=part)
 
     def prefill(rids: list[str], seconds: float) -> None:
         hook(seconds, before_forward=True)  # the batch hook
@@ -298,12 +298,13 @@ def test_the_hooks_time_is_split_by_the_kind_of_forward_it_was_spent_for(
         mon.begin_forward()
         layout = BatchLayout.decode(["a", "b"], [position, position])
         assert mon.graph_allowed(layout, 4)
-        hook(2 * seconds)  # the preflight
+        hook(2 * seconds, part="preflight")
         mon.commit_graph(mon.graph_plan(4, lambda: layout))
-        hook(4 * seconds)  # the commit
+        hook(4 * seconds, part="commit")
         d.fire(layout, padding=2)
         mon.end_forward()
-        hook(8 * seconds)  # around the forward
+        hook(8 * seconds, part="end")  # around the forward: the seal ...
+        hook(16 * seconds, part="begin")  # ... and its start, counted after it
 
     prefill(["a", "b"], 0.5)
     graph_step(4, 2.0)
@@ -319,8 +320,12 @@ def test_the_hooks_time_is_split_by_the_kind_of_forward_it_was_spent_for(
         mon.abort_forward()
     mon.stop()
     assert mon.graph_forwards == 2
-    assert mon.host_graph_seconds == 15 * (2.0 + 32.0)
+    assert mon.host_graph_seconds == 31 * (2.0 + 32.0)
     assert mon.host_seconds == spent
+    assert mon.graph_parts == {"requests": 34.0, "begin": 16 * 34.0, "preflight": 2 * 34.0,
+                               "commit": 4 * 34.0, "end": 8 * 34.0}
+    timing = mon.timing(mon.transport.stats())
+    assert timing["host_graph_commit_seconds"] == 4 * 34.0
 
 
 def test_timing_reports_hook_time_and_the_drain_counters(make_driver, monkeypatch):

@@ -43,7 +43,7 @@ from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, StepState, make_plan
-from dmi_sglang.domain.ports import CaptureTransport, TrackedRequest, TransportStats
+from dmi_sglang.domain.ports import HOOK_PARTS, CaptureTransport, TrackedRequest, TransportStats
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
@@ -563,6 +563,9 @@ class SchedulerMonitor:
         """The part of :attr:`host_seconds` spent for decode graph replays: their batch
         hooks, preflights, commits and seals (a step the preflight sent to run eagerly
         counts as eager)."""
+        self.graph_parts = dict.fromkeys(HOOK_PARTS, 0.0)
+        """:attr:`host_graph_seconds` by the hook that spent it (the port's
+        ``HOOK_PARTS``; time counted without a part is in the sum only)."""
         self._graph_step = False
         self._before_forward = 0.0
         """Seconds counted for the next forward before it was committed."""
@@ -601,7 +604,8 @@ class SchedulerMonitor:
             self._gc_timed = True
             self.gc_pauses.start()
 
-    def add_host_seconds(self, seconds: float, *, before_forward: bool = False) -> None:
+    def add_host_seconds(self, seconds: float, *, before_forward: bool = False,
+                         part: str = "") -> None:
         """Count scheduler-thread time the runtime hooks spent for the capture (see the
         port)."""
         self.host_seconds += seconds
@@ -609,6 +613,8 @@ class SchedulerMonitor:
             self._before_forward += seconds
         elif self._graph_step:
             self.host_graph_seconds += seconds
+            if part in self.graph_parts:
+                self.graph_parts[part] += seconds
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:
         """See the port: reported ended at the next forward or idle."""
@@ -699,6 +705,7 @@ class SchedulerMonitor:
         """``DecodeCudaGraphRunner.load_batch`` fixed the padded batch: commit its plan."""
         self._graph_step = True
         self.host_graph_seconds += self._before_forward
+        self.graph_parts["requests"] += self._before_forward
         self._before_forward = 0.0
         self._commit(plan)
         self.graph_forwards += 1
@@ -846,6 +853,7 @@ class SchedulerMonitor:
             "host_seconds": self.host_seconds,
             "graph_forwards": float(self.graph_forwards),
             "host_graph_seconds": self.host_graph_seconds,
+            **{f"host_graph_{part}_seconds": s for part, s in self.graph_parts.items()},
             "stall_seconds": stats.stall_seconds,
             "capture_seconds": stats.capture_seconds,
             "requests_seen": float(self.requests.seen_requests),

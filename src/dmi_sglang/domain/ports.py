@@ -33,6 +33,7 @@ from dmi_sglang.domain.shapes import DType, ModelShape
 from dmi_sglang.errors import ConfigurationError
 
 __all__ = [
+    "HOOK_PARTS",
     "CaptureReads",
     "CaptureSession",
     "CaptureSpec",
@@ -431,6 +432,12 @@ class CaptureSpec:
     process chose); empty: no server reads through it."""
 
 
+HOOK_PARTS = ("requests", "begin", "preflight", "commit", "end")
+"""The hooks of a decode graph step, in the order a step runs them: the worker's batch
+hook, the forward's start, the graph's preflight, its commit, the seal after the
+forward."""
+
+
 @runtime_checkable
 class CaptureSession(Protocol):
     """**Port**: one run's capture in one scheduler process.
@@ -474,10 +481,13 @@ class CaptureSession(Protocol):
         """The engine is about to run a batch of these requests."""
         ...
 
-    def add_host_seconds(self, seconds: float, *, before_forward: bool = False) -> None:
+    def add_host_seconds(self, seconds: float, *, before_forward: bool = False,
+                         part: str = "") -> None:
         """Count scheduler-thread time the adapter's hooks spent for the capture;
         ``before_forward``: spent for the next forward before its commit (the batch
-        hook), so counted with that forward's kind once it is committed."""
+        hook, part ``requests``), so counted with that forward's kind once it is
+        committed; ``part``: which hook of the forward spent it (one of
+        :data:`HOOK_PARTS`), counted apart for decode graph steps."""
         ...
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:

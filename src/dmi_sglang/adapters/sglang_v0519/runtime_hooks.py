@@ -171,7 +171,8 @@ def around_forward(original: Callable[..., Any], runner: Any, fb: Any, *args: An
     except Exception as exc:  # the capture's own code: any failure is the capture's
         _serve_on_or_raise(runner, mon, exc)
         return out
-    mon.add_host_seconds(perf_counter() - t2 + t1 - t0)
+    mon.add_host_seconds(perf_counter() - t2, part="end")
+    mon.add_host_seconds(t1 - t0, part="begin")  # counted now: the step's kind is known
     return out
 
 
@@ -234,7 +235,7 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
         raise
     except Exception as exc:
         raise _capture_failure("the decode graph preflight", exc) from exc
-    mon.add_host_seconds(perf_counter() - t0)
+    mon.add_host_seconds(perf_counter() - t0, part="preflight")
     return allowed
 
 
@@ -270,7 +271,7 @@ def after_decode_load_batch(result: Any, graph_runner: Any, fb: Any, *args: Any,
         raise
     except Exception as exc:
         raise _capture_failure("the decode graph commit", exc) from exc
-    mon.add_host_seconds(perf_counter() - t0)
+    mon.add_host_seconds(perf_counter() - t0, part="commit")
     del result
 
 
