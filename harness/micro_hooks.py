@@ -67,6 +67,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
@@ -218,7 +219,7 @@ class _Waves:
                  busy: BusyWork | None = None) -> None:
         dev = torch.device(args.device)
         self.busy = busy
-        self.evict = torch.zeros(args.cold_mb << 20, dtype=torch.uint8) if args.cold_mb else None
+        self.evict = np.zeros(args.cold_mb << 20, dtype=np.uint8) if args.cold_mb else None
         """Written between forwards (``--cold-mb``), as SGLang's own work between two
         forwards evicts what the hooks touched from the CPU's caches."""
         self.forward_s = 0.0
@@ -275,6 +276,7 @@ class _Waves:
                 for i in range(bs)]
         rids = [r.rid for r in reqs]
         clock = time.perf_counter
+        self._evict()
         cpu = time.thread_time()
         marks = [clock()]
         started = marks[0]
@@ -310,6 +312,7 @@ class _Waves:
     def decode(self, reqs: list[_Req], fb: _ForwardBatch) -> None:
         """One decode forward's hooks, each part timed, then the rest of the period."""
         monitor, bs, clock = self.monitor, self.bs, time.perf_counter
+        self._evict()
         waits = _voluntary_switches()
         marks = [clock()]
         cpu = time.thread_time()
@@ -342,11 +345,16 @@ class _Waves:
         self.forward_cpu_s += time.thread_time() - cpu
         self.forward_waits += _voluntary_switches() - waits
 
-    def _rest(self, started: float, period: float, forwards: int) -> None:
-        """The rest of the step: the caches evicted (``--cold-mb``), then ``forwards``
-        forwards' busy work, else a sleep until ``period`` passed since ``started``."""
+    def _evict(self) -> None:
+        """``--cold-mb``: one pass over that much memory, on this thread alone (numpy's
+        add runs no thread pool), before a forward's clock starts: the hooks' code and
+        data leave the caches."""
         if self.evict is not None:
-            self.evict.add_(1)  # one pass over it: the hooks' code and data leave the caches
+            np.add(self.evict, 1, out=self.evict)
+
+    def _rest(self, started: float, period: float, forwards: int) -> None:
+        """The rest of the step: ``forwards`` forwards' busy work, else a sleep until
+        ``period`` passed since ``started``."""
         if self.busy is None:
             _pace(started, period)
             return

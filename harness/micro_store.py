@@ -290,9 +290,16 @@ def ingest_through_owner(root: Path, size: int, total: int, writers: int, rep: i
 
 
 def _until_reaped(pid: int, timeout_s: float = 60.0) -> None:
-    """Wait until the child ``pid`` is reaped (its ``/proc`` entry gone)."""
+    """Wait until the child ``pid`` is reaped (its ``/proc`` entry gone).
+
+    Raises:
+        RuntimeError: it was not within ``timeout_s`` (its CPU would go uncounted).
+    """
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            msg = f"the store owner (pid {pid}) was not reaped within {timeout_s:g} s"
+            raise RuntimeError(msg)
         time.sleep(0.005)
 
 

@@ -40,6 +40,7 @@ from dmi_sglang.domain.shapes import ModelShape
 from dmi_sglang.errors import CapacityError, CaptureError
 from dmi_sglang.tensor_ports import CaptureFactory, Capturer, OpenedCapture, SGLangAdapter
 from dmi_sglang.testing import MemorySink
+from tests.reliability._faults import ends
 
 from . import _data as d
 
@@ -310,16 +311,4 @@ def test_a_servers_reads_go_through_the_store_owner(tmp_path: Any) -> None:
     assert factory.serving_reads(_settings(dmx_db_url="none"), address) is None
     sink.end()  # what the scheduler's exit does
     assert open_store(url).run(spec.run.run_id).status is RunStatus.COMMITTED  # free at once
-    deadline = time.monotonic() + 30
-    while _alive(sink.pid):  # its exit completes on its own, and a thread reaps it
-        assert time.monotonic() < deadline, f"owner {sink.pid} not reaped"
-        time.sleep(0.01)
-
-
-def _alive(pid: int) -> bool:
-    """Process ``pid`` exists (a zombie not reaped yet included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert ends(sink.pid)  # its exit completes on its own, and a thread reaps it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,16 @@ def within(action: Callable[[], object], seconds: float = WITHIN_S) -> BaseExcep
     worker.join(seconds)
     assert outcome, f"still blocked after {seconds} s: it hangs"
     return outcome[0]
+
+
+def ends(pid: int, seconds: float = 30.0) -> bool:
+    """Process ``pid`` ends (:func:`ended`) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not ended(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def ended(pid: int) -> bool:

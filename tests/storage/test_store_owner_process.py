@@ -28,14 +28,27 @@ from dmi_sglang.domain.records import RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import StoreError
 from tests.contracts._tp_data import RUN, RUN_INFO, finish, stored, whole_tensors
-from tests.reliability._faults import ended
+from tests.reliability._faults import ends
 
 
 def _settings(url: str) -> Settings:
     return Settings.from_kwargs({"dmx_db_url": url}, env={}).resolve(model_path="/m/toy")
 
 
-def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -> None:
+def test_writes_go_through_an_owner_that_ends_durable_at_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close returns once the owner said its store is closed (its exit, reaped by a
+    thread, completes on its own): the store is free at once."""
+    from dmi_sglang.app import store_owner
+
+    reaped: list[int] = []
+    real_reap = store_owner._reap
+
+    def reap(process: subprocess.Popen[bytes]) -> None:
+        reaped.append(process.pid)
+        real_reap(process)
+
+    monkeypatch.setattr(store_owner, "_reap", reap)
     url = f"chdb://{tmp_path / 'store'}"
     sink = open_capture_sink(_settings(url))
     assert isinstance(sink, OwnedSink)
@@ -48,23 +61,14 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(tmp_path: Path) -
     os.kill(sink.pid, signal.SIGTERM)  # so does a group's SIGTERM: the scheduler ends it
     sink.flush()
     sink.close()
+    assert reaped == [sink.pid]  # it said so: the close did not wait for its exit
     store = _settings(url).store()  # free at once: this process opens it directly
     handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store))
     assert handle.missing == ()
     for name, whole in whole_tensors().items():
         assert torch.equal(handle.get(name, 0), whole), name
     assert ClickHouseReader(store).run(RUN).status is RunStatus.COMMITTED
-    assert _ends(sink.pid)  # its exit completes on its own
-
-
-def _ends(pid: int, seconds: float = 30.0) -> bool:
-    """Process ``pid`` ends within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not ended(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    assert ends(sink.pid)  # its exit completes on its own
 
 
 def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,8 +98,22 @@ def test_an_ended_owners_exit_is_seen_as_it_happens(monkeypatch: pytest.MonkeyPa
         assert bool(slept) is not pidfd, slept
 
 
-_SAYS_CLOSED = ("import os, sys, time; fd = int(sys.argv[1]); sys.stdin.read(); "
-                "os.write(fd, b'closed 4\\n'); os.close(fd); time.sleep({}); sys.exit(4)")
+_SAYS_CLOSED = ("import os, sys; fd, go = int(sys.argv[1]), int(sys.argv[2]); "
+                "sys.stdin.read(); os.write(fd, b'closed 4\\n'); os.close(fd); "
+                "os.read(go, 1); sys.exit(4)")
+"""An owner that says it closed its store, then exits (status 4) once ``go`` ends."""
+
+
+def _saying_closed() -> tuple[subprocess.Popen[bytes], int, int]:
+    """An owner of :data:`_SAYS_CLOSED`, its status pipe's read end and the write end of
+    its ``go`` pipe (closed: it exits)."""
+    status_r, status_w = os.pipe()
+    go_r, go_w = os.pipe()
+    owner = subprocess.Popen([sys.executable, "-c", _SAYS_CLOSED, str(status_w), str(go_r)],
+                             stdin=subprocess.PIPE, pass_fds=(status_w, go_r))
+    os.close(status_w)
+    os.close(go_r)
+    return owner, status_r, go_w
 
 
 def test_an_owner_that_says_it_closed_the_store_is_not_waited_for_to_exit() -> None:
@@ -104,16 +122,13 @@ def test_an_owner_that_says_it_closed_the_store_is_not_waited_for_to_exit() -> N
     rest of its exit (its memory unmapped) completes on its own; a thread reaps it."""
     from dmi_sglang.app import store_owner
 
-    status_r, status_w = os.pipe()
-    owner = subprocess.Popen([sys.executable, "-c", _SAYS_CLOSED.format(3), str(status_w)],
-                             stdin=subprocess.PIPE, pass_fds=(status_w,))
-    os.close(status_w)
-    started = time.monotonic()
-    assert store_owner._stop(owner, None, 60.0, release=False, status_fd=status_r) == 4
-    assert time.monotonic() - started < 2.5  # not the 3 s it lingers after saying so
-    assert owner.returncode is None  # still exiting
-    assert _ends(owner.pid)
-    deadline = time.monotonic() + 10
+    owner, status_r, go_w = _saying_closed()
+    try:
+        assert store_owner._stop(owner, None, 60.0, release=False, status_fd=status_r) == 4
+        assert owner.poll() is None  # it has not exited: the stop did not wait for it
+    finally:
+        os.close(go_w)
+    deadline = time.monotonic() + 30
     while owner.returncode is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert owner.returncode == 4  # reaped: no zombie left behind
@@ -179,15 +194,16 @@ def test_an_owner_that_said_it_closed_and_never_exits_is_killed_by_its_reaper(
     from dmi_sglang.app import store_owner
 
     monkeypatch.setattr(store_owner, "OWNER_EXIT_S", 1.0)
-    status_r, status_w = os.pipe()
-    owner = subprocess.Popen([sys.executable, "-c", _SAYS_CLOSED.format(60), str(status_w)],
-                             stdin=subprocess.PIPE, pass_fds=(status_w,))
-    os.close(status_w)
-    with structlog.testing.capture_logs() as logs:
-        assert store_owner._stop(owner, None, 30.0, release=False, status_fd=status_r) == 4
-        deadline = time.monotonic() + 20
-        while owner.returncode is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+    owner, status_r, go_w = _saying_closed()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert store_owner._stop(owner, None, 30.0, release=False,
+                                     status_fd=status_r) == 4
+            deadline = time.monotonic() + 20
+            while owner.returncode is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        os.close(go_w)
     assert owner.returncode == -signal.SIGKILL
     assert any(e["event"] == "dmi.store_owner_exit_hung" for e in logs)
 
@@ -298,7 +314,7 @@ def test_an_owner_that_died_is_the_sinks_failure_without_a_call(tmp_path: Path) 
     finish(healthy)
     healthy.close()  # ends the owner: its exit is not the run's failure
     healthy.end()  # again: nothing to do
-    assert _ends(healthy.pid)
+    assert ends(healthy.pid)
     assert healthy.failure is None
 
 
@@ -419,7 +435,7 @@ def test_closing_ends_the_owner_while_a_forked_child_holds_its_stdin(tmp_path: P
         started = time.monotonic()
         sink.close()
         assert time.monotonic() - started < 10  # not the 600 s an unreleased owner takes
-        assert _ends(sink.pid)
+        assert ends(sink.pid)
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dmi_sglang.app.session import SchedulerMonitor
 from dmi_sglang.domain.layout import BatchLayout
+from dmi_sglang.domain.ports import HookPart
 from dmi_sglang.domain.records import RunInfo
 
 from .conftest import SHAPE, Driver  # type: ignore[import-not-found]
@@ -278,7 +279,8 @@ def test_the_hooks_time_is_split_by_the_kind_of_forward_it_was_spent_for(
                            shape=SHAPE, transport=d.t, sink=sink, strip=True)
     spent = 0.0
 
-    def hook(seconds: float, *, before_forward: bool = False, part: str = "") -> None:
+    def hook(seconds: float, *, before_forward: bool = False,
+             part: HookPart | None = None) -> None:
         nonlocal spent
         spent += seconds
         mon.add_host_seconds(seconds, before_forward=before_forward, part=part)

@@ -43,7 +43,13 @@ from dmi_sglang.domain.capacity import Decision
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.plan import CommitPlan, StepProtocol, StepState, make_plan
-from dmi_sglang.domain.ports import HOOK_PARTS, CaptureTransport, TrackedRequest, TransportStats
+from dmi_sglang.domain.ports import (
+    HOOK_PARTS,
+    CaptureTransport,
+    HookPart,
+    TrackedRequest,
+    TransportStats,
+)
 from dmi_sglang.domain.records import RequestManifest, RunInfo, RunStatus, storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.shapes import ModelShape
@@ -563,7 +569,7 @@ class SchedulerMonitor:
         """The part of :attr:`host_seconds` spent for decode graph replays: their batch
         hooks, preflights, commits and seals (a step the preflight sent to run eagerly
         counts as eager)."""
-        self.graph_parts = dict.fromkeys(HOOK_PARTS, 0.0)
+        self.graph_parts: dict[HookPart, float] = dict.fromkeys(HOOK_PARTS, 0.0)
         """:attr:`host_graph_seconds` by the hook that spent it (the port's
         ``HOOK_PARTS``; time counted without a part is in the sum only)."""
         self._graph_step = False
@@ -577,7 +583,8 @@ class SchedulerMonitor:
         """The parts of :meth:`stop` that ran: ``transport`` (the drain emptied),
         ``finish_run`` (the sink's flush, manifests, run row and sync) and ``close`` (the
         sink closed: for an embedded store without a read channel, until its owner
-        process ended). A failed stop logs the parts done and how long it ran since."""
+        process said its store is closed). A failed stop logs the parts done and how long
+        it ran since."""
 
     @property
     def run(self) -> RunInfo:
@@ -605,7 +612,7 @@ class SchedulerMonitor:
             self.gc_pauses.start()
 
     def add_host_seconds(self, seconds: float, *, before_forward: bool = False,
-                         part: str = "") -> None:
+                         part: HookPart | None = None) -> None:
         """Count scheduler-thread time the runtime hooks spent for the capture (see the
         port)."""
         self.host_seconds += seconds
@@ -613,7 +620,7 @@ class SchedulerMonitor:
             self._before_forward += seconds
         elif self._graph_step:
             self.host_graph_seconds += seconds
-            if part in self.graph_parts:
+            if part is not None:
                 self.graph_parts[part] += seconds
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:

@@ -375,17 +375,18 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
 
 def _read_line(fd: int, timeout_s: float) -> str | None:
     """One line from the pipe ``fd`` (without its end; what came before its end, when it
-    ended without one); None when none came within ``timeout_s``. Reads one byte at a
-    time: what follows the line stays in the pipe for the next read."""
+    ended without one); None when none came within ``timeout_s`` (what is in the pipe
+    already is read, however late). Reads one byte at a time: what follows the line
+    stays in the pipe for the next read."""
     deadline = time.monotonic() + timeout_s
     got = bytearray()
     poller = select.poll()  # not select(): a busy process's descriptors pass 1024
     poller.register(fd, select.POLLIN)
     while not got.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        if not poller.poll(min(int(left * 1000) + 1, _POLL_MS_MAX)):
+        if not poller.poll(min(int(left * 1000) + 1, _POLL_MS_MAX) if left > 0 else 0):
+            if left <= 0:
+                return None
             continue
         byte = os.read(fd, 1)
         if not byte:
@@ -444,10 +445,10 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     channels = os.path.dirname(args.writes.removeprefix("ipc://"))
     if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
         _remove_directory(channels)
+    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code, store_free=free,
+             closing_s=round(time.perf_counter() - began, 4))  # before the parent goes on
     if free:  # the store is free: the parent goes on (else it waits for this exit)
         _tell(args.ready_fd, f"{_CLOSED}{code}")
-    log.info("dmi.store_owner_ended", pid=os.getpid(), status=code, store_free=free,
-             closing_s=round(time.perf_counter() - began, 4))
     return code
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 import attrs
 
@@ -40,6 +40,7 @@ __all__ = [
     "CaptureTransport",
     "ClaimOutcome",
     "EngineTap",
+    "HookPart",
     "HookTotal",
     "RecordReader",
     "ReferenceForward",
@@ -432,10 +433,12 @@ class CaptureSpec:
     process chose); empty: no server reads through it."""
 
 
-HOOK_PARTS = ("requests", "begin", "preflight", "commit", "end")
-"""The hooks of a decode graph step, in the order a step runs them: the worker's batch
-hook, the forward's start, the graph's preflight, its commit, the seal after the
-forward."""
+HookPart = Literal["requests", "begin", "preflight", "commit", "end"]
+"""A hook of a decode graph step: the worker's batch hook, the forward's start, the
+graph's preflight (the batch read into a layout included), its commit, the seal after
+the forward."""
+HOOK_PARTS: tuple[HookPart, ...] = get_args(HookPart)
+"""The :data:`HookPart` values, in the order a step runs them."""
 
 
 @runtime_checkable
@@ -482,12 +485,12 @@ class CaptureSession(Protocol):
         ...
 
     def add_host_seconds(self, seconds: float, *, before_forward: bool = False,
-                         part: str = "") -> None:
+                         part: HookPart | None = None) -> None:
         """Count scheduler-thread time the adapter's hooks spent for the capture;
         ``before_forward``: spent for the next forward before its commit (the batch
         hook, part ``requests``), so counted with that forward's kind once it is
-        committed; ``part``: which hook of the forward spent it (one of
-        :data:`HOOK_PARTS`), counted apart for decode graph steps."""
+        committed; ``part``: which hook of the forward spent it, counted apart for
+        decode graph steps (without one, in the sum only)."""
         ...
 
     def requests_dropped(self, reqs: Iterable[TrackedRequest]) -> None:

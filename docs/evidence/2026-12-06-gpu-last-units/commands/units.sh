@@ -11,9 +11,11 @@
 # (575 ran here; 540 since ../../2026-12-06-h100-selective-noisy-host/: the harness may
 # end a few tens of seconds past its deadline, and the device ends a call at 600 s)
 # EXTRA_MODES: one unit each, after MODES' units and before hidden-states (HS_REPEATS=0:
-# none of those). GPU_TESTS=0 leaves out the GPU tests (code they cover unchanged). What ran here: the command as written. Later leases set the variables
+# none of those). What ran here: the command as written. Later leases set the variables
 # (their evidence READMEs give them), e.g.
 #   FLASHINFER=1 NAME=selective HS_REPEATS=0 MODES='store:resid_pre:last,store:final_logits:topk(64)[DMX_TOPK_KERNEL=flashinfer]' EXTRA_MODES='store:resid_pre@0:last' DMI_COMMIT=... DEADLINE=... bash .../units.sh
+# GPU_TESTS=0 (added for ../../2026-12-06-h100-stop-halved/) leaves out the GPU tests,
+# for a lease after which the code they cover did not change; 1, the default, runs them.
 set -o pipefail
 S=$SECONDS; budget=${DEADLINE:-540}; W=/root/w; mkdir -p "$OUT/logs" "$W"
 export TRITON_CACHE_DIR=/root/triton-cache PYTHONUNBUFFERED=1
