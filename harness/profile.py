@@ -101,34 +101,43 @@ def render(rows: Sequence[Json]) -> str:
                       for f in s["dmi"]]
             lines.append("  torch operators inside them, ms per forward")
             lines += [f"  {o['seconds'] / fwd * 1e3:8.3f}  {o['op']}" for o in s["dmi_ops"][:10]]
-    lines += _kernels_over_stock(rows)
+    lines += _grown_over_stock(rows, "kernels", "kernel")
+    lines += _grown_over_stock(rows, "runtime", "call")
     return "\n".join(lines)
 
 
-def _per_forward(summary: Json) -> dict[str, tuple[float, float]]:
-    """Kernel name -> (µs, count) per forward of one mode's window."""
+def _per_forward(summary: Json, key: str, name: str) -> dict[str, tuple[float, float]]:
+    """Kernel (``key`` ``kernels``) or CUDA call (``runtime``) name -> (µs, count) per
+    forward of one mode's window."""
     fwd = max(int(summary.get("forwards") or 0), 1)
-    return {k["kernel"]: (k["seconds"] / fwd * 1e6, k["count"] / fwd)
-            for k in summary.get("kernels") or []}
+    return {k[name]: (k["seconds"] / fwd * 1e6, k["count"] / fwd)
+            for k in summary.get(key) or []}
 
 
-def _kernels_over_stock(rows: Sequence[Json]) -> list[str]:
-    """Per monitored mode: GPU µs per forward against stock's, and the kernels whose
-    time per forward grew most (what the capture adds to the GPU)."""
+def _grown_over_stock(rows: Sequence[Json], key: str, name: str) -> list[str]:
+    """Per monitored mode: the kernels' GPU µs (``kernels``) or the CUDA calls' host µs
+    (``runtime``) per forward against stock's, and those whose time per forward grew
+    most (what the capture adds to the GPU, or to the launching thread)."""
     stock = next((r.get("summary") for r in rows if r["mode"] == "stock"), None)
     if not stock:
         return []
-    base = _per_forward(stock)
-    gpu0 = stock["gpu_s"] / max(int(stock.get("forwards") or 0), 1) * 1e6
+    base = _per_forward(stock, key, name)
+    fwd0 = max(int(stock.get("forwards") or 0), 1)
+    total0 = (stock["gpu_s"] if key == "kernels" else
+              sum(k["seconds"] for k in stock.get(key) or [])) / fwd0 * 1e6
+    what = ("GPU µs per forward", "kernels") if key == "kernels" else (
+        "host µs in CUDA calls per forward", "CUDA calls")
     lines: list[str] = []
     for r in rows:
         s = r.get("summary") or {}
         if r["mode"] == "stock" or not s:
             continue
-        mine = _per_forward(s)
-        gpu = s["gpu_s"] / max(int(s.get("forwards") or 0), 1) * 1e6
-        lines.append(f"\n{r['mode']}: GPU µs per forward {gpu:,.0f} (stock {gpu0:,.0f}); "
-                     "kernels that grew most, µs and count per forward (stock's)")
+        mine = _per_forward(s, key, name)
+        fwd = max(int(s.get("forwards") or 0), 1)
+        total = (s["gpu_s"] if key == "kernels" else
+                 sum(k["seconds"] for k in s.get(key) or [])) / fwd * 1e6
+        lines.append(f"\n{r['mode']}: {what[0]} {total:,.0f} (stock {total0:,.0f}); "
+                     f"{what[1]} that grew most, µs and count per forward (stock's)")
         grew = sorted(mine, key=lambda k: -(mine[k][0] - base.get(k, (0.0, 0.0))[0]))
         for k in grew[:10]:
             us, n = mine[k]

@@ -16,7 +16,12 @@ answers where a step's time goes:
 * ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds;
 * ``gpu_s``: seconds with a kernel or copy running; ``kernels``: the GPU work by kernel
   (or copy) name, its seconds and count, the most first (compare a monitored mode's with
-  stock's to see what capture adds to the GPU's time).
+  stock's to see what capture adds to the GPU's time);
+* ``runtime``: the host's calls into the CUDA runtime and driver (``cat``
+  ``cuda_runtime`` / ``cuda_driver``: ``cudaGraphLaunch``, ``cudaLaunchKernel``, ...) by
+  name, their seconds and count, the most first (what a launch costs the thread that
+  makes it: compare a monitored mode's with stock's to see what capture adds to a decode
+  graph's launch).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from harness.results import Json
 __all__ = ["summarize_trace"]
 
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 OURS = "dmi_sglang/"
 FORWARD = ("model_runner.py", ": forward")
 """A ``python_function`` event of ``ModelRunner.forward`` (file, then function)."""
@@ -132,6 +138,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     gpu: list[Interval] = []
     kernel_s: dict[str, float] = defaultdict(float)
     kernel_n: dict[str, int] = defaultdict(int)
+    runtime_s: dict[str, float] = defaultdict(float)
+    runtime_n: dict[str, int] = defaultdict(int)
     python: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     ops: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     first, last, forwards = float("inf"), float("-inf"), 0
@@ -155,6 +163,9 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
                 forwards += 1
         elif cat == "cpu_op":
             ops[tid].append((name, a, b))
+        elif cat in RUNTIME_CATEGORIES:
+            runtime_s[name] += b - a
+            runtime_n[name] += 1
     window = max(last - first, 0.0)
     threads: list[Json] = []
     by_function: dict[str, float] = defaultdict(float)
@@ -172,6 +183,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         # every kernel: a mode's are compared with stock's by name (harness.profile)
         "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
+        "runtime": [{"call": k, "seconds": v / 1e6, "count": runtime_n[k]} for k, v in
+                    sorted(runtime_s.items(), key=lambda kv: -kv[1])],
         "forwards": forwards,
         "threads": threads,
         "dmi": [{"function": f, "seconds": s, "calls": calls.get(f, 0)}

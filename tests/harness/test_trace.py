@@ -95,7 +95,7 @@ def test_kernels_are_summed_by_name_and_compared_with_stock() -> None:
 def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> None:
     """A kernel stock runs at rank 21 by time that a monitored mode runs longer grew by
     the difference: the summary kept stock's top 20 alone, so it grew by its whole time."""
-    from harness.profile import _kernels_over_stock
+    from harness.profile import _grown_over_stock
     from harness.trace import summarize_events
 
     forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
@@ -110,9 +110,32 @@ def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> N
     common = [k(f"model_kernel_{i:02d}", 10 * i, 5 + i) for i in range(20)]
     stock = [fwd(), *common, k("copy_kernel", 900, 1)]
     ours = [fwd(), *common, k("copy_kernel", 900, 41)]
-    text = "\n".join(_kernels_over_stock([
+    text = "\n".join(_grown_over_stock([
         {"mode": "stock", "summary": summarize_events(stock)},
-        {"mode": "last", "summary": summarize_events(ours)}]))
+        {"mode": "last", "summary": summarize_events(ours)}], "kernels", "kernel"))
     first = text.split("(stock's)\n", 1)[1].splitlines()[0].split()
     assert first[-1] == "copy_kernel"
     assert first[0] == "+40.0"
+
+
+def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> None:
+    """The host's time in CUDA runtime and driver calls (a graph's launch among them):
+    what the capture's nodes add to a decode graph's launch shows against stock's."""
+    from harness.profile import render
+
+    forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
+    stock = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 20, cat="cuda_runtime")]
+    ours = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 45, cat="cuda_runtime"),
+            _x("cuLaunchKernel", 60, 4, cat="cuda_driver"),
+            _x("cudaMemcpyAsync", 70, 3, cat="cuda_runtime"), _x("aten::copy_", 70, 5,
+                                                                 cat="cpu_op")]
+    s0, s1 = summarize_events(stock), summarize_events(ours)
+    assert s1["runtime"] == [
+        {"call": "cudaGraphLaunch", "seconds": pytest.approx(45e-6), "count": 1},
+        {"call": "cuLaunchKernel", "seconds": pytest.approx(4e-6), "count": 1},
+        {"call": "cudaMemcpyAsync", "seconds": pytest.approx(3e-6), "count": 1}]
+    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
+    assert "last: host µs in CUDA calls per forward 52 (stock 20)" in text
+    first = text.split("CUDA calls that grew most")[1].split("\n")[1].split()
+    assert first[0] == "+25.0"
+    assert first[-1] == "cudaGraphLaunch"
