@@ -123,8 +123,8 @@ def _grown_over_stock(rows: Sequence[Json], key: str, name: str) -> list[str]:
         return []
     base = _per_forward(stock, key, name)
     fwd0 = max(int(stock.get("forwards") or 0), 1)
-    total0 = (stock["gpu_s"] if key == "kernels" else
-              sum(k["seconds"] for k in stock.get(key) or [])) / fwd0 * 1e6
+    total_key = "gpu_s" if key == "kernels" else "runtime_s"
+    total0 = float(stock.get(total_key) or 0.0) / fwd0 * 1e6
     what = ("GPU µs per forward", "kernels") if key == "kernels" else (
         "host µs in CUDA calls per forward", "CUDA calls")
     lines: list[str] = []
@@ -134,8 +134,7 @@ def _grown_over_stock(rows: Sequence[Json], key: str, name: str) -> list[str]:
             continue
         mine = _per_forward(s, key, name)
         fwd = max(int(s.get("forwards") or 0), 1)
-        total = (s["gpu_s"] if key == "kernels" else
-                 sum(k["seconds"] for k in s.get(key) or [])) / fwd * 1e6
+        total = float(s.get(total_key) or 0.0) / fwd * 1e6
         lines.append(f"\n{r['mode']}: {what[0]} {total:,.0f} (stock {total0:,.0f}); "
                      f"{what[1]} that grew most, µs and count per forward (stock's)")
         grew = sorted(mine, key=lambda k: -(mine[k][0] - base.get(k, (0.0, 0.0))[0]))

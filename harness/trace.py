@@ -21,7 +21,8 @@ answers where a step's time goes:
   ``cuda_runtime`` / ``cuda_driver``: ``cudaGraphLaunch``, ``cudaLaunchKernel``, ...) by
   name, their seconds and count, the most first (what a launch costs the thread that
   makes it: compare a monitored mode's with stock's to see what capture adds to a decode
-  graph's launch).
+  graph's launch); ``runtime_s``: seconds inside any of them (a call inside another, a
+  driver call the runtime made say, counted once).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     kernel_n: dict[str, int] = defaultdict(int)
     runtime_s: dict[str, float] = defaultdict(float)
     runtime_n: dict[str, int] = defaultdict(int)
+    runtime: list[Interval] = []
     python: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     ops: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     first, last, forwards = float("inf"), float("-inf"), 0
@@ -164,6 +166,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         elif cat == "cpu_op":
             ops[tid].append((name, a, b))
         elif cat in RUNTIME_CATEGORIES:
+            runtime.append((a, b))
             runtime_s[name] += b - a
             runtime_n[name] += 1
     window = max(last - first, 0.0)
@@ -185,6 +188,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
         "runtime": [{"call": k, "seconds": v / 1e6, "count": runtime_n[k]} for k, v in
                     sorted(runtime_s.items(), key=lambda kv: -kv[1])],
+        "runtime_s": _union(runtime) / 1e6,
         "forwards": forwards,
         "threads": threads,
         "dmi": [{"function": f, "seconds": s, "calls": calls.get(f, 0)}

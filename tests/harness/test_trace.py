@@ -126,14 +126,17 @@ def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> No
     forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
     stock = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 20, cat="cuda_runtime")]
     ours = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 45, cat="cuda_runtime"),
+            _x("cuGraphLaunch", 20, 10, cat="cuda_driver"),  # inside it: counted once
             _x("cuLaunchKernel", 60, 4, cat="cuda_driver"),
             _x("cudaMemcpyAsync", 70, 3, cat="cuda_runtime"), _x("aten::copy_", 70, 5,
                                                                  cat="cpu_op")]
     s0, s1 = summarize_events(stock), summarize_events(ours)
     assert s1["runtime"] == [
         {"call": "cudaGraphLaunch", "seconds": pytest.approx(45e-6), "count": 1},
+        {"call": "cuGraphLaunch", "seconds": pytest.approx(10e-6), "count": 1},
         {"call": "cuLaunchKernel", "seconds": pytest.approx(4e-6), "count": 1},
         {"call": "cudaMemcpyAsync", "seconds": pytest.approx(3e-6), "count": 1}]
+    assert s1["runtime_s"] == pytest.approx(52e-6)
     text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     assert "last: host µs in CUDA calls per forward 52 (stock 20)" in text
     first = text.split("CUDA calls that grew most")[1].split("\n")[1].split()
