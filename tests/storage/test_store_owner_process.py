@@ -42,10 +42,12 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(
     from dmi_sglang.app import store_owner
 
     reaped: list[int] = []
+    reaping = threading.Event()
     real_reap = store_owner._reap
 
     def reap(process: subprocess.Popen[bytes]) -> None:
         reaped.append(process.pid)
+        reaping.set()
         real_reap(process)
 
     monkeypatch.setattr(store_owner, "_reap", reap)
@@ -61,7 +63,8 @@ def test_writes_go_through_an_owner_that_ends_durable_at_close(
     os.kill(sink.pid, signal.SIGTERM)  # so does a group's SIGTERM: the scheduler ends it
     sink.flush()
     sink.close()
-    assert reaped == [sink.pid]  # it said so: the close did not wait for its exit
+    assert reaping.wait(30)  # it said so: only then is a reaper started, the close
+    assert reaped == [sink.pid]  # not waiting for its exit
     store = _settings(url).store()  # free at once: this process opens it directly
     handle = CaptureHandle(RUN, "r", lambda: ClickHouseReader(store))
     assert handle.missing == ()
