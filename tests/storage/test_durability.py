@@ -208,6 +208,13 @@ def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return synced
 
 
+def _age(*paths: Path, seconds: int = 60) -> None:
+    """Set the modification times of ``paths`` ``seconds`` into the past."""
+    past = time.time_ns() - seconds * 10**9
+    for p in paths:
+        os.utime(p, ns=(past, past))
+
+
 def test_sync_tree_syncs_files_changed_since_and_their_directories(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,9 +222,7 @@ def test_sync_tree_syncs_files_changed_since_and_their_directories(
     old_dir.mkdir()
     (old_dir / "a.bin").write_bytes(b"x")
     (tmp_path / "b.bin").write_bytes(b"y")
-    past = time.time_ns() - 60 * 10**9
-    for p in (old_dir / "a.bin", tmp_path / "b.bin", old_dir, tmp_path):
-        os.utime(p, ns=(past, past))
+    _age(old_dir / "a.bin", tmp_path / "b.bin", old_dir, tmp_path)
     since = time.time_ns() - 10**9
     new_dir = tmp_path / "new" / "part"
     new_dir.mkdir(parents=True)
@@ -233,12 +238,6 @@ def test_sync_tree_syncs_files_changed_since_and_their_directories(
     assert synced[2] == str(new_dir)  # deepest directory first, the root last
     assert synced[-1] == str(tmp_path)
     assert (report.files, report.directories, report.nbytes) == (2, 4, 101)
-
-
-def _age(*paths: Path, seconds: int = 60) -> None:
-    past = time.time_ns() - seconds * 10**9
-    for p in paths:
-        os.utime(p, ns=(past, past))
 
 
 def test_a_record_of_synced_files_leaves_out_what_is_unchanged_and_nothing_else(
