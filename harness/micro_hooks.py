@@ -134,6 +134,7 @@ class _ForwardBatch:
         self.rids = rids
         self.seq_lens_cpu = seq_lens
         self.seq_lens = None
+        self.seq_lens_sum = int(seq_lens.sum())
         self.extend_prefix_lens_cpu = prefix
         self.extend_prefix_lens = None
         self.extend_seq_lens_cpu = extend
@@ -320,7 +321,7 @@ class _Waves:
         marks.append(clock())
         monitor.begin_forward()
         marks.append(clock())
-        layout = layout_from_forward_batch(fb)
+        layout = layout_from_forward_batch(fb, padded_batch_size=bs)
         marks.append(clock())
         monitor.graph_allowed(layout, bs)
         marks.append(clock())

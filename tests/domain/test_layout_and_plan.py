@@ -252,7 +252,11 @@ def test_a_decode_layout_follows_the_one_before_it_by_run_or_by_positions() -> N
     assert not first.follows(moved)
     assert not moved.moved_on().follows(first)
     assert moved.with_padding(8).follows(first.with_padding(8))
-    assert first.moved_on((5, 10)).follows(first)  # the caller's positions, as given
+    assert moved == BatchLayout.decode(["a", "b"], [5, 10])  # compared by positions
+    twice = moved.moved_on().moved_on()
+    assert twice.starts == (6, 11)
+    assert twice.starts is twice.starts  # computed when first read, then kept
+    assert twice.moved_on().positions() == [("a", 7), ("b", 12)]
     fresh = BatchLayout.decode(["a", "b"], [5, 10])  # another run: by positions
     assert fresh.run != first.run
     assert fresh.follows(first)
@@ -264,8 +268,6 @@ def test_a_decode_layout_follows_the_one_before_it_by_run_or_by_positions() -> N
     assert not first.moved_on_from(moved)
     assert not BatchLayout.decode(["a", "c"], [5, 10]).follows(first)  # other requests
     assert not BatchLayout.extend(["a", "b"], [4, 9], [1, 1]).follows(first)  # not decode
-    with pytest.raises(CommitError, match="3 positions for a decode batch of 2"):
-        first.moved_on((1, 2, 3))
 
 
 @given(extend_layouts(), selections(), st.data())

@@ -74,6 +74,39 @@ def test_a_steady_decode_batch_moves_on_and_any_other_is_read_afresh() -> None:
     assert (padded.positions(), padded.padded_batch_size) == ([("a", 10), ("c", 15)], 4)
 
 
+def test_a_steady_batch_is_known_by_its_seq_lens_sum() -> None:
+    """A decode batch of the same requests whose ``seq_lens_sum`` grew by one a request
+    moves on without reading its seq_lens; a batch whose every request moved on by two
+    (all recomputed after a retraction) is read afresh; seq_lens that do not add up to
+    ``seq_lens_sum`` are refused; without a sum every batch is read."""
+    from dmi_sglang.adapters.sglang_v0519.batch import layout_from_forward_batch
+    from dmi_sglang.errors import CommitError
+
+    rids = ["x", "y"]
+    first = layout_from_forward_batch(_fb("DECODE", rids, [5, 9]), padded_batch_size=4)
+    steady = _fb("DECODE", list(rids), [6, 10])
+    steady.seq_lens_cpu = None  # not read: the sum says the batch moved on
+    moved = layout_from_forward_batch(steady, padded_batch_size=4)
+    assert moved.moved_on_from(first)
+    assert (moved.positions(), moved.padded_batch_size) == ([("x", 5), ("y", 9)], 4)
+    eager = layout_from_forward_batch(_fb("DECODE", list(rids), [7, 11]))
+    assert (eager.positions(), eager.padded_batch_size) == ([("x", 6), ("y", 10)], 2)
+    both_two = layout_from_forward_batch(_fb("DECODE", list(rids), [9, 13]))
+    assert both_two.positions() == [("x", 8), ("y", 12)]
+    assert both_two.run != eager.run
+    wrong = _fb("DECODE", ["p", "q"], [3, 4])
+    wrong.seq_lens_sum = 8
+    with pytest.raises(CommitError, match="seq_lens sum to 7, where seq_lens_sum is 8"):
+        layout_from_forward_batch(wrong)
+    unsummed = [_fb("DECODE", ["p", "q"], [n, n + 1]) for n in (3, 4)]
+    for fb in unsummed:
+        fb.seq_lens_sum = None
+    a, b = (layout_from_forward_batch(fb) for fb in unsummed)
+    assert b.positions() == [("p", 3), ("q", 4)]
+    assert b.follows(a)  # by positions, read from the batch
+    assert not b.moved_on_from(a)
+
+
 def test_only_a_decode_layout_moves_on() -> None:
     from dmi_sglang.domain.layout import BatchLayout
     from dmi_sglang.errors import CommitError

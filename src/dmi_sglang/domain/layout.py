@@ -55,6 +55,27 @@ class RequestRows:
         return self.start + self.count
 
 
+class _Moved:
+    """Positions not computed yet: each of ``base`` moved on by ``by``."""
+
+    __slots__ = ("base", "by")
+
+    def __init__(self, base: tuple[int, ...], by: int) -> None:
+        self.base = base
+        self.by = by
+
+    def __repr__(self) -> str:
+        return repr(_positions(self))
+
+
+def _positions(starts: tuple[int, ...] | _Moved) -> tuple[int, ...]:
+    """The positions themselves (what layouts compare by)."""
+    if isinstance(starts, _Moved):
+        by = starts.by
+        return tuple([start + by for start in starts.base])
+    return starts
+
+
 @attrs.frozen
 class BatchLayout:
     """The packed layout of one forward, from plain values, held as columns.
@@ -68,7 +89,8 @@ class BatchLayout:
 
     kind: ForwardKind
     request_ids: tuple[str, ...]
-    starts: tuple[int, ...]
+    _starts: tuple[int, ...] | _Moved = attrs.field(eq=_positions)
+    """The first position of each request (see :attr:`starts`); given as ``starts``."""
     counts: tuple[int, ...]
     emits: tuple[bool, ...]
     padded_batch_size: int
@@ -81,6 +103,19 @@ class BatchLayout:
     (0: no run; other constructors)."""
     run_step: int = attrs.field(default=0, eq=False)
     """Forwards this layout moved on from the first of its run (:meth:`moved_on`)."""
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The first position of each request, in batch order. A layout :meth:`moved_on`
+        computes them when first read (then keeps them): a steady decode step costs the
+        scheduler no pass over its batch, and whoever reads the positions (the drain, a
+        finish) pays for them."""
+        starts = self._starts
+        if not isinstance(starts, _Moved):
+            return starts
+        values = _positions(starts)
+        object.__setattr__(self, "_starts", values)  # one reference, replaced whole
+        return values
 
     @property
     def requests(self) -> tuple[RequestRows, ...]:
@@ -163,24 +198,21 @@ class BatchLayout:
                           tuple([v - 1 for v in seq_lens]), (1,) * n, (True,) * n, n,
                           padded_batch_size, run=next(_RUNS))
 
-    def moved_on(self, starts: tuple[int, ...] | None = None) -> BatchLayout:
+    def moved_on(self) -> BatchLayout:
         """The next decode forward of the same requests, each one position further (what
-        a steady decode batch becomes every step); ``starts``: those positions when the
-        caller has them already (a steady batch's new positions are its previous
-        ``seq_lens``), taken as they are.
+        a steady decode batch becomes every step). Its positions are computed when first
+        read (:attr:`starts`), from the newest positions a layout of its run computed.
 
         Raises:
-            CommitError: not a decode layout, or ``starts`` of another length.
+            CommitError: not a decode layout.
         """
         if self.kind is not ForwardKind.DECODE:
             msg = f"only a decode layout moves on by a position, not a {self.kind.value} one"
             raise CommitError(msg)
-        if starts is None:
-            starts = tuple(map(_ONE_MORE, self.starts))
-        elif len(starts) != len(self.starts):
-            msg = f"{len(starts)} positions for a decode batch of {len(self.starts)} requests"
-            raise CommitError(msg)
-        return BatchLayout(self.kind, self.request_ids, starts, self.counts, self.emits,
+        starts = self._starts
+        moved = (_Moved(starts.base, starts.by + 1) if isinstance(starts, _Moved)
+                 else _Moved(starts, 1))
+        return BatchLayout(self.kind, self.request_ids, moved, self.counts, self.emits,
                            self.padded_batch_size, self.token_rows, self.run,
                            self.run_step + 1)
 
@@ -230,7 +262,7 @@ class BatchLayout:
         cls,
         kind: ForwardKind,
         rids: tuple[str, ...],
-        starts: tuple[int, ...],
+        starts: tuple[int, ...] | _Moved,
         counts: tuple[int, ...],
         emits: tuple[bool, ...],
         token_rows: int,
@@ -259,12 +291,11 @@ class BatchLayout:
         """The same layout padded to another batch size (itself when it has that size)."""
         if padded_batch_size == self.padded_batch_size:
             return self
-        return self._build(self.kind, self.request_ids, self.starts, self.counts, self.emits,
-                           self.token_rows, padded_batch_size, run=self.run,
+        return self._build(self.kind, self.request_ids, self._starts, self.counts,
+                           self.emits, self.token_rows, padded_batch_size, run=self.run,
                            run_step=self.run_step)
 
 
-_ONE_MORE = (1).__add__
 _RUNS = itertools.count(1)
 """Numbers of decode runs (:attr:`BatchLayout.run`)."""
 

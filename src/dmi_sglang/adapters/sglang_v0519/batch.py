@@ -3,8 +3,10 @@
 Fields read (``model_executor/forward_batch_info.py``): ``forward_mode``, ``rids`` (a
 Python list in batch order), ``seq_lens_cpu`` (CPU tensor; in decode it includes the token
 being forwarded, in extend it is prefix + extend), ``extend_prefix_lens_cpu`` and
-``extend_seq_lens_cpu`` (Python lists, main path). The GPU twins are read only when a CPU
-field is missing (a device sync).
+``extend_seq_lens_cpu`` (Python lists, main path), and ``seq_lens_sum`` (an int SGLang
+computes from ``seq_lens_cpu``; a steady decode batch is known by it, see
+:func:`_decode`). The GPU twins are read only when a CPU field is missing (a device
+sync).
 
 Which requests emit a token in an extend forward: every request whose chunk ends its
 prompt. ``ForwardBatch`` cannot tell: ``seq_lens_cpu`` is prefix + extend for a
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from dmi_sglang.domain.layout import BatchLayout, ForwardKind, one_further
+from dmi_sglang.domain.layout import BatchLayout, ForwardKind
 from dmi_sglang.domain.records import storable_request_id
 from dmi_sglang.domain.sampling import CAPTURE_PARAM
 from dmi_sglang.errors import CommitError
@@ -65,9 +67,9 @@ def layout_from_forward_batch(
         msg = f"{mode} ForwardBatch without rids: rows cannot be mapped to requests"
         raise CommitError(msg)
     rids = _storable_rids(fb.rids)
-    seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if mode == "DECODE":
-        return _decode(rids, seq_lens, padded_batch_size)
+        return _decode(rids, fb, padded_batch_size)
+    seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if padded_batch_size not in (None, len(rids)):
         msg = f"{mode} forward of {len(rids)} requests padded to {padded_batch_size}"
         raise CommitError(msg)
@@ -100,24 +102,40 @@ def _storable_rids(raw: list[str]) -> tuple[str, ...]:
     return stored
 
 
-_last_decode: tuple[tuple[str, ...], list[int], BatchLayout] | None = None
-"""The previous unpadded decode forward's stored rids, seq_lens and layout."""
+_last_decode: tuple[tuple[str, ...], int, BatchLayout] | None = None
+"""The previous decode forward's stored rids, ``seq_lens_sum`` and layout."""
 
 
-def _decode(rids: tuple[str, ...], seq_lens: list[int], padded: int | None) -> BatchLayout:
-    """The decode layout; for the same requests as the previous decode forward, each one
-    token further (a steady batch: the same rids tuple, every seq_len one more), that
-    layout moved on (its new positions: the previous forward's seq_lens) instead of
-    built and checked again."""
+def _decode(rids: tuple[str, ...], fb: Any, padded: int | None) -> BatchLayout:
+    """The decode layout (padded to ``padded`` requests when given).
+
+    A steady batch (the same rids tuple as the previous decode forward, its
+    ``seq_lens_sum`` larger by one a request) is that layout moved on by a position,
+    without reading ``seq_lens``. SGLang 0.5.19 moves every request of a decode batch on
+    by exactly one token a decode forward. A request whose length changes otherwise is
+    recomputed after a retraction: it left the batch, so the rids differ from the
+    forward before, unless every request of the batch was retracted and recomputed,
+    which moves each on by two (the sum tells). Any other batch is read from
+    ``seq_lens``, whose sum is checked against ``seq_lens_sum`` when SGLang set it.
+
+    Raises:
+        CommitError: a seq_len below 1, or ``seq_lens`` whose sum is not
+            ``seq_lens_sum``.
+    """
     global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
-    if padded is not None:
-        return BatchLayout.decode(rids, seq_lens, padded_batch_size=padded)
+    total = getattr(fb, "seq_lens_sum", None)
     last = _last_decode
-    if last is not None and rids is last[0] and one_further(seq_lens, last[1]):
-        layout = last[2].moved_on(tuple(last[1]))
+    if (last is not None and rids is last[0] and total is not None
+            and total == last[1] + len(rids)):
+        layout = last[2].moved_on()
     else:
+        seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
+        if total is not None and len(seq_lens) == len(rids) and sum(seq_lens) != total:
+            msg = f"decode seq_lens sum to {sum(seq_lens)}, where seq_lens_sum is {total}"
+            raise CommitError(msg)
         layout = BatchLayout.decode(rids, seq_lens)
-    _last_decode = (rids, seq_lens, layout)
+    layout = layout.with_padding(len(rids) if padded is None else padded)
+    _last_decode = None if total is None else (rids, total, layout)
     return layout
 
 

@@ -228,9 +228,11 @@ def around_decode_can_run_graph(original: Callable[..., Any], graph_runner: Any,
         return ok
     t0 = perf_counter()
     try:
-        layout = layout_from_forward_batch(fb)
-        padded = graph_runner._pad_to_bucket(layout.raw_batch_size, graph_runner.capture_bs)
-        allowed = mon.graph_allowed(layout, padded)
+        rids = fb.rids  # None: the layout raises why
+        padded = None if rids is None else graph_runner._pad_to_bucket(
+            len(rids), graph_runner.capture_bs)
+        layout = layout_from_forward_batch(fb, padded_batch_size=padded)
+        allowed = mon.graph_allowed(layout, layout.padded_batch_size)
     except CaptureError:
         raise
     except Exception as exc:
