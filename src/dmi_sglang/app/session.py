@@ -177,7 +177,7 @@ class RequestTracker:
         forwards of the same requests (the same ``request_ids`` tuple, which the adapter
         reuses while the batch is unchanged) only move one position further, so only the
         newest one's ends matter (the run's first was folded)."""
-        self._batch: tuple[TrackedRequest, ...] = ()
+        self._batch: list[TrackedRequest] = []
         """The Req objects of the batch :meth:`add_reqs` was given last (let go once it
         holds a finished one)."""
         self._running: frozenset[int] = frozenset()
@@ -201,11 +201,11 @@ class RequestTracker:
         since (see there). ``reqs`` must be exactly the batch about to run: a caller
         that passes every live request instead never changes its batch, so it would get
         no finishes before stop."""
-        batch = tuple(reqs)
+        batch = reqs if type(reqs) is list else list(reqs)
         self._given = True
-        if batch == self._batch:  # identity first: the same Req objects
+        if batch == self._batch:  # identity first: the same Req objects, in C
             return
-        self._batch, self._changed = batch, True
+        self._batch, self._changed = batch.copy(), True  # the engine's list changes in place
         self._running = frozenset(map(id, batch))
         known = self._known
         # Every Req already known (a batch that lost some): one pass in C. ``known`` holds
@@ -220,7 +220,7 @@ class RequestTracker:
             if seen is None:
                 seen = self._seen[rid] = _Seen(req, 1 << 62, 0)
             elif seen.notified:
-                self._batch = ()  # hold no finished Req
+                self._batch = []  # hold no finished Req
                 if not _refers_to(self._recent_reqs.get(rid), req):  # a new request
                     self._refuse_reused(rid)
                 continue  # the overlap scheduler's extra forward of a finished request
@@ -349,7 +349,7 @@ class RequestTracker:
         if deferred:
             self._changed = True  # the next call looks again, the batch changed or not
         elif done:
-            self._batch = ()  # hold no finished Req
+            self._batch = []  # hold no finished Req
         out: list[tuple[str, int | None]] = []
         dropped, self._dropped = self._dropped, []
         for rid, req in dropped:  # their capture ended by an abort
@@ -402,7 +402,7 @@ class RequestTracker:
     def ran(self) -> None:
         """The batch given last ran and none is about to run (the engine is idle): its
         finished requests are reported at the next :meth:`take_finished`."""
-        self._batch = ()
+        self._batch = []
         self._running = frozenset()
         self._changed = True
 
@@ -420,7 +420,7 @@ class RequestTracker:
             out.append((rid, logits_end(req) if req is not None and req.finished() else None))
         self._live.clear()
         self._known.clear()
-        self._batch = ()
+        self._batch = []
         self._running = frozenset()
         return out
 
@@ -633,7 +633,7 @@ class SchedulerMonitor:
         if self._stopped:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
-        if not self.in_forward():
+        if self.protocol.state is StepState.IDLE:
             self._report_finished()
         self._preflighted = None
         return self.protocol.begin()
@@ -689,7 +689,8 @@ class SchedulerMonitor:
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
-        layout = layout.with_padding(padded_bs)
+        if layout.padded_batch_size != padded_bs:
+            layout = layout.with_padding(padded_bs)
         padded = self._plan(layout, padded=True)
         decision = self.transport.preflight(padded, lambda: self._plan(layout, padded=False))
         if decision.decision is Decision.RUN_EAGER:
