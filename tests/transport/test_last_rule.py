@@ -421,6 +421,14 @@ def test_last_slots_count_the_landing_rows_of_the_largest_decode_graph(make_driv
     logits = slots._buffers[("final_logits", -1)]
     assert allocated + logits.numel() * logits.element_size() == slots.nbytes
     assert ("final_logits", -1) not in slots._lands
+    # each capture point's landing rows are contiguous (its copy a plain one), and the
+    # move sees them row by row: row r of layer k is landing row r of capture k
+    assert all(view.is_contiguous() for view in slots._lands.values())
+    assert landed.shape == (landing, 3, 8)
+    for k, layer in enumerate(sorted(layer for name, layer in slots._lands)):
+        view = slots._lands[("resid_pre", layer)]
+        assert view.data_ptr() == landed[0, k].data_ptr()
+        assert view[1].data_ptr() == landed[1, k].data_ptr()
 
 
 def test_a_read_takes_a_group_at_once_only_where_its_rows_follow_one_another(make_driver):

@@ -117,13 +117,16 @@ def _grouped(selection: Selection, shape: ModelShape, *, rows: int, landing_rows
         slots = torch.zeros((rows, len(members), elements), dtype=dtype, device=device)
         landing = None
         if len(members) >= LANDING_MIN_PLACES:
-            landing = torch.zeros((landing_rows, len(members), elements), dtype=dtype,
+            # capture-major: each capture point's landing rows are contiguous, so its
+            # copy is a plain memcpy (a strided destination takes an element-wise
+            # kernel, slower on the GPU); the move reads them as [row, capture, elements]
+            landing = torch.zeros((len(members), landing_rows, elements), dtype=dtype,
                                   device=device)
-            moves.append((slots, landing))
+            moves.append((slots, landing.transpose(0, 1)))
         for k, (hook, layer_no) in enumerate(members):
             buffers[hook.name, layer_no] = slots[:, k]
             if landing is not None:
-                lands[hook.name, layer_no] = landing[:, k]
+                lands[hook.name, layer_no] = landing[k]
         groups.append((tuple((hook.name, layer_no) for hook, layer_no in members), slots))
     return moves, buffers, lands, groups
 
@@ -185,9 +188,10 @@ class LastSlots:
             selection, shape, rows=self.spare + 1, landing_rows=width, device=ops.device)
         """Per group of equal rows that lands, its slot rows (``[slot row, capture, row
         elements]``) and where a decode graph's capture points put their rows first
-        (``[row, capture, row elements]``; after the last one, one ``index_copy_`` per
-        group moves them into the slots); each capture's views of its slot rows, and of
-        its landing rows when its group lands."""
+        (stored capture by capture, seen here as ``[row, capture, row elements]``; after
+        the last one, one ``index_copy_`` per group moves them into the slots); each
+        capture's views of its slot rows, and of its landing rows (contiguous) when its
+        group lands."""
         self._landed = 0
         """Rows the current step's (or recording's) capture points put in the landing."""
         self.nbytes = last_slot_bytes(selection, shape, requests=requests,
