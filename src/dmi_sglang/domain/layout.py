@@ -201,7 +201,7 @@ class BatchLayout:
     def moved_on(self) -> BatchLayout:
         """The next decode forward of the same requests, each one position further (what
         a steady decode batch becomes every step). Its positions are computed when first
-        read (:attr:`starts`), from the newest positions a layout of its run computed.
+        read (:attr:`starts`): this layout's, one further.
 
         Raises:
             CommitError: not a decode layout.

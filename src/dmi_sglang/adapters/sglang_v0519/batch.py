@@ -69,6 +69,8 @@ def layout_from_forward_batch(
     rids = _storable_rids(fb.rids)
     if mode == "DECODE":
         return _decode(rids, fb, padded_batch_size)
+    global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
+    _last_decode = None  # a prefill between two decodes may bring a request of a reused id
     seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
     if padded_batch_size not in (None, len(rids)):
         msg = f"{mode} forward of {len(rids)} requests padded to {padded_batch_size}"
@@ -109,18 +111,15 @@ _last_decode: tuple[tuple[str, ...], int, BatchLayout] | None = None
 def _decode(rids: tuple[str, ...], fb: Any, padded: int | None) -> BatchLayout:
     """The decode layout (padded to ``padded`` requests when given).
 
-    A steady batch (the same rids tuple as the previous decode forward, its
-    ``seq_lens_sum`` larger by one a request) is that layout moved on by a position,
-    without reading ``seq_lens``. SGLang 0.5.19 moves every request of a decode batch on
-    by exactly one token a decode forward. A request whose length changes otherwise is
-    recomputed after a retraction: it left the batch, so the rids differ from the
-    forward before, unless every request of the batch was retracted and recomputed,
-    which moves each on by two (the sum tells). Any other batch is read from
-    ``seq_lens``, whose sum is checked against ``seq_lens_sum`` when SGLang set it.
-
-    Raises:
-        CommitError: a seq_len below 1, or ``seq_lens`` whose sum is not
-            ``seq_lens_sum``.
+    A steady batch is the previous layout moved on by a position, without reading
+    ``seq_lens``: the forward before was a decode (any other forward clears the cache)
+    of the same rids tuple, and ``seq_lens_sum`` grew by one a request. Between two
+    decode forwards with no other forward between them SGLang 0.5.19 moves every request
+    of the batch on by exactly one token: a request whose length changes otherwise was
+    prefilled again (recomputed after a retraction, or a new request that took a finished
+    one's id), and a prefill is a forward of its own. Any other batch is read from
+    ``seq_lens``; one whose ``seq_lens`` do not add up to ``seq_lens_sum`` is not kept
+    for the next (the sum would say nothing about it).
     """
     global _last_decode  # noqa: PLW0603 - a one-entry cache of the scheduler thread
     total = getattr(fb, "seq_lens_sum", None)
@@ -130,10 +129,9 @@ def _decode(rids: tuple[str, ...], fb: Any, padded: int | None) -> BatchLayout:
         layout = last[2].moved_on()
     else:
         seq_lens = _ints(fb.seq_lens_cpu, fb.seq_lens)
-        if total is not None and len(seq_lens) == len(rids) and sum(seq_lens) != total:
-            msg = f"decode seq_lens sum to {sum(seq_lens)}, where seq_lens_sum is {total}"
-            raise CommitError(msg)
         layout = BatchLayout.decode(rids, seq_lens)
+        if total is not None and sum(seq_lens) != total:
+            total = None
     layout = layout.with_padding(len(rids) if padded is None else padded)
     _last_decode = None if total is None else (rids, total, layout)
     return layout
