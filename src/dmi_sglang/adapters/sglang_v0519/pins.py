@@ -107,7 +107,7 @@ PINNED_SIGNATURES: Mapping[str, tuple[str, ...] | None] = {
 or None where only existence matters."""
 
 _FB_FIELDS = ("forward_mode", "batch_size", "input_ids", "positions", "rids", "seq_lens",
-              "seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu")
+              "seq_lens_cpu", "seq_lens_sum", "extend_seq_lens_cpu", "extend_prefix_lens_cpu")
 _SA_FIELDS = ("tp_size", "pp_size", "dp_size", "enable_dp_attention", "attn_cp_size",
               "nnodes", "speculative_algorithm", "enable_two_batch_overlap", "enable_pdmux",
               "disaggregation_mode", "enable_lora", "lora_paths", "dllm_algorithm",
