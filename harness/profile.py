@@ -102,39 +102,47 @@ def render(rows: Sequence[Json]) -> str:
             lines.append("  torch operators inside them, ms per forward")
             lines += [f"  {o['seconds'] / fwd * 1e3:8.3f}  {o['op']}" for o in s["dmi_ops"][:10]]
     lines += _grown_over_stock(rows, "kernels", "kernel")
+    lines += _grown_over_stock(rows, "graph_kernels", "kernel")
     lines += _grown_over_stock(rows, "runtime", "call")
     return "\n".join(lines)
 
 
+_TABLES = {
+    "kernels": ("forwards", "gpu_s", "GPU µs per forward", "kernels"),
+    "graph_kernels": ("graph_launches", "graph_gpu_s", "GPU µs per decode graph replay",
+                      "kernels of the replays"),
+    "runtime": ("forwards", "runtime_s", "host µs in CUDA calls per forward", "CUDA calls"),
+}
+"""Per table of a summary: what its figures are per (forwards or graph launches), its
+total's key, and how the comparison names them."""
+
+
 def _per_forward(summary: Json, key: str, name: str) -> dict[str, tuple[float, float]]:
-    """Kernel (``key`` ``kernels``) or CUDA call (``runtime``) name -> (µs, count) per
-    forward of one mode's window."""
-    fwd = max(int(summary.get("forwards") or 0), 1)
+    """Kernel (``key`` ``kernels``), decode graph kernel (``graph_kernels``: per replay) or
+    CUDA call (``runtime``) name -> (µs, count) per forward of one mode's window."""
+    fwd = max(int(summary.get(_TABLES[key][0]) or 0), 1)
     return {k[name]: (k["seconds"] / fwd * 1e6, k["count"] / fwd)
             for k in summary.get(key) or []}
 
 
 def _grown_over_stock(rows: Sequence[Json], key: str, name: str) -> list[str]:
-    """Per monitored mode: the kernels' GPU µs (``kernels``) or the CUDA calls' host µs
-    (``runtime``) per forward against stock's, and those whose time per forward grew
-    most (what the capture adds to the GPU, or to the launching thread)."""
+    """Per monitored mode: the kernels' GPU µs (``kernels``; ``graph_kernels``: per decode
+    graph replay) or the CUDA calls' host µs (``runtime``) per forward against stock's,
+    and those whose time per forward grew most (what the capture adds to the GPU, or to
+    the launching thread). Nothing for a table stock's summary lacks or has empty."""
     stock = next((r.get("summary") for r in rows if r["mode"] == "stock"), None)
-    if not stock:
+    per, total_key, *what = _TABLES[key]
+    if not stock or not stock.get(key):
         return []
     base = _per_forward(stock, key, name)
-    fwd0 = max(int(stock.get("forwards") or 0), 1)
-    total_key = "gpu_s" if key == "kernels" else "runtime_s"
-    total0 = float(stock.get(total_key) or 0.0) / fwd0 * 1e6
-    what = ("GPU µs per forward", "kernels") if key == "kernels" else (
-        "host µs in CUDA calls per forward", "CUDA calls")
+    total0 = float(stock.get(total_key) or 0.0) / max(int(stock.get(per) or 0), 1) * 1e6
     lines: list[str] = []
     for r in rows:
         s = r.get("summary") or {}
         if r["mode"] == "stock" or not s:
             continue
         mine = _per_forward(s, key, name)
-        fwd = max(int(s.get("forwards") or 0), 1)
-        total = float(s.get(total_key) or 0.0) / fwd * 1e6
+        total = float(s.get(total_key) or 0.0) / max(int(s.get(per) or 0), 1) * 1e6
         lines.append(f"\n{r['mode']}: {what[0]} {total:,.0f} (stock {total0:,.0f}); "
                      f"{what[1]} that grew most, µs and count per forward (stock's)")
         grew = sorted(mine, key=lambda k: -(mine[k][0] - base.get(k, (0.0, 0.0))[0]))

@@ -23,6 +23,11 @@ answers where a step's time goes:
   makes it: compare a monitored mode's with stock's to see what capture adds to a decode
   graph's launch); ``runtime_s``: seconds inside any of them (a call inside another, a
   driver call the runtime made say, counted once).
+* ``graph_launches``: ``cudaGraphLaunch`` calls (decode graph replays); ``graph_kernels``
+  and ``graph_gpu_s``: the GPU work those launches ran (each kernel or copy carries its
+  launch's ``correlation`` id in its ``args``), by name, and its busy seconds: compare a
+  monitored mode's per replay with stock's to see what the capture adds to a decode step's
+  GPU time, prefills and eager work apart.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = ["summarize_trace"]
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 OURS = "dmi_sglang/"
+GRAPH_LAUNCH = "cudaGraphLaunch"
 FORWARD = ("model_runner.py", ": forward")
 """A ``python_function`` event of ``ModelRunner.forward`` (file, then function)."""
 
@@ -142,6 +148,10 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     runtime_s: dict[str, float] = defaultdict(float)
     runtime_n: dict[str, int] = defaultdict(int)
     runtime: list[Interval] = []
+    launches: set[Any] = set()
+    """The correlation ids of the graph launches."""
+    work: list[tuple[str, float, float, Any]] = []
+    """Every kernel or copy: its name, start, end and launch's correlation id."""
     python: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     ops: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
     first, last, forwards = float("inf"), float("-inf"), 0
@@ -159,6 +169,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
             gpu.append((a, b))
             kernel_s[_kernel(name)] += b - a
             kernel_n[_kernel(name)] += 1
+            work.append((_kernel(name), a, b, (e.get("args") or {}).get("correlation")))
         elif cat == "python_function":
             python[tid].append((name, a, b))
             if f"{FORWARD[0]}(" in name and name.endswith(FORWARD[1]):
@@ -169,6 +180,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
             runtime.append((a, b))
             runtime_s[name] += b - a
             runtime_n[name] += 1
+            if name == GRAPH_LAUNCH:
+                launches.add((e.get("args") or {}).get("correlation"))
     window = max(last - first, 0.0)
     threads: list[Json] = []
     by_function: dict[str, float] = defaultdict(float)
@@ -189,6 +202,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         "runtime": [{"call": k, "seconds": v / 1e6, "count": runtime_n[k]} for k, v in
                     sorted(runtime_s.items(), key=lambda kv: -kv[1])],
         "runtime_s": _union(runtime) / 1e6,
+        **_graph_work(work, launches - {None}),
         "forwards": forwards,
         "threads": threads,
         "dmi": [{"function": f, "seconds": s, "calls": calls.get(f, 0)}
@@ -196,6 +210,23 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         "dmi_ops": [{"op": k, "seconds": v} for k, v in
                     sorted(op_seconds.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def _graph_work(work: Sequence[tuple[str, float, float, Any]], launches: set[Any]) -> Json:
+    """``graph_launches``, ``graph_kernels`` and ``graph_gpu_s`` (module docstring) of the
+    kernels and copies whose correlation id is a graph launch's."""
+    seconds: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    busy: list[Interval] = []
+    for name, a, b, correlation in work:
+        if correlation in launches:
+            seconds[name] += b - a
+            count[name] += 1
+            busy.append((a, b))
+    return {"graph_launches": len(launches),
+            "graph_kernels": [{"kernel": k, "seconds": v / 1e6, "count": count[k]}
+                              for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])],
+            "graph_gpu_s": _union(busy) / 1e6}
 
 
 def _thread(evs: Sequence[tuple[str, float, float]], ops: Sequence[tuple[str, float, float]],

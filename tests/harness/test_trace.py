@@ -142,3 +142,38 @@ def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> No
     first = text.split("CUDA calls that grew most")[1].split("\n")[1].split()
     assert first[0] == "+25.0"
     assert first[-1] == "cudaGraphLaunch"
+
+
+def test_a_decode_graph_replays_gpu_work_is_compared_per_replay() -> None:
+    """Kernels that carry a graph launch's correlation id are that replay's: per replay,
+    against stock's, with the eager work (a prefill's kernels) left out."""
+    from harness.profile import render
+
+    def launch(ts: float, correlation: int) -> dict[str, Any]:
+        return {**_x("cudaGraphLaunch", ts, 5, cat="cuda_runtime"),
+                "args": {"correlation": correlation}}
+
+    def kernel(name: str, ts: float, dur: float, correlation: int) -> dict[str, Any]:
+        return {**_x(name, ts, dur, tid=9, cat="kernel"), "args": {"correlation": correlation}}
+
+    forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
+    prefill = kernel("void prefill_gemm<4>(int)", 0, 500, 7)  # eager: not a replay's
+    stock = [_x(forward, 0, 600), prefill, _x(forward, 600, 100), launch(600, 1),
+             kernel("void decode_gemm<4>(int)", 610, 30, 1)]
+    ours = [*stock, _x(forward, 700, 100), launch(700, 2),
+            kernel("void decode_gemm<4>(int)", 710, 30, 2),
+            kernel("void at::native::elementwise_kernel<4>(int)", 745, 4, 2),
+            kernel("void at::native::elementwise_kernel<4>(int)", 600 + 45, 4, 1)]
+    s0, s1 = summarize_events(stock), summarize_events(ours)
+    assert (s0["graph_launches"], s1["graph_launches"]) == (1, 2)
+    assert s1["graph_kernels"] == [
+        {"kernel": "decode_gemm", "seconds": pytest.approx(60e-6), "count": 2},
+        {"kernel": "at::native::elementwise_kernel", "seconds": pytest.approx(8e-6),
+         "count": 2}]
+    assert s1["graph_gpu_s"] == pytest.approx(68e-6)
+    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
+    assert "last: GPU µs per decode graph replay 34 (stock 30)" in text
+    table = text.split("last: GPU µs per decode graph replay", 1)[1]
+    first = table.split("(stock's)\n", 1)[1].splitlines()[0]
+    assert first.split() == ["+4.0", "4.0", "x", "1.0", "(", "0.0", "x", "0.0)",
+                             "at::native::elementwise_kernel"]
