@@ -15,6 +15,13 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "python_functi
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
+def _first_grown(text: str, table: str = "") -> list[str]:
+    """The fields of the first row of the growth table headed ``table`` (the first
+    table when empty) in ``harness.profile``'s text."""
+    after = text.split(table, 1)[1] if table else text
+    return after.split("(stock's)\n", 1)[1].splitlines()[0].split()
+
+
 def test_own_time_counts_library_calls_and_never_sglangs_code() -> None:
     events = [
         _x(OURS.format(9, "around_forward"), 0, 100, tid=3),
@@ -87,9 +94,8 @@ def test_kernels_are_summed_by_name_and_compared_with_stock() -> None:
     text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     # per forward: mm 30 us either way; index_copy 7 us over stock's 0
     assert "last: GPU µs per forward 37 (stock 30)" in text
-    first = text.split("(stock's)\n", 1)[1].splitlines()[0]
-    assert first.split() == ["+7.0", "7.0", "x", "1.0", "(", "0.0", "x", "0.0)",
-                             "at::native::index_copy_kernel"]
+    assert _first_grown(text) == ["+7.0", "7.0", "x", "1.0", "(", "0.0", "x", "0.0)",
+                                  "at::native::index_copy_kernel"]
 
 
 def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> None:
@@ -113,7 +119,7 @@ def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> N
     text = "\n".join(_grown_over_stock([
         {"mode": "stock", "summary": summarize_events(stock)},
         {"mode": "last", "summary": summarize_events(ours)}], "kernels", "kernel"))
-    first = text.split("(stock's)\n", 1)[1].splitlines()[0].split()
+    first = _first_grown(text)
     assert first[-1] == "copy_kernel"
     assert first[0] == "+40.0"
 
@@ -139,7 +145,7 @@ def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> No
     assert s1["runtime_s"] == pytest.approx(52e-6)
     text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     assert "last: host µs in CUDA calls per forward 52 (stock 20)" in text
-    first = text.split("CUDA calls that grew most")[1].split("\n")[1].split()
+    first = _first_grown(text, "CUDA calls that grew most")
     assert first[0] == "+25.0"
     assert first[-1] == "cudaGraphLaunch"
 
@@ -173,7 +179,5 @@ def test_a_decode_graph_replays_gpu_work_is_compared_per_replay() -> None:
     assert s1["graph_gpu_s"] == pytest.approx(68e-6)
     text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     assert "last: GPU µs per decode graph replay 34 (stock 30)" in text
-    table = text.split("last: GPU µs per decode graph replay", 1)[1]
-    first = table.split("(stock's)\n", 1)[1].splitlines()[0]
-    assert first.split() == ["+4.0", "4.0", "x", "1.0", "(", "0.0", "x", "0.0)",
-                             "at::native::elementwise_kernel"]
+    assert _first_grown(text, "last: GPU µs per decode graph replay") == [
+        "+4.0", "4.0", "x", "1.0", "(", "0.0", "x", "0.0)", "at::native::elementwise_kernel"]
