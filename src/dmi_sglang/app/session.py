@@ -633,7 +633,7 @@ class SchedulerMonitor:
         if self._stopped:
             msg = "monitoring was stopped (dmi_stop_monitoring); this engine cannot capture more"
             raise CaptureError(msg)
-        if self.protocol.state is StepState.IDLE:
+        if not self.in_forward():
             self._report_finished()
         self._preflighted = None
         return self.protocol.begin()
@@ -689,8 +689,7 @@ class SchedulerMonitor:
 
     def graph_allowed(self, layout: BatchLayout, padded_bs: int) -> bool:
         """Preflight a decode graph step; False makes SGLang run it eagerly."""
-        if layout.padded_batch_size != padded_bs:
-            layout = layout.with_padding(padded_bs)
+        layout = layout.with_padding(padded_bs)
         padded = self._plan(layout, padded=True)
         decision = self.transport.preflight(padded, lambda: self._plan(layout, padded=False))
         if decision.decision is Decision.RUN_EAGER:

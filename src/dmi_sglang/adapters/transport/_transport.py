@@ -286,7 +286,6 @@ class TorchCaptureTransport:
             requests=last_slot_requests(max_requests=opts.max_requests,
                                         max_graph_batch=max_graph_batch),
             max_graph_batch=max_graph_batch, ops=ops)
-        self._lasts = bool(self._last_slots)  # asked every step: a plain attribute
         self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
                                   last=self._last_slots, free_slot=self._free_slot,
                                   room=self._room, part_bytes=min(nbytes // PART_SHARE,
@@ -321,8 +320,7 @@ class TorchCaptureTransport:
         adapter is expected to run it eagerly with the plan ``eager_plan()`` makes (made
         only when the step does not fit now).
         """
-        if self._unusable:
-            self._check_usable()
+        self._check_usable()
         if not plan.segments:
             return _NOTHING
         program = self._program(plan)
@@ -350,7 +348,7 @@ class TorchCaptureTransport:
             raise CommitError(msg)
         self._last_seq = step
         try:
-            if self._lasts:
+            if self._last_slots:
                 if self._last_slots.pending:
                     self._read_finished(step)
                 self._last_slots.begin(plan)
@@ -399,15 +397,14 @@ class TorchCaptureTransport:
             CommitError: no step is committed.
             CaptureError: a planned capture point never ran (sticky).
         """
-        if self._unusable:
-            self._check_usable()
+        self._check_usable()
         step = self._writer.open
         if step is None:
             msg = "seal() without a committed step"
             raise CommitError(msg)
         self._writer.open = None
         try:
-            if self._lasts:
+            if self._last_slots:
                 self._last_slots.end()
             self._writer.seal(step)
         except CaptureError as exc:
