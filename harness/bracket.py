@@ -1,14 +1,16 @@
 """Bracketed comparisons: a stock engine kept running while measured engines take turns.
 
-A :class:`Bracket` starts the stock engine once (warm-ups run untimed), probes the D2H
-rate on it, and then, for each :meth:`Bracket.measure` call: runs the timed workloads on
-stock, starts the measured engine (monitored, or another configuration), runs its warm-ups
-and timed workloads, stops monitoring (the run is durable), shuts it down, and runs the
-stock workloads again. So every measured run sits between two stock runs of the same
-workloads on the same engine (``stock, measured, stock, ...``); the stock run after one
-measured engine is the one before the next when their workloads match. The two engines
-share the GPU with the same fixed KV pool (:func:`harness.models.engine_kwargs`); the
-measured one runs alone (stock idles), and is shut down before stock runs again.
+A :class:`Bracket` starts the stock engine once (warm-ups run untimed, then its garbage
+collector is frozen: ``freeze_gc`` in :mod:`harness.engine`), probes the D2H rate on it,
+and then, for each :meth:`Bracket.measure` call: runs the timed workloads on stock,
+starts the measured engine (monitored, or another configuration), runs its warm-ups,
+freezes its garbage collector as stock's, runs its timed workloads, stops monitoring
+(the run is durable), shuts it down, and runs the stock workloads again. So every
+measured run sits between two stock runs of the same workloads on the same engine
+(``stock, measured, stock, ...``); the stock run after one measured engine is the one
+before the next when their workloads match. The two engines share the GPU with the same
+fixed KV pool (:func:`harness.models.engine_kwargs`); the measured one runs alone (stock
+idles), and is shut down before stock runs again.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Bracket:
             self.stock_ready = self.stock.start(self._timeout())
             for wl in self.warm_ups:
                 self.stock.request("run", self._timeout(), workload=wl.spec("s0-"))
+            self.stock.request("freeze_gc", self._timeout())
             self.d2h_bps = self.stock.request("d2h", self._timeout())["d2h_bps"]
         except EngineError:
             self.close()  # the next measurement starts a new stock engine
@@ -97,9 +100,15 @@ class Bracket:
         measured: Json = {"workloads": []}
         try:
             measured["ready"] = engine.start(self._timeout())
-            for wl in [*warm_ups, *timed]:
+            def run(wl: Workload) -> None:
                 measured["workloads"].append(
                     _keyed(engine.request("run", self._timeout(), workload=wl.spec()), ""))
+
+            for wl in warm_ups:
+                run(wl)
+            engine.request("freeze_gc", self._timeout())
+            for wl in timed:
+                run(wl)
             if monitored:
                 measured["stop"] = engine.request("stop", self._timeout())
         finally:

@@ -9,6 +9,12 @@ class (``sglang:Engine`` by default, ``dmi_sglang:DMIEngine``):
 
 * ``{"op": "run", "workload": {...}}``: one workload (:meth:`Workload.spec`), in waves;
 * ``{"op": "d2h"}``: the pinned device-to-host copy rate (:mod:`harness.bounds`);
+* ``{"op": "freeze_gc"}``: SGLang's ``Engine.freeze_gc()`` (after the warm-ups): the
+  engine's processes (this one's tokenizer side, the scheduler, the detokenizer) leave
+  every object made so far out of later garbage collections, as SGLang advises for
+  serving. A full collection of a freshly started engine process walks every object the
+  imports made and pauses it for a few tenths of a second, once somewhere in its first
+  minute of waves; frozen, no timed wave of either engine carries that start-up cost;
 * ``{"op": "profile", "workload": {...}, "steps": N, "dir": D}``: one wave of the workload
   while SGLang's ``start_profile`` records ``N`` forwards of the scheduler with torch's
   profiler (CPU and GPU, Python stacks) into ``D``; the trace's summary
@@ -24,6 +30,7 @@ parent.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -478,14 +485,15 @@ def parse_log_events(text: str, events: Iterable[str]) -> dict[str, Json]:
 def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     """Run one workload in waves; timings, counts and (when kept) outputs, with the
     engine processes' busiest threads (:func:`threads_between`), each process's main
-    thread and other threads (:func:`processes_between`) and the GPU's busy share
-    (:class:`GpuBusy`) over the waves."""
+    thread and other threads (:func:`processes_between`), the GPU's busy share
+    (:class:`GpuBusy`) over the waves, and the waves during which this process (the
+    engine's tokenizer side) ran a full garbage collection (``gc_full_waves``)."""
     waves = max(int(wl.get("max_waves") or 1), 1)
     repeat = bool(wl.get("named_waves")) or float(wl.get("min_seconds") or 0.0) > 0 \
         or waves > 1
     res: Json = {"name": wl["name"], "timed": bool(wl.get("timed", True)), "waves": 0,
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
-                 "hidden_state_values": 0, "outputs": []}
+                 "hidden_state_values": 0, "outputs": [], "gc_full_waves": []}
     threads = group_threads(os.getpgid(0))
     with GpuBusy() as busy:
         _waves(engine, wl, res, waves, repeat)
@@ -507,9 +515,12 @@ def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bo
             args["input_ids"] = wl["input_ids"]
         if wl.get("return_hidden_states"):
             args["return_hidden_states"] = True
+        full = gc.get_stats()[2]["collections"]
         started = time.perf_counter()
         outs = engine.generate(**args)
         elapsed = time.perf_counter() - started
+        if gc.get_stats()[2]["collections"] != full:
+            res["gc_full_waves"].append(res["waves"])
         res["waves"] += 1
         res["seconds"] += elapsed
         res["wave_seconds"].append(elapsed)
@@ -636,6 +647,9 @@ def _commands(engine: Any, reply: Any) -> None:
             from harness.bounds import measure_d2h_bps
 
             send({"d2h_bps": measure_d2h_bps()})
+        elif op == "freeze_gc":
+            engine.freeze_gc()
+            send({"frozen": True})
         elif op == "stop":
             t0 = time.perf_counter()
             if hasattr(engine, "dmi_stop_monitoring"):  # DMIEngine

@@ -324,7 +324,7 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
                       **{figure: {"measured": main.get(figure), **{
                           k: [w.get(figure) for w in unit[k] if w["name"] == "main"]
                           for k in ("stock_before", "stock_after")}}
-                         for figure in ("threads", "processes", "gpu_busy")}}
+                         for figure in ("threads", "processes", "gpu_busy", "gc_full_waves")}}
     if mode.preset:
         out["bound"] = bound(
             captured_bytes_per_token=per_token, stock_tok_s=tput["stock_tok_s"],

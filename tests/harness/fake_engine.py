@@ -14,6 +14,7 @@ sink, complete and committed.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -26,7 +27,8 @@ from harness.workloads import expected_capture
 
 
 class FakeEngine:
-    """``generate``, ``get_server_info``, ``collective_rpc`` and ``shutdown``."""
+    """``generate``, ``freeze_gc``, ``get_server_info``, ``collective_rpc`` and
+    ``shutdown``."""
 
     def __init__(self, model_path: str, **kwargs: Any) -> None:
         name = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
@@ -41,12 +43,18 @@ class FakeEngine:
 
             Settings.from_env()
 
+    def freeze_gc(self) -> None:
+        """Like SGLang's: this process's garbage collector leaves what exists now out
+        (the fake has no scheduler or detokenizer process to tell)."""
+        gc.freeze()
+
     def get_server_info(self) -> dict[str, Any]:
         return {"max_total_num_tokens": self.kwargs.get("max_total_tokens")}
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
                  rid: list[str], return_hidden_states: bool = False) -> list[dict[str, Any]]:
         time.sleep(0.002)
+        print(f"fake generate {rid[0]} gc frozen={gc.get_freeze_count() > 0}", flush=True)
         fault = os.environ.get("FAKE_RUN_FAULT", "")
         if fault == "raise":
             raise RuntimeError("boom in generate")

@@ -27,6 +27,7 @@ from harness.engine import (
     group_threads,
     parse_log_events,
     processes_between,
+    run_workload,
     threads_between,
 )
 from harness.qualify import select_cells
@@ -454,6 +455,32 @@ def test_gpu_busy_averages_the_readings_taken_while_the_block_ran() -> None:
     assert busy.summary == {"mean_pct": round(sum(taken) / len(taken), 1),
                             "readings": len(taken)}
     assert taken[:4] == [80.0, 60.0, 100.0, 40.0]
+
+
+def test_a_workload_names_the_waves_in_which_its_process_collected_all_generations() -> None:
+    import gc
+
+    class Collecting:
+        """An engine whose second wave runs a full collection, as a first one of a fresh
+        process does when the objects its imports made are walked."""
+
+        waves = 0
+
+        def generate(self, **args: Any) -> list[dict[str, Any]]:
+            self.waves += 1
+            if self.waves == 2:
+                gc.collect()  # all generations
+            else:
+                gc.collect(0)  # a young collection is not a full one
+            return [{"output_ids": [7], "meta_info": {"id": rid, "completion_tokens": 1,
+                                                      "prompt_tokens": 1}}
+                    for rid in args["rid"]]
+
+    res = run_workload(Collecting(), {"name": "main", "rids": ["a", "b"], "input_ids": [[1]] * 2,
+                                      "sampling_params": [{}] * 2, "max_waves": 3,
+                                      "min_seconds": 3600})
+    assert res["waves"] == 3
+    assert res["gc_full_waves"] == [1]
 
 
 def test_gpu_busy_without_readings_is_not_measured() -> None:

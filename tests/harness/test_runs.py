@@ -130,6 +130,17 @@ def test_the_serving_benchmark_brackets_every_engine(tmp_path: Path) -> None:
     assert all(p["threads"] >= 1 for p in procs["measured"])
     busy = data["units"][0]["figures"]["gpu_busy"]  # None where NVML is not there
     assert set(busy) == {"measured", "stock_before", "stock_after"}
+    assert data["units"][0]["figures"]["gc_full_waves"] == {
+        "measured": [], "stock_before": [[]], "stock_after": [[]]}
+    # every engine ran its warm-ups with the collector as it starts, its timed waves
+    # with it frozen (the fake logs each generate call)
+    logs = {log.name: log for log in (tmp_path / "work").rglob("*.log")}
+    for name in ("stock-serving.log", "transport-hidden-states-r0.log"):
+        calls = [line.split() for line in logs[name].read_text().splitlines()
+                 if line.startswith("fake generate ")]  # fake generate RID gc frozen=BOOL
+        assert any("warmup" in c[2] for c in calls), name
+        assert any("warmup" not in c[2] for c in calls), name
+        assert all((c[-1] == "frozen=True") != ("warmup" in c[2]) for c in calls), calls
 
 
 def test_a_sampled_store_run_is_checked_against_the_requests_it_captured(
