@@ -1,5 +1,5 @@
 """``python -m harness COMMAND ...``: qualify, serving, serve-load, hooks, transport, store,
-copies, topk, profile, docs."""
+copies, topk, profile, waves, docs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ COMMANDS = {"qualify": "harness.qualify", "serving": "harness.serving",
             "hooks": "harness.micro_hooks", "transport": "harness.micro_transport",
             "store": "harness.micro_store", "profile": "harness.profile", "docs": "harness.docs",
             "serve-load": "harness.serve_load", "copies": "harness.micro_copies",
-            "topk": "harness.micro_topk"}
+            "topk": "harness.micro_topk", "waves": "harness.waves"}
 
 
 LEGACY = {
