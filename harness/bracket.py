@@ -100,13 +100,14 @@ class Bracket:
         measured: Json = {"workloads": []}
         try:
             measured["ready"] = engine.start(self._timeout())
+
             def run(wl: Workload) -> None:
                 measured["workloads"].append(
                     _keyed(engine.request("run", self._timeout(), workload=wl.spec()), ""))
 
             for wl in warm_ups:
                 run(wl)
-            engine.request("freeze_gc", self._timeout())
+            measured["freeze"] = engine.request("freeze_gc", self._timeout())
             for wl in timed:
                 run(wl)
             if monitored:

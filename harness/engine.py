@@ -12,9 +12,11 @@ class (``sglang:Engine`` by default, ``dmi_sglang:DMIEngine``):
 * ``{"op": "freeze_gc"}``: SGLang's ``Engine.freeze_gc()`` (after the warm-ups): the
   engine's processes (this one's tokenizer side, the scheduler, the detokenizer) leave
   every object made so far out of later garbage collections, as SGLang advises for
-  serving. A full collection of a freshly started engine process walks every object the
-  imports made and pauses it for a few tenths of a second, once somewhere in its first
-  minute of waves; frozen, no timed wave of either engine carries that start-up cost;
+  serving, so that collections of what an engine made at start-up do not fall into the
+  timed waves of a freshly started engine and not of one that ran on. SGLang sends the
+  scheduler its part without waiting; a ``get_server_info()`` after it, answered by the
+  scheduler after the freeze, keeps that part out of the first timed wave. Its reply:
+  the seconds both took;
 * ``{"op": "profile", "workload": {...}, "steps": N, "dir": D}``: one wave of the workload
   while SGLang's ``start_profile`` records ``N`` forwards of the scheduler with torch's
   profiler (CPU and GPU, Python stacks) into ``D``; the trace's summary
@@ -486,8 +488,9 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     """Run one workload in waves; timings, counts and (when kept) outputs, with the
     engine processes' busiest threads (:func:`threads_between`), each process's main
     thread and other threads (:func:`processes_between`), the GPU's busy share
-    (:class:`GpuBusy`) over the waves, and the waves during which this process (the
-    engine's tokenizer side) ran a full garbage collection (``gc_full_waves``)."""
+    (:class:`GpuBusy`) over the waves, and the full garbage collections of this process
+    (the engine's tokenizer side) during them: ``gc_full_waves``, ``[wave, seconds]`` per
+    wave with one (their seconds added)."""
     waves = max(int(wl.get("max_waves") or 1), 1)
     repeat = bool(wl.get("named_waves")) or float(wl.get("min_seconds") or 0.0) > 0 \
         or waves > 1
@@ -495,8 +498,8 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
                  "hidden_state_values": 0, "outputs": [], "gc_full_waves": []}
     threads = group_threads(os.getpgid(0))
-    with GpuBusy() as busy:
-        _waves(engine, wl, res, waves, repeat)
+    with GpuBusy() as busy, FullCollections() as collections:
+        _waves(engine, wl, res, waves, repeat, collections=collections)
     after = group_threads(os.getpgid(0))
     res["threads"] = threads_between(threads, after)
     res["processes"] = processes_between(threads, after)
@@ -504,7 +507,35 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     return res
 
 
-def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bool) -> None:
+class FullCollections:
+    """Times this process's full garbage collections (``gc.callbacks``) while entered:
+    :attr:`seconds` grows by each one's length."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+        self._began: float | None = None
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: Mapping[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.count += 1
+            self._began = None
+
+
+def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bool, *,
+           collections: FullCollections) -> None:
     """The workload's waves into ``res``, until ``max_waves`` or ``min_seconds``."""
     while True:
         rids = wl["rids"] if not repeat else [f"{r}.w{res['waves']}" for r in wl["rids"]]
@@ -515,12 +546,12 @@ def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bo
             args["input_ids"] = wl["input_ids"]
         if wl.get("return_hidden_states"):
             args["return_hidden_states"] = True
-        full = gc.get_stats()[2]["collections"]
+        count, seconds = collections.count, collections.seconds
         started = time.perf_counter()
         outs = engine.generate(**args)
         elapsed = time.perf_counter() - started
-        if gc.get_stats()[2]["collections"] != full:
-            res["gc_full_waves"].append(res["waves"])
+        if collections.count != count:
+            res["gc_full_waves"].append([res["waves"], collections.seconds - seconds])
         res["waves"] += 1
         res["seconds"] += elapsed
         res["wave_seconds"].append(elapsed)
@@ -648,8 +679,10 @@ def _commands(engine: Any, reply: Any) -> None:
 
             send({"d2h_bps": measure_d2h_bps()})
         elif op == "freeze_gc":
+            t0 = time.perf_counter()
             engine.freeze_gc()
-            send({"frozen": True})
+            engine.get_server_info()  # the scheduler answers after its own freeze
+            send({"frozen": True, "seconds": time.perf_counter() - t0})
         elif op == "stop":
             t0 = time.perf_counter()
             if hasattr(engine, "dmi_stop_monitoring"):  # DMIEngine

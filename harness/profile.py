@@ -46,7 +46,8 @@ def _modes(text: str) -> list[str]:
 
 def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadline,
                  pgids: Path) -> Json:
-    """One engine of mode ``key``: warm-up, a wave, a profiled wave; its summary."""
+    """One engine of mode ``key``: warm-up, its garbage collector frozen, a wave, a
+    profiled wave; its summary."""
     model_dir = write_model_dir(work / "models", MODELS[args.model])
     kwargs = engine_kwargs(model_dir, graphs=True, max_bs=args.batch, chunked_prefill_size=0)
     mode = None if key == "stock" else parse_modes(key)[0]
@@ -65,6 +66,8 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
         for wl, prefix in ((warm, "w-"), (main, "m-")):
             engine.request("run", deadline.timeout(),
                            workload={**wl.spec(prefix), "min_seconds": 0, "max_waves": 1})
+            if wl is warm:  # as the serving benchmark's engines (harness.bracket)
+                engine.request("freeze_gc", deadline.timeout())
         profiled = engine.request("profile", deadline.timeout(), workload=main.spec("p-"),
                                   steps=args.steps,
                                   dir=str(work / "traces" / slug(key)))

@@ -312,6 +312,7 @@ def evaluate(args: argparse.Namespace, mode: Mode, unit: Json, *, store: Path,
     per_token = share * wave_bytes(args, mode.preset) / (args.batch * args.output_len) \
         if mode.preset else 0.0
     out["figures"] = {"throughput": tput, "stop_s": stop_s, "waves": main["waves"],
+                      "gc_freeze_s": (measured.get("freeze") or {}).get("seconds"),
                       "startup_s": measured["ready"]["startup_s"], "transport": stopped or None,
                       "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
                       "owner": events.get("dmi.store_owner_ended"),
