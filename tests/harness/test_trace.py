@@ -15,6 +15,16 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "python_functi
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
+def _compared(stock: list[dict[str, Any]], ours: list[dict[str, Any]],
+              ) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """Stock's and a monitored mode's (``last``) trace summaries, and
+    ``harness.profile``'s text comparing them."""
+    from harness.profile import render
+
+    s0, s1 = summarize_events(stock), summarize_events(ours)
+    return s0, s1, render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
+
+
 def _first_grown(text: str, table: str = "") -> list[str]:
     """The fields of the first row of the growth table headed ``table`` (the first
     table when empty) in ``harness.profile``'s text."""
@@ -77,21 +87,18 @@ def test_an_empty_trace_has_no_busy_share() -> None:
 
 
 def test_kernels_are_summed_by_name_and_compared_with_stock() -> None:
-    from harness.profile import render
-
     forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
     stock = [_x(forward, 0, 100), _x("void at::native::mm<float, 4>(int)", 0, 30, cat="kernel")]
     ours = [*stock, _x(forward, 200, 100),
             _x("void at::native::mm<float, 4>(int)", 200, 30, cat="kernel"),
             _x("void at::native::index_copy_kernel<bf16>(int)", 240, 8, cat="kernel"),
             _x("void at::native::index_copy_kernel<bf16>(int)", 250, 6, cat="kernel")]
-    s0, s1 = summarize_events(stock), summarize_events(ours)
+    _, s1, text = _compared(stock, ours)
     assert s1["kernels"] == [
         {"kernel": "at::native::mm", "seconds": pytest.approx(60e-6), "count": 2},
         {"kernel": "at::native::index_copy_kernel", "seconds": pytest.approx(14e-6),
          "count": 2}]
     assert s1["gpu_s"] == pytest.approx(74e-6)
-    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     # per forward: mm 30 us either way; index_copy 7 us over stock's 0
     assert "last: GPU µs per forward 37 (stock 30)" in text
     assert _first_grown(text) == ["+7.0", "7.0", "x", "1.0", "(", "0.0", "x", "0.0)",
@@ -127,8 +134,6 @@ def test_kernel_growth_is_against_stocks_own_time_even_outside_its_top_20() -> N
 def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> None:
     """The host's time in CUDA runtime and driver calls (a graph's launch among them):
     what the capture's nodes add to a decode graph's launch shows against stock's."""
-    from harness.profile import render
-
     forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
     stock = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 20, cat="cuda_runtime")]
     ours = [_x(forward, 0, 100), _x("cudaGraphLaunch", 10, 45, cat="cuda_runtime"),
@@ -136,14 +141,13 @@ def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> No
             _x("cuLaunchKernel", 60, 4, cat="cuda_driver"),
             _x("cudaMemcpyAsync", 70, 3, cat="cuda_runtime"), _x("aten::copy_", 70, 5,
                                                                  cat="cpu_op")]
-    s0, s1 = summarize_events(stock), summarize_events(ours)
+    _, s1, text = _compared(stock, ours)
     assert s1["runtime"] == [
         {"call": "cudaGraphLaunch", "seconds": pytest.approx(45e-6), "count": 1},
         {"call": "cuGraphLaunch", "seconds": pytest.approx(10e-6), "count": 1},
         {"call": "cuLaunchKernel", "seconds": pytest.approx(4e-6), "count": 1},
         {"call": "cudaMemcpyAsync", "seconds": pytest.approx(3e-6), "count": 1}]
     assert s1["runtime_s"] == pytest.approx(52e-6)
-    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     assert "last: host µs in CUDA calls per forward 52 (stock 20)" in text
     first = _first_grown(text, "CUDA calls that grew most")
     assert first[0] == "+25.0"
@@ -153,8 +157,6 @@ def test_cuda_calls_are_summed_by_name_and_their_growth_over_stock_shown() -> No
 def test_a_decode_graph_replays_gpu_work_is_compared_per_replay() -> None:
     """Kernels that carry a graph launch's correlation id are that replay's: per replay,
     against stock's, with the eager work (a prefill's kernels) left out."""
-    from harness.profile import render
-
     def launch(ts: float, correlation: int) -> dict[str, Any]:
         return {**_x("cudaGraphLaunch", ts, 5, cat="cuda_runtime"),
                 "args": {"correlation": correlation}}
@@ -170,14 +172,13 @@ def test_a_decode_graph_replays_gpu_work_is_compared_per_replay() -> None:
             kernel("void decode_gemm<4>(int)", 710, 30, 2),
             kernel("void at::native::elementwise_kernel<4>(int)", 745, 4, 2),
             kernel("void at::native::elementwise_kernel<4>(int)", 600 + 45, 4, 1)]
-    s0, s1 = summarize_events(stock), summarize_events(ours)
+    s0, s1, text = _compared(stock, ours)
     assert (s0["graph_launches"], s1["graph_launches"]) == (1, 2)
     assert s1["graph_kernels"] == [
         {"kernel": "decode_gemm", "seconds": pytest.approx(60e-6), "count": 2},
         {"kernel": "at::native::elementwise_kernel", "seconds": pytest.approx(8e-6),
          "count": 2}]
     assert s1["graph_gpu_s"] == pytest.approx(68e-6)
-    text = render([{"mode": "stock", "summary": s0}, {"mode": "last", "summary": s1}])
     assert "last: GPU µs per decode graph replay 34 (stock 30)" in text
     assert _first_grown(text, "last: GPU µs per decode graph replay") == [
         "+4.0", "4.0", "x", "1.0", "(", "0.0", "x", "0.0)", "at::native::elementwise_kernel"]
