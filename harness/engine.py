@@ -32,7 +32,6 @@ parent.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
 import os
@@ -48,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dmi_sglang.app.gc_pauses import GcPauses
 from harness.constants import (
     GPU_BUSY_PERIOD_S,
     SHUTDOWN_GRACE_S,
@@ -498,8 +498,13 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
                  "seconds": 0.0, "wave_seconds": [], "requests": 0, "output_tokens": 0,
                  "hidden_state_values": 0, "outputs": [], "gc_full_waves": []}
     threads = group_threads(os.getpgid(0))
-    with GpuBusy() as busy, FullCollections() as collections:
-        _waves(engine, wl, res, waves, repeat, collections=collections)
+    pauses = GcPauses()
+    pauses.start()
+    try:
+        with GpuBusy() as busy:
+            _waves(engine, wl, res, waves, repeat, pauses=pauses)
+    finally:
+        pauses.stop()
     after = group_threads(os.getpgid(0))
     res["threads"] = threads_between(threads, after)
     res["processes"] = processes_between(threads, after)
@@ -507,35 +512,8 @@ def run_workload(engine: Any, wl: Mapping[str, Any]) -> Json:
     return res
 
 
-class FullCollections:
-    """Times this process's full garbage collections (``gc.callbacks``) while entered:
-    :attr:`seconds` grows by each one's length."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.count = 0
-        self._began: float | None = None
-
-    def __enter__(self) -> FullCollections:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: Mapping[str, Any]) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._began = time.perf_counter()
-        elif self._began is not None:
-            self.seconds += time.perf_counter() - self._began
-            self.count += 1
-            self._began = None
-
-
 def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bool, *,
-           collections: FullCollections) -> None:
+           pauses: GcPauses) -> None:
     """The workload's waves into ``res``, until ``max_waves`` or ``min_seconds``."""
     while True:
         rids = wl["rids"] if not repeat else [f"{r}.w{res['waves']}" for r in wl["rids"]]
@@ -546,12 +524,12 @@ def _waves(engine: Any, wl: Mapping[str, Any], res: Json, waves: int, repeat: bo
             args["input_ids"] = wl["input_ids"]
         if wl.get("return_hidden_states"):
             args["return_hidden_states"] = True
-        count, seconds = collections.count, collections.seconds
+        count, seconds = pauses.collections[2], pauses.seconds[2]
         started = time.perf_counter()
         outs = engine.generate(**args)
         elapsed = time.perf_counter() - started
-        if collections.count != count:
-            res["gc_full_waves"].append([res["waves"], collections.seconds - seconds])
+        if pauses.collections[2] != count:
+            res["gc_full_waves"].append([res["waves"], pauses.seconds[2] - seconds])
         res["waves"] += 1
         res["seconds"] += elapsed
         res["wave_seconds"].append(elapsed)

@@ -1,4 +1,5 @@
-"""The scheduler process's garbage-collection pauses while a capture runs.
+"""A process's garbage-collection pauses: the scheduler's while a capture runs (the
+benchmark harness times its engine processes' own with it, wave by wave).
 
 A collection holds the GIL for its whole length, so it pauses the scheduler thread
 whichever thread of the process set it off (the drain building records, a sink's writer,
