@@ -64,18 +64,18 @@ def unit_rows(name: str, unit: Json, slow: float = SLOW) -> list[Json]:
                      (" ".join(f"{int(i)}:{s:.3f}" for i, s in gcs) or "-"),
                      "full gc (scheduler)": None, "x stock": None,
                      "x stock, median waves": None})
-    for row in rows:
-        if row["run"] != "monitored":
-            continue
-        timing = figures.get("timing") or {}
-        if timing.get("gc_full_collections") is not None:
-            row["full gc (scheduler)"] = (f"{int(timing['gc_full_collections'])} "
-                                          f"({timing.get('gc_full_seconds', 0.0):.3f} s)")
-        ratio = (figures.get("throughput") or {}).get("ratio")
-        row["x stock"] = None if ratio is None else round(ratio, 3)
-        if medians["stock"]:
-            row["x stock, median waves"] = round(
-                statistics.fmean(medians["stock"]) / medians["monitored"][0], 3)
+    if not medians["monitored"]:  # runs() puts the monitored run first, when it has waves
+        return rows
+    row = rows[0]
+    timing = figures.get("timing") or {}
+    if timing.get("gc_full_collections") is not None:
+        row["full gc (scheduler)"] = (f"{int(timing['gc_full_collections'])} "
+                                      f"({timing.get('gc_full_seconds', 0.0):.3f} s)")
+    ratio = (figures.get("throughput") or {}).get("ratio")
+    row["x stock"] = None if ratio is None else round(ratio, 3)
+    if medians["stock"]:
+        row["x stock, median waves"] = round(
+            statistics.fmean(medians["stock"]) / medians["monitored"][0], 3)
     return rows
 
 
