@@ -100,6 +100,7 @@ class Bracket:
         measured: Json = {"workloads": []}
         try:
             measured["ready"] = engine.start(self._timeout())
+
             def run(wl: Workload) -> None:
                 measured["workloads"].append(
                     _keyed(engine.request("run", self._timeout(), workload=wl.spec()), ""))
