@@ -459,11 +459,11 @@ _VARS: dict[str, _Var] = {
     "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
     "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
                            _conv(*_bounded(0, 16_384))),
-    "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", 0, _conv(*_bounded(0, 16_384))),
+    "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", 16, _conv(*_bounded(0, 16_384))),
     "DRAIN_COPY_AHEAD": _Var("drain_copy_ahead", 0, _conv(*_bounded(0, 1_024))),
     "DRAIN_COPY_KERNEL": _Var("drain_copy_kernel", 0, _conv(*_bounded(0, 1_024))),
     "DRAIN_COPY_GAPS": _Var(
-        "drain_copy_gaps", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "drain_copy_gaps", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
     "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
     "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1"),
