@@ -26,11 +26,13 @@
   owner said it closed the store: free for the next opener), ``--repeat`` runs each;
   and the same through the owner with a shared ring of ``DMX_CH_QUEUE_MB`` (``DMX_OWNER_RING_MB``).
 * the owner's write channel alone: the same ingest's batches put through a
-  :class:`RemoteSink` to an owner process whose sink keeps nothing, through its socket and
-  through a shared ring of ``DMX_CH_QUEUE_MB`` (what a capture uses), each ``--repeat``
-  times: MB/s until a flush returned, CPU seconds per GB of the calling process (its puts
-  and libzmq's I/O thread) and of the owner, and the owner's minor page faults per GB
-  (memory it touched fresh: a 4 KiB page each).
+  :class:`RemoteSink` to an owner process whose sink keeps nothing, through its socket
+  (also beside a busy pure-Python thread of the calling process, as a drain runs beside
+  SGLang's scheduler thread) and through a shared ring of ``DMX_CH_QUEUE_MB`` (what a
+  capture uses), each ``--repeat`` times: MB/s until a flush returned, CPU seconds per
+  GB of the calling process (its puts and libzmq's I/O thread) and of the owner, and the
+  owner's minor page faults per GB (memory it touched fresh: a 4 KiB page each). The
+  owner process tunes glibc's heap as a store owner does (``tune_host_malloc``).
 * readback: one request written through the sink, then read through ``open_store`` and
   its :class:`CaptureHandle`: ``available`` (cold), ``hidden_states`` (checked equal to
   what was written) and a 10-row token range (cold).
@@ -60,6 +62,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import multiprocessing
@@ -92,6 +95,7 @@ from dmi_sglang.columns import CaptureKey, RecordBatch
 from dmi_sglang.domain.records import CaptureRecord, RequestManifest, RunInfo, RunStatus
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import INSERT_MB_MAX, StoreConfig, StoreKind
+from dmi_sglang.host_malloc import tune_host_malloc
 from harness.bounds import bound, directory_bytes, measure_disk_bps, spread_of
 from harness.constants import CHANNEL_WAIT_S, DISK_PROBE_BYTES
 from harness.docs import table_lines
@@ -135,6 +139,10 @@ INSERT_ROWS = StoreConfig(kind=StoreKind.EMBEDDED).insert_rows
 CHANNEL_RING_BYTES = StoreConfig(kind=StoreKind.EMBEDDED).queue_mb << 20
 """The shared ring measured (``DMX_OWNER_RING_MB``): the size of the owner's queue
 (``DMX_CH_QUEUE_MB``'s default)."""
+CHANNEL_VARIANTS = (("socket", 0, False), ("socket, beside a busy thread", 0, True),
+                    ("ring", CHANNEL_RING_BYTES, False))
+"""The owner channel's runs: name, shared ring bytes (0: the socket), beside a busy
+thread (:func:`owner_channel`)."""
 STEP_REQUESTS, BATCH_MB = 64, 4
 """A record batch: up to 64 requests x 28 layers, at most ``--batch-mb`` MiB (by default
 4, about one decode step's)."""
@@ -306,18 +314,23 @@ def _until_reaped(pid: int, timeout_s: float = 60.0) -> None:
 def _serve_discarding(address: str, ready: Any, done: Any) -> None:
     """An owner's write channel over a :class:`NullSink` (it keeps nothing) until
     ``done`` (a spawned child)."""
+    tune_host_malloc()  # as the store owner's process does
     service = SinkService(NullSink(), address)
     ready.set()
     done.wait(CHANNEL_WAIT_S)
     service.close()
 
 
-def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATCH_MB) -> Json:
+def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATCH_MB, *,
+                  busy: bool = False) -> Json:
     """The owner's write channel alone: the ingest's batches put through a
     :class:`RemoteSink` to an owner process whose sink keeps nothing, through the socket
     (``shared_bytes`` 0) or a shared ring of ``shared_bytes``; timed from the first put
     after a warm-up put until a flush returned; CPU seconds per GB of this process (the
-    puts and libzmq's I/O thread) and of the owner."""
+    puts and libzmq's I/O thread; with ``busy``, the busy thread's too) and of the owner.
+    With ``busy`` the puts run beside a busy pure-Python thread of this process, as a
+    drain's run beside SGLang's scheduler thread, which holds the GIL whenever the drain
+    lets go of it (in every call into libzmq)."""
     batches, _, captured, _ = _ingest_input(size, total, batch_mb)
     directory = tempfile.mkdtemp(prefix="dmi-channel-")
     os.chmod(directory, 0o700)
@@ -334,11 +347,12 @@ def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATC
         sink.put(batches[0])  # the socket (and the ring) made before the timing
         owner_cpu = process_cpu(owner.pid or 0)
         owner_faults = process_minor_faults(owner.pid or 0)
-        started, cpu = time.perf_counter(), time.process_time()
-        for batch in batches:
-            sink.put(batch)
-        sink.flush()
-        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        with SpinProbe() if busy else contextlib.nullcontext():
+            started, cpu = time.perf_counter(), time.process_time()
+            for batch in batches:
+                sink.put(batch)
+            sink.flush()
+            wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         owner_cpu = process_cpu(owner.pid or 0) - owner_cpu
         owner_faults = process_minor_faults(owner.pid or 0) - owner_faults
         shared, waits = sink.shared, sink.ring_waits
@@ -565,11 +579,11 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
                      and not any(r["shared"] for r in owned),
                      "delivered": all(r["delivered"] for r in owned + direct + ringed),
                      "runs": owned, "direct_runs": direct, "ring_runs": ringed}
-    channel: dict[str, list[Json]] = {"socket": [], "ring": []}
+    channel: dict[str, list[Json]] = {how: [] for how, _, _ in CHANNEL_VARIANTS}
     for _ in range(args.repeat):
-        for how, ring_bytes in (("socket", 0), ("ring", CHANNEL_RING_BYTES)):
+        for how, ring_bytes, busy in CHANNEL_VARIANTS:
             channel[how].append(owner_channel(widest, args.mb * 1_000_000, ring_bytes,
-                                              args.batch_mb))
+                                              args.batch_mb, busy=busy))
     channels = [{"how": how, **_rates(runs), "shared": all(r["shared"] for r in runs),
                  "owner_faults_per_GB": statistics.median(
                      r["owner_faults_per_GB"] for r in runs),
@@ -649,7 +663,7 @@ def run(args: argparse.Namespace, root: Path, data: Json) -> None:
     data["checks"] = {
         "ingest_delivered": {"ok": all(r["delivered"] for r in rows), "required": True},
         "owner_ingest_delivered": {"ok": through_owner["delivered"], "required": True},
-        "channel_ring_used": {"ok": channels[1]["shared"] and not channels[0]["shared"]
+        "channel_ring_used": {"ok": all(c["shared"] == (c["how"] == "ring") for c in channels)
                               and through_owner["ring_used"], "required": False},
         "readback_equal": {"ok": bool(back["equal"]), "required": True},
         "export_equal": {"ok": bool(cost["equal"]), "required": True},

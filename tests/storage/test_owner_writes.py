@@ -337,8 +337,8 @@ def test_a_batch_sends_only_its_own_bytes(held: tuple[_Held, SinkService]) -> No
 
 def test_a_large_batch_crosses_in_pieces_of_whole_records(
         held: tuple[_Held, SinkService]) -> None:
-    """A served window flush makes batches of about 80 MB: they go as exchanges of at
-    most PUT_PIECE_BYTES (the owner's receive buffers stay small), every record once, in
+    """A served window flush makes batches of about 80 MB: they go as pieces of at most
+    PUT_PIECE_BYTES (the owner's receive buffers stay small), every record once, in
     order."""
     from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
 

@@ -50,6 +50,7 @@ from dmi_sglang.domain.settings import PREFIX as SETTINGS_PREFIX
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.store_config import channel_directory
 from dmi_sglang.errors import StoreError
+from dmi_sglang.host_malloc import tune_host_malloc
 from dmi_sglang.threads import OsNamedThread
 
 __all__ = ["OWNER_EXIT_S", "OWNER_MODULE", "OWNER_READY_S", "RELEASE_SIGNAL", "OpenServices",
@@ -433,6 +434,7 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     released = threading.Event()
     signal.signal(RELEASE_SIGNAL, lambda *_: released.set())
     os.set_inheritable(args.ready_fd, False)  # no child of this process may hold it open
+    tune_host_malloc()  # received pieces are freed once inserted: reuse their pages
     try:
         sink, services = open_services(Settings.from_env(), args.writes, args.reads)
     except Exception as exc:  # told to the parent, which raises it

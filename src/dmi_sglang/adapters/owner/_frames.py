@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from dmi_sglang.columns import CaptureKey, RecordBatch
 
-__all__ = ["FRAMES_PER_BATCH", "batch_from_frames", "batch_to_frames"]
+__all__ = ["FRAMES_PER_BATCH", "batch_from_frames", "batch_to_frames", "pieces_from_frames",
+           "pieces_to_frames"]
 
 _COLUMNS = ("request", "capture", "start", "end", "seq", "offsets")
 _DTYPES = {"request": np.int32, "capture": np.int32, "start": np.int32, "end": np.int32,
@@ -64,3 +66,95 @@ def batch_from_frames(header: Any, frames: Sequence[Any]) -> RecordBatch:
     except (KeyError, TypeError) as exc:
         msg = f"a batch header without its fields: {exc!r}"
         raise ValueError(msg) from exc
+
+
+_PACKED = (("request", np.int32), ("capture", np.int32), ("start", np.int32),
+           ("end", np.int32), ("seq", np.int64))
+"""The columns :func:`pieces_to_frames` packs, in order, before the pieces' offsets."""
+
+
+def pieces_to_frames(batch: RecordBatch, piece_bytes: int) -> tuple[dict[str, Any], list[Any]]:
+    """The batch in pieces of whole records of at most ``piece_bytes`` payload bytes
+    (:meth:`RecordBatch.split`) as one message: a header (plain values, with each
+    piece's record count), one frame of every column packed together (each piece's
+    offsets rebased to its own payload), then one payload frame per piece (views: the
+    payload is not copied). Few frames, so a process hands a large batch over with few
+    calls into the messaging library: each call lets another thread take the
+    interpreter's lock, and getting it back may wait for that thread.
+
+    Raises:
+        ValueError: ``piece_bytes`` is not positive.
+    """
+    pieces = batch.split(piece_bytes)
+    header = {"run_id": batch.run_id, "request_ids": list(batch.request_ids),
+              "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
+                           for c in batch.captures],
+              "shard_rank": batch.shard_rank, "records": [len(p) for p in pieces]}
+    n = len(batch)
+    packed = np.empty(sum(np.dtype(t).itemsize for _, t in _PACKED) * n
+                      + 8 * (n + len(pieces)), dtype=np.uint8)
+    at = 0
+    for name, dtype in _PACKED:
+        size = np.dtype(dtype).itemsize * n
+        packed[at:at + size].view(dtype)[:] = getattr(batch, name)
+        at += size
+    payloads = []
+    offsets = packed[at:].view(np.int64)
+    first = 0
+    for piece in pieces:
+        start, end = int(piece.offsets[0]), int(piece.offsets[-1])
+        offsets[first:first + len(piece.offsets)] = piece.offsets - start
+        first += len(piece.offsets)
+        payloads.append(piece.payload[start:end])
+    return header, [packed, *payloads]
+
+
+def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
+    """The pieces :func:`pieces_to_frames` sent, one batch each, over the received frames
+    (``zmq.Frame`` objects, or anything with a ``buffer``) without a copy: read-only
+    views that keep their frames alive.
+
+    Raises:
+        ValueError: frames or columns that do not match the header, or a header without
+            the batch's fields.
+    """
+    try:
+        counts = [int(c) for c in header["records"]]
+        run_id, shard_rank = str(header["run_id"]), int(header["shard_rank"])
+        request_ids = tuple(str(r) for r in header["request_ids"])
+        captures = tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
+                         for a, n, d, dims in header["captures"])
+    except (KeyError, TypeError) as exc:
+        msg = f"a batch header without its fields: {exc!r}"
+        raise ValueError(msg) from exc
+    if len(frames) != 1 + len(counts) or min(counts, default=0) < 0:
+        msg = (f"a put of {len(counts)} pieces has {1 + len(counts)} frames after its "
+               f"header, got {len(frames)}")
+        raise ValueError(msg)
+    packed = np.frombuffer(_readonly(frames[0]), dtype=np.uint8)
+    n = sum(counts)
+    expected = sum(np.dtype(t).itemsize for _, t in _PACKED) * n + 8 * (n + len(counts))
+    if packed.nbytes != expected:
+        msg = (f"the columns of {n} records in {len(counts)} pieces take {expected} "
+               f"bytes, got {packed.nbytes}")
+        raise ValueError(msg)
+    columns: dict[str, npt.NDArray[Any]] = {}
+    at = 0
+    for name, dtype in _PACKED:
+        size = np.dtype(dtype).itemsize * n
+        columns[name] = packed[at:at + size].view(dtype)
+        at += size
+    offsets = packed[at:].view(np.int64)
+    out = []
+    first = 0
+    for i, count in enumerate(counts):
+        last = first + count
+        out.append(RecordBatch(
+            run_id, request_ids, captures, request=columns["request"][first:last],
+            capture=columns["capture"][first:last], start=columns["start"][first:last],
+            end=columns["end"][first:last], seq=columns["seq"][first:last],
+            offsets=offsets[first + i : last + i + 1],
+            payload=np.frombuffer(_readonly(frames[1 + i]), dtype=np.uint8),
+            shard_rank=shard_rank))
+        first = last
+    return out

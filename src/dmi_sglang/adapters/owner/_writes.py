@@ -13,8 +13,8 @@ remote sink's sticky failure too (every later call and ``close`` raise it; only
 local sink does). Nothing a
 client sends is unpickled: a request is a JSON header (the method; runs and manifests as
 their fields; a batch's run, request ids and capture keys) plus, for ``put``, one frame
-per column and the payload, received without a copy and kept alive by the batch the
-owner's sink stores.
+of its columns and one frame per piece of its payload, received without a copy and
+kept alive by the batches the owner's sink stores.
 
 Where it differs from a local sink: every call waits for its exchange, behind the calls
 ahead of it (of this process, and of the owner's other writers), so ``commit_requests``
@@ -40,7 +40,12 @@ from typing import Any
 import attrs
 import structlog
 
-from dmi_sglang.adapters.owner._frames import batch_from_frames, batch_to_frames
+from dmi_sglang.adapters.owner._frames import (
+    batch_from_frames,
+    batch_to_frames,
+    pieces_from_frames,
+    pieces_to_frames,
+)
 from dmi_sglang.adapters.owner._service import (
     SocketService,
     check_address,
@@ -62,12 +67,16 @@ queue is full; a ``finish_run`` syncs the run's files)."""
 AFTER_LOSS_TIMEOUT_S = 30.0
 """Longest the ``finish_run`` sent after a lost exchange waits (behind the lost call)."""
 PUT_PIECE_BYTES = 8 << 20
-"""Most payload bytes one ``put`` exchange carries: a larger batch goes as several, of
-whole records. The owner's libzmq receives each message into memory it allocates for it
-(for tens of MB, fresh pages every time: one page fault per 4 KiB): with batches of at most 80
-MiB (a served window flush's size) the channel alone moved 1.1 GB/s whole and 3.9 GB/s in
-pieces on the dev box, the owner's CPU 0.65 and 0.17 s per GB (``python -m harness store
---batch-mb 80``, ``docs/evidence/2026-12-05-cpu-owner-put-pieces/``)."""
+"""Most payload bytes of one piece of a ``put`` (whole records): one frame each, which
+the owner's sink takes as a batch of its own. The owner's libzmq receives each frame
+into memory it allocates for it (for tens of MB, fresh pages every time: one page fault
+per 4 KiB): with batches of at most 80 MiB (a served window flush's size) the channel
+alone moved 1.1 GB/s whole and 3.9 GB/s in pieces on the dev box, the owner's CPU 0.65
+and 0.17 s per GB (then one exchange per piece: ``python -m harness store --batch-mb
+80``, ``docs/evidence/2026-12-05-cpu-owner-put-pieces/``). A put's pieces go in one
+exchange: every call into libzmq lets go of the GIL, and beside a busy Python thread
+(SGLang's scheduler) each costs the caller a wait for it back
+(``docs/evidence/2026-12-07-cpu-one-exchange-puts/``)."""
 
 
 
@@ -153,10 +162,9 @@ class SinkService(SocketService):
         try:
             header = json.loads(frames[0].bytes)
             method = header["method"]
-            if method == "put":
-                pieces = (self._shared.pieces(header["ring"], header["region"])
-                          if "region" in header else frames[1:])
-                self._sink.put(batch_from_frames(header, pieces))
+            if method == "put":  # in order, stopping at a failure
+                for batch in self._batches(header, frames[1:]):
+                    self._sink.put(batch)
             elif method == "share":
                 self._shared.attach(header["path"], header["size"])
             elif method == "unshare":
@@ -178,6 +186,16 @@ class SinkService(SocketService):
         except Exception as exc:  # a malformed call, or the sink's own failure
             return json.dumps([type(exc).__name__, str(exc)]).encode()
         return b'["ok"]'
+
+    def _batches(self, header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
+        """A put's batches: its pieces (``records`` in the header: the socket's way),
+        or one batch in a shared ring's region (``region``) or as frames (a batch that
+        did not fit the ring)."""
+        if "records" in header:
+            return pieces_from_frames(header, frames)
+        if "region" in header:
+            frames = self._shared.pieces(header["ring"], header["region"])
+        return [batch_from_frames(header, frames)]
 
 
 class RemoteSink:
@@ -236,10 +254,11 @@ class RemoteSink:
         owner's queue, or the shared ring, is full). The batch's memory is free again on
         return.
 
-        Through the socket it goes in exchanges of at most :data:`PUT_PIECE_BYTES` of
-        whole records, one after another with no other call of this sink between them; a
-        failure stops it at the piece that failed (the pieces before were taken, and the
-        run is failed from there on: the sticky failure). Through a shared ring it goes
+        Through the socket it goes in one exchange, as pieces of at most
+        :data:`PUT_PIECE_BYTES` of whole records (one frame each), which the owner's sink
+        takes one by one, in order; a failure stops it at the piece that failed (the
+        pieces before were taken, and the run is failed from there on: the sticky
+        failure). Through a shared ring it goes
         whole, as one region (the ring's regions are held until their insert, so pieces
         would fill a ring smaller than an insert and wait for the insert's linger), and as
         whole frames where it does not fit the ring."""
@@ -248,9 +267,8 @@ class RemoteSink:
                 header, frames = batch_to_frames(batch)
                 self._call({"method": "put", **header}, frames, shared=True)
                 return
-            for piece in batch.split(PUT_PIECE_BYTES):
-                header, frames = batch_to_frames(piece)
-                self._call({"method": "put", **header}, frames)
+            header, frames = pieces_to_frames(batch, PUT_PIECE_BYTES)
+            self._call({"method": "put", **header}, frames)
 
     def commit_requests(self, manifests: Sequence[RequestManifest]) -> None:
         """The owner's sink commits these manifests after what was put before."""

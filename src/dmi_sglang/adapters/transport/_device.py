@@ -11,9 +11,6 @@ never waited for, or a ring region released before its copy ran, shows as wrong 
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,6 +19,7 @@ import torch
 
 from dmi_sglang.adapters.transport.kernel_copy import kernel_copy, warm_up
 from dmi_sglang.domain.shapes import DType
+from dmi_sglang.host_malloc import tune_host_malloc
 
 log = structlog.get_logger("dmi_sglang.transport.device")
 
@@ -392,34 +390,3 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor,
         return
     for lo in range(0, rows, per_piece):
         yield dst[lo : lo + per_piece], src[lo : lo + per_piece]
-
-
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def tune_host_malloc() -> bool:
-    """Let glibc keep and reuse freed heap memory instead of returning it to the OS.
-
-    Record payloads are ``bytes`` of tens of kilobytes, made by the drain under the GIL
-    and freed by the sink after insertion. With glibc's defaults the freed heap top is
-    trimmed and the next payloads fault fresh pages in again: measured 70 ms per 121 MB
-    of payloads, 25 ms with these settings (the memcpy alone is 13 ms). Process-wide;
-    the scheduler process is the only user. Returns False where it does not apply.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return all(
-            libc.mallopt(option, value) == 1
-            for option, value in (
-                (_M_TRIM_THRESHOLD, 1 << 30),
-                (_M_TOP_PAD, 64 << 20),
-                (_M_MMAP_THRESHOLD, 32 << 20),
-            )
-        )
-    except (OSError, AttributeError):  # not glibc
-        return False
