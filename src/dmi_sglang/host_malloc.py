@@ -14,7 +14,9 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
 def tune_host_malloc() -> bool:
-    """Let glibc keep and reuse freed heap memory instead of returning it to the OS.
+    """Let glibc keep and reuse freed heap memory instead of returning it to the OS (up
+    to 1 GiB of it: a process stays at about its peak heap, for the store owner about its
+    queue, ``DMX_CH_QUEUE_MB``).
 
     Record payloads are ``bytes`` of tens of kilobytes, made by the drain under the GIL
     and freed by the sink after insertion. With glibc's defaults the freed heap top is

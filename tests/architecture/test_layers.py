@@ -17,7 +17,7 @@ VERSION_NEUTRAL = tuple(f"{PKG}.app.{m}" for m in ("session", "handle", "assembl
                                                     "null_sink", "reference", "gc_pauses"))
 """Application services that must work with any SGLang version and any store."""
 INNER = (f"{PKG}.domain", f"{PKG}.errors", f"{PKG}.tensor_ports", f"{PKG}.columns",
-         f"{PKG}.threads")
+         f"{PKG}.threads", f"{PKG}.host_malloc")
 FRAMEWORKS = ("sglang", "clickhouse_connect", "chdb")
 
 
@@ -138,7 +138,8 @@ def test_version_neutral_code_imports_only_the_domain(module: str) -> None:
 
 
 @pytest.mark.parametrize("module", [f"{PKG}.tensor_ports", f"{PKG}.errors", f"{PKG}.testing",
-                                    f"{PKG}.columns", f"{PKG}.threads"])
+                                    f"{PKG}.columns", f"{PKG}.threads",
+                                    f"{PKG}.host_malloc"])
 def test_shared_seams_import_only_the_domain(module: str) -> None:
     for target in EDGES[module]:
         assert _in(target, *INNER), f"{module} imports {target}"

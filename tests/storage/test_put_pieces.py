@@ -28,8 +28,8 @@ class _Received:
     an odd address as zmq may hand it out of its read buffer."""
 
     def __init__(self, data: Any) -> None:
-        raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        self.buffer = memoryview(np.concatenate([np.zeros(1, np.uint8), raw])[1:])
+        raw = np.frombuffer(bytes(data), dtype=np.uint8)
+        self.buffer = np.concatenate([np.zeros(1, np.uint8), raw])[1:].data
 
 
 def _batch(rows: list[tuple[int, int]], lead: int) -> RecordBatch:
@@ -84,6 +84,17 @@ def test_a_put_whose_frames_do_not_match_its_header_is_refused() -> None:
     with pytest.raises(ValueError,
                        match=r"^a batch header without its fields: KeyError\('records'\)$"):
         pieces_from_frames({k: v for k, v in header.items() if k != "records"}, received)
+    for counts in ([-1, 4, 0], [1, 1.0, 1], [True, 1, 1], "111", []):
+        with pytest.raises(ValueError, match=r"^a put's record counts .*; accepted: a "
+                                             r"non-empty list of integers >= 0$"):
+            pieces_from_frames({**header, "records": counts}, received)
+    with pytest.raises(ValueError, match=r"^piece 1 of a put: its records end at byte 20, "
+                                         r"its frame holds 19$"):
+        pieces_from_frames(header, [*received[:2], _Received(frames[2][:-1]), received[3]])
+    with pytest.raises(ValueError, match=r"^piece 0 of a put: its records end at byte 0, "
+                                         r"its frame holds 12$"):  # no records, some bytes
+        pieces_from_frames({**header, "records": [0, 2, 1]},
+                           received)
 
 
 @pytest.fixture

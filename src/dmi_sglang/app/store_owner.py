@@ -434,7 +434,7 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     released = threading.Event()
     signal.signal(RELEASE_SIGNAL, lambda *_: released.set())
     os.set_inheritable(args.ready_fd, False)  # no child of this process may hold it open
-    tune_host_malloc()  # received pieces are freed once inserted: reuse their pages
+    tuned = tune_host_malloc()  # received pieces are freed once inserted: reuse their pages
     try:
         sink, services = open_services(Settings.from_env(), args.writes, args.reads)
     except Exception as exc:  # told to the parent, which raises it
@@ -448,7 +448,8 @@ def run_owner(argv: Sequence[str], open_services: OpenServices) -> int:
     if os.path.basename(channels).startswith(_CHANNELS_PREFIX):  # a parent that died left it
         _remove_directory(channels)
     log.info("dmi.store_owner_ended", pid=os.getpid(), status=code, store_free=free,
-             closing_s=round(time.perf_counter() - began, 4))  # before the parent goes on
+             closing_s=round(time.perf_counter() - began, 4),
+             malloc_tuned=tuned)  # before the parent goes on
     if free:  # the store is free: the parent goes on (else it waits for this exit)
         _tell(args.ready_fd, f"{_CLOSED}{code}")
     return code

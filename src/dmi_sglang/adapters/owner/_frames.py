@@ -1,6 +1,9 @@
-"""A :class:`~dmi_sglang.columns.RecordBatch` as message frames: a header of plain values
-(JSON-ready) and one frame per column plus the payload, sent without a copy and read
-back as views of the received frames (each array keeps its frame alive)."""
+"""A :class:`~dmi_sglang.columns.RecordBatch` as message frames, sent without a copy and
+read back as views of the received frames (each array keeps its frame alive), a header of
+plain values (JSON-ready) first: whole (:func:`batch_to_frames`: one frame per column
+plus the payload; a read answer's batches, a shared ring's regions), or in pieces
+(:func:`pieces_to_frames`: one frame of every column packed, then one payload frame per
+piece; a put through the store owner's socket)."""
 
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
             the batch's fields.
     """
     try:
-        counts = [int(c) for c in header["records"]]
+        counts = header["records"]
         run_id, shard_rank = str(header["run_id"]), int(header["shard_rank"])
         request_ids = tuple(str(r) for r in header["request_ids"])
         captures = tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
@@ -127,7 +130,12 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
     except (KeyError, TypeError) as exc:
         msg = f"a batch header without its fields: {exc!r}"
         raise ValueError(msg) from exc
-    if len(frames) != 1 + len(counts) or min(counts, default=0) < 0:
+    if not isinstance(counts, list) or not counts or not all(
+            type(c) is int and c >= 0 for c in counts):
+        msg = (f"a put's record counts {str(counts)[:64]}; accepted: a non-empty list of "
+               "integers >= 0")
+        raise ValueError(msg)
+    if len(frames) != 1 + len(counts):
         msg = (f"a put of {len(counts)} pieces has {1 + len(counts)} frames after its "
                f"header, got {len(frames)}")
         raise ValueError(msg)
@@ -149,6 +157,10 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
     first = 0
     for i, count in enumerate(counts):
         last = first + count
+        sent, used = len(_readonly(frames[1 + i])), int(offsets[last + i])
+        if sent != used:
+            msg = f"piece {i} of a put: its records end at byte {used}, its frame holds {sent}"
+            raise ValueError(msg)
         out.append(RecordBatch(
             run_id, request_ids, captures, request=columns["request"][first:last],
             capture=columns["capture"][first:last], start=columns["start"][first:last],

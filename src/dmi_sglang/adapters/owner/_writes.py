@@ -12,22 +12,23 @@ remote sink's sticky failure too (every later call and ``close`` raise it; only
 ``finish_run`` still reaches an owner that answers, which records the run failed as a
 local sink does). Nothing a
 client sends is unpickled: a request is a JSON header (the method; runs and manifests as
-their fields; a batch's run, request ids and capture keys) plus, for ``put``, one frame
-of its columns and one frame per piece of its payload, received without a copy and
-kept alive by the batches the owner's sink stores.
+their fields; a batch's run, request ids and capture keys) plus, for ``put`` through the
+socket, one frame of its columns and one frame per piece of its payload (through a shared
+ring: none, the header names the region), received without a copy and kept alive by the
+batches the owner's sink stores.
 
 Where it differs from a local sink: every call waits for its exchange, behind the calls
 ahead of it (of this process, and of the owner's other writers), so ``commit_requests``
-can wait while another writer's ``put`` is held by backpressure; a call the owner does not
-answer within :data:`WRITE_TIMEOUT_S` fails the remote sink for good (the owner may still
-store what it was given). Only ``finish_run`` is still sent after that, on a new socket,
-waiting at most :data:`AFTER_LOSS_TIMEOUT_S`: an owner that got through the lost call
-records the run failed (a server's owner outlives the capture, and a run left running
-there would read live for as long as the server lives); one that did not answer leaves
-the run unfinished, ``interrupted`` once the owner is gone. None of it reads as complete.
-``close`` ends this process's use only: the owner's sink stays open and its owner closes
-it. With several writers (the ranks of a tensor-parallel run) one of them starts and
-finishes the run and commits requests; the others put and flush only.
+can wait while another writer's ``put`` (all its pieces) is held by backpressure; a call
+the owner does not answer within :data:`WRITE_TIMEOUT_S` fails the remote sink for good
+(the owner may still store what it was given). Only ``finish_run`` is still sent after
+that, on a new socket, waiting at most :data:`AFTER_LOSS_TIMEOUT_S`: an owner that got
+through the lost call records the run failed (a server's owner outlives the capture, and
+a run left running there would read live for as long as the server lives); one that did
+not answer leaves the run unfinished, ``interrupted`` once the owner is gone. None of it
+reads as complete. ``close`` ends this process's use only: the owner's sink stays open
+and its owner closes it. With several writers (the ranks of a tensor-parallel run) one
+of them starts and finishes the run and commits requests; the others put and flush only.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ __all__ = ["PUT_PIECE_BYTES", "WRITE_TIMEOUT_S", "RemoteSink", "SinkService"]
 log = structlog.get_logger(__name__)
 
 WRITE_TIMEOUT_S = 300.0
-"""Longest a remote sink call waits for the owner (a ``put`` waits while the owner's
-queue is full; a ``finish_run`` syncs the run's files)."""
+"""Longest a remote sink call waits for the owner (a ``put``, all its pieces together,
+waits while the owner's queue is full; a ``finish_run`` syncs the run's files)."""
 AFTER_LOSS_TIMEOUT_S = 30.0
 """Longest the ``finish_run`` sent after a lost exchange waits (behind the lost call)."""
 PUT_PIECE_BYTES = 8 << 20
@@ -216,8 +217,8 @@ class RemoteSink:
         self.address = check_address(address)
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._lock = threading.RLock()
-        """One exchange at a time; a ``put`` holds it across its pieces, so another
-        thread's call never lands between them."""
+        """One exchange at a time (a ``put``'s pieces are one exchange, so another
+        thread's call never lands between them)."""
         self._socket: Any = None
         self._failure: StoreError | None = None
         self._lost = False

@@ -19,11 +19,10 @@ import torch
 
 from dmi_sglang.adapters.transport.kernel_copy import kernel_copy, warm_up
 from dmi_sglang.domain.shapes import DType
-from dmi_sglang.host_malloc import tune_host_malloc
 
 log = structlog.get_logger("dmi_sglang.transport.device")
 
-__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows", "tune_host_malloc",
+__all__ = ["TORCH_DTYPES", "DeviceOps", "Fence", "Marker", "copy_rows",
            "widest"]
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {

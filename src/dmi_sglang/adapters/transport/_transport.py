@@ -20,7 +20,7 @@ import torch
 from dmi_sglang.adapters.transport import topk_flashinfer, topk_kernel
 from dmi_sglang.adapters.transport._arena import Arena, CaptureKey
 from dmi_sglang.adapters.transport._capturer import Capturer, Payloads
-from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps, tune_host_malloc
+from dmi_sglang.adapters.transport._device import TORCH_DTYPES, DeviceOps
 from dmi_sglang.adapters.transport._drain import Drain, DrainItem
 from dmi_sglang.adapters.transport._last import LastSlots, ReadLayout
 from dmi_sglang.adapters.transport._options import TransportOptions
@@ -54,6 +54,7 @@ from dmi_sglang.errors import (
     CommitError,
     UnsupportedConfigurationError,
 )
+from dmi_sglang.host_malloc import tune_host_malloc
 
 __all__ = ["TorchCaptureTransport"]
 
