@@ -329,7 +329,7 @@ def owner_channel(size: int, total: int, shared_bytes: int, batch_mb: int = BATC
     after a warm-up put until a flush returned; CPU seconds per GB of this process (the
     puts and libzmq's I/O thread; with ``busy``, the busy thread's too) and of the owner.
     With ``busy`` the puts run beside a busy pure-Python thread of this process, as a
-    drain's run beside SGLang's scheduler thread, which holds the GIL whenever the drain
+    drain runs beside SGLang's scheduler thread, which holds the GIL whenever the drain
     lets go of it (in every call into libzmq)."""
     batches, _, captured, _ = _ingest_input(size, total, batch_mb)
     directory = tempfile.mkdtemp(prefix="dmi-channel-")
