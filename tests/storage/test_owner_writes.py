@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -347,6 +348,30 @@ def test_a_large_batch_crosses_in_pieces_of_whole_records(
     batch = _megabyte_rows(2 * (PUT_PIECE_BYTES >> 20) + 3)  # 1 MiB records
     RemoteSink(service.address, timeout_s=30).put(batch)
     assert [b.nbytes for b in sink.batches] == [PUT_PIECE_BYTES, PUT_PIECE_BYTES, 3 << 20]
+    got = [(r.start_token_idx, bytes(r.payload)) for b in sink.batches for r in b.records()]
+    assert got == [(r.start_token_idx, bytes(r.payload)) for r in batch.records()]
+
+
+def test_a_large_put_is_one_exchange_with_the_owner(
+        held: tuple[_Held, SinkService], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call into libzmq lets go of the GIL (a wait to get it back, beside a busy
+    thread): a put of many pieces costs one exchange, not one per piece."""
+    from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
+
+    exchanges: list[str] = []
+    exchange = RemoteSink._exchange
+
+    def counted(self: RemoteSink, header: dict[str, Any], *args: Any) -> list[Any]:
+        exchanges.append(header["method"])
+        return exchange(self, header, *args)
+
+    monkeypatch.setattr(RemoteSink, "_exchange", counted)
+    sink, service = held
+    sink.release.set()
+    batch = _megabyte_rows(3 * (PUT_PIECE_BYTES >> 20) + 1)
+    RemoteSink(service.address, timeout_s=30).put(batch)
+    assert exchanges == ["put"]
+    assert [b.nbytes for b in sink.batches] == [PUT_PIECE_BYTES] * 3 + [1 << 20]
     got = [(r.start_token_idx, bytes(r.payload)) for b in sink.batches for r in b.records()]
     assert got == [(r.start_token_idx, bytes(r.payload)) for r in batch.records()]
 

@@ -1,10 +1,9 @@
 """A put's pieces as one message (``pieces_to_frames`` / ``pieces_from_frames``): every
 record once, in order, each piece at most the piece size of whole records, the payload
-sent without a copy; and one exchange per put through the owner's socket."""
+sent without a copy (one exchange per put: ``test_owner_writes.py``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,10 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmi_sglang.adapters.owner import RemoteSink, SinkService
 from dmi_sglang.adapters.owner._frames import pieces_from_frames, pieces_to_frames
 from dmi_sglang.columns import CaptureKey, RecordBatch
-from dmi_sglang.domain.records import RunInfo
 
 RUN = "run-pieces"
 KEYS = (CaptureKey("resid_pre", 0, "torch.bfloat16", (3,)),
@@ -95,59 +92,3 @@ def test_a_put_whose_frames_do_not_match_its_header_is_refused() -> None:
                                          r"its frame holds 12$"):  # no records, some bytes
         pieces_from_frames({**header, "records": [0, 2, 1]},
                            received)
-
-
-@pytest.fixture
-def private(tmp_path: Path) -> Path:
-    """A directory of this user's alone (the owner serves only there)."""
-    tmp_path.chmod(0o700)
-    return tmp_path
-
-
-class _Keeps:
-    """A sink that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.batches: list[RecordBatch] = []
-
-    def start_run(self, run: RunInfo) -> None:
-        del run
-
-    def put(self, batch: RecordBatch) -> None:
-        self.batches.append(batch)
-
-    def flush(self) -> None:
-        pass
-
-
-def test_a_large_put_is_one_exchange_with_the_owner(private: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every call into libzmq lets go of the GIL (a wait to get it back, beside a busy
-    thread): a put of many pieces costs one exchange, not one per piece."""
-    from dmi_sglang.adapters.owner import PUT_PIECE_BYTES
-
-    exchanges: list[str] = []
-    exchange = RemoteSink._exchange
-
-    def counted(self: RemoteSink, header: dict[str, Any], *args: Any) -> list[Any]:
-        exchanges.append(header["method"])
-        return exchange(self, header, *args)
-
-    monkeypatch.setattr(RemoteSink, "_exchange", counted)
-    key = CaptureKey("resid_pre", 0, "torch.int32", (1 << 18,))  # 1 MiB rows
-    n = 3 * (PUT_PIECE_BYTES >> 20) + 1
-    at = np.arange(n, dtype=np.int32)
-    batch = RecordBatch(RUN, ("r",), (key,), np.zeros(n, np.int32), np.zeros(n, np.int32),
-                        at, at + 1, at.astype(np.int64), np.arange(n + 1, dtype=np.int64) << 20,
-                        np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8))
-    kept = _Keeps()
-    service = SinkService(kept, f"ipc://{private}/writes")  # type: ignore[arg-type]
-    try:
-        remote = RemoteSink(service.address, timeout_s=30)
-        remote.put(batch)
-        assert exchanges == ["put"]
-        assert [b.nbytes for b in kept.batches] == [PUT_PIECE_BYTES] * 3 + [1 << 20]
-        assert _records(kept.batches) == _records([batch])
-        remote.close()
-    finally:
-        service.close()

@@ -25,15 +25,32 @@ FRAMES_PER_BATCH = len(_COLUMNS) + 1
 """Frames after a batch's header: its columns, then its payload."""
 
 
+def _header(batch: RecordBatch) -> dict[str, Any]:
+    """The batch's fields that are not columns, as plain values."""
+    return {"run_id": batch.run_id, "request_ids": list(batch.request_ids),
+            "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
+                         for c in batch.captures],
+            "shard_rank": batch.shard_rank}
+
+
+def _fields(header: Any) -> tuple[str, tuple[str, ...], tuple[CaptureKey, ...], int]:
+    """What :func:`_header` made, read back: run id, request ids, capture keys, shard rank.
+
+    Raises:
+        KeyError, TypeError: a header without them.
+    """
+    return (str(header["run_id"]), tuple(str(r) for r in header["request_ids"]),
+            tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
+                  for a, n, d, dims in header["captures"]),
+            int(header["shard_rank"]))
+
+
 def batch_to_frames(batch: RecordBatch) -> tuple[dict[str, Any], list[Any]]:
     """The batch's header (plain values) and its :data:`FRAMES_PER_BATCH` frames: its
     columns, and the part of its payload its records use (a view: a batch over a larger
     buffer, one shard's of a read answer, sends only its own bytes), offsets rebased to
     it."""
-    header = {"run_id": batch.run_id, "request_ids": list(batch.request_ids),
-              "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
-                           for c in batch.captures],
-              "shard_rank": batch.shard_rank}
+    header = _header(batch)
     first, last = int(batch.offsets[0]), int(batch.offsets[-1])
     columns = [batch.offsets - first if name == "offsets" else getattr(batch, name)
                for name in _COLUMNS]
@@ -60,12 +77,10 @@ def batch_from_frames(header: Any, frames: Sequence[Any]) -> RecordBatch:
     try:
         columns = {name: np.frombuffer(_readonly(frame), dtype=_DTYPES[name])
                    for name, frame in zip(_COLUMNS, frames, strict=False)}
-        return RecordBatch(
-            str(header["run_id"]), tuple(str(r) for r in header["request_ids"]),
-            tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
-                  for a, n, d, dims in header["captures"]),
-            payload=np.frombuffer(_readonly(frames[-1]), dtype=np.uint8),
-            shard_rank=int(header["shard_rank"]), **columns)
+        run_id, request_ids, captures, shard_rank = _fields(header)
+        return RecordBatch(run_id, request_ids, captures,
+                           payload=np.frombuffer(_readonly(frames[-1]), dtype=np.uint8),
+                           shard_rank=shard_rank, **columns)
     except (KeyError, TypeError) as exc:
         msg = f"a batch header without its fields: {exc!r}"
         raise ValueError(msg) from exc
@@ -74,6 +89,12 @@ def batch_from_frames(header: Any, frames: Sequence[Any]) -> RecordBatch:
 _PACKED = (("request", np.int32), ("capture", np.int32), ("start", np.int32),
            ("end", np.int32), ("seq", np.int64))
 """The columns :func:`pieces_to_frames` packs, in order, before the pieces' offsets."""
+
+
+def _packed_bytes(records: int, pieces: int) -> int:
+    """The packed columns' size: :data:`_PACKED` per record, then ``records + pieces``
+    offsets (each piece's own, one more than its records)."""
+    return sum(np.dtype(t).itemsize for _, t in _PACKED) * records + 8 * (records + pieces)
 
 
 def pieces_to_frames(batch: RecordBatch, piece_bytes: int) -> tuple[dict[str, Any], list[Any]]:
@@ -89,13 +110,9 @@ def pieces_to_frames(batch: RecordBatch, piece_bytes: int) -> tuple[dict[str, An
         ValueError: ``piece_bytes`` is not positive.
     """
     pieces = batch.split(piece_bytes)
-    header = {"run_id": batch.run_id, "request_ids": list(batch.request_ids),
-              "captures": [[c.act_name, c.layer_no, c.dtype, list(c.dims)]
-                           for c in batch.captures],
-              "shard_rank": batch.shard_rank, "records": [len(p) for p in pieces]}
+    header = {**_header(batch), "records": [len(p) for p in pieces]}
     n = len(batch)
-    packed = np.empty(sum(np.dtype(t).itemsize for _, t in _PACKED) * n
-                      + 8 * (n + len(pieces)), dtype=np.uint8)
+    packed = np.empty(_packed_bytes(n, len(pieces)), dtype=np.uint8)
     at = 0
     for name, dtype in _PACKED:
         size = np.dtype(dtype).itemsize * n
@@ -123,10 +140,7 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
     """
     try:
         counts = header["records"]
-        run_id, shard_rank = str(header["run_id"]), int(header["shard_rank"])
-        request_ids = tuple(str(r) for r in header["request_ids"])
-        captures = tuple(CaptureKey(str(a), int(n), str(d), tuple(int(x) for x in dims))
-                         for a, n, d, dims in header["captures"])
+        run_id, request_ids, captures, shard_rank = _fields(header)
     except (KeyError, TypeError) as exc:
         msg = f"a batch header without its fields: {exc!r}"
         raise ValueError(msg) from exc
@@ -141,7 +155,7 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
         raise ValueError(msg)
     packed = np.frombuffer(_readonly(frames[0]), dtype=np.uint8)
     n = sum(counts)
-    expected = sum(np.dtype(t).itemsize for _, t in _PACKED) * n + 8 * (n + len(counts))
+    expected = _packed_bytes(n, len(counts))
     if packed.nbytes != expected:
         msg = (f"the columns of {n} records in {len(counts)} pieces take {expected} "
                f"bytes, got {packed.nbytes}")
