@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -33,6 +35,17 @@ def test_defaults_match_the_settings_table() -> None:
                                                                          "lz4")
     assert (s.ch_insert_rows, s.ch_insert_mb, s.ch_queue_mb) == (131_072, 0, 1024)
     assert s.preload_libstdcxx == "auto"
+
+
+def test_the_settings_doc_states_the_defaults_the_settings_have() -> None:
+    """Each row of docs/settings.md that names one variable and shows a value gives the
+    value :class:`Settings` takes when the variable is unset (as ``to_env`` renders it)."""
+    doc = (Path(__file__).parents[2] / "docs" / "settings.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(DMX_[A-Z_]+)` \| ([^|]+?) \|", doc, flags=re.MULTILINE))
+    defaults = Settings.from_env({}).to_env()
+    stated = {key: rows[key].strip("`") for key in defaults if key in rows}
+    assert len(stated) >= 20  # the table is read at all
+    assert stated == {key: defaults[key] for key in stated}
 
 
 def test_an_insert_holds_an_eighth_of_the_queue_unless_set() -> None:

@@ -39,7 +39,7 @@ SECRET = "s3cret-pw"
         ("DMX_DRAIN_COPY_KERNEL", "-3", "an integer from 0 to 1,024"),
         ("DMX_DRAIN_COPY_GAPS", "maybe", "1/0"),
         ("DMX_TOPK_CHUNK", "-64", "an integer from 0 to 16,777,216"),
-        ("DMX_TOPK_KERNEL", "1", "none, triton, flashinfer"),
+        ("DMX_TOPK_KERNEL", "1", "auto, none, triton, flashinfer"),
         ("DMX_PLAN_TOK_S", "0", "an integer from 1 to 100,000,000"),
         ("DMX_CH_TIMEOUT_S", "0", "an integer from 1 to 3,600"),
         ("DMX_RING_PAYLOAD_MB", "-5", "an integer from 1 to 131,072"),

@@ -1,6 +1,7 @@
 """``DMX_TOPK_KERNEL=flashinfer``: the start-up check every top-k kernel passes
-(``selection_differs``), and the transport's refusal where FlashInfer does not work. The
-selection itself runs on the GPU (``test_transport_gpu.py``)."""
+(``selection_differs``), the transport's refusal where FlashInfer does not work, and
+``auto`` (the engine's default), which takes FlashInfer's where that check passes and
+``torch.topk`` otherwise. The selection itself runs on the GPU (``test_transport_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import sys
 import types
 
 import pytest
+import structlog.testing
 import torch
 
 from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
 from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import UnsupportedConfigurationError
 
 from .conftest import assert_topk3_of, two_requests
@@ -104,3 +107,79 @@ def test_the_setting_stores_what_flashinfer_top_k_selects(
     assert_topk3_of(full_sink.records, some_sink.records)
     assert len(calls) > 2
     assert all(wanted_sorted for _, _, wanted_sorted in calls)
+
+
+def _stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch, *, off_by_one: bool = False,
+                         ) -> list[int]:
+    """A ``flashinfer`` module whose ``top_k`` is ``torch.topk`` (sorted when asked), or
+    names the column after each selected one; the rows of each call, in order."""
+    calls: list[int] = []
+
+    def top_k(logits: torch.Tensor, k: int, sorted: bool = False,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(logits.shape[0])
+        values, ids = torch.topk(logits, k, dim=-1, sorted=sorted)
+        return values, (ids + 1) % logits.shape[1] if off_by_one else ids
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(top_k=top_k))
+    return calls
+
+
+def _kernel_used(logs: list[dict[str, object]]) -> object:
+    ready = [e for e in logs if e["event"] == "capture transport ready"]
+    assert len(ready) == 1
+    return ready[0]["topk_kernel"]
+
+
+def test_auto_is_the_engines_default() -> None:
+    assert Settings.from_env({}).topk_kernel == "auto"
+    assert Settings.from_env({"DMX_TOPK_KERNEL": "none"}).topk_kernel == "none"
+
+
+def test_auto_selects_with_flashinfer_where_its_check_passes(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _stand_in_flashinfer(monkeypatch)
+    full, full_sink = make_driver("final_logits")
+    with structlog.testing.capture_logs() as logs:
+        some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="auto",
+                                      max_graph_batch=6)
+    assert calls == [3, 6]  # the start-up check
+    assert _kernel_used(logs) == "flashinfer"
+    for d in (full, some):
+        two_requests(d, padded=True)
+        d.t.stop()
+    some.verify(some_sink.records)
+    assert_topk3_of(full_sink.records, some_sink.records)
+    assert len(calls) > 2  # the capture selected with it
+
+
+@pytest.mark.parametrize("flashinfer", ["missing", "selects wrongly"])
+def test_auto_selects_with_torch_topk_where_flashinfer_fails_its_check_and_says_why(
+        make_driver, monkeypatch: pytest.MonkeyPatch, flashinfer: str) -> None:
+    if flashinfer == "missing":
+        monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails
+        why = "ModuleNotFoundError"
+    else:
+        _stand_in_flashinfer(monkeypatch, off_by_one=True)
+        why = "its columns do not hold the values it returned"
+    full, full_sink = make_driver("final_logits")
+    with structlog.testing.capture_logs() as logs:
+        some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="auto")
+    assert _kernel_used(logs) == "none"
+    fallback = [e for e in logs if "selecting with torch.topk" in str(e["event"])]
+    assert len(fallback) == 1
+    assert why in str(fallback[0]["reason"])
+    for d in (full, some):
+        two_requests(d, padded=True)
+        d.t.stop()
+    some.verify(some_sink.records)
+    assert_topk3_of(full_sink.records, some_sink.records)
+
+
+def test_auto_checks_nothing_without_a_top_k(make_driver,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _stand_in_flashinfer(monkeypatch)
+    with structlog.testing.capture_logs() as logs:
+        make_driver("final_logits", topk_kernel="auto")
+    assert calls == []
+    assert _kernel_used(logs) is None

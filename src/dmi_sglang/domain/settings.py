@@ -30,9 +30,10 @@ from dmi_sglang.domain.store_config import (
 )
 from dmi_sglang.errors import ConfigurationError
 
-TOPK_KERNELS = ("none", "triton", "flashinfer")
+TOPK_KERNELS = ("auto", "none", "triton", "flashinfer")
 """``DMX_TOPK_KERNEL``'s values: which selection ``final_logits:topk(K)`` runs (none:
-``torch.topk`` over the chunk maxima, then over the chosen chunks)."""
+``torch.topk`` over the chunk maxima, then over the chosen chunks; auto: flashinfer where
+it works at start-up, else none)."""
 
 __all__ = [
     "PREFIX",
@@ -391,7 +392,6 @@ def _db_url(text: str) -> str:
 @attrs.frozen
 class _Var:
     field: str
-    default: Any
     convert: Callable[[str, str], Any]
     render: Callable[[Any], str] = str
     secret: bool = False
@@ -402,15 +402,13 @@ class _Var:
 _ACC_BOOL = "1/0 (or true/false, yes/no, on/off)"
 
 _VARS: dict[str, _Var] = {
-    "SGLANG_ENABLE": _Var("enable", Enable.AUTO, _conv(_enable, "auto, 1, 0"), lambda e: e.value),
+    "SGLANG_ENABLE": _Var("enable", _conv(_enable, "auto, 1, 0"), lambda e: e.value),
     "MODEL_ID": _Var(
         "model_id",
-        None,
         _conv(_run_id, "1-200 letters, digits and ._:@+=- starting with a letter or digit"),
     ),
     "HOOK_SELECTION": _Var(
         "hook_selection",
-        "sglang-full",
         _conv(
             lambda t: str(parse_selection(t)),
             "hook names, presets and name@N-M layer ranges, comma-separated",
@@ -418,65 +416,63 @@ _VARS: dict[str, _Var] = {
     ),
     "DB_URL": _Var(
         "db_url",
-        None,
         _conv(_db_url, STORE_URL_FORMS, _shown_url),
         redact=redact_url,
     ),
-    "DB_HOST": _Var("db_host", None, _conv(_host, "a host name or IP address, or none",
-                                           _shown_url)),
-    "DB_PORT": _Var("db_port", None, _conv(_port, "a TCP port 1-65535")),
-    "DB_DATABASE": _Var("db_database", "default", _conv(_name, "a ClickHouse identifier")),
-    "DB_TABLE": _Var("db_table", "offload", _conv(_name, "a ClickHouse identifier")),
-    "CH_USER": _Var("ch_user", "default", _conv(lambda t: t, "a user name")),
-    "CH_PASSWORD": _Var("ch_password", "", _conv(lambda t: t, "any string", strip=False),
+    "DB_HOST": _Var("db_host", _conv(_host, "a host name or IP address, or none",
+                                     _shown_url)),
+    "DB_PORT": _Var("db_port", _conv(_port, "a TCP port 1-65535")),
+    "DB_DATABASE": _Var("db_database", _conv(_name, "a ClickHouse identifier")),
+    "DB_TABLE": _Var("db_table", _conv(_name, "a ClickHouse identifier")),
+    "CH_USER": _Var("ch_user", _conv(lambda t: t, "a user name")),
+    "CH_PASSWORD": _Var("ch_password", _conv(lambda t: t, "any string", strip=False),
                         secret=True),  # taken as given: spaces may be part of it
-    "CH_SECURE": _Var("ch_secure", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"),
+    "CH_SECURE": _Var("ch_secure", _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"),
     "CH_COMPRESSION": _Var(
-        "ch_compression", "lz4", _conv(_choice("lz4", "zstd", "gzip", "none"),
-                                       "lz4, zstd, gzip, none")
+        "ch_compression", _conv(_choice("lz4", "zstd", "gzip", "none"),
+                                "lz4, zstd, gzip, none")
     ),
-    "CH_INSERT_ROWS": _Var("ch_insert_rows", 131_072, _conv(*_bounded(1, 1_000_000))),
-    "CH_INSERT_MB": _Var("ch_insert_mb", 0, _conv(*_bounded(0, INSERT_MB_MAX))),
-    "CH_QUEUE_MB": _Var("ch_queue_mb", 1024, _conv(*_bounded(1, 65_536))),
-    "CH_WRITERS": _Var("ch_writers", 4, _conv(*_bounded(1, 64))),
-    "OWNER_RING_MB": _Var("owner_ring_mb", 0, _conv(*_bounded(0, 65_536))),
-    "CH_TIMEOUT_S": _Var("ch_timeout_s", 30, _conv(*_bounded(1, 3600))),
-    "RING_PAYLOAD_MB": _Var("ring_payload_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
-    "RING_PINNED_MB": _Var("ring_pinned_mb", 1024, _conv(*_bounded(1, RING_MB_MAX))),
-    "RING_TASK_ENTRIES": _Var("ring_task_entries", 65536, _conv(*_bounded(1, 16_777_216))),
+    "CH_INSERT_ROWS": _Var("ch_insert_rows", _conv(*_bounded(1, 1_000_000))),
+    "CH_INSERT_MB": _Var("ch_insert_mb", _conv(*_bounded(0, INSERT_MB_MAX))),
+    "CH_QUEUE_MB": _Var("ch_queue_mb", _conv(*_bounded(1, 65_536))),
+    "CH_WRITERS": _Var("ch_writers", _conv(*_bounded(1, 64))),
+    "OWNER_RING_MB": _Var("owner_ring_mb", _conv(*_bounded(0, 65_536))),
+    "CH_TIMEOUT_S": _Var("ch_timeout_s", _conv(*_bounded(1, 3600))),
+    "RING_PAYLOAD_MB": _Var("ring_payload_mb", _conv(*_bounded(1, RING_MB_MAX))),
+    "RING_PINNED_MB": _Var("ring_pinned_mb", _conv(*_bounded(1, RING_MB_MAX))),
+    "RING_TASK_ENTRIES": _Var("ring_task_entries", _conv(*_bounded(1, 16_777_216))),
     "DRAIN_FLUSH_TIMEOUT_US": _Var(
-        "drain_flush_timeout_us", 400_000, _conv(*_bounded(1, 60_000_000))
+        "drain_flush_timeout_us", _conv(*_bounded(1, 60_000_000))
     ),
-    "DRAIN_LINGER_US": _Var("drain_linger_us", 30_000, _conv(*_bounded(0, 1_000_000))),
-    "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", 200, _conv(*_bounded(0, 1_000_000))),
-    "TOPK_CHUNK": _Var("topk_chunk", 128, _conv(*_bounded(0, 16_777_216))),
+    "DRAIN_LINGER_US": _Var("drain_linger_us", _conv(*_bounded(0, 1_000_000))),
+    "DRAIN_GIL_SLICE_US": _Var("drain_gil_slice_us", _conv(*_bounded(0, 1_000_000))),
+    "TOPK_CHUNK": _Var("topk_chunk", _conv(*_bounded(0, 16_777_216))),
     "TOPK_KERNEL": _Var(
-        "topk_kernel", "none", _conv(_choice(*TOPK_KERNELS), ", ".join(TOPK_KERNELS))
+        "topk_kernel", _conv(_choice(*TOPK_KERNELS), ", ".join(TOPK_KERNELS))
     ),
     "GRAPH_SIDE_STREAM": _Var(
-        "graph_side_stream", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "graph_side_stream", _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
-    "DRAIN_WINDOW_MB": _Var("drain_window_mb", 512, _conv(*_bounded(16, 16_384))),
-    "ARENA_SLOTS_MB": _Var("arena_slots_mb", ARENA_SLOTS_BUDGET // MIB,
-                           _conv(*_bounded(0, 16_384))),
-    "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", 16, _conv(*_bounded(0, 16_384))),
-    "DRAIN_COPY_AHEAD": _Var("drain_copy_ahead", 0, _conv(*_bounded(0, 1_024))),
-    "DRAIN_COPY_KERNEL": _Var("drain_copy_kernel", 0, _conv(*_bounded(0, 1_024))),
+    "DRAIN_WINDOW_MB": _Var("drain_window_mb", _conv(*_bounded(16, 16_384))),
+    "ARENA_SLOTS_MB": _Var("arena_slots_mb", _conv(*_bounded(0, 16_384))),
+    "DRAIN_COPY_PIECE_MB": _Var("drain_copy_piece_mb", _conv(*_bounded(0, 16_384))),
+    "DRAIN_COPY_AHEAD": _Var("drain_copy_ahead", _conv(*_bounded(0, 1_024))),
+    "DRAIN_COPY_KERNEL": _Var("drain_copy_kernel", _conv(*_bounded(0, 1_024))),
     "DRAIN_COPY_GAPS": _Var(
-        "drain_copy_gaps", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "drain_copy_gaps", _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
-    "PLAN_TOK_S": _Var("plan_tok_s", None, _conv(*_bounded(1, 100_000_000))),
-    "REQUEST_SAMPLE": _Var("request_sample", 1.0, _conv(_fraction, "a number from 0 to 1"),
+    "PLAN_TOK_S": _Var("plan_tok_s", _conv(*_bounded(1, 100_000_000))),
+    "REQUEST_SAMPLE": _Var("request_sample", _conv(_fraction, "a number from 0 to 1"),
                            lambda v: repr(float(v)).removesuffix(".0")),  # 0, 0.1, 1
-    "STORE_MAX_GB": _Var("store_max_gb", 0, _conv(*_bounded(0, 1_000_000))),
+    "STORE_MAX_GB": _Var("store_max_gb", _conv(*_bounded(0, 1_000_000))),
     "GPU_PADDING_STRIP": _Var(
-        "gpu_padding_strip", True, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "gpu_padding_strip", _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
     "ALLOW_PREFIX_CACHE": _Var(
-        "allow_prefix_cache", False, _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
+        "allow_prefix_cache", _conv(_bool, _ACC_BOOL), lambda b: "1" if b else "0"
     ),
     "SGLANG_PRELOAD_LIBSTDCXX": _Var(
-        "preload_libstdcxx", "auto", _conv(_choice("auto", "0", "1"), "auto, 0, 1")
+        "preload_libstdcxx", _conv(_choice("auto", "0", "1"), "auto, 0, 1")
     ),
 }
 
@@ -516,14 +512,14 @@ class Settings:
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     topk_chunk: int = 128
-    topk_kernel: str = "none"
+    topk_kernel: str = "auto"
     graph_side_stream: bool = True
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB
-    drain_copy_piece_mb: int = 0
+    drain_copy_piece_mb: int = 16
     drain_copy_ahead: int = 0
     drain_copy_kernel: int = 0
-    drain_copy_gaps: bool = False
+    drain_copy_gaps: bool = True
     plan_tok_s: int | None = None
     request_sample: float = 1.0
     store_max_gb: int = 0
@@ -555,7 +551,7 @@ class Settings:
             if var is None:
                 msg = f"unknown setting {key}; accepted: {', '.join(PREFIX + k for k in _VARS)}"
                 raise ConfigurationError(msg)
-            if text == "" and (var.default is None or name == "SGLANG_ENABLE"):
+            if text == "" and (_FIELDS[var.field].default is None or name == "SGLANG_ENABLE"):
                 continue
             if var.field == "model_id" and text in _SPENT_IDS:
                 continue  # an earlier engine's generated id (see engine_started)
@@ -703,6 +699,10 @@ class Settings:
             text = var.render(value)
             env[PREFIX + key] = text if include_secrets or var.redact is None else var.redact(text)
         return env
+
+
+_FIELDS = attrs.fields_dict(Settings)
+"""Each setting's field, by name: its default is the setting's."""
 
 
 def _null_mode(text: str, source: Mapping[str, str]) -> None:

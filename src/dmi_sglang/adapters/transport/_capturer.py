@@ -36,12 +36,12 @@ class Payloads:
         device: where the fp16 overflow counter lives.
         topk_chunk: columns per chunk of the top-k selection
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0: whole rows.
-        topk_kernel: which selection runs (``DMX_TOPK_KERNEL``: ``none``, ``triton`` or
-            ``flashinfer``; a kernel checked to fit and work by whoever makes the
+        topk_kernel: which selection runs (``DMX_TOPK_KERNEL``, ``auto`` resolved: ``none``,
+            ``triton`` or ``flashinfer``; a kernel checked to fit and work by whoever makes the
             payloads), kept as :attr:`select`.
     """
 
-    __slots__ = ("casts", "logits_dtype", "overflows", "select", "topk", "topk_chunk")
+    __slots__ = ("casts", "kernel", "logits_dtype", "overflows", "select", "topk", "topk_chunk")
 
     def __init__(self, casts: Mapping[CaptureKey, tuple[torch.dtype, torch.dtype]],
                  topk: int, logits_dtype: torch.dtype, device: torch.device, *,
@@ -49,6 +49,8 @@ class Payloads:
         self.casts = dict(casts)
         self.topk = topk
         self.topk_chunk = topk_chunk
+        self.kernel = topk_kernel
+        """The ``DMX_TOPK_KERNEL`` value :attr:`select` runs (``auto`` resolved)."""
         self.select: Select = SELECTIONS[topk_kernel]
         """The top-k selection ``topk_kernel`` names (:data:`SELECTIONS`)."""
         self.logits_dtype = logits_dtype

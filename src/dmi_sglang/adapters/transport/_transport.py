@@ -115,7 +115,8 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps, *,
     """The on-device transforms the selection's payload modifiers ask for (None: none);
     a top-k selects over chunks of ``topk_chunk`` columns (0: whole rows), or with the
     ``topk_kernel`` (``DMX_TOPK_KERNEL``) other than ``none``, checked here over 3 and
-    ``max_rows`` rows (the largest decode graph batch).
+    ``max_rows`` rows (the largest decode graph batch); ``auto`` is FlashInfer's where
+    that check passes, else ``none`` (logged, with why).
 
     Raises:
         UnsupportedConfigurationError: a ``topk_kernel`` that does not fit the top-k's
@@ -135,11 +136,32 @@ def _payloads(selection: Selection, shape: ModelShape, ops: DeviceOps, *,
             casts[key] = (computed, stored)
     logits_dtype = TORCH_DTYPES[shape.logits_dtype]
     kernel = topk_kernel if topk else "none"
-    if kernel != "none":
+    if kernel == "auto":
+        kernel = _auto_topk_kernel(ops.device, shape.vocab, topk, dtype=logits_dtype,
+                                   batches=(3, max_rows))
+    elif kernel != "none":
         _check_topk_kernel(kernel, ops.device, shape.vocab, topk, chunk=topk_chunk,
                            dtype=logits_dtype, batches=(3, max_rows))
     return Payloads(casts, topk, logits_dtype, ops.device, topk_chunk=topk_chunk,
                     topk_kernel=kernel)
+
+
+def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.dtype,
+                      batches: tuple[int, ...]) -> str:
+    """``DMX_TOPK_KERNEL=auto``: ``flashinfer`` where FlashInfer's top-k compiles and
+    selects as ``torch.topk`` does over float32 logits (its start-up check), else
+    ``none``, logged with why."""
+    if dtype != torch.float32:  # over bfloat16 rows it differed from torch.topk
+        why: str | None = f"the logits are {dtype}, FlashInfer's top-k is used for float32"
+    else:
+        log.info("top-k: checking FlashInfer's (compiled on its first use on a machine: "
+                 "minutes; DMX_TOPK_KERNEL=none skips it)", k=k, width=width)
+        why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+    if why is not None:
+        log.info("top-k: selecting with torch.topk (DMX_TOPK_KERNEL=auto)", reason=why)
+        return "none"
+    log.info("top-k: selecting with FlashInfer's (DMX_TOPK_KERNEL=auto)")
+    return "flashinfer"
 
 
 def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
@@ -303,6 +325,7 @@ class TorchCaptureTransport:
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
             arena_slots=arena.slots, max_graph_batch=max_graph_batch, strip=opts.strip,
             malloc_tuned=tuned,
+            topk_kernel=self._payloads.kernel if self._payloads and self._payloads.topk else None,
             window_bytes=self._drain.device_bytes, last_slot_bytes=self._last_slots.nbytes,
         )
 
