@@ -404,8 +404,9 @@ def hooks_line(figures: Json) -> str | None:
 
 def store_line(figures: Json) -> str | None:
     """A stored unit's sink: its inserts' time against the writers' waits (idle with
-    nothing queued, idle with a partial insert queued) and the time ``put`` blocked
-    (the sink's backpressure on the capture); None for a unit without a store."""
+    nothing queued, idle with a partial insert queued), the time ``put`` blocked (the
+    sink's backpressure on the capture) and what the stop's ``finish_run`` waited for;
+    None for a unit without a store."""
     s = figures.get("store")
     if not s:
         return None
@@ -414,12 +415,16 @@ def store_line(figures: Json) -> str | None:
         value = s.get(key)
         return "-" if value is None else f"{value:.1f} s"
 
+    queued = s.get("finish_queued_bytes")
     return (f"store: {s.get('bytes_stored', 0) / 1e9:.1f} GB in {s.get('inserts', 0)} inserts "
             f"by {s.get('writers', '?')} writers: inserting {sec('insert_seconds')}, idle "
             f"{sec('writer_idle_empty_seconds')} with nothing queued and "
             f"{sec('writer_idle_partial_seconds')} with a partial insert queued; put "
             f"blocked {sec('put_wait_seconds')}, background sync {sec('background_sync_seconds')} "
-            "(the writers' seconds summed over them, idle from the first batch on)")
+            "(the writers' seconds summed over them, idle from the first batch on); "
+            f"finish_run {sec('finish_seconds')}: {sec('finish_flush_seconds')} inserting "
+            f"{'-' if queued is None else f'{queued / 1e9:.2f} GB'} queued at its start, "
+            f"{sec('sync_seconds')} syncing")
 
 
 def cell(mode: str, env: Json | None) -> str:

@@ -568,14 +568,19 @@ def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
     store = {"bytes_stored": 21_286_092_800, "inserts": 89, "writers": 4,
              "insert_seconds": 48.3, "writer_idle_empty_seconds": 30.25,
              "writer_idle_partial_seconds": 12.0, "put_wait_seconds": 17.04,
-             "background_sync_seconds": 8.78}
+             "background_sync_seconds": 8.78, "finish_seconds": 2.89,
+             "finish_flush_seconds": 2.31, "finish_queued_bytes": 1_610_612_736,
+             "sync_seconds": 0.26}
     assert store_line({"store": store}) == (
         "store: 21.3 GB in 89 inserts by 4 writers: inserting 48.3 s, idle 30.2 s with "
         "nothing queued and 12.0 s with a partial insert queued; put blocked 17.0 s, "
         "background sync 8.8 s (the writers' seconds summed over them, idle from the first "
-        "batch on)")
-    older = {k: v for k, v in store.items() if "idle" not in k and "wait" not in k}
+        "batch on); finish_run 2.9 s: 2.3 s inserting 1.61 GB queued at its start, 0.3 s "
+        "syncing")
+    older = {k: v for k, v in store.items()
+             if "idle" not in k and "wait" not in k and "finish" not in k}
     assert "idle - with nothing queued and - with a partial" in str(store_line({"store": older}))
+    assert "finish_run -: - inserting - queued at its start" in str(store_line({"store": older}))
     assert store_line({"store": None}) is None
     assert store_line({}) is None
 

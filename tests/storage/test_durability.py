@@ -387,6 +387,37 @@ def test_finish_run_syncs_the_runs_parts_to_disk(
     assert len(ClickHouseReader(store).records("run", "r")) == 1
 
 
+def test_finish_run_reports_its_time_and_what_it_waited_for(
+    open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stop of a stored capture waits in ``finish_run``: the stats say how long, how
+    much of it went to inserting what was still queued or in flight, and how much that
+    was (the rest: the syncs and the final rows)."""
+    gate = threading.Event()
+    insert = ClickHouseSink._insert
+
+    def held(self: ClickHouseSink, *args: Any) -> None:
+        gate.wait(10)  # the run's batch stays in flight until finish_run waits for it
+        insert(self, *args)
+
+    monkeypatch.setattr(ClickHouseSink, "_insert", held)
+    sink, run = _capturing(open_sink, monkeypatch)
+    queued = sink.stats().queued_bytes
+    assert queued > 0
+    threading.Timer(0.3, gate.set).start()
+    commit(sink, run, [manifest("run", "r", 4, 1)])
+    s = sink.stats()
+    assert s.finish_queued_bytes == queued
+    assert s.finish_flush_seconds >= 0.25
+    assert s.finish_seconds >= s.finish_flush_seconds + s.sync_seconds
+    gate.set()
+    sink.start_run(run_info("next", [(RESID, 0)]))  # a second run adds to the sums
+    commit(sink, run_info("next", [(RESID, 0)]), [])
+    again = sink.stats()
+    assert again.finish_queued_bytes == queued  # nothing was queued at its start
+    assert again.finish_seconds > s.finish_seconds
+
+
 def test_the_data_is_on_disk_before_a_row_says_the_run_is_complete(
     open_sink: Callable[..., ClickHouseSink], store: StoreConfig,
     monkeypatch: pytest.MonkeyPatch,

@@ -255,11 +255,14 @@ class ClickHouseSink:
             StoreError: the sticky failure, writing the manifests / run failed, or the
                 sync failed.
         """
+        began, queued = time.monotonic(), self._queue.queued_bytes
+        flushed: float | None = None
         try:
             embedded = self._config.kind is StoreKind.EMBEDDED
             committed = run.status is RunStatus.COMMITTED
             try:
                 self.flush()  # the run stays live (and beating) until its final row
+                flushed = time.monotonic()
                 self._raise_if_unusable()
                 if embedded and committed:  # the data on disk before a row says it is complete
                     self._stop_sync_passes()
@@ -286,6 +289,9 @@ class ClickHouseSink:
             self._stop_heartbeat()
             self._not_live()
             self._merges.release("run finished")
+            ended = time.monotonic()
+            self._stats.finished(ended - began, queued_bytes=queued,
+                                 flush_seconds=(ended if flushed is None else flushed) - began)
         log.info(
             "store.run_finished", run_id=run.run_id, status=run.status.value, manifests=len(rows)
         )

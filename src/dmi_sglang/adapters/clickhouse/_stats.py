@@ -36,6 +36,11 @@ class SinkStats:
         sync_seconds: time ``finish_run`` spent syncing the embedded store's new files.
         background_sync_seconds: time the background passes spent syncing them while
             runs captured (each pass what was written since the previous one).
+        finish_seconds: time ``finish_run`` took, summed over runs.
+        finish_flush_seconds: of that, the time it waited for what was queued or in
+            flight when it began to be inserted.
+        finish_queued_bytes: what was queued or in flight when ``finish_run`` began
+            (payload plus a row overhead), summed over runs.
         put_wait_seconds: time ``put`` blocked for room in the queue (the sink's
             backpressure on the capture).
         writer_idle_empty_seconds: time the writers waited with nothing queued.
@@ -57,6 +62,9 @@ class SinkStats:
     writer_cpu_seconds: float = 0.0
     sync_seconds: float = 0.0
     background_sync_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    finish_flush_seconds: float = 0.0
+    finish_queued_bytes: int = 0
     put_wait_seconds: float = 0.0
     writer_idle_empty_seconds: float = 0.0
     writer_idle_partial_seconds: float = 0.0
@@ -115,6 +123,12 @@ class StatsCounter:
             self._add(background_sync_seconds=seconds)
         else:
             self._add(sync_seconds=seconds)
+
+    def finished(self, seconds: float, *, flush_seconds: float, queued_bytes: int) -> None:
+        """``finish_run`` took ``seconds``, ``flush_seconds`` of them waiting for the
+        ``queued_bytes`` queued or in flight when it began."""
+        self._add(finish_seconds=seconds, finish_flush_seconds=flush_seconds,
+                  finish_queued_bytes=queued_bytes)
 
     def snapshot(self, *, queued_bytes: int = 0,
                  waits: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> SinkStats:
