@@ -437,3 +437,28 @@ def test_an_engine_transport_takes_every_transport_setting() -> None:
         assert (o.max_prefill_tokens, o.max_requests) == (16, 3)
     finally:
         t.stop()
+
+
+def test_an_engine_transport_logs_the_copies_it_runs_with_the_defaults() -> None:
+    """Unset, the drain's copy settings are the documented defaults (16 MiB pieces with a
+    gap kernel after each), and the transport's start-up line says what it runs with."""
+    import structlog.testing
+
+    from dmi_sglang.adapters.transport import engine_transport
+    from dmi_sglang.domain.settings import Settings
+
+    from .conftest import SHAPE, select
+
+    settings = Settings.from_env({"DMX_GRAPH_SIDE_STREAM": "0"})
+    with structlog.testing.capture_logs() as logs:
+        t = engine_transport(settings, selection=select("resid_pre"), shape=SHAPE,
+                             max_graph_batch=2, sink=MemorySink(), run_id="run",
+                             device="cpu", max_prefill_tokens=16, max_requests=3)
+    try:
+        ready = [e for e in logs if e["event"] == "capture transport ready"]
+        assert len(ready) == 1
+        assert (ready[0]["copy_piece_bytes"], ready[0]["copy_gaps"]) == (16 << 20, True)
+        assert ready[0]["side_stream"] is False
+        assert (t.options.copy_piece_bytes, t.options.copy_gaps) == (16 << 20, True)
+    finally:
+        t.stop()

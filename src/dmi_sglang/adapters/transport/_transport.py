@@ -324,7 +324,8 @@ class TorchCaptureTransport:
             "capture transport ready", device=str(ops.device), ring_bytes=nbytes,
             arena_bytes=arena.nbytes, captures=len(arena.offsets),
             arena_slots=arena.slots, max_graph_batch=max_graph_batch, strip=opts.strip,
-            malloc_tuned=tuned,
+            malloc_tuned=tuned, copy_piece_bytes=opts.copy_piece_bytes,
+            copy_gaps=opts.copy_gaps, side_stream=opts.side_stream,
             topk_kernel=self._payloads.kernel if self._payloads and self._payloads.topk else None,
             window_bytes=self._drain.device_bytes, last_slot_bytes=self._last_slots.nbytes,
         )
