@@ -4,6 +4,7 @@ to disk before ``finish_run`` returns (embedded store)."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 import time
@@ -550,6 +551,43 @@ def test_finish_run_syncs_what_the_background_passes_missed(
     files = _part_files(store)
     assert files
     assert files <= set(synced), files - set(synced)
+
+
+def test_a_pass_slower_than_the_period_is_followed_at_once_while_writes_go_on(
+    open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capture that writes faster than the disk syncs keeps the disk busy: the next
+    pass starts as the previous one ends, not a period later (what finish_run is left to
+    sync stays about one pass's worth)."""
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.2)
+    real = _sink.sync_tree
+    spans: list[tuple[float, float]] = []
+
+    def slow(root: str, since_ns: int,
+             synced: _durable.SyncedFiles | None = None) -> _durable.SyncReport:
+        if threading.current_thread().name != "dmi-sink-sync":
+            return real(root, since_ns, synced)
+        began = time.monotonic()
+        time.sleep(0.3)  # a disk slower than the capture
+        report = real(root, since_ns, synced)
+        spans.append((began, time.monotonic()))
+        return report
+
+    monkeypatch.setattr(_sink, "sync_tree", slow)
+    sink = open_sink()
+    run = run_info("run", [(RESID, 0)])
+    sink.start_run(run)
+    ends = time.monotonic() + 1.6
+    n = 0
+    while time.monotonic() < ends:  # a write during every pass
+        sink.put(batch_of("run", f"r{n}", RESID, 0, torch.randn(4, 8), [0, 4]))
+        sink.flush()
+        n += 1
+        time.sleep(0.02)
+    commit(sink, run, [])
+    assert len(spans) >= 3
+    gaps = [b - a for (_, a), (b, _) in itertools.pairwise(spans)]
+    assert max(gaps) < 0.1, gaps  # a period after the previous pass ended: >= 0.2
 
 
 def test_background_passes_wait_for_writes(

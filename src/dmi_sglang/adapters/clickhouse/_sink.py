@@ -16,7 +16,8 @@ queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close``
 On the embedded store, merges of the records table are held while a run captures
 (:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
 (:mod:`._durable`) before it returns. While the run captures, a background thread syncs
-the files written so far every :data:`SYNC_PASS_S`, and that final sync (which covers
+the files written so far, a pass every :data:`SYNC_PASS_S` or back to back while they
+take longer, and that final sync (which covers
 every file changed since the previous final sync: a pass may miss a part whose
 directory was renamed during its walk) leaves out what a sync made durable and is
 unchanged since (:class:`~._durable.SyncedFiles`): it fsyncs what the passes did not.
@@ -75,8 +76,9 @@ before the refusal becomes the sticky failure."""
 
 SYNC_PASS_S = 1.0
 """While a run captures into an embedded store and something was written since the
-previous pass, the files changed since then are synced this often in the background, so
-that ``finish_run``'s sync has only what came after the last pass left to sync."""
+previous pass, the files changed since then are synced in the background this long after
+the previous pass began (at once when that pass took longer), so that ``finish_run``'s
+sync has only what came after the last pass left to sync."""
 
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
@@ -388,13 +390,18 @@ class ClickHouseSink:
             syncer.join()
 
     def _sync_passes(self, run_id: str) -> None:
-        """Every :data:`SYNC_PASS_S` while the run captures, when something was written
-        since the previous pass: sync the files changed since then. A failed pass is
-        logged; its files are left to the next pass and to the final sync, except a
-        write-back error (:data:`_WRITE_BACK_ERRORS`), which the kernel reports only
-        once: it is kept, and a committed finish fails on it."""
+        """While the run captures, when something was written since the previous pass:
+        sync the files changed since then, :data:`SYNC_PASS_S` after the previous pass
+        began (at once when it took longer: the disk stays busy while the capture
+        writes faster than it, and ``finish_run`` is left about one pass's worth). A
+        failed pass is logged; its files are left to the next pass, a period after it
+        failed, and to the final sync, except a write-back error
+        (:data:`_WRITE_BACK_ERRORS`), which the kernel reports only once: it is kept,
+        and a committed finish fails on it."""
         failures = 0
-        while not self._sync_passes_stop.wait(SYNC_PASS_S):
+        due = time.monotonic() + SYNC_PASS_S
+        while not self._sync_passes_stop.wait(max(0.0, due - time.monotonic())):
+            due = time.monotonic() + SYNC_PASS_S
             if not self._written.is_set():
                 continue
             self._written.clear()  # before the walk: a write during it sets it again
@@ -407,6 +414,7 @@ class ClickHouseSink:
                 if exc.errno in _WRITE_BACK_ERRORS and self._lost_writes is None:
                     self._lost_writes = exc
                 self._written.set()
+                due = time.monotonic() + SYNC_PASS_S  # no tight loop over a failing disk
                 failures += 1
                 if failures == 1:
                     log.warning("store.sync_pass_failed", run_id=run_id, error=str(exc))
