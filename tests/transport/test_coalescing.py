@@ -462,3 +462,32 @@ def test_an_engine_transport_logs_the_copies_it_runs_with_the_defaults() -> None
         assert (t.options.copy_piece_bytes, t.options.copy_gaps) == (16 << 20, True)
     finally:
         t.stop()
+
+
+def test_the_library_defaults_are_an_engines_but_the_side_stream() -> None:
+    """``TransportOptions()``, ``TransportOptions.from_settings()`` and
+    ``create_transport``'s tuning arguments default to what an engine runs with when no
+    variable is set; only the side stream is off there (it needs a model that calls the
+    capturer's ``join``)."""
+    import inspect
+
+    import attrs
+
+    from dmi_sglang.adapters.transport import TransportOptions, create_transport
+    from dmi_sglang.domain.settings import Settings
+
+    engine = TransportOptions.for_engine(Settings())
+    assert engine.side_stream
+    library = attrs.evolve(engine, side_stream=False)
+    assert TransportOptions() == library
+    assert TransportOptions.from_settings() == library
+    engine_args = {
+        "linger_us": "drain_linger_us", "gil_slice_us": "drain_gil_slice_us",
+        "window_mb": "drain_window_mb", "arena_slots_mb": "arena_slots_mb",
+        "copy_piece_mb": "drain_copy_piece_mb", "copy_ahead": "drain_copy_ahead",
+        "copy_kernel": "drain_copy_kernel", "copy_gaps": "drain_copy_gaps",
+        "topk_chunk": "topk_chunk", "topk_kernel": "topk_kernel"}
+    parameters = inspect.signature(create_transport).parameters
+    assert {arg: parameters[arg].default for arg in engine_args} == {
+        arg: getattr(Settings(), field) for arg, field in engine_args.items()}
+    assert parameters["side_stream"].default is False

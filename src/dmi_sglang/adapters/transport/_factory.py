@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dmi_sglang.adapters.transport._options import TOPK_CHUNK, TransportOptions
+from dmi_sglang.adapters.transport._options import ENGINE_DEFAULTS, TOPK_CHUNK, TransportOptions
 from dmi_sglang.adapters.transport._transport import TorchCaptureTransport
 from dmi_sglang.columns import RecordSink
-from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET, MIB, RingCapacity
+from dmi_sglang.domain.capacity import RingCapacity
 from dmi_sglang.domain.hooks import Selection
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import ModelShape
@@ -63,16 +63,16 @@ def create_transport(
     device: str | torch.device = "cuda",
     max_prefill_tokens: int = 0,
     max_requests: int = 0,
-    linger_us: int = 30_000,
-    gil_slice_us: int = 200,
-    window_mb: int = 512,
-    arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
-    copy_piece_mb: int = 0,
-    copy_ahead: int = 0,
-    copy_kernel: int = 0,
-    copy_gaps: bool = False,
+    linger_us: int = ENGINE_DEFAULTS.drain_linger_us,
+    gil_slice_us: int = ENGINE_DEFAULTS.drain_gil_slice_us,
+    window_mb: int = ENGINE_DEFAULTS.drain_window_mb,
+    arena_slots_mb: int = ENGINE_DEFAULTS.arena_slots_mb,
+    copy_piece_mb: int = ENGINE_DEFAULTS.drain_copy_piece_mb,
+    copy_ahead: int = ENGINE_DEFAULTS.drain_copy_ahead,
+    copy_kernel: int = ENGINE_DEFAULTS.drain_copy_kernel,
+    copy_gaps: bool = ENGINE_DEFAULTS.drain_copy_gaps,
     topk_chunk: int = TOPK_CHUNK,
-    topk_kernel: str = "none",
+    topk_kernel: str = ENGINE_DEFAULTS.topk_kernel,
     side_stream: bool = False,
 ) -> TorchCaptureTransport:
     """The transport for one scheduler, before the model's weights load.

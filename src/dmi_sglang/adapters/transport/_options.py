@@ -6,17 +6,20 @@ import threading
 
 import attrs
 
-from dmi_sglang.domain.capacity import ARENA_SLOTS_BUDGET
 from dmi_sglang.domain.settings import TOPK_KERNELS, Settings
 
-__all__ = ["TransportOptions"]
+__all__ = ["ENGINE_DEFAULTS", "TransportOptions"]
 
 MIB = 1 << 20
 _WAIT_AT_MOST = attrs.validators.le(threading.TIMEOUT_MAX)
 """The longest timeout ``threading`` and ``queue`` waits take (a longer one raises
 OverflowError in the waiting thread, the drain's or the scheduler's, mid-run)."""
 
-TOPK_CHUNK = 128
+ENGINE_DEFAULTS = Settings()
+"""An engine's settings when no variable is set: the defaults here are its values (but
+``side_stream``'s, which needs a model that calls the capturer's ``join``)."""
+
+TOPK_CHUNK = ENGINE_DEFAULTS.topk_chunk
 """The chunk width ``DMX_TOPK_CHUNK`` defaults to: the fastest of 16 to 512 at batch 64 on
 an H100 (120 µs a call against ``torch.topk``'s 164 over Qwen3's 151,936 float32 logits;
 at batch 1 and 8, 70 and 85 µs against 61 and 70: ``python -m harness topk``)."""
@@ -24,7 +27,9 @@ at batch 1 and 8, 70 and 85 µs against 61 and 70: ``python -m harness topk``)."
 
 @attrs.frozen
 class TransportOptions:
-    """Knobs of :class:`~dmi_sglang.adapters.transport.TorchCaptureTransport`.
+    """Knobs of :class:`~dmi_sglang.adapters.transport.TorchCaptureTransport`. Each
+    defaults to what an engine runs with when its variable is unset
+    (:data:`ENGINE_DEFAULTS`), but ``side_stream``.
 
     Attributes:
         strip: ``DMX_GPU_PADDING_STRIP``: plans are made with this flag (the transport
@@ -86,8 +91,8 @@ class TransportOptions:
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0:
             ``torch.topk`` over the whole row.
         topk_kernel: ``DMX_TOPK_KERNEL``: ``auto`` (``flashinfer`` where its start-up
-            check passes, else ``none``; an engine's default), ``none`` (``chunked_topk``;
-            the default here), ``triton`` (the
+            check passes, else ``none``; the default), ``none`` (``chunked_topk``),
+            ``triton`` (the
             selection after the chunk maxima in one Triton kernel,
             :func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`) or
             ``flashinfer`` (FlashInfer's radix top-k,
@@ -103,28 +108,34 @@ class TransportOptions:
             stream, in line with the model's kernels.
     """
 
-    strip: bool = True
-    flush_timeout_s: float = attrs.field(default=0.4, validator=[attrs.validators.gt(0.0),
-                                                                 _WAIT_AT_MOST])
+    strip: bool = ENGINE_DEFAULTS.gpu_padding_strip
+    flush_timeout_s: float = attrs.field(default=ENGINE_DEFAULTS.drain_flush_timeout_us / 1e6,
+                                         validator=[attrs.validators.gt(0.0), _WAIT_AT_MOST])
     stall_timeout_s: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0.0),
                                                                    _WAIT_AT_MOST])
     coalesce_decode: bool = True
-    coalesce_max_bytes: int = attrs.field(default=512 * MIB, validator=attrs.validators.gt(0))
+    coalesce_max_bytes: int = attrs.field(default=ENGINE_DEFAULTS.drain_window_mb * MIB,
+                                          validator=attrs.validators.gt(0))
     max_prefill_tokens: int = 0
     max_requests: int = 0
     tune_host_malloc: bool = True
     direct_copies: bool = True
-    linger_s: float = attrs.field(default=0.03, validator=[attrs.validators.ge(0.0),
-                                                           _WAIT_AT_MOST])
-    gil_slice_s: float = attrs.field(default=0.0002, validator=attrs.validators.ge(0.0))
-    arena_slots_bytes: int = attrs.field(default=ARENA_SLOTS_BUDGET,
+    linger_s: float = attrs.field(default=ENGINE_DEFAULTS.drain_linger_us / 1e6,
+                                  validator=[attrs.validators.ge(0.0), _WAIT_AT_MOST])
+    gil_slice_s: float = attrs.field(default=ENGINE_DEFAULTS.drain_gil_slice_us / 1e6,
+                                     validator=attrs.validators.ge(0.0))
+    arena_slots_bytes: int = attrs.field(default=ENGINE_DEFAULTS.arena_slots_mb * MIB,
                                          validator=attrs.validators.ge(0))
-    copy_piece_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    copies_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    copy_kernel_programs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    copy_gaps: bool = False
+    copy_piece_bytes: int = attrs.field(default=ENGINE_DEFAULTS.drain_copy_piece_mb * MIB,
+                                        validator=attrs.validators.ge(0))
+    copies_ahead: int = attrs.field(default=ENGINE_DEFAULTS.drain_copy_ahead,
+                                    validator=attrs.validators.ge(0))
+    copy_kernel_programs: int = attrs.field(default=ENGINE_DEFAULTS.drain_copy_kernel,
+                                            validator=attrs.validators.ge(0))
+    copy_gaps: bool = ENGINE_DEFAULTS.drain_copy_gaps
     topk_chunk: int = attrs.field(default=TOPK_CHUNK, validator=attrs.validators.ge(0))
-    topk_kernel: str = attrs.field(default="none", validator=attrs.validators.in_(TOPK_KERNELS))
+    topk_kernel: str = attrs.field(default=ENGINE_DEFAULTS.topk_kernel,
+                                   validator=attrs.validators.in_(TOPK_KERNELS))
     side_stream: bool = False
 
     @classmethod
@@ -156,20 +167,20 @@ class TransportOptions:
     def from_settings(
         cls,
         *,
-        strip: bool = True,
-        flush_timeout_us: int = 400_000,
+        strip: bool = ENGINE_DEFAULTS.gpu_padding_strip,
+        flush_timeout_us: int = ENGINE_DEFAULTS.drain_flush_timeout_us,
         max_prefill_tokens: int = 0,
         max_requests: int = 0,
-        linger_us: int = 30_000,
-        gil_slice_us: int = 200,
-        window_mb: int = 512,
-        arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB,
-        copy_piece_mb: int = 0,
-        copy_ahead: int = 0,
-        copy_kernel: int = 0,
-        copy_gaps: bool = False,
+        linger_us: int = ENGINE_DEFAULTS.drain_linger_us,
+        gil_slice_us: int = ENGINE_DEFAULTS.drain_gil_slice_us,
+        window_mb: int = ENGINE_DEFAULTS.drain_window_mb,
+        arena_slots_mb: int = ENGINE_DEFAULTS.arena_slots_mb,
+        copy_piece_mb: int = ENGINE_DEFAULTS.drain_copy_piece_mb,
+        copy_ahead: int = ENGINE_DEFAULTS.drain_copy_ahead,
+        copy_kernel: int = ENGINE_DEFAULTS.drain_copy_kernel,
+        copy_gaps: bool = ENGINE_DEFAULTS.drain_copy_gaps,
         topk_chunk: int = TOPK_CHUNK,
-        topk_kernel: str = "none",
+        topk_kernel: str = ENGINE_DEFAULTS.topk_kernel,
         side_stream: bool = False,
     ) -> TransportOptions:
         """From the ``DMX_GPU_PADDING_STRIP`` / ``DMX_DRAIN_FLUSH_TIMEOUT_US`` /
