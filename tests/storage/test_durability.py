@@ -553,13 +553,13 @@ def test_finish_run_syncs_what_the_background_passes_missed(
     assert files <= set(synced), files - set(synced)
 
 
-def test_a_pass_slower_than_the_period_is_followed_at_once_while_writes_go_on(
+def test_a_pass_slower_than_the_period_is_followed_shortly_while_writes_go_on(
     open_sink: Callable[..., ClickHouseSink], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A capture that writes faster than the disk syncs keeps the disk busy: the next
-    pass starts as the previous one ends, not a period later (what finish_run is left to
-    sync stays about one pass's worth)."""
-    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.2)
+    pass starts a tenth of the period after the previous one ends, not a period later
+    (what finish_run is left to sync stays about one pass's worth)."""
+    monkeypatch.setattr(_sink, "SYNC_PASS_S", 0.3)
     real = _sink.sync_tree
     spans: list[tuple[float, float]] = []
 
@@ -568,7 +568,7 @@ def test_a_pass_slower_than_the_period_is_followed_at_once_while_writes_go_on(
         if threading.current_thread().name != "dmi-sink-sync":
             return real(root, since_ns, synced)
         began = time.monotonic()
-        time.sleep(0.3)  # a disk slower than the capture
+        time.sleep(0.4)  # a disk slower than the capture
         report = real(root, since_ns, synced)
         spans.append((began, time.monotonic()))
         return report
@@ -577,7 +577,7 @@ def test_a_pass_slower_than_the_period_is_followed_at_once_while_writes_go_on(
     sink = open_sink()
     run = run_info("run", [(RESID, 0)])
     sink.start_run(run)
-    ends = time.monotonic() + 1.6
+    ends = time.monotonic() + 1.9
     n = 0
     while time.monotonic() < ends:  # a write during every pass
         sink.put(batch_of("run", f"r{n}", RESID, 0, torch.randn(4, 8), [0, 4]))
@@ -587,7 +587,8 @@ def test_a_pass_slower_than_the_period_is_followed_at_once_while_writes_go_on(
     commit(sink, run, [])
     assert len(spans) >= 3
     gaps = [b - a for (_, a), (b, _) in itertools.pairwise(spans)]
-    assert max(gaps) < 0.1, gaps  # a period after the previous pass ended: >= 0.2
+    assert all(gap >= 0.03 for gap in gaps), gaps  # a tenth of the period's rest
+    assert max(gaps) < 0.15, gaps  # not a period after the previous pass ended: 0.3
 
 
 def test_background_passes_wait_for_writes(
@@ -693,6 +694,8 @@ def test_finish_run_raises_when_the_files_cannot_be_synced(
     time.sleep(0.2)  # background passes fail meanwhile
     with pytest.raises(StoreError, match="syncing the files of run run"):
         commit(sink, run, [manifest("run", "r", 4, 1)])
+    s = sink.stats()  # a failed finish is timed too, its flush apart from the rest
+    assert s.finish_seconds > s.finish_flush_seconds > 0
 
 
 class _StartFailsOnce:

@@ -80,6 +80,10 @@ previous pass, the files changed since then are synced in the background this lo
 the previous pass began (at once when that pass took longer), so that ``finish_run``'s
 sync has only what came after the last pass left to sync."""
 
+SYNC_PASS_REST = 0.1
+"""After a pass that took longer than :data:`SYNC_PASS_S`, the passes' thread rests this
+share of the period before the next (it walks the store's tree every pass)."""
+
 _SQUASH_BYTES = 256 << 20  # the engine forms a part per this many bytes of one insert
 _SQUASH_ROWS = 1_048_449  # ... or per this many rows (min_insert_block_size_*)
 _MTIME_SLACK_NS = 2_000_000_000  # file times come from a coarse clock
@@ -263,8 +267,10 @@ class ClickHouseSink:
             embedded = self._config.kind is StoreKind.EMBEDDED
             committed = run.status is RunStatus.COMMITTED
             try:
-                self.flush()  # the run stays live (and beating) until its final row
-                flushed = time.monotonic()
+                try:
+                    self.flush()  # the run stays live (and beating) until its final row
+                finally:
+                    flushed = time.monotonic()
                 self._raise_if_unusable()
                 if embedded and committed:  # the data on disk before a row says it is complete
                     self._stop_sync_passes()
@@ -287,13 +293,13 @@ class ClickHouseSink:
             if embedded:
                 self._sync(run.run_id)
         finally:
+            ended = time.monotonic()
+            self._stats.finished(ended - began, queued_bytes=queued,
+                                 flush_seconds=(ended if flushed is None else flushed) - began)
             self._stop_sync_passes()
             self._stop_heartbeat()
             self._not_live()
             self._merges.release("run finished")
-            ended = time.monotonic()
-            self._stats.finished(ended - began, queued_bytes=queued,
-                                 flush_seconds=(ended if flushed is None else flushed) - began)
         log.info(
             "store.run_finished", run_id=run.run_id, status=run.status.value, manifests=len(rows)
         )
@@ -392,8 +398,9 @@ class ClickHouseSink:
     def _sync_passes(self, run_id: str) -> None:
         """While the run captures, when something was written since the previous pass:
         sync the files changed since then, :data:`SYNC_PASS_S` after the previous pass
-        began (at once when it took longer: the disk stays busy while the capture
-        writes faster than it, and ``finish_run`` is left about one pass's worth). A
+        began (a tenth of that after it ended when it took longer,
+        :data:`SYNC_PASS_REST`: the disk stays busy while the capture writes faster than
+        it, and ``finish_run`` is left about one pass's worth). A
         failed pass is logged; its files are left to the next pass, a period after it
         failed, and to the final sync, except a write-back error
         (:data:`_WRITE_BACK_ERRORS`), which the kernel reports only once: it is kept,
@@ -401,7 +408,8 @@ class ClickHouseSink:
         failures = 0
         due = time.monotonic() + SYNC_PASS_S
         while not self._sync_passes_stop.wait(max(0.0, due - time.monotonic())):
-            due = time.monotonic() + SYNC_PASS_S
+            began = time.monotonic()
+            due = began + SYNC_PASS_S
             if not self._written.is_set():
                 continue
             self._written.clear()  # before the walk: a write during it sets it again
@@ -423,6 +431,7 @@ class ClickHouseSink:
                 log.info("store.sync_pass_recovered", run_id=run_id, failed_passes=failures)
                 failures = 0
             self._stats.synced(report.seconds, background=True)
+            due = max(due, time.monotonic() + SYNC_PASS_REST * SYNC_PASS_S)
 
     def _sync(self, run_id: str) -> None:
         """Sync every file changed since the previous final sync, except what a sync
