@@ -306,6 +306,38 @@ def test_fault_the_ring_cannot_be_allocated(tmp_path: Path) -> None:
     assert not ClickHouseRunClaims(settings.store()).claimed("no-ring")  # the id is free
 
 
+def test_a_top_k_run_records_the_selection_it_ran(tmp_path: Path) -> None:
+    """``DMX_TOPK_KERNEL=auto`` (the default) -> the run's settings name what it resolved
+    to (``dmi.topk_kernel``): here, without FlashInfer, ``none``; a run without a top-k
+    names none."""
+    import attrs
+
+    from dmi_sglang.domain.hooks import CATALOG, ModelHooks
+    from dmi_sglang.domain.ports import CaptureSpec
+    from dmi_sglang.domain.records import TOPK_KERNEL_KEY
+    from dmi_sglang.domain.shapes import ModelShape
+
+    shape = ModelShape(num_layers=2, hidden=4, heads=2, kv_heads=1, head_dim=2,
+                       intermediate=6, vocab=10)
+    hooks = ModelHooks("ToyForCausalLM", frozenset(h.name for h in CATALOG), 2)
+    recorded = {}
+    for run_id, text in (("topk", "final_logits:topk(3)"), ("plain", "resid_pre")):
+        settings = _settings(f"chdb://{tmp_path / 's'}", run_id, dmx_hook_selection=text)
+        assert settings.topk_kernel == "auto"
+        spec = CaptureSpec(settings=settings, run=attrs.evolve(run_info(run_id)),
+                           selection=settings.selection.resolve(hooks), shape=shape,
+                           max_graph_batch=1, device="cpu", max_prefill_tokens=64,
+                           max_requests=1)
+        claim_new_run(settings)
+        opened = PipelineFactory().open(spec)
+        opened.session.stop()
+        run = open_store(f"chdb://{tmp_path / 's'}").run(run_id)
+        assert run is not None
+        recorded[run_id] = dict(run.settings)
+    assert recorded["topk"][TOPK_KERNEL_KEY] == "none"
+    assert TOPK_KERNEL_KEY not in recorded["plain"]
+
+
 def test_fault_a_failed_start_never_frees_another_starts_claim(tmp_path: Path) -> None:
     """A start that fails after another start claimed the same id -> the other start's
     claim stays; only a claim this process won is released."""

@@ -296,6 +296,7 @@ def make_driver(
         entries: int = 1024,
         max_graph_batch: int = 8,
         sink: MemorySink | None = None,
+        shape: ModelShape = SHAPE,
         **options: object,
     ) -> tuple[Driver, MemorySink]:
         sink = sink if sink is not None else MemorySink()
@@ -305,7 +306,7 @@ def make_driver(
         transport = TorchCaptureTransport(
             capacity=RingCapacity(payload_bytes, payload_bytes, entries),
             selection=selection,
-            shape=SHAPE,
+            shape=shape,
             max_graph_batch=max_graph_batch,
             sink=sink,
             run_id="run-1",

@@ -9,6 +9,7 @@ import importlib.util
 import sys
 import types
 
+import attrs
 import pytest
 import structlog.testing
 import torch
@@ -16,9 +17,10 @@ import torch
 from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
 from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
 from dmi_sglang.domain.settings import Settings
+from dmi_sglang.domain.shapes import DType
 from dmi_sglang.errors import UnsupportedConfigurationError
 
-from .conftest import assert_topk3_of, two_requests
+from .conftest import SHAPE, assert_topk3_of, two_requests
 
 CPU = torch.device("cpu")
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -166,8 +168,9 @@ def test_auto_selects_with_torch_topk_where_flashinfer_fails_its_check_and_says_
     with structlog.testing.capture_logs() as logs:
         some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="auto")
     assert _kernel_used(logs) == "none"
-    fallback = [e for e in logs if "selecting with torch.topk" in str(e["event"])]
+    fallback = [e for e in logs if e["event"] == "dmi.topk_kernel"]
     assert len(fallback) == 1
+    assert fallback[0]["kernel"] == "none"
     assert why in str(fallback[0]["reason"])
     for d in (full, some):
         two_requests(d, padded=True)
@@ -183,3 +186,16 @@ def test_auto_checks_nothing_without_a_top_k(make_driver,
         make_driver("final_logits", topk_kernel="auto")
     assert calls == []
     assert _kernel_used(logs) is None
+
+
+def test_auto_leaves_bfloat16_logits_to_torch_topk_without_trying_flashinfer(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _stand_in_flashinfer(monkeypatch)
+    shape = attrs.evolve(SHAPE, logits_dtype=DType.BFLOAT16)
+    with structlog.testing.capture_logs() as logs:
+        make_driver("final_logits:topk(3)", topk_kernel="auto", shape=shape)
+    assert calls == []  # over bfloat16 rows it differed from torch.topk: not checked
+    assert _kernel_used(logs) == "none"
+    chosen = [e for e in logs if e["event"] == "dmi.topk_kernel"]
+    assert len(chosen) == 1
+    assert "bfloat16" in str(chosen[0]["reason"])

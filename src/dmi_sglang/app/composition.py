@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import structlog
 
 from dmi_sglang.app.handle import CaptureHandle, NoStoreHandle
@@ -45,7 +46,7 @@ from dmi_sglang.app.store_owner import OwnedSink, Service, open_owned_sink
 from dmi_sglang.columns import RecordBatchReader, RecordSink
 from dmi_sglang.domain.hooks import ModelHooks, Selection
 from dmi_sglang.domain.ports import CaptureReads, CaptureSpec, RunClaims
-from dmi_sglang.domain.records import storable_request_id
+from dmi_sglang.domain.records import TOPK_KERNEL_KEY, storable_request_id
 from dmi_sglang.domain.sampling import RequestSample
 from dmi_sglang.domain.settings import Settings, monitoring_requested
 from dmi_sglang.domain.shapes import ModelShape
@@ -283,12 +284,16 @@ class PipelineFactory:
                 max_prefill_tokens=spec.max_prefill_tokens,
                 max_requests=spec.max_requests,
             )
-            sink.start_run(spec.run)  # only once the transport exists: no orphan run row
+            run = spec.run
+            if transport.topk_kernel is not None:  # what auto resolved to, on record
+                run = attrs.evolve(run, settings=(*run.settings,
+                                                  (TOPK_KERNEL_KEY, transport.topk_kernel)))
+            sink.start_run(run)  # only once the transport exists: no orphan run row
             started = True
             from dmi_sglang.adapters.sglang_v0519.batch import capture_param, request_cancelled
 
             session = SchedulerMonitor(
-                run=spec.run,
+                run=run,
                 selection=spec.selection,
                 shape=spec.shape,
                 transport=transport,

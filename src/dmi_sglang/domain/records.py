@@ -241,6 +241,11 @@ SOURCE_KEY = "dmi.source"
 """The key of the runs table's ``settings`` entry naming the run's :class:`RunSource`;
 runs without it come from SGLang."""
 
+TOPK_KERNEL_KEY = "dmi.topk_kernel"
+"""The key of the runs table's ``settings`` entry naming the top-k selection a run with
+``final_logits:topk(K)`` ran (``DMX_TOPK_KERNEL`` resolved: ``auto`` becomes
+``flashinfer`` or ``none``), as tied values may name other columns under another one."""
+
 
 HEARTBEAT_S = 10.0
 """How often a run on a ClickHouse server store rewrites its running row (its heartbeat)."""
@@ -258,7 +263,8 @@ class RunInfo:
         model_path: the served model.
         settings: the resolved settings as ``DMX_*`` variables (secrets removed), and
             ``dmi.*`` entries that describe the run (:data:`SOURCE_KEY`; ``TP_KEY`` of
-            :mod:`~dmi_sglang.domain.tensor_parallel` under tensor parallelism).
+            :mod:`~dmi_sglang.domain.tensor_parallel` under tensor parallelism;
+            :data:`TOPK_KERNEL_KEY` with a top-k).
         captures: every ``(act_name, layer_no)`` a complete request capture holds.
         started_at / stopped_at: UTC ISO-8601 timestamps (``stopped_at`` empty while
             running).

@@ -150,17 +150,33 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
                       batches: tuple[int, ...]) -> str:
     """``DMX_TOPK_KERNEL=auto``: ``flashinfer`` where FlashInfer's top-k compiles and
     selects as ``torch.topk`` does over float32 logits (its start-up check), else
-    ``none``, logged with why."""
+    ``none``, logged with why (a warning on a GPU, where it was expected to work).
+
+    Raises:
+        UnsupportedConfigurationError: the failed check left the GPU unusable (a
+            kernel's fault is sticky: nothing would run after it).
+    """
     if dtype != torch.float32:  # over bfloat16 rows it differed from torch.topk
-        why: str | None = f"the logits are {dtype}, FlashInfer's top-k is used for float32"
+        why: str | None = f"the logits are {dtype}; FlashInfer's top-k is used for float32"
     else:
-        log.info("top-k: checking FlashInfer's (compiled on its first use on a machine: "
-                 "minutes; DMX_TOPK_KERNEL=none skips it)", k=k, width=width)
+        log.info("dmi.topk_kernel_check", kernel="flashinfer", k=k, width=width,
+                 note="compiled on its first use on a machine (minutes); "
+                      "DMX_TOPK_KERNEL=none skips it")
         why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+        if why is not None and device.type == "cuda":
+            try:
+                torch.cuda.synchronize(device)
+            except RuntimeError as exc:
+                msg = (f"DMX_TOPK_KERNEL=auto: FlashInfer's top-k failed its check on "
+                       f"{device} ({why}) and left the device unusable ({exc}); set "
+                       "DMX_TOPK_KERNEL=none to select with torch.topk")
+                raise UnsupportedConfigurationError((msg,)) from exc
+            log.warning("dmi.topk_kernel", kernel="none", setting="auto", reason=why)
+            return "none"
     if why is not None:
-        log.info("top-k: selecting with torch.topk (DMX_TOPK_KERNEL=auto)", reason=why)
+        log.info("dmi.topk_kernel", kernel="none", setting="auto", reason=why)
         return "none"
-    log.info("top-k: selecting with FlashInfer's (DMX_TOPK_KERNEL=auto)")
+    log.info("dmi.topk_kernel", kernel="flashinfer", setting="auto")
     return "flashinfer"
 
 
@@ -326,9 +342,16 @@ class TorchCaptureTransport:
             arena_slots=arena.slots, max_graph_batch=max_graph_batch, strip=opts.strip,
             malloc_tuned=tuned, copy_piece_bytes=opts.copy_piece_bytes,
             copy_gaps=opts.copy_gaps, side_stream=opts.side_stream,
-            topk_kernel=self._payloads.kernel if self._payloads and self._payloads.topk else None,
+            topk_kernel=self.topk_kernel,
             window_bytes=self._drain.device_bytes, last_slot_bytes=self._last_slots.nbytes,
         )
+
+    @property
+    def topk_kernel(self) -> str | None:
+        """The top-k selection ``final_logits:topk(K)`` runs (``DMX_TOPK_KERNEL``,
+        ``auto`` resolved at start-up); None without a top-k."""
+        payloads = self._payloads
+        return payloads.kernel if payloads is not None and payloads.topk else None
 
     @property
     def device_bytes(self) -> int:
