@@ -47,6 +47,7 @@ import torch
 
 from dmi_sglang.adapters.transport import DeviceOps
 from dmi_sglang.adapters.transport.kernel_copy import warm_up
+from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import UnsupportedConfigurationError
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
@@ -223,23 +224,21 @@ def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
     """The drain settings of the fastest variant that left the small copy's p99 under
     :data:`SUGGEST_P99_US`, brought every byte and (given the idle row's
     ``idle_compute_us``) slowed the matmul beside it by at most
-    :data:`SUGGEST_COMPUTE_SLOWDOWN`, as ``DMX_*=V`` words (``""``: the defaults, one
-    whole copy); ``None`` when no variant did. ``rows`` are the variants' rows (the idle
-    row left out), ``intact`` their checks, in order."""
+    :data:`SUGGEST_COMPUTE_SLOWDOWN`, as ``DMX_*=V`` words for each that differs from an
+    engine's default (``""``: the defaults); ``None`` when no variant did. ``rows`` are
+    the variants' rows (the idle row left out), ``intact`` their checks, in order."""
     good = _qualifying(rows, intact, idle_compute_us)[-1]
     if not good:
         return None
     best = max(r["bulk_gbps"] for r in good)
     row = next(r for r in good if r["bulk_gbps"] >= SUGGEST_RATE_SHARE * best)
-    if row["kernel_programs"]:
-        return f"DMX_DRAIN_COPY_KERNEL={row['kernel_programs']}"
-    whole = row["piece_mb"] == row["bulk_mb"]
-    words = [] if whole else [f"DMX_DRAIN_COPY_PIECE_MB={row['piece_mb']}"]
-    if row["in_flight"]:
-        words.append(f"DMX_DRAIN_COPY_AHEAD={row['in_flight']}")
-    if row.get("gaps"):
-        words.append("DMX_DRAIN_COPY_GAPS=1")
-    return " ".join(words)
+    ran = {"DMX_DRAIN_COPY_PIECE_MB": 0 if row["piece_mb"] == row["bulk_mb"] else row["piece_mb"],
+           "DMX_DRAIN_COPY_AHEAD": row["in_flight"] or 0,
+           "DMX_DRAIN_COPY_KERNEL": row["kernel_programs"] or 0,
+           "DMX_DRAIN_COPY_GAPS": 1 if row.get("gaps") else 0}
+    defaults = Settings().to_env()
+    return " ".join(f"{name}={value}" for name, value in ran.items()
+                    if str(value) != defaults[name])
 
 
 def _qualifying(rows: Sequence[Json], intact: Sequence[bool],

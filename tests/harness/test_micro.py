@@ -628,23 +628,29 @@ def test_the_suggested_drain_settings_are_the_fastest_that_keep_the_small_copy_q
             _variant(512, None, 32, 48.0, 130.0),
             _variant(512, None, 132, 49.0, 140.0)]
     # 32 programs are within 5 % of 132's rate and measured first
-    assert suggested_env(rows, [True] * 6) == "DMX_DRAIN_COPY_KERNEL=32"
+    # (what it measured, in the words that differ from an engine's defaults: 16 MiB
+    # pieces with gaps)
+    kernel = "DMX_DRAIN_COPY_PIECE_MB=0 DMX_DRAIN_COPY_KERNEL=32 DMX_DRAIN_COPY_GAPS=0"
+    assert suggested_env(rows, [True] * 6) == kernel
     # a variant that lost bytes is never suggested
     assert suggested_env(rows, [True] * 4 + [False] * 2) == \
-        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1"
+        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1 DMX_DRAIN_COPY_GAPS=0"
     assert suggested_env(rows[:1], [True]) is None
     quick_whole = [_variant(512, None, None, 54.0, 300.0), *rows[1:]]
-    assert suggested_env(quick_whole, [True] * 6) == ""  # the defaults
+    assert suggested_env(quick_whole, [True] * 6) == \
+        "DMX_DRAIN_COPY_PIECE_MB=0 DMX_DRAIN_COPY_GAPS=0"
     assert suggested_env([_variant(8, None, None, 50.0, 100.0)], [True]) == \
-        "DMX_DRAIN_COPY_PIECE_MB=8"
+        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=0"
+    defaults = {**_variant(16, None, None, 50.0, 100.0), "gaps": True}
+    assert suggested_env([defaults], [True]) == ""  # an engine's defaults
     # a variant that slows the matmul beside it by more than 5 % is not suggested
     slow_kernels = [*rows[:4], _variant(512, None, 32, 48.0, 130.0, compute=106.0),
                     _variant(512, None, 132, 49.0, 140.0, compute=120.0)]
     assert suggested_env(slow_kernels, [True] * 6, idle_compute_us=100.0) == \
-        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1"
-    assert suggested_env(slow_kernels, [True] * 6) == "DMX_DRAIN_COPY_KERNEL=32"  # not asked
+        "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_AHEAD=1 DMX_DRAIN_COPY_GAPS=0"
+    assert suggested_env(slow_kernels, [True] * 6) == kernel  # not asked
     gapped = {**_variant(8, None, None, 50.0, 100.0), "gaps": True}
-    assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8 DMX_DRAIN_COPY_GAPS=1"
+    assert suggested_env([gapped], [True]) == "DMX_DRAIN_COPY_PIECE_MB=8"
 
 
 def test_no_suggestion_names_the_test_every_variant_failed() -> None:
