@@ -424,7 +424,7 @@ def store_line(figures: Json) -> str | None:
             "(the writers' seconds summed over them, idle from the first batch on); "
             f"finish_run {sec('finish_seconds')}: {sec('finish_flush_seconds')} inserting "
             f"{'-' if queued is None else f'{queued / 1e9:.2f} GB'} queued at its start, "
-            f"{sec('sync_seconds')} syncing")
+            f"{sec('sync_seconds')} syncing (with close's)")
 
 
 def cell(mode: str, env: Json | None) -> str:

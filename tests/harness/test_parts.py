@@ -576,7 +576,7 @@ def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
         "nothing queued and 12.0 s with a partial insert queued; put blocked 17.0 s, "
         "background sync 8.8 s (the writers' seconds summed over them, idle from the first "
         "batch on); finish_run 2.9 s: 2.3 s inserting 1.61 GB queued at its start, 0.3 s "
-        "syncing")
+        "syncing (with close's)")
     older = {k: v for k, v in store.items()
              if "idle" not in k and "wait" not in k and "finish" not in k}
     assert "idle - with nothing queued and - with a partial" in str(store_line({"store": older}))
