@@ -301,6 +301,7 @@ def make_driver(
     ) -> tuple[Driver, MemorySink]:
         sink = sink if sink is not None else MemorySink()
         options.setdefault("arena_slots_bytes", slots_bytes)
+        options.setdefault("topk_kernel", "none")  # not the host's FlashInfer: ask for auto
         selection = select(text)
         holder: list[Driver] = []
         transport = TorchCaptureTransport(
