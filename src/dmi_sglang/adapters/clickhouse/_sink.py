@@ -16,8 +16,8 @@ queued batches are dropped, and ``put``, ``flush``, ``finish_run`` and ``close``
 On the embedded store, merges of the records table are held while a run captures
 (:mod:`._merges`), and ``finish_run`` syncs the run's new files to disk
 (:mod:`._durable`) before it returns. While the run captures, a background thread syncs
-the files written so far, a pass every :data:`SYNC_PASS_S` or back to back while they
-take longer, and that final sync (which covers
+the files written so far, a pass every :data:`SYNC_PASS_S` (nearly back to back while
+they take longer), and that final sync (which covers
 every file changed since the previous final sync: a pass may miss a part whose
 directory was renamed during its walk) leaves out what a sync made durable and is
 unchanged since (:class:`~._durable.SyncedFiles`): it fsyncs what the passes did not.
@@ -77,7 +77,8 @@ before the refusal becomes the sticky failure."""
 SYNC_PASS_S = 1.0
 """While a run captures into an embedded store and something was written since the
 previous pass, the files changed since then are synced in the background this long after
-the previous pass began (at once when that pass took longer), so that ``finish_run``'s
+the previous pass began (:data:`SYNC_PASS_REST` of it after that pass ended, when it
+took longer), so that ``finish_run``'s
 sync has only what came after the last pass left to sync."""
 
 SYNC_PASS_REST = 0.1
