@@ -56,9 +56,10 @@ from harness.constants import (
 )
 from harness.results import REPO, Json
 
-STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed", "dmi.store_owner_ended")
+STAT_EVENTS = ("dmi.stopped", "dmi.timing", "store.closed", "dmi.store_owner_ended",
+               "capture transport ready")
 """Structlog events of the scheduler (and of its store owner) whose statistics the checks
-and figures use."""
+and figures use (the last: what the transport ran with, its copies and top-k included)."""
 
 
 class EngineError(RuntimeError):

@@ -298,6 +298,7 @@ class Qualification:
             "headline_ratio": (tput.get(head) or {}).get("ratio"),
             "capture_bytes": stopped.get("bytes"), "transport": stopped or None,
             "store": events.get("store.closed"), "timing": events.get("dmi.timing"),
+            "transport_options": events.get("capture transport ready"),
             "startup_s": measured["ready"]["startup_s"], "stop_s": measured["stop"]["stop_s"],
             "leftover_processes": measured["leftover_processes"]}
 

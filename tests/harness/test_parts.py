@@ -21,6 +21,7 @@ from dmi_sglang.domain.store_config import StoreConfig, StoreKind
 from harness import checks, docs
 from harness.bounds import bound, directory_bytes, measure_disk_bps
 from harness.engine import (
+    STAT_EVENTS,
     GpuBusy,
     cpu_between,
     group_cpu,
@@ -50,6 +51,11 @@ def test_log_events_are_parsed_from_console_and_json_lines() -> None:
     first = parse_log_events(text.splitlines()[0], ("dmi.stopped",))["dmi.stopped"]
     assert first == {"bytes": 4096, "rows": 12, "run_id": "r 1", "shape": "[1, 2]",
                      "ok": True}
+    ready = ("[info     ] capture transport ready        copy_gaps=True "
+             "copy_piece_bytes=16777216 side_stream=True topk_kernel=flashinfer\n")
+    options = parse_log_events(ready, STAT_EVENTS)["capture transport ready"]
+    assert options == {"copy_gaps": True, "copy_piece_bytes": 16777216, "side_stream": True,
+                       "topk_kernel": "flashinfer"}
 
 
 def test_the_bound_is_the_hardware_rate_over_the_rate_stock_speed_needs() -> None:
