@@ -97,6 +97,19 @@ def _packed_bytes(records: int, pieces: int) -> int:
     return sum(np.dtype(t).itemsize for _, t in _PACKED) * records + 8 * (records + pieces)
 
 
+def _packed_columns(packed: npt.NDArray[np.uint8], records: int,
+                    ) -> tuple[dict[str, npt.NDArray[Any]], npt.NDArray[np.int64]]:
+    """Views of ``packed`` (:func:`_packed_bytes` of it) as the :data:`_PACKED` columns of
+    ``records`` records, and the pieces' offsets after them."""
+    columns: dict[str, npt.NDArray[Any]] = {}
+    at = 0
+    for name, dtype in _PACKED:
+        size = np.dtype(dtype).itemsize * records
+        columns[name] = packed[at:at + size].view(dtype)
+        at += size
+    return columns, packed[at:].view(np.int64)
+
+
 def pieces_to_frames(batch: RecordBatch, piece_bytes: int) -> tuple[dict[str, Any], list[Any]]:
     """The batch in pieces of whole records of at most ``piece_bytes`` payload bytes
     (:meth:`RecordBatch.split`) as one message: a header (plain values, with each
@@ -113,13 +126,10 @@ def pieces_to_frames(batch: RecordBatch, piece_bytes: int) -> tuple[dict[str, An
     header = {**_header(batch), "records": [len(p) for p in pieces]}
     n = len(batch)
     packed = np.empty(_packed_bytes(n, len(pieces)), dtype=np.uint8)
-    at = 0
-    for name, dtype in _PACKED:
-        size = np.dtype(dtype).itemsize * n
-        packed[at:at + size].view(dtype)[:] = getattr(batch, name)
-        at += size
+    columns, offsets = _packed_columns(packed, n)
+    for name, column in columns.items():
+        column[:] = getattr(batch, name)
     payloads = []
-    offsets = packed[at:].view(np.int64)
     first = 0
     for piece in pieces:
         start, end = int(piece.offsets[0]), int(piece.offsets[-1])
@@ -160,13 +170,7 @@ def pieces_from_frames(header: Any, frames: Sequence[Any]) -> list[RecordBatch]:
         msg = (f"the columns of {n} records in {len(counts)} pieces take {expected} "
                f"bytes, got {packed.nbytes}")
         raise ValueError(msg)
-    columns: dict[str, npt.NDArray[Any]] = {}
-    at = 0
-    for name, dtype in _PACKED:
-        size = np.dtype(dtype).itemsize * n
-        columns[name] = packed[at:at + size].view(dtype)
-        at += size
-    offsets = packed[at:].view(np.int64)
+    columns, offsets = _packed_columns(packed, n)
     out = []
     first = 0
     for i, count in enumerate(counts):

@@ -171,13 +171,13 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
                        f"{device} ({why}) and left the device unusable ({exc}); set "
                        "DMX_TOPK_KERNEL=none to select with torch.topk")
                 raise UnsupportedConfigurationError((msg,)) from exc
-            log.warning("dmi.topk_kernel", kernel="none", setting="auto", reason=why)
-            return "none"
-    if why is not None:
-        log.info("dmi.topk_kernel", kernel="none", setting="auto", reason=why)
-        return "none"
-    log.info("dmi.topk_kernel", kernel="flashinfer", setting="auto")
-    return "flashinfer"
+    if why is None:
+        log.info("dmi.topk_kernel", kernel="flashinfer", setting="auto")
+        return "flashinfer"
+    expected = dtype == torch.float32 and device.type == "cuda"  # where it should work
+    (log.warning if expected else log.info)("dmi.topk_kernel", kernel="none",
+                                            setting="auto", reason=why)
+    return "none"
 
 
 def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
