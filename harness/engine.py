@@ -24,9 +24,10 @@ class (``sglang:Engine`` by default, ``dmi_sglang:DMIEngine``):
 * ``{"op": "stop"}``: ``dmi_stop_monitoring()`` (the run becomes durable);
 * ``{"op": "shutdown"}``: the engine shuts down and the child exits.
 
-A child that dies or overruns its timeout is killed with its whole group; the result of
-every command says ``ok`` and, when not, why. Nothing here imports torch or SGLang in the
-parent.
+A child that dies or overruns its timeout is killed with its whole group (one that
+overran first has its processes write their Python stacks to its log, which the error
+quotes); the result of every command says ``ok`` and, when not, why. Nothing here
+imports torch or SGLang in the parent.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from dmi_sglang.app.gc_pauses import GcPauses
 from harness.constants import (
     GPU_BUSY_PERIOD_S,
     SHUTDOWN_GRACE_S,
+    STACK_DUMP_GRACE_S,
+    STACK_DUMP_LINES,
     THREADS_REPORTED,
     TRITON_CACHE_DIR,
 )
@@ -86,7 +89,7 @@ class EngineProcess:
         read_fd, write_fd = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMX_")}
         env.setdefault("TRITON_CACHE_DIR", TRITON_CACHE_DIR)
-        env.update(PYTHONUNBUFFERED="1", **self.spec.get("env", {}))
+        env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **self.spec.get("env", {}))
         try:
             with self.log.open("w") as log:
                 self.proc = subprocess.Popen(
@@ -138,9 +141,10 @@ class EngineProcess:
         while b"\n" not in self._buffer:
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
+                dumped = self._dump_stacks()
                 self._kill_group()
                 raise EngineError(f"{self.name}: no reply within {timeout_s:.0f} s "
-                                  f"(killed){self._tail()}")
+                                  f"(killed){self._tail(STACK_DUMP_LINES if dumped else 30)}")
             poller = select.poll()  # not select(): a busy process's descriptors pass 1024
             poller.register(self._reply, select.POLLIN | select.POLLHUP)
             ready = poller.poll(min(wait or 1.0, 1.0) * 1000)
@@ -159,6 +163,21 @@ class EngineProcess:
         if not reply.get("ok"):
             raise EngineError(f"{self.name}: {reply.get('error')}{self._tail()}")
         return reply
+
+    def _dump_stacks(self) -> bool:
+        """Have every Python process of the group write its threads' stacks to the log
+        before it dies (``PYTHONFAULTHANDLER`` is set in the child's environment, which
+        SGLang's processes inherit; ``SIGABRT`` makes each dump its stacks and abort), so
+        that an engine which did not reply shows where it waited; whether it was sent."""
+        if self.proc is None or not group_alive(self.proc.pid):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGABRT)
+        deadline = time.monotonic() + STACK_DUMP_GRACE_S
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            self.proc.poll()  # reap the child, so that an exited group reads as gone
+            time.sleep(0.1)
+        return True
 
     def _kill_group(self) -> bool:
         if self.proc is None:

@@ -187,8 +187,10 @@ def test_a_failing_engine_child_is_reported_not_waited_for(
     monkeypatch.setenv("FAKE_RUN_FAULT", fault)
     child = _child(tmp_path)
     child.start(30)
-    with pytest.raises(EngineError, match=re.escape(message)):
+    with pytest.raises(EngineError, match=re.escape(message)) as failed:
         child.request("run", 2, workload=WORKLOAD.spec())
+    if fault == "hang":  # the stacks of where it waited are in its error
+        assert re.search(r'fake_engine\.py", line \d+ in generate', str(failed.value))
     assert child.close()["leftover_processes"] in (True, False)
     assert child.proc is not None
     assert child.proc.poll() is not None  # nothing of it is left running

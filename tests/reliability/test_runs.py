@@ -307,7 +307,7 @@ def test_fault_the_ring_cannot_be_allocated(tmp_path: Path) -> None:
 
 
 def test_a_top_k_run_records_the_selection_it_ran(tmp_path: Path) -> None:
-    """``DMX_TOPK_KERNEL=auto`` (the default) -> the run's settings name what it resolved
+    """``DMX_TOPK_KERNEL=auto`` -> the run's settings name what it resolved
     to (``dmi.topk_kernel``): here, without FlashInfer, ``none``; a run without a top-k
     names none."""
     import attrs
@@ -322,7 +322,8 @@ def test_a_top_k_run_records_the_selection_it_ran(tmp_path: Path) -> None:
     hooks = ModelHooks("ToyForCausalLM", frozenset(h.name for h in CATALOG), 2)
     recorded = {}
     for run_id, text in (("topk", "final_logits:topk(3)"), ("plain", "resid_pre")):
-        settings = _settings(f"chdb://{tmp_path / 's'}", run_id, dmx_hook_selection=text)
+        settings = _settings(f"chdb://{tmp_path / 's'}", run_id, dmx_hook_selection=text,
+                             dmx_topk_kernel="auto")
         assert settings.topk_kernel == "auto"
         spec = CaptureSpec(settings=settings, run=attrs.evolve(run_info(run_id)),
                            selection=settings.selection.resolve(hooks), shape=shape,

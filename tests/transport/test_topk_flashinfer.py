@@ -99,9 +99,11 @@ def test_the_setting_stores_what_flashinfer_top_k_selects(
 
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(top_k=top_k))
     full, full_sink = make_driver("final_logits")
-    some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="flashinfer",
-                                  max_graph_batch=6)
+    with structlog.testing.capture_logs() as logs:
+        some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="flashinfer",
+                                      max_graph_batch=6)
     assert calls == [(3, 3, True), (6, 3, True)]  # the start-up check
+    _assert_check_logged(logs, kernel="flashinfer", setting="flashinfer")
     for d in (full, some):
         two_requests(d, padded=padded)
         d.t.stop()
@@ -127,15 +129,30 @@ def _stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch, *, off_by_one: bool = 
     return calls
 
 
+def _assert_check_logged(logs: list[dict[str, object]], *, kernel: str, setting: str,
+                         ) -> None:
+    """The check's start is logged before it runs, and its end with the kernel taken
+    and the seconds it took (a slow start shows where it waited)."""
+    events = [e["event"] for e in logs]
+    start = events.index("dmi.topk_kernel_check")
+    chosen = [e for e in logs if e["event"] == "dmi.topk_kernel"]
+    assert len(chosen) == 1
+    assert events.index("dmi.topk_kernel") > start
+    assert chosen[0]["kernel"] == kernel
+    assert chosen[0]["setting"] == setting
+    assert isinstance(chosen[0]["check_seconds"], float)
+    assert chosen[0]["check_seconds"] >= 0
+
+
 def _kernel_used(logs: list[dict[str, object]]) -> object:
     ready = [e for e in logs if e["event"] == "capture transport ready"]
     assert len(ready) == 1
     return ready[0]["topk_kernel"]
 
 
-def test_auto_is_the_engines_default() -> None:
-    assert Settings.from_env({}).topk_kernel == "auto"
-    assert Settings.from_env({"DMX_TOPK_KERNEL": "none"}).topk_kernel == "none"
+def test_torch_topk_is_the_engines_default_and_auto_is_taken_by_name() -> None:
+    assert Settings.from_env({}).topk_kernel == "none"
+    assert Settings.from_env({"DMX_TOPK_KERNEL": "auto"}).topk_kernel == "auto"
 
 
 def test_auto_selects_with_flashinfer_where_its_check_passes(
@@ -147,6 +164,7 @@ def test_auto_selects_with_flashinfer_where_its_check_passes(
                                       max_graph_batch=6)
     assert calls == [3, 6]  # the start-up check
     assert _kernel_used(logs) == "flashinfer"
+    _assert_check_logged(logs, kernel="flashinfer", setting="auto")
     for d in (full, some):
         two_requests(d, padded=True)
         d.t.stop()
@@ -168,9 +186,8 @@ def test_auto_selects_with_torch_topk_where_flashinfer_fails_its_check_and_says_
     with structlog.testing.capture_logs() as logs:
         some, some_sink = make_driver("final_logits:topk(3)", topk_kernel="auto")
     assert _kernel_used(logs) == "none"
+    _assert_check_logged(logs, kernel="none", setting="auto")
     fallback = [e for e in logs if e["event"] == "dmi.topk_kernel"]
-    assert len(fallback) == 1
-    assert fallback[0]["kernel"] == "none"
     assert why in str(fallback[0]["reason"])
     for d in (full, some):
         two_requests(d, padded=True)

@@ -512,7 +512,7 @@ class Settings:
     drain_linger_us: int = 30_000
     drain_gil_slice_us: int = 200
     topk_chunk: int = 128
-    topk_kernel: str = "auto"
+    topk_kernel: str = "none"
     graph_side_stream: bool = True
     drain_window_mb: int = 512
     arena_slots_mb: int = ARENA_SLOTS_BUDGET // MIB

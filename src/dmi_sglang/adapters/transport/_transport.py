@@ -156,13 +156,14 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
         UnsupportedConfigurationError: the failed check left the GPU unusable (a
             kernel's fault is sticky: nothing would run after it).
     """
+    seconds = 0.0
     if dtype != torch.float32:  # over bfloat16 rows it differed from torch.topk
         why: str | None = f"the logits are {dtype}; FlashInfer's top-k is used for float32"
     else:
-        log.info("dmi.topk_kernel_check", kernel="flashinfer", k=k, width=width,
-                 note="compiled on its first use on a machine (minutes); "
-                      "DMX_TOPK_KERNEL=none skips it")
+        _log_check_start("flashinfer", k, width)
+        started = time.perf_counter()
         why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+        seconds = time.perf_counter() - started
         if why is not None and device.type == "cuda":
             try:
                 torch.cuda.synchronize(device)
@@ -172,12 +173,22 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
                        "DMX_TOPK_KERNEL=none to select with torch.topk")
                 raise UnsupportedConfigurationError((msg,)) from exc
     if why is None:
-        log.info("dmi.topk_kernel", kernel="flashinfer", setting="auto")
+        log.info("dmi.topk_kernel", kernel="flashinfer", setting="auto",
+                 check_seconds=round(seconds, 2))
         return "flashinfer"
     expected = dtype == torch.float32 and device.type == "cuda"  # where it should work
     (log.warning if expected else log.info)("dmi.topk_kernel", kernel="none",
-                                            setting="auto", reason=why)
+                                            setting="auto", reason=why,
+                                            check_seconds=round(seconds, 2))
     return "none"
+
+
+def _log_check_start(kernel: str, k: int, width: int) -> None:
+    """The line before a top-k kernel's start-up check, which may compile for minutes
+    (so that a slow start shows where it waits)."""
+    log.info("dmi.topk_kernel_check", kernel=kernel, k=k, width=width,
+             note="compiled on its first use on a machine (minutes); "
+                  "DMX_TOPK_KERNEL=none skips it")
 
 
 def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
@@ -190,14 +201,20 @@ def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
             why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set "
                    "DMX_TOPK_KERNEL=none or another DMX_TOPK_CHUNK")
             raise UnsupportedConfigurationError((why,))
+        _log_check_start(kernel, k, width)
+        started = time.perf_counter()
         failed = topk_kernel.warm_up(device, width, k, chunk, dtype=dtype, batches=batches)
     else:  # flashinfer (TransportOptions accepts no other kernel)
         setting = f"DMX_TOPK_KERNEL=flashinfer (topk({k}) over {width} logits)"
+        _log_check_start(kernel, k, width)
+        started = time.perf_counter()
         failed = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+    seconds = time.perf_counter() - started
     if failed is not None:
         why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "
                "set DMX_TOPK_KERNEL=none to select with torch.topk")
         raise UnsupportedConfigurationError((why,))
+    log.info("dmi.topk_kernel", kernel=kernel, setting=kernel, check_seconds=round(seconds, 2))
 
 
 class _SlotTurns:
