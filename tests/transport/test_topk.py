@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmi_sglang.adapters.transport.topk import chunked_topk
+from dmi_sglang.adapters.transport.topk import chunked_topk, wait_until
 
 SPECIALS = (float("inf"), float("-inf"), float("nan"))
 
@@ -139,3 +139,22 @@ def test_the_chunk_width_defaults_to_the_measured_one_everywhere() -> None:
     assert TransportOptions().topk_chunk == TOPK_CHUNK
     assert TransportOptions.from_settings().topk_chunk == TOPK_CHUNK
     assert inspect.signature(create_transport).parameters["topk_chunk"].default == TOPK_CHUNK
+
+
+def test_a_wait_for_the_device_ends_when_done_or_at_its_timeout() -> None:
+    """``wait_until``: True as soon as ``done`` says so (no sleep after), False once the
+    timeout passed without it (it never waits past the timeout by more than a poll)."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    answers = iter([False, False, True])
+    assert wait_until(lambda: next(answers), 10.0, poll_s=0.5, clock=lambda: now[0],
+                      sleep=sleep)
+    assert slept == [0.5, 0.5]
+    slept.clear()
+    assert not wait_until(lambda: False, 2.0, poll_s=0.5, clock=lambda: now[0], sleep=sleep)
+    assert slept == [0.5] * 4

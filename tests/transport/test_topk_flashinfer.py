@@ -1,6 +1,6 @@
 """``DMX_TOPK_KERNEL=flashinfer``: the start-up check every top-k kernel passes
-(``selection_differs``), the transport's refusal where FlashInfer does not work, and
-``auto`` (the engine's default), which takes FlashInfer's where that check passes and
+(``selection_differs``), the transport's refusal where FlashInfer does not work or its
+check does not finish, and ``auto``, which takes FlashInfer's where that check passes and
 ``torch.topk`` otherwise. The selection itself runs on the GPU (``test_transport_gpu.py``)."""
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ import pytest
 import structlog.testing
 import torch
 
-from dmi_sglang.adapters.transport.topk import chunked_topk, selection_differs
+from dmi_sglang.adapters.transport import topk_flashinfer, topk_kernel
+from dmi_sglang.adapters.transport.topk import (
+    CheckTimeoutError,
+    chunked_topk,
+    selection_differs,
+)
 from dmi_sglang.adapters.transport.topk_flashinfer import flashinfer_topk, warm_up
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.domain.shapes import DType
@@ -216,3 +221,45 @@ def test_auto_leaves_bfloat16_logits_to_torch_topk_without_trying_flashinfer(
     chosen = [e for e in logs if e["event"] == "dmi.topk_kernel"]
     assert len(chosen) == 1
     assert "bfloat16" in str(chosen[0]["reason"])
+
+
+def test_a_check_that_does_not_finish_is_not_taken_for_a_selection_that_differs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel stuck on the device is not a kernel that "does not work, use another":
+    the device is not usable after it, so the warm-ups let the timeout through, while
+    any other failure of the check is still returned as why."""
+    for module, warm in ((topk_flashinfer, lambda: warm_up(CPU, 1000, 8)),
+                         (topk_kernel, lambda: topk_kernel.warm_up(CPU, 1000, 8, 16))):
+        def stuck(*args: object, **kwargs: object) -> str | None:
+            raise CheckTimeoutError("its selection did not finish")
+
+        def broken(*args: object, **kwargs: object) -> str | None:
+            raise RuntimeError("compiler said no")
+
+        monkeypatch.setattr(module, "selection_differs", stuck)
+        with pytest.raises(CheckTimeoutError):
+            warm()
+        monkeypatch.setattr(module, "selection_differs", broken)
+        assert warm() == "RuntimeError: compiler said no"
+
+
+@pytest.mark.parametrize("setting", ["auto", "flashinfer"])
+def test_a_start_up_check_that_does_not_finish_refuses_the_engine_without_touching_the_device(
+        make_driver, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """FlashInfer's check stuck on the device -> the transport refuses to start, naming
+    the setting and DMX_TOPK_KERNEL=none; auto does not fall back to torch.topk on a
+    device a stuck kernel holds, nor wait for it (no synchronize)."""
+    synced: list[object] = []
+
+    def stuck(*args: object, **kwargs: object) -> str | None:
+        raise CheckTimeoutError("its selection over 3 rows did not finish within 60 s")
+
+    monkeypatch.setattr(topk_flashinfer, "warm_up", stuck)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    with pytest.raises(UnsupportedConfigurationError) as err:
+        make_driver("final_logits:topk(3)", topk_kernel=setting)
+    text = str(err.value)
+    assert f"DMX_TOPK_KERNEL={setting}: FlashInfer's top-k failed its start-up check" in text
+    assert "did not finish within 60 s" in text
+    assert "DMX_TOPK_KERNEL=none" in text
+    assert synced == []

@@ -9,9 +9,10 @@ See docs/transport.md for the design and the measured costs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import structlog
@@ -26,6 +27,7 @@ from dmi_sglang.adapters.transport._last import LastSlots, ReadLayout
 from dmi_sglang.adapters.transport._options import TransportOptions
 from dmi_sglang.adapters.transport._program import Program, build_program, plan_key
 from dmi_sglang.adapters.transport._steps import Mode, OpenStep, StepWriter
+from dmi_sglang.adapters.transport.topk import CheckTimeoutError
 from dmi_sglang.columns import RecordSink
 from dmi_sglang.domain.capacity import (
     Decision,
@@ -154,7 +156,8 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
 
     Raises:
         UnsupportedConfigurationError: the failed check left the GPU unusable (a
-            kernel's fault is sticky: nothing would run after it).
+            kernel's fault is sticky: nothing would run after it), or its kernels did
+            not finish.
     """
     seconds = 0.0
     if dtype != torch.float32:  # over bfloat16 rows it differed from torch.topk
@@ -162,7 +165,8 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
     else:
         _log_check_start("flashinfer", k, width)
         started = time.perf_counter()
-        why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+        with _stuck_refused("auto", "FlashInfer's top-k"):
+            why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
         seconds = time.perf_counter() - started
         if why is not None and device.type == "cuda":
             try:
@@ -181,6 +185,18 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
                                             setting="auto", reason=why,
                                             check_seconds=round(seconds, 2))
     return "none"
+
+
+@contextlib.contextmanager
+def _stuck_refused(setting: str, what: str) -> Iterator[None]:
+    """Turn a start-up check whose kernels did not finish into the engine's refusal (the
+    device is not usable after it: nothing is tried on it any more)."""
+    try:
+        yield
+    except CheckTimeoutError as exc:
+        msg = (f"DMX_TOPK_KERNEL={setting}: {what} failed its start-up check ({exc}); the "
+               "device is not usable after it: restart with DMX_TOPK_KERNEL=none")
+        raise UnsupportedConfigurationError((msg,)) from exc
 
 
 def _log_check_start(kernel: str, k: int, width: int) -> None:
@@ -203,12 +219,15 @@ def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
             raise UnsupportedConfigurationError((why,))
         _log_check_start(kernel, k, width)
         started = time.perf_counter()
-        failed = topk_kernel.warm_up(device, width, k, chunk, dtype=dtype, batches=batches)
+        with _stuck_refused(kernel, "the Triton top-k kernel"):
+            failed = topk_kernel.warm_up(device, width, k, chunk, dtype=dtype,
+                                         batches=batches)
     else:  # flashinfer (TransportOptions accepts no other kernel)
         setting = f"DMX_TOPK_KERNEL=flashinfer (topk({k}) over {width} logits)"
         _log_check_start(kernel, k, width)
         started = time.perf_counter()
-        failed = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
+        with _stuck_refused(kernel, "FlashInfer's top-k"):
+            failed = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
     seconds = time.perf_counter() - started
     if failed is not None:
         why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "

@@ -26,11 +26,24 @@ those chunks would be half the row or more (a large ``k``), the maxima save no p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["Select", "chunked_topk", "selection_differs", "widest_chunk"]
+__all__ = ["CHECK_TIMEOUT_S", "CheckTimeoutError", "Select", "chunked_topk", "selection_differs",
+           "wait_until", "widest_chunk"]
+
+CHECK_TIMEOUT_S = 60.0
+"""How long a selection checked on a GPU may take to finish, once it was queued (its
+compile comes before: a first use may compile for minutes). Its kernels take
+microseconds; one that has not finished by then waits for something that will not
+come (a kernel whose thread blocks wait for each other)."""
+
+
+class CheckTimeoutError(TimeoutError):
+    """A checked selection did not finish on the device in time: the device is not
+    usable after it (the kernel may still be running)."""
 
 Select = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
 """A top-k selection: ``(logits, k, chunk)`` to the values, largest first, and their
@@ -95,7 +108,12 @@ def selection_differs(select: Select, device: torch.device, width: int, k: int, 
     begins with three rows of ties (values rounded), of a NaN and an infinity among
     them, and of minus infinities but one zero; its other rows are random. A kernel may
     choose its method by the number of rows: check each number it will see. Exceptions
-    of ``select`` propagate."""
+    of ``select`` propagate.
+
+    Raises:
+        CheckTimeoutError: on a GPU, a batch's selection did not finish within
+            :data:`CHECK_TIMEOUT_S` of being queued.
+    """
     for batch in batches:
         failed = _batch_differs(select, device, width, k, chunk=chunk, dtype=dtype,
                                 batch=max(3, batch))
@@ -115,9 +133,29 @@ def _batch_differs(select: Select, device: torch.device, width: int, k: int, *, 
     rows[2, -1] = 0.0
     rows = rows.to(device=device, dtype=dtype)
     values, ids = select(rows, k, chunk)
+    if device.type == "cuda":
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        if not wait_until(done.query, CHECK_TIMEOUT_S):
+            msg = (f"its selection over {batch} rows of {width} did not finish on {device} "
+                   f"within {CHECK_TIMEOUT_S:.0f} s")
+            raise CheckTimeoutError(msg)
     expected = torch.topk(rows.float(), k, dim=-1).values.to(dtype)
     if not torch.equal(values.nan_to_num(), expected.nan_to_num()):
         return "its selection differs from torch.topk's"
     if not torch.equal(torch.gather(rows, 1, ids).nan_to_num(), values.nan_to_num()):
         return "its columns do not hold the values it returned"
     return None
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, *, poll_s: float = 0.01,
+               clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Ask ``done`` every ``poll_s`` until it says True (True) or ``timeout_s`` passed
+    (False): a wait for the device that cannot hang with it."""
+    deadline = clock() + timeout_s
+    while not done():
+        if clock() >= deadline:
+            return False
+        sleep(poll_s)
+    return True

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dmi_sglang.adapters.transport.topk import selection_differs
+from dmi_sglang.adapters.transport.topk import CheckTimeoutError, selection_differs
 
 __all__ = ["flashinfer_topk", "warm_up"]
 
@@ -58,9 +58,15 @@ def warm_up(device: torch.device, width: int, k: int, *, dtype: torch.dtype = to
     check it on ``device`` over batches of ``batches`` rows (FlashInfer chooses its method
     by the number of rows:
     :func:`~dmi_sglang.adapters.transport.topk.selection_differs`); None when it works,
-    else why not."""
+    else why not.
+
+    Raises:
+        CheckTimeoutError: its kernels did not finish on the device (it is not usable after).
+    """
     try:
         return selection_differs(flashinfer_topk, device, width, k, dtype=dtype,
                                  batches=batches)
+    except CheckTimeoutError:
+        raise
     except Exception as exc:  # an ImportError, or FlashInfer's compiler's error
         return f"{type(exc).__name__}: {exc}"

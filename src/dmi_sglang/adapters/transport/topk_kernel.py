@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dmi_sglang.adapters.transport.topk import selection_differs, widest_chunk
+from dmi_sglang.adapters.transport.topk import CheckTimeoutError, selection_differs, widest_chunk
 
 __all__ = ["MAX_CANDIDATES", "MAX_MAXIMA", "NEEDS", "compile_for", "fits", "fused_topk", "kernel",
            "launch_constants", "warm_up"]
@@ -155,9 +155,15 @@ def warm_up(device: torch.device, width: int, k: int, chunk: int, *,
     rows with ties, NaN and infinities
     (:func:`~dmi_sglang.adapters.transport.topk.selection_differs`), before a capture
     records it; None when it works, else why not (Triton missing, a compiler's error, or
-    a selection that differs)."""
+    a selection that differs).
+
+    Raises:
+        CheckTimeoutError: its kernels did not finish on the device (it is not usable after).
+    """
     try:
         return selection_differs(fused_topk, device, width, k, chunk=chunk, dtype=dtype,
                                  batches=batches)
+    except CheckTimeoutError:
+        raise
     except Exception as exc:  # an ImportError, or Triton's own
         return f"{type(exc).__name__}: {exc}"
