@@ -33,9 +33,9 @@ for cleanup, not a limit on the work: the work is bounded by the deadline alone)
 STACK_DUMP_GRACE_S = 5.0
 """How long an engine that did not reply in time has to write its Python stacks to its
 log (Python's ``faulthandler``, on ``SIGABRT``) before its process group is killed."""
-STACK_DUMP_LINES = 200
-"""The lines of an engine's log that the error of an engine which did not reply in time
-quotes (its processes' stacks, each thread's)."""
+STACK_DUMP_LINES = 400
+"""The lines of an engine's log, from the first stack dump on, that the error of an engine
+which did not reply in time quotes (its processes' stacks, each thread's)."""
 
 GPU_BUSY_PERIOD_S = 0.1
 """How often a timed run reads the GPU's utilization (``figures.gpu_busy`` of a serving

@@ -37,6 +37,7 @@ import importlib
 import json
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -144,7 +145,7 @@ class EngineProcess:
                 dumped = self._dump_stacks()
                 self._kill_group()
                 raise EngineError(f"{self.name}: no reply within {timeout_s:.0f} s "
-                                  f"(killed){self._tail(STACK_DUMP_LINES if dumped else 30)}")
+                                  f"(killed){self._stacks() if dumped else self._tail()}")
             poller = select.poll()  # not select(): a busy process's descriptors pass 1024
             poller.register(self._reply, select.POLLIN | select.POLLHUP)
             ready = poller.poll(min(wait or 1.0, 1.0) * 1000)
@@ -192,6 +193,19 @@ class EngineProcess:
             time.sleep(2.0)  # let the driver release the GPU memory
         track_group(self.pgid_file, pgid, add=False)
         return alive
+
+    def _stacks(self) -> str:
+        """The engine log from the first stack dump on (:meth:`_dump_stacks`), at most
+        :data:`STACK_DUMP_LINES` lines; its tail where no process wrote one."""
+        if not self.log.exists():
+            return ""
+        lines = self.log.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(lines)
+                      if line.startswith("Fatal Python error")), None)
+        if first is None:
+            return self._tail()
+        return (f"\n--- stacks from {self.log}\n"
+                + "\n".join(lines[first : first + STACK_DUMP_LINES]))
 
     def _tail(self, lines: int = 30) -> str:
         if not self.log.exists():
@@ -700,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m harness.engine SPEC FD``: serve commands until ``shutdown``."""
     spec_path, fd = (argv if argv is not None else sys.argv[1:])[:2]
     spec = json.loads(Path(spec_path).read_text())
+    # no core files: SIGABRT (the stacks of an engine that overran) must not leave
+    # gigabytes of an engine's memory behind; SGLang's processes inherit the limit
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     with os.fdopen(int(fd), "w") as reply:
         try:
             _serve(spec, reply)

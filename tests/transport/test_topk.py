@@ -158,3 +158,5 @@ def test_a_wait_for_the_device_ends_when_done_or_at_its_timeout() -> None:
     slept.clear()
     assert not wait_until(lambda: False, 2.0, poll_s=0.5, clock=lambda: now[0], sleep=sleep)
     assert slept == [0.5] * 4
+    with pytest.raises(ValueError, match="poll_s=0; expected seconds above 0"):
+        wait_until(lambda: True, 1.0, poll_s=0)

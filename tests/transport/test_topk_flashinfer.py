@@ -15,6 +15,7 @@ import structlog.testing
 import torch
 
 from dmi_sglang.adapters.transport import topk_flashinfer, topk_kernel
+from dmi_sglang.adapters.transport._transport import _auto_topk_kernel
 from dmi_sglang.adapters.transport.topk import (
     CheckTimeoutError,
     chunked_topk,
@@ -243,23 +244,47 @@ def test_a_check_that_does_not_finish_is_not_taken_for_a_selection_that_differs(
         assert warm() == "RuntimeError: compiler said no"
 
 
-@pytest.mark.parametrize("setting", ["auto", "flashinfer"])
-def test_a_start_up_check_that_does_not_finish_refuses_the_engine_without_touching_the_device(
-        make_driver, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    """FlashInfer's check stuck on the device -> the transport refuses to start, naming
-    the setting and DMX_TOPK_KERNEL=none; auto does not fall back to torch.topk on a
-    device a stuck kernel holds, nor wait for it (no synchronize)."""
-    synced: list[object] = []
-
+@pytest.mark.parametrize(("setting", "what"), [("auto", "FlashInfer's top-k"),
+                                               ("flashinfer", "FlashInfer's top-k"),
+                                               ("triton", "the Triton top-k kernel")])
+def test_a_start_up_check_that_does_not_finish_refuses_the_engine(
+        make_driver, monkeypatch: pytest.MonkeyPatch, setting: str, what: str) -> None:
+    """A top-k kernel's check stuck on the device -> the transport refuses to start,
+    naming the setting, the kernel and DMX_TOPK_KERNEL=none (auto does not fall back to
+    torch.topk on a device a stuck kernel holds)."""
     def stuck(*args: object, **kwargs: object) -> str | None:
         raise CheckTimeoutError("its selection over 3 rows did not finish within 60 s")
 
     monkeypatch.setattr(topk_flashinfer, "warm_up", stuck)
-    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    monkeypatch.setattr(topk_kernel, "warm_up", stuck)
     with pytest.raises(UnsupportedConfigurationError) as err:
-        make_driver("final_logits:topk(3)", topk_kernel=setting)
+        make_driver("final_logits:topk(3)", topk_kernel=setting, topk_chunk=1)
     text = str(err.value)
-    assert f"DMX_TOPK_KERNEL={setting}: FlashInfer's top-k failed its start-up check" in text
+    assert f"DMX_TOPK_KERNEL={setting}: {what} failed its start-up check" in text
     assert "did not finish within 60 s" in text
     assert "DMX_TOPK_KERNEL=none" in text
+
+
+def test_auto_does_not_wait_for_a_gpu_its_check_left_stuck(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, auto waits for the device after a check that failed (a kernel's fault
+    shows there) but not after one that did not finish: that wait would never end."""
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    gpu = torch.device("cuda", 0)  # never touched: the check is a stand-in
+
+    def differs(*args: object, **kwargs: object) -> str | None:
+        return "its selection differs from torch.topk's"
+
+    monkeypatch.setattr(topk_flashinfer, "warm_up", differs)
+    assert _auto_topk_kernel(gpu, 10, 3, dtype=torch.float32, batches=(3,)) == "none"
+    assert synced == [gpu]
+
+    def stuck(*args: object, **kwargs: object) -> str | None:
+        raise CheckTimeoutError("its selection did not finish")
+
+    synced.clear()
+    monkeypatch.setattr(topk_flashinfer, "warm_up", stuck)
+    with pytest.raises(UnsupportedConfigurationError, match="DMX_TOPK_KERNEL=auto"):
+        _auto_topk_kernel(gpu, 10, 3, dtype=torch.float32, batches=(3,))
     assert synced == []

@@ -32,8 +32,8 @@ from dmi_sglang.errors import ConfigurationError
 
 TOPK_KERNELS = ("auto", "none", "triton", "flashinfer")
 """``DMX_TOPK_KERNEL``'s values: which selection ``final_logits:topk(K)`` runs (none:
-``torch.topk`` over the chunk maxima, then over the chosen chunks; auto: flashinfer where
-it works at start-up, else none)."""
+``torch.topk`` over the chunk maxima, then over the chosen chunks, the default; auto:
+flashinfer where it works at start-up, else none)."""
 
 __all__ = [
     "PREFIX",

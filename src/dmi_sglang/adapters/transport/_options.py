@@ -90,8 +90,8 @@ class TransportOptions:
             largest logits over chunks of this many columns
             (:func:`~dmi_sglang.adapters.transport.topk.chunked_topk`); 0:
             ``torch.topk`` over the whole row.
-        topk_kernel: ``DMX_TOPK_KERNEL``: ``auto`` (``flashinfer`` where its start-up
-            check passes, else ``none``; the default), ``none`` (``chunked_topk``),
+        topk_kernel: ``DMX_TOPK_KERNEL``: ``none`` (``chunked_topk``; the default),
+            ``auto`` (``flashinfer`` where its start-up check passes, else ``none``),
             ``triton`` (the
             selection after the chunk maxima in one Triton kernel,
             :func:`~dmi_sglang.adapters.transport.topk_kernel.fused_topk`) or

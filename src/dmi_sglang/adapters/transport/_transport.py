@@ -202,8 +202,9 @@ def _stuck_refused(setting: str, what: str) -> Iterator[None]:
 def _log_check_start(kernel: str, k: int, width: int) -> None:
     """The line before a top-k kernel's start-up check, which may compile for minutes
     (so that a slow start shows where it waits)."""
+    took = "minutes" if kernel == "flashinfer" else "seconds"
     log.info("dmi.topk_kernel_check", kernel=kernel, k=k, width=width,
-             note="compiled on its first use on a machine (minutes); "
+             note=f"compiled on its first use on a machine ({took}); "
                   "DMX_TOPK_KERNEL=none skips it")
 
 

@@ -135,7 +135,7 @@ def _batch_differs(select: Select, device: torch.device, width: int, k: int, *, 
     values, ids = select(rows, k, chunk)
     if device.type == "cuda":
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record()
+        done.record(torch.cuda.current_stream(device))  # where select queued its work
         if not wait_until(done.query, CHECK_TIMEOUT_S):
             msg = (f"its selection over {batch} rows of {width} did not finish on {device} "
                    f"within {CHECK_TIMEOUT_S:.0f} s")
@@ -152,7 +152,14 @@ def wait_until(done: Callable[[], bool], timeout_s: float, *, poll_s: float = 0.
                clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep) -> bool:
     """Ask ``done`` every ``poll_s`` until it says True (True) or ``timeout_s`` passed
-    (False): a wait for the device that cannot hang with it."""
+    (False): a wait for the device that cannot hang with it.
+
+    Raises:
+        ValueError: ``poll_s`` is not above 0 (a wait that would spin).
+    """
+    if not poll_s > 0:
+        msg = f"wait_until: poll_s={poll_s}; expected seconds above 0"
+        raise ValueError(msg)
     deadline = clock() + timeout_s
     while not done():
         if clock() >= deadline:
