@@ -563,3 +563,20 @@ def test_a_deadline_that_is_no_number_of_seconds_is_refused(text: str) -> None:
     """Both were read as no deadline at all: the invocation outlasted its lease."""
     with pytest.raises(SystemExit, match="DMI_HARNESS_DEADLINE_S"):
         Deadline(env={"DMI_HARNESS_DEADLINE_S": text})
+
+
+def test_an_overrun_engines_error_quotes_its_stacks_from_the_first_dump(tmp_path: Path) -> None:
+    """The error of an engine that did not reply quotes its log from the first process's
+    stack dump on (the lines before it are the engine's ordinary log), or, where no
+    process wrote one, the log's tail."""
+    child = EngineProcess("x", {}, tmp_path)
+    child.log.write_text("\n".join(f"log line {i}" for i in range(100)) + "\n")
+    assert child._stacks() == child._tail()
+    assert "log line 99" in child._stacks()
+    assert "log line 69" not in child._stacks()
+    dump = ["Fatal Python error: Aborted", "", "Thread 0x1 (most recent call first):",
+            '  File "x.py", line 3 in wait']
+    child.log.write_text("\n".join(["log line a", *dump, "Fatal Python error: Aborted"]))
+    quoted = child._stacks()
+    assert "log line a" not in quoted
+    assert quoted.splitlines()[2:] == [*dump, "Fatal Python error: Aborted"]
