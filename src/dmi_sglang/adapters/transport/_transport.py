@@ -9,10 +9,9 @@ See docs/transport.md for the design and the measured costs.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import structlog
@@ -163,11 +162,9 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
     if dtype != torch.float32:  # over bfloat16 rows it differed from torch.topk
         why: str | None = f"the logits are {dtype}; FlashInfer's top-k is used for float32"
     else:
-        _log_check_start("flashinfer", k, width)
-        started = time.perf_counter()
-        with _stuck_refused("auto", "FlashInfer's top-k"):
-            why = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
-        seconds = time.perf_counter() - started
+        why, seconds = _timed_check(
+            "auto", "flashinfer", k, width,
+            lambda: topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches))
         if why is not None and device.type == "cuda":
             try:
                 torch.cuda.synchronize(device)
@@ -187,25 +184,29 @@ def _auto_topk_kernel(device: torch.device, width: int, k: int, *, dtype: torch.
     return "none"
 
 
-@contextlib.contextmanager
-def _stuck_refused(setting: str, what: str) -> Iterator[None]:
-    """Turn a start-up check whose kernels did not finish into the engine's refusal (the
-    device is not usable after it: nothing is tried on it any more)."""
-    try:
-        yield
-    except CheckTimeoutError as exc:
-        msg = (f"DMX_TOPK_KERNEL={setting}: {what} failed its start-up check ({exc}); the "
-               "device is not usable after it: restart with DMX_TOPK_KERNEL=none")
-        raise UnsupportedConfigurationError((msg,)) from exc
+def _timed_check(setting: str, kernel: str, k: int, width: int,
+                 warm_up: Callable[[], str | None]) -> tuple[str | None, float]:
+    """Run ``kernel``'s start-up check ``warm_up`` (None: it works, else why not) for
+    ``DMX_TOPK_KERNEL=setting``, logged before it starts (it may compile for minutes: a
+    slow start shows where it waits); what it said and the seconds it took.
 
-
-def _log_check_start(kernel: str, k: int, width: int) -> None:
-    """The line before a top-k kernel's start-up check, which may compile for minutes
-    (so that a slow start shows where it waits)."""
+    Raises:
+        UnsupportedConfigurationError: its kernels did not finish: the device is not
+            usable after it, so nothing is tried on it any more.
+    """
     took = "minutes" if kernel == "flashinfer" else "seconds"
     log.info("dmi.topk_kernel_check", kernel=kernel, k=k, width=width,
              note=f"compiled on its first use on a machine ({took}); "
                   "DMX_TOPK_KERNEL=none skips it")
+    started = time.perf_counter()
+    try:
+        why = warm_up()
+    except CheckTimeoutError as exc:
+        what = "the Triton top-k kernel" if kernel == "triton" else "FlashInfer's top-k"
+        msg = (f"DMX_TOPK_KERNEL={setting}: {what} failed its start-up check ({exc}); the "
+               "device is not usable after it: restart with DMX_TOPK_KERNEL=none")
+        raise UnsupportedConfigurationError((msg,)) from exc
+    return why, time.perf_counter() - started
 
 
 def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
@@ -218,18 +219,12 @@ def _check_topk_kernel(kernel: str, device: torch.device, width: int, k: int, *,
             why = (f"{setting}: the kernel needs {topk_kernel.NEEDS}; set "
                    "DMX_TOPK_KERNEL=none or another DMX_TOPK_CHUNK")
             raise UnsupportedConfigurationError((why,))
-        _log_check_start(kernel, k, width)
-        started = time.perf_counter()
-        with _stuck_refused(kernel, "the Triton top-k kernel"):
-            failed = topk_kernel.warm_up(device, width, k, chunk, dtype=dtype,
-                                         batches=batches)
+        failed, seconds = _timed_check(kernel, kernel, k, width, lambda: topk_kernel.warm_up(
+            device, width, k, chunk, dtype=dtype, batches=batches))
     else:  # flashinfer (TransportOptions accepts no other kernel)
         setting = f"DMX_TOPK_KERNEL=flashinfer (topk({k}) over {width} logits)"
-        _log_check_start(kernel, k, width)
-        started = time.perf_counter()
-        with _stuck_refused(kernel, "FlashInfer's top-k"):
-            failed = topk_flashinfer.warm_up(device, width, k, dtype=dtype, batches=batches)
-    seconds = time.perf_counter() - started
+        failed, seconds = _timed_check(kernel, kernel, k, width, lambda: topk_flashinfer.warm_up(
+            device, width, k, dtype=dtype, batches=batches))
     if failed is not None:
         why = (f"{setting}: the top-k kernel does not work on {device} ({failed}); "
                "set DMX_TOPK_KERNEL=none to select with torch.topk")
