@@ -547,8 +547,8 @@ def test_copies_that_bring_too_few_bytes_fail_their_check(
             super().__init__(*args, copy_piece_bytes=copy_piece_bytes, **kwargs)
             self.drop = copy_piece_bytes > 0
 
-        def to_host(self, dst: Any, src: Any) -> None:
-            super().to_host(dst[:-1] if self.drop else dst, src[:-1] if self.drop else src)
+        def to_host_all(self, pairs: Any) -> None:
+            super().to_host_all([(d[:-1], s[:-1]) if self.drop else (d, s) for d, s in pairs])
 
     monkeypatch.setattr(micro_copies, "DeviceOps", Short)
     code, data, _ = _copies(tmp_path, "--bulk-mb", "4", "--pieces-mb", "0,1", "--probes", "3")

@@ -145,17 +145,42 @@ def test_kernel_copies_under_the_triton_interpreter() -> None:
     run_interpreted_tests(__file__, timeout_s=600)
 
 
-def test_a_gap_kernel_follows_every_piece_of_the_copy_engine() -> None:
-    ops = DeviceOps("cpu", copy_piece_bytes=16, copy_gaps=True)
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_gap_kernel_follows_every_piece_of_the_copy_engine(ahead: int) -> None:
+    ops = DeviceOps("cpu", copy_piece_bytes=16, copy_gaps=True, copies_ahead=ahead)
+    assert ops._gap is not None
+    sink, source = ops._gap
+    assert not source.is_contiguous()  # a strided copy: a kernel on a GPU, never the engine
     src = _filled((100,), torch.uint8)
     dst = torch.zeros_like(src)
     ops.to_host(dst, src)
-    ops.to_host(dst[:10], src[:10])
+    ops.to_host_all([(dst[:10], src[:10])])
     assert torch.equal(dst, src)
     assert ops.copy_pieces == ops.gaps == 8
-    assert ops._gap_counter is not None
-    assert int(ops._gap_counter) == 8  # each gap is a real operation on the stream
+    assert sink.tolist() == [1, 1]  # the gaps are real operations on the stream
     assert DeviceOps("cpu", copy_piece_bytes=16).gaps == 0
+
+
+def test_one_call_queues_every_piece_of_every_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without copies_ahead and the copy kernel, the pieces of all pairs and the gaps
+    between them go to the device in one ``torch._foreach_copy_`` call, in order."""
+    calls: list[list[int]] = []
+    real = torch._foreach_copy_
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], **kw: bool) -> None:
+        calls.append([d.numel() for d in dsts])
+        real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    ops = DeviceOps("cpu", copy_piece_bytes=16, copy_gaps=True)
+    a, b = _filled((40,), torch.uint8), _filled((8,), torch.uint8)
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    ops.to_host_all([(da, a), (db, b)])
+    assert calls == [[16, 2, 16, 2, 8, 2, 8, 2]]  # piece, gap, ... of a, then of b
+    assert torch.equal(da, a)
+    assert torch.equal(db, b)
+    ops.to_host_all([])  # nothing to copy: no call
+    assert len(calls) == 1
 
 
 @pytest.mark.usefixtures("pending")

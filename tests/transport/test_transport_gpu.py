@@ -272,7 +272,28 @@ def test_copies_with_gaps_between_pieces_equal_reference():
     assert expected.verify(sink.records) == stats.rows
     counters = t.drain_counters()
     assert counters["d2h_gaps"] == counters["d2h_pieces"] > 2
-    assert int(t._ops._gap_counter) == counters["d2h_gaps"]  # every gap ran
+    assert t._ops._gap is not None
+    assert t._ops._gap[0].tolist() == [1, 1]  # the gaps ran
+
+
+def test_all_pieces_and_gaps_go_in_one_call_and_each_gap_is_a_kernel():
+    # to_host_all: torch._foreach_copy_ over device-to-host pieces and device gaps (mixed
+    # devices: its one-copy-at-a-time path), in order on the drain's stream
+    ops = DeviceOps("cuda", copy_piece_bytes=4096, copy_gaps=True)
+    src = torch.randint(0, 256, (3, 4096), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(3, 4096, dtype=torch.uint8, pin_memory=True)
+    other = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.on_drain_stream([], lambda: ops.to_host_all([(dst, src), (other, src[1])]))
+        ops.wait(ops.fence())
+    assert torch.equal(dst, src.cpu())
+    assert torch.equal(other, src[1].cpu())
+    assert (ops.copy_pieces, ops.gaps) == (4, 4)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [n for n in names if "Memcpy DtoH" in n]
+    kernels = [n for n in names if "Memcpy" not in n and "Memset" not in n]
+    assert len(copies) == 4, names
+    assert len(kernels) == 4, names  # the gaps: kernels, not copies
 
 
 def test_copies_by_the_copy_kernel_equal_reference():

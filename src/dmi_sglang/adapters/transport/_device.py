@@ -138,7 +138,12 @@ class DeviceOps:
         self._kernel_programs = copy_kernel_programs
         if copy_kernel_programs:
             warm_up(dev, copy_kernel_programs)  # compiled and checked before the first flush
-        self._gap_counter = torch.zeros(1, dtype=torch.int64, device=dev) if copy_gaps else None
+        self._gap: tuple[torch.Tensor, torch.Tensor] | None = None
+        """A gap's (destination, source): two int64 elements copied from every other one
+        of four, so the copy is strided and runs as a kernel, never on the copy engine."""
+        if copy_gaps:
+            self._gap = (torch.zeros(2, dtype=torch.int64, device=dev),
+                         torch.ones(4, dtype=torch.int64, device=dev)[::2])
         self.copy_pieces = 0
         """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0
@@ -147,8 +152,7 @@ class DeviceOps:
         self.ahead_wait_seconds = 0.0
         """Seconds those waits took."""
         self.gaps = 0
-        """Gap kernels queued after the copy engine's pieces (``copy_gaps``); on the
-        device the counter they add to holds the same number once they ran."""
+        """Gap kernels queued after the copy engine's pieces (``copy_gaps``)."""
         self.kernel_copies = 0
         """Of :attr:`copy_pieces`, those a copy kernel made (``copy_kernel_programs``)."""
         self.kernel_declined = 0
@@ -188,20 +192,50 @@ class DeviceOps:
             not included (:attr:`ahead_wait_seconds`).
         """
         def copy() -> None:
-            for dst, src in pairs:
-                self.to_host(dst, src)
+            self.to_host_all(pairs)
         t0, waited = time.perf_counter(), self.ahead_wait_seconds
         self.on_drain_stream(markers, copy)
         return time.perf_counter() - t0 - (self.ahead_wait_seconds - waited)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` (device) into ``dst`` (host, same shape) on the current stream, the
-        drain's inside :meth:`on_drain_stream`'s work: in pieces of at most
-        ``copy_piece_bytes`` (split along the first dimensions, whole rows where a row
-        fits), with at most ``copies_ahead`` of them queued and not yet done. A copy
-        engine runs the device-to-host copies of every stream one after another, so a
-        small copy SGLang's scheduler waits for (a step's sampled tokens) can wait for a
-        large one of the drain queued before it; bounded pieces bound that wait."""
+        """:meth:`to_host_all` of one pair."""
+        self.to_host_all(((dst, src),))
+
+    def to_host_all(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each ``(dst, src)`` pair's ``src`` (device) into its ``dst`` (host, same
+        shape) on the current stream, the drain's inside :meth:`on_drain_stream`'s work:
+        in pieces of at most ``copy_piece_bytes`` (split along the first dimensions, whole
+        rows where a row fits), with at most ``copies_ahead`` of them queued and not yet
+        done. A copy engine runs the device-to-host copies of every stream one after
+        another, so a small copy SGLang's scheduler waits for (a step's sampled tokens)
+        can wait for a large one of the drain queued before it; bounded pieces bound that
+        wait.
+
+        Without ``copies_ahead`` and the copy kernel, every piece (and the gap after it)
+        is queued by one ``torch._foreach_copy_`` call: the drain thread releases and
+        retakes the GIL once for all of them instead of twice a piece, and each retake
+        may make the scheduler thread wait for it."""
+        if self._ahead or self._kernel_programs:
+            for dst, src in pairs:
+                self._to_host_piecewise(dst, src)
+            return
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for dst, src in pairs:
+            for d, s in _pieces(dst, src, self._piece_bytes):
+                dsts.append(d)
+                srcs.append(s)
+                self.copy_pieces += 1
+                if self._gap is not None:  # a kernel, not a copy: the stream's gap
+                    dsts.append(self._gap[0])
+                    srcs.append(self._gap[1])
+                    self.gaps += 1
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=self.is_cuda)
+
+    def _to_host_piecewise(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """:meth:`to_host` of one pair a piece at a time: with ``copies_ahead`` (waits
+        between pieces) or the copy kernel."""
         queued = self._ahead_events
         for d, s in _pieces(dst, src, self._piece_bytes):
             event: torch.cuda.Event | _Done | None = None
@@ -224,8 +258,8 @@ class DeviceOps:
                 if self._kernel_programs:
                     self._declined(d, s)
                 d.copy_(s, non_blocking=self.is_cuda)
-                if self._gap_counter is not None:
-                    self._gap_counter.add_(1)  # a kernel, not a copy: the stream's gap
+                if self._gap is not None:
+                    self._gap[0].copy_(self._gap[1], non_blocking=self.is_cuda)
                     self.gaps += 1
             self.copy_pieces += 1
             if event is not None:

@@ -90,6 +90,26 @@ def _elem(group: Group) -> int:
     return math.gcd(group.elem, group.row_nbytes)
 
 
+def _step_rows(g: Group, program: Program, source: dict[int, torch.Tensor], *, start: int,
+               step_bytes: int, k: int, from_arena: bool,
+               device: torch.device) -> torch.Tensor:
+    """A view (or, for a group with host indices, a gather) of group ``g``'s kept rows in
+    ``k`` consecutive steps ``step_bytes`` apart from ``start`` in the ring or, with
+    ``from_arena``, the arena (``source``: its wide views), as [segment, request row,
+    step, element]: the window cells' own order."""
+    e = _elem(g)
+    w = g.row_nbytes // e
+    if from_arena:
+        rows, stride, offset = g.source_rows, g.arena_stride, g.arena_offset
+    else:
+        rows, stride, offset = g.ring_rows, g.ring_stride, g.ring_offset
+    src = source[e].as_strided((g.count, rows, k, w), (stride // e, w, step_bytes // e, 1),
+                               (start + offset) // e)
+    if g.host_index is not None:
+        return src.index_select(1, program.index(g.host_index, device))
+    return src[:, : g.kept_rows] if rows != g.kept_rows else src
+
+
 def _places(plans: Sequence[_GroupOut]) -> tuple[list[int], int, list[int], int]:
     """Where each group's kept rows and held rows go in a flush's gather buffer: the kept
     rows' offsets and their total, the held rows' offsets (after the kept rows) and
@@ -327,28 +347,19 @@ class DecodeWindow:
         start = base if arena_slot < 0 else arena_slot * step_bytes
 
         def copy() -> None:
+            # the contiguous-span copies go to the device in one call (see to_host_all)
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
             for g, dst in zip(groups, cells, strict=True):
-                e = _elem(g)
-                w = g.row_nbytes // e
-                # [segment, request row, step, element]: the cells' own order
-                if arena_slot < 0:
-                    rows = g.ring_rows
-                    src = source[e].as_strided((g.count, rows, k, w),
-                                               (g.ring_stride // e, w, step_bytes // e, 1),
-                                               (start + g.ring_offset) // e)
-                else:
-                    rows = g.source_rows
-                    src = source[e].as_strided((g.count, rows, k, w),
-                                               (g.arena_stride // e, w, step_bytes // e, 1),
-                                               (start + g.arena_offset) // e)
-                if g.host_index is not None:
-                    src = src.index_select(1, program.index(g.host_index, device))
-                elif rows != g.kept_rows:
-                    src = src[:, : g.kept_rows]
+                src = _step_rows(g, program, source, start=start, step_bytes=step_bytes, k=k,
+                                 from_arena=arena_slot >= 0, device=device)
                 if span is not None:
-                    dst[:, span[0] : span[1], t : t + k, :].copy_(src)
+                    dsts.append(dst[:, span[0] : span[1], t : t + k, :])
+                    srcs.append(src)
                 else:  # the batch's order changed: a scatter (rare)
                     dst[:, torch.from_numpy(idx).to(device), t : t + k, :] = src
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
 
         self._ops.on_drain_stream(markers, copy)
         self.appends += 1
@@ -553,10 +564,12 @@ class DecodeWindow:
                         dst = gather[e][at_byte // e : at_byte // e + len(rows) * w]
                         torch.index_select(flat, 0, rows, out=dst.view(len(rows), w))
             # the copies return at once (CUDA); a fence waits for them
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if chunk is not None:
-                self._ops.to_host(chunk.tensor, self._gather_buf[:kept_total])
+                pairs.append((chunk.tensor, self._gather_buf[:kept_total]))
             if held_chunk is not None:
-                self._ops.to_host(held_chunk.tensor, self._gather_buf[kept_total:total])
+                pairs.append((held_chunk.tensor, self._gather_buf[kept_total:total]))
+            self._ops.to_host_all(pairs)
 
         self._ops.on_drain_stream([], work)
         self.gathered_bytes += total
