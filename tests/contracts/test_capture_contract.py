@@ -196,7 +196,7 @@ def test_the_pipeline_factory_passes_the_copy_settings_to_the_drain(
     try:
         ops = opened.session.transport._ops  # type: ignore[attr-defined]
         assert (ops._piece_bytes, ops._ahead, ops._kernel_programs) == (3 << 20, 5, 7)
-        assert ops._gap_counter is not None
+        assert ops._gap is not None
         assert warmed == [7]  # checked at start, before the first flush
     finally:
         opened.session.stop()
