@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import pytest
+import torch
 
 from dmi_sglang.domain.layout import BatchLayout
 from dmi_sglang.testing import MemorySink
@@ -100,6 +102,30 @@ def test_a_window_brings_each_stored_row_to_the_host_once(make_driver):
     d2.t.stop()
     d2.verify(sink2.records)
     assert d2.t.drain_counters()["window_bytes"] == 3 * 3 * 16  # only the rows used
+
+
+def test_a_decode_step_joins_the_window_with_one_copy_call_for_all_its_groups(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each torch call of the drain releases the GIL and takes it back: a step's groups
+    # (here resid_pre and final_logits) move into the window with one call
+    real = torch._foreach_copy_
+    from_window: list[int] = []
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], **kw: bool) -> None:
+        caller = sys._getframe(1).f_code
+        if caller.co_filename.endswith("_window.py") and caller.co_name == "copy":
+            from_window.append(len(dsts))
+        real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    d, sink = make_driver("resid_pre,final_logits", coalesce_max_bytes=88 * 8)
+    for n in range(6):
+        d.forward(BatchLayout.decode(["a"], [5 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    appends = d.t.drain_counters()["window_appends"]
+    assert appends > 0
+    assert from_window == [2] * appends
 
 
 def test_windows_after_a_timeout_are_sized_to_fill_before_the_next_one(make_driver):

@@ -283,17 +283,19 @@ def test_all_pieces_and_gaps_go_in_one_call_and_each_gap_is_a_kernel():
     src = torch.randint(0, 256, (3, 4096), dtype=torch.uint8, device="cuda")
     dst = torch.zeros(3, 4096, dtype=torch.uint8, pin_memory=True)
     other = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         ops.on_drain_stream([], lambda: ops.to_host_all([(dst, src), (other, src[1])]))
         ops.wait(ops.fence())
     assert torch.equal(dst, src.cpu())
     assert torch.equal(other, src[1].cpu())
     assert (ops.copy_pieces, ops.gaps) == (4, 4)
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [n for n in names if "Memcpy DtoH" in n]
-    kernels = [n for n in names if "Memcpy" not in n and "Memset" not in n]
-    assert len(copies) == 4, names
-    assert len(kernels) == 4, names  # the gaps: kernels, not copies
+    on_device = sorted((e for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA),
+                       key=lambda e: e.time_range.start)
+    kinds = ["copy engine" if "Memcpy DtoH" in e.name else "kernel" if "copy" in e.name
+             else e.name for e in on_device]
+    assert kinds == ["copy engine", "kernel"] * 4, [e.name for e in on_device]
 
 
 def test_copies_by_the_copy_kernel_equal_reference():

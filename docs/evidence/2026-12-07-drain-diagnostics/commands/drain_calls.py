@@ -25,6 +25,7 @@ from harness import micro_hooks
 
 calls: collections.Counter[str] = collections.Counter()
 timed_forwards = [0]
+timed_waves = [0]
 
 
 def _count(_frame: types.FrameType, event: str, arg: Any) -> None:
@@ -49,15 +50,16 @@ def main() -> int:
         try:
             row = real_measure(args, preset)
         finally:
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.setprofile(None)
         timed_forwards[0] += row["decode_forwards"]
+        timed_waves[0] = args.waves
         return row
 
     micro_hooks.measure = measure
     code = micro_hooks.main(sys.argv[1:])
     total = sum(calls.values())
     # the drain ran through the warm-up wave too, whose forwards the rows do not count
-    timed = int(sys.argv[sys.argv.index("--waves") + 1]) if "--waves" in sys.argv else 3
+    timed = timed_waves[0]
     per_wave = timed_forwards[0] / timed
     print(f"drain torch calls: {total} in {timed + 1} waves of {per_wave:.0f} decode "
           f"forwards: {total / (per_wave * (timed + 1)):.1f} per decode forward")

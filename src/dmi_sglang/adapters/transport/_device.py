@@ -79,17 +79,17 @@ class DeviceOps:
         capture_probe: returns True while a CUDA graph is being captured on the current
             stream; defaults to ``torch.cuda.is_current_stream_capturing`` on CUDA and to
             "never" on CPU (tests pass their own to simulate a graph capture).
-        copy_piece_bytes: the largest single device-to-host copy :meth:`to_host` queues
+        copy_piece_bytes: the largest single device-to-host copy :meth:`to_host_all` queues
             (a larger one goes in pieces); 0: every copy whole.
         copies_ahead: the most device-to-host pieces queued on the drain's stream and
-            not yet done: before queueing one more, :meth:`to_host` waits for the oldest
+            not yet done: before queueing one more, :meth:`to_host_all` waits for the oldest
             (on CPU every copy is done when queued: the waits return at once); 0: no
             limit.
-        copy_kernel_programs: above 0, :meth:`to_host` copies each piece into
+        copy_kernel_programs: above 0, :meth:`to_host_all` copies each piece into
             page-locked memory with a copy kernel of this many programs (the GPU's cores;
             :mod:`~dmi_sglang.adapters.transport.kernel_copy`) instead of the copy engine;
             on CPU with Triton's interpreter only (the tests). 0: the copy engine.
-        copy_gaps: after each device-to-host piece :meth:`to_host` queues, queue a tiny
+        copy_gaps: after each device-to-host piece :meth:`to_host_all` queues, queue a tiny
             kernel on the same stream: while it runs the stream has no copy for the copy
             engine, which can serve another stream's copy (SGLang's) in between, where
             back-to-back copies of one stream would hold it until they run out.
@@ -145,9 +145,9 @@ class DeviceOps:
             self._gap = (torch.zeros(2, dtype=torch.int64, device=dev),
                          torch.ones(4, dtype=torch.int64, device=dev)[::2])
         self.copy_pieces = 0
-        """Device-to-host copies :meth:`to_host` queued (a copy in pieces counts each)."""
+        """Device-to-host copies :meth:`to_host_all` queued (a copy in pieces counts each)."""
         self.ahead_waits = 0
-        """Times :meth:`to_host` found its oldest piece not yet done and waited for it
+        """Times :meth:`to_host_all` found its oldest piece not yet done and waited for it
         before queueing one more."""
         self.ahead_wait_seconds = 0.0
         """Seconds those waits took."""
@@ -212,29 +212,32 @@ class DeviceOps:
         wait.
 
         Without ``copies_ahead`` and the copy kernel, every piece (and the gap after it)
-        is queued by one ``torch._foreach_copy_`` call: the drain thread releases and
-        retakes the GIL once for all of them instead of twice a piece, and each retake
-        may make the scheduler thread wait for it."""
+        is queued by one ``torch._foreach_copy_`` call (host destinations, device
+        sources: it makes the copies one by one, in order): the drain thread releases
+        and retakes the GIL once for all of them instead of once a piece (twice with
+        gaps), and each retake may make the scheduler thread wait for it."""
         if self._ahead or self._kernel_programs:
             for dst, src in pairs:
                 self._to_host_piecewise(dst, src)
             return
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        pieces = 0
         for dst, src in pairs:
             for d, s in _pieces(dst, src, self._piece_bytes):
                 dsts.append(d)
                 srcs.append(s)
-                self.copy_pieces += 1
+                pieces += 1
                 if self._gap is not None:  # a kernel, not a copy: the stream's gap
                     dsts.append(self._gap[0])
                     srcs.append(self._gap[1])
-                    self.gaps += 1
         if dsts:
             torch._foreach_copy_(dsts, srcs, non_blocking=self.is_cuda)
+        self.copy_pieces += pieces  # counted once queued, as a piece at a time counts
+        self.gaps += pieces if self._gap is not None else 0
 
     def _to_host_piecewise(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """:meth:`to_host` of one pair a piece at a time: with ``copies_ahead`` (waits
+        """:meth:`to_host_all` of one pair a piece at a time: with ``copies_ahead`` (waits
         between pieces) or the copy kernel."""
         queued = self._ahead_events
         for d, s in _pieces(dst, src, self._piece_bytes):

@@ -75,7 +75,8 @@ class TransportOptions:
         copy_piece_bytes: ``DMX_DRAIN_COPY_PIECE_MB`` x 2**20: the largest single
             device-to-host copy the drain queues (a window flush, a staging span, a
             direct item's rows); larger ones go in pieces
-            (:meth:`~dmi_sglang.adapters.transport._device.DeviceOps.to_host`). 0: whole.
+            (:meth:`~dmi_sglang.adapters.transport._device.DeviceOps.to_host_all`). 0:
+            whole.
         copies_ahead: ``DMX_DRAIN_COPY_AHEAD``: the most of the drain's device-to-host
             pieces queued and not yet done (the drain waits for the oldest before it
             queues one more). 0: no limit.
