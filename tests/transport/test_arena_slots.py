@@ -8,6 +8,7 @@ the arena's slots only.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -279,3 +280,31 @@ def test_a_capture_point_firing_twice_in_an_eager_arena_step_fails(make_driver):
     d.t.capturer.capture("resid_pre", 0, rows_tensor(hook, 0, layout.positions(), 3))
     with pytest.raises(CaptureError, match=r"fired twice in step"):
         d.t.capturer.capture("resid_pre", 0, rows_tensor(hook, 0, layout.positions(), 3))
+
+
+def test_a_replayed_step_leaves_its_slot_with_one_copy_call_for_its_whole_groups(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each torch call of the scheduler thread at a step's end releases the GIL and may
+    # wait to take it back: the groups copied whole from the arena to the ring go with
+    # one call (a group the device gathers keeps its own index_select)
+    real = torch._foreach_copy_
+    from_arena: list[int] = []
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], **kw: bool) -> None:
+        if sys._getframe(1).f_code.co_name == "copy_from_arena":
+            from_arena.append(len(dsts))
+        real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    d, sink = make_driver("resid_pre,q,mlp_post,final_logits", payload_bytes=1 << 20,
+                          coalesce_decode=False)
+    _start(d)
+    layout = BatchLayout.decode(["a", "b"], [6, 4], padded_batch_size=4)
+    program = d.t._program(d.plan(layout, padded=True))
+    whole = sum(g.gather is None for g in program.groups)
+    assert whole >= 2
+    steps = 6
+    _decode_steps(d, steps)
+    d.t.stop()
+    d.verify(sink.records)
+    assert from_arena == [whole] * steps

@@ -137,19 +137,26 @@ class Program:
         ring_wide: dict[int, torch.Tensor], slot_offset: int = 0,
     ) -> None:
         """Queue the arena -> ring copies of a replayed step on the current stream, from
-        the arena slot that starts ``slot_offset`` bytes into the arena."""
+        the arena slot that starts ``slot_offset`` bytes into the arena.
+
+        The groups copied whole go with one ``torch._foreach_copy_`` call: the calling
+        thread (the scheduler's, at a decode step's end) releases and retakes the GIL
+        once for them all instead of once a group, and each retake may wait for another
+        thread's Python (the drain's)."""
         views = self._arena_views.get(slot_offset)
         if views is None:
             views = [_arena_view(g, arena_wide, slot_offset) for g in self.groups]
             self._arena_views[slot_offset] = views
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for g, src in zip(self.groups, views, strict=True):
             e = g.elem
             if g.gather is None:
                 width = g.ring_rows * g.row_nbytes // e
-                dst = ring_wide[e].as_strided(
+                dsts.append(ring_wide[e].as_strided(
                     (g.count, width), (g.ring_stride // e, 1), (base + g.ring_offset) // e
-                )
-                dst.copy_(src)
+                ))
+                srcs.append(src)
                 continue
             # every segment of the group keeps the same rows: one gather for all of them
             row = g.row_nbytes // e
@@ -158,6 +165,8 @@ class Program:
                 (base + g.ring_offset) // e,
             )
             torch.index_select(src, 1, self.index(g.gather, src.device), out=dst)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def check_arena(self, plan: CommitPlan, arena: Arena) -> None:
         """Raise unless every segment's slot was recorded with enough rows.
