@@ -522,7 +522,10 @@ def run(args: argparse.Namespace, data: Json) -> None:
               f"staged {d['d2h_bytes'] / 1e9:.2f} GB, windows {d['window_bytes'] / 1e9:.2f} GB "
               f"in {d['window_flushes']:.0f} flushes; queueing copies "
               f"{d['d2h_call_seconds']:.3f} s, waiting for the drain's stream "
-              f"{d['d2h_wait_seconds']:.3f} s (window copies included)")
+              f"{d['d2h_wait_seconds']:.3f} s (window copies included); the drain's CPU "
+              f"{d['build_cpu_seconds']:.3f} s, of it appending to the window "
+              f"{d['window_append_cpu_seconds']:.3f} s and flushing it "
+              f"{d['window_flush_cpu_seconds']:.3f} s")
         parts = ", ".join(f"{k} {v:,.0f}" for k, v in r["prefill_parts_us"].items())
         print(f"-- prefill forward ({r['preset']}, median µs): {parts}; the thread's CPU "
               f"{r['prefill_cpu_us']:,.0f} of {r['prefill_us']:,.0f}")

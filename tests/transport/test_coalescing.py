@@ -517,3 +517,20 @@ def test_the_library_defaults_are_an_engines_but_the_side_stream() -> None:
     assert {arg: parameters[arg].default for arg in engine_args} == {
         arg: getattr(Settings(), field) for arg, field in engine_args.items()}
     assert parameters["side_stream"].default is False
+
+
+def test_the_windows_share_of_the_drains_cpu_is_counted(make_driver) -> None:
+    # the drain's build CPU, and of it the window's appends and flushes (what a decode
+    # step costs the drain thread's Python, on a GPU beside the scheduler thread)
+    d, sink = make_driver("resid_pre,final_logits", coalesce_max_bytes=88 * 4)
+    for n in range(12):
+        d.forward(BatchLayout.decode(["a"], [5 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    c = d.t.drain_counters()
+    assert c["window_appends"] > 0
+    assert c["window_flushes"] > 0
+    assert c["window_append_cpu_seconds"] > 0
+    assert c["window_flush_cpu_seconds"] > 0
+    assert c["window_append_cpu_seconds"] + c["window_flush_cpu_seconds"] <= c[
+        "build_cpu_seconds"]

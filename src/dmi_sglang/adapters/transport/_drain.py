@@ -298,6 +298,9 @@ class Drain:
         self.staged_copied_bytes = 0
         self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
+        # of build_cpu_seconds: appending steps to the decode window, and flushing it
+        # (its records, and queueing its copies)
+        self.window_append_cpu_seconds = self.window_flush_cpu_seconds = 0.0
         self.sink_seconds = 0.0
         self.slot_items = self.slot_rounds = 0
         self.slot_seconds = 0.0
@@ -378,7 +381,7 @@ class Drain:
                     t0 = time.thread_time()
                     out = self._settle(Emitted())
                     if self._window is not None:
-                        self._window.flush(out, final=True)
+                        self._timed_flush(out, final=True)
                         out = self._settle(out)
                     self.held.release_all(out)
                     self._launch(out)
@@ -494,9 +497,11 @@ class Drain:
             out = self._flush_window(out)
         run = _window_run(batch, n, window_items, window.room(item.program, item.plan.layout))
         from_slots = in_slot_to_window(item)
+        cpu = time.thread_time()
         window.append([it.seq for it in run], item.program, item.base,
                       [it.plan.layout for it in run], [it.marker for it in run],
                       arena_slot=item.slot if from_slots else -1)
+        self.window_append_cpu_seconds += time.thread_time() - cpu
         if from_slots:
             self._unfreed_slots += [it.slot for it in run]
         self._release_later(len(run))
@@ -634,10 +639,16 @@ class Drain:
         run while the drain goes on. Everything before it lands first: the request rows
         held by earlier items, and the rows the previous flush left held, are read by
         this one."""
-        assert self._window is not None
         out = self._settle(out)
-        self._window.flush(out)
+        self._timed_flush(out)
         return self._hand_over(out)
+
+    def _timed_flush(self, out: Emitted, *, final: bool = False) -> None:
+        """Flush the decode window into ``out``, its CPU time counted."""
+        assert self._window is not None
+        cpu = time.thread_time()
+        self._window.flush(out, final=final)
+        self.window_flush_cpu_seconds += time.thread_time() - cpu
 
     def _launch(self, out: Emitted) -> Emitted:
         """Put ``out``, the steps and the arena slots so far in flight: behind a fence

@@ -643,7 +643,8 @@ class TorchCaptureTransport:
         (pageable memory of their own), appends to the decode window (each moves one
         or more steps), decode windows flushed and the bytes they
         brought to the host, payload bytes the host's CPU copied on the way, CPU seconds
-        the drain thread spent building batches (the waits for device copies excepted),
+        the drain thread spent building batches (the waits for device copies excepted)
+        and of those the CPU seconds of appends to the decode window and of its flushes,
         seconds in ``sink.put``, payload buffers allocated and reused, request rows held
         back now, lingers that ran their whole time (a step waiting for ring space ends one
         early), the times the drain gave the GIL away between pieces of its work and
@@ -664,6 +665,8 @@ class TorchCaptureTransport:
             "window_flushes": d.window_flushes,
             "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
             "build_cpu_seconds": d.build_cpu_seconds,
+            "window_append_cpu_seconds": d.window_append_cpu_seconds,
+            "window_flush_cpu_seconds": d.window_flush_cpu_seconds,
             "sink_seconds": d.sink_seconds,
             "buffers_allocated": d.pool.allocated, "buffers_reused": d.pool.reused,
             "pinned_buffers_allocated": d.direct_pool.allocated,
