@@ -534,3 +534,41 @@ def test_the_windows_share_of_the_drains_cpu_is_counted(make_driver) -> None:
     assert c["window_flush_cpu_seconds"] > 0
     assert c["window_append_cpu_seconds"] + c["window_flush_cpu_seconds"] <= c[
         "build_cpu_seconds"]
+
+
+def _flushed_logits_run(make_driver, steps: int,
+                        monkeypatch: pytest.MonkeyPatch) -> tuple[int, dict[str, float]]:
+    """``steps`` decode steps of a, b and c through windows of 4 steps (final_logits and
+    its top 2: two groups of request rows), stopped; the records the drain built one by
+    one (:class:`CaptureRecord` objects), and its counters."""
+    from dmi_sglang.adapters.transport import _records
+
+    made = [0]
+    real = _records.CaptureRecord
+
+    class Counted(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made[0] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_records, "CaptureRecord", Counted)
+    d, sink = make_driver("final_logits,final_logits:topk(2)",
+                          coalesce_max_bytes=(40 + 16) * 3 * 4)
+    for n in range(steps):
+        d.forward(BatchLayout.decode(["a", "b", "c"], [5 + n, 9 + n, 3 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    return made[0], d.t.drain_counters()
+
+
+def test_held_request_rows_of_a_window_are_columns_not_records(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each flush holds the newest row of each request-row capture of a, b and c: as one
+    # block of columns per group over the memory the device filled, released at the
+    # next flush as batches over it (no object per record, no host copy), however many
+    # flushes there are
+    made_short, short = _flushed_logits_run(make_driver, 8, monkeypatch)
+    made_long, long = _flushed_logits_run(make_driver, 24, monkeypatch)
+    assert (short["window_flushes"], long["window_flushes"]) == (2, 6)
+    assert made_short == made_long == 0
+    assert short["host_copied_bytes"] == long["host_copied_bytes"] == 0

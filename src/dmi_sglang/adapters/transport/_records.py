@@ -36,8 +36,8 @@ from dmi_sglang.errors import CaptureError
 
 Bytes3D = npt.NDArray[np.uint8]
 
-__all__ = ["Emitted", "Fill", "HeldRows", "Span", "back_to_back", "build_records", "chunk_batch",
-           "clip", "copy_row", "hold_request_rows", "spans", "staging_fill"]
+__all__ = ["Emitted", "Fill", "HeldBlock", "HeldRows", "Span", "back_to_back", "build_records",
+           "chunk_batch", "clip", "copy_row", "hold_request_rows", "spans", "staging_fill"]
 
 
 @attrs.frozen
@@ -117,18 +117,102 @@ def staging_fill(staging: Bytes2D, base: int) -> Fill:
     return fill
 
 
+class HeldBlock:
+    """The request rows of one group that a decode window's flush holds back, as columns
+    over the memory the device copied them into (no Python object per record).
+
+    Row ``i`` is the newest request row of request ``request_ids[i]`` (position
+    ``positions[i]``, capture step ``seqs[i]``): one row of each of ``captures``, back to
+    back, ``row_nbytes`` each, at ``memory[i * len(captures) * row_nbytes:]``.
+    """
+
+    __slots__ = ("captures", "memory", "positions", "request_ids", "row_nbytes", "run_id",
+                 "seqs")
+
+    def __init__(self, run_id: str, captures: tuple[RecordKey, ...], *, row_nbytes: int,
+                 request_ids: Sequence[str], positions: npt.NDArray[np.int64],
+                 seqs: npt.NDArray[np.int64], memory: Bytes1D) -> None:
+        n, nseg = len(request_ids), len(captures)
+        if positions.shape != (n,) or seqs.shape != (n,) or memory.shape != (
+                n * nseg * row_nbytes,):
+            msg = (f"a held block of {n} requests x {nseg} captures x {row_nbytes} bytes "
+                   f"with {positions.shape[0]} positions, {seqs.shape[0]} steps and "
+                   f"{memory.shape[0]} bytes")
+            raise CaptureError(msg)
+        self.run_id = run_id
+        self.captures = captures
+        self.row_nbytes = row_nbytes
+        self.request_ids = request_ids
+        self.positions = positions
+        self.seqs = seqs
+        self.memory = memory
+
+    def batch(self, lo: int, hi: int) -> RecordBatch:
+        """Rows ``lo:hi`` as one batch over the block's memory (no copy): request by
+        request, capture by capture."""
+        n, nseg, rb = hi - lo, len(self.captures), self.row_nbytes
+        start = np.repeat(self.positions[lo:hi], nseg).astype(np.int32)
+        return RecordBatch(
+            self.run_id, tuple(self.request_ids[lo:hi]), self.captures,
+            np.repeat(np.arange(n, dtype=np.int32), nseg),
+            np.tile(np.arange(nseg, dtype=np.int32), n), start, start + 1,
+            np.repeat(self.seqs[lo:hi], nseg),
+            np.arange(n * nseg + 1, dtype=np.int64) * rb,
+            self.memory[lo * nseg * rb : hi * nseg * rb],
+        )
+
+    def records(self, i: int) -> list[CaptureRecord]:
+        """Row ``i`` as records with payloads of their own (copies)."""
+        nseg, rb = len(self.captures), self.row_nbytes
+        pos, at = int(self.positions[i]), i * nseg * rb
+        return [CaptureRecord(self.run_id, self.request_ids[i], key.act_name, key.layer_no, 0,
+                              pos, pos + 1, key.dtype, (1, *key.dims),
+                              copy_row(self.memory[at + s * rb : at + (s + 1) * rb]),
+                              int(self.seqs[i]))
+                for s, key in enumerate(self.captures)]
+
+
+class _BlockRow:
+    """What :class:`HeldRows` holds for row ``index`` of a :class:`HeldBlock`."""
+
+    __slots__ = ("block", "index")
+
+    def __init__(self, block: HeldBlock, index: int) -> None:
+        self.block = block
+        self.index = index
+
+    @property
+    def seq(self) -> int:
+        """The capture step of the row."""
+        return int(self.block.seqs[self.index])
+
+    @property
+    def start_token_idx(self) -> int:
+        """The row's position."""
+        return int(self.block.positions[self.index])
+
+    @property
+    def rows(self) -> int:
+        """Tensor rows: one per capture."""
+        return len(self.block.captures)
+
+
+_Held = CaptureRecord | _BlockRow
+
+
 class Emitted:
     """Record batches ready for the sink, with the counters the transport reports.
 
-    Held request rows that are released arrive one by one (:meth:`add`); consecutive
-    ones become one batch.
+    Held request rows that are released arrive one by one (:meth:`add`), in order:
+    consecutive records become one batch, and consecutive rows of held blocks one batch
+    per block and run of its rows.
     """
 
     __slots__ = ("batches", "bytes", "copied", "discarded", "loose", "records", "rows")
 
     def __init__(self) -> None:
         self.batches: list[RecordBatch] = []
-        self.loose: list[CaptureRecord] = []
+        self.loose: list[_Held] = []
         self.copied = 0
         """Payload bytes the host copied to make the loose records' batches."""
         self.records = 0
@@ -136,9 +220,15 @@ class Emitted:
         self.bytes = 0
         self.discarded = 0
 
-    def add(self, record: CaptureRecord) -> None:
-        """One record built elsewhere (a released held row)."""
+    def add(self, record: _Held) -> None:
+        """One record built elsewhere, or a held block's row (a released held row)."""
         self.loose.append(record)
+        if isinstance(record, _BlockRow):
+            n = record.rows
+            self.records += n
+            self.rows += n
+            self.bytes += n * record.block.row_nbytes
+            return
         self.records += 1
         self.rows += record.end_token_idx - record.start_token_idx
         self.bytes += len(record.payload)
@@ -158,13 +248,43 @@ class Emitted:
         return self.batches
 
     def _close_loose(self) -> None:
-        if self.loose:
-            span = back_to_back(self.loose)
-            batch = RecordBatch.from_records(self.loose, payload=span)
+        loose, self.loose = self.loose, []
+        first = 0
+        for i in range(1, len(loose) + 1):  # runs of records, runs of block rows
+            if i < len(loose) and isinstance(loose[i], _BlockRow) == isinstance(
+                    loose[first], _BlockRow):
+                continue
+            run = loose[first:i]
+            first = i
+            if isinstance(run[0], _BlockRow):
+                self.batches.extend(_block_batches(run))  # type: ignore[arg-type]
+                continue
+            records: list[CaptureRecord] = run  # type: ignore[assignment]
+            span = back_to_back(records)
+            batch = RecordBatch.from_records(records, payload=span)
             if span is None:
                 self.copied += batch.nbytes
             self.batches.append(batch)
-            self.loose = []
+
+
+def _block_batches(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
+    """Released rows of held blocks that arrived one after another: per block (in order
+    of first arrival), a batch per run of consecutive rows (one for all of them when every
+    row of the block is released together, as it is at the next flush). A request has at
+    most one held row of a block's captures, so no record of the same request and capture
+    changes places."""
+    by_block: dict[int, tuple[HeldBlock, list[int]]] = {}
+    for r in rows:
+        by_block.setdefault(id(r.block), (r.block, []))[1].append(r.index)
+    for block, indices in by_block.values():
+        indices.sort()
+        lo = prev = indices[0]
+        for i in indices[1:]:
+            if i != prev + 1:
+                yield block.batch(lo, prev + 1)
+                lo = i
+            prev = i
+        yield block.batch(lo, prev + 1)
 
 
 def back_to_back(records: Sequence[CaptureRecord]) -> Bytes1D | None:
@@ -199,7 +319,7 @@ class HeldRows:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[str, list[CaptureRecord]] = {}
+        self._rows: dict[str, list[_Held]] = {}
         self._pinned: set[str] = set()
         """Requests whose held rows are views of shared pooled memory."""
         self.copied = 0
@@ -224,6 +344,19 @@ class HeldRows:
         if pinned:
             self._pinned.add(record.request_id)
 
+    def hold_block(self, block: HeldBlock) -> None:
+        """Hold every row of ``block`` (call :meth:`confirm` for its requests first): each
+        is its request's newest request rows of the block's captures, in memory the rows
+        share (see :meth:`detach_pinned`), filled by device copy."""
+        rows, pinned = self._rows, self._pinned
+        for i, request_id in enumerate(block.request_ids):
+            held = rows.get(request_id)
+            if held is None:
+                rows[request_id] = [_BlockRow(block, i)]
+            else:
+                held.append(_BlockRow(block, i))
+            pinned.add(request_id)
+
     def detach_pinned(self) -> None:
         """Give the rows that still share memory memory of their own: they waited past
         the flush that should have confirmed them (a retracted request), and must not
@@ -231,9 +364,15 @@ class HeldRows:
         for request_id in self._pinned:
             rows = self._rows.get(request_id)
             if rows:
-                self._rows[request_id] = [attrs.evolve(r, payload=copy_row(np.frombuffer(
-                    r.payload, dtype=np.uint8))) for r in rows]
-                self.copied += sum(len(r.payload) for r in rows)
+                own: list[CaptureRecord] = []
+                for r in rows:
+                    if isinstance(r, _BlockRow):
+                        own.extend(r.block.records(r.index))
+                    else:
+                        own.append(attrs.evolve(r, payload=copy_row(np.frombuffer(
+                            r.payload, dtype=np.uint8))))
+                self._rows[request_id] = list(own)
+                self.copied += sum(len(r.payload) for r in own)
         self._pinned.clear()
 
     def confirm(self, request_id: str, out: Emitted, *, before: int | None = None) -> None:
@@ -258,7 +397,7 @@ class HeldRows:
         self._pinned.discard(request_id)
         for r in self._rows.pop(request_id, ()):
             if logits_end is not None and r.start_token_idx >= logits_end:
-                out.discarded += r.end_token_idx - r.start_token_idx
+                out.discarded += r.rows
             else:
                 out.add(r)
 

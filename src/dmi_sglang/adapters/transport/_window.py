@@ -47,13 +47,12 @@ import torch
 
 from dmi_sglang.adapters.transport._device import DeviceOps, Marker
 from dmi_sglang.adapters.transport._gil import GilSlice
-from dmi_sglang.adapters.transport._pool import PayloadPool
+from dmi_sglang.adapters.transport._pool import Bytes1D, PayloadPool
 from dmi_sglang.adapters.transport._program import Group, Program
-from dmi_sglang.adapters.transport._records import Emitted, HeldRows
+from dmi_sglang.adapters.transport._records import Emitted, HeldBlock, HeldRows
 from dmi_sglang.columns import CaptureKey as RecordKey
 from dmi_sglang.columns import RecordBatch
 from dmi_sglang.domain.layout import BatchLayout
-from dmi_sglang.domain.records import CaptureRecord
 from dmi_sglang.errors import CaptureError
 
 __all__ = ["DecodeWindow"]
@@ -592,29 +591,22 @@ class DecodeWindow:
                 ))
             if len(p.held):
                 assert held_chunk is not None
-                at = held_chunk.offset + held_place
-                self._hold(p.group, runs, p.held,
-                           held_chunk.view[at : at + len(p.held) * nseg * rb])
+                self._hold(p, runs, held_chunk.array[
+                    held_place : held_place + len(p.held) * nseg * rb])
 
-    def _hold(self, g: Group, runs: _Runs, held: Ints, own: memoryview) -> None:
-        """Hold the newest request row of the live requests of the ``held`` runs (their
+    def _hold(self, p: _GroupOut, runs: _Runs, own: Bytes1D) -> None:
+        """Hold the newest request row of the live requests of ``p``'s held runs (their
         rows in ``own``, run by run, segment by segment: memory of the held rows' pool,
-        filled by the device copy).
+        filled by the device copy) as one :class:`~._records.HeldBlock`: columns, no
+        object per record.
 
-        Released together at the next flush, in the same order, they become one batch
-        over that memory without a copy (:func:`~._records.back_to_back`); a row still
-        waiting then gets memory of its own (:meth:`~._records.HeldRows.detach_pinned`),
-        so no waiting row keeps a slab."""
-        rb = g.row_nbytes
-        at = 0
-        for j in held.tolist():
-            rid = self._rids[int(runs.slot[j])]
-            last = int(runs.step[j] + runs.n[j] - 1)
-            pos = int(runs.start[j] + runs.n[j] - 1)
-            seq = int(self._seq[last])
-            for meta in g.metas:
-                self._held.hold(CaptureRecord(
-                    self._run_id, rid, meta.act_name, meta.layer_no, 0, pos, pos + 1,
-                    meta.dtype, (1, *meta.dims), own[at : at + rb], seq), pinned=True,
-                    copied=False)
-                at += rb
+        Released together at the next flush, they become one batch over that memory
+        without a copy; a row still waiting then gets memory of its own
+        (:meth:`~._records.HeldRows.detach_pinned`), so no waiting row keeps a slab."""
+        held = p.held
+        last = runs.step[held] + runs.n[held] - 1
+        rids = self._rids
+        self._held.hold_block(HeldBlock(
+            self._run_id, p.labels, row_nbytes=p.group.row_nbytes,
+            request_ids=[rids[s] for s in runs.slot[held].tolist()],
+            positions=runs.start[held] + runs.n[held] - 1, seqs=self._seq[last], memory=own))
