@@ -14,7 +14,8 @@ a forward is the extra one while it runs; the scheduler learns a request finishe
 later. So the NEWEST request row of every request is held back (:class:`HeldRows`, one
 row per live request, copied out of the shared buffer) until the request's next request
 row arrives (it decided a generated token: stored) or a finish notice says where the
-request's decisions end (rows at or past that position are discarded and counted).
+request's decisions end (rows at or past that position are discarded and counted). A
+decode window's flush holds its rows as columns (:class:`HeldBlock`), not as records.
 """
 
 from __future__ import annotations
