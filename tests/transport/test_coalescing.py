@@ -572,3 +572,41 @@ def test_held_request_rows_of_a_window_are_columns_not_records(
     assert (short["window_flushes"], long["window_flushes"]) == (2, 6)
     assert made_short == made_long == 0
     assert short["host_copied_bytes"] == long["host_copied_bytes"] == 0
+
+
+def test_released_block_rows_keep_each_request_and_captures_order() -> None:
+    import numpy as np
+
+    from dmi_sglang.adapters.transport._records import Emitted, HeldBlock, HeldRows
+    from dmi_sglang.columns import CaptureKey
+
+    def block(keys: tuple[CaptureKey, ...], first: int) -> HeldBlock:
+        n = 2
+        memory = np.arange(n * len(keys) * 4, dtype=np.uint8) + first
+        return HeldBlock("run", keys, row_nbytes=4, request_ids=["a", "b"],
+                         positions=np.array([first, first + 10], dtype=np.int64),
+                         seqs=np.array([1, 1], dtype=np.int64), memory=memory)
+
+    ids, values = CaptureKey("ids", -1, "int32", (1,)), CaptureKey("values", -1, "float32", (1,))
+    # blocks of other captures: one batch each, whatever the order the rows came in
+    held, out = HeldRows(), Emitted()
+    one, two = block((ids,), 0), block((values,), 50)
+    held.hold_block(one)
+    held.hold_block(two)
+    held.confirm("a", out)
+    held.confirm("b", out)
+    batches = out.batches_out()
+    assert [b.captures for b in batches] == [(ids,), (values,)]
+    assert [b.request_ids for b in batches] == [("a", "b"), ("a", "b")]
+    assert (out.records, out.rows, out.bytes) == (4, 4, 16)
+    assert bytes(batches[0].payload) == bytes(one.memory)  # a view of the block's memory
+    # two blocks of the same captures: arrival order, so a request's rows stay in order
+    held, out = HeldRows(), Emitted()
+    early, late = block((ids,), 0), block((ids,), 1)
+    held.hold_block(early)
+    held.hold_block(late)  # a's and b's two rows each (piecewise steps hold so)
+    held.confirm("a", out)
+    held.confirm("b", out)
+    starts = [(rid, int(s)) for b in out.batches_out()
+              for rid, s in zip([b.request_ids[i] for i in b.request], b.start, strict=True)]
+    assert starts == [("a", 0), ("a", 1), ("b", 10), ("b", 11)]

@@ -137,8 +137,8 @@ class HeldBlock:
         if positions.shape != (n,) or seqs.shape != (n,) or memory.shape != (
                 n * nseg * row_nbytes,):
             msg = (f"a held block of {n} requests x {nseg} captures x {row_nbytes} bytes "
-                   f"with {positions.shape[0]} positions, {seqs.shape[0]} steps and "
-                   f"{memory.shape[0]} bytes")
+                   f"with positions of shape {positions.shape}, steps of shape "
+                   f"{seqs.shape} and memory of shape {memory.shape}")
             raise CaptureError(msg)
         self.run_id = run_id
         self.captures = captures
@@ -271,12 +271,16 @@ class Emitted:
 def _block_batches(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
     """Released rows of held blocks that arrived one after another: per block (in order
     of first arrival), a batch per run of consecutive rows (one for all of them when every
-    row of the block is released together, as it is at the next flush). A request has at
-    most one held row of a block's captures, so no record of the same request and capture
-    changes places."""
+    row of the block is released together, as it is at the next flush). Blocks of other
+    captures hold no record of the same request and capture, so none changes places;
+    should two blocks of the same captures be among the rows, they go in arrival order
+    (a batch per run of consecutive rows of one block)."""
     by_block: dict[int, tuple[HeldBlock, list[int]]] = {}
     for r in rows:
         by_block.setdefault(id(r.block), (r.block, []))[1].append(r.index)
+    if len({block.captures for block, _ in by_block.values()}) < len(by_block):
+        yield from _in_arrival_order(rows)
+        return
     for block, indices in by_block.values():
         indices.sort()
         lo = prev = indices[0]
@@ -288,9 +292,21 @@ def _block_batches(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
         yield block.batch(lo, prev + 1)
 
 
+def _in_arrival_order(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
+    """A batch per run of rows that follow each other in one block, in arrival order."""
+    first = 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and rows[i].block is rows[first].block and (
+                rows[i].index == rows[i - 1].index + 1):
+            continue
+        yield rows[first].block.batch(rows[first].index, rows[i - 1].index + 1)
+        first = i
+
+
 def back_to_back(records: Sequence[CaptureRecord]) -> Bytes1D | None:
-    """The one buffer span the records' payloads fill back to back, in order (held rows
-    of one window flush, released together), or None when they do not."""
+    """The one buffer span the records' payloads fill back to back, in order (a record's
+    memory of its own, or records sliced from one buffer in order), or None when they do
+    not."""
     first = records[0].payload
     base = first.obj if isinstance(first, memoryview) else None
     if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
@@ -372,7 +388,7 @@ class HeldRows:
                     else:
                         own.append(attrs.evolve(r, payload=copy_row(np.frombuffer(
                             r.payload, dtype=np.uint8))))
-                self._rows[request_id] = list(own)
+                self._rows[request_id] = [*own]
                 self.copied += sum(len(r.payload) for r in own)
         self._pinned.clear()
 
