@@ -286,7 +286,8 @@ def test_a_replayed_step_leaves_its_slot_with_one_copy_call_for_its_whole_groups
         make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
     # each torch call of the scheduler thread at a step's end releases the GIL and may
     # wait to take it back: the groups copied whole from the arena to the ring go with
-    # one call (a group the device gathers keeps its own index_select)
+    # one call (a group the device gathers keeps its own index_select; a group alone
+    # goes by copy_, one device memcpy when dense)
     real = torch._foreach_copy_
     from_arena: list[int] = []
 
@@ -308,3 +309,25 @@ def test_a_replayed_step_leaves_its_slot_with_one_copy_call_for_its_whole_groups
     d.t.stop()
     d.verify(sink.records)
     assert from_arena == [whole] * steps
+
+
+def test_a_replayed_step_of_one_whole_group_copies_it_with_copy(
+        make_driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = torch._foreach_copy_
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], **kw: bool) -> None:
+        if sys._getframe(1).f_code.co_name == "copy_from_arena":
+            calls.append("foreach")
+        real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    d, sink = make_driver("resid_pre", payload_bytes=1 << 20, coalesce_decode=False)
+    _start(d)
+    layout = BatchLayout.decode(["a", "b"], [6, 4], padded_batch_size=4)
+    program = d.t._program(d.plan(layout, padded=True))
+    assert [g.gather is None for g in program.groups] == [True]
+    _decode_steps(d, 4)
+    d.t.stop()
+    d.verify(sink.records)
+    assert calls == []

@@ -139,10 +139,12 @@ class Program:
         """Queue the arena -> ring copies of a replayed step on the current stream, from
         the arena slot that starts ``slot_offset`` bytes into the arena.
 
-        The groups copied whole go with one ``torch._foreach_copy_`` call: the calling
-        thread (the scheduler's, at a decode step's end) releases and retakes the GIL
-        once for them all instead of once a group, and each retake may wait for another
-        thread's Python (the drain's)."""
+        Two or more groups copied whole go with one ``torch._foreach_copy_`` call: the
+        calling thread (the scheduler's, at a decode step's end) releases and retakes the
+        GIL once for them all instead of once a group, and each retake may wait for
+        another thread's Python (the drain's). One goes by ``copy_``: a dense pair alone
+        would take ``_foreach_copy_``'s kernel for many small tensors, where ``copy_``
+        makes one device memcpy."""
         views = self._arena_views.get(slot_offset)
         if views is None:
             views = [_arena_view(g, arena_wide, slot_offset) for g in self.groups]
@@ -165,8 +167,10 @@ class Program:
                 (base + g.ring_offset) // e,
             )
             torch.index_select(src, 1, self.index(g.gather, src.device), out=dst)
-        if dsts:
+        if len(dsts) > 1:
             torch._foreach_copy_(dsts, srcs)
+        elif dsts:
+            dsts[0].copy_(srcs[0])
 
     def check_arena(self, plan: CommitPlan, arena: Arena) -> None:
         """Raise unless every segment's slot was recorded with enough rows.
