@@ -8,6 +8,9 @@ answers where a step's time goes:
 
 * ``window_s``: from the first to the last event; ``gpu_busy``: the share of it with a
   kernel or copy running (a GPU that waits for the host shows low);
+* ``kernel_s``, ``copy_s``, ``copy_kernel_overlap_s``: seconds with a kernel running, with
+  a copy running (the copy engines: ``gpu_memcpy``), and with both at once (the drain's
+  device-to-host copies are meant to run beside the model's kernels);
 * ``forwards``: calls of ``ModelRunner.forward``;
 * per thread (its name from the trace's metadata): seconds inside any Python function and
   inside dmi_sglang's functions (nested calls counted once);
@@ -142,7 +145,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     ``sleep``) are reported apart.
     """
     names: dict[Any, str] = {}
-    gpu: list[Interval] = []
+    gpu: dict[str, list[Interval]] = defaultdict(list)
+    """Kernels, copies and memsets by category."""
     kernel_s: dict[str, float] = defaultdict(float)
     kernel_n: dict[str, int] = defaultdict(int)
     runtime_s: dict[str, float] = defaultdict(float)
@@ -166,7 +170,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         first, last = min(first, a), max(last, b)
         cat, name, tid = e.get("cat"), str(e.get("name", "")), e.get("tid")
         if cat in GPU_CATEGORIES:
-            gpu.append((a, b))
+            gpu[cat].append((a, b))
             kernel_s[_kernel(name)] += b - a
             kernel_n[_kernel(name)] += 1
             work.append((_kernel(name), a, b, (e.get("args") or {}).get("correlation")))
@@ -194,8 +198,9 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
         "window_s": window / 1e6,
-        "gpu_busy": _union(gpu) / window if window else None,
-        "gpu_s": _union(gpu) / 1e6,
+        "gpu_busy": _union(_all(gpu)) / window if window else None,
+        "gpu_s": _union(_all(gpu)) / 1e6,
+        **_overlap(gpu["kernel"], gpu["gpu_memcpy"]),
         # every kernel: a mode's are compared with stock's by name (harness.profile)
         "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
@@ -210,6 +215,18 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         "dmi_ops": [{"op": k, "seconds": v} for k, v in
                     sorted(op_seconds.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def _all(by_category: dict[str, list[Interval]]) -> list[Interval]:
+    return [iv for intervals in by_category.values() for iv in intervals]
+
+
+def _overlap(kernels: Sequence[Interval], copies: Sequence[Interval]) -> Json:
+    """``kernel_s``, ``copy_s`` and ``copy_kernel_overlap_s`` (module docstring)."""
+    kernel, copy = _union(kernels), _union(copies)
+    both = kernel + copy - _union([*kernels, *copies])
+    return {"kernel_s": kernel / 1e6, "copy_s": copy / 1e6,
+            "copy_kernel_overlap_s": max(both, 0.0) / 1e6}
 
 
 def _graph_work(work: Sequence[tuple[str, float, float, Any]], launches: set[Any]) -> Json:

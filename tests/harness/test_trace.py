@@ -182,3 +182,24 @@ def test_a_decode_graph_replays_gpu_work_is_compared_per_replay() -> None:
     assert "last: GPU µs per decode graph replay 34 (stock 30)" in text
     assert _first_grown(text, "last: GPU µs per decode graph replay") == [
         "+4.0", "4.0", "x", "1.0", "(", "0.0", "x", "0.0)", "at::native::elementwise_kernel"]
+
+
+def test_copies_beside_kernels_are_told_apart_from_copies_between_them() -> None:
+    forward = "/p/sglang/srt/model_executor/model_runner.py(5): forward"
+    events = [
+        _x(forward, 0, 400),
+        _x("void at::native::mm<float, 4>(int)", 0, 100, cat="kernel"),
+        _x("void at::native::mm<float, 4>(int)", 80, 40, cat="kernel", tid=2),  # 2 streams
+        _x("Memcpy DtoH (Device -> Pinned)", 50, 100, cat="gpu_memcpy"),  # half beside
+        _x("Memcpy DtoH (Device -> Pinned)", 300, 50, cat="gpu_memcpy"),  # alone
+        _x("Memset (Device)", 360, 10, cat="gpu_memset"),
+    ]
+    s = summarize_events(events)
+    assert s["kernel_s"] == pytest.approx(120e-6)  # [0, 120)
+    assert s["copy_s"] == pytest.approx(150e-6)
+    assert s["copy_kernel_overlap_s"] == pytest.approx(70e-6)  # [50, 120)
+    assert s["gpu_s"] == pytest.approx(210e-6)  # [0, 150), [300, 350), [360, 370)
+    from harness.profile import render
+
+    text = render([{"mode": "stock", "summary": s}])
+    assert "stock: GPU ms per forward: kernels 0.120, copies 0.150, both at once 0.070" in text
