@@ -101,9 +101,6 @@ def render(rows: Sequence[Json]) -> str:
             lines.append(f"{r['mode']}: GPU ms per forward: kernels "
                          f"{s['kernel_s'] / fwd * 1e3:.3f}, copies {s['copy_s'] / fwd * 1e3:.3f}, "
                          f"both at once {s['copy_kernel_overlap_s'] / fwd * 1e3:.3f}")
-    for r in rows:
-        s = r.get("summary") or {}
-        fwd = max(int(s.get("forwards") or 0), 1)
         if s.get("dmi"):
             lines.append(f"\n{r['mode']}: dmi_sglang functions, own ms per forward (their "
                          "library calls in, SGLang's code they wrap out)")

@@ -198,9 +198,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
         "window_s": window / 1e6,
-        "gpu_busy": _union(_all(gpu)) / window if window else None,
-        "gpu_s": _union(_all(gpu)) / 1e6,
-        **_overlap(gpu["kernel"], gpu["gpu_memcpy"]),
+        **_gpu_time(gpu, window),
         # every kernel: a mode's are compared with stock's by name (harness.profile)
         "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
@@ -217,15 +215,15 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     }
 
 
-def _all(by_category: dict[str, list[Interval]]) -> list[Interval]:
-    return [iv for intervals in by_category.values() for iv in intervals]
-
-
-def _overlap(kernels: Sequence[Interval], copies: Sequence[Interval]) -> Json:
-    """``kernel_s``, ``copy_s`` and ``copy_kernel_overlap_s`` (module docstring)."""
+def _gpu_time(gpu: dict[str, list[Interval]], window: float) -> Json:
+    """``gpu_busy``, ``gpu_s``, ``kernel_s``, ``copy_s`` and ``copy_kernel_overlap_s``
+    (module docstring) of the GPU's intervals by category, in a window of ``window`` µs."""
+    busy = _union(iv for intervals in gpu.values() for iv in intervals)
+    kernels, copies = gpu["kernel"], gpu["gpu_memcpy"]
     kernel, copy = _union(kernels), _union(copies)
     both = kernel + copy - _union([*kernels, *copies])
-    return {"kernel_s": kernel / 1e6, "copy_s": copy / 1e6,
+    return {"gpu_busy": busy / window if window else None, "gpu_s": busy / 1e6,
+            "kernel_s": kernel / 1e6, "copy_s": copy / 1e6,
             "copy_kernel_overlap_s": max(both, 0.0) / 1e6}
 
 

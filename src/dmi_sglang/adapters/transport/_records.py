@@ -20,6 +20,7 @@ decode window's flush holds its rows as columns (:class:`HeldBlock`), not as rec
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -250,17 +251,12 @@ class Emitted:
 
     def _close_loose(self) -> None:
         loose, self.loose = self.loose, []
-        first = 0
-        for i in range(1, len(loose) + 1):  # runs of records, runs of block rows
-            if i < len(loose) and isinstance(loose[i], _BlockRow) == isinstance(
-                    loose[first], _BlockRow):
+        # runs of records, runs of block rows, in arrival order
+        for of_blocks, run in itertools.groupby(loose, key=lambda r: isinstance(r, _BlockRow)):
+            if of_blocks:
+                self.batches.extend(_block_batches(list(run)))  # type: ignore[arg-type]
                 continue
-            run = loose[first:i]
-            first = i
-            if isinstance(run[0], _BlockRow):
-                self.batches.extend(_block_batches(run))  # type: ignore[arg-type]
-                continue
-            records: list[CaptureRecord] = run  # type: ignore[assignment]
+            records: list[CaptureRecord] = list(run)  # type: ignore[arg-type]
             span = back_to_back(records)
             batch = RecordBatch.from_records(records, payload=span)
             if span is None:
@@ -275,26 +271,15 @@ def _block_batches(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
     captures hold no record of the same request and capture, so none changes places;
     should two blocks of the same captures be among the rows, they go in arrival order
     (a batch per run of consecutive rows of one block)."""
-    by_block: dict[int, tuple[HeldBlock, list[int]]] = {}
+    rank: dict[int, int] = {}  # a block's order of first arrival
+    captures: set[tuple[RecordKey, ...]] = set()
     for r in rows:
-        by_block.setdefault(id(r.block), (r.block, []))[1].append(r.index)
-    if len({block.captures for block, _ in by_block.values()}) < len(by_block):
-        yield from _in_arrival_order(rows)
-        return
-    for block, indices in by_block.values():
-        indices.sort()
-        lo = prev = indices[0]
-        for i in indices[1:]:
-            if i != prev + 1:
-                yield block.batch(lo, prev + 1)
-                lo = i
-            prev = i
-        yield block.batch(lo, prev + 1)
-
-
-def _in_arrival_order(rows: Sequence[_BlockRow]) -> Iterator[RecordBatch]:
-    """A batch per run of rows that follow each other in one block, in arrival order."""
-    first = 0
+        if id(r.block) not in rank:
+            rank[id(r.block)] = len(rank)
+            captures.add(r.block.captures)
+    if len(captures) == len(rank):
+        rows = sorted(rows, key=lambda r: (rank[id(r.block)], r.index))
+    first = 0  # a batch per run of rows that follow each other in one block
     for i in range(1, len(rows) + 1):
         if i < len(rows) and rows[i].block is rows[first].block and (
                 rows[i].index == rows[i - 1].index + 1):
