@@ -31,6 +31,15 @@ and what rate it reaches. ``--gap-pieces-mb P,...`` adds one variant per P where
 tiny kernel follows each piece of P MiB on the copying stream (``DMX_DRAIN_COPY_GAPS``):
 while it runs that stream has no copy queued, which may let the copy engine serve the
 small copy in between.
+
+``--busy-ms M`` asks what the copies cost a scheduler whose Python is the bottleneck,
+with no drain Python beside it: after the probes of each variant (the idle row too), the
+main thread does ``--busy-forwards`` forwards of about M ms of Python work each (the work
+of ``python -m harness hooks --busy``: short loops and small torch calls that release the
+GIL, never a sleep), and the row gets its time a forward, the part of it on the CPU, and
+its voluntary context switches a forward. The copying thread takes the GIL only to queue
+a round and sleeps while it waits for it, so a forward slower than the idle row's, on the
+CPU, is the host's memory and caches shared with the copies' writes, not the GIL.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -49,6 +59,7 @@ from dmi_sglang.adapters.transport import DeviceOps
 from dmi_sglang.adapters.transport.kernel_copy import warm_up
 from dmi_sglang.domain.settings import Settings
 from dmi_sglang.errors import UnsupportedConfigurationError
+from harness.micro_hooks import BusyWork
 from harness.micro_transport import BackgroundThread, p50_p99_max
 from harness.results import Json, run_benchmark
 
@@ -219,6 +230,25 @@ def small_copy_latencies(device: torch.device, probes: int, period_s: float,
     return host, on_device, matmul
 
 
+def busy_forwards(work: BusyWork, forwards: int) -> Json:
+    """``forwards`` of ``work``'s forwards on this thread, one after another: the wall
+    time a forward, the part of it on the CPU (the thread's CPU time) and its voluntary
+    context switches (its waits: for the GIL, a lock, a sleep) a forward."""
+    work.run()  # warm
+    switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    cpu, t0 = time.thread_time(), time.perf_counter()
+    for _ in range(forwards):
+        work.run()
+    wall = (time.perf_counter() - t0) / forwards
+    on_cpu = (time.thread_time() - cpu) / forwards
+    waits = (resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - switches) / forwards
+    return {"busy_forward_us": wall * 1e6, "busy_cpu_us": on_cpu * 1e6, "busy_waits": waits}
+
+
+def _no_busy() -> Json:
+    return {"busy_forward_us": None, "busy_cpu_us": None, "busy_waits": None}
+
+
 def suggested_env(rows: Sequence[Json], intact: Sequence[bool],
                   idle_compute_us: float | None = None) -> str | None:
     """The drain settings of the fastest variant that left the small copy's p99 under
@@ -293,12 +323,17 @@ def run(args: argparse.Namespace, data: Json) -> None:
     if cuda:
         torch.cuda.synchronize(dev)  # src is filled before another stream reads it
     period = args.period_ms / 1e3
+    work = BusyWork(args.busy_ms * 1e-3) if args.busy_ms else None
+
+    def busy() -> Json:
+        return busy_forwards(work, args.busy_forwards) if work is not None else _no_busy()
+
     rows: list[Json] = []
     small_copy_latencies(dev, 10, period)  # warm-up
     rows.append({"variant": "idle", "piece_mb": None, "in_flight": None, "gaps": None,
                  "kernel_programs": None, "bulk_gbps": None,
                  "bulk_rounds": None, "rounds_while_probing": None,
-                 **_probe_row(*small_copy_latencies(dev, args.probes, period))})
+                 **_probe_row(*small_copy_latencies(dev, args.probes, period)), **busy()})
     expected = src.cpu()  # what every variant's copies must bring
     intact: list[bool] = []
     kernels = sorted({n for n in args.kernel_programs if n})  # fewer programs first
@@ -320,6 +355,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
             before = bulk.rounds
             lat = small_copy_latencies(dev, args.probes, period)
             during = bulk.rounds - before if bulk.alive else 0
+            beside = busy()  # the copies still flow
         intact.append(bool(torch.equal(dst, expected)))
         size = piece_mb or args.bulk_mb
         name = (f"kernel, {programs} programs" if programs else
@@ -330,7 +366,7 @@ def run(args: argparse.Namespace, data: Json) -> None:
                      "kernel_programs": programs or None,
                      "bulk_gbps": bulk.copied / bulk.seconds / 1e9 if bulk.seconds else None,
                      "bulk_rounds": bulk.rounds, "rounds_while_probing": during,
-                     **_probe_row(*lat)})
+                     **_probe_row(*lat), **beside})
     idle_compute = rows[0]["compute_p50_us"] if cuda else None
     suggested = suggested_env(rows[1:], intact, idle_compute)
     data["figures"] = {"rows": rows, "suggested_env": suggested}
@@ -351,6 +387,8 @@ def run(args: argparse.Namespace, data: Json) -> None:
                                           "probes ran, in every variant"},
     }
     print(render(rows))
+    if work is not None:
+        print(render_busy(rows, args.busy_ms))
     print("suggested drain settings: " + (
         f"none ({data['figures']['no_suggestion']})" if suggested is None
         else suggested or "the defaults"))
@@ -376,6 +414,21 @@ def render(rows: list[Json]) -> str:
     return "\n".join(lines)
 
 
+def render_busy(rows: list[Json], busy_ms: float) -> str:
+    """The ``--busy-ms`` table: a scheduler-like thread's forward beside each variant's
+    copies, against the idle row."""
+    idle = rows[0]["busy_forward_us"]
+    head = (f"{'drain copies':30} {'busy forward µs':>16} {'x idle':>7} {'on CPU µs':>10} "
+            f"{'off CPU µs':>11} {'waits':>6}")
+    lines = [f"about {busy_ms:g} ms of scheduler-like Python work a forward, beside the copies",
+             head, "-" * len(head)]
+    for r in rows:
+        wall, cpu = r["busy_forward_us"], r["busy_cpu_us"]
+        lines.append(f"{r['variant']:30} {wall:16,.0f} {wall / idle:7.3f} {cpu:10,.0f} "
+                     f"{max(0.0, wall - cpu):11,.0f} {r['busy_waits']:6.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every check passed."""
     p = argparse.ArgumentParser(prog="python -m harness copies", description=__doc__,
@@ -396,13 +449,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probes", type=int, default=400, help="small copies per variant")
     p.add_argument("--period-ms", type=float, default=2.7,
                    help="between two small copies (a stock decode step at batch 64)")
+    p.add_argument("--busy-ms", type=float, default=0.0,
+                   help="per variant, also time a scheduler-like thread's forwards of about "
+                        "this many ms of Python work beside the copies (0: not measured)")
+    p.add_argument("--busy-forwards", type=int, default=300,
+                   help="forwards timed per variant with --busy-ms")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $OUT/copies.json, else ./copies.json)")
     args = p.parse_args(argv)
-    for name in ("bulk_mb", "probes", "period_ms"):
+    for name in ("bulk_mb", "probes", "period_ms", "busy_forwards"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             p.error(f"--{name.replace('_', '-')} {value}: expected a positive number")
+    if not (math.isfinite(args.busy_ms) and 0 <= args.busy_ms <= 1000):
+        p.error(f"--busy-ms {args.busy_ms}: expected 0 (off) to 1000")
     for name in ("pieces_mb", "gap_pieces_mb"):
         if max(getattr(args, name)) > args.bulk_mb:
             p.error(f"--{name.replace('_', '-')} {max(getattr(args, name))}: at most "

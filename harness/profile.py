@@ -8,8 +8,9 @@ untimed wave of the workload, then one more wave during which SGLang's own profi
 wave's first ``--steps`` forwards of the scheduler (its prefill, then decode steps; at
 most ``--output-len - 2``, because SGLang writes the trace when forward N + 1 starts).
 Each trace is summarized on the machine (:mod:`harness.trace`): the share of the window
-the GPU was busy, forwards, per thread the seconds in Python and dmi_sglang's own seconds
-(its library calls in, SGLang's code it wraps out, waits apart), dmi_sglang's functions
+the GPU was busy, forwards, per thread the seconds in Python, dmi_sglang's own seconds
+(its library calls in, SGLang's code it wraps out, waits apart) and the seconds in CUDA
+calls (where the thread holds no GIL), dmi_sglang's functions
 and the torch operators they ran. The traces stay in ``--work``; the JSON and the table
 hold the summaries. A diagnostic, not a benchmark: the profiler slows what it records, so
 compare modes with each other, never with the serving benchmark's figures.
@@ -83,7 +84,7 @@ def render(rows: Sequence[Json]) -> str:
     """The summaries as a table, then each mode's dmi_sglang functions."""
     head = (f"{'mode':<26} {'window s':>8} {'fwd':>4} {'GPU busy':>8} "
             f"{'thread (its entry)':<36} {'python ms/fwd':>13} {'dmi ms/fwd':>10} "
-            f"{'dmi wait':>8}")
+            f"{'dmi wait':>8} {'CUDA calls':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         s = r.get("summary") or {}
@@ -93,7 +94,8 @@ def render(rows: Sequence[Json]) -> str:
                     f"{(s['gpu_busy'] or 0):>8.1%}") if i == 0 else " " * 49
             label = str(t.get("entry") or t["name"])[-36:]
             lines.append(f"{lead} {label:<36} {t['python_s'] / fwd * 1e3:>13.3f} "
-                         f"{t['dmi_s'] / fwd * 1e3:>10.3f} {t['dmi_wait_s'] / fwd * 1e3:>8.3f}")
+                         f"{t['dmi_s'] / fwd * 1e3:>10.3f} {t['dmi_wait_s'] / fwd * 1e3:>8.3f} "
+                         f"{t.get('cuda_s', 0.0) / fwd * 1e3:>10.3f}")
     for r in rows:
         s = r.get("summary") or {}
         fwd = max(int(s.get("forwards") or 0), 1)

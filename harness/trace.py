@@ -13,7 +13,9 @@ answers where a step's time goes:
   device-to-host copies are meant to run beside the model's kernels);
 * ``forwards``: calls of ``ModelRunner.forward``;
 * per thread (its name from the trace's metadata): seconds inside any Python function and
-  inside dmi_sglang's functions (nested calls counted once);
+  inside dmi_sglang's functions (nested calls counted once), and inside CUDA calls
+  (``cuda_s``: the thread releases the GIL there, so its Python time less this is about
+  what it held the GIL for);
 * ``dmi``: dmi_sglang's functions, each with its inclusive seconds (a recursive call
   counted once, the threads' seconds added), the most first;
 * ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds;
@@ -151,7 +153,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     kernel_n: dict[str, int] = defaultdict(int)
     runtime_s: dict[str, float] = defaultdict(float)
     runtime_n: dict[str, int] = defaultdict(int)
-    runtime: list[Interval] = []
+    runtime: dict[Any, list[Interval]] = defaultdict(list)  # CUDA calls, by thread
     launches: set[Any] = set()
     """The correlation ids of the graph launches."""
     work: list[tuple[str, float, float, Any]] = []
@@ -181,7 +183,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         elif cat == "cpu_op":
             ops[tid].append((name, a, b))
         elif cat in RUNTIME_CATEGORIES:
-            runtime.append((a, b))
+            runtime[tid].append((a, b))
             runtime_s[name] += b - a
             runtime_n[name] += 1
             if name == GRAPH_LAUNCH:
@@ -193,7 +195,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     op_seconds: dict[str, float] = defaultdict(float)
     for tid, evs in python.items():
         threads.append({"tid": tid, "name": names.get(tid, ""), **_thread(
-            evs, ops.get(tid, ()), by_function, calls, op_seconds)})
+            evs, ops.get(tid, ()), by_function, calls, op_seconds),
+            "cuda_s": _union(runtime.get(tid, ())) / 1e6})
     threads.sort(key=lambda t: -float(t["python_s"]))
     functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
@@ -204,7 +207,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
         "runtime": [{"call": k, "seconds": v / 1e6, "count": runtime_n[k]} for k, v in
                     sorted(runtime_s.items(), key=lambda kv: -kv[1])],
-        "runtime_s": _union(runtime) / 1e6,
+        "runtime_s": _union(iv for calls in runtime.values() for iv in calls) / 1e6,
         **_graph_work(work, launches - {None}),
         "forwards": forwards,
         "threads": threads,

@@ -379,6 +379,9 @@ def test_topk_runs_the_kernel_at_the_widths_it_takes_under_the_triton_interprete
     ("micro_copies", ["--device", "cpu", "--period-ms", "nan"],
      "--period-ms nan: expected a positive number"),
     ("micro_copies", ["--device", "bogus"], "--device 'bogus': expected cpu, cuda or cuda:N"),
+    ("micro_copies", ["--device", "cpu", "--busy-ms", "-1"], "--busy-ms -1.0: expected 0 (off)"),
+    ("micro_copies", ["--device", "cpu", "--busy-forwards", "0"],
+     "--busy-forwards 0: expected a positive number"),
 ])
 def test_bad_arguments_refused(module: str, argv: list[str], says: str, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -518,6 +521,24 @@ def test_copies_on_cpu(tmp_path: Path) -> None:
     assert data["figures"]["suggested_env"] == suggested_env(
         rows[1:], data["checks"]["bulk_copies_intact"]["per_variant"])
     assert "suggested drain settings: " in printed
+
+
+@pytest.mark.torch
+def test_copies_time_a_busy_thread_beside_each_variant(tmp_path: Path) -> None:
+    _needs_torch()
+    code, data, printed = _copies(tmp_path, "--bulk-mb", "4", "--pieces-mb", "0,1",
+                                  "--in-flight", "0", "--probes", "3", "--busy-ms", "0.5",
+                                  "--busy-forwards", "5")
+    assert code == 0
+    rows = data["figures"]["rows"]
+    assert [r["variant"] for r in rows] == ["idle", "4 MiB pieces", "1 MiB pieces"]
+    for r in rows:  # the forward's time, its part on the CPU, its waits: every row
+        assert 0 < r["busy_cpu_us"] <= r["busy_forward_us"] * 1.01 + 50
+        assert r["busy_waits"] >= 0
+    assert "busy forward µs" in printed
+    assert "x idle" in printed
+    without = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0", "--probes", "3")[1]
+    assert {r["busy_forward_us"] for r in without["figures"]["rows"]} == {None}
 
 
 @pytest.mark.torch

@@ -53,6 +53,25 @@ def test_own_time_counts_library_calls_and_never_sglangs_code() -> None:
     assert s["forwards"] == 1
 
 
+def test_each_threads_cuda_calls_are_counted_apart() -> None:
+    events = [
+        _x(OURS.format(1, "_run"), 0, 100, tid=4),
+        _x("cudaMemcpyAsync", 10, 20, tid=4, cat="cuda_runtime"),
+        _x("cuMemcpyDtoHAsync", 15, 10, tid=4, cat="cuda_driver"),  # inside it: once
+        _x("cudaEventSynchronize", 50, 5, tid=4, cat="cuda_runtime"),
+        _x(OURS.format(2, "around_forward"), 0, 100, tid=3),
+        _x("cudaGraphLaunch", 40, 7, tid=3, cat="cuda_runtime"),
+    ]
+    threads = {t["tid"]: t for t in summarize_events(events)["threads"]}
+    assert threads[4]["cuda_s"] == pytest.approx(25e-6)
+    assert threads[3]["cuda_s"] == pytest.approx(7e-6)
+    from harness.profile import render
+
+    text = render([{"mode": "last", "summary": summarize_events(events)}])
+    assert "CUDA calls" in text.splitlines()[0]
+    assert text.splitlines()[2].split()[-1] == "0.025"  # ms a forward, one forward at least
+
+
 def test_recursion_and_nesting_are_counted_once() -> None:
     events = [
         _x(OURS.format(1, "outer"), 0, 100),
