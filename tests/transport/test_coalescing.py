@@ -40,6 +40,18 @@ def test_window_is_bounded_by_bytes(make_driver):
     assert len([r for r in sink.records if r.layer_no == 0]) == 3
 
 
+def test_a_step_larger_than_the_window_is_counted_outside_it(make_driver):
+    # 88 bytes a step (as above) against a window of 80: every step goes around it
+    d, sink = make_driver("resid_pre,final_logits", coalesce_max_bytes=80)
+    for n in range(3):
+        d.forward(BatchLayout.decode(["a"], [5 + n]))
+    d.t.stop()
+    d.verify(sink.records)
+    counters = d.t.drain_counters()
+    assert counters["outside_window_too_large"] == 3
+    assert counters["window_appends"] == 0
+
+
 def test_position_restart_starts_a_new_record(make_driver):
     d, sink = make_driver("resid_pre")
     for seq_len in (6, 7, 8, 4, 5):  # retracted after position 7, recomputed from 3

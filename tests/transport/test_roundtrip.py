@@ -142,6 +142,10 @@ def test_coalesced_decode_steps_go_through_the_device_window_only(make_driver):
     d2.t.stop()
     counters = d2.t.drain_counters()
     assert counters["direct_items"] == 1  # the prefill only
+    outside = {k: v for k, v in counters.items() if k.startswith("outside_window_")}
+    assert outside == {"outside_window_not_decode": 1, "outside_window_rows": 0,
+                       "outside_window_too_large": 0, "outside_window_discarded": 0,
+                       "outside_window_no_window": 0}
     assert counters["d2h_bytes"] == 3 * 4 * 16  # its rows; the decode rows: window flush
     assert counters["window_bytes"] == 3 * 2 * 16
     assert counters["host_copied_bytes"] == 0
@@ -155,6 +159,7 @@ def test_single_segment_groups_and_piecewise_pieces_are_direct(make_driver):
     d.forward(BatchLayout.decode(["a", "b"], [5, 7]))
     d.t.stop()
     assert d.t.drain_counters()["direct_items"] == 2
+    assert d.t.drain_counters()["outside_window_no_window"] == 2  # coalescing off
     d.verify(sink.records)
     # a prefill larger than the ring goes in parts (one capture point each: a part takes
     # a quarter of the ring at most): every part is direct

@@ -98,11 +98,23 @@ class DrainItem:
 
 def coalescable(plan: CommitPlan, program: Program) -> bool:
     """True for a plain decode step: one row per request in every segment."""
+    return _not_plain(plan, program) is None
+
+
+def _not_plain(plan: CommitPlan, program: Program) -> str | None:
+    """Why a step is not a plain decode step (:data:`OUTSIDE_WINDOW`'s reasons), or None."""
     lay = plan.layout
     if lay.kind is not ForwardKind.DECODE or not lay.is_uniform_decode:
-        return False
+        return "not_decode"
     n = len(lay.request_ids)
-    return all(g.kept_rows == n for g in program.groups)
+    return None if all(g.kept_rows == n for g in program.groups) else "rows"
+
+
+OUTSIDE_WINDOW = ("not_decode", "rows", "too_large", "discarded", "no_window")
+"""Why the drain built an item outside the decode window: not a uniform decode step
+(a prefill, a mixed or eager batch), a decode step some group of which keeps other than
+one row per request, a step larger than the window, an item whose rows are discarded,
+coalescing off."""
 
 
 def in_slot_to_window(item: DrainItem) -> bool:
@@ -294,7 +306,8 @@ class Drain:
         # of d2h_seconds: queueing the copies, then waiting for them (_queue_to_host,
         # _wait_for)
         self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
-        self.direct_items = 0
+        # direct items; the items built outside the decode window, by why (OUTSIDE_WINDOW)
+        self.direct_items, self.outside_window = 0, dict.fromkeys(OUTSIDE_WINDOW, 0)
         self.staged_copied_bytes = 0
         self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
@@ -425,9 +438,19 @@ class Drain:
 
     def _coalesce(self, item: DrainItem) -> bool:
         """True for an item that joins the decode window."""
-        return (self._window is not None and not item.discard
-                and coalescable(item.plan, item.program)
-                and self._window.fits(item.program, item.plan.layout))
+        return self._outside(item) is None
+
+    def _outside(self, item: DrainItem) -> str | None:
+        """Why ``item`` does not join the decode window (:data:`OUTSIDE_WINDOW`), or
+        None when it does."""
+        if self._window is None:
+            return "no_window"
+        if item.discard:
+            return "discarded"
+        why = _not_plain(item.plan, item.program)
+        if why is None and not self._window.fits(item.program, item.plan.layout):
+            return "too_large"
+        return why
 
     def _process(self, batch: list[DrainItem | Finish]) -> None:
         """Queue the batch's decode steps into the window, copy the other items to
@@ -440,7 +463,13 @@ class Drain:
         What it builds goes out in flights; the last one lands before it returns, or,
         with more queued, one behind."""
         items = [it for it in batch if isinstance(it, DrainItem)]
-        window_items = {id(it) for it in items if self._coalesce(it)}
+        window_items: set[int] = set()
+        for it in items:
+            why = self._outside(it)
+            if why is None:
+                window_items.add(id(it))
+            else:
+                self.outside_window[why] += 1
         self._out_of_slots(items, window_items)
         direct = {id(it) for it in items if id(it) not in window_items and self._direct(it)}
         out = Emitted()

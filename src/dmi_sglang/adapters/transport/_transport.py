@@ -654,7 +654,8 @@ class TorchCaptureTransport:
         still waited for the drain (their seal copied them out from the spare), the
         device-to-host copies queued (each piece of a copy cut by ``copy_piece_bytes``
         counts) and the times and seconds the drain waited to keep at most
-        ``copies_ahead`` of them queued."""
+        ``copies_ahead`` of them queued; and the items built outside the decode window,
+        by why (``outside_window_<why>``, :data:`~._drain.OUTSIDE_WINDOW`)."""
         d = self._drain
         return {
             "records": d.records, "batches": d.batches,
@@ -662,6 +663,7 @@ class TorchCaptureTransport:
             "d2h_call_seconds": d.d2h_call_seconds, "d2h_wait_seconds": d.d2h_wait_seconds,
             "oversized_direct_payloads": d.direct_pool.oversized,
             "direct_items": d.direct_items, "window_appends": d.window_appends,
+            **{f"outside_window_{why}": n for why, n in d.outside_window.items()},
             "window_flushes": d.window_flushes,
             "window_bytes": d.window_bytes, "host_copied_bytes": d.host_copied_bytes,
             "build_cpu_seconds": d.build_cpu_seconds,
