@@ -151,7 +151,8 @@ def test_the_pipeline_factory_opens_a_session_the_adapter_can_drive(
     assert not session.active
     assert stats.steps == 1
     assert set(session.timing(stats)) >= {  # the keys; their values are clock readings
-        "forwards", "host_seconds", "stall_seconds", "capture_seconds",
+        "forwards", "host_seconds", "stall_seconds", "piecewise_stall_seconds",
+        "capture_seconds",
         "stop_transport_seconds", "stop_finish_run_seconds", "stop_close_seconds",
         "gc_collections", "gc_seconds", "gc_full_collections", "gc_full_seconds",
         "gc_longest_seconds"}

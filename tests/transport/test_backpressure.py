@@ -45,6 +45,8 @@ def test_prefill_larger_than_the_ring_is_committed_piecewise(make_driver):
     d.verify(sink.records)
     assert stats.piecewise_steps == 1
     assert stats.stalls >= 1
+    # the parts' waits are the stalls' (the decode step fits the ring once they drained)
+    assert 0 < stats.piecewise_stall_seconds <= stats.stall_seconds
     assert {r.seq for r in sink.records if r.start_token_idx == 0} == {1}
 
 

@@ -862,6 +862,7 @@ class SchedulerMonitor:
             "host_graph_seconds": self.host_graph_seconds,
             **{f"host_graph_{part}_seconds": s for part, s in self.graph_parts.items()},
             "stall_seconds": stats.stall_seconds,
+            "piecewise_stall_seconds": stats.piecewise_stall_seconds,
             "capture_seconds": stats.capture_seconds,
             "requests_seen": float(self.requests.seen_requests),
             "requests_captured": float(self.requests.captured_requests),

@@ -274,6 +274,8 @@ class TransportStats:
         rows / bytes: rows and bytes handed to the sink.
         ring_high_water: most payload bytes in flight at once.
         stalls / stall_seconds: times a step waited for the drain, and for how long.
+        piecewise_stall_seconds: of ``stall_seconds``, the waits of piecewise steps'
+            parts (prefills larger than the ring's free space).
         forced_eager: decode steps run eagerly because their padded plan did not fit.
         piecewise_steps: eager steps committed tensor by tensor.
         discarded_logit_rows: ``final_logits`` rows not stored because they decided no
@@ -293,6 +295,7 @@ class TransportStats:
     ring_high_water: int = 0
     stalls: int = 0
     stall_seconds: float = 0.0
+    piecewise_stall_seconds: float = 0.0
     forced_eager: int = 0
     piecewise_steps: int = 0
     discarded_logit_rows: int = 0

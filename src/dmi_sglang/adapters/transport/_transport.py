@@ -320,6 +320,7 @@ class TorchCaptureTransport:
         self._unusable = False
         self._stalls = 0
         self._stall_seconds = 0.0
+        self._piecewise_stall_seconds = 0.0
         self._sink = sink
         self._alloc = RingAllocator(nbytes, capacity.task_entries)
         self._programs: dict[object, Program] = {}
@@ -357,7 +358,7 @@ class TorchCaptureTransport:
             requests=last_slot_requests(max_requests=opts.max_requests,
                                         max_graph_batch=max_graph_batch),
             max_graph_batch=max_graph_batch, ops=ops)
-        self._writer = StepWriter(ops, arena, ring, self._reserve, self._drain.put,
+        self._writer = StepWriter(ops, arena, ring, self._reserve_part, self._drain.put,
                                   last=self._last_slots, free_slot=self._free_slot,
                                   room=self._room, part_bytes=min(nbytes // PART_SHARE,
                                                  PART_MAX_BYTES),
@@ -631,6 +632,7 @@ class TorchCaptureTransport:
             steps=self._steps, tensors=self._tensors, rows=self._drain.rows,
             bytes=self._drain.bytes, ring_high_water=self._alloc.high_water,
             stalls=self._stalls, stall_seconds=self._stall_seconds,
+            piecewise_stall_seconds=self._piecewise_stall_seconds,
             forced_eager=self._forced_eager, piecewise_steps=self._piecewise,
             discarded_logit_rows=self._drain.discarded,
             fp16_overflows=self._fp16_overflows, capture_seconds=self.capturer.seconds,
@@ -789,12 +791,17 @@ class TorchCaptureTransport:
         with self._cond:
             return self._alloc.usage()
 
-    def _reserve(self, nbytes: int, entries: int, seq: int) -> int:
+    def _reserve(self, nbytes: int, entries: int, seq: int, *, part: bool = False) -> int:
         with self._cond:
             base = self._alloc.reserve(nbytes, entries)
-        return base if base is not None else self._wait_reserve(nbytes, entries, seq)
+        return base if base is not None else self._wait_reserve(nbytes, entries, seq, part=part)
 
-    def _wait_reserve(self, nbytes: int, entries: int, seq: int) -> int:
+    def _reserve_part(self, nbytes: int, entries: int, seq: int) -> int:
+        """:meth:`_reserve` for a part of a piecewise step (its waits also counted in
+        ``piecewise_stall_seconds``)."""
+        return self._reserve(nbytes, entries, seq, part=True)
+
+    def _wait_reserve(self, nbytes: int, entries: int, seq: int, *, part: bool = False) -> int:
         t0 = time.monotonic()
         deadline = t0 + self.options.stall_timeout_s
         with self._cond:
@@ -810,12 +817,15 @@ class TorchCaptureTransport:
                            f"without getting {nbytes} bytes of ring space")
                     raise CaptureError(msg)
                 self._cond.wait(left)
-        self._count_stall(seq, time.monotonic() - t0, what=f"{nbytes} bytes of ring space")
+        self._count_stall(seq, time.monotonic() - t0, what=f"{nbytes} bytes of ring space",
+                          part=part)
         return base
 
-    def _count_stall(self, seq: int, waited: float, *, what: str) -> None:
+    def _count_stall(self, seq: int, waited: float, *, what: str, part: bool = False) -> None:
         self._stalls += 1
         self._stall_seconds += waited
+        if part:
+            self._piecewise_stall_seconds += waited
         level = log.warning if self._stalls == 1 or waited > 1.0 else log.debug
         level("step waited for the drain", step=seq, seconds=round(waited, 6), waited_for=what,
               stalls=self._stalls)
