@@ -403,6 +403,31 @@ def hooks_line(figures: Json) -> str | None:
             f"{per(host - host_graph, eager)} an eager forward ({eager:,.0f})")
 
 
+def capture_line(figures: Json) -> str | None:
+    """Where a monitored unit's capture waited and built (``figures.timing``): the eager
+    forwards' time in the capture points (prefills, whose parts wait for ring space when
+    a chunk is larger than the ring's free space), the steps' waits for ring space (of
+    them the piecewise parts'), the drain's CPU building batches (of it the decode
+    window's flushes and appends) and the items it built outside the window, by why;
+    None for a unit without these figures (a stock run, or one measured before them)."""
+    t = figures.get("timing") or {}
+    keys = ("capture_seconds", "stall_seconds", "piecewise_stall_seconds", "forwards",
+            "graph_forwards", "drain_build_cpu_seconds")
+    if any(t.get(k) is None for k in keys):
+        return None
+    eager = t["forwards"] - t["graph_forwards"]
+    each = f"{t['capture_seconds'] / eager * 1e3:,.1f} ms each" if eager else "none"
+    outside = ", ".join(f"{k.removeprefix('drain_outside_window_')} {v:,.0f}"
+                        for k, v in t.items() if k.startswith("drain_outside_window_") and v)
+    return (f"capture: eager forwards' capture points {t['capture_seconds']:.2f} s ({each}, "
+            f"{eager:,.0f}); ring waits {t['stall_seconds']:.2f} s (piecewise parts' "
+            f"{t['piecewise_stall_seconds']:.2f} s); drain building "
+            f"{t['drain_build_cpu_seconds']:.2f} s CPU (window flushes "
+            f"{t.get('drain_window_flush_cpu_seconds', 0.0):.2f} s, appends "
+            f"{t.get('drain_window_append_cpu_seconds', 0.0):.2f} s); items outside the "
+            f"window: {outside or 'none'}")
+
+
 def store_line(figures: Json) -> str | None:
     """A stored unit's sink: its inserts' time against the writers' waits (idle with
     nothing queued, idle with a partial insert queued), the time ``put`` blocked (the
@@ -581,6 +606,8 @@ class ServingRun:
                         print(f"[serving]   {use_line(units[-1]['figures'])}", flush=True)
                         print(f"[serving]   {threads_line(units[-1]['figures'])}", flush=True)
                         if (line := hooks_line(units[-1]["figures"])) is not None:
+                            print(f"[serving]   {line}", flush=True)
+                        if (line := capture_line(units[-1]["figures"])) is not None:
                             print(f"[serving]   {line}", flush=True)
                         if (line := store_line(units[-1]["figures"])) is not None:
                             print(f"[serving]   {line}", flush=True)

@@ -33,7 +33,14 @@ from harness.engine import (
 )
 from harness.qualify import select_cells
 from harness.results import Deadline, finish, result, write_json
-from harness.serving import hooks_line, scheduler_use, store_line, threads_line, use_line
+from harness.serving import (
+    capture_line,
+    hooks_line,
+    scheduler_use,
+    store_line,
+    threads_line,
+    use_line,
+)
 
 RUN = "harness-run"
 RESID = "blocks.hook_resid_pre"
@@ -568,6 +575,25 @@ def test_hooks_line_splits_the_hooks_time_between_graph_steps_and_eager_forwards
     assert hooks_line({"timing": split}) == (
         "hooks: 60.0 µs a decode graph step (96: requests 5.0 µs, begin 10.0 µs, "
         "preflight 20.0 µs, commit 20.0 µs, end 5.0 µs), 300.0 µs an eager forward (4)")
+
+
+def test_capture_line_gives_the_prefills_waits_and_the_drains_build() -> None:
+    timing = {"forwards": 5079.0, "graph_forwards": 5000.0, "capture_seconds": 7.9,
+              "stall_seconds": 3.09, "piecewise_stall_seconds": 2.5,
+              "drain_build_cpu_seconds": 10.38, "drain_window_flush_cpu_seconds": 4.99,
+              "drain_window_append_cpu_seconds": 0.9,
+              "drain_outside_window_not_decode": 4403.0, "drain_outside_window_rows": 0.0}
+    assert capture_line({"timing": timing}) == (
+        "capture: eager forwards' capture points 7.90 s (100.0 ms each, 79); ring waits "
+        "3.09 s (piecewise parts' 2.50 s); drain building 10.38 s CPU (window flushes "
+        "4.99 s, appends 0.90 s); items outside the window: not_decode 4,403")
+    graphs_only = timing | {"forwards": 5000.0, "drain_outside_window_not_decode": 0.0}
+    assert capture_line({"timing": graphs_only}).startswith(
+        "capture: eager forwards' capture points 7.90 s (none, 0)")
+    assert capture_line({"timing": graphs_only}).endswith("outside the window: none")
+    older = {k: v for k, v in timing.items() if k != "piecewise_stall_seconds"}
+    assert capture_line({"timing": older}) is None
+    assert capture_line({}) is None
 
 
 def test_store_line_sets_the_inserts_against_the_writers_waits() -> None:
