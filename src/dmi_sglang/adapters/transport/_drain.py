@@ -306,10 +306,10 @@ class Drain:
         # of d2h_seconds: queueing the copies, then waiting for them (_queue_to_host,
         # _wait_for)
         self.d2h_call_seconds = self.d2h_wait_seconds = 0.0
-        # direct items; the items built outside the decode window, by why (OUTSIDE_WINDOW)
-        self.direct_items, self.outside_window = 0, dict.fromkeys(OUTSIDE_WINDOW, 0)
-        self.staged_copied_bytes = 0
-        self.loose_copied_bytes = 0
+        self.direct_items = 0
+        # the items built outside the decode window, by why (OUTSIDE_WINDOW)
+        self.outside_window = dict.fromkeys(OUTSIDE_WINDOW, 0)
+        self.staged_copied_bytes = self.loose_copied_bytes = 0
         self.build_cpu_seconds = 0.0
         # of build_cpu_seconds: appending steps to the decode window, and flushing it
         # (its records, and queueing its copies)

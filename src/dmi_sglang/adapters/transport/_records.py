@@ -119,6 +119,7 @@ def staging_fill(staging: Bytes2D, base: int) -> Fill:
     return fill
 
 
+@attrs.frozen(eq=False)
 class HeldBlock:
     """The request rows of one group that a decode window's flush holds back, as columns
     over the memory the device copied them into (no Python object per record).
@@ -126,28 +127,27 @@ class HeldBlock:
     Row ``i`` is the newest request row of request ``request_ids[i]`` (position
     ``positions[i]``, capture step ``seqs[i]``): one row of each of ``captures``, back to
     back, ``row_nbytes`` each, at ``memory[i * len(captures) * row_nbytes:]``.
+
+    Raises:
+        CaptureError: columns or memory of other shapes than that.
     """
 
-    __slots__ = ("captures", "memory", "positions", "request_ids", "row_nbytes", "run_id",
-                 "seqs")
+    run_id: str
+    captures: tuple[RecordKey, ...]
+    row_nbytes: int = attrs.field(kw_only=True)
+    request_ids: Sequence[str] = attrs.field(kw_only=True)
+    positions: npt.NDArray[np.int64] = attrs.field(kw_only=True, repr=False)
+    seqs: npt.NDArray[np.int64] = attrs.field(kw_only=True, repr=False)
+    memory: Bytes1D = attrs.field(kw_only=True, repr=False)
 
-    def __init__(self, run_id: str, captures: tuple[RecordKey, ...], *, row_nbytes: int,
-                 request_ids: Sequence[str], positions: npt.NDArray[np.int64],
-                 seqs: npt.NDArray[np.int64], memory: Bytes1D) -> None:
-        n, nseg = len(request_ids), len(captures)
-        if positions.shape != (n,) or seqs.shape != (n,) or memory.shape != (
-                n * nseg * row_nbytes,):
-            msg = (f"a held block of {n} requests x {nseg} captures x {row_nbytes} bytes "
-                   f"with positions of shape {positions.shape}, steps of shape "
-                   f"{seqs.shape} and memory of shape {memory.shape}")
+    def __attrs_post_init__(self) -> None:
+        n, nseg, rb = len(self.request_ids), len(self.captures), self.row_nbytes
+        if (self.positions.shape != (n,) or self.seqs.shape != (n,)
+                or self.memory.shape != (n * nseg * rb,)):
+            msg = (f"a held block of {n} requests x {nseg} captures x {rb} bytes "
+                   f"with positions of shape {self.positions.shape}, steps of shape "
+                   f"{self.seqs.shape} and memory of shape {self.memory.shape}")
             raise CaptureError(msg)
-        self.run_id = run_id
-        self.captures = captures
-        self.row_nbytes = row_nbytes
-        self.request_ids = request_ids
-        self.positions = positions
-        self.seqs = seqs
-        self.memory = memory
 
     def batch(self, lo: int, hi: int) -> RecordBatch:
         """Rows ``lo:hi`` as one batch over the block's memory (no copy): request by
@@ -352,11 +352,7 @@ class HeldRows:
         share (see :meth:`detach_pinned`), filled by device copy."""
         rows, pinned = self._rows, self._pinned
         for i, request_id in enumerate(block.request_ids):
-            held = rows.get(request_id)
-            if held is None:
-                rows[request_id] = [_BlockRow(block, i)]
-            else:
-                held.append(_BlockRow(block, i))
+            rows.setdefault(request_id, []).append(_BlockRow(block, i))
             pinned.add(request_id)
 
     def detach_pinned(self) -> None:
