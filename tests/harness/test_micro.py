@@ -539,6 +539,19 @@ def test_copies_time_a_busy_thread_beside_each_variant(tmp_path: Path) -> None:
     assert "x idle" in printed
     without = _copies(tmp_path, "--bulk-mb", "2", "--pieces-mb", "0", "--probes", "3")[1]
     assert {r["busy_forward_us"] for r in without["figures"]["rows"]} == {None}
+    from harness import docs  # the busy run is a diagnostic: the docs keep the plain one
+
+    for name, result, ran_at in (("plain", without, "2026-01-01"), ("busy", data, "2026-01-02")):
+        path = tmp_path / "evidence" / "2026-01-01-gpu" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**result, "ran_at_utc": ran_at,
+                                    "settings": {**result["settings"], "device": "cuda"}}))
+    doc = tmp_path / "bench.md"
+    doc.write_text("<!-- BEGIN GENERATED: copies-bench (x) -->\n"
+                   "<!-- END GENERATED: copies-bench -->\n")
+    assert docs.main(["--docs", str(tmp_path)]) == 0
+    assert "](evidence/2026-01-01-gpu/plain.json)" in doc.read_text()
+    assert "busy.json" not in doc.read_text()
 
 
 @pytest.mark.torch
