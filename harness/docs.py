@@ -41,9 +41,9 @@ def evidence(root: Path) -> Found:
 
 def _latest(found: Found, kind: str) -> dict[str, tuple[Path, Json]]:
     """name -> its latest result of ``kind`` (a skipped run never replaces a real one; a
-    profiled, sampled, ``--busy`` or ``--busy-ms`` run is a diagnostic, a run on the CPU or a
-    ``--quick`` one a rehearsal, a run with ``DMX_*`` tuning from the environment (``settings.env``) a
-    comparison: none is shown)."""
+    profiled, sampled, ``--busy`` or ``--busy-ms`` run is a diagnostic, a run on the CPU or
+    a ``--quick`` one a rehearsal, a run with ``DMX_*`` tuning from the environment
+    (``settings.env``) a comparison: none is shown)."""
     best: dict[str, tuple[Path, Json]] = {}
     for path, data in found:
         settings = data.get("settings") or {}
