@@ -172,6 +172,13 @@ def test_the_ring_advice_follows_the_prefill_chunk_and_the_ring(model, capsys,
     out = capsys.readouterr().out  # 1.88 GB: two chunks need 3.76 GB, in whole GiB 4
     assert "takes 1.88 GB of the ring (1,024 MiB): it commits piecewise, in parts" in out
     assert "DMX_RING_PAYLOAD_MB=4096 DMX_RING_PINNED_MB=4096 hold two chunks" in out
+    assert "fall behind" not in out  # no --tok-s: no rate to fall behind
+    for tok_s, behind in (("1000", False), ("1000000", True)):  # 55 GB/s, 172 kB a token
+        assert main(["plan", "--model", str(model), "--hooks", "hidden-states",
+                     "--prefill-tokens", "32768", "--tok-s", tok_s, "--no-store"]) == 0
+        out = capsys.readouterr().out
+        assert "hold two chunks" in out
+        assert ("at this rate the copies fall behind, so a ring of any size" in out) is behind
     monkeypatch.setenv("DMX_RING_PAYLOAD_MB", "4096")
     monkeypatch.setenv("DMX_RING_PINNED_MB", "2048")  # the ring holds the smaller
     assert main(["plan", "--model", str(model), "--hooks", "hidden-states",

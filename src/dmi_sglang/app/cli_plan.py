@@ -174,13 +174,18 @@ def plan(args: argparse.Namespace) -> int:
                              if k in ("DMX_RING_PAYLOAD_MB", "DMX_RING_PINNED_MB")})
     capacity = RingCapacity.from_mb(env.ring_payload_mb, env.ring_pinned_mb,
                                     env.ring_task_entries)
+    d2h = next((s.bound for s in result.stages if s.stage == "d2h"), None)
     print(_ring_line(capacity, args.prefill_tokens,
-                     prefill_ring_bytes(selection, shape, args.prefill_tokens)))
+                     prefill_ring_bytes(selection, shape, args.prefill_tokens),
+                     copies_behind=d2h is not None and d2h < 1.0))
     return 0
 
 
-def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
-    """Whether one prefill chunk fits the ring (DMX_RING_*), and what helps when not."""
+def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int, *,
+               copies_behind: bool) -> str:
+    """Whether one prefill chunk fits the ring (DMX_RING_*), and what helps when not;
+    ``copies_behind``: the device-to-host copies cannot follow the asked rate, so the
+    ring fills whatever its size."""
     head = (f"a prefill chunk of {tokens:,} tokens takes {_bytes(chunk_bytes)} of the ring "
             f"({capacity.effective_bytes // MIB:,} MiB)")
     if chunk_bytes <= capacity.effective_bytes:
@@ -190,7 +195,10 @@ def _ring_line(capacity: RingCapacity, tokens: int, chunk_bytes: int) -> str:
              f"{chunks_held(advised, chunk_bytes)} (device memory taken from the KV cache, "
              "and page-locked host memory)"
              if advised is not None else "a smaller --chunked-prefill-size makes it fit")
-    return f"{head}: it commits piecewise, in parts waiting for the drain; {helps}"
+    behind = ("; at this rate the copies fall behind, so a ring of any size fills and "
+              "prefills still wait for the drain: a larger one absorbs bursts only"
+              if copies_behind and advised is not None else "")
+    return f"{head}: it commits piecewise, in parts waiting for the drain; {helps}{behind}"
 
 
 def _lines(p: BandwidthPlan, compression: float) -> list[str]:
