@@ -45,6 +45,7 @@ def test_a_prefill_chunk_larger_than_the_ring_is_warned_with_the_ring_to_set():
     assert warned[0]["ring_bytes"] == 16384
     assert warned[0]["advised_ring_mb"] == 1024
     assert "DMX_RING_PAYLOAD_MB=1024 and DMX_RING_PINNED_MB=1024" in warned[0]["hint"]
+    assert "only while the copies keep up with the capture" in warned[0]["hint"]
     assert warned[0]["log_level"] == "warning"
     roomy.stop()
     tight.stop()

@@ -82,7 +82,9 @@ def _prefill_bytes(selection: Selection, shape: ModelShape, capacity: RingCapaci
         advised = ring_advice(capacity, nbytes)
         helps = (f"DMX_RING_PAYLOAD_MB={advised} and DMX_RING_PINNED_MB={advised} hold "
                  f"{chunks_held(advised, nbytes)} whole (that much device memory, taken from "
-                 f"the KV cache, and page-locked host memory: docs/settings.md)"
+                 f"the KV cache, and page-locked host memory: docs/settings.md); it helps "
+                 f"only while the copies keep up with the capture (dmi-sglang plan --tok-s "
+                 f"tells), else any ring fills"
                  if advised is not None
                  else "a smaller chunked_prefill_size makes them fit")
         log.warning(
