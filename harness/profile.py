@@ -10,7 +10,8 @@ most ``--output-len - 2``, because SGLang writes the trace when forward N + 1 st
 Each trace is summarized on the machine (:mod:`harness.trace`): the share of the window
 the GPU was busy, forwards, per thread the seconds in Python, dmi_sglang's own seconds
 (its library calls in, SGLang's code it wraps out, waits apart) and the seconds in CUDA
-calls (where the thread holds no GIL), dmi_sglang's functions
+calls (where the thread holds no GIL) with the calls that took it longest (which thread
+waits for events, whose launches grew), dmi_sglang's functions
 and the torch operators they ran. The traces stay in ``--work``; the JSON and the table
 hold the summaries. A diagnostic, not a benchmark: the profiler slows what it records, so
 compare modes with each other, never with the serving benchmark's figures.
@@ -113,7 +114,26 @@ def render(rows: Sequence[Json]) -> str:
     lines += _grown_over_stock(rows, "kernels", "kernel")
     lines += _grown_over_stock(rows, "graph_kernels", "kernel")
     lines += _grown_over_stock(rows, "runtime", "call")
+    lines += _calls_by_thread(rows)
     return "\n".join(lines)
+
+
+def _calls_by_thread(rows: Sequence[Json]) -> list[str]:
+    """Per mode, each thread's CUDA calls that took it longest, µs and count per
+    forward: which thread waits for events, which one's launches grew."""
+    lines: list[str] = []
+    for r in rows:
+        s = r.get("summary") or {}
+        fwd = max(int(s.get("forwards") or 0), 1)
+        threads = [t for t in s.get("threads") or [] if t.get("cuda_calls")]
+        if not threads:
+            continue
+        lines.append(f"\n{r['mode']}: CUDA calls by thread, µs and count per forward")
+        for t in threads:
+            calls = ", ".join(f"{c['call']} {c['seconds'] / fwd * 1e6:,.1f} x"
+                              f"{c['count'] / fwd:.1f}" for c in t["cuda_calls"])
+            lines.append(f"  {str(t.get('name') or t.get('entry'))[-36:]:<36} {calls}")
+    return lines
 
 
 _TABLES = {

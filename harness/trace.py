@@ -15,7 +15,9 @@ answers where a step's time goes:
 * per thread (its name from the trace's metadata): seconds inside any Python function and
   inside dmi_sglang's functions (nested calls counted once), and inside CUDA calls
   (``cuda_s``: the thread releases the GIL there, so its Python time less this is about
-  what it held the GIL for);
+  what it held the GIL for), and those calls by name (``cuda_calls``: seconds and count,
+  the most first; which thread waits in ``cudaEventSynchronize``, which launches the
+  graphs);
 * ``dmi``: dmi_sglang's functions, each with its inclusive seconds (a recursive call
   counted once, the threads' seconds added), the most first;
 * ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds;
@@ -85,6 +87,9 @@ def summarize_trace(path: Path, top: int = 20) -> Json:
     return summarize_events(load_trace(path), top=top)
 
 
+_THREAD_CALLS = 6
+"""CUDA calls kept per thread (``cuda_calls``), the most time first."""
+
 _WAITS = ("threading.py", "queue.py", ": synchronize", ": sleep", ": wait")
 """Frames that block (a wait is not work): their own time is reported apart."""
 
@@ -151,9 +156,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     """Kernels, copies and memsets by category."""
     kernel_s: dict[str, float] = defaultdict(float)
     kernel_n: dict[str, int] = defaultdict(int)
-    runtime_s: dict[str, float] = defaultdict(float)
-    runtime_n: dict[str, int] = defaultdict(int)
-    runtime: dict[Any, list[Interval]] = defaultdict(list)  # CUDA calls, by thread
+    runtime: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
+    """CUDA calls by thread: name, start, end."""
     launches: set[Any] = set()
     """The correlation ids of the graph launches."""
     work: list[tuple[str, float, float, Any]] = []
@@ -183,9 +187,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         elif cat == "cpu_op":
             ops[tid].append((name, a, b))
         elif cat in RUNTIME_CATEGORIES:
-            runtime[tid].append((a, b))
-            runtime_s[name] += b - a
-            runtime_n[name] += 1
+            runtime[tid].append((name, a, b))
             if name == GRAPH_LAUNCH:
                 launches.add((e.get("args") or {}).get("correlation"))
     window = max(last - first, 0.0)
@@ -196,7 +198,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     for tid, evs in python.items():
         threads.append({"tid": tid, "name": names.get(tid, ""), **_thread(
             evs, ops.get(tid, ()), by_function, calls, op_seconds),
-            "cuda_s": _union(runtime.get(tid, ())) / 1e6})
+            **_cuda_calls(runtime.get(tid, ()))})
     threads.sort(key=lambda t: -float(t["python_s"]))
     functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
@@ -205,9 +207,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         # every kernel: a mode's are compared with stock's by name (harness.profile)
         "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
-        "runtime": [{"call": k, "seconds": v / 1e6, "count": runtime_n[k]} for k, v in
-                    sorted(runtime_s.items(), key=lambda kv: -kv[1])],
-        "runtime_s": _union(iv for calls in runtime.values() for iv in calls) / 1e6,
+        **_runtime([c for calls in runtime.values() for c in calls]),
         **_graph_work(work, launches - {None}),
         "forwards": forwards,
         "threads": threads,
@@ -216,6 +216,29 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         "dmi_ops": [{"op": k, "seconds": v} for k, v in
                     sorted(op_seconds.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def _by_name(calls: Sequence[tuple[str, float, float]]) -> list[Json]:
+    """CUDA calls (name, start, end) by name: seconds and count, the most time first."""
+    seconds: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for name, a, b in calls:
+        seconds[name] += b - a
+        count[name] += 1
+    return [{"call": k, "seconds": v / 1e6, "count": count[k]}
+            for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])]
+
+
+def _runtime(calls: Sequence[tuple[str, float, float]]) -> Json:
+    """``runtime`` and ``runtime_s`` (module docstring) of every thread's CUDA calls."""
+    return {"runtime": _by_name(calls), "runtime_s": _union((a, b) for _, a, b in calls) / 1e6}
+
+
+def _cuda_calls(calls: Sequence[tuple[str, float, float]]) -> Json:
+    """One thread's ``cuda_s`` and ``cuda_calls`` (module docstring) of its CUDA calls
+    (a call inside another counted once in ``cuda_s``)."""
+    return {"cuda_s": _union((a, b) for _, a, b in calls) / 1e6,
+            "cuda_calls": _by_name(calls)[:_THREAD_CALLS]}
 
 
 def _gpu_time(gpu: dict[str, list[Interval]], window: float) -> Json:

@@ -65,11 +65,21 @@ def test_each_threads_cuda_calls_are_counted_apart() -> None:
     threads = {t["tid"]: t for t in summarize_events(events)["threads"]}
     assert threads[4]["cuda_s"] == pytest.approx(25e-6)
     assert threads[3]["cuda_s"] == pytest.approx(7e-6)
+    assert threads[4]["cuda_calls"] == [  # by name, the most time first
+        {"call": "cudaMemcpyAsync", "seconds": pytest.approx(20e-6), "count": 1},
+        {"call": "cuMemcpyDtoHAsync", "seconds": pytest.approx(10e-6), "count": 1},
+        {"call": "cudaEventSynchronize", "seconds": pytest.approx(5e-6), "count": 1}]
+    assert threads[3]["cuda_calls"] == [
+        {"call": "cudaGraphLaunch", "seconds": pytest.approx(7e-6), "count": 1}]
     from harness.profile import render
 
     text = render([{"mode": "last", "summary": summarize_events(events)}])
     assert "CUDA calls" in text.splitlines()[0]
     assert text.splitlines()[2].split()[-1] == "0.025"  # ms a forward, one forward at least
+    by_thread = text.split("last: CUDA calls by thread, µs and count per forward\n", 1)[1]
+    first, second = by_thread.splitlines()[:2]  # threads in the table's order
+    assert first.split()[-3:] == ["cudaEventSynchronize", "5.0", "x1.0"]
+    assert second.split()[-3:] == ["cudaGraphLaunch", "7.0", "x1.0"]
 
 
 def test_recursion_and_nesting_are_counted_once() -> None:
