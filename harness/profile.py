@@ -82,9 +82,11 @@ def profile_mode(args: argparse.Namespace, key: str, work: Path, deadline: Deadl
 
 
 def render(rows: Sequence[Json]) -> str:
-    """The summaries as a table, then each mode's dmi_sglang functions."""
+    """The summaries as a table (a row per thread, at most three a mode), then each mode's
+    dmi_sglang functions, the kernels, replay kernels and CUDA calls that grew most
+    against stock's, and each thread's CUDA calls that took it longest."""
     head = (f"{'mode':<26} {'window s':>8} {'fwd':>4} {'GPU busy':>8} "
-            f"{'thread (its entry)':<36} {'python ms/fwd':>13} {'dmi ms/fwd':>10} "
+            f"{'thread':<36} {'python ms/fwd':>13} {'dmi ms/fwd':>10} "
             f"{'dmi wait':>8} {'CUDA calls':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -93,7 +95,7 @@ def render(rows: Sequence[Json]) -> str:
         for i, t in enumerate((s.get("threads") or [])[:3]):
             lead = (f"{r['mode']:<26} {s['window_s']:>8.3f} {s['forwards']:>4} "
                     f"{(s['gpu_busy'] or 0):>8.1%}") if i == 0 else " " * 49
-            label = str(t.get("entry") or t["name"])[-36:]
+            label = _label(t)
             lines.append(f"{lead} {label:<36} {t['python_s'] / fwd * 1e3:>13.3f} "
                          f"{t['dmi_s'] / fwd * 1e3:>10.3f} {t['dmi_wait_s'] / fwd * 1e3:>8.3f} "
                          f"{t.get('cuda_s', 0.0) / fwd * 1e3:>10.3f}")
@@ -130,10 +132,17 @@ def _calls_by_thread(rows: Sequence[Json]) -> list[str]:
             continue
         lines.append(f"\n{r['mode']}: CUDA calls by thread, µs and count per forward")
         for t in threads:
-            calls = ", ".join(f"{c['call']} {c['seconds'] / fwd * 1e6:,.1f} x"
+            calls = "; ".join(f"{c['call']} {c['seconds'] / fwd * 1e6:,.1f} x"
                               f"{c['count'] / fwd:.1f}" for c in t["cuda_calls"])
-            lines.append(f"  {str(t.get('name') or t.get('entry'))[-36:]:<36} {calls}")
+            lines.append(f"  {_label(t):<36} {calls}")
     return lines
+
+
+def _label(thread: Json) -> str:
+    """How the tables name a thread: its name in the trace (``thread 2340
+    (sglang::schedul)``), else the Python frame it started in, else its id; at most 36
+    characters."""
+    return str(thread.get("name") or thread.get("entry") or f"thread {thread['tid']}")[-36:]
 
 
 _TABLES = {

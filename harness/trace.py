@@ -16,8 +16,10 @@ answers where a step's time goes:
   inside dmi_sglang's functions (nested calls counted once), and inside CUDA calls
   (``cuda_s``: the thread releases the GIL there, so its Python time less this is about
   what it held the GIL for), and those calls by name (``cuda_calls``: seconds and count,
-  the most first; which thread waits in ``cudaEventSynchronize``, which launches the
-  graphs);
+  the :data:`_THREAD_CALLS` that took the thread longest, the most first; a driver call
+  made inside a runtime call is listed under both names, as in ``runtime``): which thread
+  waits in ``cudaEventSynchronize``, which one launches the graphs. A thread with CUDA
+  calls and no Python frames is listed too (its Python seconds 0);
 * ``dmi``: dmi_sglang's functions, each with its inclusive seconds (a recursive call
   counted once, the threads' seconds added), the most first;
 * ``dmi_ops``: torch operators run inside dmi_sglang's functions, by name, seconds;
@@ -156,8 +158,8 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     """Kernels, copies and memsets by category."""
     kernel_s: dict[str, float] = defaultdict(float)
     kernel_n: dict[str, int] = defaultdict(int)
-    runtime: dict[Any, list[tuple[str, float, float]]] = defaultdict(list)
-    """CUDA calls by thread: name, start, end."""
+    runtime: list[tuple[Any, str, float, float]] = []
+    """CUDA calls in the trace's order: thread, name, start, end."""
     launches: set[Any] = set()
     """The correlation ids of the graph launches."""
     work: list[tuple[str, float, float, Any]] = []
@@ -187,7 +189,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         elif cat == "cpu_op":
             ops[tid].append((name, a, b))
         elif cat in RUNTIME_CATEGORIES:
-            runtime[tid].append((name, a, b))
+            runtime.append((tid, name, a, b))
             if name == GRAPH_LAUNCH:
                 launches.add((e.get("args") or {}).get("correlation"))
     window = max(last - first, 0.0)
@@ -195,10 +197,12 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
     by_function: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     op_seconds: dict[str, float] = defaultdict(float)
-    for tid, evs in python.items():
+    # every thread with Python frames or CUDA calls (a thread the profiler recorded no
+    # Python of still shows its calls)
+    for tid in dict.fromkeys([*python, *(c[0] for c in runtime)]):
         threads.append({"tid": tid, "name": names.get(tid, ""), **_thread(
-            evs, ops.get(tid, ()), by_function, calls, op_seconds),
-            **_cuda_calls(runtime.get(tid, ()))})
+            python.get(tid, ()), ops.get(tid, ()), by_function, calls, op_seconds),
+            **_cuda_calls([c[1:] for c in runtime if c[0] == tid])})
     threads.sort(key=lambda t: -float(t["python_s"]))
     functions = sorted(by_function.items(), key=lambda kv: -kv[1])
     return {
@@ -207,7 +211,7 @@ def summarize_events(events: Sequence[dict[str, Any]], top: int = 20) -> Json:
         # every kernel: a mode's are compared with stock's by name (harness.profile)
         "kernels": [{"kernel": k, "seconds": v / 1e6, "count": kernel_n[k]} for k, v in
                     sorted(kernel_s.items(), key=lambda kv: -kv[1])],
-        **_runtime([c for calls in runtime.values() for c in calls]),
+        **_runtime([c[1:] for c in runtime]),
         **_graph_work(work, launches - {None}),
         "forwards": forwards,
         "threads": threads,

@@ -55,31 +55,54 @@ def test_own_time_counts_library_calls_and_never_sglangs_code() -> None:
 
 def test_each_threads_cuda_calls_are_counted_apart() -> None:
     events = [
+        {"ph": "M", "name": "thread_name", "tid": 4, "args": {"name": "dmi-capture-drain"}},
         _x(OURS.format(1, "_run"), 0, 100, tid=4),
         _x("cudaMemcpyAsync", 10, 20, tid=4, cat="cuda_runtime"),
         _x("cuMemcpyDtoHAsync", 15, 10, tid=4, cat="cuda_driver"),  # inside it: once
         _x("cudaEventSynchronize", 50, 5, tid=4, cat="cuda_runtime"),
-        _x(OURS.format(2, "around_forward"), 0, 100, tid=3),
+        _x("cudaEventSynchronize", 60, 4, tid=4, cat="cuda_runtime"),
+        _x(OURS.format(2, "around_forward"), 0, 90, tid=3),
         _x("cudaGraphLaunch", 40, 7, tid=3, cat="cuda_runtime"),
+        _x("cudaLaunchKernel", 70, 2, tid=9, cat="cuda_runtime"),  # no Python recorded
     ]
-    threads = {t["tid"]: t for t in summarize_events(events)["threads"]}
-    assert threads[4]["cuda_s"] == pytest.approx(25e-6)
+    s = summarize_events(events)
+    threads = {t["tid"]: t for t in s["threads"]}
+    assert threads[4]["cuda_s"] == pytest.approx(29e-6)
     assert threads[3]["cuda_s"] == pytest.approx(7e-6)
-    assert threads[4]["cuda_calls"] == [  # by name, the most time first
+    assert threads[4]["cuda_calls"] == [  # by name, the most time first; nested: both
         {"call": "cudaMemcpyAsync", "seconds": pytest.approx(20e-6), "count": 1},
         {"call": "cuMemcpyDtoHAsync", "seconds": pytest.approx(10e-6), "count": 1},
-        {"call": "cudaEventSynchronize", "seconds": pytest.approx(5e-6), "count": 1}]
+        {"call": "cudaEventSynchronize", "seconds": pytest.approx(9e-6), "count": 2}]
     assert threads[3]["cuda_calls"] == [
         {"call": "cudaGraphLaunch", "seconds": pytest.approx(7e-6), "count": 1}]
+    assert threads[9]["python_s"] == 0.0
+    assert threads[9]["cuda_calls"] == [
+        {"call": "cudaLaunchKernel", "seconds": pytest.approx(2e-6), "count": 1}]
+    # the whole trace's table: in the trace's order at equal times, the threads mixed
+    assert [c["call"] for c in s["runtime"]] == [
+        "cudaMemcpyAsync", "cuMemcpyDtoHAsync", "cudaEventSynchronize", "cudaGraphLaunch",
+        "cudaLaunchKernel"]
     from harness.profile import render
 
-    text = render([{"mode": "last", "summary": summarize_events(events)}])
+    text = render([{"mode": "last", "summary": s}])
     assert "CUDA calls" in text.splitlines()[0]
-    assert text.splitlines()[2].split()[-1] == "0.025"  # ms a forward, one forward at least
+    assert text.splitlines()[2].split()[-1] == "0.029"  # ms a forward, one forward at least
     by_thread = text.split("last: CUDA calls by thread, µs and count per forward\n", 1)[1]
-    first, second = by_thread.splitlines()[:2]  # threads in the table's order
-    assert first.split()[-3:] == ["cudaEventSynchronize", "5.0", "x1.0"]
-    assert second.split()[-3:] == ["cudaGraphLaunch", "7.0", "x1.0"]
+    drain, scheduler, other = by_thread.splitlines()[:3]  # the table's order: Python first
+    assert drain.split(maxsplit=1) == [
+        "dmi-capture-drain", "cudaMemcpyAsync 20.0 x1.0; cuMemcpyDtoHAsync 10.0 x1.0; "
+        "cudaEventSynchronize 9.0 x2.0"]
+    assert scheduler.split() == ["app/session.py:", "around_forward", "cudaGraphLaunch",
+                                 "7.0", "x1.0"]
+    assert other.split() == ["thread", "9", "cudaLaunchKernel", "2.0", "x1.0"]
+
+
+def test_a_thread_keeps_only_its_longest_cuda_calls() -> None:
+    calls = [_x(f"cudaCall{i}", 10 * i, i + 1, cat="cuda_runtime") for i in range(8)]
+    (thread,) = summarize_events([_x(OURS.format(1, "_run"), 0, 100), *calls])["threads"]
+    assert [c["call"] for c in thread["cuda_calls"]] == [f"cudaCall{i}" for i in (7, 6, 5, 4,
+                                                                                  3, 2)]
+    assert thread["cuda_s"] == pytest.approx(sum(range(1, 9)) * 1e-6)  # every call
 
 
 def test_recursion_and_nesting_are_counted_once() -> None:
